@@ -1,0 +1,407 @@
+/*
+ * kt — CPU engine for the routed experts of Mixture-of-Experts models.
+ *
+ * This header is the whole public contract of libkt. It is C99, compiles alone
+ * (`-std=c99 -pedantic`), and every symbol it declares starts with `kt_`/`KT_`.
+ *
+ * Ownership words used below:
+ *   borrowed for the call   kt reads/writes it only while the call runs.
+ *   retained                kt keeps the pointer (not the memory) until the
+ *                           stated end; the host keeps the memory alive.
+ *   written by the call     an output; written only when the call returns KT_OK.
+ *   owned by the handle     kt allocated it; valid until the handle is destroyed.
+ *
+ * Thread safety: every call is safe to make from any thread. Calls that compute
+ * on one engine (forward, backward, load, params_changed) are serialised on
+ * that engine's worker pool; two engines compute independently.
+ *
+ * Errors: every call that can fail returns a kt_status. On failure the state of
+ * every handle is as it was before the call, outputs are untouched (except the
+ * tensors an asynchronous job was computing into), and kt_last_error() returns a
+ * message naming the call and the argument. No C++ exception, abort or exit
+ * crosses this boundary.
+ *
+ * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
+ * are checked against what each argument requires; NULL strides mean compact
+ * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted.
+ */
+#ifndef KT_C_API_H_
+#define KT_C_API_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <dlpack/dlpack.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------- version */
+
+/* The single definition of kt's version; the build reads it from here. */
+#define KT_VERSION_MAJOR 1
+#define KT_VERSION_MINOR 0
+#define KT_VERSION_PATCH 0
+/* ABI major: the SONAME is libkt.so.<KT_ABI_VERSION>. Raised on any
+ * incompatible change of this header's functions, structs or values. */
+#define KT_ABI_VERSION 1
+
+#if defined(_WIN32)
+#define KT_API
+#else
+#define KT_API __attribute__((visibility("default")))
+#endif
+
+/* "1.0.0": the library's version string (static storage). */
+KT_API const char* kt_version(void);
+/* MAJOR*10000 + MINOR*100 + PATCH of the loaded library. */
+KT_API int kt_version_number(void);
+/* ABI major of the loaded library; a host compares it with KT_ABI_VERSION. */
+KT_API int kt_abi_version(void);
+/* Compiler, build type, compiled ISA kernels, optional parts (static storage). */
+KT_API const char* kt_build_info(void);
+
+/* ----------------------------------------------------------------- status */
+
+/* Numeric values are pinned: they never change within ABI major 1. */
+typedef enum kt_status {
+  KT_OK = 0,
+  KT_ERR_INVALID_ARGUMENT = 1, /* a value out of its allowed set or range */
+  KT_ERR_NULL_POINTER = 2,     /* a required pointer or tensor is NULL */
+  KT_ERR_INVALID_HANDLE = 3,   /* NULL or destroyed handle, handle of another layer */
+  KT_ERR_DTYPE = 4,            /* tensor dtype not accepted for that argument */
+  KT_ERR_SHAPE = 5,            /* tensor rank or extents wrong */
+  KT_ERR_STRIDE = 6,           /* strides not supported for that argument */
+  KT_ERR_DEVICE = 7,           /* tensor not in CPU-addressable memory */
+  KT_ERR_EXPERT_ID = 8,        /* an expert id outside [-1, E) */
+  KT_ERR_TOO_MANY_TOKENS = 9,  /* T above the layer's max_tokens */
+  KT_ERR_CONTEXT = 10,         /* saved context missing, spent, not ready, or of another layer */
+  KT_ERR_NOT_BOUND = 11,       /* LoRA parameters or gradient buffers not bound */
+  KT_ERR_NOT_LOADED = 12,      /* a routed expert has no weights loaded */
+  KT_ERR_MODE = 13,            /* call not allowed in the layer's training mode */
+  KT_ERR_UNSUPPORTED = 14,     /* valid request this build or CPU cannot do */
+  KT_ERR_OUT_OF_MEMORY = 15,
+  KT_ERR_IO = 16,              /* file system or file format error */
+  KT_ERR_INTERNAL = 17         /* a bug in kt; the message says where */
+} kt_status;
+
+/* Short English name of a status ("KT_ERR_SHAPE"); never NULL. */
+KT_API const char* kt_status_string(kt_status status);
+/* The message of the last failed call on this thread ("" if none). The
+ * pointer is valid until the next kt call on this thread. */
+KT_API const char* kt_last_error(void);
+/* Clears this thread's last error. */
+KT_API void kt_clear_error(void);
+
+/* -------------------------------------------------------------------- ISA */
+
+/* Ordered: each level implies the kernels of the levels below it. */
+typedef enum kt_isa {
+  KT_ISA_AUTO = 0,       /* best this CPU runs, capped by env KT_MAX_ISA */
+  KT_ISA_REF = 1,        /* portable scalar kernels (the reference twin) */
+  KT_ISA_AVX2 = 2,       /* AVX2 + FMA, fp32 accumulate */
+  KT_ISA_AVX512BF16 = 3, /* AVX-512 F/BW/VL + BF16 (vdpbf16ps) */
+  KT_ISA_AMX = 4         /* AMX-BF16 tiles (falls back to AVX512BF16 kernels) */
+} kt_isa;
+
+/* Best ISA this CPU and OS support (cpuid + XCR0 + AMX permission), ignoring
+ * KT_MAX_ISA. */
+KT_API kt_isa kt_cpu_isa(void);
+/* "ref", "avx2", "avx512bf16", "amx", "auto"; "unknown" otherwise. */
+KT_API const char* kt_isa_name(kt_isa isa);
+
+/* -------------------------------------------------------------------- log */
+
+/* Log levels: 1 = what was chosen (ISA, kernels, threads), 2 = per call. */
+typedef void (*kt_log_fn)(int level, const char* message, void* user);
+
+/* ----------------------------------------------------------------- engine */
+
+typedef struct kt_engine kt_engine;
+
+typedef struct kt_engine_options {
+  size_t struct_size; /* sizeof(kt_engine_options); set by _init */
+  int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask */
+  int pin_threads;    /* 1 = pin worker i to the i-th CPU of the mask (default 1) */
+  kt_isa max_isa;     /* cap; KT_ISA_AUTO = best, itself capped by env KT_MAX_ISA */
+  int verbosity;      /* log level; -1 = from env KT_VERBOSE (default), 0 = silent */
+  kt_log_fn log_fn;   /* NULL = stderr when verbosity > 0 */
+  void* log_user;     /* passed to log_fn */
+} kt_engine_options;
+
+/* Fills defaults (struct_size included). */
+KT_API void kt_engine_options_init(kt_engine_options* options);
+
+/* Creates an engine with its own pinned worker pool. options may be NULL
+ * (defaults). *engine is written by the call and owned by the caller. */
+KT_API kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine);
+/* Waits for the engine's pending jobs, then frees it. Every layer created on
+ * it must be destroyed first (the call fails with KT_ERR_INVALID_ARGUMENT
+ * otherwise, and the engine stays usable). NULL is accepted. */
+KT_API kt_status kt_engine_destroy(kt_engine* engine);
+
+typedef struct kt_engine_info {
+  size_t struct_size;      /* set by the caller to sizeof(kt_engine_info) */
+  int num_threads;         /* worker threads */
+  kt_isa isa;              /* kernels in use */
+  kt_isa cpu_isa;          /* best the CPU runs */
+  const char* kernel_name; /* e.g. "gemm_bf16_bf16_f32_8x64__avx512bf16"; owned by the engine */
+} kt_engine_info;
+
+/* Writes the engine's settings into *info (fields up to info->struct_size). */
+KT_API kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info);
+
+/* -------------------------------------------------------------- MoE layer */
+
+typedef struct kt_moe kt_moe;
+/* Activations saved by a training forward for one backward. */
+typedef struct kt_context kt_context;
+
+typedef enum kt_activation {
+  KT_ACT_SILU = 0,      /* a = silu(min(g,L)) * clamp(u,-L,L); no clamp when limit <= 0 */
+  KT_ACT_SWIGLU_OAI = 1 /* g'=min(g,L), u'=clamp(u,-L,L), a = g'*sigmoid(alpha*g')*(u'+1) */
+} kt_activation;
+
+typedef enum kt_mode {
+  KT_MODE_INFERENCE = 0, /* frozen experts; backward still gives dx and routing grads */
+  KT_MODE_LORA = 1,      /* frozen base + trainable LoRA on the targeted projections */
+  KT_MODE_FULL = 2       /* base weights (and biases) trainable */
+} kt_mode;
+
+/* Projection bits, for LoRA targets. */
+#define KT_PROJ_GATE 1u
+#define KT_PROJ_UP 2u
+#define KT_PROJ_DOWN 4u
+#define KT_PROJ_ALL 7u
+
+/* Storage format of the frozen base weights inside kt. */
+typedef enum kt_weight_format {
+  KT_FORMAT_BF16 = 0 /* bf16 packed panels (sources bf16/fp16/fp32 are rounded to bf16) */
+} kt_weight_format;
+
+typedef struct kt_moe_options {
+  size_t struct_size;       /* set by _init */
+  int64_t num_experts;      /* E >= 1 (logical experts; ids are in [0, E)) */
+  int64_t top_k;            /* k >= 1, routes per token */
+  int64_t hidden;           /* H >= 1 */
+  int64_t intermediate;     /* I >= 1 */
+  int64_t max_tokens;       /* T per call <= max_tokens; workspaces are sized for it (default 1024) */
+  kt_activation activation; /* default KT_ACT_SILU */
+  float act_alpha;          /* swiglu_oai alpha (default 1.702) */
+  float act_limit;          /* clamp limit L; <= 0 = none (default 0) */
+  int has_bias;             /* 1 = biases bg, bu, bd (default 0) */
+  kt_mode mode;             /* default KT_MODE_INFERENCE */
+  kt_weight_format weight_format; /* default KT_FORMAT_BF16 */
+  int64_t lora_rank;        /* r in [1, 1024] for KT_MODE_LORA */
+  float lora_alpha;         /* scale s = alpha / r, or alpha / sqrt(r) with rslora */
+  int use_rslora;           /* default 0 */
+  unsigned lora_targets;    /* KT_PROJ_* bits (default KT_PROJ_ALL) */
+} kt_moe_options;
+
+KT_API void kt_moe_options_init(kt_moe_options* options);
+
+/* Creates a layer on engine (retained until kt_moe_destroy). The layer holds
+ * no weights yet: every expert must be loaded or marked skipped before a
+ * forward routes to it. *moe is written by the call. */
+KT_API kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe);
+/* Waits for the layer's pending jobs, releases its saved contexts, frees it.
+ * NULL is accepted. */
+KT_API void kt_moe_destroy(kt_moe* moe);
+
+/* Effective LoRA scale s of the layer (0 when not in LoRA mode). */
+KT_API kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale);
+
+/* ------------------------------------------------------- named arguments */
+
+/* Argument ids. Values are pinned; new ids are appended. */
+typedef enum kt_arg_id {
+  /* forward / backward activations */
+  KT_ARG_X = 1,               /* [T,H] bf16|fp32, input */
+  KT_ARG_IDS = 2,             /* [T,k] int32|int64, expert ids, -1 = no route */
+  KT_ARG_ROUTE_WEIGHTS = 3,   /* [T,k] fp32|bf16, routing weights */
+  KT_ARG_Y = 4,               /* [T,H] dtype of X, output (overwritten) */
+  KT_ARG_DY = 5,              /* [T,H] bf16|fp32, gradient of Y */
+  KT_ARG_DX = 6,              /* [T,H] dtype of X saved by forward, output (overwritten) */
+  KT_ARG_DROUTE_WEIGHTS = 7,  /* [T,k] fp32|bf16, output: gradient of ROUTE_WEIGHTS */
+  /* base weights (load, and bind in full mode); stacked [E,...] or, with
+   * kt_moe_load_expert, one expert's [...] */
+  KT_ARG_W_GATE = 16,         /* [E,I,H] */
+  KT_ARG_W_UP = 17,           /* [E,I,H] */
+  KT_ARG_W_DOWN = 18,         /* [E,H,I] */
+  KT_ARG_W_GATE_UP = 19,      /* [E,2I,H], gate rows first (or interleaved, see kt_load_options) */
+  KT_ARG_B_GATE = 20,         /* [E,I] */
+  KT_ARG_B_UP = 21,           /* [E,I] */
+  KT_ARG_B_DOWN = 22,         /* [E,H] */
+  KT_ARG_B_GATE_UP = 23,      /* [E,2I] */
+  KT_ARG_EXPERT_MAP = 24,     /* [P] int32|int64: stacked index p holds logical expert map[p] */
+  /* LoRA parameters [E,r,in] (A) and [E,out,r] (B), fp32|bf16 */
+  KT_ARG_LORA_A_GATE = 32,
+  KT_ARG_LORA_B_GATE = 33,
+  KT_ARG_LORA_A_UP = 34,
+  KT_ARG_LORA_B_UP = 35,
+  KT_ARG_LORA_A_DOWN = 36,
+  KT_ARG_LORA_B_DOWN = 37,
+  /* LoRA gradient buffers, same shapes, fp32|bf16 */
+  KT_ARG_GRAD_LORA_A_GATE = 48,
+  KT_ARG_GRAD_LORA_B_GATE = 49,
+  KT_ARG_GRAD_LORA_A_UP = 50,
+  KT_ARG_GRAD_LORA_B_UP = 51,
+  KT_ARG_GRAD_LORA_A_DOWN = 52,
+  KT_ARG_GRAD_LORA_B_DOWN = 53,
+  /* full fine-tuning gradient buffers, shapes of the weights, fp32|bf16 */
+  KT_ARG_GRAD_W_GATE = 64,
+  KT_ARG_GRAD_W_UP = 65,
+  KT_ARG_GRAD_W_DOWN = 66,
+  KT_ARG_GRAD_B_GATE = 67,
+  KT_ARG_GRAD_B_UP = 68,
+  KT_ARG_GRAD_B_DOWN = 69
+} kt_arg_id;
+
+/* One named argument. The tensor is borrowed for the call unless the call
+ * says it is retained. */
+typedef struct kt_arg {
+  int id; /* a kt_arg_id */
+  const DLTensor* tensor;
+} kt_arg;
+
+/* ---------------------------------------------------------------- loading */
+
+typedef enum kt_weight_orientation {
+  KT_ORIENT_OUT_IN = 0, /* HF nn.Linear: gate/up [I,H], down [H,I] */
+  KT_ORIENT_IN_OUT = 1  /* transposed: gate/up [H,I], down [I,H] (gate_up [H,2I]) */
+} kt_weight_orientation;
+
+typedef enum kt_gate_up_order {
+  KT_GATE_UP_CONCAT = 0,     /* gate rows [0,I), up rows [I,2I) */
+  KT_GATE_UP_INTERLEAVED = 1 /* gate rows even, up rows odd (gpt-oss) */
+} kt_gate_up_order;
+
+typedef struct kt_load_options {
+  size_t struct_size;
+  kt_weight_orientation orientation; /* default KT_ORIENT_OUT_IN */
+  kt_gate_up_order gate_up_order;    /* default KT_GATE_UP_CONCAT */
+} kt_load_options;
+
+KT_API void kt_load_options_init(kt_load_options* options);
+
+/* Loads (packs) stacked expert weights. Accepted args: W_GATE+W_UP (or
+ * W_GATE_UP), W_DOWN, biases when the layer has them, and optionally
+ * EXPERT_MAP. Without a map the leading dim is E; with a map of P entries the
+ * leading dim is P and entry p is loaded as logical expert map[p] (distinct,
+ * in [0,E)). Gate, up and down must all be given; experts that are loaded
+ * again are replaced. Sources bf16|fp16|fp32, any strides. Tensors borrowed
+ * for the call. options may be NULL. Nothing changes when the call fails. */
+KT_API kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options,
+                                     const kt_arg* args, size_t num_args);
+
+/* Loads one logical expert from 2-D tensors (per-expert lists): W_GATE [I,H],
+ * W_UP [I,H] (or W_GATE_UP [2I,H]), W_DOWN [H,I], biases [I]/[H]. */
+KT_API kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options* options,
+                                    const kt_arg* args, size_t num_args);
+
+/* Marks experts the host computes elsewhere: mask [E] (bool/uint8/int8/int32),
+ * non-zero = skipped. Routes to skipped experts contribute nothing to Y, get
+ * zero routing-weight gradient, and their parameter gradient entries are never
+ * written. Replaces the previous mask. */
+KT_API kt_status kt_moe_set_skipped(kt_moe* moe, const DLTensor* mask);
+
+/* Number of experts loaded (not counting skipped ones). */
+KT_API kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count);
+
+/* --------------------------------------------------- trainable parameters */
+
+/* Binds parameter tensors and gradient buffers (retained until the same id is
+ * bound again or the layer is destroyed; the host keeps the memory alive).
+ *   LoRA mode:  LORA_A_* / LORA_B_* (read now and at kt_moe_params_changed),
+ *               GRAD_LORA_* (written by backward).
+ *   full mode:  W_* / B_* (the trainable weights, stacked [E,...], read at
+ *               kt_moe_params_changed), GRAD_W_* / GRAD_B_* (written by backward).
+ * Shapes, dtypes and strides are checked here; nothing is bound if any arg is
+ * wrong. Ids that do not belong to the layer's mode fail with KT_ERR_MODE. */
+KT_API kt_status kt_moe_bind(kt_moe* moe, const kt_arg* args, size_t num_args);
+
+/* The host changed the bound parameters (after an optimizer step): kt reads
+ * them again (LoRA factors; in full mode the base weights are repacked).
+ * Forwards submitted before this call use the old values. */
+KT_API kt_status kt_moe_params_changed(kt_moe* moe);
+
+/* Called once a backward has finished writing this layer's parameter
+ * gradients, on the thread that ran the backward, after kt released the
+ * layer (so the hook may call kt, e.g. to start an optimizer step). */
+typedef void (*kt_grad_ready_fn)(kt_moe* moe, void* user);
+/* fn NULL removes the hook. user is retained with fn. */
+KT_API kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* user);
+
+/* ------------------------------------------------------ forward/backward */
+
+/* Forward. args: X, IDS, ROUTE_WEIGHTS, Y (all [T,...], inner stride 1).
+ * T = 0 is valid. With saved == NULL nothing is kept (inference). With
+ * saved != NULL a new context holding what backward needs is written to
+ * *saved; several contexts may be outstanding per layer. Each must be
+ * released with kt_context_release (after its backward, or instead of it). */
+KT_API kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args,
+                                kt_context** saved);
+
+typedef enum kt_grad_accumulate {
+  KT_GRAD_OVERWRITE = 0, /* grad buffer = grad_scale * g (first micro-batch) */
+  KT_GRAD_ACCUMULATE = 1 /* grad buffer += grad_scale * g */
+} kt_grad_accumulate;
+
+typedef struct kt_backward_options {
+  size_t struct_size;
+  float grad_scale;              /* multiplies parameter gradients only (default 1) */
+  kt_grad_accumulate accumulate; /* default KT_GRAD_OVERWRITE */
+  int param_grads;               /* 0 = only dx and routing grads (default 1) */
+} kt_backward_options;
+
+KT_API void kt_backward_options_init(kt_backward_options* options);
+
+/* Backward of the forward that wrote ctx. args: DY (required), DX and
+ * DROUTE_WEIGHTS (each optional, overwritten). In LoRA/full mode with
+ * param_grads, the bound gradient buffers of every computed (non-skipped,
+ * loaded) expert are written; experts no token was routed to get zero
+ * (overwrite) or are left as they are (accumulate). ctx is spent afterwards;
+ * a second backward on it fails with KT_ERR_CONTEXT. options may be NULL. */
+KT_API kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
+                                 const kt_arg* args, size_t num_args);
+
+/* Frees a context (spent or not). NULL accepted. A context whose forward job
+ * is still pending is released when that job ends. */
+KT_API void kt_context_release(kt_context* ctx);
+
+/* -------------------------------------------------------------- async jobs */
+
+typedef struct kt_job kt_job;
+
+#define KT_SUBMIT_DEFERRED 1u /* do not start: the host runs it with kt_job_run */
+
+/* Submits a forward. Arguments are checked now (errors are returned now);
+ * the tensors' memory is borrowed until the job ends. Without
+ * KT_SUBMIT_DEFERRED the job starts on the engine's job thread. With saved
+ * != NULL, *saved is written now and becomes usable by backward once the job
+ * ended successfully. *job is written by the call; wait for it and destroy it. */
+KT_API kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args,
+                                       kt_context** saved, unsigned flags, kt_job** job);
+/* Submits a backward, as kt_moe_forward_submit. */
+KT_API kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx,
+                                        const kt_backward_options* options, const kt_arg* args,
+                                        size_t num_args, unsigned flags, kt_job** job);
+/* Runs a deferred job on the calling thread; a plain void(*)(void*) so a host
+ * can enqueue it as a host function on its own stream (cudaLaunchHostFunc).
+ * Running a job twice, or a job that is not deferred, does nothing. */
+KT_API void kt_job_run(void* job);
+/* Waits until the job ended; returns its status (its message becomes this
+ * thread's last error). A deferred job that nobody runs is never waited for:
+ * kt_job_wait runs it on the calling thread. */
+KT_API kt_status kt_job_wait(kt_job* job);
+/* 1 if the job ended, 0 if not. */
+KT_API int kt_job_done(const kt_job* job);
+/* Waits for (or runs) the job, then frees it. NULL accepted. */
+KT_API void kt_job_destroy(kt_job* job);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KT_C_API_H_ */

@@ -1,0 +1,631 @@
+// The ABI boundary: every exported function checks its handles and options,
+// calls the core, and turns every exception into a status + thread-local
+// message. Nothing thrown crosses this file.
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "core/error.h"
+#include "kt_c_api.h"
+#include "moe/moe_layer.h"
+#include "runtime/engine.h"
+
+#ifdef KT_HAVE_BUILD_INFO_H
+#include "kt_build_info.h"
+#endif
+#ifndef KT_BUILD_INFO
+#define KT_BUILD_INFO "unknown build"
+#endif
+
+namespace {
+
+thread_local std::string t_last_error;
+
+void set_error(const std::string& message) { t_last_error = message; }
+
+template <class F>
+kt_status guarded(const char* where, F&& fn) {
+  try {
+    fn();
+    return KT_OK;
+  } catch (const kt::Error& e) {
+    set_error(e.what());
+    return e.status();
+  } catch (const std::bad_alloc&) {
+    set_error(std::string(where) + ": out of memory");
+    return KT_ERR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_error(std::string(where) + ": internal error: " + e.what());
+    return KT_ERR_INTERNAL;
+  } catch (...) {
+    set_error(std::string(where) + ": internal error");
+    return KT_ERR_INTERNAL;
+  }
+}
+
+void check_engine(const kt_engine* e, const char* where) {
+  kt::check(e != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": engine is NULL");
+  kt::check(e->magic == kt_engine::kMagic, KT_ERR_INVALID_HANDLE,
+            std::string(where) + ": engine is not a live kt_engine (destroyed?)");
+}
+
+void check_moe(const kt_moe* m, const char* where) {
+  kt::check(m != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
+  kt::check(m->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
+            std::string(where) + ": moe is not a live kt_moe (destroyed?)");
+}
+
+// Copies a caller's growable options struct over the defaults. Older callers
+// (smaller struct_size) get defaults for the fields they do not know; newer
+// callers' extra fields must be zero, else the request is refused.
+template <class T>
+T read_options(const T* given, const char* where, const char* name) {
+  T o;
+  std::memset(&o, 0, sizeof(o));
+  if (!given) return o;
+  kt::check(given->struct_size >= sizeof(size_t) + sizeof(int), KT_ERR_INVALID_ARGUMENT,
+            std::string(where) + ": " + name + "->struct_size (" + std::to_string(given->struct_size) +
+                ") is too small; call the _init function first");
+  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
+  std::memcpy(&o, given, n);
+  const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
+  for (size_t i = sizeof(T); i < given->struct_size; ++i)
+    kt::check(extra[i] == 0, KT_ERR_UNSUPPORTED,
+              std::string(where) + ": " + name + " sets fields this kt version does not know");
+  o.struct_size = sizeof(T);
+  return o;
+}
+
+template <class T, class Init>
+T options_or_default(const T* given, Init init, const char* where, const char* name) {
+  T o;
+  init(&o);
+  if (!given) return o;
+  T read = read_options(given, where, name);
+  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
+  std::memcpy(&o, &read, n);
+  o.struct_size = sizeof(T);
+  return o;
+}
+
+bool finite(float v) { return std::isfinite(v); }
+
+void validate_moe_options(const kt_moe_options& o) {
+  const char* w = "kt_moe_create";
+  using kt::check;
+  auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* name) {
+    check(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": options->" + name + " = " + std::to_string(v) + " is outside [" +
+              std::to_string(lo) + ", " + std::to_string(hi) + "]");
+  };
+  range(o.num_experts, 1, 1 << 20, "num_experts");
+  range(o.top_k, 1, o.num_experts, "top_k");
+  range(o.hidden, 1, 1 << 20, "hidden");
+  range(o.intermediate, 1, 1 << 20, "intermediate");
+  range(o.max_tokens, 1, (int64_t{1} << 31) / o.top_k / 64, "max_tokens");
+  check(o.activation == KT_ACT_SILU || o.activation == KT_ACT_SWIGLU_OAI, KT_ERR_INVALID_ARGUMENT,
+        std::string(w) + ": options->activation is not a kt_activation");
+  check(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
+        std::string(w) + ": options->act_alpha must be finite and > 0");
+  check(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
+        std::string(w) + ": options->act_limit must be finite (<= 0 for none)");
+  range(o.has_bias, 0, 1, "has_bias");
+  check(o.mode == KT_MODE_INFERENCE || o.mode == KT_MODE_LORA || o.mode == KT_MODE_FULL,
+        KT_ERR_INVALID_ARGUMENT, std::string(w) + ": options->mode is not a kt_mode");
+  check(o.weight_format == KT_FORMAT_BF16, KT_ERR_UNSUPPORTED,
+        std::string(w) + ": options->weight_format: this kt stores bf16 weights only");
+  if (o.mode == KT_MODE_LORA) {
+    range(o.lora_rank, 1, 1024, "lora_rank");
+    check(finite(o.lora_alpha), KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": options->lora_alpha must be finite");
+    range(o.use_rslora, 0, 1, "use_rslora");
+    check(o.lora_targets != 0 && (o.lora_targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": options->lora_targets must be a non-empty set of KT_PROJ_* bits");
+  }
+}
+
+// Ends a submitted job's bookkeeping on its layer.
+void finish_job(kt_moe* m, kt_job* job) {
+  std::lock_guard<std::mutex> lock(m->state_mutex);
+  m->jobs.erase(job);
+  if (m->jobs.empty()) m->jobs_done.notify_all();
+}
+
+void call_grad_hook(kt_moe* m) {
+  kt_grad_ready_fn fn;
+  void* user;
+  {
+    std::lock_guard<std::mutex> lock(m->state_mutex);
+    fn = m->grad_hook;
+    user = m->grad_hook_user;
+  }
+  if (fn) fn(m, user);
+}
+
+// Marks a forward's context after its run; frees it if the host already
+// released it.
+void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
+  bool release = false;
+  {
+    std::lock_guard<std::mutex> lock(m->state_mutex);
+    ctx->state = ok ? kt_context::kReady : kt_context::kFailed;
+    release = ctx->released;
+  }
+  if (release) m->release_context(ctx);
+}
+
+kt_job* new_job(kt_moe* m, unsigned flags) {
+  kt_job* job = new kt_job;
+  job->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
+  job->engine = m->engine;
+  std::lock_guard<std::mutex> lock(m->state_mutex);
+  m->jobs.insert(job);
+  return job;
+}
+
+void start_job(kt_moe* m, kt_job* job) {
+  if (!job->deferred) m->engine->enqueue(job);
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kt_version(void) {
+#define KT_STR2(x) #x
+#define KT_STR(x) KT_STR2(x)
+  return KT_STR(KT_VERSION_MAJOR) "." KT_STR(KT_VERSION_MINOR) "." KT_STR(KT_VERSION_PATCH);
+}
+
+int kt_version_number(void) {
+  return KT_VERSION_MAJOR * 10000 + KT_VERSION_MINOR * 100 + KT_VERSION_PATCH;
+}
+
+int kt_abi_version(void) { return KT_ABI_VERSION; }
+
+const char* kt_build_info(void) { return KT_BUILD_INFO; }
+
+const char* kt_status_string(kt_status s) {
+  switch (s) {
+    case KT_OK: return "KT_OK";
+    case KT_ERR_INVALID_ARGUMENT: return "KT_ERR_INVALID_ARGUMENT";
+    case KT_ERR_NULL_POINTER: return "KT_ERR_NULL_POINTER";
+    case KT_ERR_INVALID_HANDLE: return "KT_ERR_INVALID_HANDLE";
+    case KT_ERR_DTYPE: return "KT_ERR_DTYPE";
+    case KT_ERR_SHAPE: return "KT_ERR_SHAPE";
+    case KT_ERR_STRIDE: return "KT_ERR_STRIDE";
+    case KT_ERR_DEVICE: return "KT_ERR_DEVICE";
+    case KT_ERR_EXPERT_ID: return "KT_ERR_EXPERT_ID";
+    case KT_ERR_TOO_MANY_TOKENS: return "KT_ERR_TOO_MANY_TOKENS";
+    case KT_ERR_CONTEXT: return "KT_ERR_CONTEXT";
+    case KT_ERR_NOT_BOUND: return "KT_ERR_NOT_BOUND";
+    case KT_ERR_NOT_LOADED: return "KT_ERR_NOT_LOADED";
+    case KT_ERR_MODE: return "KT_ERR_MODE";
+    case KT_ERR_UNSUPPORTED: return "KT_ERR_UNSUPPORTED";
+    case KT_ERR_OUT_OF_MEMORY: return "KT_ERR_OUT_OF_MEMORY";
+    case KT_ERR_IO: return "KT_ERR_IO";
+    case KT_ERR_INTERNAL: return "KT_ERR_INTERNAL";
+  }
+  return "KT_ERR_UNKNOWN";
+}
+
+const char* kt_last_error(void) { return t_last_error.c_str(); }
+
+void kt_clear_error(void) { t_last_error.clear(); }
+
+kt_isa kt_cpu_isa(void) {
+  try {
+    return kt::detect_cpu_isa();
+  } catch (...) {
+    return KT_ISA_REF;
+  }
+}
+
+const char* kt_isa_name(kt_isa isa) {
+  switch (isa) {
+    case KT_ISA_AUTO: return "auto";
+    case KT_ISA_REF: return "ref";
+    case KT_ISA_AVX2: return "avx2";
+    case KT_ISA_AVX512BF16: return "avx512bf16";
+    case KT_ISA_AMX: return "amx";
+  }
+  return "unknown";
+}
+
+void kt_engine_options_init(kt_engine_options* o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
+  o->num_threads = 0;
+  o->pin_threads = 1;
+  o->max_isa = KT_ISA_AUTO;
+  o->verbosity = -1;
+}
+
+kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine) {
+  const char* w = "kt_engine_create";
+  return guarded(w, [&] {
+    kt::check(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
+    kt_engine_options o = options_or_default(options, kt_engine_options_init, w, "options");
+    kt::check(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
+                  " is outside [0, 4096]");
+    kt::check(o.max_isa >= KT_ISA_AUTO && o.max_isa <= KT_ISA_AMX, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": options->max_isa is not a kt_isa");
+    kt::check(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": options->pin_threads must be 0 or 1");
+    *engine = new kt_engine(o);
+  });
+}
+
+kt_status kt_engine_destroy(kt_engine* engine) {
+  const char* w = "kt_engine_destroy";
+  if (!engine) return KT_OK;
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    kt::check(engine->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": " + std::to_string(engine->num_layers.load()) +
+                  " layer(s) still use this engine; destroy them first");
+    engine->drain();
+    delete engine;
+  });
+}
+
+kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
+  const char* w = "kt_engine_get_info";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    kt::check(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
+    kt::check(info->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": info->struct_size is not set");
+    kt_engine_info full;
+    full.struct_size = sizeof(full);
+    full.num_threads = engine->pool->size();
+    full.isa = engine->kernels->isa;
+    full.cpu_isa = engine->cpu_isa;
+    full.kernel_name = engine->kernels->gemm_name;
+    const size_t n = info->struct_size < sizeof(full) ? info->struct_size : sizeof(full);
+    const size_t keep = info->struct_size;
+    std::memcpy(info, &full, n);
+    info->struct_size = keep;
+  });
+}
+
+void kt_moe_options_init(kt_moe_options* o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
+  o->max_tokens = 1024;
+  o->activation = KT_ACT_SILU;
+  o->act_alpha = 1.702f;
+  o->act_limit = 0.f;
+  o->mode = KT_MODE_INFERENCE;
+  o->weight_format = KT_FORMAT_BF16;
+  o->lora_rank = 16;
+  o->lora_alpha = 32.f;
+  o->lora_targets = KT_PROJ_ALL;
+}
+
+kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe) {
+  const char* w = "kt_moe_create";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    kt::check(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
+    kt::check(options != nullptr, KT_ERR_NULL_POINTER,
+              std::string(w) + ": options is NULL (the shapes are required)");
+    kt_moe_options o = options_or_default(options, kt_moe_options_init, w, "options");
+    validate_moe_options(o);
+    kt_moe* m = new kt_moe(engine, o);
+    engine->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
+                       " H=" + std::to_string(o.hidden) + " I=" + std::to_string(o.intermediate) +
+                       " mode=" + std::to_string(o.mode) + " kernels " + engine->kernels->gemm_name);
+    *moe = m;
+  });
+}
+
+void kt_moe_destroy(kt_moe* moe) {
+  if (!moe || moe->magic != kt_moe::kMagic) return;
+  try {
+    std::vector<kt_job*> deferred;
+    {
+      std::lock_guard<std::mutex> lock(moe->state_mutex);
+      for (kt_job* j : moe->jobs)
+        if (j->deferred) deferred.push_back(j);
+    }
+    for (kt_job* j : deferred) {
+      std::lock_guard<std::mutex> lock(j->mutex);
+      if (j->state == 0) {  // never run: cancel so it cannot touch the layer
+        j->state = 2;
+        j->status = KT_ERR_INVALID_HANDLE;
+        j->message = "kt_job: its layer was destroyed before the job ran";
+        j->work = nullptr;
+        j->cv.notify_all();
+        std::lock_guard<std::mutex> l2(moe->state_mutex);
+        moe->jobs.erase(j);
+      }
+    }
+    {
+      std::unique_lock<std::mutex> lock(moe->state_mutex);
+      moe->jobs_done.wait(lock, [&] { return moe->jobs.empty(); });
+    }
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    delete moe;
+  } catch (...) {
+    // Destruction cannot report; nothing here throws in practice.
+  }
+}
+
+kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
+  const char* w = "kt_moe_lora_scale";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt::check(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
+    *scale = moe->lora_scale;
+  });
+}
+
+void kt_load_options_init(kt_load_options* o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
+  o->orientation = KT_ORIENT_OUT_IN;
+  o->gate_up_order = KT_GATE_UP_CONCAT;
+}
+
+kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const kt_arg* args,
+                              size_t num_args) {
+  const char* w = "kt_moe_load_weights";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt_load_options o = options_or_default(options, kt_load_options_init, w, "options");
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    moe->load(o, args, num_args, -1, w);
+  });
+}
+
+kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options* options,
+                             const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_load_expert";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt::check(expert >= 0 && expert < moe->E, KT_ERR_EXPERT_ID,
+              std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
+                  std::to_string(moe->E) + ")");
+    kt_load_options o = options_or_default(options, kt_load_options_init, w, "options");
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    moe->load(o, args, num_args, expert, w);
+  });
+}
+
+kt_status kt_moe_set_skipped(kt_moe* moe, const DLTensor* mask) {
+  const char* w = "kt_moe_set_skipped";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    moe->set_skipped(mask);
+  });
+}
+
+kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
+  const char* w = "kt_moe_num_loaded";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt::check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    *count = moe->num_loaded();
+  });
+}
+
+kt_status kt_moe_bind(kt_moe* moe, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_bind";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    moe->bind(args, num_args);
+  });
+}
+
+kt_status kt_moe_params_changed(kt_moe* moe) {
+  const char* w = "kt_moe_params_changed";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    moe->params_changed();
+  });
+}
+
+kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* user) {
+  const char* w = "kt_moe_set_grad_hook";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->state_mutex);
+    moe->grad_hook = fn;
+    moe->grad_hook_user = fn ? user : nullptr;
+  });
+}
+
+kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_context** saved) {
+  const char* w = "kt_moe_forward";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    kt_moe::ForwardCall call = moe->check_forward(args, num_args);
+    moe->check_ready_for_forward(call);
+    kt_context* ctx = saved ? moe->new_context() : nullptr;
+    try {
+      moe->forward(call, ctx);
+    } catch (...) {
+      if (ctx) {
+        settle_context(moe, ctx, false);
+        moe->release_context(ctx);
+      }
+      throw;
+    }
+    if (ctx) {
+      settle_context(moe, ctx, true);
+      *saved = ctx;
+    }
+  });
+}
+
+void kt_backward_options_init(kt_backward_options* o) {
+  if (!o) return;
+  std::memset(o, 0, sizeof(*o));
+  o->struct_size = sizeof(*o);
+  o->grad_scale = 1.f;
+  o->accumulate = KT_GRAD_OVERWRITE;
+  o->param_grads = 1;
+}
+
+kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
+                          const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_backward";
+  bool hook = false;
+  kt_status st = guarded(w, [&] {
+    check_moe(moe, w);
+    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    kt_moe::BackwardCall call = moe->check_backward(ctx, options, args, num_args);
+    {
+      std::lock_guard<std::mutex> l(moe->state_mutex);
+      kt::check(!ctx->backward_queued, KT_ERR_CONTEXT,
+                std::string(w) + ": ctx already has a backward submitted");
+    }
+    moe->backward(ctx, call);
+    hook = call.opt.param_grads && moe->opt.mode != KT_MODE_INFERENCE;
+  });
+  if (st == KT_OK && hook) call_grad_hook(moe);
+  return st;
+}
+
+void kt_context_release(kt_context* ctx) {
+  if (!ctx || ctx->magic != kt_context::kMagic || !ctx->layer) return;
+  try {
+    ctx->layer->release_context(ctx);
+  } catch (...) {
+  }
+}
+
+kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args,
+                                kt_context** saved, unsigned flags, kt_job** job) {
+  const char* w = "kt_moe_forward_submit";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
+    kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": unknown flags");
+    kt_moe::ForwardCall call = moe->check_forward(args, num_args);
+    kt_context* ctx = saved ? moe->new_context() : nullptr;
+    kt_job* j = new_job(moe, flags);
+    kt_engine* engine = moe->engine;
+    j->work = [moe, call, ctx, j, engine] {
+      bool ok = false;
+      try {
+        {
+          std::lock_guard<std::mutex> lock(engine->compute_mutex);
+          moe->forward(call, ctx);
+        }
+        ok = true;
+      } catch (...) {
+        if (ctx) settle_context(moe, ctx, false);
+        finish_job(moe, j);
+        throw;
+      }
+      if (ctx) settle_context(moe, ctx, ok);
+      finish_job(moe, j);
+    };
+    if (saved) *saved = ctx;
+    *job = j;
+    start_job(moe, j);
+  });
+}
+
+kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
+                                 const kt_arg* args, size_t num_args, unsigned flags,
+                                 kt_job** job) {
+  const char* w = "kt_moe_backward_submit";
+  return guarded(w, [&] {
+    check_moe(moe, w);
+    kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
+    kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": unknown flags");
+    kt_moe::BackwardCall call;
+    {
+      // A context whose forward job is queued may be submitted against: the
+      // job thread runs jobs in order. Mark it so it is not submitted twice.
+      kt::check(ctx != nullptr, KT_ERR_CONTEXT, std::string(w) + ": ctx is NULL");
+      std::unique_lock<std::mutex> lock(moe->state_mutex);
+      kt::check(moe->owns(ctx) && !ctx->released, KT_ERR_CONTEXT,
+                std::string(w) + ": ctx does not belong to this layer or was released");
+      kt::check(!ctx->backward_queued && ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
+                std::string(w) + ": ctx is spent or already has a backward submitted");
+      kt::check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
+                std::string(w) + ": ctx: its forward failed");
+      const auto state = ctx->state;
+      ctx->state = kt_context::kReady;  // let the argument check pass
+      lock.unlock();
+      try {
+        call = moe->check_backward(ctx, options, args, num_args);
+      } catch (...) {
+        std::lock_guard<std::mutex> l(moe->state_mutex);
+        ctx->state = state;
+        throw;
+      }
+      lock.lock();
+      ctx->state = state;
+      ctx->backward_queued = true;
+    }
+    kt_job* j = new_job(moe, flags);
+    kt_engine* engine = moe->engine;
+    j->work = [moe, call, ctx, j, engine] {
+      try {
+        {
+          std::lock_guard<std::mutex> lock(engine->compute_mutex);
+          moe->backward(ctx, call);
+        }
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> l(moe->state_mutex);
+          ctx->backward_queued = false;
+        }
+        finish_job(moe, j);
+        throw;
+      }
+      if (call.opt.param_grads && moe->opt.mode != KT_MODE_INFERENCE) call_grad_hook(moe);
+      finish_job(moe, j);
+    };
+    *job = j;
+    start_job(moe, j);
+  });
+}
+
+void kt_job_run(void* job) {
+  kt_job* j = static_cast<kt_job*>(job);
+  if (!j || !j->deferred) return;
+  j->execute();
+}
+
+kt_status kt_job_wait(kt_job* job) {
+  if (!job) {
+    set_error("kt_job_wait: job is NULL");
+    return KT_ERR_INVALID_HANDLE;
+  }
+  job->wait();
+  if (job->status != KT_OK) set_error(job->message);
+  return job->status;
+}
+
+int kt_job_done(const kt_job* job) {
+  if (!job) return 1;
+  kt_job* j = const_cast<kt_job*>(job);
+  std::lock_guard<std::mutex> lock(j->mutex);
+  return j->state == 2;
+}
+
+void kt_job_destroy(kt_job* job) {
+  if (!job) return;
+  job->wait();
+  delete job;
+}
+
+}  // extern "C"

@@ -1,0 +1,61 @@
+// The per-ISA micro-kernels behind one dispatch table. Everything above this
+// table (routing, tiling, packing loops, threading, LoRA, gradients) is written
+// once in src/moe; only these functions differ per ISA.
+//
+// Packed weight layout (formats/packed.h): a logical [N, K] (out x in) matrix
+// is stored as ceil(N/16) panels of 16 rows; a panel holds K_pad/2 groups of
+// 16 x 2 bf16 (row-lane major, the K pair innermost), 64 bytes per group.
+// K_pad = K rounded up to even, zero padded; rows past N are zero.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kt_c_api.h"
+
+namespace kt {
+
+constexpr int kPanelRows = 16;
+
+struct Kernels {
+  kt_isa isa;
+  const char* gemm_name;  // the contract-naming name of the weight GEMM
+  // Element size of the "A format" the GEMM reads: 2 = bf16, 4 = fp32.
+  int a_elem_size;
+
+  // C[r, 16*p + c] (=|+=) sum_k A[r][k] * W_p[c][k] for r < m, p < np, c < 16.
+  // a_rows[r] points at a row in A format of kp elements (kp even, zero
+  // padded); panels are np consecutive packed panels, panel_stride elements
+  // apart (= 16*kp). C rows are ldc floats apart and hold 16*np columns.
+  // Any m >= 0 and np >= 1.
+  void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                     int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate);
+
+  // Converts k fp32 values to A format, zero padding to kp elements.
+  void (*pack_a_f32)(const float* src, int64_t k, int64_t kp, void* dst);
+
+  // C[m,n] (=|+=) sum_j A_r[j] * B[j, n], a_rows[r] fp32 rows of k values,
+  // B row-major k x n with leading dimension ldb. Vectorised over n.
+  void (*sgemm_nn)(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb,
+                   float* c, int64_t ldc, bool accumulate);
+
+  // C[m,n] (=|+=) sum_j A_r[j] * B[n, j]: dot products of a_rows[r] with the
+  // k-value rows of B (row-major n x k, leading dimension ldb).
+  void (*sgemm_nt)(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb,
+                   float* c, int64_t ldc, bool accumulate);
+
+  // C[m,n] (=|+=) sum_r A[r, m] * B_r[n] over r < k: outer-product
+  // accumulation over rows (weight gradients). A row-major with lda,
+  // b_rows[r] fp32 rows of n values. Vectorised over n.
+  void (*sgemm_tn)(int m, int n, int k, const float* a, int64_t lda, const float* const* b_rows,
+                   float* c, int64_t ldc, bool accumulate);
+};
+
+// Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).
+kt_isa detect_cpu_isa();
+// Kernel table for the highest compiled ISA <= cap that the CPU runs.
+const Kernels& select_kernels(kt_isa cap);
+// Kernel table of exactly that ISA, or nullptr when not compiled in.
+const Kernels* kernels_for(kt_isa isa);
+
+}  // namespace kt

@@ -1,0 +1,44 @@
+// Portable scalar kernels: the reference twin of every ISA kernel. A format is
+// fp32; accumulation in fp32 in K order.
+#include <cstring>
+
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace ref {
+
+#include "kernels/sgemm_generic.inc"
+
+static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                       int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate) {
+  for (int r = 0; r < m; ++r) {
+    const float* a = static_cast<const float*>(a_rows[r]);
+    for (int p = 0; p < np; ++p) {
+      const bf16_t* w = panels + p * panel_stride;
+      float acc[kPanelRows];
+      for (int l = 0; l < kPanelRows; ++l) acc[l] = 0.f;
+      for (int64_t g = 0; g < kp / 2; ++g) {
+        const bf16_t* wg = w + g * 2 * kPanelRows;
+        for (int l = 0; l < kPanelRows; ++l)
+          acc[l] += a[2 * g] * bf16_to_f32(wg[2 * l]) + a[2 * g + 1] * bf16_to_f32(wg[2 * l + 1]);
+      }
+      float* cr = c + r * ldc + p * kPanelRows;
+      for (int l = 0; l < kPanelRows; ++l) cr[l] = accumulate ? cr[l] + acc[l] : acc[l];
+    }
+  }
+}
+
+static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
+  float* d = static_cast<float*>(dst);
+  std::memcpy(d, src, static_cast<size_t>(k) * sizeof(float));
+  for (int64_t i = k; i < kp; ++i) d[i] = 0.f;
+}
+
+}  // namespace ref
+
+extern const Kernels kernels_ref = {
+    KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, ref::pack_a_f32,
+    ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
+};
+
+}  // namespace kt

@@ -1,0 +1,26 @@
+// Named-argument tables and argument names shared by the layer's calls.
+#pragma once
+
+#include <initializer_list>
+#include <string>
+
+#include "core/error.h"
+#include "core/tensor.h"
+#include "kt_c_api.h"
+
+namespace kt {
+
+const char* arg_name(int id);  // "KT_ARG_X"; nullptr for unknown ids
+std::string id_string(int id);
+
+constexpr int kMaxArgId = 80;
+
+// Collects args into id-indexed slots; rejects NULL arrays, unknown and
+// repeated ids, NULL tensors.
+struct ArgTable {
+  const DLTensor* t[kMaxArgId] = {};
+  ArgTable(const kt_arg* args, size_t n, const char* where, std::initializer_list<int> allowed);
+  const DLTensor* operator[](int id) const { return t[id]; }
+};
+
+}  // namespace kt

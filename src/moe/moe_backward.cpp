@@ -1,0 +1,376 @@
+// Backward of a saved forward: da' = Wd_eff^T dy with W^T panels made in cache
+// (no second copy of the weights in memory), the routing-weight gradient from
+// the same pass (<dy, o> = <Wd_eff^T dy, a> + <dy, bd>), the activation
+// derivative, dx with column ownership (fixed summation order), then LoRA or
+// full parameter gradients as per-expert reductions over rows.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "moe/activation.h"
+#include "moe/args.h"
+#include "moe/blocking.h"
+#include "moe/moe_layer.h"
+
+using namespace kt;
+
+kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
+                                            const kt_arg* args, size_t n) const {
+  const char* where = "kt_moe_backward";
+  BackwardCall c;
+  kt_backward_options_init(&c.opt);
+  if (o) {
+    check(o->struct_size >= offsetof(kt_backward_options, accumulate), KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": options->struct_size is too small");
+    std::memcpy(&c.opt, o, std::min(o->struct_size, sizeof(c.opt)));
+    c.opt.struct_size = sizeof(c.opt);
+  }
+  check(std::isfinite(c.opt.grad_scale), KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": options->grad_scale is not finite");
+  check(c.opt.accumulate == KT_GRAD_OVERWRITE || c.opt.accumulate == KT_GRAD_ACCUMULATE,
+        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->accumulate is not a kt_grad_accumulate");
+  check(ctx != nullptr, KT_ERR_CONTEXT,
+        std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    check(owns(ctx) && !ctx->released, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx does not belong to this layer or was released");
+    check(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx: its forward has not finished (wait for the forward job)");
+    check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx: its forward failed");
+    check(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx is spent: a backward already consumed it");
+  }
+  ArgTable t(args, n, where, {KT_ARG_DY, KT_ARG_DX, KT_ARG_DROUTE_WEIGHTS});
+  check(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": KT_ARG_DY is required");
+  const int64_t T = ctx->routing.tokens;
+  c.dy = check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
+  if (t[KT_ARG_DX]) {
+    c.dx = check_tensor(t[KT_ARG_DX], {"KT_ARG_DX", {ctx->x_dtype}, {T, H}, true}, where);
+    c.has_dx = true;
+  }
+  if (t[KT_ARG_DROUTE_WEIGHTS]) {
+    c.dw = check_tensor(t[KT_ARG_DROUTE_WEIGHTS],
+                        {"KT_ARG_DROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {T, K}}, where);
+    c.has_dw = true;
+  }
+  return c;
+}
+
+void kt_moe::check_backward_state(const BackwardCall& c) const {
+  const char* where = "kt_moe_backward";
+  if (c.opt.param_grads && opt.mode == KT_MODE_LORA) {
+    for (int p = 0; p < 3; ++p) {
+      if (!lora_on(p)) continue;
+      for (int id : {KT_ARG_GRAD_LORA_A_GATE + 2 * p, KT_ARG_GRAD_LORA_B_GATE + 2 * p})
+        check(bound_[id].set, KT_ERR_NOT_BOUND,
+              std::string(where) + ": " + arg_name(id) +
+                  " is not bound (kt_moe_bind), or pass param_grads = 0");
+    }
+  }
+  if (c.opt.param_grads && opt.mode == KT_MODE_FULL) {
+    for (int p = 0; p < 3; ++p) {
+      int ids[2] = {KT_ARG_GRAD_W_GATE + p, KT_ARG_GRAD_B_GATE + p};
+      for (int k = 0; k < (opt.has_bias ? 2 : 1); ++k)
+        check(bound_[ids[k]].set, KT_ERR_NOT_BOUND,
+              std::string(where) + ": " + arg_name(ids[k]) +
+                  " is not bound (kt_moe_bind), or pass param_grads = 0");
+    }
+  }
+}
+
+void kt_moe::write_grad(const View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
+                        int64_t cols, bool transpose_src, float scale, bool accumulate) const {
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = scale * (transpose_src ? src[j * rows + i] : src[i * cols + j]);
+      char* p = dst.ndim == 3 ? dst.at(e, row0 + i, j) : dst.at(e, row0 + j);
+      store_f32(p, dst.dtype, accumulate ? load_as_f32(p, dst.dtype) + v : v);
+    }
+  }
+}
+
+void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
+  check_backward_state(c);
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    check(ctx->state == kt_context::kReady && !ctx->released, KT_ERR_CONTEXT,
+          "kt_moe_backward: ctx is not ready (its forward failed, or it was spent or released)");
+  }
+  const Routing& R = ctx->routing;
+  const int64_t T = R.tokens, routes = R.routes;
+  ThreadPool& pool = *engine->pool;
+  const PanelShape gs = gate_shape, ds = down_shape;
+  const int64_t Hp = ds.padded_rows(), Ip = gs.padded_rows();
+  const int64_t nIb = ceil_div(I, kBlockCols);
+  const bool full = opt.mode == KT_MODE_FULL && c.opt.param_grads;
+  const bool lora_grads = opt.mode == KT_MODE_LORA && c.opt.param_grads;
+  const bool need_act = full || (lora_grads && lora_on(kDown));
+  const Activation act{opt.activation, opt.act_alpha, opt.act_limit};
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
+
+  // Stage 0: dy -> fp32 and A format (K' = padded H of the W_d^T panels).
+  dyf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+  dya_.reserve(static_cast<size_t>(std::max<int64_t>(T * Hp * a_size_, 1)));
+  pack_rows_a(c.dy, T, Hp, dya_.data(), dyf_.data());
+  const float* dyf = dyf_.data();
+
+  // Stage 1: LoRA down, lb_d = dy . (s B_d).
+  for (int p = 0; p < 3; ++p)
+    if (lora_on(p)) lb_[p].reserve(rR);
+  if (lora_on(kDown))
+    project_rows(R, lora_[kDown].sbt.data(), H, true, dyf, H, lb_[kDown].data());
+
+  // Stage 2: da' = dy . Wd_eff per (expert, block of I); dw parts; dg, du.
+  dg_.reserve(rI);
+  du_.reserve(rI);
+  if (need_act) act_.reserve(rI);
+  dga_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
+  dua_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
+  dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(routes * nIb, 1)));
+  block_items(R, I);
+  pool.run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
+    const int64_t ib = items_[static_cast<size_t>(it)] & 0xffffffff;
+    const int64_t col0 = ib * kBlockCols;
+    const int64_t ncols = std::min(kBlockCols, I - col0);
+    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+    transpose_panels(w_[kDown].data() + e * ds.elements(), ds, col0, ncols, s.panels[0].data());
+    float* cda = s.c[0].data();
+    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+      const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+      for (int i = 0; i < m; ++i)
+        s.rows[static_cast<size_t>(i)] = dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
+      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false);
+      if (lora_on(kDown)) {
+        for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
+        K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                    lora_[kDown].a.data() + e * r * I + col0, I, cda, kBlockCols, true);
+      }
+      for (int i = 0; i < m; ++i) {
+        const int64_t p = p0 + i;
+        const float w = R.weight[static_cast<size_t>(p)];
+        const float* gp = ctx->g.data() + p * I + col0;
+        const float* up = ctx->u.data() + p * I + col0;
+        float* dgp = dg_.data() + p * I + col0;
+        float* dup = du_.data() + p * I + col0;
+        const float* di = cda + i * kBlockCols;
+        float part = 0.f;
+        for (int64_t j = 0; j < ncols; ++j) {
+          const float a = act.forward(gp[j], up[j]);
+          part += di[j] * a;
+          if (need_act) act_[static_cast<size_t>(p * I + col0 + j)] = a;
+          float dadg, dadu;
+          act.backward(gp[j], up[j], &dadg, &dadu);
+          dgp[j] = w * di[j] * dadg;
+          dup[j] = w * di[j] * dadu;
+        }
+        dw_parts_[static_cast<size_t>(p * nIb + ib)] = part;
+        const int64_t kp = std::min(kBlockCols, Ip - col0);
+        K_.pack_a_f32(dgp, ncols, kp, dga_.data() + (p * Ip + col0) * a_size_);
+        K_.pack_a_f32(dup, ncols, kp, dua_.data() + (p * Ip + col0) * a_size_);
+      }
+    }
+  });
+
+  // Stage 3: LoRA gate/up, lb = dg . (s B).
+  for (int p = kGate; p <= kUp; ++p)
+    if (lora_on(p)) project_rows(R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
+
+  // Stage 4: dx = sum over routes of dg . Wg_eff + du . Wu_eff, per block of H.
+  if (c.has_dx) {
+    acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    float* acc = acc_.data();
+    pool.run(ceil_div(H, kBlockCols), [&](int64_t hb, int tid) {
+      ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+      const int64_t col0 = hb * kBlockCols;
+      const int64_t ncols = std::min(kBlockCols, H - col0);
+      const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+      for (int64_t t = 0; t < T; ++t) std::memset(acc + t * H + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+      float* cx = s.c[0].data();
+      for (int32_t e : R.active) {
+        transpose_panels(w_[kGate].data() + e * gs.elements(), gs, col0, ncols, s.panels[0].data());
+        transpose_panels(w_[kUp].data() + e * gs.elements(), gs, col0, ncols, s.panels[1].data());
+        const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+        for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+          const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
+          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false);
+          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
+          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true);
+          for (int q = kGate; q <= kUp; ++q) {
+            if (!lora_on(q)) continue;
+            for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
+            K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                        lora_[q].a.data() + e * r * H + col0, H, cx, kBlockCols, true);
+          }
+          for (int i = 0; i < m; ++i) {
+            float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + col0;
+            const float* ci = cx + i * kBlockCols;
+            for (int64_t j = 0; j < ncols; ++j) dst[j] += ci[j];
+          }
+        }
+      }
+      for (int64_t t = 0; t < T; ++t) {
+        const float* src = acc + t * H + col0;
+        char* dst = c.dx.at(t, col0);
+        if (c.dx.dtype == DType::kF32) {
+          std::memcpy(dst, src, static_cast<size_t>(ncols) * sizeof(float));
+        } else {
+          bf16_t* d = reinterpret_cast<bf16_t*>(dst);
+          for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
+        }
+      }
+    });
+  }
+
+  // Stage 5: routing-weight gradients.
+  if (c.has_dw) {
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
+    for (int32_t e : R.active) {
+      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e + 1)]; ++p) {
+        float v = 0.f;
+        for (int64_t ib = 0; ib < nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * nIb + ib)];
+        if (opt.has_bias) {
+          const float* bd = b_[kDown].data() + e * H;
+          const float* dy = dyf + R.token[static_cast<size_t>(p)] * H;
+          float b = 0.f;
+          for (int64_t h = 0; h < H; ++h) b += dy[h] * bd[h];
+          v += b;
+        }
+        const int64_t slot = R.slot[static_cast<size_t>(p)];
+        store_f32(c.dw.at(slot / K, slot % K), c.dw.dtype, v);
+      }
+    }
+  }
+
+  if (lora_grads) lora_gradients(ctx, c);
+  if (full) full_gradients(ctx, c);
+  std::lock_guard<std::mutex> lock(state_mutex);
+  ctx->state = kt_context::kSpent;
+}
+
+void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
+  const Routing& R = ctx->routing;
+  const int64_t routes = R.routes;
+  const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
+  // w * lb_d and w * la_d: the down projection's delta is w * dy.
+  if (lora_on(kDown)) {
+    for (int k = 0; k < 2; ++k) scaled_[k].reserve(static_cast<size_t>(std::max<int64_t>(routes * r, 1)));
+    for (int64_t p = 0; p < routes; ++p) {
+      const float w = R.weight[static_cast<size_t>(p)];
+      for (int64_t q = 0; q < r; ++q) {
+        scaled_[0][static_cast<size_t>(p * r + q)] = w * lb_[kDown][static_cast<size_t>(p * r + q)];
+        scaled_[1][static_cast<size_t>(p * r + q)] = w * ctx->la[kDown][static_cast<size_t>(p * r + q)];
+      }
+    }
+  }
+  items_.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (skipped_[static_cast<size_t>(e)]) continue;
+    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    if (!touched && accumulate) continue;
+    for (int64_t p = 0; p < 3; ++p)
+      if (lora_on(static_cast<int>(p)))
+        for (int64_t which = 0; which < 2; ++which) items_.push_back((e << 32) | (p << 1) | which);
+  }
+  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t item = items_[static_cast<size_t>(it)];
+    const int64_t e = item >> 32;
+    const int p = static_cast<int>((item >> 1) & 3);
+    const bool is_b = item & 1;
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t p0 = R.offsets[static_cast<size_t>(e)];
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    std::vector<const float*>& rows = s.frows;
+    if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
+    float* out_buf = s.grad.data();
+    if (!is_b) {
+      // dA [r, in] = sum_rows (s B^T delta) (x) z
+      const float* lbs = p == kDown ? scaled_[0].data() : lb_[p].data();
+      for (int i = 0; i < n; ++i) {
+        const int64_t pos = p0 + i;
+        rows[static_cast<size_t>(i)] = p == kDown ? act_.data() + pos * I
+                                                  : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+      }
+      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(in), n, lbs + p0 * r, r, rows.data(), out_buf, in, false);
+      write_grad(bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view, e, 0, out_buf, r, in, false,
+                 c.opt.grad_scale, accumulate);
+    } else {
+      // dB^T [r, out] = sum_rows (A z) (x) delta, times s
+      const float* las = p == kDown ? scaled_[1].data() : ctx->la[p].data();
+      for (int i = 0; i < n; ++i) {
+        const int64_t pos = p0 + i;
+        rows[static_cast<size_t>(i)] =
+            p == kDown ? dyf_.data() + R.token[static_cast<size_t>(pos)] * H
+                       : (p == kGate ? dg_.data() : du_.data()) + pos * I;
+      }
+      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(out), n, las + p0 * r, r, rows.data(), out_buf, out, false);
+      write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, out_buf, out, r, true,
+                 lora_scale * c.opt.grad_scale, accumulate);
+    }
+  });
+}
+
+void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
+  const Routing& R = ctx->routing;
+  const int64_t routes = R.routes;
+  const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
+  delta_d_.reserve(static_cast<size_t>(std::max<int64_t>(routes * H, 1)));
+  for (int64_t p = 0; p < routes; ++p) {
+    const float w = R.weight[static_cast<size_t>(p)];
+    const float* dy = dyf_.data() + R.token[static_cast<size_t>(p)] * H;
+    float* d = delta_d_.data() + p * H;
+    for (int64_t h = 0; h < H; ++h) d[h] = w * dy[h];
+  }
+  items_.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (skipped_[static_cast<size_t>(e)]) continue;
+    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    if (!touched && accumulate) continue;
+    for (int64_t p = 0; p < 3; ++p) {
+      const int64_t out = p == kDown ? H : I;
+      for (int64_t ob = 0; ob < ceil_div(out, kRowChunk); ++ob) items_.push_back((e << 32) | (ob << 2) | p);
+    }
+  }
+  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t item = items_[static_cast<size_t>(it)];
+    const int64_t e = item >> 32;
+    const int p = static_cast<int>(item & 3);
+    const int64_t o0 = ((item & 0xffffffff) >> 2) * kRowChunk;
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t ob = std::min(kRowChunk, out - o0);
+    const int64_t p0 = R.offsets[static_cast<size_t>(e)];
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    std::vector<const float*>& rows = s.frows;
+    if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      const int64_t pos = p0 + i;
+      rows[static_cast<size_t>(i)] = p == kDown ? act_.data() + pos * I
+                                                : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+    }
+    const float* delta = p == kDown ? delta_d_.data() : (p == kGate ? dg_.data() : du_.data());
+    float* out_buf = s.grad.data();
+    K_.sgemm_tn(static_cast<int>(ob), static_cast<int>(in), n, delta + p0 * out + o0, out, rows.data(),
+                out_buf, in, false);
+    write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, out_buf, ob, in, false, c.opt.grad_scale,
+               accumulate);
+    if (opt.has_bias) {
+      for (int64_t o = 0; o < ob; ++o) {
+        float sum = 0.f;
+        for (int i = 0; i < n; ++i) sum += delta[(p0 + i) * out + o0 + o];
+        out_buf[o] = sum;
+      }
+      write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, o0, out_buf, 1, ob, false, c.opt.grad_scale,
+                 accumulate);
+    }
+  });
+}

@@ -1,0 +1,286 @@
+// Forward: route -> convert x once -> [LoRA A-projections of x] -> fused
+// gate+up GEMM with bias, LoRA and activation in its epilogue -> [LoRA
+// A-projection of a] -> down GEMM with bias, LoRA, routing weight and the
+// combine in its epilogue (each work item owns a block of output columns for
+// all tokens: no atomics, a fixed summation order).
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "moe/activation.h"
+#include "moe/args.h"
+#include "moe/blocking.h"
+#include "moe/moe_layer.h"
+
+using namespace kt;
+
+kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n) const {
+  const char* where = "kt_moe_forward";
+  ArgTable t(args, n, where, {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y});
+  const int required[] = {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y};
+  for (int id : required)
+    check(t[id] != nullptr, KT_ERR_NULL_POINTER,
+          std::string(where) + ": " + arg_name(id) + " is required");
+  ForwardCall c;
+  c.x = check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
+  c.T = c.x.shape[0];
+  check(c.T <= opt.max_tokens, KT_ERR_TOO_MANY_TOKENS,
+        std::string(where) + ": KT_ARG_X has " + std::to_string(c.T) +
+            " tokens; the layer's max_tokens is " + std::to_string(opt.max_tokens));
+  c.ids = check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {c.T, K}}, where);
+  c.w = check_tensor(t[KT_ARG_ROUTE_WEIGHTS],
+                     {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {c.T, K}}, where);
+  c.y = check_tensor(t[KT_ARG_Y], {"KT_ARG_Y", {c.x.dtype}, {c.T, H}, true}, where);
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = c.ids.get_int(t, j);
+      check(e >= -1 && e < E, KT_ERR_EXPERT_ID,
+            std::string(where) + ": KT_ARG_IDS[" + std::to_string(t) + "," + std::to_string(j) +
+                "] = " + std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
+    }
+  return c;
+}
+
+void kt_moe::check_ready_for_forward(const ForwardCall& c) const {
+  const char* where = "kt_moe_forward";
+  if (opt.mode == KT_MODE_LORA)
+    check(lora_ready_, KT_ERR_NOT_BOUND,
+          std::string(where) + ": LoRA mode: bind every targeted KT_ARG_LORA_A_* and KT_ARG_LORA_B_* first");
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = c.ids.get_int(t, j);
+      if (e < 0) continue;
+      check(loaded_[static_cast<size_t>(e)] || skipped_[static_cast<size_t>(e)], KT_ERR_NOT_LOADED,
+            std::string(where) + ": expert " + std::to_string(e) + " (KT_ARG_IDS[" +
+                std::to_string(t) + "," + std::to_string(j) +
+                "]) has no weights loaded and is not marked skipped");
+    }
+}
+
+void kt_moe::route(const ForwardCall& c, Routing* R) {
+  R->reserve(std::max<int64_t>(c.T, 1), K, E);
+  R->tokens = c.T;
+  std::fill(R->offsets.begin(), R->offsets.end(), 0);
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = c.ids.get_int(t, j);
+      if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e + 1)];
+    }
+  R->active.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (R->offsets[static_cast<size_t>(e + 1)] > 0) R->active.push_back(static_cast<int32_t>(e));
+    R->offsets[static_cast<size_t>(e + 1)] += R->offsets[static_cast<size_t>(e)];
+  }
+  R->routes = R->offsets[static_cast<size_t>(E)];
+  std::vector<int64_t>& fill = fill_;
+  fill.assign(R->offsets.begin(), R->offsets.end() - 1);
+  for (int64_t t = 0; t < c.T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = c.ids.get_int(t, j);
+      if (e < 0 || skipped_[static_cast<size_t>(e)]) continue;
+      const int64_t p = fill[static_cast<size_t>(e)]++;
+      R->token[static_cast<size_t>(p)] = static_cast<int32_t>(t);
+      R->slot[static_cast<size_t>(p)] = static_cast<int32_t>(t * K + j);
+      R->weight[static_cast<size_t>(p)] = c.w.get(t, j);
+    }
+}
+
+void kt_moe::chunk_items(const Routing& R) {
+  items_.clear();
+  for (int32_t e : R.active) {
+    const int64_t n = R.offsets[static_cast<size_t>(e + 1)] - R.offsets[static_cast<size_t>(e)];
+    for (int64_t c = 0; c < ceil_div(n, kRowChunk); ++c) items_.push_back((int64_t{e} << 32) | c);
+  }
+}
+
+void kt_moe::block_items(const Routing& R, int64_t cols) {
+  items_.clear();
+  for (int32_t e : R.active)
+    for (int64_t b = 0; b < ceil_div(cols, kBlockCols); ++b) items_.push_back((int64_t{e} << 32) | b);
+}
+
+void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, float* f32_copy) {
+  const int64_t n = src.shape[1];
+  engine->pool->run(ceil_div(T, 16), [&](int64_t blk, int tid) {
+    float* tmp = scratch_[static_cast<size_t>(tid)].grad.data();
+    for (int64_t t = blk * 16; t < std::min(T, blk * 16 + 16); ++t) {
+      const float* row;
+      if (src.dtype == DType::kF32) {
+        row = reinterpret_cast<const float*>(src.at(t, 0));
+      } else {
+        const bf16_t* b = reinterpret_cast<const bf16_t*>(src.at(t, 0));
+        for (int64_t i = 0; i < n; ++i) tmp[i] = bf16_to_f32(b[i]);
+        row = tmp;
+      }
+      if (f32_copy) std::memcpy(f32_copy + t * n, row, static_cast<size_t>(n) * sizeof(float));
+      K_.pack_a_f32(row, n, kp, static_cast<char*>(dst) + t * kp * a_size_);
+    }
+  });
+}
+
+void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool by_token,
+                          const float* src, int64_t ld, float* out) {
+  chunk_items(R);
+  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
+    const int64_t c = items_[static_cast<size_t>(it)] & 0xffffffff;
+    const int64_t p0 = R.offsets[static_cast<size_t>(e)] + c * kRowChunk;
+    const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e + 1)] - p0);
+    auto& rows = scratch_[static_cast<size_t>(tid)].frows;
+    for (int64_t i = 0; i < m; ++i)
+      rows[static_cast<size_t>(i)] =
+          by_token ? src + R.token[static_cast<size_t>(p0 + i)] * ld : src + (p0 + i) * ld;
+    K_.sgemm_nt(static_cast<int>(m), static_cast<int>(r), static_cast<int>(in), rows.data(),
+                mats + e * r * in, in, out + p0 * r, r, false);
+  });
+}
+
+void kt_moe::forward(const ForwardCall& c, kt_context* save) {
+  check_ready_for_forward(c);
+  const int64_t T = c.T;
+  Routing& R = save ? save->routing : routing_;
+  route(c, &R);
+  const int64_t routes = R.routes;
+  ThreadPool& pool = *engine->pool;
+  const int64_t kpH = gate_shape.kp, kpI = down_shape.kp;
+  const bool lora_gu = lora_on(kGate) || lora_on(kUp);
+
+  // Stage 0: x -> A format (and fp32 for LoRA / the saved context).
+  float* xf = nullptr;
+  if (save) {
+    save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    xf = save->xf.data();
+    save->x_dtype = c.x.dtype;
+  } else if (lora_gu) {
+    xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    xf = xf_.data();
+  }
+  xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
+  pack_rows_a(c.x, T, kpH, xa_.data(), xf);
+
+  // Saved or scratch intermediates.
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
+  float *g = nullptr, *u = nullptr, *la[3] = {nullptr, nullptr, nullptr};
+  if (save) {
+    save->g.reserve(rI);
+    save->u.reserve(rI);
+    g = save->g.data();
+    u = save->u.data();
+  }
+  for (int p = 0; p < 3; ++p) {
+    if (!lora_on(p)) continue;
+    Buffer<float>& b = save ? save->la[p] : la_tmp_[p];
+    b.reserve(rR);
+    la[p] = b.data();
+  }
+  if (lora_on(kDown)) act_.reserve(rI);
+  aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
+
+  // Stage 1: LoRA A-projections of x.
+  for (int p = kGate; p <= kUp; ++p)
+    if (lora_on(p)) project_rows(R, lora_[p].a.data(), H, true, xf, H, la[p]);
+
+  // Stage 2: gate + up + activation, items (expert, block of I).
+  const Activation act{opt.activation, opt.act_alpha, opt.act_limit};
+  const PanelShape gs = gate_shape;
+  block_items(R, I);
+  pool.run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
+    const int64_t col0 = (items_[static_cast<size_t>(it)] & 0xffffffff) * kBlockCols;
+    const int64_t ncols = std::min(kBlockCols, I - col0);
+    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+    const bf16_t* wg = w_[kGate].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    const bf16_t* wu = w_[kUp].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    float* cg = s.c[0].data();
+    float* cu = s.c[1].data();
+    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+      const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+      for (int i = 0; i < m; ++i)
+        s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false);
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false);
+      for (int q = kGate; q <= kUp; ++q) {
+        if (!lora_on(q)) continue;
+        for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
+        K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                    lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, kBlockCols, true);
+      }
+      for (int i = 0; i < m; ++i) {
+        float* gi = cg + i * kBlockCols;
+        float* ui = cu + i * kBlockCols;
+        const int64_t p = p0 + i;
+        if (opt.has_bias) {
+          const float* bg = b_[kGate].data() + e * I + col0;
+          const float* bu = b_[kUp].data() + e * I + col0;
+          for (int64_t j = 0; j < ncols; ++j) {
+            gi[j] += bg[j];
+            ui[j] += bu[j];
+          }
+        }
+        if (g) {
+          std::memcpy(g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
+          std::memcpy(u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
+        }
+        for (int64_t j = 0; j < ncols; ++j) gi[j] = act.forward(gi[j], ui[j]);
+        if (lora_on(kDown))
+          std::memcpy(act_.data() + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
+        K_.pack_a_f32(gi, ncols, std::min(kBlockCols, kpI - col0), aa_.data() + (p * kpI + col0) * a_size_);
+      }
+    }
+  });
+
+  // Stage 3: LoRA A-projection of a.
+  if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
+
+  // Stage 4: down + bias + LoRA + routing weight + combine, items = blocks of H.
+  const PanelShape ds = down_shape;
+  acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+  float* acc = acc_.data();
+  pool.run(ceil_div(H, kBlockCols), [&](int64_t hb, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t col0 = hb * kBlockCols;
+    const int64_t ncols = std::min(kBlockCols, H - col0);
+    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * H + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+    float* co = s.c[0].data();
+    for (int32_t e : R.active) {
+      const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
+      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
+      const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+      for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+        const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
+        K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false);
+        if (lora_on(kDown)) {
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
+          K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                      lora_[kDown].sbt.data() + e * r * H + col0, H, co, kBlockCols, true);
+        }
+        for (int i = 0; i < m; ++i) {
+          const int64_t p = p0 + i;
+          const float w = R.weight[static_cast<size_t>(p)];
+          float* dst = acc + R.token[static_cast<size_t>(p)] * H + col0;
+          const float* ci = co + i * kBlockCols;
+          if (bd) {
+            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * (ci[j] + bd[j]);
+          } else {
+            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * ci[j];
+          }
+        }
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const float* src = acc + t * H + col0;
+      char* dst = c.y.at(t, col0);
+      if (c.y.dtype == DType::kF32) {
+        std::memcpy(dst, src, static_cast<size_t>(ncols) * sizeof(float));
+      } else {
+        bf16_t* d = reinterpret_cast<bf16_t*>(dst);
+        for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
+      }
+    }
+  });
+}

@@ -1,0 +1,398 @@
+#include "moe/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "moe/activation.h"
+#include "moe/args.h"
+#include "moe/blocking.h"
+
+namespace kt {
+
+void Routing::reserve(int64_t max_tokens, int64_t k, int64_t experts) {
+  offsets.resize(static_cast<size_t>(experts + 1));
+  active.reserve(static_cast<size_t>(experts));
+  token.reserve(static_cast<size_t>(max_tokens * k));
+  slot.reserve(static_cast<size_t>(max_tokens * k));
+  weight.reserve(static_cast<size_t>(max_tokens * k));
+}
+
+void Routing::copy_from(const Routing& o) {
+  tokens = o.tokens;
+  routes = o.routes;
+  offsets = o.offsets;
+  active = o.active;
+  token.reserve(static_cast<size_t>(routes));
+  slot.reserve(static_cast<size_t>(routes));
+  weight.reserve(static_cast<size_t>(routes));
+  if (routes) {
+    std::memcpy(token.data(), o.token.data(), static_cast<size_t>(routes) * 4);
+    std::memcpy(slot.data(), o.slot.data(), static_cast<size_t>(routes) * 4);
+    std::memcpy(weight.data(), o.weight.data(), static_cast<size_t>(routes) * 4);
+  }
+}
+
+}  // namespace kt
+
+using namespace kt;
+
+kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
+    : engine(eng), opt(o), K_(*eng->kernels), a_size_(eng->kernels->a_elem_size) {
+  E = o.num_experts;
+  K = o.top_k;
+  H = o.hidden;
+  I = o.intermediate;
+  r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
+  if (o.mode == KT_MODE_LORA)
+    lora_scale = o.use_rslora ? o.lora_alpha / std::sqrt(static_cast<float>(r))
+                              : o.lora_alpha / static_cast<float>(r);
+  gate_shape = PanelShape::of(I, H);
+  down_shape = PanelShape::of(H, I);
+  w_[kGate].resize(static_cast<size_t>(E * gate_shape.elements()));
+  w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
+  w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
+  if (o.has_bias) {
+    b_[kGate].resize(static_cast<size_t>(E * I));
+    b_[kUp].resize(static_cast<size_t>(E * I));
+    b_[kDown].resize(static_cast<size_t>(E * H));
+  }
+  loaded_.assign(static_cast<size_t>(E), 0);
+  skipped_.assign(static_cast<size_t>(E), 0);
+  for (int p = 0; p < 3; ++p) {
+    if (!lora_on(p)) continue;
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    lora_[p].a.resize(static_cast<size_t>(E * r * in));
+    lora_[p].sbt.resize(static_cast<size_t>(E * r * out));
+  }
+  kt_load_options_init(&bound_load_options_);
+  routing_.reserve(0, K, E);
+  const int64_t nb = std::max(ceil_div(I, kBlockCols), ceil_div(H, kBlockCols));
+  items_.resize(static_cast<size_t>(E * std::max<int64_t>(nb, 3) * 2 + 16));
+  const int64_t kpad = std::max(round_up(H, kPanelRows), round_up(I, kPanelRows));
+  const int64_t wide = std::max(H, I);
+  scratch_.resize(static_cast<size_t>(engine->pool->size()));
+  for (auto& s : scratch_) {
+    for (int i = 0; i < 2; ++i) {
+      s.panels[i].resize(static_cast<size_t>(kBlockCols * kpad));
+      s.c[i].resize(static_cast<size_t>(kRowChunk * kBlockCols));
+    }
+    s.grad.resize(static_cast<size_t>(std::max<int64_t>(kRowChunk, r) * wide));
+    s.rows.resize(static_cast<size_t>(kRowChunk));
+    s.frows.resize(static_cast<size_t>(kRowChunk));
+  }
+  engine->num_layers.fetch_add(1);
+}
+
+kt_moe::~kt_moe() {
+  for (kt_context* c : contexts_) delete c;
+  engine->num_layers.fetch_sub(1);
+  magic = 0;
+}
+
+// ------------------------------------------------------------------ loading
+
+namespace {
+
+const std::initializer_list<DType> kWeightDtypes = {DType::kBF16, DType::kF16, DType::kF32};
+const std::initializer_list<DType> kParamDtypes = {DType::kF32, DType::kBF16};
+
+struct WeightSet {
+  View gate, up, down, gate_up, bg, bu, bd, bgu, map;
+  bool has[9] = {};
+};
+
+enum WeightSlot { sGate, sUp, sDown, sGateUp, sBg, sBu, sBd, sBgu, sMap };
+
+}  // namespace
+
+static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const ArgTable& args,
+                               int64_t single, const char* where) {
+  WeightSet ws;
+  const bool stacked = single < 0;
+  int64_t P = m.E;
+  if (args[KT_ARG_EXPERT_MAP]) {
+    check(stacked, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": KT_ARG_EXPERT_MAP is for stacked loads only");
+    ws.map = check_tensor(args[KT_ARG_EXPERT_MAP], {"KT_ARG_EXPERT_MAP", {DType::kI32, DType::kI64}, {-1}},
+                          where);
+    ws.has[sMap] = true;
+    P = ws.map.shape[0];
+    std::vector<uint8_t> seen(static_cast<size_t>(m.E), 0);
+    for (int64_t p = 0; p < P; ++p) {
+      const int64_t e = ws.map.get_int(p);
+      check(e >= 0 && e < m.E, KT_ERR_EXPERT_ID,
+            std::string(where) + ": KT_ARG_EXPERT_MAP[" + std::to_string(p) + "] = " +
+                std::to_string(e) + " is outside [0, " + std::to_string(m.E) + ")");
+      check(!seen[static_cast<size_t>(e)], KT_ERR_EXPERT_ID,
+            std::string(where) + ": KT_ARG_EXPERT_MAP names expert " + std::to_string(e) + " twice");
+      seen[static_cast<size_t>(e)] = 1;
+    }
+  }
+  const bool in_out = lo.orientation == KT_ORIENT_IN_OUT;
+  // Expected logical (out x in) extents; the tensor is given transposed when in_out.
+  auto weight = [&](int id, int64_t out, int64_t in, View* v, int slot) {
+    if (!args[id]) return;
+    const char* name = arg_name(id);
+    int64_t d0 = in_out ? in : out, d1 = in_out ? out : in;
+    if (stacked)
+      *v = check_tensor(args[id], {name, kWeightDtypes, {P, d0, d1}}, where);
+    else
+      *v = check_tensor(args[id], {name, kWeightDtypes, {d0, d1}}, where);
+    if (in_out) *v = v->transposed();
+    ws.has[slot] = true;
+  };
+  auto bias = [&](int id, int64_t n, View* v, int slot) {
+    if (!args[id]) return;
+    check(m.opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": " + arg_name(id) + " given but the layer has no biases");
+    if (stacked)
+      *v = check_tensor(args[id], {arg_name(id), kWeightDtypes, {P, n}}, where);
+    else
+      *v = check_tensor(args[id], {arg_name(id), kWeightDtypes, {n}}, where);
+    ws.has[slot] = true;
+  };
+  weight(KT_ARG_W_GATE, m.I, m.H, &ws.gate, sGate);
+  weight(KT_ARG_W_UP, m.I, m.H, &ws.up, sUp);
+  weight(KT_ARG_W_GATE_UP, 2 * m.I, m.H, &ws.gate_up, sGateUp);
+  weight(KT_ARG_W_DOWN, m.H, m.I, &ws.down, sDown);
+  bias(KT_ARG_B_GATE, m.I, &ws.bg, sBg);
+  bias(KT_ARG_B_UP, m.I, &ws.bu, sBu);
+  bias(KT_ARG_B_GATE_UP, 2 * m.I, &ws.bgu, sBgu);
+  bias(KT_ARG_B_DOWN, m.H, &ws.bd, sBd);
+  const std::string w = where;
+  check(!(ws.has[sGateUp] && (ws.has[sGate] || ws.has[sUp])), KT_ERR_INVALID_ARGUMENT,
+        w + ": give KT_ARG_W_GATE_UP or KT_ARG_W_GATE + KT_ARG_W_UP, not both");
+  check(ws.has[sGateUp] || (ws.has[sGate] && ws.has[sUp]), KT_ERR_NULL_POINTER,
+        w + ": KT_ARG_W_GATE and KT_ARG_W_UP (or KT_ARG_W_GATE_UP) are required");
+  check(ws.has[sDown], KT_ERR_NULL_POINTER, w + ": KT_ARG_W_DOWN is required");
+  if (m.opt.has_bias) {
+    check(!(ws.has[sBgu] && (ws.has[sBg] || ws.has[sBu])), KT_ERR_INVALID_ARGUMENT,
+          w + ": give KT_ARG_B_GATE_UP or KT_ARG_B_GATE + KT_ARG_B_UP, not both");
+    check(ws.has[sBgu] || (ws.has[sBg] && ws.has[sBu]), KT_ERR_NULL_POINTER,
+          w + ": the layer has biases: KT_ARG_B_GATE and KT_ARG_B_UP (or KT_ARG_B_GATE_UP) are required");
+    check(ws.has[sBd], KT_ERR_NULL_POINTER,
+          w + ": the layer has biases: KT_ARG_B_DOWN is required");
+  }
+  return ws;
+}
+
+static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& lo, int64_t single,
+                         kt::Buffer<bf16_t>* w, kt::Buffer<float>* b, std::vector<uint8_t>& loaded) {
+  const bool stacked = single < 0;
+  const int64_t P = ws.has[sMap] ? ws.map.shape[0] : (stacked ? m.E : 1);
+  const bool inter = lo.gate_up_order == KT_GATE_UP_INTERLEAVED;
+  auto logical = [&](int64_t p) { return ws.has[sMap] ? ws.map.get_int(p) : (stacked ? p : single); };
+  auto part = [&](const View& v, int64_t p) { return stacked ? v.slice0(p) : v; };
+  auto bias_copy = [&](const View& v, int64_t p, int64_t start, int64_t step, int64_t n, float* dst) {
+    // v is [P, n'] (stacked) or [n'].
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = start + i * step;
+      dst[i] = stacked ? v.get(p, j) : load_as_f32(v.at(j), v.dtype);
+    }
+  };
+  const PanelShape gs = m.gate_shape, ds = m.down_shape;
+  m.engine->pool->run(P, [&](int64_t p, int) {
+    const int64_t e = logical(p);
+    bf16_t* wg = w[kGate].data() + e * gs.elements();
+    bf16_t* wu = w[kUp].data() + e * gs.elements();
+    bf16_t* wd = w[kDown].data() + e * ds.elements();
+    if (ws.has[sGateUp]) {
+      const View gu = part(ws.gate_up, p);
+      pack_bf16_panels(gu, 0, inter ? 2 : 1, gs, wg);
+      pack_bf16_panels(gu, inter ? 1 : m.I, inter ? 2 : 1, gs, wu);
+    } else {
+      pack_bf16_panels(part(ws.gate, p), 0, 1, gs, wg);
+      pack_bf16_panels(part(ws.up, p), 0, 1, gs, wu);
+    }
+    pack_bf16_panels(part(ws.down, p), 0, 1, ds, wd);
+    if (m.opt.has_bias) {
+      float* bg = b[kGate].data() + e * m.I;
+      float* bu = b[kUp].data() + e * m.I;
+      if (ws.has[sBgu]) {
+        bias_copy(ws.bgu, p, 0, inter ? 2 : 1, m.I, bg);
+        bias_copy(ws.bgu, p, inter ? 1 : m.I, inter ? 2 : 1, m.I, bu);
+      } else {
+        bias_copy(ws.bg, p, 0, 1, m.I, bg);
+        bias_copy(ws.bu, p, 0, 1, m.I, bu);
+      }
+      bias_copy(ws.bd, p, 0, 1, m.H, b[kDown].data() + e * m.H);
+    }
+  });
+  for (int64_t p = 0; p < P; ++p) loaded[static_cast<size_t>(logical(p))] = 1;
+}
+
+void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single,
+                  const char* where) {
+  check(lo.orientation == KT_ORIENT_OUT_IN || lo.orientation == KT_ORIENT_IN_OUT,
+        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->orientation is not a kt_weight_orientation");
+  check(lo.gate_up_order == KT_GATE_UP_CONCAT || lo.gate_up_order == KT_GATE_UP_INTERLEAVED,
+        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->gate_up_order is not a kt_gate_up_order");
+  if (single >= 0 || single < -1)
+    check(single >= 0 && single < E, KT_ERR_EXPERT_ID,
+          std::string(where) + ": expert " + std::to_string(single) + " is outside [0, " +
+              std::to_string(E) + ")");
+  ArgTable table(args, n, where,
+                 {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
+                  KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
+  WeightSet ws = parse_weights(*this, lo, table, single, where);
+  pack_weights(*this, ws, lo, single, w_, b_, loaded_);
+}
+
+void kt_moe::set_skipped(const DLTensor* mask) {
+  View v = check_tensor(mask, {"mask", {DType::kBool, DType::kU8, DType::kI8, DType::kI32, DType::kI64}, {E}},
+                        "kt_moe_set_skipped");
+  for (int64_t e = 0; e < E; ++e) skipped_[static_cast<size_t>(e)] = v.get_int(e) != 0;
+}
+
+int64_t kt_moe::num_loaded() const {
+  int64_t n = 0;
+  for (int64_t e = 0; e < E; ++e) n += loaded_[static_cast<size_t>(e)] && !skipped_[static_cast<size_t>(e)];
+  return n;
+}
+
+// ------------------------------------------------------------ parameters
+
+void kt_moe::bind(const kt_arg* args, size_t n) {
+  const char* where = "kt_moe_bind";
+  check(n == 0 || args != nullptr, KT_ERR_NULL_POINTER, "kt_moe_bind: args is NULL");
+  std::vector<std::pair<int, View>> accepted;
+  for (size_t i = 0; i < n; ++i) {
+    const int id = args[i].id;
+    const char* name = arg_name(id);
+    check(name != nullptr && id >= KT_ARG_W_GATE && id != KT_ARG_EXPERT_MAP, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": " + id_string(id) + " cannot be bound");
+    for (auto& a : accepted)
+      check(a.first != id, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + name + " given twice");
+    const bool lora_id = id >= KT_ARG_LORA_A_GATE && id <= KT_ARG_GRAD_LORA_B_DOWN;
+    if (lora_id) {
+      check(opt.mode == KT_MODE_LORA, KT_ERR_MODE,
+            std::string(where) + ": " + name + " needs a layer in KT_MODE_LORA");
+      const int rel = (id >= KT_ARG_GRAD_LORA_A_GATE ? id - KT_ARG_GRAD_LORA_A_GATE : id - KT_ARG_LORA_A_GATE);
+      const int p = rel / 2;
+      const bool is_a = rel % 2 == 0;
+      check(lora_on(p), KT_ERR_INVALID_ARGUMENT,
+            std::string(where) + ": " + name + ": that projection is not a LoRA target of this layer");
+      const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+      View v = is_a ? check_tensor(args[i].tensor, {name, kParamDtypes, {E, r, in}}, where)
+                    : check_tensor(args[i].tensor, {name, kParamDtypes, {E, out, r}}, where);
+      accepted.emplace_back(id, v);
+      continue;
+    }
+    check(opt.mode == KT_MODE_FULL, KT_ERR_MODE,
+          std::string(where) + ": " + name + " needs a layer in KT_MODE_FULL");
+    check(id != KT_ARG_W_GATE_UP && id != KT_ARG_B_GATE_UP, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": bind gate and up separately (" + name + ")");
+    const bool grad = id >= KT_ARG_GRAD_W_GATE;
+    const int base = grad ? id - KT_ARG_GRAD_W_GATE + KT_ARG_W_GATE : id;
+    const bool is_bias = base >= KT_ARG_B_GATE;
+    if (is_bias)
+      check(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+            std::string(where) + ": " + name + " given but the layer has no biases");
+    const int p = is_bias ? base - KT_ARG_B_GATE : base - KT_ARG_W_GATE;
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const auto& dts = grad ? kParamDtypes : kWeightDtypes;
+    View v = is_bias ? check_tensor(args[i].tensor, {name, dts, {E, out}}, where)
+                     : check_tensor(args[i].tensor, {name, dts, {E, out, in}}, where);
+    accepted.emplace_back(id, v);
+  }
+  for (auto& a : accepted) {
+    bound_[a.first].set = true;
+    bound_[a.first].view = a.second;
+  }
+  bool lora_bound = opt.mode == KT_MODE_LORA;
+  for (int p = 0; p < 3 && lora_bound; ++p)
+    if (lora_on(p))
+      lora_bound = bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set;
+  if (lora_bound) snapshot_lora();
+}
+
+void kt_moe::snapshot_lora() {
+  for (int p = 0; p < 3; ++p) {
+    if (!lora_on(p)) continue;
+    const View& A = bound_[KT_ARG_LORA_A_GATE + 2 * p].view;
+    const View& B = bound_[KT_ARG_LORA_B_GATE + 2 * p].view;
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    float* a = lora_[p].a.data();
+    float* sbt = lora_[p].sbt.data();
+    engine->pool->run(E, [&](int64_t e, int) {
+      for (int64_t q = 0; q < r; ++q)
+        for (int64_t i = 0; i < in; ++i) a[(e * r + q) * in + i] = A.get(e, q, i);
+      for (int64_t o = 0; o < out; ++o)
+        for (int64_t q = 0; q < r; ++q) sbt[(e * r + q) * out + o] = lora_scale * B.get(e, o, q);
+    });
+  }
+  lora_ready_ = true;
+}
+
+void kt_moe::params_changed() {
+  if (opt.mode == KT_MODE_LORA) {
+    for (int p = 0; p < 3; ++p)
+      if (lora_on(p))
+        check(bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set,
+              KT_ERR_NOT_BOUND, "kt_moe_params_changed: the LoRA factors are not all bound");
+    snapshot_lora();
+  } else if (opt.mode == KT_MODE_FULL) {
+    const int need[] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
+    for (int id : need)
+      check(bound_[id].set, KT_ERR_NOT_BOUND,
+            std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
+    WeightSet ws;
+    ws.gate = bound_[KT_ARG_W_GATE].view;
+    ws.up = bound_[KT_ARG_W_UP].view;
+    ws.down = bound_[KT_ARG_W_DOWN].view;
+    ws.has[sGate] = ws.has[sUp] = ws.has[sDown] = true;
+    if (opt.has_bias) {
+      const int bneed[] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
+      for (int id : bneed)
+        check(bound_[id].set, KT_ERR_NOT_BOUND,
+              std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
+      ws.bg = bound_[KT_ARG_B_GATE].view;
+      ws.bu = bound_[KT_ARG_B_UP].view;
+      ws.bd = bound_[KT_ARG_B_DOWN].view;
+      ws.has[sBg] = ws.has[sBu] = ws.has[sBd] = true;
+    }
+    pack_weights(*this, ws, bound_load_options_, -1, w_, b_, loaded_);
+  }
+}
+
+// ------------------------------------------------------------ contexts
+
+kt_context* kt_moe::new_context() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  kt_context* c;
+  if (!free_contexts_.empty()) {
+    c = free_contexts_.back();
+    free_contexts_.pop_back();
+  } else {
+    c = new kt_context;
+  }
+  c->magic = kt_context::kMagic;
+  c->layer = this;
+  c->state = kt_context::kPending;
+  c->released = false;
+  contexts_.insert(c);
+  return c;
+}
+
+void kt_moe::release_context(kt_context* c) {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  if (!contexts_.count(c)) return;
+  if (c->state == kt_context::kPending) {  // its forward job still runs
+    c->released = true;
+    return;
+  }
+  contexts_.erase(c);
+  c->magic = 0;
+  // Keep a few for reuse so steady-state training does not allocate.
+  if (free_contexts_.size() < 8) {
+    free_contexts_.push_back(c);
+  } else {
+    delete c;
+  }
+}
+
+bool kt_moe::owns(const kt_context* c) const {
+  return contexts_.count(const_cast<kt_context*>(c)) != 0;
+}

@@ -1,0 +1,162 @@
+// kt_moe: one MoE layer's routed experts — packed weights, LoRA snapshot,
+// bound gradient buffers, workspaces, saved contexts — and the forward and
+// backward algorithms, written once over the kernel table.
+#pragma once
+
+#include <cstdint>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "core/buffer.h"
+#include "core/tensor.h"
+#include "formats/packed_bf16.h"
+#include "kt_c_api.h"
+#include "runtime/engine.h"
+
+namespace kt {
+
+// Routes sorted by expert: position p (expert-major, then token, then slot).
+struct Routing {
+  int64_t tokens = 0;
+  int64_t routes = 0;                 // valid routes (not -1, not skipped)
+  std::vector<int64_t> offsets;       // [E+1] start of each expert's positions
+  std::vector<int32_t> active;        // experts with >= 1 route, ascending
+  Buffer<int32_t> token;              // [routes] token of position p
+  Buffer<int32_t> slot;               // [routes] t*k + j of position p
+  Buffer<float> weight;               // [routes] routing weight of position p
+  void reserve(int64_t max_tokens, int64_t k, int64_t experts);
+  void copy_from(const Routing& o);
+};
+
+// Trainable factors of one projection: A [E, r, in], and s*B^T [E, r, out].
+struct LoraFactors {
+  Buffer<float> a;
+  Buffer<float> sbt;
+};
+
+enum Proj { kGate = 0, kUp = 1, kDown = 2 };
+
+}  // namespace kt
+
+struct kt_context {
+  static constexpr uint32_t kMagic = 0x6b746378u;
+  uint32_t magic = kMagic;
+  kt_moe* layer = nullptr;
+  enum State { kPending, kReady, kSpent, kFailed } state = kPending;
+  bool released = false;  // host released it while its forward was pending
+  bool backward_queued = false;
+  kt::DType x_dtype = kt::DType::kF32;
+  kt::Routing routing;
+  kt::Buffer<float> xf;    // [T, H] fp32 input
+  kt::Buffer<float> g, u;  // [routes, I] pre-activation
+  kt::Buffer<float> la[3]; // [routes, r] LoRA A-projections (gate, up, down)
+};
+
+struct kt_moe {
+  static constexpr uint32_t kMagic = 0x6b746d6fu;
+  uint32_t magic = kMagic;
+  kt_engine* engine;
+  kt_moe_options opt;
+  int64_t E, K, H, I, r;
+  float lora_scale = 0.f;
+  kt::PanelShape gate_shape, down_shape;  // [I,H] (gate and up), [H,I]
+
+  kt_moe(kt_engine* engine, const kt_moe_options& options);
+  ~kt_moe();
+
+  void load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single_expert,
+            const char* where);
+  void set_skipped(const DLTensor* mask);
+  void bind(const kt_arg* args, size_t n);
+  void params_changed();
+  int64_t num_loaded() const;
+
+  // Checks arguments; returns the parsed call (throws kt::Error).
+  struct ForwardCall {
+    kt::View x, ids, w, y;
+    int64_t T = 0;
+  };
+  ForwardCall check_forward(const kt_arg* args, size_t n) const;
+  // Runs under the engine's compute lock; rechecks what depends on state.
+  void forward(const ForwardCall& call, kt_context* save);
+  void check_ready_for_forward(const ForwardCall& call) const;
+
+  struct BackwardCall {
+    kt::View dy, dx, dw;
+    bool has_dx = false, has_dw = false;
+    kt_backward_options opt;
+  };
+  BackwardCall check_backward(const kt_context* ctx, const kt_backward_options* o,
+                              const kt_arg* args, size_t n) const;
+  // Checks that need the layer's current state (bound buffers); run under
+  // the engine's compute lock, also by submitted jobs when they start.
+  void check_backward_state(const BackwardCall& call) const;
+  void backward(kt_context* ctx, const BackwardCall& call);
+
+  kt_context* new_context();
+  void release_context(kt_context* ctx);
+  bool owns(const kt_context* ctx) const;
+
+  kt_grad_ready_fn grad_hook = nullptr;
+  void* grad_hook_user = nullptr;
+  mutable std::mutex state_mutex;  // contexts, hook, pending job count
+  std::unordered_set<kt_job*> jobs;  // submitted, not ended
+  std::condition_variable jobs_done;
+
+ private:
+  bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
+  void route(const ForwardCall& call, kt::Routing* out);
+  void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
+  void snapshot_lora();
+  void chunk_items(const kt::Routing& R);                // (expert, row chunk)
+  void block_items(const kt::Routing& R, int64_t cols);  // (expert, column block)
+  // out[pos] = row(pos) . M[e]^T for every position, M = mats + e*r*in
+  // ([r, in] per expert); row(pos) = src + token(pos)*ld when by_token, else
+  // src + pos*ld.
+  void project_rows(const kt::Routing& R, const float* mats, int64_t in, bool by_token,
+                    const float* src, int64_t ld, float* out);
+  void lora_gradients(kt_context* ctx, const BackwardCall& c);
+  void full_gradients(kt_context* ctx, const BackwardCall& c);
+  // dst[e][row0 + i][j] (=|+=) scale * src(i, j); src is [rows, cols], or
+  // [cols, rows] when transpose_src. A 2-D dst ([E, n], biases) takes rows == 1.
+  void write_grad(const kt::View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
+                  int64_t cols, bool transpose_src, float scale, bool accumulate) const;
+
+  const kt::Kernels& K_;
+  int a_size_;  // bytes per A-format element
+  // Packed base weights [E][panels] and fp32 biases.
+  kt::Buffer<kt::bf16_t> w_[3];
+  kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
+  std::vector<uint8_t> loaded_, skipped_;
+  kt::LoraFactors lora_[3];
+  bool lora_ready_ = false;
+  // Bound tensors (retained views), indexed by kt_arg_id.
+  struct Bound {
+    bool set = false;
+    kt::View view;
+  };
+  Bound bound_[80];
+  kt_load_options bound_load_options_;
+
+  // Workspaces, sized on first use up to max_tokens.
+  kt::Routing routing_;
+  kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
+  kt::Buffer<float> xf_, gbuf_, ubuf_, act_, acc_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_,
+      delta_d_, scaled_[2];
+  std::vector<int64_t> items_;
+  std::vector<int64_t> fill_;
+  struct ThreadScratch {
+    kt::Buffer<kt::bf16_t> panels[2];
+    kt::Buffer<float> c[2];
+    kt::Buffer<float> grad;
+    std::vector<const void*> rows;
+    std::vector<const float*> frows;
+  };
+  std::vector<ThreadScratch> scratch_;
+
+  std::unordered_set<kt_context*> contexts_;
+  std::vector<kt_context*> free_contexts_;
+};

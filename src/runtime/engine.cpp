@@ -1,0 +1,141 @@
+#include "runtime/engine.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace kt {
+
+bool parse_isa(const char* text, kt_isa* out) {
+  static const struct {
+    const char* name;
+    kt_isa isa;
+  } names[] = {{"auto", KT_ISA_AUTO}, {"ref", KT_ISA_REF}, {"avx2", KT_ISA_AVX2},
+               {"avx512bf16", KT_ISA_AVX512BF16}, {"amx", KT_ISA_AMX}};
+  for (const auto& n : names)
+    if (std::strcmp(text, n.name) == 0) {
+      *out = n.isa;
+      return true;
+    }
+  return false;
+}
+
+kt_isa effective_isa_cap(kt_isa requested) {
+  kt_isa cap = requested == KT_ISA_AUTO ? KT_ISA_AMX : requested;
+  const char* env = std::getenv("KT_MAX_ISA");
+  kt_isa env_cap;
+  if (env && *env && parse_isa(env, &env_cap) && env_cap != KT_ISA_AUTO && env_cap < cap)
+    cap = env_cap;
+  return cap;
+}
+
+}  // namespace kt
+
+void kt_job::execute() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (state != 0) return;
+    state = 1;
+  }
+  kt_status st = KT_OK;
+  std::string msg;
+  try {
+    work();
+  } catch (const kt::Error& e) {
+    st = e.status();
+    msg = e.what();
+  } catch (const std::bad_alloc&) {
+    st = KT_ERR_OUT_OF_MEMORY;
+    msg = "out of memory while running a job";
+  } catch (const std::exception& e) {
+    st = KT_ERR_INTERNAL;
+    msg = std::string("internal error in a job: ") + e.what();
+  } catch (...) {
+    st = KT_ERR_INTERNAL;
+    msg = "internal error in a job";
+  }
+  work = nullptr;  // drop captured state (and with it references to handles)
+  std::lock_guard<std::mutex> lock(mutex);
+  status = st;
+  message = msg;
+  state = 2;
+  cv.notify_all();
+}
+
+void kt_job::wait() {
+  bool run_here;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    run_here = deferred && state == 0;
+  }
+  if (run_here) execute();
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [this] { return state == 2; });
+}
+
+kt_engine::kt_engine(const kt_engine_options& o) {
+  verbosity = o.verbosity;
+  if (verbosity < 0) {
+    const char* env = std::getenv("KT_VERBOSE");
+    verbosity = env ? std::atoi(env) : 0;
+  }
+  log_fn = o.log_fn;
+  log_user = o.log_user;
+  cpu_isa = kt::detect_cpu_isa();
+  kernels = &kt::select_kernels(kt::effective_isa_cap(o.max_isa));
+  std::vector<int> cpus = kt::allowed_cpus();
+  int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
+  pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
+  log(1, std::string("engine: cpu isa ") + kt_isa_name(cpu_isa) + ", kernels " +
+             kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + "), " + std::to_string(n) +
+             " threads" + (o.pin_threads ? " pinned" : ""));
+}
+
+kt_engine::~kt_engine() {
+  {
+    std::lock_guard<std::mutex> lock(jobs_mutex_);
+    stop_ = true;
+  }
+  jobs_cv_.notify_all();
+  if (job_thread_.joinable()) job_thread_.join();
+  magic = 0;
+}
+
+void kt_engine::log(int level, const std::string& message) const {
+  if (level > verbosity) return;
+  if (log_fn) {
+    log_fn(level, message.c_str(), log_user);
+  } else {
+    std::fprintf(stderr, "kt: %s\n", message.c_str());
+  }
+}
+
+void kt_engine::enqueue(kt_job* job) {
+  std::lock_guard<std::mutex> lock(jobs_mutex_);
+  if (!job_thread_.joinable()) job_thread_ = std::thread([this] { job_loop(); });
+  queue_.push_back(job);
+  jobs_cv_.notify_all();
+}
+
+void kt_engine::drain() {
+  std::unique_lock<std::mutex> lock(jobs_mutex_);
+  idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+}
+
+void kt_engine::job_loop() {
+  std::unique_lock<std::mutex> lock(jobs_mutex_);
+  for (;;) {
+    jobs_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+    if (queue_.empty()) return;  // stop requested and nothing left
+    kt_job* job = queue_.front();
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    job->execute();
+    lock.lock();
+    busy_ = false;
+    if (queue_.empty()) idle_cv_.notify_all();
+  }
+}

@@ -1,0 +1,74 @@
+// kt_engine: kernels chosen for this CPU, the worker pool, the job thread
+// that runs submitted (asynchronous) work, and logging. No globals: two
+// engines in one process are independent.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "kernels/kernels.h"
+#include "kt_c_api.h"
+#include "runtime/thread_pool.h"
+
+// A unit of submitted work. Its closure owns copies of the argument
+// descriptors; the tensors' memory stays the host's.
+struct kt_job {
+  std::function<void()> work;  // throws kt::Error on failure
+  bool deferred = false;
+  std::mutex mutex;
+  std::condition_variable cv;
+  int state = 0;  // 0 waiting, 1 running, 2 ended
+  kt_status status = KT_OK;
+  std::string message;
+  kt_engine* engine = nullptr;
+
+  // Runs the work on the calling thread once; later calls return at once.
+  void execute();
+  void wait();
+};
+
+struct kt_engine {
+  static constexpr uint32_t kMagic = 0x6b74656eu;  // "kten"
+  uint32_t magic = kMagic;
+  int verbosity = 0;
+  kt_log_fn log_fn = nullptr;
+  void* log_user = nullptr;
+  const kt::Kernels* kernels = nullptr;
+  kt_isa cpu_isa = KT_ISA_REF;
+  std::unique_ptr<kt::ThreadPool> pool;
+  // One computation at a time on the pool.
+  std::mutex compute_mutex;
+  std::atomic<int> num_layers{0};
+
+  explicit kt_engine(const kt_engine_options& options);
+  ~kt_engine();
+
+  void log(int level, const std::string& message) const;
+  // Queues a non-deferred job on the job thread.
+  void enqueue(kt_job* job);
+  // Blocks until every queued job has ended.
+  void drain();
+
+ private:
+  void job_loop();
+  std::mutex jobs_mutex_;
+  std::condition_variable jobs_cv_;
+  std::condition_variable idle_cv_;
+  std::deque<kt_job*> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread job_thread_;
+};
+
+namespace kt {
+// Resolves the ISA cap of options + env KT_MAX_ISA (the lower wins).
+kt_isa effective_isa_cap(kt_isa requested);
+bool parse_isa(const char* text, kt_isa* out);
+}  // namespace kt

@@ -1,0 +1,58 @@
+// The engine's worker pool: persistent (optionally pinned) threads that
+// self-schedule work items from an atomic counter. No allocation per run.
+// Results are deterministic when each item writes only its own outputs.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace kt {
+
+class ThreadPool {
+ public:
+  // cpus: CPU ids to pin worker i to cpus[i] (empty = not pinned).
+  ThreadPool(int num_threads, const std::vector<int>& cpus);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const { return static_cast<int>(workers_.size()); }
+
+  // Runs fn(item, thread_index) for item in [0, n) on the workers and returns
+  // when all are done. Rethrows the first exception an item threw. One run at
+  // a time (callers serialise on the engine).
+  template <class F>
+  void run(int64_t n, F&& fn) {
+    if (n <= 0) return;
+    auto thunk = [](void* f, int64_t item, int tid) { (*static_cast<F*>(f))(item, tid); };
+    run_impl(n, thunk, &fn);
+  }
+
+ private:
+  using Thunk = void (*)(void*, int64_t, int);
+  void run_impl(int64_t n, Thunk thunk, void* fn);
+  void worker_loop(int index);
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  int active_ = 0;
+  Thunk thunk_ = nullptr;
+  void* fn_ = nullptr;
+  int64_t n_ = 0;
+  std::atomic<int64_t> next_{0};
+  std::exception_ptr error_;
+};
+
+// CPUs in this process's affinity mask, in increasing order.
+std::vector<int> allowed_cpus();
+
+}  // namespace kt
