@@ -1,0 +1,37 @@
+#!/bin/sh
+# Sets up a fresh Debian machine for kt (apt packages), builds, and runs
+#   tools/bootstrap.sh demo   the main job: a synthetic Qwen3-30B-A3B layer,
+#                             inference + a LoRA training step, checked
+#                             against the reference, with timings
+#   tools/bootstrap.sh test   the whole test suite
+# Build directory: $KT_BUILD_DIR (default build/). Parallelism: $KT_JOBS.
+set -eu
+cd "$(dirname "$0")/.."
+what="${1:-demo}"
+build="${KT_BUILD_DIR:-build}"
+jobs="${KT_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+
+packages="build-essential cmake ccache pkg-config libdlpack-dev libgtest-dev libbenchmark-dev \
+nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-torch libtorch-dev \
+libdnnl-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
+
+missing=""
+for p in $packages; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  echo "kt: installing Debian packages:$missing"
+  sudo_cmd=""
+  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -q --no-install-recommends $missing
+fi
+
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
+cmake --build "$build" -j "$jobs"
+
+case "$what" in
+  demo) "$build/examples/qwen3_layer/kt_qwen3_layer" ;;
+  test) ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500 ;;
+  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
+esac
