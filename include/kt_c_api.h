@@ -400,6 +400,8 @@ KT_API int kt_job_done(const kt_job* job);
 /* Waits for (or runs) the job, then frees it. NULL accepted. */
 KT_API void kt_job_destroy(kt_job* job);
 
+/* ------------------------------------------------ checkpoints (kt_ckpt_*) */
+
 #ifdef __cplusplus
 }
 #endif

@@ -29,6 +29,8 @@ fi
 
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j "$jobs"
+# Makes `import kt` work for the system python3 without environment variables.
+if [ -x plugins/python/install_dev.sh ]; then plugins/python/install_dev.sh "$build"; fi
 
 case "$what" in
   demo) "$build/examples/qwen3_layer/kt_qwen3_layer" ;;
