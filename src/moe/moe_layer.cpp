@@ -285,12 +285,13 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
     check(id != KT_ARG_W_GATE_UP && id != KT_ARG_B_GATE_UP, KT_ERR_INVALID_ARGUMENT,
           std::string(where) + ": bind gate and up separately (" + name + ")");
     const bool grad = id >= KT_ARG_GRAD_W_GATE;
-    const int base = grad ? id - KT_ARG_GRAD_W_GATE + KT_ARG_W_GATE : id;
-    const bool is_bias = base >= KT_ARG_B_GATE;
+    const bool is_bias = grad ? id >= KT_ARG_GRAD_B_GATE : id >= KT_ARG_B_GATE;
     if (is_bias)
       check(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
             std::string(where) + ": " + name + " given but the layer has no biases");
-    const int p = is_bias ? base - KT_ARG_B_GATE : base - KT_ARG_W_GATE;
+    const int first = grad ? (is_bias ? KT_ARG_GRAD_B_GATE : KT_ARG_GRAD_W_GATE)
+                           : (is_bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
+    const int p = id - first;
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const auto& dts = grad ? kParamDtypes : kWeightDtypes;
     View v = is_bias ? check_tensor(args[i].tensor, {name, dts, {E, out}}, where)

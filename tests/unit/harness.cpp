@@ -1,0 +1,206 @@
+#include "harness.h"
+
+namespace kt_test {
+
+static int64_t in_dim(const Case& c, int p) { return p == 2 ? c.I : c.H; }
+static int64_t out_dim(const Case& c, int p) { return p == 2 ? c.H : c.I; }
+
+Runner::Runner(const Case& c, kt_isa isa, int threads) : c_(c) {
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = threads;
+  eo.max_isa = isa;
+  eo.verbosity = 0;
+  EXPECT_EQ(kt_engine_create(&eo, &engine_), KT_OK) << kt_last_error();
+  kt_engine_info info;
+  info.struct_size = sizeof(info);
+  kt_engine_get_info(engine_, &info);
+  available_ = info.isa == isa || (isa == KT_ISA_AUTO);
+  if (!available_) return;
+
+  kt_moe_options mo;
+  kt_moe_options_init(&mo);
+  mo.num_experts = c.E;
+  mo.top_k = c.K;
+  mo.hidden = c.H;
+  mo.intermediate = c.I;
+  mo.max_tokens = std::max<int64_t>(c.T, 1);
+  mo.activation = c.act;
+  mo.act_limit = c.limit;
+  mo.has_bias = c.bias;
+  mo.mode = c.mode;
+  mo.lora_rank = c.rank > 0 ? c.rank : 16;
+  mo.lora_alpha = 2.f * static_cast<float>(mo.lora_rank);
+  mo.use_rslora = c.rslora;
+  mo.lora_targets = c.targets;
+  EXPECT_EQ(kt_moe_create(engine_, &mo, &moe_), KT_OK) << kt_last_error();
+
+  spec.E = c.E;
+  spec.K = c.K;
+  spec.H = c.H;
+  spec.I = c.I;
+  spec.activation = c.act;
+  spec.alpha = 1.702;
+  spec.limit = c.limit;
+  spec.bias = c.bias;
+  spec.rank = c.mode == KT_MODE_LORA ? c.rank : 0;
+  float scale = 0.f;
+  kt_moe_lora_scale(moe_, &scale);
+  spec.lora_scale = scale;
+  spec.targets = c.targets;
+
+  std::mt19937 rng(c.seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  // Weights: bf16 tensors for kt; the reference sees the same rounded values.
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = in_dim(c, p), out = out_dim(c, p);
+    W_[p] = Tensor::make(kBF16, {c.E, out, in});
+    params.w[p].resize(static_cast<size_t>(c.E * out * in));
+    const double sd = 1.0 / std::sqrt(static_cast<double>(in));
+    for (int64_t i = 0; i < W_[p]->numel(); ++i) {
+      W_[p]->set(i, sd * normal(rng));
+      params.w[p][static_cast<size_t>(i)] = static_cast<float>(W_[p]->get(i));
+    }
+    if (c.bias) {
+      B_[p] = Tensor::make(kF32, {c.E, out});
+      params.b[p].resize(static_cast<size_t>(c.E * out));
+      for (int64_t i = 0; i < B_[p]->numel(); ++i) {
+        B_[p]->set(i, 0.1 * normal(rng));
+        params.b[p][static_cast<size_t>(i)] = static_cast<float>(B_[p]->get(i));
+      }
+    }
+  }
+  std::vector<kt_arg> load = {{KT_ARG_W_GATE, W_[0]->dl()}, {KT_ARG_W_UP, W_[1]->dl()},
+                              {KT_ARG_W_DOWN, W_[2]->dl()}};
+  if (c.bias) {
+    load.push_back({KT_ARG_B_GATE, B_[0]->dl()});
+    load.push_back({KT_ARG_B_UP, B_[1]->dl()});
+    load.push_back({KT_ARG_B_DOWN, B_[2]->dl()});
+  }
+  EXPECT_EQ(kt_moe_load_weights(moe_, nullptr, load.data(), load.size()), KT_OK) << kt_last_error();
+
+  if (!c.skipped.empty()) {
+    TensorPtr mask = Tensor::make(kU8, {c.E});
+    params.skipped.assign(static_cast<size_t>(c.E), 0);
+    for (int e : c.skipped) {
+      mask->bytes[static_cast<size_t>(e)] = 1;
+      params.skipped[static_cast<size_t>(e)] = 1;
+    }
+    EXPECT_EQ(kt_moe_set_skipped(moe_, mask->dl()), KT_OK) << kt_last_error();
+  }
+
+  std::vector<kt_arg> bind;
+  if (c.mode == KT_MODE_LORA) {
+    for (int p = 0; p < 3; ++p) {
+      if (!((c.targets >> p) & 1u)) continue;
+      const int64_t in = in_dim(c, p), out = out_dim(c, p), r = c.rank;
+      la_[p] = Tensor::make(kF32, {c.E, r, in});
+      lb_[p] = Tensor::make(kF32, {c.E, out, r});
+      gla_[p] = Tensor::make(kF32, {c.E, r, in});
+      glb_[p] = Tensor::make(kF32, {c.E, out, r});
+      params.la[p].resize(static_cast<size_t>(la_[p]->numel()));
+      params.lb[p].resize(static_cast<size_t>(lb_[p]->numel()));
+      for (int64_t i = 0; i < la_[p]->numel(); ++i) {
+        la_[p]->set(i, normal(rng) / std::sqrt(static_cast<double>(in)));
+        params.la[p][static_cast<size_t>(i)] = la_[p]->f32()[i];
+      }
+      for (int64_t i = 0; i < lb_[p]->numel(); ++i) {
+        lb_[p]->set(i, 0.3 * normal(rng) / std::sqrt(static_cast<double>(r)));
+        params.lb[p][static_cast<size_t>(i)] = lb_[p]->f32()[i];
+      }
+      bind.push_back({KT_ARG_LORA_A_GATE + 2 * p, la_[p]->dl()});
+      bind.push_back({KT_ARG_LORA_B_GATE + 2 * p, lb_[p]->dl()});
+      bind.push_back({KT_ARG_GRAD_LORA_A_GATE + 2 * p, gla_[p]->dl()});
+      bind.push_back({KT_ARG_GRAD_LORA_B_GATE + 2 * p, glb_[p]->dl()});
+    }
+  }
+  if (c.mode == KT_MODE_FULL) {
+    for (int p = 0; p < 3; ++p) {
+      gW_[p] = Tensor::make(kF32, {c.E, out_dim(c, p), in_dim(c, p)});
+      bind.push_back({KT_ARG_GRAD_W_GATE + p, gW_[p]->dl()});
+      if (c.bias) {
+        gb_[p] = Tensor::make(kF32, {c.E, out_dim(c, p)});
+        bind.push_back({KT_ARG_GRAD_B_GATE + p, gb_[p]->dl()});
+      }
+    }
+  }
+  if (!bind.empty()) EXPECT_EQ(kt_moe_bind(moe_, bind.data(), bind.size()), KT_OK) << kt_last_error();
+  fill_inputs(c.seed + 1000);
+}
+
+Runner::~Runner() {
+  kt_moe_destroy(moe_);
+  EXPECT_EQ(kt_engine_destroy(engine_), KT_OK) << kt_last_error();
+}
+
+void Runner::fill_inputs(uint32_t seed) {
+  const Case& c = c_;
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const DLDataType act = c.bf16_act ? kBF16 : kF32;
+  x_ = Tensor::make(act, {c.T, c.H});
+  y_ = Tensor::make(act, {c.T, c.H});
+  dy_ = Tensor::make(act, {c.T, c.H});
+  dx_ = Tensor::make(act, {c.T, c.H});
+  ids_ = Tensor::make(c.E % 2 ? kI64 : kI32, {c.T, c.K});
+  w_ = Tensor::make(kF32, {c.T, c.K});
+  dw_ = Tensor::make(kF32, {c.T, c.K});
+  for (int64_t i = 0; i < x_->numel(); ++i) {
+    x_->set(i, normal(rng));
+    dy_->set(i, normal(rng));
+  }
+  std::vector<int> perm(static_cast<size_t>(c.E));
+  int64_t route = 0;
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int e = 0; e < c.E; ++e) perm[static_cast<size_t>(e)] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    double sum = 0;
+    std::vector<double> ws(static_cast<size_t>(c.K));
+    for (auto& v : ws) sum += (v = 0.1 + std::uniform_real_distribution<double>(0, 1)(rng));
+    for (int64_t j = 0; j < c.K; ++j, ++route) {
+      int64_t e = c.one_expert ? 0 : perm[static_cast<size_t>(j)];
+      if (c.minus_one_every && route % c.minus_one_every == 0) e = -1;
+      ids_->set(t * c.K + j, static_cast<double>(e));
+      w_->set(t * c.K + j, ws[static_cast<size_t>(j)] / sum);
+    }
+  }
+}
+
+kt_status Runner::forward(kt_context** save) {
+  kt_arg args[] = {{KT_ARG_X, x_->dl()}, {KT_ARG_IDS, ids_->dl()},
+                   {KT_ARG_ROUTE_WEIGHTS, w_->dl()}, {KT_ARG_Y, y_->dl()}};
+  return kt_moe_forward(moe_, args, 4, save);
+}
+
+kt_status Runner::backward(kt_context* ctx, float grad_scale, kt_grad_accumulate mode) {
+  kt_backward_options bo;
+  kt_backward_options_init(&bo);
+  bo.grad_scale = grad_scale;
+  bo.accumulate = mode;
+  kt_arg args[] = {{KT_ARG_DY, dy_->dl()}, {KT_ARG_DX, dx_->dl()}, {KT_ARG_DROUTE_WEIGHTS, dw_->dl()}};
+  return kt_moe_backward(moe_, ctx, &bo, args, 3);
+}
+
+std::vector<double> Runner::ref_forward() const {
+  std::vector<int64_t> ids(static_cast<size_t>(ids_->numel()));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(ids_->get(static_cast<int64_t>(i)));
+  return kt::reference::forward(spec, params, c_.T, x_->values(), ids, w_->values());
+}
+
+kt::reference::Grads Runner::ref_backward() const {
+  std::vector<int64_t> ids(static_cast<size_t>(ids_->numel()));
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(ids_->get(static_cast<int64_t>(i)));
+  return kt::reference::backward(spec, params, c_.T, x_->values(), ids, w_->values(), dy_->values());
+}
+
+void Runner::perturb_lora(int p, bool b, double delta) {
+  Tensor& t = b ? *lb_[p] : *la_[p];
+  std::vector<float>& v = b ? params.lb[p] : params.la[p];
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    t.f32()[i] += static_cast<float>(delta * std::sin(static_cast<double>(i)));
+    v[static_cast<size_t>(i)] = t.f32()[i];
+  }
+  EXPECT_EQ(kt_moe_params_changed(moe_), KT_OK) << kt_last_error();
+}
+
+}  // namespace kt_test

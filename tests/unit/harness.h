@@ -1,0 +1,157 @@
+// Test harness: owning DLPack tensors, random MoE problems, and a runner that
+// drives a layer through the C ABI and compares it with the reference.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kt_c_api.h"
+#include "moe/reference.h"
+
+namespace kt_test {
+
+// A DLTensor that owns its storage, shape and strides.
+struct Tensor {
+  std::vector<unsigned char> bytes;
+  std::vector<int64_t> shape, strides;
+  DLTensor t{};
+
+  Tensor() = default;
+  Tensor(const Tensor&) = delete;
+  Tensor& operator=(const Tensor&) = delete;
+
+  static std::unique_ptr<Tensor> make(DLDataType dt, std::vector<int64_t> shape) {
+    auto x = std::make_unique<Tensor>();
+    x->shape = std::move(shape);
+    int64_t n = 1;
+    for (int64_t s : x->shape) n *= s;
+    x->bytes.assign(static_cast<size_t>(n * dt.bits / 8) + 64, 0);
+    x->t.data = x->bytes.data();
+    x->t.device = {kDLCPU, 0};
+    x->t.ndim = static_cast<int>(x->shape.size());
+    x->t.dtype = dt;
+    x->t.shape = x->shape.data();
+    x->t.strides = nullptr;
+    x->t.byte_offset = 0;
+    return x;
+  }
+  DLTensor* dl() { return &t; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    return n;
+  }
+  float* f32() { return reinterpret_cast<float*>(bytes.data()); }
+  uint16_t* u16() { return reinterpret_cast<uint16_t*>(bytes.data()); }
+  // Element i (compact) as double.
+  double get(int64_t i) const {
+    const unsigned char* p = bytes.data();
+    if (t.dtype.code == kDLFloat && t.dtype.bits == 32) return reinterpret_cast<const float*>(p)[i];
+    if (t.dtype.code == kDLBfloat) return kt::bf16_to_f32(reinterpret_cast<const uint16_t*>(p)[i]);
+    if (t.dtype.code == kDLInt && t.dtype.bits == 32) return reinterpret_cast<const int32_t*>(p)[i];
+    if (t.dtype.code == kDLInt && t.dtype.bits == 64) return static_cast<double>(reinterpret_cast<const int64_t*>(p)[i]);
+    return 0;
+  }
+  void set(int64_t i, double v) {
+    unsigned char* p = bytes.data();
+    if (t.dtype.code == kDLFloat && t.dtype.bits == 32) reinterpret_cast<float*>(p)[i] = static_cast<float>(v);
+    else if (t.dtype.code == kDLBfloat) reinterpret_cast<uint16_t*>(p)[i] = kt::f32_to_bf16(static_cast<float>(v));
+    else if (t.dtype.code == kDLInt && t.dtype.bits == 32) reinterpret_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+    else if (t.dtype.code == kDLInt && t.dtype.bits == 64) reinterpret_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+  }
+  std::vector<double> values() const {
+    std::vector<double> v(static_cast<size_t>(numel()));
+    for (int64_t i = 0; i < numel(); ++i) v[static_cast<size_t>(i)] = get(i);
+    return v;
+  }
+};
+
+constexpr DLDataType kF32{kDLFloat, 32, 1};
+constexpr DLDataType kBF16{kDLBfloat, 16, 1};
+constexpr DLDataType kF16{kDLFloat, 16, 1};
+constexpr DLDataType kI32{kDLInt, 32, 1};
+constexpr DLDataType kI64{kDLInt, 64, 1};
+constexpr DLDataType kU8{kDLUInt, 8, 1};
+
+using TensorPtr = std::unique_ptr<Tensor>;
+
+inline double rel_l2(const std::vector<double>& got, const std::vector<double>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    num += (got[i] - ref[i]) * (got[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  if (den == 0) return std::sqrt(num);
+  return std::sqrt(num / den);
+}
+
+// One MoE problem: shapes, options, routing pattern.
+struct Case {
+  std::string name;
+  int64_t E = 4, K = 2, H = 64, I = 32, T = 8;
+  kt_activation act = KT_ACT_SILU;
+  float limit = 0.f;
+  bool bias = false;
+  kt_mode mode = KT_MODE_INFERENCE;
+  int64_t rank = 0;
+  unsigned targets = KT_PROJ_ALL;
+  bool rslora = false;
+  bool bf16_act = false;      // x, y, dy, dx in bf16
+  int minus_one_every = 0;    // every n-th route is -1
+  bool one_expert = false;    // all routes to expert 0 (k = 1 then)
+  std::vector<int> skipped;   // experts marked skipped
+  uint32_t seed = 1;
+};
+
+inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.name; }
+
+// Builds the layer through the ABI, loads weights, runs forward + backward,
+// and compares each quantity with the reference.
+class Runner {
+ public:
+  Runner(const Case& c, kt_isa isa, int threads = 2);
+  ~Runner();
+  bool isa_available() const { return available_; }
+  kt_engine* engine() { return engine_; }
+  kt_moe* moe() { return moe_; }
+  const Case& c() const { return c_; }
+
+  void fill_inputs(uint32_t seed);  // new x, ids, w, dy
+  // Forward (saving a context when save) into y; returns status.
+  kt_status forward(kt_context** save);
+  kt_status backward(kt_context* ctx, float grad_scale, kt_grad_accumulate mode);
+
+  std::vector<double> ref_forward() const;
+  kt::reference::Grads ref_backward() const;
+
+  // Quantity views of kt's outputs.
+  std::vector<double> y() const { return y_->values(); }
+  std::vector<double> dx() const { return dx_->values(); }
+  std::vector<double> dw() const { return dw_->values(); }
+  std::vector<double> grad_lora(int p, bool b) const { return (b ? glb_[p] : gla_[p])->values(); }
+  std::vector<double> grad_full(int p, bool bias) const { return (bias ? gb_[p] : gW_[p])->values(); }
+
+  // Changes LoRA param p (A or B) in place and tells kt.
+  void perturb_lora(int p, bool b, double delta);
+
+  kt::reference::Spec spec;
+  kt::reference::Params params;
+  TensorPtr x_, ids_, w_, y_, dy_, dx_, dw_;
+  TensorPtr la_[3], lb_[3], gla_[3], glb_[3], W_[3], B_[3], gW_[3], gb_[3];
+
+ private:
+  Case c_;
+  bool available_ = false;
+  kt_engine* engine_ = nullptr;
+  kt_moe* moe_ = nullptr;
+};
+
+}  // namespace kt_test
