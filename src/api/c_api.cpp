@@ -452,7 +452,7 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
     kt_moe::ForwardCall call = moe->check_forward(args, num_args);
     moe->check_ready_for_forward(call);
-    kt_context* ctx = saved ? moe->new_context() : nullptr;
+    kt_context* ctx = saved ? moe->new_context(call) : nullptr;
     try {
       moe->forward(call, ctx);
     } catch (...) {
@@ -515,7 +515,7 @@ kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args
     kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": unknown flags");
     kt_moe::ForwardCall call = moe->check_forward(args, num_args);
-    kt_context* ctx = saved ? moe->new_context() : nullptr;
+    kt_context* ctx = saved ? moe->new_context(call) : nullptr;
     kt_job* j = new_job(moe, flags);
     kt_engine* engine = moe->engine;
     j->work = [moe, call, ctx, j, engine] {

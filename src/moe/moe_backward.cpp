@@ -45,7 +45,7 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
   }
   ArgTable t(args, n, where, {KT_ARG_DY, KT_ARG_DX, KT_ARG_DROUTE_WEIGHTS});
   check(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": KT_ARG_DY is required");
-  const int64_t T = ctx->routing.tokens;
+  const int64_t T = ctx->tokens;
   c.dy = check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
   if (t[KT_ARG_DX]) {
     c.dx = check_tensor(t[KT_ARG_DX], {"KT_ARG_DX", {ctx->x_dtype}, {T, H}, true}, where);

@@ -150,7 +150,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   if (save) {
     save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     xf = save->xf.data();
-    save->x_dtype = c.x.dtype;
   } else if (lora_gu) {
     xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     xf = xf_.data();

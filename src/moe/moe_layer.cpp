@@ -360,7 +360,7 @@ void kt_moe::params_changed() {
 
 // ------------------------------------------------------------ contexts
 
-kt_context* kt_moe::new_context() {
+kt_context* kt_moe::new_context(const ForwardCall& call) {
   std::lock_guard<std::mutex> lock(state_mutex);
   kt_context* c;
   if (!free_contexts_.empty()) {
@@ -373,6 +373,9 @@ kt_context* kt_moe::new_context() {
   c->layer = this;
   c->state = kt_context::kPending;
   c->released = false;
+  c->backward_queued = false;
+  c->tokens = call.T;
+  c->x_dtype = call.x.dtype;
   contexts_.insert(c);
   return c;
 }

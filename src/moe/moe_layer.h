@@ -48,6 +48,7 @@ struct kt_context {
   enum State { kPending, kReady, kSpent, kFailed } state = kPending;
   bool released = false;  // host released it while its forward was pending
   bool backward_queued = false;
+  int64_t tokens = 0;  // T of the forward (known at submit time)
   kt::DType x_dtype = kt::DType::kF32;
   kt::Routing routing;
   kt::Buffer<float> xf;    // [T, H] fp32 input
@@ -96,7 +97,7 @@ struct kt_moe {
   void check_backward_state(const BackwardCall& call) const;
   void backward(kt_context* ctx, const BackwardCall& call);
 
-  kt_context* new_context();
+  kt_context* new_context(const ForwardCall& call);
   void release_context(kt_context* ctx);
   bool owns(const kt_context* ctx) const;
 

@@ -1,0 +1,284 @@
+// Every entry point's checks: the status, a message naming the argument, and
+// state left as it was (a valid call afterwards still matches the reference).
+#include <cmath>
+#include <functional>
+
+#include "harness.h"
+#include "tolerances.h"
+
+namespace kt_test {
+namespace {
+
+class Errors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    Case c;
+    c.name = "errors";
+    c.E = 4; c.K = 2; c.H = 32; c.I = 24; c.T = 6;
+    c.mode = KT_MODE_LORA; c.rank = 4;
+    run_ = std::make_unique<Runner>(c, KT_ISA_AUTO);
+    kt_engine_info info;
+    info.struct_size = sizeof(info);
+    ASSERT_EQ(kt_engine_get_info(run_->engine(), &info), KT_OK);
+    tol_ = tolerance_for(info.isa, false);
+  }
+
+  // The call fails with status and a message containing `needle`; afterwards
+  // a forward + backward still match the reference.
+  void expect_error(kt_status status, const char* needle, const std::function<kt_status()>& call) {
+    kt_clear_error();
+    EXPECT_EQ(call(), status) << "message: " << kt_last_error();
+    EXPECT_NE(std::string(kt_last_error()).find(needle), std::string::npos)
+        << "message '" << kt_last_error() << "' lacks '" << needle << "'";
+    expect_still_valid();
+  }
+
+  void expect_still_valid() {
+    kt_context* ctx = nullptr;
+    ASSERT_EQ(run_->forward(&ctx), KT_OK) << kt_last_error();
+    EXPECT_LE(rel_l2(run_->y(), run_->ref_forward()), tol_.forward);
+    ASSERT_EQ(run_->backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+    kt_context_release(ctx);
+    kt::reference::Grads g = run_->ref_backward();
+    EXPECT_LE(rel_l2(run_->dx(), g.dx), tol_.dx);
+    EXPECT_LE(rel_l2(run_->grad_lora(2, false), g.dla[2]), tol_.lora);
+  }
+
+  kt_status forward_with(int replace_id, DLTensor* t, kt_context** ctx = nullptr) {
+    kt_arg args[] = {{KT_ARG_X, run_->x_->dl()}, {KT_ARG_IDS, run_->ids_->dl()},
+                     {KT_ARG_ROUTE_WEIGHTS, run_->w_->dl()}, {KT_ARG_Y, run_->y_->dl()}};
+    for (auto& a : args)
+      if (a.id == replace_id) a.tensor = t;
+    return kt_moe_forward(run_->moe(), args, 4, ctx);
+  }
+
+  std::unique_ptr<Runner> run_;
+  Tolerance tol_{};
+};
+
+TEST_F(Errors, ForwardArguments) {
+  Runner& r = *run_;
+  expect_error(KT_ERR_NULL_POINTER, "KT_ARG_X", [&] { return forward_with(KT_ARG_X, nullptr); });
+  expect_error(KT_ERR_INVALID_HANDLE, "moe is NULL", [&] {
+    kt_arg a[] = {{KT_ARG_X, r.x_->dl()}};
+    return kt_moe_forward(nullptr, a, 1, nullptr);
+  });
+  expect_error(KT_ERR_NULL_POINTER, "args is NULL", [&] { return kt_moe_forward(r.moe(), nullptr, 4, nullptr); });
+  expect_error(KT_ERR_INVALID_ARGUMENT, "KT_ARG_DY is not an argument", [&] {
+    kt_arg a[] = {{KT_ARG_DY, r.x_->dl()}};
+    return kt_moe_forward(r.moe(), a, 1, nullptr);
+  });
+  expect_error(KT_ERR_INVALID_ARGUMENT, "given twice", [&] {
+    kt_arg a[] = {{KT_ARG_X, r.x_->dl()}, {KT_ARG_X, r.x_->dl()}};
+    return kt_moe_forward(r.moe(), a, 2, nullptr);
+  });
+  TensorPtr x16 = Tensor::make(kF16, {6, 32});
+  expect_error(KT_ERR_DTYPE, "KT_ARG_X has dtype float16", [&] { return forward_with(KT_ARG_X, x16->dl()); });
+  TensorPtr xshape = Tensor::make(kF32, {6, 31});
+  expect_error(KT_ERR_SHAPE, "KT_ARG_X has shape [6,31]; expected [*,32]", [&] { return forward_with(KT_ARG_X, xshape->dl()); });
+  TensorPtr y16 = Tensor::make(kBF16, {6, 32});
+  expect_error(KT_ERR_DTYPE, "KT_ARG_Y", [&] { return forward_with(KT_ARG_Y, y16->dl()); });
+  TensorPtr ids3 = Tensor::make(kI32, {6, 3});
+  expect_error(KT_ERR_SHAPE, "KT_ARG_IDS", [&] { return forward_with(KT_ARG_IDS, ids3->dl()); });
+  TensorPtr idsf = Tensor::make(kF32, {6, 2});
+  expect_error(KT_ERR_DTYPE, "KT_ARG_IDS", [&] { return forward_with(KT_ARG_IDS, idsf->dl()); });
+  // Non-unit inner stride on X.
+  // Device: CUDA memory is refused.
+  DLTensor xc = *r.x_->dl();
+  xc.device = {kDLCUDA, 0};
+  expect_error(KT_ERR_DEVICE, "KT_ARG_X is on device type 2", [&] { return forward_with(KT_ARG_X, &xc); });
+  // Expert ids out of range.
+  TensorPtr bad_ids = Tensor::make(kI64, {6, 2});
+  for (int64_t i = 0; i < 12; ++i) bad_ids->set(i, i % 4);
+  bad_ids->set(7, 4);
+  expect_error(KT_ERR_EXPERT_ID, "KT_ARG_IDS[3,1] = 4 is outside [-1, 4)", [&] { return forward_with(KT_ARG_IDS, bad_ids->dl()); });
+  bad_ids->set(7, -2);
+  expect_error(KT_ERR_EXPERT_ID, "= -2", [&] { return forward_with(KT_ARG_IDS, bad_ids->dl()); });
+  // Too many tokens: max_tokens is T = 6.
+  TensorPtr x7 = Tensor::make(kF32, {7, 32});
+  expect_error(KT_ERR_TOO_MANY_TOKENS, "max_tokens is 6", [&] { return forward_with(KT_ARG_X, x7->dl()); });
+  // NULL data with elements.
+  DLTensor xn = *r.x_->dl();
+  xn.data = nullptr;
+  expect_error(KT_ERR_NULL_POINTER, "NULL data", [&] { return forward_with(KT_ARG_X, &xn); });
+  // Negative stride.
+  DLTensor xneg = *r.x_->dl();
+  int64_t neg[] = {-32, 1};
+  xneg.strides = neg;
+  expect_error(KT_ERR_STRIDE, "negative stride", [&] { return forward_with(KT_ARG_X, &xneg); });
+  DLTensor xinner = *r.x_->dl();
+  int64_t inner[] = {64, 2};
+  xinner.strides = inner;
+  expect_error(KT_ERR_STRIDE, "unit stride", [&] { return forward_with(KT_ARG_X, &xinner); });
+}
+
+TEST_F(Errors, BackwardContexts) {
+  Runner& r = *run_;
+  expect_error(KT_ERR_CONTEXT, "ctx is NULL", [&] { return r.backward(nullptr, 1.f, KT_GRAD_OVERWRITE); });
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(r.forward(&ctx), KT_OK);
+  ASSERT_EQ(r.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK);
+  expect_error(KT_ERR_CONTEXT, "spent", [&] { return r.backward(ctx, 1.f, KT_GRAD_OVERWRITE); });
+  kt_context_release(ctx);
+  // A context of another layer.
+  Case c = r.c();
+  Runner other(c, KT_ISA_AUTO);
+  kt_context* foreign = nullptr;
+  ASSERT_EQ(other.forward(&foreign), KT_OK);
+  expect_error(KT_ERR_CONTEXT, "does not belong to this layer", [&] { return r.backward(foreign, 1.f, KT_GRAD_OVERWRITE); });
+  kt_context_release(foreign);
+  // Wrong dy shape; bad options.
+  ASSERT_EQ(r.forward(&ctx), KT_OK);
+  TensorPtr dy = Tensor::make(kF32, {5, 32});
+  expect_error(KT_ERR_SHAPE, "KT_ARG_DY", [&] {
+    kt_arg a[] = {{KT_ARG_DY, dy->dl()}};
+    return kt_moe_backward(r.moe(), ctx, nullptr, a, 1);
+  });
+  expect_error(KT_ERR_INVALID_ARGUMENT, "grad_scale", [&] {
+    kt_backward_options bo;
+    kt_backward_options_init(&bo);
+    bo.grad_scale = std::nanf("");
+    kt_arg a[] = {{KT_ARG_DY, r.dy_->dl()}};
+    return kt_moe_backward(r.moe(), ctx, &bo, a, 1);
+  });
+  TensorPtr dxb = Tensor::make(kBF16, {6, 32});
+  expect_error(KT_ERR_DTYPE, "KT_ARG_DX", [&] {
+    kt_arg a[] = {{KT_ARG_DY, r.dy_->dl()}, {KT_ARG_DX, dxb->dl()}};
+    return kt_moe_backward(r.moe(), ctx, nullptr, a, 1 + 1);
+  });
+  expect_error(KT_ERR_NULL_POINTER, "KT_ARG_DY is required", [&] {
+    kt_arg a[] = {{KT_ARG_DX, r.dx_->dl()}};
+    return kt_moe_backward(r.moe(), ctx, nullptr, a, 1);
+  });
+  // The context survived the failed calls.
+  ASSERT_EQ(r.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+  kt_context_release(ctx);
+}
+
+TEST_F(Errors, BindingAndModes) {
+  Runner& r = *run_;
+  TensorPtr wrong = Tensor::make(kF32, {4, 5, 32});  // rank 5 instead of 4
+  expect_error(KT_ERR_SHAPE, "KT_ARG_LORA_A_GATE has shape [4,5,32]; expected [4,4,32]", [&] {
+    kt_arg a[] = {{KT_ARG_LORA_A_GATE, wrong->dl()}};
+    return kt_moe_bind(r.moe(), a, 1);
+  });
+  TensorPtr gw = Tensor::make(kF32, {4, 24, 32});
+  expect_error(KT_ERR_MODE, "KT_MODE_FULL", [&] {
+    kt_arg a[] = {{KT_ARG_GRAD_W_GATE, gw->dl()}};
+    return kt_moe_bind(r.moe(), a, 1);
+  });
+  expect_error(KT_ERR_INVALID_ARGUMENT, "cannot be bound", [&] {
+    kt_arg a[] = {{KT_ARG_X, r.x_->dl()}};
+    return kt_moe_bind(r.moe(), a, 1);
+  });
+  // One bad arg among good ones binds nothing: the good one is not replaced.
+  TensorPtr other_a = Tensor::make(kF32, {4, 4, 32});
+  expect_error(KT_ERR_SHAPE, "KT_ARG_LORA_B_GATE", [&] {
+    kt_arg a[] = {{KT_ARG_LORA_A_GATE, other_a->dl()}, {KT_ARG_LORA_B_GATE, wrong->dl()}};
+    return kt_moe_bind(r.moe(), a, 2);
+  });
+  // LoRA layer without bound factors, and without bound gradient buffers.
+  kt_moe_options mo;
+  kt_moe_options_init(&mo);
+  mo.num_experts = 4; mo.top_k = 2; mo.hidden = 32; mo.intermediate = 24; mo.max_tokens = 6;
+  mo.mode = KT_MODE_LORA; mo.lora_rank = 4;
+  kt_moe* fresh = nullptr;
+  ASSERT_EQ(kt_moe_create(r.engine(), &mo, &fresh), KT_OK);
+  kt_arg w[] = {{KT_ARG_W_GATE, r.W_[0]->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}, {KT_ARG_W_DOWN, r.W_[2]->dl()}};
+  ASSERT_EQ(kt_moe_load_weights(fresh, nullptr, w, 3), KT_OK);
+  kt_arg f[] = {{KT_ARG_X, r.x_->dl()}, {KT_ARG_IDS, r.ids_->dl()}, {KT_ARG_ROUTE_WEIGHTS, r.w_->dl()},
+                {KT_ARG_Y, r.y_->dl()}};
+  kt_context* ctx = nullptr;
+  EXPECT_EQ(kt_moe_forward(fresh, f, 4, &ctx), KT_ERR_NOT_BOUND);
+  EXPECT_NE(std::string(kt_last_error()).find("KT_ARG_LORA_A"), std::string::npos) << kt_last_error();
+  kt_arg params[] = {{KT_ARG_LORA_A_GATE, r.la_[0]->dl()}, {KT_ARG_LORA_B_GATE, r.lb_[0]->dl()},
+                     {KT_ARG_LORA_A_UP, r.la_[1]->dl()}, {KT_ARG_LORA_B_UP, r.lb_[1]->dl()},
+                     {KT_ARG_LORA_A_DOWN, r.la_[2]->dl()}, {KT_ARG_LORA_B_DOWN, r.lb_[2]->dl()}};
+  ASSERT_EQ(kt_moe_bind(fresh, params, 6), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_forward(fresh, f, 4, &ctx), KT_OK) << kt_last_error();
+  kt_arg b[] = {{KT_ARG_DY, r.dy_->dl()}};
+  EXPECT_EQ(kt_moe_backward(fresh, ctx, nullptr, b, 1), KT_ERR_NOT_BOUND);
+  EXPECT_NE(std::string(kt_last_error()).find("KT_ARG_GRAD_LORA_A_GATE is not bound"), std::string::npos) << kt_last_error();
+  kt_backward_options bo;
+  kt_backward_options_init(&bo);
+  bo.param_grads = 0;
+  EXPECT_EQ(kt_moe_backward(fresh, ctx, &bo, b, 1), KT_OK) << kt_last_error();
+  kt_context_release(ctx);
+  kt_moe_destroy(fresh);
+  expect_still_valid();
+}
+
+TEST_F(Errors, LoadingAndCreation) {
+  Runner& r = *run_;
+  TensorPtr g = Tensor::make(kBF16, {4, 24, 31});
+  expect_error(KT_ERR_SHAPE, "KT_ARG_W_GATE has shape [4,24,31]; expected [4,24,32]", [&] {
+    kt_arg a[] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}, {KT_ARG_W_DOWN, r.W_[2]->dl()}};
+    return kt_moe_load_weights(r.moe(), nullptr, a, 3);
+  });
+  expect_error(KT_ERR_NULL_POINTER, "KT_ARG_W_DOWN is required", [&] {
+    kt_arg a[] = {{KT_ARG_W_GATE, r.W_[0]->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}};
+    return kt_moe_load_weights(r.moe(), nullptr, a, 2);
+  });
+  TensorPtr map = Tensor::make(kI32, {4});
+  for (int i = 0; i < 4; ++i) map->set(i, i == 3 ? 1 : i);
+  expect_error(KT_ERR_EXPERT_ID, "names expert 1 twice", [&] {
+    kt_arg a[] = {{KT_ARG_W_GATE, r.W_[0]->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}, {KT_ARG_W_DOWN, r.W_[2]->dl()},
+                  {KT_ARG_EXPERT_MAP, map->dl()}};
+    return kt_moe_load_weights(r.moe(), nullptr, a, 4);
+  });
+  TensorPtr bias = Tensor::make(kF32, {4, 24});
+  expect_error(KT_ERR_INVALID_ARGUMENT, "has no biases", [&] {
+    kt_arg a[] = {{KT_ARG_W_GATE, r.W_[0]->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}, {KT_ARG_W_DOWN, r.W_[2]->dl()},
+                  {KT_ARG_B_GATE, bias->dl()}};
+    return kt_moe_load_weights(r.moe(), nullptr, a, 4);
+  });
+  expect_error(KT_ERR_EXPERT_ID, "expert 9 is outside [0, 4)", [&] {
+    return kt_moe_load_expert(r.moe(), 9, nullptr, nullptr, 0);
+  });
+  kt_load_options lo;
+  kt_load_options_init(&lo);
+  lo.orientation = static_cast<kt_weight_orientation>(7);
+  expect_error(KT_ERR_INVALID_ARGUMENT, "orientation", [&] {
+    kt_arg a[] = {{KT_ARG_W_GATE, r.W_[0]->dl()}, {KT_ARG_W_UP, r.W_[1]->dl()}, {KT_ARG_W_DOWN, r.W_[2]->dl()}};
+    return kt_moe_load_weights(r.moe(), &lo, a, 3);
+  });
+  TensorPtr mask = Tensor::make(kU8, {5});
+  expect_error(KT_ERR_SHAPE, "mask", [&] { return kt_moe_set_skipped(r.moe(), mask->dl()); });
+
+  kt_moe_options mo;
+  kt_moe_options_init(&mo);
+  mo.num_experts = 4; mo.top_k = 5; mo.hidden = 8; mo.intermediate = 8;
+  kt_moe* m = nullptr;
+  expect_error(KT_ERR_INVALID_ARGUMENT, "top_k = 5 is outside [1, 4]", [&] { return kt_moe_create(r.engine(), &mo, &m); });
+  EXPECT_EQ(m, nullptr);
+  mo.top_k = 2;
+  mo.mode = KT_MODE_LORA;
+  mo.lora_rank = 0;
+  expect_error(KT_ERR_INVALID_ARGUMENT, "lora_rank", [&] { return kt_moe_create(r.engine(), &mo, &m); });
+  mo.lora_rank = 4;
+  mo.lora_targets = 8;
+  expect_error(KT_ERR_INVALID_ARGUMENT, "lora_targets", [&] { return kt_moe_create(r.engine(), &mo, &m); });
+  mo.lora_targets = KT_PROJ_ALL;
+  mo.struct_size = 4;
+  expect_error(KT_ERR_INVALID_ARGUMENT, "struct_size", [&] { return kt_moe_create(r.engine(), &mo, &m); });
+  expect_error(KT_ERR_INVALID_HANDLE, "engine is NULL", [&] { return kt_moe_create(nullptr, &mo, &m); });
+  // The engine refuses to die while a layer uses it.
+  expect_error(KT_ERR_INVALID_ARGUMENT, "destroy them first", [&] { return kt_engine_destroy(r.engine()); });
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = -1;
+  kt_engine* e = nullptr;
+  expect_error(KT_ERR_INVALID_ARGUMENT, "num_threads", [&] { return kt_engine_create(&eo, &e); });
+  EXPECT_EQ(e, nullptr);
+}
+
+TEST(Status, NamesArePinned) {
+  EXPECT_STREQ(kt_status_string(KT_OK), "KT_OK");
+  EXPECT_STREQ(kt_status_string(KT_ERR_CONTEXT), "KT_ERR_CONTEXT");
+  EXPECT_STREQ(kt_status_string(static_cast<kt_status>(999)), "KT_ERR_UNKNOWN");
+  EXPECT_EQ(KT_ERR_INTERNAL, 17);
+  EXPECT_EQ(KT_ERR_SHAPE, 5);
+}
+
+}  // namespace
+}  // namespace kt_test

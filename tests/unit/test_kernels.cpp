@@ -1,0 +1,191 @@
+// Micro-kernels of every compiled ISA against their scalar twin, over edge
+// shapes (m = 1, row/panel tails, odd K), and the packed-panel helpers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "core/buffer.h"
+#include "formats/packed_bf16.h"
+#include "kernels/kernels.h"
+
+namespace {
+
+using kt::bf16_t;
+
+std::vector<const kt::Kernels*> compiled_kernels() {
+  std::vector<const kt::Kernels*> v;
+  const kt_isa cpu = kt::detect_cpu_isa();
+  for (kt_isa isa : {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16}) {
+    const kt::Kernels* k = kt::kernels_for(isa);
+    if (k && isa <= cpu) v.push_back(k);
+  }
+  return v;
+}
+
+kt::View view2d(float* data, int64_t rows, int64_t cols) {
+  kt::View v;
+  v.data = reinterpret_cast<char*>(data);
+  v.dtype = kt::DType::kF32;
+  v.ndim = 2;
+  v.shape[0] = rows;
+  v.shape[1] = cols;
+  v.strides[0] = cols;
+  v.strides[1] = 1;
+  return v;
+}
+
+TEST(PackedPanels, PackAndReadBackEveryElement) {
+  for (auto dims : {std::pair<int64_t, int64_t>{1, 1}, {16, 2}, {17, 3}, {33, 64}, {5, 129}}) {
+    const int64_t n = dims.first, k = dims.second;
+    std::vector<float> w(static_cast<size_t>(n * k));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = kt::bf16_to_f32(kt::f32_to_bf16(0.01f * static_cast<float>(i) - 1.f));
+    const kt::PanelShape s = kt::PanelShape::of(n, k);
+    kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+    kt::pack_bf16_panels(view2d(w.data(), n, k), 0, 1, s, packed.data());
+    for (int64_t r = 0; r < s.padded_rows(); ++r)
+      for (int64_t c = 0; c < s.kp; ++c) {
+        const float want = r < n && c < k ? w[static_cast<size_t>(r * k + c)] : 0.f;
+        ASSERT_EQ(kt::packed_get(packed.data(), s, r, c), want) << n << "x" << k << " at " << r << "," << c;
+      }
+  }
+}
+
+TEST(PackedPanels, TransposedPanelsHoldTheTranspose) {
+  for (auto dims : {std::pair<int64_t, int64_t>{16, 64}, {37, 70}, {3, 2}, {50, 130}}) {
+    const int64_t n = dims.first, k = dims.second;
+    std::vector<float> w(static_cast<size_t>(n * k));
+    for (size_t i = 0; i < w.size(); ++i) w[i] = kt::bf16_to_f32(kt::f32_to_bf16(std::sin(static_cast<float>(i))));
+    const kt::PanelShape s = kt::PanelShape::of(n, k);
+    kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+    kt::pack_bf16_panels(view2d(w.data(), n, k), 0, 1, s, packed.data());
+    for (int64_t c0 = 0; c0 < k; c0 += 64) {
+      const int64_t cb = std::min<int64_t>(64, k - c0);
+      // The transposed block is a packed [cb, padded_rows(n)] matrix.
+      const kt::PanelShape t = kt::PanelShape::of(cb, s.padded_rows());
+      kt::Buffer<bf16_t> tp(static_cast<size_t>(t.elements()));
+      kt::transpose_panels(packed.data(), s, c0, cb, tp.data());
+      for (int64_t r = 0; r < t.padded_rows(); ++r)
+        for (int64_t c = 0; c < t.kp; ++c) {
+          const float want = r < cb && c < n ? w[static_cast<size_t>(c * k + c0 + r)] : 0.f;
+          ASSERT_EQ(kt::packed_get(tp.data(), t, r, c), want) << n << "x" << k << " block " << c0;
+        }
+    }
+  }
+}
+
+class GemmKernels : public ::testing::TestWithParam<const kt::Kernels*> {};
+
+// gemm_bf16w against the scalar twin on operands both represent exactly
+// (bf16 values), so results agree to fp32 accumulation-order error.
+TEST_P(GemmKernels, WeightGemmMatchesScalarTwin) {
+  const kt::Kernels& K = *GetParam();
+  const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (int m : {1, 3, 4, 5, 6, 7, 13, 16, 17, 64})
+    for (int np : {1, 2, 3, 4, 5})
+      for (int64_t k : {1, 2, 31, 64, 100}) {
+        const kt::PanelShape s = kt::PanelShape::of(np * 16, k);
+        std::vector<float> w(static_cast<size_t>(np * 16 * k));
+        for (auto& v : w) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+        kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+        kt::pack_bf16_panels(view2d(w.data(), np * 16, k), 0, 1, s, packed.data());
+        std::vector<float> a(static_cast<size_t>(m * k));
+        for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+        std::vector<char> ak(static_cast<size_t>(m * s.kp * K.a_elem_size)), ar(static_cast<size_t>(m * s.kp * 4));
+        std::vector<const void*> rk(static_cast<size_t>(m)), rr(static_cast<size_t>(m));
+        for (int i = 0; i < m; ++i) {
+          K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, s.kp, &ak[static_cast<size_t>(i * s.kp * K.a_elem_size)]);
+          R.pack_a_f32(&a[static_cast<size_t>(i * k)], k, s.kp, &ar[static_cast<size_t>(i * s.kp * 4)]);
+          rk[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * s.kp * K.a_elem_size)];
+          rr[static_cast<size_t>(i)] = &ar[static_cast<size_t>(i * s.kp * 4)];
+        }
+        const int64_t ldc = np * 16 + 3;
+        for (bool acc : {false, true}) {
+          std::vector<float> ck(static_cast<size_t>(m * ldc), 0.5f), cr(static_cast<size_t>(m * ldc), 0.5f);
+          K.gemm_bf16w(rk.data(), m, s.kp, packed.data(), s.panel_stride(), np, ck.data(), ldc, acc);
+          R.gemm_bf16w(rr.data(), m, s.kp, packed.data(), s.panel_stride(), np, cr.data(), ldc, acc);
+          for (int i = 0; i < m; ++i)
+            for (int64_t j = 0; j < ldc; ++j) {
+              const float want = cr[static_cast<size_t>(i * ldc + j)];
+              ASSERT_NEAR(ck[static_cast<size_t>(i * ldc + j)], want, 1e-4f * (1.f + std::fabs(want)) * std::sqrt(static_cast<float>(k)))
+                  << K.gemm_name << " m=" << m << " np=" << np << " k=" << k << " acc=" << acc << " at " << i << "," << j;
+            }
+        }
+      }
+}
+
+TEST_P(GemmKernels, Fp32GemmsMatchPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  for (int m : {1, 5, 16})
+    for (int n : {1, 7, 33})
+      for (int k : {0, 1, 5, 17, 40}) {
+        std::vector<float> a(static_cast<size_t>(m * k + 1)), at(static_cast<size_t>(k * m + 1)),
+            b(static_cast<size_t>(k * n + 1)), bt(static_cast<size_t>(n * k + 1));
+        for (auto& v : a) v = nd(rng);
+        for (auto& v : b) v = nd(rng);
+        for (int i = 0; i < m; ++i)
+          for (int p = 0; p < k; ++p) at[static_cast<size_t>(p * m + i)] = a[static_cast<size_t>(i * k + p)];
+        for (int p = 0; p < k; ++p)
+          for (int j = 0; j < n; ++j) bt[static_cast<size_t>(j * k + p)] = b[static_cast<size_t>(p * n + j)];
+        std::vector<const float*> arows(static_cast<size_t>(m)), brows(static_cast<size_t>(k));
+        for (int i = 0; i < m; ++i) arows[static_cast<size_t>(i)] = &a[static_cast<size_t>(i * k)];
+        for (int p = 0; p < k; ++p) brows[static_cast<size_t>(p)] = &b[static_cast<size_t>(p * n)];
+        std::vector<double> want(static_cast<size_t>(m * n), 0.0);
+        for (int i = 0; i < m; ++i)
+          for (int j = 0; j < n; ++j)
+            for (int p = 0; p < k; ++p)
+              want[static_cast<size_t>(i * n + j)] += static_cast<double>(a[static_cast<size_t>(i * k + p)]) * b[static_cast<size_t>(p * n + j)];
+        for (bool acc : {false, true}) {
+          std::vector<float> c1(static_cast<size_t>(m * n), 1.f), c2 = c1, c3 = c1;
+          K.sgemm_nn(m, n, k, arows.data(), b.data(), n, c1.data(), n, acc);
+          K.sgemm_nt(m, n, k, arows.data(), bt.data(), k, c2.data(), n, acc);
+          K.sgemm_tn(m, n, k, at.data(), m, brows.data(), c3.data(), n, acc);
+          for (size_t i = 0; i < want.size(); ++i) {
+            const double w = want[i] + (acc ? 1.0 : 0.0);
+            EXPECT_NEAR(c1[i], w, 1e-4) << "sgemm_nn m=" << m << " n=" << n << " k=" << k;
+            EXPECT_NEAR(c2[i], w, 1e-4) << "sgemm_nt m=" << m << " n=" << n << " k=" << k;
+            EXPECT_NEAR(c3[i], w, 1e-4) << "sgemm_tn m=" << m << " n=" << n << " k=" << k;
+          }
+        }
+      }
+}
+
+TEST_P(GemmKernels, PackAFormatRoundsToNearestEven) {
+  const kt::Kernels& K = *GetParam();
+  std::vector<float> src = {1.f, -2.5f, 1.00390625f /* tie: rounds to even */, 3.14159f, 1e-40f, -0.f, 65504.f,
+                            1.0078125f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f, 16.f, 17.f};
+  const int64_t k = static_cast<int64_t>(src.size()), kp = k + 1;
+  std::vector<char> out(static_cast<size_t>(kp * K.a_elem_size), 1);
+  K.pack_a_f32(src.data(), k, kp, out.data());
+  for (int64_t i = 0; i < kp; ++i) {
+    float got;
+    if (K.a_elem_size == 2) got = kt::bf16_to_f32(reinterpret_cast<const bf16_t*>(out.data())[i]);
+    else got = reinterpret_cast<const float*>(out.data())[i];
+    const float want = i < k ? (K.a_elem_size == 2 ? kt::bf16_to_f32(kt::f32_to_bf16(src[static_cast<size_t>(i)])) : src[static_cast<size_t>(i)]) : 0.f;
+    EXPECT_EQ(got, want) << K.gemm_name << " element " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernels()),
+                         [](const ::testing::TestParamInfo<const kt::Kernels*>& i) {
+                           return std::string(kt_isa_name(i.param->isa));
+                         });
+
+TEST(Bf16, RoundTripAndNearestEven) {
+  EXPECT_EQ(kt::f32_to_bf16(1.0f), 0x3f80);
+  EXPECT_EQ(kt::bf16_to_f32(0x3f80), 1.0f);
+  EXPECT_EQ(kt::f32_to_bf16(1.00390625f), 0x3f80);  // tie, even stays
+  EXPECT_EQ(kt::f32_to_bf16(1.01171875f), 0x3f82);  // tie, odd rounds up
+  EXPECT_TRUE(std::isnan(kt::bf16_to_f32(kt::f32_to_bf16(std::nanf("")))));
+  EXPECT_EQ(kt::f16_to_f32(0x3c00), 1.0f);
+  EXPECT_EQ(kt::f16_to_f32(0xc000), -2.0f);
+  EXPECT_EQ(kt::f16_to_f32(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(kt::f16_to_f32(0x7bff), 65504.0f);
+}
+
+}  // namespace
