@@ -1,0 +1,218 @@
+"""ctypes declarations of include/kt_c_api.h (ABI major 1) and the library loader.
+
+The struct layouts below mirror the header field by field; the growable option
+structs carry their own ``struct_size`` and are always filled by the library's
+``*_init`` functions first, so fields the header appends later keep defaults.
+"""
+import ctypes
+import ctypes.util
+import os
+
+ABI_VERSION = 1
+
+# DLPack (v0.6+) device and type codes used by kt.
+KDL_CPU = 1
+KDL_CUDA = 2
+KDL_CUDA_HOST = 3
+KDL_EXT_DEV = 12
+KDL_INT = 0
+KDL_UINT = 1
+KDL_FLOAT = 2
+KDL_BFLOAT = 4
+KDL_BOOL = 6
+
+# kt_status values (pinned by the ABI).
+STATUS_NAMES = {
+    0: "KT_OK", 1: "KT_ERR_INVALID_ARGUMENT", 2: "KT_ERR_NULL_POINTER",
+    3: "KT_ERR_INVALID_HANDLE", 4: "KT_ERR_DTYPE", 5: "KT_ERR_SHAPE", 6: "KT_ERR_STRIDE",
+    7: "KT_ERR_DEVICE", 8: "KT_ERR_EXPERT_ID", 9: "KT_ERR_TOO_MANY_TOKENS",
+    10: "KT_ERR_CONTEXT", 11: "KT_ERR_NOT_BOUND", 12: "KT_ERR_NOT_LOADED", 13: "KT_ERR_MODE",
+    14: "KT_ERR_UNSUPPORTED", 15: "KT_ERR_OUT_OF_MEMORY", 16: "KT_ERR_IO", 17: "KT_ERR_INTERNAL",
+}
+
+# kt_isa
+ISA_AUTO, ISA_REF, ISA_AVX2, ISA_AVX512BF16, ISA_AMX = 0, 1, 2, 3, 4
+# kt_activation
+ACT_SILU, ACT_SWIGLU_OAI = 0, 1
+# kt_mode
+MODE_INFERENCE, MODE_LORA, MODE_FULL = 0, 1, 2
+# projection bits
+PROJ_GATE, PROJ_UP, PROJ_DOWN = 1, 2, 4
+# kt_weight_orientation / kt_gate_up_order / kt_grad_accumulate
+ORIENT_OUT_IN, ORIENT_IN_OUT = 0, 1
+GATE_UP_CONCAT, GATE_UP_INTERLEAVED = 0, 1
+GRAD_OVERWRITE, GRAD_ACCUMULATE = 0, 1
+
+# kt_arg_id
+ARG = dict(
+    X=1, IDS=2, ROUTE_WEIGHTS=3, Y=4, DY=5, DX=6, DROUTE_WEIGHTS=7,
+    W_GATE=16, W_UP=17, W_DOWN=18, W_GATE_UP=19, B_GATE=20, B_UP=21, B_DOWN=22,
+    B_GATE_UP=23, EXPERT_MAP=24,
+    LORA_A_GATE=32, LORA_B_GATE=33, LORA_A_UP=34, LORA_B_UP=35, LORA_A_DOWN=36,
+    LORA_B_DOWN=37,
+    GRAD_LORA_A_GATE=48, GRAD_LORA_B_GATE=49, GRAD_LORA_A_UP=50, GRAD_LORA_B_UP=51,
+    GRAD_LORA_A_DOWN=52, GRAD_LORA_B_DOWN=53,
+    GRAD_W_GATE=64, GRAD_W_UP=65, GRAD_W_DOWN=66, GRAD_B_GATE=67, GRAD_B_UP=68,
+    GRAD_B_DOWN=69,
+)
+
+
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+LOG_FN = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+class EngineOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_threads", ctypes.c_int),
+        ("pin_threads", ctypes.c_int),
+        ("max_isa", ctypes.c_int),
+        ("verbosity", ctypes.c_int),
+        ("log_fn", LOG_FN),
+        ("log_user", ctypes.c_void_p),
+    ]
+
+
+class EngineInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_threads", ctypes.c_int),
+        ("isa", ctypes.c_int),
+        ("cpu_isa", ctypes.c_int),
+        ("kernel_name", ctypes.c_char_p),
+    ]
+
+
+class MoeOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64),
+        ("activation", ctypes.c_int),
+        ("act_alpha", ctypes.c_float),
+        ("act_limit", ctypes.c_float),
+        ("has_bias", ctypes.c_int),
+        ("mode", ctypes.c_int),
+        ("weight_format", ctypes.c_int),
+        ("lora_rank", ctypes.c_int64),
+        ("lora_alpha", ctypes.c_float),
+        ("use_rslora", ctypes.c_int),
+        ("lora_targets", ctypes.c_uint),
+    ]
+
+
+class LoadOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("orientation", ctypes.c_int),
+        ("gate_up_order", ctypes.c_int),
+    ]
+
+
+class BackwardOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("grad_scale", ctypes.c_float),
+        ("accumulate", ctypes.c_int),
+        ("param_grads", ctypes.c_int),
+    ]
+
+
+class Arg(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("tensor", ctypes.POINTER(DLTensor))]
+
+
+_P = ctypes.c_void_p
+_S = ctypes.c_int  # kt_status
+_PROTOTYPES = {
+    "kt_version": (ctypes.c_char_p, []),
+    "kt_version_number": (ctypes.c_int, []),
+    "kt_abi_version": (ctypes.c_int, []),
+    "kt_build_info": (ctypes.c_char_p, []),
+    "kt_status_string": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_last_error": (ctypes.c_char_p, []),
+    "kt_clear_error": (None, []),
+    "kt_cpu_isa": (ctypes.c_int, []),
+    "kt_isa_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_engine_options_init": (None, [ctypes.POINTER(EngineOptions)]),
+    "kt_engine_create": (_S, [ctypes.POINTER(EngineOptions), ctypes.POINTER(_P)]),
+    "kt_engine_destroy": (_S, [_P]),
+    "kt_engine_get_info": (_S, [_P, ctypes.POINTER(EngineInfo)]),
+    "kt_moe_options_init": (None, [ctypes.POINTER(MoeOptions)]),
+    "kt_moe_create": (_S, [_P, ctypes.POINTER(MoeOptions), ctypes.POINTER(_P)]),
+    "kt_moe_destroy": (None, [_P]),
+    "kt_moe_lora_scale": (_S, [_P, ctypes.POINTER(ctypes.c_float)]),
+    "kt_load_options_init": (None, [ctypes.POINTER(LoadOptions)]),
+    "kt_moe_load_weights": (_S, [_P, ctypes.POINTER(LoadOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_moe_load_expert": (_S, [_P, ctypes.c_int64, ctypes.POINTER(LoadOptions), ctypes.POINTER(Arg),
+                                ctypes.c_size_t]),
+    "kt_moe_set_skipped": (_S, [_P, ctypes.POINTER(DLTensor)]),
+    "kt_moe_num_loaded": (_S, [_P, ctypes.POINTER(ctypes.c_int64)]),
+    "kt_moe_bind": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_moe_params_changed": (_S, [_P]),
+    "kt_moe_forward": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P)]),
+    "kt_backward_options_init": (None, [ctypes.POINTER(BackwardOptions)]),
+    "kt_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_context_release": (None, [_P]),
+}
+
+
+def _candidates():
+    """Where libkt is looked for, in order: $KT_LIBRARY, the build tree
+    recorded by install_dev.sh, next to this package, the system loader."""
+    env = os.environ.get("KT_LIBRARY")
+    if env:
+        yield env
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        from . import _libpath  # written by install_dev.sh; not in version control
+        yield _libpath.LIBRARY
+    except ImportError:
+        pass
+    for name in ("libkt.so.%d" % ABI_VERSION, "libkt.so"):
+        path = os.path.join(here, name)
+        if os.path.exists(path):
+            yield path
+    yield "libkt.so.%d" % ABI_VERSION
+    found = ctypes.util.find_library("kt")
+    if found:
+        yield found
+
+
+def load_library():
+    errors = []
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            errors.append("%s: %s" % (path, e))
+            continue
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+        return lib, path
+    raise ImportError("kt: cannot load libkt (set KT_LIBRARY to its path); tried:\n  " +
+                      "\n  ".join(errors))

@@ -1,0 +1,290 @@
+"""Engine and MoE layer handles over the C ABI; no torch needed.
+
+Tensors are numpy arrays, torch tensors, kt.RawTensor descriptions or plain
+buffers; all are borrowed for the call unless a call says it retains them.
+"""
+import ctypes
+import threading
+
+from . import _capi
+from ._tensor import DLView
+from .errors import ERROR_CLASSES, KtError
+
+_lib = None
+_lib_path = None
+
+
+def lib():
+    global _lib, _lib_path
+    if _lib is None:
+        _lib, _lib_path = _capi.load_library()
+    return _lib
+
+
+def library_path():
+    lib()
+    return _lib_path
+
+
+def check(status):
+    """Raises the exception of a non-zero kt_status with kt_last_error()."""
+    if status == 0:
+        return
+    message = lib().kt_last_error().decode("utf-8", "replace")
+    name = _capi.STATUS_NAMES.get(status, "KT_ERR_%d" % status)
+    raise ERROR_CLASSES.get(status, KtError)(status, name, message)
+
+
+ACTIVATIONS = {"silu": _capi.ACT_SILU, "swiglu_oai": _capi.ACT_SWIGLU_OAI}
+MODES = {"inference": _capi.MODE_INFERENCE, "lora": _capi.MODE_LORA, "full": _capi.MODE_FULL}
+PROJECTIONS = {"gate": _capi.PROJ_GATE, "up": _capi.PROJ_UP, "down": _capi.PROJ_DOWN}
+ISAS = {"auto": _capi.ISA_AUTO, "ref": _capi.ISA_REF, "avx2": _capi.ISA_AVX2,
+        "avx512bf16": _capi.ISA_AVX512BF16, "amx": _capi.ISA_AMX}
+
+
+class Engine:
+    """A kt engine: a pinned worker pool plus the chosen kernels."""
+
+    def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1):
+        opts = _capi.EngineOptions()
+        lib().kt_engine_options_init(ctypes.byref(opts))
+        opts.num_threads = int(num_threads)
+        opts.pin_threads = 1 if pin_threads else 0
+        if max_isa not in ISAS:
+            raise ValueError("kt: max_isa must be one of %s" % ", ".join(ISAS))
+        opts.max_isa = ISAS[max_isa]
+        opts.verbosity = int(verbosity)
+        handle = ctypes.c_void_p()
+        check(lib().kt_engine_create(ctypes.byref(opts), ctypes.byref(handle)))
+        self._handle = handle
+        self._lib = lib()
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: the engine was closed")
+        return self._handle
+
+    def info(self):
+        info = _capi.EngineInfo()
+        info.struct_size = ctypes.sizeof(info)
+        check(lib().kt_engine_get_info(self.handle, ctypes.byref(info)))
+        names = {v: k for k, v in ISAS.items()}
+        return {"num_threads": info.num_threads, "isa": names.get(info.isa, "unknown"),
+                "cpu_isa": names.get(info.cpu_isa, "unknown"),
+                "kernel_name": info.kernel_name.decode()}
+
+    def close(self):
+        if self._handle:
+            check(self._lib.kt_engine_destroy(self._handle))
+            self._handle = None
+
+    def __del__(self):
+        # Layers keep their engine alive, so at collection time none is left.
+        if getattr(self, "_handle", None):
+            self._lib.kt_engine_destroy(self._handle)
+            self._handle = None
+
+
+_default_engine = None
+_default_lock = threading.Lock()
+
+
+def default_engine():
+    """The process-wide engine that layers use unless given one."""
+    global _default_engine
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = Engine()
+        return _default_engine
+
+
+def _args(pairs):
+    """Builds a kt_arg array from (id name, tensor) pairs; returns the array
+    and the views that keep the DLTensors alive."""
+    views = []
+    arr = (_capi.Arg * max(len(pairs), 1))()
+    for i, (name, obj) in enumerate(pairs):
+        view = obj if isinstance(obj, DLView) else DLView(obj)
+        views.append(view)
+        arr[i].id = _capi.ARG[name]
+        arr[i].tensor = view.ptr
+    return arr, views
+
+
+class Context:
+    """What a training forward saved for its backward. Released once: after
+    the backward has run and this object is dropped, or by ``release()``."""
+
+    def __init__(self, layer, handle):
+        self._layer = layer  # the layer must outlive its contexts
+        self._handle = handle
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: this context was released")
+        return self._handle
+
+    def release(self):
+        if self._handle:
+            self._layer._lib.kt_context_release(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        if getattr(self, "_handle", None) and self._layer._handle:
+            self.release()
+
+
+class MoE:
+    """One MoE layer's routed experts (kt_moe). Shapes follow DESIGN §2:
+    x [T,H], ids [T,k], route weights [T,k]; stacked weights [E, out, in]."""
+
+    def __init__(self, num_experts, top_k, hidden, intermediate, *, max_tokens=1024,
+                 activation="silu", act_alpha=1.702, act_limit=0.0, bias=False,
+                 mode="inference", lora_rank=16, lora_alpha=32.0, use_rslora=False,
+                 lora_targets=("gate", "up", "down"), engine=None):
+        if activation not in ACTIVATIONS:
+            raise ValueError("kt: activation must be one of %s" % ", ".join(ACTIVATIONS))
+        if mode not in MODES:
+            raise ValueError("kt: mode must be one of %s" % ", ".join(MODES))
+        self.engine = engine or default_engine()
+        opts = _capi.MoeOptions()
+        lib().kt_moe_options_init(ctypes.byref(opts))
+        opts.num_experts = num_experts
+        opts.top_k = top_k
+        opts.hidden = hidden
+        opts.intermediate = intermediate
+        opts.max_tokens = max_tokens
+        opts.activation = ACTIVATIONS[activation]
+        opts.act_alpha = act_alpha
+        opts.act_limit = act_limit
+        opts.has_bias = 1 if bias else 0
+        opts.mode = MODES[mode]
+        if mode == "lora":
+            opts.lora_rank = lora_rank
+            opts.lora_alpha = lora_alpha
+            opts.use_rslora = 1 if use_rslora else 0
+            bits = 0
+            for p in lora_targets:
+                if p not in PROJECTIONS:
+                    raise ValueError("kt: LoRA target %r is not one of gate, up, down" % (p,))
+                bits |= PROJECTIONS[p]
+            opts.lora_targets = bits
+        handle = ctypes.c_void_p()
+        check(lib().kt_moe_create(self.engine.handle, ctypes.byref(opts), ctypes.byref(handle)))
+        self._handle = handle
+        self._lib = lib()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.max_tokens = max_tokens
+        self.mode = mode
+        self.bias = bool(bias)
+        self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
+        self._bound = {}  # id name -> DLView kt retains
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: the layer was closed")
+        return self._handle
+
+    def close(self):
+        if self._handle:
+            self._lib.kt_moe_destroy(self._handle)
+            self._handle = None
+            self._bound.clear()
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self._lib.kt_moe_destroy(self._handle)
+            self._handle = None
+
+    def lora_scale(self):
+        s = ctypes.c_float()
+        check(lib().kt_moe_lora_scale(self.handle, ctypes.byref(s)))
+        return s.value
+
+    def load_weights(self, *, gate=None, up=None, down=None, gate_up=None, bias_gate=None,
+                     bias_up=None, bias_down=None, bias_gate_up=None, expert_map=None,
+                     orientation="out_in", interleaved=False):
+        """Packs stacked expert weights ([E or P, out, in], or [.., in, out]
+        with orientation="in_out"); tensors are borrowed for the call."""
+        pairs = [(n, t) for n, t in (
+            ("W_GATE", gate), ("W_UP", up), ("W_DOWN", down), ("W_GATE_UP", gate_up),
+            ("B_GATE", bias_gate), ("B_UP", bias_up), ("B_DOWN", bias_down),
+            ("B_GATE_UP", bias_gate_up), ("EXPERT_MAP", expert_map)) if t is not None]
+        arr, views = _args(pairs)
+        check(lib().kt_moe_load_weights(self.handle, ctypes.byref(self._load_options(
+            orientation, interleaved)), arr, len(pairs)))
+        del views
+
+    def load_expert(self, expert, *, gate=None, up=None, down=None, gate_up=None,
+                    bias_gate=None, bias_up=None, bias_down=None, bias_gate_up=None,
+                    orientation="out_in", interleaved=False):
+        pairs = [(n, t) for n, t in (
+            ("W_GATE", gate), ("W_UP", up), ("W_DOWN", down), ("W_GATE_UP", gate_up),
+            ("B_GATE", bias_gate), ("B_UP", bias_up), ("B_DOWN", bias_down),
+            ("B_GATE_UP", bias_gate_up)) if t is not None]
+        arr, views = _args(pairs)
+        check(lib().kt_moe_load_expert(self.handle, int(expert), ctypes.byref(self._load_options(
+            orientation, interleaved)), arr, len(pairs)))
+        del views
+
+    @staticmethod
+    def _load_options(orientation, interleaved):
+        lo = _capi.LoadOptions()
+        lib().kt_load_options_init(ctypes.byref(lo))
+        if orientation not in ("out_in", "in_out"):
+            raise ValueError("kt: orientation must be 'out_in' or 'in_out'")
+        lo.orientation = _capi.ORIENT_IN_OUT if orientation == "in_out" else _capi.ORIENT_OUT_IN
+        lo.gate_up_order = _capi.GATE_UP_INTERLEAVED if interleaved else _capi.GATE_UP_CONCAT
+        return lo
+
+    def set_skipped(self, mask):
+        view = DLView(mask)
+        check(lib().kt_moe_set_skipped(self.handle, view.ptr))
+
+    def num_loaded(self):
+        n = ctypes.c_int64()
+        check(lib().kt_moe_num_loaded(self.handle, ctypes.byref(n)))
+        return n.value
+
+    def bind(self, **tensors):
+        """Binds parameters / gradient buffers by argument name (LORA_A_GATE,
+        GRAD_W_DOWN, ...). kt retains them: the memory must stay alive and in
+        place until rebound or the layer is closed; this object keeps a
+        reference to each bound tensor for that reason."""
+        pairs = list(tensors.items())
+        arr, views = _args(pairs)
+        check(lib().kt_moe_bind(self.handle, arr, len(pairs)))
+        for (name, _), view in zip(pairs, views):
+            self._bound[name] = view
+
+    def params_changed(self):
+        check(lib().kt_moe_params_changed(self.handle))
+
+    def forward(self, x, ids, weights, y, save=False):
+        """y = experts(x); returns a Context when save, else None."""
+        arr, views = _args([("X", x), ("IDS", ids), ("ROUTE_WEIGHTS", weights), ("Y", y)])
+        saved = ctypes.c_void_p()
+        check(lib().kt_moe_forward(self.handle, arr, 4, ctypes.byref(saved) if save else None))
+        del views
+        return Context(self, saved) if save else None
+
+    def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0,
+                 accumulate=False, param_grads=True):
+        opts = _capi.BackwardOptions()
+        lib().kt_backward_options_init(ctypes.byref(opts))
+        opts.grad_scale = grad_scale
+        opts.accumulate = _capi.GRAD_ACCUMULATE if accumulate else _capi.GRAD_OVERWRITE
+        opts.param_grads = 1 if param_grads else 0
+        pairs = [("DY", dy)]
+        if dx is not None:
+            pairs.append(("DX", dx))
+        if droute_weights is not None:
+            pairs.append(("DROUTE_WEIGHTS", droute_weights))
+        arr, views = _args(pairs)
+        handle = ctx.handle if isinstance(ctx, Context) else ctx
+        check(lib().kt_moe_backward(self.handle, handle, ctypes.byref(opts), arr, len(pairs)))
+        del views

@@ -1,0 +1,321 @@
+"""torch autograd and nn.Module front end of kt's MoE layer.
+
+``MoEExperts`` holds one layer's routed experts in kt. Its trainable tensors
+(LoRA factors, or the stacked weights and biases in full mode) are torch
+Parameters on the CPU that kt reads in place; kt writes their ``.grad``
+during backward, following torch's own accumulation rule:
+
+* a parameter whose ``.grad`` is None gets a fresh gradient (kt overwrites a
+  buffer, which then becomes ``.grad``): the first micro-batch of an
+  accumulation window after ``zero_grad(set_to_none=True)``;
+* a parameter that already has a ``.grad`` gets the new gradient added.
+
+Every parameter gradient is multiplied by ``grad_scale`` (e.g. 1/world_size or
+an inverse loss scale); dx and the routing-weight gradient are not. kt
+re-reads parameters whenever torch's version counter says they were changed
+in place (the optimizer step) or they were replaced.
+
+Inputs on an accelerator are copied to the CPU for kt and the result copied
+back; the parameters stay on the CPU even when the model is moved.
+"""
+import math
+
+import torch
+from torch import nn
+
+from . import core
+
+_PROJ_NAMES = ("gate", "up", "down")
+
+
+class _MoEFunction(torch.autograd.Function):
+    """y = experts(x, ids, weights); extra inputs are the layer's trainable
+    parameters so that autograd runs backward even when x needs no grad.
+    Their gradients are written by kt into ``.grad`` (returned as None)."""
+
+    @staticmethod
+    def forward(ctx, module, x, ids, weights, *params):
+        layer = module.kt_layer
+        save = any(ctx.needs_input_grad[1:])
+        y = torch.empty(x.shape, dtype=x.dtype)
+        contexts = []
+        step = layer.max_tokens
+        for start in range(0, max(x.shape[0], 1), step):
+            end = min(start + step, x.shape[0])
+            contexts.append(layer.forward(x[start:end], ids[start:end], weights[start:end],
+                                          y[start:end], save=save))
+        ctx.module = module
+        ctx.contexts = contexts
+        ctx.x_meta = (x.shape, x.dtype)
+        ctx.w_meta = (weights.shape, weights.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        module = ctx.module
+        layer = module.kt_layer
+        if dy.stride(-1) != 1 or dy.dtype not in (torch.float32, torch.bfloat16):
+            dy = dy.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+        dx = torch.empty(ctx.x_meta[0], dtype=ctx.x_meta[1]) if need_dx else None
+        w_dtype = ctx.w_meta[1] if ctx.w_meta[1] in (torch.float32, torch.bfloat16) else torch.float32
+        dw = torch.empty(ctx.w_meta[0], dtype=w_dtype) if need_dw else None
+        plan = module._prepare_param_grads() if any(ctx.needs_input_grad[4:]) else None
+        accumulate = plan[0] if plan else False
+        step = layer.max_tokens
+        for i, c in enumerate(ctx.contexts):
+            s, e = i * step, min((i + 1) * step, ctx.x_meta[0][0])
+            layer.backward(c, dy[s:e], None if dx is None else dx[s:e],
+                           None if dw is None else dw[s:e], grad_scale=module.grad_scale,
+                           accumulate=accumulate or i > 0, param_grads=plan is not None)
+        if plan:
+            for p, buf in plan[1]:
+                p.grad = buf
+        if dw is not None and dw.dtype != ctx.w_meta[1]:
+            dw = dw.to(ctx.w_meta[1])
+        return (None, dx, None, dw) + (None,) * (len(ctx.needs_input_grad) - 4)
+
+
+class MoEExperts(nn.Module):
+    """The routed experts of one MoE layer, computed by kt.
+
+    forward(x [..., H], ids [..., k], weights [..., k]) -> y [..., H]
+
+    mode "inference": frozen weights (backward still gives dx and routing
+    grads); "lora": frozen base + LoRA factors ``lora_A_<proj>`` [E, r, in]
+    and ``lora_B_<proj>`` [E, out, r]; "full": ``w_gate``/``w_up`` [E, I, H],
+    ``w_down`` [E, H, I] (and ``b_*`` with bias) are Parameters.
+    """
+
+    def __init__(self, num_experts, top_k, hidden, intermediate, *, activation="silu",
+                 act_alpha=1.702, act_limit=0.0, bias=False, mode="inference", lora_rank=16,
+                 lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down"),
+                 lora_dropout=0.0, param_dtype=torch.float32, max_tokens=1024, engine=None,
+                 grad_scale=1.0):
+        super().__init__()
+        if lora_dropout:
+            raise ValueError("kt: lora_dropout must be 0: kt feeds the LoRA path the same input "
+                             "as the base projection")
+        if param_dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError("kt: param_dtype must be torch.float32 or torch.bfloat16")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden, self.intermediate = hidden, intermediate
+        self.activation, self.act_alpha, self.act_limit = activation, act_alpha, act_limit
+        self.mode = mode
+        self.grad_scale = float(grad_scale)
+        self.kt_layer = core.MoE(num_experts, top_k, hidden, intermediate, max_tokens=max_tokens,
+                                 activation=activation, act_alpha=act_alpha, act_limit=act_limit,
+                                 bias=bias, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                 use_rslora=use_rslora, lora_targets=lora_targets, engine=engine)
+        self.has_bias = bool(bias)
+        self.lora_rank = lora_rank if mode == "lora" else 0
+        self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
+        self.lora_scale = self.kt_layer.lora_scale()
+        E, H, I = num_experts, hidden, intermediate
+        self._arg_names = []  # (kt argument name, parameter attribute)
+        if mode == "lora":
+            for p in self.lora_targets:
+                fan_in, fan_out = (I, H) if p == "down" else (H, I)
+                a = torch.empty(E, lora_rank, fan_in, dtype=param_dtype)
+                # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) i.e. U(+-1/sqrt(in)), B = 0.
+                nn.init.uniform_(a, -1.0 / math.sqrt(fan_in), 1.0 / math.sqrt(fan_in))
+                setattr(self, "lora_A_" + p, nn.Parameter(a))
+                setattr(self, "lora_B_" + p,
+                        nn.Parameter(torch.zeros(E, fan_out, lora_rank, dtype=param_dtype)))
+                self._arg_names += [("LORA_A_" + p.upper(), "lora_A_" + p),
+                                    ("LORA_B_" + p.upper(), "lora_B_" + p)]
+        elif mode == "full":
+            self.w_gate = nn.Parameter(torch.zeros(E, I, H, dtype=param_dtype))
+            self.w_up = nn.Parameter(torch.zeros(E, I, H, dtype=param_dtype))
+            self.w_down = nn.Parameter(torch.zeros(E, H, I, dtype=param_dtype))
+            self._arg_names += [("W_GATE", "w_gate"), ("W_UP", "w_up"), ("W_DOWN", "w_down")]
+            if bias:
+                self.b_gate = nn.Parameter(torch.zeros(E, I, dtype=param_dtype))
+                self.b_up = nn.Parameter(torch.zeros(E, I, dtype=param_dtype))
+                self.b_down = nn.Parameter(torch.zeros(E, H, dtype=param_dtype))
+                self._arg_names += [("B_GATE", "b_gate"), ("B_UP", "b_up"), ("B_DOWN", "b_down")]
+        self._bound_keys = {}      # kt arg name -> (data_ptr, shape, strides, dtype) bound
+        self._bound_versions = {}  # parameter attribute -> version counter kt has read
+        self._grad_buffers = {}    # parameter attribute -> tensor kt writes when .grad is None
+        self._needs_reload = mode == "full"  # full mode: kt packs nothing until params are read
+
+    def extra_repr(self):
+        s = "experts=%d, top_k=%d, hidden=%d, intermediate=%d, activation=%s, mode=%s" % (
+            self.num_experts, self.top_k, self.hidden, self.intermediate, self.activation,
+            self.mode)
+        if self.mode == "lora":
+            s += ", lora_rank=%d, lora_scale=%g, targets=%s" % (
+                self.lora_rank, self.lora_scale, ",".join(self.lora_targets))
+        return s
+
+    def trainable_parameters(self):
+        """(kt argument name, Parameter) of every tensor kt trains."""
+        return [(arg, getattr(self, attr)) for arg, attr in self._arg_names]
+
+    # ---------------------------------------------------------------- loading
+
+    def load_weights(self, *, gate=None, up=None, down=None, gate_up=None, bias_gate=None,
+                     bias_up=None, bias_down=None, bias_gate_up=None, orientation="out_in",
+                     interleaved=False):
+        """Stacked expert weights [E, out, in] (or [E, in, out] with
+        orientation="in_out"); gate_up holds gate rows first, or interleaved
+        (even gate, odd up) with interleaved=True."""
+        with torch.no_grad():
+            if self.mode == "full":
+                if gate_up is not None:
+                    gate, up = _split_gate_up(gate_up, orientation, interleaved)
+                if bias_gate_up is not None:
+                    bias_gate, bias_up = _split_gate_up(bias_gate_up, "out_in", interleaved)
+                for name, src in (("w_gate", gate), ("w_up", up), ("w_down", down)):
+                    if src is None:
+                        raise ValueError("kt: gate, up and down weights are required")
+                    getattr(self, name).copy_(src.transpose(1, 2) if orientation == "in_out" else src)
+                if self.has_bias:
+                    for name, src in (("b_gate", bias_gate), ("b_up", bias_up), ("b_down", bias_down)):
+                        if src is None:
+                            raise ValueError("kt: the layer has biases; all three are required")
+                        getattr(self, name).copy_(src)
+                self._needs_reload = True
+                return
+            cpu = _cpu_args(gate=gate, up=up, down=down, gate_up=gate_up, bias_gate=bias_gate,
+                            bias_up=bias_up, bias_down=bias_down, bias_gate_up=bias_gate_up)
+            self.kt_layer.load_weights(orientation=orientation, interleaved=interleaved, **cpu)
+
+    def load_expert(self, expert, *, gate=None, up=None, down=None, gate_up=None, bias_gate=None,
+                    bias_up=None, bias_down=None, orientation="out_in", interleaved=False):
+        """One expert's 2-D weights (e.g. straight from its nn.Linear modules)."""
+        with torch.no_grad():
+            if self.mode == "full":
+                if gate_up is not None:
+                    gate, up = _split_gate_up(gate_up[None], orientation, interleaved)
+                    gate, up = gate[0], up[0]
+                t = (lambda w: w.t()) if orientation == "in_out" else (lambda w: w)
+                self.w_gate[expert].copy_(t(gate))
+                self.w_up[expert].copy_(t(up))
+                self.w_down[expert].copy_(t(down))
+                if self.has_bias:
+                    self.b_gate[expert].copy_(bias_gate)
+                    self.b_up[expert].copy_(bias_up)
+                    self.b_down[expert].copy_(bias_down)
+                self._needs_reload = True
+                return
+            cpu = _cpu_args(gate=gate, up=up, down=down, gate_up=gate_up, bias_gate=bias_gate,
+                            bias_up=bias_up, bias_down=bias_down)
+            self.kt_layer.load_expert(expert, orientation=orientation, interleaved=interleaved, **cpu)
+
+    # ------------------------------------------------------------- parameters
+
+    def _apply(self, fn, *args, **kwargs):
+        # kt reads the parameters in place, so they stay in CPU memory even when
+        # the rest of the model moves to an accelerator; dtype casts still apply.
+        def keep_on_cpu(t):
+            out = fn(t)
+            return out if out.device.type == "cpu" else out.to("cpu")
+        return super()._apply(keep_on_cpu, *args, **kwargs)
+
+    def sync_parameters(self):
+        """Makes kt see the current parameter values: rebinds tensors that were
+        replaced and re-reads the ones changed in place. forward calls it."""
+        params = self.trainable_parameters()
+        if not params:
+            return
+        rebind = {}
+        for arg, p in params:
+            if p.device.type != "cpu":
+                raise ValueError("kt: parameter %s must stay in CPU memory (kt reads it in place)"
+                                 % arg)
+            key = (p.data_ptr(), tuple(p.shape), p.stride(), p.dtype)
+            if self._bound_keys.get(arg) != key:
+                rebind[arg] = (p.detach(), key)
+        changed = any(self._bound_versions.get(arg) != p._version for arg, p in params)
+        if rebind:
+            self.kt_layer.bind(**{arg: t for arg, (t, _) in rebind.items()})
+            for arg, (_, key) in rebind.items():
+                self._bound_keys[arg] = key
+        if self.mode == "full":
+            # Binding only records the tensors; kt packs them at params_changed.
+            if rebind or changed or self._needs_reload:
+                self.kt_layer.params_changed()
+        elif changed and not rebind:
+            # A LoRA bind already read every factor (all are bound together).
+            self.kt_layer.params_changed()
+        self._needs_reload = False
+        for arg, p in params:
+            self._bound_versions[arg] = p._version
+
+    def _prepare_param_grads(self):
+        """Binds the gradient buffers kt writes next; returns (accumulate,
+        [(param, buffer)] to install as .grad after backward) or None when no
+        parameter needs a gradient."""
+        params = self.trainable_parameters()
+        wanted = [p.requires_grad for _, p in params]
+        if not any(wanted):
+            return None
+        have = [p.grad is not None for (_, p), w in zip(params, wanted) if w]
+        accumulate = any(have)
+        install, binds = [], {}
+        for (arg, p), want in zip(params, wanted):
+            target = p.grad if want else None
+            if target is not None and (target.device.type != "cpu" or target.shape != p.shape
+                                       or target.dtype not in (torch.float32, torch.bfloat16)):
+                raise ValueError("kt: %s.grad must be a CPU float32/bfloat16 tensor of the "
+                                 "parameter's shape" % arg)
+            if target is None:
+                target = self._grad_buffers.get(arg)
+                if target is None or target.shape != p.shape or target.dtype != p.dtype:
+                    target = torch.empty(p.shape, dtype=p.dtype)
+                    self._grad_buffers[arg] = target
+                if accumulate:
+                    target.zero_()
+                if want:
+                    install.append((p, target))
+            grad_arg = "GRAD_" + arg
+            key = (target.data_ptr(), tuple(target.shape), target.stride(), target.dtype)
+            if self._bound_keys.get(grad_arg) != key:
+                binds[grad_arg] = (target, key)
+        if binds:
+            self.kt_layer.bind(**{a: t for a, (t, _) in binds.items()})
+            for a, (_, key) in binds.items():
+                self._bound_keys[a] = key
+        return accumulate, install
+
+    # ---------------------------------------------------------------- forward
+
+    def forward(self, x, ids, weights):
+        shape, device = x.shape, x.device
+        x2 = x.reshape(-1, self.hidden)
+        ids2 = ids.reshape(-1, self.top_k)
+        w2 = weights.reshape(-1, self.top_k)
+        moved = device.type not in ("cpu", "meta")
+        if moved:
+            x2, ids2, w2 = x2.to("cpu"), ids2.to("cpu"), w2.to("cpu")
+        if x2.shape[0] and x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        self.sync_parameters()
+        params = [p for _, p in self.trainable_parameters()]
+        y = _MoEFunction.apply(self, x2, ids2, w2, *params)
+        if moved:
+            y = y.to(device)
+        return y.reshape(shape)
+
+
+def _split_gate_up(gate_up, orientation, interleaved):
+    # [E, 2I, ...] (out_in) or [E, H, 2I] (in_out) -> gate, up in the same orientation
+    axis = 2 if orientation == "in_out" and gate_up.dim() == 3 else 1
+    n = gate_up.shape[axis] // 2
+    if interleaved:
+        idx_g = torch.arange(0, 2 * n, 2)
+        return gate_up.index_select(axis, idx_g), gate_up.index_select(axis, idx_g + 1)
+    return gate_up.narrow(axis, 0, n), gate_up.narrow(axis, n, n)
+
+
+def _cpu_args(**tensors):
+    out = {}
+    for k, t in tensors.items():
+        if t is None:
+            continue
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        out[k] = t
+    return out

@@ -1,0 +1,72 @@
+"""DESIGN.md §2 written in plain torch ops, differentiated by torch autograd.
+
+Everything runs in float64 from the exact values kt is given (base weights
+rounded to bf16 first, as kt stores them), so differences measure kt alone.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def bf16_round(t):
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+def activation(g, u, kind, alpha, limit):
+    if kind == "silu":
+        if limit > 0:
+            g = torch.clamp(g, max=limit)
+            u = torch.clamp(u, -limit, limit)
+        return F.silu(g) * u
+    if limit > 0:
+        g = torch.clamp(g, max=limit)
+        u = torch.clamp(u, -limit, limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1)
+
+
+def moe_forward(x, ids, weights, w, *, kind="silu", alpha=1.702, limit=0.0, lora=None,
+                lora_scale=0.0):
+    """x [T,H], ids [T,k] (-1 = none), weights [T,k]; w: dict gate/up/down
+    [E,out,in] and optional b_gate/b_up/b_down; lora: dict A_<p> [E,r,in],
+    B_<p> [E,out,r]. Returns y [T,H]."""
+    T, H = x.shape
+    y = x.new_zeros(T, H)
+    for e in torch.unique(ids).tolist():
+        if e < 0:
+            continue
+        t, j = torch.nonzero(ids == e, as_tuple=True)
+        xe = x[t]
+
+        def proj(p, z):
+            W = w[p][e]
+            if lora is not None and ("A_" + p) in lora:
+                W = W + lora_scale * lora["B_" + p][e] @ lora["A_" + p][e]
+            out = z @ W.t()
+            if ("b_" + p) in w:
+                out = out + w["b_" + p][e]
+            return out
+
+        a = activation(proj("gate", xe), proj("up", xe), kind, alpha, limit)
+        o = proj("down", a)
+        y = y.index_add(0, t, weights[t, j].unsqueeze(1) * o)
+    return y
+
+
+def reference_grads(x, ids, weights, w, dy, *, lora=None, **kw):
+    """Forward + autograd in float64. Returns (y, grads) where grads has x,
+    weights and every tensor of w / lora by its key."""
+    leaves = {"x": x, "weights": weights}
+    leaves.update({k: v for k, v in w.items()})
+    if lora:
+        leaves.update({k: v for k, v in lora.items()})
+    d = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    wd = {k: d[k] for k in w}
+    ld = {k: d[k] for k in lora} if lora else None
+    y = moe_forward(d["x"], ids, d["weights"], wd, lora=ld, **kw)
+    y.backward(dy.double())
+    return y.detach(), {k: v.grad for k, v in d.items()}
+
+
+def rel_l2(got, want):
+    got, want = got.double(), want.double()
+    denom = want.norm().item()
+    return (got - want).norm().item() / denom if denom > 0 else (got - want).norm().item()
