@@ -1,0 +1,199 @@
+/* A C99 host of kt: uses only the public header, references every function of
+ * the core ABI, checks the public struct layouts, and runs a tiny layer
+ * (forward, backward, async) against values computed here by hand. */
+#include <math.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "kt_c_api.h"
+
+/* C99 has no static_assert: a negative array size fails the build. */
+#define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
+LAYOUT(arg_size, sizeof(kt_arg) == 16);
+LAYOUT(arg_tensor, offsetof(kt_arg, tensor) == 8);
+LAYOUT(engine_options_size, sizeof(kt_engine_options) == 40);
+LAYOUT(engine_options_log_user, offsetof(kt_engine_options, log_user) == 32);
+LAYOUT(engine_info_size, sizeof(kt_engine_info) == 32);
+LAYOUT(moe_options_size, sizeof(kt_moe_options) == 96);
+LAYOUT(moe_options_max_tokens, offsetof(kt_moe_options, max_tokens) == 40);
+LAYOUT(moe_options_lora_targets, offsetof(kt_moe_options, lora_targets) == 88);
+LAYOUT(load_options_size, sizeof(kt_load_options) == 16);
+LAYOUT(backward_options_size, sizeof(kt_backward_options) == 24);
+LAYOUT(backward_options_param_grads, offsetof(kt_backward_options, param_grads) == 16);
+LAYOUT(status_values, KT_ERR_SHAPE == 5 && KT_ERR_CONTEXT == 10 && KT_ERR_INTERNAL == 17);
+LAYOUT(arg_values, KT_ARG_X == 1 && KT_ARG_W_GATE == 16 && KT_ARG_LORA_A_GATE == 32 &&
+                       KT_ARG_GRAD_LORA_A_GATE == 48 && KT_ARG_GRAD_W_GATE == 64);
+
+typedef void (*any_fn)(void);
+
+/* Every function of the core ABI, by address (checked against the exported
+ * symbol list by tests/abi/check_exports.py). */
+static const any_fn core_abi[] = {
+    (any_fn)kt_version, (any_fn)kt_version_number, (any_fn)kt_abi_version, (any_fn)kt_build_info,
+    (any_fn)kt_status_string, (any_fn)kt_last_error, (any_fn)kt_clear_error, (any_fn)kt_cpu_isa,
+    (any_fn)kt_isa_name, (any_fn)kt_engine_options_init, (any_fn)kt_engine_create,
+    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_moe_options_init,
+    (any_fn)kt_moe_create, (any_fn)kt_moe_destroy, (any_fn)kt_moe_lora_scale,
+    (any_fn)kt_load_options_init, (any_fn)kt_moe_load_weights, (any_fn)kt_moe_load_expert,
+    (any_fn)kt_moe_set_skipped, (any_fn)kt_moe_num_loaded, (any_fn)kt_moe_bind,
+    (any_fn)kt_moe_params_changed, (any_fn)kt_moe_set_grad_hook, (any_fn)kt_moe_forward,
+    (any_fn)kt_backward_options_init, (any_fn)kt_moe_backward, (any_fn)kt_context_release,
+    (any_fn)kt_moe_forward_submit, (any_fn)kt_moe_backward_submit, (any_fn)kt_job_run,
+    (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy,
+};
+
+static int failures = 0;
+#define CHECK(cond)                                                      \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      fprintf(stderr, "%s:%d: check failed: %s (last error: %s)\n", __FILE__, __LINE__, #cond, \
+              kt_last_error());                                          \
+      ++failures;                                                        \
+    }                                                                    \
+  } while (0)
+
+static DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int64_t* shape) {
+  DLTensor t;
+  memset(&t, 0, sizeof(t));
+  t.data = data;
+  t.device.device_type = kDLCPU;
+  t.ndim = ndim;
+  t.dtype.code = (uint8_t)code;
+  t.dtype.bits = (uint8_t)bits;
+  t.dtype.lanes = 1;
+  t.shape = shape;
+  return t;
+}
+
+static int hook_calls = 0;
+static void on_grads(kt_moe* moe, void* user) {
+  (void)moe;
+  *(int*)user += 1;
+}
+
+int main(void) {
+  size_t i;
+  for (i = 0; i < sizeof(core_abi) / sizeof(core_abi[0]); ++i) CHECK(core_abi[i] != NULL);
+  CHECK(kt_abi_version() == KT_ABI_VERSION);
+  CHECK(kt_version_number() == KT_VERSION_MAJOR * 10000 + KT_VERSION_MINOR * 100 + KT_VERSION_PATCH);
+  CHECK(strlen(kt_version()) >= 5);
+  CHECK(strstr(kt_build_info(), "ref") != NULL);
+  CHECK(strcmp(kt_isa_name(KT_ISA_AVX2), "avx2") == 0);
+  CHECK(kt_cpu_isa() >= KT_ISA_REF);
+  CHECK(strcmp(kt_status_string(KT_ERR_DTYPE), "KT_ERR_DTYPE") == 0);
+
+  kt_engine* engine = NULL;
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = 1;
+  CHECK(kt_engine_create(&eo, &engine) == KT_OK);
+  kt_engine_info info;
+  info.struct_size = sizeof(info);
+  CHECK(kt_engine_get_info(engine, &info) == KT_OK);
+  CHECK(info.num_threads == 1 && info.kernel_name != NULL);
+
+  /* E = 1 expert, k = 1, H = 2, I = 1, all weights 1 (exact in bf16), LoRA
+   * on down with rank 1: A = 1, B = 0.5, alpha = 1 -> s = 1. */
+  kt_moe_options mo;
+  kt_moe_options_init(&mo);
+  mo.num_experts = 1; mo.top_k = 1; mo.hidden = 2; mo.intermediate = 1; mo.max_tokens = 1;
+  mo.mode = KT_MODE_LORA; mo.lora_rank = 1; mo.lora_alpha = 1.f; mo.lora_targets = KT_PROJ_DOWN;
+  kt_moe* moe = NULL;
+  CHECK(kt_moe_create(engine, &mo, &moe) == KT_OK);
+  float s = 0;
+  CHECK(kt_moe_lora_scale(moe, &s) == KT_OK && s == 1.f);
+
+  float wg[2] = {1, 1}, wu[2] = {1, 1}, wd[2] = {1, 1};
+  int64_t sg[3] = {1, 1, 2}, sd[3] = {1, 2, 1};
+  DLTensor tg = tensor(wg, kDLFloat, 32, 3, sg), tu = tensor(wu, kDLFloat, 32, 3, sg),
+           td = tensor(wd, kDLFloat, 32, 3, sd);
+  kt_arg load[3];
+  load[0].id = KT_ARG_W_GATE; load[0].tensor = &tg;
+  load[1].id = KT_ARG_W_UP; load[1].tensor = &tu;
+  load[2].id = KT_ARG_W_DOWN; load[2].tensor = &td;
+  kt_load_options lo;
+  kt_load_options_init(&lo);
+  CHECK(kt_moe_load_weights(moe, &lo, load, 3) == KT_OK);
+  CHECK(kt_moe_load_expert(moe, 0, NULL, load, 3) == KT_ERR_SHAPE); /* 3-D given to a 2-D call */
+  int64_t n = 0;
+  CHECK(kt_moe_num_loaded(moe, &n) == KT_OK && n == 1);
+  unsigned char mask[1] = {0};
+  int64_t smask[1] = {1};
+  DLTensor tmask = tensor(mask, kDLUInt, 8, 1, smask);
+  CHECK(kt_moe_set_skipped(moe, &tmask) == KT_OK);
+
+  float la[2] = {1}, lb[2] = {0.5f, 0.5f}, gla[1] = {0}, glb[2] = {0, 0};
+  int64_t sa[3] = {1, 1, 1}, sb[3] = {1, 2, 1};
+  DLTensor ta = tensor(la, kDLFloat, 32, 3, sa), tb = tensor(lb, kDLFloat, 32, 3, sb),
+           tga = tensor(gla, kDLFloat, 32, 3, sa), tgb = tensor(glb, kDLFloat, 32, 3, sb);
+  kt_arg bind[4];
+  bind[0].id = KT_ARG_LORA_A_DOWN; bind[0].tensor = &ta;
+  bind[1].id = KT_ARG_LORA_B_DOWN; bind[1].tensor = &tb;
+  bind[2].id = KT_ARG_GRAD_LORA_A_DOWN; bind[2].tensor = &tga;
+  bind[3].id = KT_ARG_GRAD_LORA_B_DOWN; bind[3].tensor = &tgb;
+  CHECK(kt_moe_bind(moe, bind, 4) == KT_OK);
+  CHECK(kt_moe_params_changed(moe) == KT_OK);
+  CHECK(kt_moe_set_grad_hook(moe, on_grads, &hook_calls) == KT_OK);
+
+  /* x = (1, 1): g = u = 2, a = silu(2) * 2, o_h = a * (1 + 0.5) each, y = w * o. */
+  float x[2] = {1, 1}, y[2] = {0, 0}, w[1] = {0.5f}, dy[2] = {1, 0}, dx[2] = {0, 0}, dw[1] = {0};
+  int32_t ids[1] = {0};
+  int64_t sx[2] = {1, 2}, sk[2] = {1, 1};
+  DLTensor tx = tensor(x, kDLFloat, 32, 2, sx), ty = tensor(y, kDLFloat, 32, 2, sx),
+           tids = tensor(ids, kDLInt, 32, 2, sk), tw = tensor(w, kDLFloat, 32, 2, sk),
+           tdy = tensor(dy, kDLFloat, 32, 2, sx), tdx = tensor(dx, kDLFloat, 32, 2, sx),
+           tdw = tensor(dw, kDLFloat, 32, 2, sk);
+  kt_arg fwd[4];
+  fwd[0].id = KT_ARG_X; fwd[0].tensor = &tx;
+  fwd[1].id = KT_ARG_IDS; fwd[1].tensor = &tids;
+  fwd[2].id = KT_ARG_ROUTE_WEIGHTS; fwd[2].tensor = &tw;
+  fwd[3].id = KT_ARG_Y; fwd[3].tensor = &ty;
+  kt_context* ctx = NULL;
+  CHECK(kt_moe_forward(moe, fwd, 4, &ctx) == KT_OK);
+  {
+    const double a = 2.0 / (1.0 + exp(-2.0)) * 2.0;
+    CHECK(fabs(y[0] - 0.5 * 1.5 * a) < 1e-2 * a && fabs(y[1] - y[0]) < 1e-6);
+  }
+  kt_backward_options bo;
+  kt_backward_options_init(&bo);
+  kt_arg bwd[3];
+  bwd[0].id = KT_ARG_DY; bwd[0].tensor = &tdy;
+  bwd[1].id = KT_ARG_DX; bwd[1].tensor = &tdx;
+  bwd[2].id = KT_ARG_DROUTE_WEIGHTS; bwd[2].tensor = &tdw;
+  CHECK(kt_moe_backward(moe, ctx, &bo, bwd, 3) == KT_OK);
+  CHECK(hook_calls == 1);
+  CHECK(fabs(dw[0] - y[0] / 0.5f) < 1e-2 * fabs(dw[0]));  /* dw = <dy, o> = o_0 */
+  CHECK(dx[0] != 0.f && fabs(dx[0] - dx[1]) < 1e-6);
+  CHECK(glb[0] != 0.f && glb[1] == 0.f); /* dB_down: only h = 0 carries gradient */
+  CHECK(kt_moe_backward(moe, ctx, &bo, bwd, 3) == KT_ERR_CONTEXT);
+  CHECK(strstr(kt_last_error(), "spent") != NULL);
+  kt_clear_error();
+  CHECK(strcmp(kt_last_error(), "") == 0);
+  kt_context_release(ctx);
+
+  kt_job* job = NULL;
+  CHECK(kt_moe_forward_submit(moe, fwd, 4, &ctx, 0, &job) == KT_OK);
+  CHECK(kt_job_wait(job) == KT_OK);
+  CHECK(kt_job_done(job) == 1);
+  kt_job_destroy(job);
+  CHECK(kt_moe_backward_submit(moe, ctx, NULL, bwd, 1, KT_SUBMIT_DEFERRED, &job) == KT_OK);
+  kt_job_run(job);
+  CHECK(kt_job_wait(job) == KT_OK);
+  kt_job_destroy(job);
+  kt_context_release(ctx);
+  CHECK(hook_calls == 2);
+
+  kt_moe_destroy(moe);
+  CHECK(kt_engine_destroy(engine) == KT_OK);
+  kt_moe_destroy(NULL);
+  kt_context_release(NULL);
+  kt_job_destroy(NULL);
+  CHECK(kt_engine_destroy(NULL) == KT_OK);
+  if (failures) {
+    fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  printf("kt C99 host: all checks passed (kt %s, abi %d)\n", kt_version(), kt_abi_version());
+  return 0;
+}
