@@ -1,0 +1,3 @@
+module kt
+
+go 1.19
