@@ -6,19 +6,35 @@ namespace kt {
 
 void pack_bf16_panels(const View& src, int64_t row0, int64_t row_step, const PanelShape& s,
                       bf16_t* dst) {
-  std::memset(dst, 0, static_cast<size_t>(s.elements()) * sizeof(bf16_t));
-  const bool fast = src.dtype == DType::kBF16 && src.strides[1] == 1;
-  for (int64_t r = 0; r < s.n; ++r) {
-    const int64_t panel = r / kPanelRows, lane = r % kPanelRows;
-    bf16_t* out = dst + panel * s.panel_stride() + lane * 2;
-    const char* row = src.at(row0 + r * row_step, 0);
-    if (fast) {
-      const bf16_t* in = reinterpret_cast<const bf16_t*>(row);
-      for (int64_t c = 0; c < s.k; ++c) out[(c / 2) * 2 * kPanelRows + (c & 1)] = in[c];
-    } else {
-      const int64_t step = src.strides[1] * static_cast<int64_t>(src.elem_size());
-      for (int64_t c = 0; c < s.k; ++c)
-        out[(c / 2) * 2 * kPanelRows + (c & 1)] = f32_to_bf16(load_as_f32(row + c * step, src.dtype));
+  const bool fast = src.dtype == DType::kBF16 && (src.strides[1] == 1 || s.k == 1);
+  const int64_t col_step = src.strides[1] * static_cast<int64_t>(src.elem_size());
+  // Panel by panel, writing dst sequentially while reading the panel's 16
+  // source rows as 16 sequential streams.
+  for (int64_t P = 0; P < s.np; ++P) {
+    bf16_t* out = dst + P * s.panel_stride();
+    const char* rows[kPanelRows];
+    int64_t live = 0;
+    for (int l = 0; l < kPanelRows; ++l) {
+      const int64_t r = P * kPanelRows + l;
+      rows[l] = r < s.n ? src.at(row0 + r * row_step, 0) : nullptr;
+      live += r < s.n;
+    }
+    for (int64_t g = 0; g < s.kp / 2; ++g) {
+      bf16_t* o = out + g * 2 * kPanelRows;
+      for (int l = 0; l < kPanelRows; ++l) {
+        for (int t = 0; t < 2; ++t) {
+          const int64_t c = 2 * g + t;
+          bf16_t v = 0;
+          if (l < live && c < s.k) {
+            if (fast) {
+              v = reinterpret_cast<const bf16_t*>(rows[l])[c];
+            } else {
+              v = f32_to_bf16(load_as_f32(rows[l] + c * col_step, src.dtype));
+            }
+          }
+          o[l * 2 + t] = v;
+        }
+      }
     }
   }
 }
