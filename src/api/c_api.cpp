@@ -452,6 +452,8 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
     kt_moe::ForwardCall call = moe->check_forward(args, num_args);
     moe->check_ready_for_forward(call);
+    if (moe->engine->verbosity >= 2)
+      moe->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
     kt_context* ctx = saved ? moe->new_context(call) : nullptr;
     try {
       moe->forward(call, ctx);
@@ -491,6 +493,10 @@ kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_option
       kt::check(!ctx->backward_queued, KT_ERR_CONTEXT,
                 std::string(w) + ": ctx already has a backward submitted");
     }
+    if (moe->engine->verbosity >= 2)
+      moe->engine->log(2, "backward: T=" + std::to_string(ctx->tokens) +
+                              " grad_scale=" + std::to_string(call.opt.grad_scale) +
+                              (call.opt.accumulate ? " accumulate" : " overwrite"));
     moe->backward(ctx, call);
     hook = call.opt.param_grads && moe->opt.mode != KT_MODE_INFERENCE;
   });

@@ -1,5 +1,6 @@
 #include "formats/packed_bf16.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace kt {
@@ -43,23 +44,38 @@ void transpose_panels(const bf16_t* packed, const PanelShape& s, int64_t c0, int
   const int64_t kp2 = s.padded_rows();  // K' of the transposed panels
   const int64_t stride2 = kPanelRows * kp2;
   const int64_t nq = (cb + kPanelRows - 1) / kPanelRows;
-  if (cb % kPanelRows) std::memset(dst, 0, static_cast<size_t>(nq * stride2) * sizeof(bf16_t));
-  // Source group (panel P, pair g) holds W[16P + l][2g + t] at l*2 + t. It
-  // goes to transposed panel q = (2g + t - c0) / 16, pair n/2, lane
-  // (2g + t - c0) % 16, slot n % 2, with n = 16P + l.
-  for (int64_t P = 0; P < s.np; ++P) {
-    const bf16_t* src_panel = packed + P * s.panel_stride();
-    for (int64_t g = c0 / 2; g < (c0 + cb + 1) / 2; ++g) {
-      const bf16_t* grp = src_panel + g * 2 * kPanelRows;
-      for (int t = 0; t < 2; ++t) {
-        const int64_t c = 2 * g + t - c0;
-        if (c >= cb) continue;
-        bf16_t* out = dst + (c / kPanelRows) * stride2 + (c % kPanelRows) * 2;
-        for (int l = 0; l < kPanelRows; l += 2) {
-          const int64_t n = P * kPanelRows + l;
-          bf16_t* o = out + (n / 2) * 2 * kPanelRows;
-          o[0] = grp[l * 2 + t];
-          o[1] = grp[(l + 1) * 2 + t];
+  // For rows n, n+1 (n even) and columns k, k+1 (k even) the source holds the
+  // 2x2 block as 8 contiguous bytes W[n][k], W[n][k+1], W[n+1][k], W[n+1][k+1]
+  // (lanes n, n+1 of pair group k/2); the transposed panel wants W[n][k],
+  // W[n+1][k], W[n][k+1], W[n+1][k+1] (lanes k, k+1 of pair group n/2):
+  // one 8-byte read, a swap of the middle halves, one 8-byte write, with the
+  // destination written sequentially.
+  for (int64_t q = 0; q < nq; ++q) {
+    bf16_t* out = dst + q * stride2;
+    const int64_t cq = c0 + q * kPanelRows;  // first source column of this panel
+    const int64_t valid = std::min<int64_t>(kPanelRows, c0 + cb - cq);
+    for (int64_t np = 0; np < kp2 / 2; ++np) {
+      const int64_t n = 2 * np;
+      const bf16_t* src = packed + (n / kPanelRows) * s.panel_stride() + (n % kPanelRows) * 2;
+      bf16_t* o = out + np * 2 * kPanelRows;
+      int64_t c = 0;
+      for (; c + 2 <= valid; c += 2) {
+        const bf16_t* g = src + ((cq + c) / 2) * 2 * kPanelRows;
+        uint64_t v;
+        std::memcpy(&v, g, 8);
+        const uint64_t swapped = (v & 0xffff00000000ffffull) | ((v >> 16) & 0x00000000ffff0000ull) |
+                                 ((v << 16) & 0x0000ffff00000000ull);
+        std::memcpy(o + c * 2, &swapped, 8);
+      }
+      for (; c < kPanelRows; ++c) {  // odd tail column, and zero lanes past cb
+        bf16_t* oc = o + c * 2;
+        if (c < valid) {
+          const int64_t k = cq + c;
+          const bf16_t* g = src + (k / 2) * 2 * kPanelRows + (k & 1);
+          oc[0] = g[0];
+          oc[1] = g[2];
+        } else {
+          oc[0] = oc[1] = 0;
         }
       }
     }

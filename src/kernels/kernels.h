@@ -17,6 +17,14 @@ namespace kt {
 
 constexpr int kPanelRows = 16;
 
+// Activation parameters (DESIGN.md §2): kind is a kt_activation; limit <= 0
+// means no clamp.
+struct ActParams {
+  int kind;
+  float alpha;
+  float limit;
+};
+
 struct Kernels {
   kt_isa isa;
   const char* gemm_name;  // the contract-naming name of the weight GEMM
@@ -49,6 +57,14 @@ struct Kernels {
   // b_rows[r] fp32 rows of n values. Vectorised over n.
   void (*sgemm_tn)(int m, int n, int k, const float* a, int64_t lda, const float* const* b_rows,
                    float* c, int64_t ldc, bool accumulate);
+
+  // a[j] = act(g[j], u[j]) for j < n.
+  void (*act_forward)(const ActParams& p, const float* g, const float* u, float* a, int64_t n);
+  // From the pre-activations and da' (the gradient of a before the routing
+  // weight w): dg = w * da' * da/dg, du = w * da' * da/du (zero where
+  // clamped), a_out = a when not NULL; returns sum_j da'[j] * a[j].
+  float (*act_backward)(const ActParams& p, const float* g, const float* u, const float* da, float w,
+                        float* dg, float* du, float* a_out, int64_t n);
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "moe/activation.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
 #include "moe/moe_layer.h"
@@ -108,7 +107,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   const bool full = opt.mode == KT_MODE_FULL && c.opt.param_grads;
   const bool lora_grads = opt.mode == KT_MODE_LORA && c.opt.param_grads;
   const bool need_act = full || (lora_grads && lora_on(kDown));
-  const Activation act{opt.activation, opt.act_alpha, opt.act_limit};
+  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
   const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
 
@@ -160,16 +159,8 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         float* dgp = dg_.data() + p * I + col0;
         float* dup = du_.data() + p * I + col0;
         const float* di = cda + i * kBlockCols;
-        float part = 0.f;
-        for (int64_t j = 0; j < ncols; ++j) {
-          const float a = act.forward(gp[j], up[j]);
-          part += di[j] * a;
-          if (need_act) act_[static_cast<size_t>(p * I + col0 + j)] = a;
-          float dadg, dadu;
-          act.backward(gp[j], up[j], &dadg, &dadu);
-          dgp[j] = w * di[j] * dadg;
-          dup[j] = w * di[j] * dadu;
-        }
+        const float part = K_.act_backward(act, gp, up, di, w, dgp, dup,
+                                           need_act ? act_.data() + p * I + col0 : nullptr, ncols);
         dw_parts_[static_cast<size_t>(p * nIb + ib)] = part;
         const int64_t kp = std::min(kBlockCols, Ip - col0);
         K_.pack_a_f32(dgp, ncols, kp, dga_.data() + (p * Ip + col0) * a_size_);

@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "moe/activation.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
 #include "moe/moe_layer.h"
@@ -181,7 +180,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     if (lora_on(p)) project_rows(R, lora_[p].a.data(), H, true, xf, H, la[p]);
 
   // Stage 2: gate + up + activation, items (expert, block of I).
-  const Activation act{opt.activation, opt.act_alpha, opt.act_limit};
+  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const PanelShape gs = gate_shape;
   block_items(R, I);
   pool.run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
@@ -223,10 +222,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
           std::memcpy(g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
           std::memcpy(u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
         }
-        for (int64_t j = 0; j < ncols; ++j) gi[j] = act.forward(gi[j], ui[j]);
-        if (lora_on(kDown))
-          std::memcpy(act_.data() + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
-        K_.pack_a_f32(gi, ncols, std::min(kBlockCols, kpI - col0), aa_.data() + (p * kpI + col0) * a_size_);
+        float* ai = lora_on(kDown) ? act_.data() + p * I + col0 : s.c[2].data();
+        K_.act_forward(act, gi, ui, ai, ncols);
+        K_.pack_a_f32(ai, ncols, std::min(kBlockCols, kpI - col0), aa_.data() + (p * kpI + col0) * a_size_);
       }
     }
   });

@@ -5,7 +5,6 @@
 #include <cstring>
 
 #include "core/error.h"
-#include "moe/activation.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
 
@@ -74,10 +73,8 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
   const int64_t wide = std::max(H, I);
   scratch_.resize(static_cast<size_t>(engine->pool->size()));
   for (auto& s : scratch_) {
-    for (int i = 0; i < 2; ++i) {
-      s.panels[i].resize(static_cast<size_t>(kBlockCols * kpad));
-      s.c[i].resize(static_cast<size_t>(kRowChunk * kBlockCols));
-    }
+    for (int i = 0; i < 2; ++i) s.panels[i].resize(static_cast<size_t>(kBlockCols * kpad));
+    for (int i = 0; i < 3; ++i) s.c[i].resize(static_cast<size_t>(kRowChunk * kBlockCols));
     s.grad.resize(static_cast<size_t>(std::max<int64_t>(kRowChunk, r) * wide));
     s.rows.resize(static_cast<size_t>(kRowChunk));
     s.frows.resize(static_cast<size_t>(kRowChunk));

@@ -151,7 +151,7 @@ struct kt_moe {
   std::vector<int64_t> fill_;
   struct ThreadScratch {
     kt::Buffer<kt::bf16_t> panels[2];
-    kt::Buffer<float> c[2];
+    kt::Buffer<float> c[3];
     kt::Buffer<float> grad;
     std::vector<const void*> rows;
     std::vector<const float*> frows;

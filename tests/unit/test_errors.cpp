@@ -282,3 +282,78 @@ TEST(Status, NamesArePinned) {
 
 }  // namespace
 }  // namespace kt_test
+
+namespace kt_test {
+namespace {
+
+struct LogSink {
+  std::vector<std::pair<int, std::string>> lines;
+};
+
+void sink(int level, const char* message, void* user) {
+  static_cast<LogSink*>(user)->lines.emplace_back(level, message);
+}
+
+TEST(Engine, IsaCapFromEnvironmentAndLogCallback) {
+  const kt_isa cpu = kt_cpu_isa();
+  for (const char* cap : {"ref", "avx2"}) {
+    setenv("KT_MAX_ISA", cap, 1);
+    LogSink log;
+    kt_engine_options eo;
+    kt_engine_options_init(&eo);
+    eo.num_threads = 1;
+    eo.verbosity = 2;
+    eo.log_fn = sink;
+    eo.log_user = &log;
+    kt_engine* e = nullptr;
+    ASSERT_EQ(kt_engine_create(&eo, &e), KT_OK);
+    kt_engine_info info;
+    info.struct_size = sizeof(info);
+    ASSERT_EQ(kt_engine_get_info(e, &info), KT_OK);
+    const kt_isa want = std::string(cap) == "ref" ? KT_ISA_REF : (cpu >= KT_ISA_AVX2 ? KT_ISA_AVX2 : KT_ISA_REF);
+    EXPECT_EQ(info.isa, want) << cap;
+    EXPECT_EQ(info.cpu_isa, cpu);
+    ASSERT_FALSE(log.lines.empty());
+    EXPECT_EQ(log.lines[0].first, 1);
+    EXPECT_NE(log.lines[0].second.find(std::string("kernels ") + kt_isa_name(want)), std::string::npos)
+        << log.lines[0].second;
+    EXPECT_EQ(kt_engine_destroy(e), KT_OK);
+  }
+  unsetenv("KT_MAX_ISA");
+  // Silent by default: verbosity 0 never calls the sink.
+  LogSink quiet;
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.verbosity = 0;
+  eo.log_fn = sink;
+  eo.log_user = &quiet;
+  kt_engine* e = nullptr;
+  ASSERT_EQ(kt_engine_create(&eo, &e), KT_OK);
+  EXPECT_TRUE(quiet.lines.empty());
+  EXPECT_EQ(kt_engine_destroy(e), KT_OK);
+}
+
+TEST(Engine, TwoEnginesWithDifferentSettingsCoexist) {
+  kt_engine_options a, b;
+  kt_engine_options_init(&a);
+  kt_engine_options_init(&b);
+  a.num_threads = 1;
+  a.max_isa = KT_ISA_REF;
+  b.num_threads = 2;
+  b.pin_threads = 0;
+  kt_engine *ea = nullptr, *eb = nullptr;
+  ASSERT_EQ(kt_engine_create(&a, &ea), KT_OK);
+  ASSERT_EQ(kt_engine_create(&b, &eb), KT_OK);
+  kt_engine_info ia, ib;
+  ia.struct_size = ib.struct_size = sizeof(ia);
+  kt_engine_get_info(ea, &ia);
+  kt_engine_get_info(eb, &ib);
+  EXPECT_EQ(ia.num_threads, 1);
+  EXPECT_EQ(ib.num_threads, 2);
+  EXPECT_EQ(ia.isa, KT_ISA_REF);
+  EXPECT_EQ(kt_engine_destroy(ea), KT_OK);
+  EXPECT_EQ(kt_engine_destroy(eb), KT_OK);
+}
+
+}  // namespace
+}  // namespace kt_test

@@ -9,6 +9,7 @@
 #include "core/buffer.h"
 #include "formats/packed_bf16.h"
 #include "kernels/kernels.h"
+#include "moe/reference.h"
 
 namespace {
 
@@ -186,6 +187,54 @@ TEST(Bf16, RoundTripAndNearestEven) {
   EXPECT_EQ(kt::f16_to_f32(0xc000), -2.0f);
   EXPECT_EQ(kt::f16_to_f32(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
   EXPECT_EQ(kt::f16_to_f32(0x7bff), 65504.0f);
+}
+
+}  // namespace
+
+namespace {
+
+// The vectorised activations against the double-precision reference formula,
+// across clamp boundaries and large |x| (where exp saturates).
+TEST_P(GemmKernels, ActivationsMatchReference) {
+  const kt::Kernels& K = *GetParam();
+  for (int kind : {KT_ACT_SILU, KT_ACT_SWIGLU_OAI})
+    for (float limit : {0.f, 0.75f, 7.f}) {
+      kt::reference::Spec spec;
+      spec.activation = static_cast<kt_activation>(kind);
+      spec.limit = limit;
+      spec.alpha = 1.702;
+      const kt::ActParams ap{kind, 1.702f, limit};
+      std::vector<float> g, u;
+      for (float v = -95.f; v <= 95.f; v += 0.37f) {
+        g.push_back(v);
+        u.push_back(0.5f * v - 1.f);
+      }
+      for (float v = -3.f; v <= 3.f; v += 0.01f) {
+        g.push_back(v);
+        u.push_back(-v);
+      }
+      const int64_t n = static_cast<int64_t>(g.size());
+      std::vector<float> a(g.size()), da(g.size(), 1.f), dg(g.size()), du(g.size()), a2(g.size());
+      K.act_forward(ap, g.data(), u.data(), a.data(), n);
+      const float dot = K.act_backward(ap, g.data(), u.data(), da.data(), 0.5f, dg.data(), du.data(), a2.data(), n);
+      double want_dot = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const double want = kt::reference::activation(spec, g[static_cast<size_t>(j)], u[static_cast<size_t>(j)]);
+        want_dot += want;
+        ASSERT_NEAR(a[static_cast<size_t>(j)], want, 1e-6 * (1.0 + std::fabs(want)))
+            << K.gemm_name << " kind " << kind << " limit " << limit << " g " << g[static_cast<size_t>(j)];
+        ASSERT_EQ(a2[static_cast<size_t>(j)], a[static_cast<size_t>(j)]);
+        // Central differences of the reference for da/dg and da/du, away from the clamp kinks.
+        const double gj = g[static_cast<size_t>(j)], uj = u[static_cast<size_t>(j)], h = 1e-4;
+        const bool near_kink = limit > 0 && (std::fabs(gj - limit) < 2 * h || std::fabs(std::fabs(uj) - limit) < 2 * h);
+        if (near_kink) continue;
+        const double dadg = (kt::reference::activation(spec, gj + h, uj) - kt::reference::activation(spec, gj - h, uj)) / (2 * h);
+        const double dadu = (kt::reference::activation(spec, gj, uj + h) - kt::reference::activation(spec, gj, uj - h)) / (2 * h);
+        ASSERT_NEAR(dg[static_cast<size_t>(j)], 0.5 * dadg, 2e-5 * (1.0 + std::fabs(dadg))) << "dg at g " << gj << " u " << uj;
+        ASSERT_NEAR(du[static_cast<size_t>(j)], 0.5 * dadu, 2e-5 * (1.0 + std::fabs(dadu))) << "du at g " << gj << " u " << uj;
+      }
+      EXPECT_NEAR(dot, want_dot, 1e-5 * (1.0 + std::fabs(want_dot)));
+    }
 }
 
 }  // namespace

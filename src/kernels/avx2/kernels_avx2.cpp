@@ -10,6 +10,7 @@ namespace kt {
 namespace avx2 {
 
 #include "kernels/sgemm_generic.inc"
+#include "kernels/activation_generic.inc"
 
 // MR rows x one 16-row panel: 2*MR accumulators + 4 widened weight vectors.
 template <int MR>
@@ -73,6 +74,7 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 extern const Kernels kernels_avx2 = {
     KT_ISA_AVX2, "gemm_bf16w_f32_f32_4x16__avx2_fma", 4, avx2::gemm_bf16w, avx2::pack_a_f32,
     avx2::sgemm_nn_generic, avx2::sgemm_nt_generic, avx2::sgemm_tn_generic,
+    avx2::act_forward_generic, avx2::act_backward_generic,
 };
 
 }  // namespace kt

@@ -8,6 +8,7 @@ namespace kt {
 namespace avx512bf16 {
 
 #include "kernels/sgemm_generic.inc"
+#include "kernels/activation_generic.inc"
 
 // MR rows x NP panels of 16: MR*NP accumulators (<= 24) + NP weight vectors.
 template <int MR, int NP>
@@ -82,6 +83,7 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 extern const Kernels kernels_avx512bf16 = {
     KT_ISA_AVX512BF16, "gemm_bf16w_bf16_f32_6x64__avx512bf16", 2, avx512bf16::gemm_bf16w,
     avx512bf16::pack_a_f32, avx512bf16::sgemm_nn_generic, avx512bf16::sgemm_nt_generic, avx512bf16::sgemm_tn_generic,
+    avx512bf16::act_forward_generic, avx512bf16::act_backward_generic,
 };
 
 }  // namespace kt

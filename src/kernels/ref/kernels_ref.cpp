@@ -8,6 +8,7 @@ namespace kt {
 namespace ref {
 
 #include "kernels/sgemm_generic.inc"
+#include "kernels/activation_generic.inc"
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                        int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate) {
@@ -39,6 +40,7 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 extern const Kernels kernels_ref = {
     KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, ref::pack_a_f32,
     ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
+    ref::act_forward_generic, ref::act_backward_generic,
 };
 
 }  // namespace kt
