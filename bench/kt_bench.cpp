@@ -1,0 +1,634 @@
+// kt_bench: kt on real MoE shapes against this machine's measured limits and
+// against oneDNN-per-expert and torch eager, all in one run.
+//
+//   kt_bench [--json] [--quick] [--models LIST|all] [--tokens LIST] [--cases LIST]
+//            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
+//            [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
+//
+// Only kt's public C ABI is used for kt. See README.md for the columns.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "json_writer.h"
+#include "kt_c_api.h"
+#include "kt_runner.h"
+#include "machine_limits.h"
+#include "model_shapes.h"
+#include "torch_runner.h"
+#include "workload.h"
+#if KT_BENCH_HAVE_ONEDNN
+#include "onednn_baseline.h"
+#endif
+
+namespace kt_bench {
+namespace {
+
+struct Options {
+  bool json = false;
+  bool quick = false;
+  std::vector<std::string> models{"qwen3-30b-a3b"};
+  std::vector<int64_t> tokens{1, 8, 32, 128, 512, 2048};
+  std::vector<Case> cases{std::begin(kAllCases), std::end(kAllCases)};
+  int threads = 0;
+  int reps = 5;
+  int warmup = 1;
+  kt_isa max_isa = KT_ISA_AUTO;
+  double max_weight_gb = 1.25;
+  bool onednn = true;
+  bool torch = true;
+  std::string python = "/usr/bin/python3";
+  std::string torch_script = KT_BENCH_TORCH_SCRIPT;
+};
+
+const char* kUsage =
+    "usage: kt_bench [options]\n"
+    "  --json               print one JSON document instead of the table\n"
+    "  --quick              smoke run: T in {1,8}, a 16-expert slice, 1 rep\n"
+    "  --models LIST|all    comma-separated model names (default qwen3-30b-a3b)\n"
+    "  --tokens LIST        token counts T (default 1,8,32,128,512,2048)\n"
+    "  --cases LIST         forward,train_dx,train_lora,train_full (default all)\n"
+    "  --threads N          kt worker threads, and the threads of every measurement (0 = all CPUs)\n"
+    "  --reps N             timed repetitions per result, median reported (default 5)\n"
+    "  --warmup N           untimed calls before them (default 1)\n"
+    "  --isa NAME           cap kt's kernels: ref, avx2, avx512bf16, amx\n"
+    "  --max-weight-gb X    bf16 weights held per layer; larger models run a slice (default 1.25)\n"
+    "  --no-onednn          skip the oneDNN baseline\n"
+    "  --no-torch           skip the torch baseline\n"
+    "  --python PATH        interpreter for the torch baseline (default /usr/bin/python3)\n"
+    "  --torch-script PATH  torch_baseline.py to run\n";
+
+std::vector<std::string> split(const std::string& s) {
+  std::vector<std::string> parts;
+  std::stringstream in(s);
+  std::string part;
+  while (std::getline(in, part, ','))
+    if (!part.empty()) parts.push_back(part);
+  return parts;
+}
+
+bool parse_options(int argc, char** argv, Options* o, std::string* error) {
+  bool tokens_given = false, reps_given = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&](std::string* v) {
+      if (i + 1 >= argc) {
+        *error = a + " needs a value";
+        return false;
+      }
+      *v = argv[++i];
+      return true;
+    };
+    std::string v;
+    if (a == "--json") o->json = true;
+    else if (a == "--quick") o->quick = true;
+    else if (a == "--no-onednn") o->onednn = false;
+    else if (a == "--no-torch") o->torch = false;
+    else if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (!next(&v)) {
+      return false;
+    } else if (a == "--models") {
+      o->models.clear();
+      for (const std::string& m : split(v)) {
+        if (m == "all") {
+          for (const ModelShape& s : kModelShapes) o->models.push_back(s.name);
+        } else {
+          o->models.push_back(m);
+        }
+      }
+    } else if (a == "--tokens") {
+      o->tokens.clear();
+      for (const std::string& t : split(v)) o->tokens.push_back(std::atoll(t.c_str()));
+      tokens_given = true;
+    } else if (a == "--cases") {
+      o->cases.clear();
+      for (const std::string& c : split(v)) {
+        const Case* found = std::find_if(std::begin(kAllCases), std::end(kAllCases), [&](Case k) { return c == case_key(k); });
+        if (found == std::end(kAllCases)) {
+          *error = "unknown case " + c;
+          return false;
+        }
+        o->cases.push_back(*found);
+      }
+    } else if (a == "--threads") o->threads = std::atoi(v.c_str());
+    else if (a == "--reps") {
+      o->reps = std::atoi(v.c_str());
+      reps_given = true;
+    } else if (a == "--warmup") o->warmup = std::atoi(v.c_str());
+    else if (a == "--max-weight-gb") o->max_weight_gb = std::atof(v.c_str());
+    else if (a == "--python") o->python = v;
+    else if (a == "--torch-script") o->torch_script = v;
+    else if (a == "--isa") {
+      const kt_isa all[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
+      const kt_isa* found = std::find_if(std::begin(all), std::end(all), [&](kt_isa x) { return v == kt_isa_name(x); });
+      if (found == std::end(all)) {
+        *error = "unknown ISA " + v;
+        return false;
+      }
+      o->max_isa = *found;
+    } else {
+      *error = "unknown option " + a;
+      return false;
+    }
+  }
+  if (o->quick) {
+    if (!tokens_given) o->tokens = {1, 8};
+    if (!reps_given) o->reps = 1;
+  }
+  for (int64_t t : o->tokens)
+    if (t < 1) {
+      *error = "token counts must be >= 1";
+      return false;
+    }
+  for (const std::string& m : o->models)
+    if (std::none_of(std::begin(kModelShapes), std::end(kModelShapes), [&](const ModelShape& s) { return m == s.name; })) {
+      *error = "unknown model " + m;
+      return false;
+    }
+  if (o->reps < 1 || o->warmup < 0 || o->tokens.empty() || o->cases.empty() || o->max_weight_gb <= 0) {
+    *error = "need --reps >= 1, --warmup >= 0, --max-weight-gb > 0, and some tokens and cases";
+    return false;
+  }
+  return true;
+}
+
+// ------------------------------------------------------------ measurements
+
+std::string onednn_version() {
+#if KT_BENCH_HAVE_ONEDNN
+  return OneDnnBaseline::version();
+#else
+  return "";
+#endif
+}
+
+struct Row {
+  Case which = Case::kForward;
+  int64_t tokens = 0;
+  double routes = 0, touched = 0, flops = 0, bytes = 0;
+  double kt_s = NAN, onednn_s = NAN, torch_s = NAN;
+  std::string kt_error, onednn_error, torch_error;
+};
+
+struct TouchedRow {
+  int64_t touched = 0, tokens = 0;
+  double bytes = 0;
+  double kt_s = NAN;
+};
+
+// Cost model t = a * touched + b * routes fitted by least squares over one
+// case's rows: a is the per-expert (weight streaming) cost, b the per-route
+// (compute) cost; the residual says how linear the cost is.
+struct LinearFit {
+  double ms_per_expert = NAN, us_per_route = NAN, max_rel_residual = NAN;
+};
+
+struct ModelReport {
+  ModelShape shape;
+  int64_t experts_held;
+  double weight_bytes;
+  std::vector<std::pair<std::string, double>> loads;  // (layer mode, seconds kt took to pack it)
+  std::vector<Row> rows;
+  std::vector<TouchedRow> sweep;
+  std::map<Case, LinearFit> fits;
+  std::string onednn_reason;  // empty when it ran
+  TorchRun torch;
+};
+
+struct Limits {
+  MachineLimits machine;
+  double peak_gflops = 0;
+  std::string peak_kind;
+};
+
+LinearFit fit_cost(const std::vector<Row>& rows, Case which) {
+  double s_tt = 0, s_tr = 0, s_rr = 0, s_ty = 0, s_ry = 0;
+  std::vector<const Row*> used;
+  for (const Row& r : rows) {
+    if (r.which != which || !std::isfinite(r.kt_s)) continue;
+    const double y = r.kt_s * 1e3;
+    s_tt += r.touched * r.touched;
+    s_tr += r.touched * r.routes;
+    s_rr += r.routes * r.routes;
+    s_ty += r.touched * y;
+    s_ry += r.routes * y;
+    used.push_back(&r);
+  }
+  LinearFit fit;
+  const double det = s_tt * s_rr - s_tr * s_tr;
+  if (used.size() < 3 || std::fabs(det) < 1e-12 * s_tt * s_rr) return fit;
+  const double a = (s_ty * s_rr - s_ry * s_tr) / det;
+  const double b = (s_tt * s_ry - s_tr * s_ty) / det;
+  fit.ms_per_expert = a;
+  fit.us_per_route = b * 1e3;
+  fit.max_rel_residual = 0;
+  for (const Row* r : used) {
+    const double y = r->kt_s * 1e3;
+    fit.max_rel_residual = std::max(fit.max_rel_residual, std::fabs(a * r->touched + b * r->routes - y) / y);
+  }
+  return fit;
+}
+
+ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
+                        const std::string& torch_reason) {
+  ModelReport rep;
+  rep.shape = shape;
+  const double expert_bytes = 3.0 * shape.hidden * shape.intermediate * 2;
+  const int64_t fits = static_cast<int64_t>(o.max_weight_gb * 1e9 / expert_bytes);
+  rep.experts_held = std::min(shape.experts, std::max<int64_t>(shape.top_k, fits));
+  if (o.quick) rep.experts_held = std::min<int64_t>(rep.experts_held, 16);
+  rep.weight_bytes = expert_bytes * static_cast<double>(rep.experts_held);
+  if (!o.json)
+    std::fprintf(stderr, "kt_bench: %s: generating %.2f GB of bf16 weights\n", shape.name, rep.weight_bytes / 1e9);
+  const LayerWeights layer = make_layer_weights(shape, rep.experts_held, 42);
+
+  std::vector<Workload> work;
+  for (size_t i = 0; i < o.tokens.size(); ++i) work.push_back(make_workload(layer, o.tokens[i], 1000 + i));
+  for (Case c : o.cases) {
+    for (const Workload& w : work) {
+      Row r;
+      r.which = c;
+      r.tokens = w.tokens;
+      r.routes = w.mean_routes();
+      r.touched = w.mean_touched();
+      r.flops = case_flops(c, shape, r.routes);
+      r.bytes = case_bytes(c, layer, r.touched);
+      rep.rows.push_back(r);
+    }
+  }
+  auto row_of = [&](Case c, int64_t T) -> Row& {
+    return *std::find_if(rep.rows.begin(), rep.rows.end(), [&](const Row& r) { return r.which == c && r.tokens == T; });
+  };
+  const int64_t max_tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
+
+  // kt: one layer per mode, released before the baselines allocate theirs.
+  {
+    KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16));
+    for (Case c : o.cases) {
+      for (const Workload& w : work) {
+        if (!o.json)
+          std::fprintf(stderr, "kt_bench: %s: kt %s T=%lld\n", shape.name, case_label(c), static_cast<long long>(w.tokens));
+        Row& r = row_of(c, w.tokens);
+        std::string error;
+        const double s = kt.time_case(c, w, o.warmup, o.reps, &error);
+        if (s >= 0) r.kt_s = s;
+        else r.kt_error = error;
+      }
+    }
+    // Cost against touched experts at a fixed small T (the weight-streaming regime).
+    if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) != o.cases.end()) {
+      const int64_t sweep_tokens = o.quick ? 4 : 16;
+      for (int64_t n = shape.top_k; n <= rep.experts_held; n *= 2) {
+        const Workload w = make_touched_workload(layer, sweep_tokens, n, 7 + static_cast<uint64_t>(n));
+        TouchedRow t;
+        t.touched = n;
+        t.tokens = sweep_tokens;
+        t.bytes = case_bytes(Case::kForward, layer, w.mean_touched());
+        std::string error;
+        const double s = kt.time_case(Case::kForward, w, o.warmup, o.reps, &error);
+        if (s >= 0) t.kt_s = s;
+        rep.sweep.push_back(t);
+      }
+    }
+    rep.loads = kt.loads();
+  }
+  for (Case c : o.cases) rep.fits[c] = fit_cost(rep.rows, c);
+
+#if KT_BENCH_HAVE_ONEDNN
+  if (o.onednn) {
+    OneDnnBaseline dnnl(layer, threads);
+    for (Case c : o.cases) {
+      if (!OneDnnBaseline::supports(c)) continue;
+      for (const Workload& w : work) {
+        if (!o.json)
+          std::fprintf(stderr, "kt_bench: %s: oneDNN %s T=%lld\n", shape.name, case_label(c), static_cast<long long>(w.tokens));
+        Row& r = row_of(c, w.tokens);
+        std::string error;
+        const double s = dnnl.time_case(c, w, o.warmup, o.reps, &error);
+        if (s >= 0) r.onednn_s = s;
+        else r.onednn_error = error;
+      }
+    }
+  } else {
+    rep.onednn_reason = "skipped (--no-onednn)";
+  }
+#else
+  rep.onednn_reason = "not built: oneDNN (find_package(dnnl)) was not found at configure time";
+#endif
+
+  if (!o.torch) {
+    rep.torch.reason = "skipped (--no-torch)";
+  } else if (!torch_reason.empty()) {
+    rep.torch.reason = torch_reason;
+  } else {
+    if (!o.json) std::fprintf(stderr, "kt_bench: %s: torch eager baseline\n", shape.name);
+    rep.torch = run_torch_baseline(o.python, o.torch_script, layer, work, o.cases, threads, o.warmup, o.reps);
+    for (Row& r : rep.rows) {
+      const auto key = std::make_pair(std::string(case_key(r.which)), r.tokens);
+      if (rep.torch.seconds.count(key)) r.torch_s = rep.torch.seconds[key];
+      if (rep.torch.errors.count(key)) r.torch_error = rep.torch.errors[key];
+    }
+  }
+  return rep;
+}
+
+// ------------------------------------------------------------------ report
+
+struct Rates {
+  double gflops, pct_peak, gbs, pct_bw, pct_roofline;
+  bool compute_bound;
+};
+
+Rates rates_of(double flops, double bytes, double seconds, const Limits& lim) {
+  Rates r{};
+  r.gflops = flops / seconds / 1e9;
+  r.gbs = bytes / seconds / 1e9;
+  r.pct_peak = lim.peak_gflops > 0 ? 100 * r.gflops / lim.peak_gflops : NAN;
+  r.pct_bw = lim.machine.dram_read_gbs > 0 ? 100 * r.gbs / lim.machine.dram_read_gbs : NAN;
+  const double compute_floor = lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0;
+  const double memory_floor = lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0;
+  r.compute_bound = compute_floor >= memory_floor;
+  r.pct_roofline = 100 * std::max(compute_floor, memory_floor) / seconds;
+  return r;
+}
+
+std::string slice_note(const ModelReport& m) {
+  if (m.experts_held == m.shape.experts) return "all experts held";
+  char buffer[200];
+  std::snprintf(buffer, sizeof(buffer),
+                "a slice: %lld of %lld experts held, routes to the others dropped (a full layer costs ~%.1fx)",
+                static_cast<long long>(m.experts_held), static_cast<long long>(m.shape.experts),
+                static_cast<double>(m.shape.experts) / static_cast<double>(m.experts_held));
+  return buffer;
+}
+
+std::string fmt(const char* format, double v) {
+  if (!std::isfinite(v)) return "-";
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), format, v);
+  return buffer;
+}
+
+void print_table(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models) {
+  const MachineLimits& m = lim.machine;
+  std::printf("kt %s (abi %d), kernels %s (%s), %d threads\n", kt_version(), kt_abi_version(), kt_isa_name(info.isa),
+              info.kernel_name ? info.kernel_name : "?", info.num_threads);
+  std::printf("machine, %d threads: bf16 dot %s GFLOP/s, fp32 FMA avx512 %s / avx2 %s GFLOP/s, DRAM read %s GB/s (%.0f MiB buffer)\n",
+              m.threads, fmt("%.0f", m.has_avx512bf16 ? m.bf16_dot_gflops : NAN).c_str(),
+              fmt("%.0f", m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN).c_str(),
+              fmt("%.0f", m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN).c_str(), fmt("%.1f", m.dram_read_gbs).c_str(),
+              static_cast<double>(m.dram_buffer_bytes) / (1 << 20));
+  std::printf("peak used for %%peak: %s = %.0f GFLOP/s; medians of %d reps after %d warm-up%s\n", lim.peak_kind.c_str(),
+              lim.peak_gflops, o.reps, o.warmup, o.quick ? " (quick: smoke only, not a measurement)" : "");
+  for (const ModelReport& mr : models) {
+    const ModelShape& s = mr.shape;
+    std::printf("\n== %s: H=%lld I=%lld E=%lld k=%lld, bf16, %s, %.2f GB\n", s.name, static_cast<long long>(s.hidden),
+                static_cast<long long>(s.intermediate), static_cast<long long>(s.experts), static_cast<long long>(s.top_k),
+                slice_note(mr).c_str(), mr.weight_bytes / 1e9);
+    std::printf("   oneDNN: %s   torch: %s\n",
+                mr.onednn_reason.empty() ? ("oneDNN " + onednn_version()).c_str() : mr.onednn_reason.c_str(),
+                mr.torch.ran ? ("torch " + mr.torch.version + ", " + std::to_string(mr.torch.threads) + " threads" +
+                                (mr.torch.reason.empty() ? "" : "; " + mr.torch.reason)).c_str()
+                             : mr.torch.reason.c_str());
+    std::printf("%-19s %5s %6s %5s %9s %8s %7s %7s %10s %7s %10s %7s\n", "case", "T", "routes", "exp", "kt ms",
+                "GFLOP/s", "%peak", "%bw", "oneDNN ms", "xoneDNN", "torch ms", "xtorch");
+    for (const Row& r : mr.rows) {
+      std::string kt_ms = fmt("%.3f", r.kt_s * 1e3), gf = "-", pp = "-", pb = "-";
+      if (std::isfinite(r.kt_s)) {
+        const Rates x = rates_of(r.flops, r.bytes, r.kt_s, lim);
+        gf = fmt("%.1f", x.gflops);
+        pp = fmt("%.1f", x.pct_peak) + (x.compute_bound ? "*" : " ");
+        pb = fmt("%.1f", x.pct_bw) + (x.compute_bound ? " " : "*");
+      } else if (!r.kt_error.empty()) {
+        kt_ms = "error";
+      }
+      std::printf("%-19s %5lld %6.0f %5.0f %9s %8s %7s %7s %10s %7s %10s %7s\n", case_label(r.which),
+                  static_cast<long long>(r.tokens), r.routes, r.touched, kt_ms.c_str(), gf.c_str(), pp.c_str(), pb.c_str(),
+                  fmt("%.3f", r.onednn_s * 1e3).c_str(), fmt("%.2f", r.onednn_s / r.kt_s).c_str(),
+                  fmt("%.3f", r.torch_s * 1e3).c_str(), fmt("%.2f", r.torch_s / r.kt_s).c_str());
+    }
+    for (const Row& r : mr.rows)
+      if (!r.kt_error.empty()) std::printf("   kt %s T=%lld: %s\n", case_key(r.which), static_cast<long long>(r.tokens), r.kt_error.c_str());
+    std::printf("linearity, kt time ~ a*touched experts + b*routes (least squares over T):\n");
+    for (const auto& kv : mr.fits) {
+      const LinearFit& f = kv.second;
+      std::printf("   %-19s a = %s ms/expert, b = %s us/route, worst residual %s%%\n", case_label(kv.first),
+                  fmt("%.3f", f.ms_per_expert).c_str(), fmt("%.2f", f.us_per_route).c_str(),
+                  fmt("%.1f", 100 * f.max_rel_residual).c_str());
+    }
+    if (!mr.sweep.empty()) {
+      std::printf("   forward at T=%lld vs touched experts:", static_cast<long long>(mr.sweep.front().tokens));
+      for (const TouchedRow& t : mr.sweep)
+        std::printf("  %lld: %s ms (%s ms/expert, %s%% bw)", static_cast<long long>(t.touched), fmt("%.2f", t.kt_s * 1e3).c_str(),
+                    fmt("%.3f", t.kt_s * 1e3 / static_cast<double>(t.touched)).c_str(),
+                    fmt("%.0f", 100 * t.bytes / t.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str());
+      std::printf("\n");
+    }
+  }
+  std::printf("\n%%peak / %%bw: of the measured peak / DRAM read bandwidth; * marks the bound (roofline) of the case.\n"
+              "xoneDNN, xtorch: baseline time / kt time (above 1: kt is faster).\n");
+}
+
+void write_json(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models) {
+  JsonWriter j;
+  const MachineLimits& m = lim.machine;
+  j.begin_object();
+  j.key("kt").begin_object();
+  j.key("version").value(kt_version());
+  j.key("abi").value(kt_abi_version());
+  j.key("build_info").value(kt_build_info());
+  j.key("isa").value(kt_isa_name(info.isa));
+  j.key("cpu_isa").value(kt_isa_name(info.cpu_isa));
+  j.key("kernel").value(info.kernel_name ? info.kernel_name : "");
+  j.key("threads").value(info.num_threads);
+  j.end_object();
+  j.key("machine").begin_object();
+  j.key("threads").value(m.threads);
+  j.key("avx2_fma").value(m.has_avx2_fma);
+  j.key("avx512f").value(m.has_avx512f);
+  j.key("avx512_bf16").value(m.has_avx512bf16);
+  j.key("bf16_dot_peak_gflops").value(m.has_avx512bf16 ? m.bf16_dot_gflops : NAN);
+  j.key("fp32_fma_avx512_peak_gflops").value(m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN);
+  j.key("fp32_fma_avx2_peak_gflops").value(m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN);
+  j.key("peak_gflops").value(lim.peak_gflops);
+  j.key("peak_kind").value(lim.peak_kind);
+  j.key("dram_read_gbs").value(m.dram_read_gbs);
+  j.key("dram_buffer_bytes").value(static_cast<int64_t>(m.dram_buffer_bytes));
+  j.key("l3_bytes").value(static_cast<int64_t>(m.l3_bytes));
+  j.end_object();
+  j.key("settings").begin_object();
+  j.key("quick").value(o.quick);
+  j.key("reps").value(o.reps);
+  j.key("warmup").value(o.warmup);
+  j.key("statistic").value("median");
+  j.key("tokens").begin_array();
+  for (int64_t t : o.tokens) j.value(t);
+  j.end_array();
+  j.end_object();
+  j.key("models").begin_array();
+  for (const ModelReport& mr : models) {
+    const ModelShape& s = mr.shape;
+    j.begin_object();
+    j.key("name").value(s.name);
+    j.key("hidden").value(s.hidden);
+    j.key("intermediate").value(s.intermediate);
+    j.key("experts").value(s.experts);
+    j.key("top_k").value(s.top_k);
+    j.key("experts_held").value(mr.experts_held);
+    j.key("slice").value(mr.experts_held < s.experts);
+    j.key("note").value(slice_note(mr));
+    j.key("weight_bytes").value(mr.weight_bytes);
+    j.key("kt_load_seconds").begin_object();
+    for (const auto& l : mr.loads) j.key(l.first).value(l.second);
+    j.end_object();
+    j.key("baselines").begin_object();
+    j.key("onednn").begin_object();
+    j.key("ran").value(mr.onednn_reason.empty());
+    if (mr.onednn_reason.empty()) j.key("version").value(onednn_version());
+    else j.key("reason").value(mr.onednn_reason);
+    j.end_object();
+    j.key("torch").begin_object();
+    j.key("ran").value(mr.torch.ran);
+    if (mr.torch.ran) {
+      j.key("version").value(mr.torch.version);
+      j.key("threads").value(mr.torch.threads);
+    }
+    if (!mr.torch.reason.empty()) j.key("reason").value(mr.torch.reason);
+    j.end_object();
+    j.end_object();
+    j.key("results").begin_array();
+    for (const Row& r : mr.rows) {
+      j.begin_object();
+      j.key("case").value(case_key(r.which));
+      j.key("tokens").value(r.tokens);
+      j.key("routes").value(r.routes);
+      j.key("touched_experts").value(r.touched);
+      j.key("flops").value(r.flops);
+      j.key("bytes").value(r.bytes);
+      j.key("kt").begin_object();
+      j.key("ms").value(r.kt_s * 1e3);
+      if (std::isfinite(r.kt_s)) {
+        const Rates x = rates_of(r.flops, r.bytes, r.kt_s, lim);
+        j.key("gflops").value(x.gflops);
+        j.key("pct_peak").value(x.pct_peak);
+        j.key("gbs").value(x.gbs);
+        j.key("pct_bandwidth").value(x.pct_bw);
+        j.key("bound").value(x.compute_bound ? "compute" : "memory");
+        j.key("pct_roofline").value(x.pct_roofline);
+      }
+      if (!r.kt_error.empty()) j.key("error").value(r.kt_error);
+      j.end_object();
+      auto baseline = [&](const char* name, double seconds, const std::string& error) {
+        j.key(name).begin_object();
+        j.key("ms").value(seconds * 1e3);
+        j.key("gflops").value(r.flops / seconds / 1e9);
+        j.key("speedup_of_kt").value(seconds / r.kt_s);
+        if (!error.empty()) j.key("error").value(error);
+        j.end_object();
+      };
+      baseline("onednn", r.onednn_s, r.onednn_error);
+      baseline("torch", r.torch_s, r.torch_error);
+      j.end_object();
+    }
+    j.end_array();
+    j.key("linearity").begin_object();
+    j.key("model").value("kt ms = a * touched_experts + b * routes, least squares over the token counts");
+    for (const auto& kv : mr.fits) {
+      j.key(case_key(kv.first)).begin_object();
+      j.key("ms_per_touched_expert").value(kv.second.ms_per_expert);
+      j.key("us_per_route").value(kv.second.us_per_route);
+      j.key("max_rel_residual").value(kv.second.max_rel_residual);
+      j.end_object();
+    }
+    j.key("touched_experts_sweep").begin_array();
+    for (const TouchedRow& t : mr.sweep) {
+      j.begin_object();
+      j.key("tokens").value(t.tokens);
+      j.key("touched_experts").value(t.touched);
+      j.key("ms").value(t.kt_s * 1e3);
+      j.key("ms_per_expert").value(t.kt_s * 1e3 / static_cast<double>(t.touched));
+      j.key("pct_bandwidth").value(100 * t.bytes / t.kt_s / 1e9 / lim.machine.dram_read_gbs);
+      j.end_object();
+    }
+    j.end_array();
+    j.end_object();
+    j.end_object();
+  }
+  j.end_array();
+  j.end_object();
+  std::printf("%s\n", j.str().c_str());
+}
+
+}  // namespace
+}  // namespace kt_bench
+
+int main(int argc, char** argv) {
+  using namespace kt_bench;
+  Options o;
+  std::string error;
+  if (!parse_options(argc, argv, &o, &error)) {
+    std::fprintf(stderr, "kt_bench: %s\n%s", error.c_str(), kUsage);
+    return 2;
+  }
+  if (kt_abi_version() != KT_ABI_VERSION) {
+    std::fprintf(stderr, "kt_bench: built for kt ABI %d, loaded %d\n", KT_ABI_VERSION, kt_abi_version());
+    return 1;
+  }
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = o.threads;
+  eo.max_isa = o.max_isa;
+  kt_engine* engine = nullptr;
+  kt_status st = kt_engine_create(&eo, &engine);
+  if (st != KT_OK) {
+    std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_create", st).c_str());
+    return 1;
+  }
+  kt_engine_info info{};
+  info.struct_size = sizeof(info);
+  kt_engine_get_info(engine, &info);
+
+  // Every measurement runs on as many threads as kt's workers.
+  if (!o.json) std::fprintf(stderr, "kt_bench: measuring the machine on %d threads\n", info.num_threads);
+  Limits lim;
+  lim.machine = measure_machine_limits(info.num_threads, o.quick);
+  if (info.isa >= KT_ISA_AVX512BF16 && lim.machine.has_avx512bf16) {
+    lim.peak_gflops = lim.machine.bf16_dot_gflops;
+    lim.peak_kind = "bf16 dot (vdpbf16ps)";
+  } else {
+    lim.peak_gflops = lim.machine.fp32_fma_avx2_gflops;
+    lim.peak_kind = "fp32 FMA (avx2)";
+  }
+
+  const std::string torch_reason = o.torch ? torch_unavailable_reason(o.python) : "";
+  if (o.torch && !torch_reason.empty() && !o.json) std::fprintf(stderr, "kt_bench: torch baseline skipped: %s\n", torch_reason.c_str());
+
+  std::vector<ModelReport> models;
+  for (const std::string& name : o.models) {
+    const ModelShape& shape = *std::find_if(std::begin(kModelShapes), std::end(kModelShapes),
+                                            [&](const ModelShape& s) { return name == s.name; });
+    models.push_back(bench_model(shape, o, engine, info.num_threads, torch_reason));
+  }
+  if (o.json) write_json(o, lim, info, models);
+  else print_table(o, lim, info, models);
+
+  bool kt_failed = false;
+  for (const ModelReport& mr : models)
+    for (const Row& r : mr.rows) kt_failed = kt_failed || !r.kt_error.empty();
+  st = kt_engine_destroy(engine);
+  if (st != KT_OK) {
+    std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_destroy", st).c_str());
+    return 1;
+  }
+  return kt_failed ? 1 : 0;
+}

@@ -1,0 +1,136 @@
+#include "kt_runner.h"
+
+#include <cmath>
+
+namespace kt_bench {
+
+std::string kt_error(const char* call, kt_status status) {
+  return std::string(call) + " failed: " + kt_status_string(status) + ": " + kt_last_error();
+}
+
+KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens)
+    : engine_(engine), layer_(layer), max_tokens_(max_tokens) {}
+
+KtRunner::~KtRunner() { release_layer(); }
+
+void KtRunner::release_layer() {
+  kt_moe_destroy(moe_);
+  moe_ = nullptr;
+  params_.clear();
+}
+
+bool KtRunner::prepare(kt_mode mode, std::string* error) {
+  if (moe_ && mode_ == mode) return true;
+  // One layer at a time: a full-size layer is packed once per mode, and
+  // memory never holds two packed copies.
+  release_layer();
+  const ModelShape& s = layer_.shape;
+  kt_moe_options options;
+  kt_moe_options_init(&options);
+  options.num_experts = layer_.experts;
+  options.top_k = s.top_k;
+  options.hidden = s.hidden;
+  options.intermediate = s.intermediate;
+  options.max_tokens = max_tokens_;
+  options.mode = mode;
+  if (mode == KT_MODE_LORA) {
+    options.lora_rank = kLoraRank;
+    options.lora_alpha = 2.f * kLoraRank;
+  }
+  kt_status st = kt_moe_create(engine_, &options, &moe_);
+  if (st != KT_OK) {
+    *error = kt_error("kt_moe_create", st);
+    moe_ = nullptr;
+    return false;
+  }
+  mode_ = mode;
+  const kt_arg load[] = {{KT_ARG_W_GATE, layer_.gate.dl()}, {KT_ARG_W_UP, layer_.up.dl()}, {KT_ARG_W_DOWN, layer_.down.dl()}};
+  const double start = now_seconds();
+  st = kt_moe_load_weights(moe_, nullptr, load, 3);
+  loads_.emplace_back(mode == KT_MODE_LORA ? "lora" : mode == KT_MODE_FULL ? "full" : "inference", now_seconds() - start);
+  if (st != KT_OK) {
+    *error = kt_error("kt_moe_load_weights", st);
+    release_layer();
+    return false;
+  }
+
+  std::vector<kt_arg> bind;
+  const int64_t E = layer_.experts, r = kLoraRank;
+  if (mode == KT_MODE_LORA) {
+    // fp32 factors as a trainer keeps them; B non-zero like a trained adapter
+    // so no work can be skipped.
+    Rng rng(77);
+    for (int p = 0; p < 3; ++p) {
+      const int64_t in = p == 2 ? s.intermediate : s.hidden, out = p == 2 ? s.hidden : s.intermediate;
+      HostTensor a(kDLFloat, 32, {E, r, in}), b(kDLFloat, 32, {E, out, r});
+      for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = rng.normal() / std::sqrt(static_cast<float>(in));
+      for (int64_t i = 0; i < b.numel(); ++i) b.f32()[i] = 0.02f * rng.normal();
+      params_.push_back(std::move(a));
+      params_.push_back(std::move(b));
+      params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, r, in});
+      params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, out, r});
+    }
+    for (int p = 0; p < 3; ++p) {
+      bind.push_back({KT_ARG_LORA_A_GATE + 2 * p, params_[static_cast<size_t>(4 * p)].dl()});
+      bind.push_back({KT_ARG_LORA_B_GATE + 2 * p, params_[static_cast<size_t>(4 * p + 1)].dl()});
+      bind.push_back({KT_ARG_GRAD_LORA_A_GATE + 2 * p, params_[static_cast<size_t>(4 * p + 2)].dl()});
+      bind.push_back({KT_ARG_GRAD_LORA_B_GATE + 2 * p, params_[static_cast<size_t>(4 * p + 3)].dl()});
+    }
+  } else if (mode == KT_MODE_FULL) {
+    // The trainable weights are the host's own; fp32 gradient buffers as a
+    // mixed-precision trainer keeps them.
+    params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, s.intermediate, s.hidden});
+    params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, s.intermediate, s.hidden});
+    params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, s.hidden, s.intermediate});
+    bind = {{KT_ARG_W_GATE, layer_.gate.dl()},      {KT_ARG_W_UP, layer_.up.dl()},
+            {KT_ARG_W_DOWN, layer_.down.dl()},      {KT_ARG_GRAD_W_GATE, params_[0].dl()},
+            {KT_ARG_GRAD_W_UP, params_[1].dl()},    {KT_ARG_GRAD_W_DOWN, params_[2].dl()}};
+  }
+  if (!bind.empty()) {
+    st = kt_moe_bind(moe_, bind.data(), bind.size());
+    if (st != KT_OK) {
+      *error = kt_error("kt_moe_bind", st);
+      release_layer();
+      return false;
+    }
+  }
+  return true;
+}
+
+double KtRunner::time_case(Case which, const Workload& work, int warmup, int reps, std::string* error) {
+  const kt_mode mode = which == Case::kTrainLora ? KT_MODE_LORA
+                       : which == Case::kTrainFull ? KT_MODE_FULL
+                                                   : KT_MODE_INFERENCE;
+  if (!prepare(mode, error)) return -1;
+  const ModelShape& s = layer_.shape;
+  const int64_t T = work.tokens;
+  HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
+  HostTensor droute(kDLFloat, 32, {T, s.top_k});
+  const bool training = which != Case::kForward;
+  kt_backward_options backward_options;
+  kt_backward_options_init(&backward_options);
+  return median_seconds(warmup, reps, [&](int call) {
+    const Batch& b = work.batches[static_cast<size_t>(call) % work.batches.size()];
+    const kt_arg forward_args[] = {{KT_ARG_X, b.x.dl()},
+                                   {KT_ARG_IDS, b.ids.dl()},
+                                   {KT_ARG_ROUTE_WEIGHTS, b.route_weights.dl()},
+                                   {KT_ARG_Y, y.dl()}};
+    kt_context* saved = nullptr;
+    kt_status st = kt_moe_forward(moe_, forward_args, 4, training ? &saved : nullptr);
+    if (st != KT_OK) {
+      *error = kt_error("kt_moe_forward", st);
+      return false;
+    }
+    if (!training) return true;
+    const kt_arg backward_args[] = {{KT_ARG_DY, b.dy.dl()}, {KT_ARG_DX, dx.dl()}, {KT_ARG_DROUTE_WEIGHTS, droute.dl()}};
+    st = kt_moe_backward(moe_, saved, &backward_options, backward_args, 3);
+    kt_context_release(saved);
+    if (st != KT_OK) {
+      *error = kt_error("kt_moe_backward", st);
+      return false;
+    }
+    return true;
+  });
+}
+
+}  // namespace kt_bench

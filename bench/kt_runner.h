@@ -1,0 +1,46 @@
+// kt through its public C ABI only: one layer per training mode, loaded from
+// the host's stacked bf16 weights, timed on the benchmark's workloads.
+#ifndef KT_BENCH_KT_RUNNER_H_
+#define KT_BENCH_KT_RUNNER_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kt_c_api.h"
+#include "workload.h"
+
+namespace kt_bench {
+
+class KtRunner {
+ public:
+  KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens);
+  ~KtRunner();
+  KtRunner(const KtRunner&) = delete;
+  KtRunner& operator=(const KtRunner&) = delete;
+
+  // Median seconds of one call of `which` over the workload's batches (cycled),
+  // after `warmup` calls; negative with *error set when kt reports a failure.
+  double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  // (mode, seconds) of every layer loaded so far: how long kt took to pack it.
+  const std::vector<std::pair<std::string, double>>& loads() const { return loads_; }
+
+ private:
+  bool prepare(kt_mode mode, std::string* error);
+  void release_layer();
+
+  kt_engine* engine_;
+  const LayerWeights& layer_;
+  int64_t max_tokens_;
+  kt_moe* moe_ = nullptr;
+  kt_mode mode_ = KT_MODE_INFERENCE;
+  std::vector<std::pair<std::string, double>> loads_;
+  std::vector<HostTensor> params_;  // LoRA factors and gradient buffers bound to the layer
+};
+
+// "kt_xxx failed: KT_ERR_...: message" for the last failed call.
+std::string kt_error(const char* call, kt_status status);
+
+}  // namespace kt_bench
+
+#endif  // KT_BENCH_KT_RUNNER_H_

@@ -1,0 +1,146 @@
+#include "machine_limits.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "bench_common.h"
+
+namespace kt_bench {
+
+namespace {
+
+// CPUs of this process's affinity mask, in order; worker i is pinned to the
+// i-th (as kt pins its own workers), so peaks and kt run on the same cores.
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  }
+  return cpus;
+}
+
+// Runs body(i) on `threads` pinned threads released together; returns the
+// wall time from the release to the last thread's end.
+double run_team(int threads, const std::function<void(int)>& body) {
+  const std::vector<int> cpus = allowed_cpus();
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> team;
+  for (int i = 0; i < threads; ++i) {
+    team.emplace_back([&, i] {
+      if (!cpus.empty()) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpus[static_cast<size_t>(i) % cpus.size()], &one);
+        pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+      }
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      body(i);
+    });
+  }
+  while (ready.load() < threads) {
+  }
+  const double start = now_seconds();
+  go.store(true, std::memory_order_release);
+  for (auto& t : team) t.join();
+  return now_seconds() - start;
+}
+
+// Best rate (FLOP/s) of a few timed runs of `loop` on every thread: a peak
+// is what the hardware can do, so noise only ever lowers it.
+double peak_gflops(int threads, int64_t iterations, int tries, double (*loop)(int64_t)) {
+  std::vector<double> flops(static_cast<size_t>(threads));
+  double best = 0;
+  run_team(threads, [&](int i) { flops[static_cast<size_t>(i)] = loop(iterations / 10); });  // warm-up
+  for (int t = 0; t < tries; ++t) {
+    const double seconds = run_team(threads, [&](int i) { flops[static_cast<size_t>(i)] = loop(iterations); });
+    double total = 0;
+    for (double f : flops) total += f;
+    best = std::max(best, total / seconds / 1e9);
+  }
+  return best;
+}
+
+size_t l3_cache_bytes() {
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  const long v = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (v > 0) return static_cast<size_t>(v);
+#endif
+  return 0;
+}
+
+// Plain 64-bit loads, for CPUs without AVX2.
+uint64_t stream_read_portable(const void* data, size_t bytes) {
+  const uint64_t* p = static_cast<const uint64_t*>(data);
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (size_t i = 0; i + 4 <= bytes / 8; i += 4) {
+    s0 += p[i];
+    s1 += p[i + 1];
+    s2 += p[i + 2];
+    s3 += p[i + 3];
+  }
+  return s0 + s1 + s2 + s3;
+}
+
+double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
+  const size_t chunk = bytes / static_cast<size_t>(threads) / 4096 * 4096;
+  bytes = chunk * static_cast<size_t>(threads);
+  void* buffer = std::aligned_alloc(4096, bytes);
+  if (!buffer) return 0;
+  auto* base = static_cast<uint8_t*>(buffer);
+  // First touch by the reading thread places the pages near it.
+  run_team(threads, [&](int i) { std::memset(base + chunk * static_cast<size_t>(i), i + 1, chunk); });
+  std::vector<uint64_t> sums(static_cast<size_t>(threads));
+  double best = 0;
+  for (int t = 0; t <= tries; ++t) {
+    const double seconds = run_team(threads, [&](int i) {
+      const uint8_t* mine = base + chunk * static_cast<size_t>(i);
+      sums[static_cast<size_t>(i)] = avx2 ? stream_read_avx2(mine, chunk) : stream_read_portable(mine, chunk);
+    });
+    if (t > 0) best = std::max(best, static_cast<double>(bytes) / seconds / 1e9);  // first pass warms TLBs
+  }
+  volatile uint64_t sink = sums[0];
+  (void)sink;
+  std::free(buffer);
+  return best;
+}
+
+}  // namespace
+
+MachineLimits measure_machine_limits(int threads, bool quick) {
+  MachineLimits m;
+  m.threads = std::max(1, threads);
+  __builtin_cpu_init();
+  m.has_avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  m.has_avx512f = __builtin_cpu_supports("avx512f");
+  m.has_avx512bf16 = m.has_avx512f && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  // About 0.3 s per timed run at a few hundred GFLOP/s per core (0.03 s quick).
+  const int64_t iterations = quick ? 2'000'000 : 20'000'000;
+  const int tries = quick ? 1 : 3;
+  if (m.has_avx512bf16) m.bf16_dot_gflops = peak_gflops(m.threads, iterations / 2, tries, run_bf16_dot_avx512bf16);
+  if (m.has_avx512f) m.fp32_fma_avx512_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx512);
+  if (m.has_avx2_fma) m.fp32_fma_avx2_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx2);
+  // Far larger than the last-level cache, so every pass streams from DRAM.
+  m.l3_bytes = l3_cache_bytes();
+  const size_t gib = size_t{1} << 30;
+  m.dram_buffer_bytes = quick ? gib / 4 : std::min(2 * gib, std::max(gib, 8 * m.l3_bytes));
+  m.dram_read_gbs = dram_read_gbs(m.threads, m.dram_buffer_bytes, tries, m.has_avx2_fma);
+  return m;
+}
+
+}  // namespace kt_bench

@@ -1,0 +1,39 @@
+// This machine's limits, measured in-run: dot-product and FMA peaks on all
+// worker threads, and DRAM read bandwidth. kt's results are quoted against
+// them, so a figure means the same thing on every CPU the benchmark runs on.
+#ifndef KT_BENCH_MACHINE_LIMITS_H_
+#define KT_BENCH_MACHINE_LIMITS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kt_bench {
+
+struct MachineLimits {
+  int threads = 1;
+  bool has_avx2_fma = false;
+  bool has_avx512f = false;
+  bool has_avx512bf16 = false;
+  double bf16_dot_gflops = 0;       // vdpbf16ps, all threads; 0 when the CPU has no AVX512_BF16
+  double fp32_fma_avx512_gflops = 0;  // 512-bit FMA, all threads; 0 without AVX-512F
+  double fp32_fma_avx2_gflops = 0;    // 256-bit FMA, all threads (the AVX2 path's roof)
+  double dram_read_gbs = 0;         // multi-threaded streaming read of a buffer >> L3
+  size_t dram_buffer_bytes = 0;
+  size_t l3_bytes = 0;              // as the OS reports it (0 if unknown)
+};
+
+// Runs every measurement on `threads` threads pinned to the first CPUs of the
+// process's affinity mask. `quick` shortens the loops and the buffer (smoke).
+MachineLimits measure_machine_limits(int threads, bool quick);
+
+// Per-ISA loops, each in its own translation unit with its own flags; a
+// caller reaches them only after checking the CPU. Each returns the FLOPs it
+// executed (or, for the read, a checksum that keeps the loads alive).
+double run_bf16_dot_avx512bf16(int64_t iterations);
+double run_fp32_fma_avx512(int64_t iterations);
+double run_fp32_fma_avx2(int64_t iterations);
+uint64_t stream_read_avx2(const void* data, size_t bytes);
+
+}  // namespace kt_bench
+
+#endif  // KT_BENCH_MACHINE_LIMITS_H_
