@@ -471,11 +471,11 @@ void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) 
   same("biases (1 = present)", L.has_bias ? 1 : 0, moe->opt.has_bias ? 1 : 0);
 }
 
-// Calls moe->load for experts [e0, e0+n) under the engine's compute lock.
-void load_chunk(kt_moe* moe, const kt_load_options& lo, std::vector<kt_arg> args, int64_t e0, int64_t n,
+// Calls moe->load for the stacked experts `map` (stacked index i holds
+// logical expert map[i]) under the engine's compute lock.
+void load_chunk(kt_moe* moe, const kt_load_options& lo, std::vector<kt_arg> args, std::vector<int64_t> map,
                 const char* where) {
-  std::vector<int64_t> map(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+  const int64_t n = static_cast<int64_t>(map.size());
   Tensor3 mt;
   const int64_t one = 1;
   mt.set(map.data(), KT_CKPT_DTYPE_I64, 1, &n, &one);
@@ -488,35 +488,51 @@ void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progres
                      const char* where) {
   kt_load_options lo;
   kt_load_options_init(&lo);
-  constexpr int64_t kMaxRun = 16;
-  int64_t e0 = 0;
-  while (e0 < L.E) {
+  constexpr int64_t kMaxRun = 32;
+  // Experts in the order their gate tensors sit in the files: writers sort
+  // tensor names, so experts 1, 10, 100, ... follow each other at a constant
+  // stride, and one strided DLTensor (with an expert map) covers many.
+  std::vector<int64_t> order(static_cast<size_t>(L.E));
+  for (int64_t e = 0; e < L.E; ++e) order[static_cast<size_t>(e)] = e;
+  auto gate_of = [&](int64_t e) { return L.experts[static_cast<size_t>(e)][kProjGate].weight; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const TensorRef *ga = gate_of(a), *gb = gate_of(b);
+    if (ga->file != gb->file) return ga->file->path() < gb->file->path();
+    return ga->data < gb->data;
+  });
+  auto tensor_of = [&](int64_t k, int p) {
+    return L.experts[static_cast<size_t>(order[static_cast<size_t>(k)])][static_cast<size_t>(p)].weight;
+  };
+  int64_t k0 = 0, done = 0;
+  while (k0 < L.E) {
     // Grow a run of experts whose tensors sit at a constant byte stride
     // (per projection), so one strided DLTensor covers them all.
     int64_t n = 1;
     int64_t stride[3] = {0, 0, 0};
     bool all_aligned = true;
-    for (int p = 0; p < 3; ++p) {
-      const TensorRef* w = L.experts[static_cast<size_t>(e0)][static_cast<size_t>(p)].weight;
-      all_aligned = all_aligned && aligned_for(w->data, w->entry->dtype);
-    }
-    while (all_aligned && e0 + n < L.E && n < kMaxRun) {
+    for (int p = 0; p < 3; ++p) all_aligned = all_aligned && aligned_for(tensor_of(k0, p)->data, tensor_of(k0, p)->entry->dtype);
+    while (all_aligned && k0 + n < L.E && n < kMaxRun) {
       bool fits = true;
       for (int p = 0; p < 3 && fits; ++p) {
-        const TensorRef* first = L.experts[static_cast<size_t>(e0)][static_cast<size_t>(p)].weight;
-        const TensorRef* next = L.experts[static_cast<size_t>(e0 + n)][static_cast<size_t>(p)].weight;
+        const TensorRef* first = tensor_of(k0, p);
+        const TensorRef* next = tensor_of(k0 + n, p);
         const int64_t es = static_cast<int64_t>(st_dtype_info(first->entry->dtype).size);
         const int64_t d = next->data - first->data;
-        if (n == 1) {
-          if (d <= 0 || d % es != 0 || next->entry->dtype != first->entry->dtype) fits = false;
+        if (next->file != first->file || next->entry->dtype != first->entry->dtype) {
+          fits = false;
+        } else if (n == 1) {
+          if (d <= 0 || d % es != 0) fits = false;
           else stride[p] = d;
-        } else if (d != stride[p] * n || next->entry->dtype != first->entry->dtype) {
+        } else if (d != stride[p] * n) {
           fits = false;
         }
       }
       if (!fits) break;
       ++n;
     }
+    std::vector<int64_t> map(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = order[static_cast<size_t>(k0 + i)];
+    const int64_t e0 = map[0];
     Tensor3 w[3], b[3];
     std::vector<kt::Buffer<char>> copies;
     std::vector<kt_arg> args;
@@ -545,7 +561,7 @@ void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progres
         const int64_t out = p == kProjDown ? L.H : L.I;
         gathered[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out));
         for (int64_t i = 0; i < n; ++i) {
-          const TensorRef* br = L.experts[static_cast<size_t>(e0 + i)][static_cast<size_t>(p)].bias;
+          const TensorRef* br = L.experts[static_cast<size_t>(map[static_cast<size_t>(i)])][static_cast<size_t>(p)].bias;
           convert_elements(br->data, br->entry->dtype, gathered[static_cast<size_t>(p)].data() + i * out,
                            KT_CKPT_DTYPE_F32, out);
         }
@@ -557,9 +573,10 @@ void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progres
         args.push_back(kt_arg{kB[p], &b[p].t});
       }
     }
-    load_chunk(moe, lo, args, e0, n, where);
-    e0 += n;
-    if (progress) progress(e0, L.E, user);
+    load_chunk(moe, lo, args, std::move(map), where);
+    k0 += n;
+    done += n;
+    if (progress) progress(done, L.E, user);
   }
 }
 
@@ -599,7 +616,9 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
       stacked(L.gate_up_bias, KT_ARG_B_GATE_UP, &t[2]);
       stacked(L.down_bias, KT_ARG_B_DOWN, &t[3]);
     }
-    load_chunk(moe, lo, args, e0, n, where);
+    std::vector<int64_t> map(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+    load_chunk(moe, lo, args, std::move(map), where);
     if (progress) progress(e0 + n, L.E, user);
   }
 }
