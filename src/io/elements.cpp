@@ -46,11 +46,11 @@ uint16_t f32_to_f16(float value) {
     const uint32_t exp = abs >> 23;
     const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
     const uint32_t shift = 126 - exp;  // to a 10-bit subnormal mantissa (+13)
-    uint32_t half = man >> (shift);
+    uint32_t half = man >> shift;
     const uint32_t rest = man & ((1u << shift) - 1u);
     const uint32_t halfway = 1u << (shift - 1);
     if (rest > halfway || (rest == halfway && (half & 1u))) ++half;
-    return static_cast<uint16_t>(sign | (half >> 0));
+    return static_cast<uint16_t>(sign | half);
   }
   uint32_t h = ((abs >> 13) - (112u << 10));
   const uint32_t rest = abs & 0x1fffu;

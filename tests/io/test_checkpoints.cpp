@@ -434,6 +434,43 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   EXPECT_EQ(layer_info(ck, 0).intermediate, 128);
   EXPECT_EQ(layer_info(ck, 0).bytes, 2 * (3 * 128 * 256 + 3 * 2 * 4));
   kt_ckpt_close(ck);
+
+  // Kimi-K2-Thinking style compressed-tensors int4 (weight_packed int32
+  // [out, in/8], weight_scale bf16 [out, in/32], weight_shape) and
+  // DeepSeek-V4 style MXFP4 (ffn.experts.{e}.w1/w3/w2, e2m1 pairs + e8m0).
+  const std::string q = sub("int4");
+  std::vector<StTensor> i4, mx;
+  for (int64_t e = 0; e < 3; ++e)
+    for (int p = 0; p < 3; ++p) {
+      const int64_t out = p == 2 ? 64 : 32, in = p == 2 ? 32 : 64;
+      const char* names[3] = {"gate_proj", "up_proj", "down_proj"};
+      const char* ws[3] = {"w1", "w3", "w2"};
+      const std::string n = "model.layers.1.mlp.experts." + std::to_string(e) + "." + names[p];
+      i4.push_back({n + ".weight_packed", "I32", {out, in / 8}, std::vector<uint8_t>(static_cast<size_t>(out * in / 2), 0x88)});
+      i4.push_back({n + ".weight_scale", "BF16", {out, in / 32}, std::vector<uint8_t>(static_cast<size_t>(out * in / 16), 0)});
+      i4.push_back({n + ".weight_shape", "I64", {2}, std::vector<uint8_t>(16, 0)});
+      const std::string m = "layers.4.ffn.experts." + std::to_string(e) + "." + ws[p];
+      mx.push_back({m + ".weight", "U8", {out, in / 2}, std::vector<uint8_t>(static_cast<size_t>(out * in / 2), 0x11)});
+      mx.push_back({m + ".scale", "F8_E8M0", {out, in / 32}, std::vector<uint8_t>(static_cast<size_t>(out * in / 32), 127)});
+    }
+  kt_io_test::write_file(q + "/model.safetensors", kt_io_test::safetensors_bytes(i4));
+  ASSERT_EQ(kt_ckpt_open(q.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(layer_info(ck, 0).format, KT_CKPT_FORMAT_INT4_GROUP);
+  EXPECT_EQ(layer_info(ck, 0).weight_dtype, KT_CKPT_DTYPE_I32);
+  EXPECT_EQ(layer_info(ck, 0).hidden, 64);
+  EXPECT_EQ(layer_info(ck, 0).intermediate, 32);
+  EXPECT_EQ(layer_info(ck, 0).num_experts, 3);
+  EXPECT_EQ(layer_info(ck, 0).loadable, 0);
+  kt_ckpt_close(ck);
+  const std::string v4 = sub("dsv4");
+  kt_io_test::write_file(v4 + "/model.safetensors", kt_io_test::safetensors_bytes(mx));
+  ASSERT_EQ(kt_ckpt_open(v4.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(layer_info(ck, 0).layer, 4);
+  EXPECT_EQ(layer_info(ck, 0).layout, KT_CKPT_LAYOUT_MIXTRAL);
+  EXPECT_EQ(layer_info(ck, 0).format, KT_CKPT_FORMAT_MXFP4);
+  EXPECT_EQ(layer_info(ck, 0).hidden, 64);
+  EXPECT_EQ(layer_info(ck, 0).intermediate, 32);
+  kt_ckpt_close(ck);
 }
 
 TEST_F(Checkpoints, LayerMismatchLeavesTheLayerEmpty) {
