@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -23,7 +24,8 @@ namespace kt_torch {
 class MoeLayer : public torch::CustomClassHolder {
  public:
   // activation "silu" | "swiglu_oai"; mode "inference" | "lora" | "full";
-  // num_threads 0 = one per CPU.
+  // num_threads 0 = one per CPU. Layers asking for the same num_threads share
+  // one engine (one pinned worker pool), so many layers do not oversubscribe.
   MoeLayer(int64_t num_experts, int64_t top_k, int64_t hidden, int64_t intermediate,
            std::string activation, double act_limit, std::string mode, int64_t lora_rank,
            double lora_alpha, int64_t max_tokens, int64_t num_threads);
@@ -53,7 +55,7 @@ class MoeLayer : public torch::CustomClassHolder {
   void sync_parameters();
   void bind(const std::vector<std::pair<int, at::Tensor>>& args);
 
-  kt_engine* engine_ = nullptr;
+  std::shared_ptr<kt_engine> engine_;
   kt_moe* moe_ = nullptr;
   int64_t top_k_, hidden_;
   kt_mode mode_;

@@ -6,7 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <stdexcept>
+#include <map>
+#include <mutex>
 
 namespace kt_torch {
 namespace {
@@ -49,6 +50,22 @@ struct ArgList {
   }
 };
 
+// The engine of all layers with this thread count; destroyed with the last.
+std::shared_ptr<kt_engine> shared_engine(int num_threads) {
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<kt_engine>> engines;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto e = engines[num_threads].lock()) return e;
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = num_threads;
+  kt_engine* raw = nullptr;
+  check(kt_engine_create(&eo, &raw));
+  std::shared_ptr<kt_engine> e(raw, [](kt_engine* p) { kt_engine_destroy(p); });
+  engines[num_threads] = e;
+  return e;
+}
+
 kt_activation parse_activation(const std::string& s) {
   if (s == "silu") return KT_ACT_SILU;
   if (s == "swiglu_oai") return KT_ACT_SWIGLU_OAI;
@@ -68,10 +85,7 @@ MoeLayer::MoeLayer(int64_t E, int64_t k, int64_t H, int64_t I, std::string activ
                    double act_limit, std::string mode, int64_t rank, double alpha,
                    int64_t max_tokens, int64_t num_threads)
     : top_k_(k), hidden_(H), mode_(parse_mode(mode)) {
-  kt_engine_options eo;
-  kt_engine_options_init(&eo);
-  eo.num_threads = static_cast<int>(num_threads);
-  check(kt_engine_create(&eo, &engine_));
+  engine_ = shared_engine(static_cast<int>(num_threads));
   kt_moe_options o;
   kt_moe_options_init(&o);
   o.num_experts = E;
@@ -84,12 +98,7 @@ MoeLayer::MoeLayer(int64_t E, int64_t k, int64_t H, int64_t I, std::string activ
   o.mode = mode_;
   o.lora_rank = rank;
   o.lora_alpha = static_cast<float>(alpha);
-  kt_status s = kt_moe_create(engine_, &o, &moe_);
-  if (s != KT_OK) {
-    std::string msg = kt_last_error();
-    kt_engine_destroy(engine_);
-    TORCH_CHECK(false, kt_status_string(s), ": ", msg);
-  }
+  check(kt_moe_create(engine_.get(), &o, &moe_));
   auto add = [&](const char* name, int id, at::Tensor t) {
     param_names_.emplace_back(name);
     param_ids_.push_back(id);
@@ -116,8 +125,7 @@ MoeLayer::MoeLayer(int64_t E, int64_t k, int64_t H, int64_t I, std::string activ
 }
 
 MoeLayer::~MoeLayer() {
-  kt_moe_destroy(moe_);
-  kt_engine_destroy(engine_);
+  kt_moe_destroy(moe_);  // before the engine it runs on (engine_ is released after)
 }
 
 double MoeLayer::lora_scale() const {
