@@ -78,7 +78,7 @@ def test_moe_op_finite_differences(ops):
         minus = (ops.moe(layer, c["x"] - eps * v, c["ids"], c["weights"]) * c["dy"]).sum()
     fd = (plus - minus).item() / (2 * eps)
     analytic = (x.grad * v).sum().item()
-    assert abs(fd - analytic) <= 1e-3 * max(1.0, abs(analytic))
+    assert abs(fd - analytic) <= tolerances.FINITE_DIFFERENCE * max(1.0, abs(analytic))
 
 
 def test_raw_forward_backward_ops(ops):

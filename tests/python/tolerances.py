@@ -22,7 +22,19 @@ weights, so they differ only by fp32 summation order (~1e-7), which 30+ AdamW
 steps amplify a little (AdamW divides by sqrt of the second moment, so tiny
 gradients are not damped): 1e-4 is far above that (1.8e-7 measured) and far
 below what one wrong gradient term gives (the curves part within a few steps).
+
+BF16_TORCH: kt's output vs a bf16 *torch* model (test_hf): torch rounds every
+intermediate (g, u, the activation, each expert's output before the weighted
+sum) to bf16 where kt keeps fp32, so the gap is torch's extra roundings on top
+of kt's: twice BF16.
+
+FINITE_DIFFERENCE: central differences of kt's own fp32 forward with step
+1e-2 along a unit-variance direction: truncation O(step^2) ~ 1e-4 relative
+plus fp32 cancellation in the difference ~ 1e-5 / step; 1e-3 of the
+derivative's size bounds both.
 """
 FP32 = 2e-5
 BF16 = 1e-2
 TRAINING = 1e-4
+BF16_TORCH = 2 * BF16
+FINITE_DIFFERENCE = 1e-3
