@@ -81,3 +81,13 @@ def test_weights_not_loaded():
     x = np.zeros((T, H), np.float32)
     with pytest.raises(kt.NotLoadedError):
         m.forward(x, np.zeros((T, K), np.int32), np.ones((T, K), np.float32), np.empty_like(x))
+
+
+def test_layers_refuse_to_be_copied(lora_layer):
+    import copy
+    import pickle
+    _, m = lora_layer
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(m)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(m.kt_layer)

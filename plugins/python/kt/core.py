@@ -42,7 +42,20 @@ ISAS = {"auto": _capi.ISA_AUTO, "ref": _capi.ISA_REF, "avx2": _capi.ISA_AVX2,
         "avx512bf16": _capi.ISA_AVX512BF16, "amx": _capi.ISA_AMX}
 
 
-class Engine:
+class _Handle:
+    """Owns a kt handle: copying or pickling would free it twice."""
+
+    def __copy__(self):
+        raise TypeError("kt: a %s owns a kt handle and cannot be copied" % type(self).__name__)
+
+    def __deepcopy__(self, memo):
+        self.__copy__()
+
+    def __reduce__(self):
+        raise TypeError("kt: a %s owns a kt handle and cannot be pickled" % type(self).__name__)
+
+
+class Engine(_Handle):
     """A kt engine: a pinned worker pool plus the chosen kernels."""
 
     def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1):
@@ -112,7 +125,7 @@ def _args(pairs):
     return arr, views
 
 
-class Context:
+class Context(_Handle):
     """What a training forward saved for its backward. Released once: after
     the backward has run and this object is dropped, or by ``release()``."""
 
@@ -136,7 +149,7 @@ class Context:
             self.release()
 
 
-class MoE:
+class MoE(_Handle):
     """One MoE layer's routed experts (kt_moe). Shapes follow DESIGN §2:
     x [T,H], ids [T,k], route weights [T,k]; stacked weights [E, out, in]."""
 
