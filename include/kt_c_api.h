@@ -409,7 +409,11 @@ KT_API void kt_job_destroy(kt_job* job);
  * JSON, dtype/shape/byte-size agreement, offsets inside the file, no
  * overlaps; index entries must name files inside the directory, no
  * absolute paths, no "..", no symlink leading out). File and format errors
- * are KT_ERR_IO with a message naming the file and the tensor. */
+ * are KT_ERR_IO with a message naming the file and the tensor.
+ *
+ * Thread safety: a kt_ckpt does not change after kt_ckpt_open; every call
+ * taking a const kt_ckpt* may run concurrently with the others from any
+ * thread. kt_ckpt_close must not race with them. */
 
 /* Element types of checkpoint tensors. Values are pinned. */
 typedef enum kt_ckpt_dtype {
@@ -518,8 +522,10 @@ typedef void (*kt_ckpt_progress_fn)(int64_t done, int64_t total, void* user);
  * match the layer) straight from the mapped files: bf16/fp16/fp32 sources,
  * any of the layouts above, quantized formats fail with KT_ERR_UNSUPPORTED.
  * Every tensor is checked before the first expert is loaded, so a failing
- * call leaves moe as it was. progress may be NULL; user is passed to it.
- * Serialised with the layer's other compute calls. */
+ * call leaves moe as it was. Experts go in batches, each serialised with the
+ * layer's other compute calls; a forward another thread runs between two
+ * batches sees some experts already replaced (or, on a new layer, fails with
+ * KT_ERR_NOT_LOADED). progress may be NULL; user is passed to it. */
 KT_API kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
                                     kt_ckpt_progress_fn progress, void* user);
 
@@ -574,7 +580,13 @@ typedef struct kt_ckpt_layer_args {
   size_t num_args;
 } kt_ckpt_layer_args;
 
-/* Writes a full-expert checkpoint with HF key names into dir (borrowed). */
+/* Writes a full-expert checkpoint with HF key names into dir (borrowed):
+ * model.layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight [out,in] (or
+ * the Mixtral names), biases as ....{proj}.bias; plus config.json when
+ * options->config_json is set. Shards fill up to max_shard_bytes (a larger
+ * tensor gets a shard of its own); one shard is written as model.safetensors.
+ * Every argument is checked before the first file is written. options may be
+ * NULL (defaults). */
 KT_API kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* options,
                                        const kt_ckpt_layer_args* layers, size_t num_layers);
 

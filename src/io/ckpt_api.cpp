@@ -68,9 +68,7 @@ T read_sized(const T* given, Init init, const char* where, const char* name) {
   return o;
 }
 
-void fill_tensor(const kt_ckpt* c, const std::pair<const std::string, kt::io::TensorRef>& kv, kt_ckpt_tensor* out,
-                 const char* where) {
-  (void)c;
+void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_ckpt_tensor* out, const char* where) {
   kt_ckpt_tensor t;
   std::memset(&t, 0, sizeof(t));
   t.struct_size = sizeof(t);
@@ -245,7 +243,7 @@ kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* 
     const int64_t n = static_cast<int64_t>(ckpt->by_index.size());
     check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
           std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
-    fill_tensor(ckpt, *ckpt->by_index[static_cast<size_t>(index)], tensor, w);
+    fill_tensor(*ckpt->by_index[static_cast<size_t>(index)], tensor, w);
   });
 }
 
@@ -257,7 +255,7 @@ kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_ten
     auto it = ckpt->tensors->tensors().find(name);
     check(it != ckpt->tensors->tensors().end(), KT_ERR_IO,
           std::string(w) + ": " + ckpt->tensors->dir() + " holds no tensor '" + name + "'");
-    fill_tensor(ckpt, *it, tensor, w);
+    fill_tensor(*it, tensor, w);
   });
 }
 
