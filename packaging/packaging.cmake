@@ -32,7 +32,9 @@ endif()
 if(IS_DIRECTORY "${_kt_src_dir}/plugins/python/kt")
   install(DIRECTORY "${_kt_src_dir}/plugins/python/kt"
     DESTINATION "${KT_INSTALL_PYTHONDIR}" COMPONENT python
-    PATTERN "__pycache__" EXCLUDE PATTERN "*.pyc" EXCLUDE)
+    PATTERN "__pycache__" EXCLUDE PATTERN "*.pyc" EXCLUDE
+    # Written by the in-tree development install; names a build tree.
+    PATTERN "_libpath.py" EXCLUDE)
   list(APPEND _kt_components python)
 endif()
 
@@ -112,6 +114,13 @@ set(CPACK_DEBIAN_DEV_PACKAGE_DEPENDS
 set(CPACK_DEBIAN_TOOLS_PACKAGE_NAME "kt-tools")
 set(CPACK_DEBIAN_TOOLS_PACKAGE_SECTION "science")
 if(KT_DPKG_SHLIBDEPS)
+  # The kt command links libkt.so.<abi> from the runtime package: dpkg-shlibdeps
+  # finds it in the build tree, and the exact dependency is stated here.
+  get_target_property(_kt_lib_out kt LIBRARY_OUTPUT_DIRECTORY)
+  if(NOT _kt_lib_out)
+    set(_kt_lib_out "${CMAKE_BINARY_DIR}")
+  endif()
+  set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS_PRIVATE_DIRS "${_kt_lib_out}")
   set(CPACK_DEBIAN_TOOLS_PACKAGE_DEPENDS "${CPACK_DEBIAN_RUNTIME_PACKAGE_NAME} (= ${_kt_deb_version})")
 endif()
 set(CPACK_DEBIAN_PYTHON_PACKAGE_NAME "python3-kt")

@@ -38,7 +38,7 @@ dpkg-deb --ctrl-tarfile "$runtime_deb" | tar -t | grep -q shlibs || fail "$runti
 # development package holds the rest.
 dpkg-deb -c "$runtime_deb" | grep -q "/usr/include/" && fail "$runtime_pkg ships headers"
 dpkg-deb -c "$runtime_deb" | grep -q "libkt\.so -> " && fail "$runtime_pkg ships the libkt.so link"
-for deb in "$runtime_deb" "$dev_deb"; do dpkg -x "$deb" "$work/root"; done
+for deb in "$work/packages"/*.deb; do dpkg -x "$deb" "$work/root"; done
 
 root="$work/root"
 lib=$(find "$root" -name "libkt.so.$abi" | head -n 1)
@@ -65,4 +65,21 @@ case "$cflags" in *"$root"*) ;; *) fail "kt.pc cflags '$cflags' do not point int
 LD_LIBRARY_PATH="$libdir" "$work/consumer"
 ldd_out=$(LD_LIBRARY_PATH="$libdir" ldd "$work/consumer")
 echo "$ldd_out" | grep -q "libkt.so.$abi => $libdir/" || fail "consumer did not load libkt from the package: $ldd_out"
+
+# The other packages, when the build made them: the kt command and the Python package.
+if [ -x "$root/usr/bin/kt" ]; then
+  LD_LIBRARY_PATH="$libdir" "$root/usr/bin/kt" demo >"$work/kt-demo.log" 2>&1 ||
+    { cat "$work/kt-demo.log"; fail "kt demo from kt-tools failed"; }
+  echo "kt-tools: kt demo passed"
+fi
+pydir=$(find "$root" -type d -path "*/dist-packages/kt" | head -n 1)
+if [ -n "$pydir" ] && command -v python3 >/dev/null 2>&1; then
+  [ -e "$pydir/_libpath.py" ] && fail "python3-kt ships the development-only _libpath.py"
+  # Run outside the source tree so the in-tree package cannot be imported instead.
+  got=$(cd "$work" && PYTHONPATH="$(dirname "$pydir")" LD_LIBRARY_PATH="$libdir" python3 -c \
+    'import kt, sys; sys.stdout.write("%s %s" % (kt.__file__, kt.version()))') ||
+    fail "python3-kt does not import"
+  case "$got" in "$pydir/"*" $version") ;; *) fail "python3-kt imported as '$got'" ;; esac
+  echo "python3-kt: imports kt $version from the package"
+fi
 echo "the packages unpack, and a consumer builds and runs against them"
