@@ -310,4 +310,85 @@ TEST_F(Writers, AdapterBf16AndTargetsSubset) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/refused/adapter_model.safetensors"));
 }
 
+TEST_F(Writers, AdapterLoadedBackReproducesTheForward) {
+  const int64_t E = 4, H = 32, I = 48, r = 8, K = 2, T = 6;
+  kt_engine* engine = nullptr;
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = 2;
+  eo.pin_threads = 0;
+  ASSERT_EQ(kt_engine_create(&eo, &engine), KT_OK);
+  kt_moe_options mo;
+  kt_moe_options_init(&mo);
+  mo.num_experts = E, mo.top_k = K, mo.hidden = H, mo.intermediate = I;
+  mo.mode = KT_MODE_LORA, mo.lora_rank = r, mo.lora_alpha = 16.f;
+  TensorPtr g = stacked(kt_test::kBF16, 0, 0, E, I, H), u = stacked(kt_test::kBF16, 0, 1, E, I, H),
+            d = stacked(kt_test::kBF16, 0, 2, E, H, I);
+  kt_arg w[3] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, u->dl()}, {KT_ARG_W_DOWN, d->dl()}};
+  const int kA[3] = {KT_ARG_LORA_A_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_A_DOWN};
+  const int kB[3] = {KT_ARG_LORA_B_GATE, KT_ARG_LORA_B_UP, KT_ARG_LORA_B_DOWN};
+  TensorPtr trained[6], loaded[6];
+  std::vector<kt_arg> trained_args, loaded_args;
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = p == 2 ? I : H, out = p == 2 ? H : I;
+    trained[2 * p] = Tensor::make(kt_test::kF32, {E, r, in});
+    trained[2 * p + 1] = Tensor::make(kt_test::kF32, {E, out, r});
+    loaded[2 * p] = Tensor::make(kt_test::kF32, {E, r, in});
+    loaded[2 * p + 1] = Tensor::make(kt_test::kF32, {E, out, r});
+    for (int q = 0; q < 2; ++q)
+      for (int64_t i = 0; i < trained[2 * p + q]->numel(); ++i)
+        trained[2 * p + q]->set(i, std::sin(0.37 * static_cast<double>(i) + p + 3 * q) * 0.05);
+    trained_args.push_back({kA[p], trained[2 * p]->dl()});
+    trained_args.push_back({kB[p], trained[2 * p + 1]->dl()});
+    loaded_args.push_back({kA[p], loaded[2 * p]->dl()});
+    loaded_args.push_back({kB[p], loaded[2 * p + 1]->dl()});
+  }
+  kt_ckpt_layer_args la = {12, trained_args.data(), trained_args.size()};
+  kt_ckpt_adapter_config c;
+  kt_ckpt_adapter_config_init(&c);
+  c.rank = r;
+  c.alpha = 16.f;
+  const std::string out = dir_ + "/trained_adapter";
+  ASSERT_EQ(kt_ckpt_adapter_write(out.c_str(), &c, &la, 1), KT_OK) << kt_last_error();
+  kt_ckpt_adapter_config back;
+  back.struct_size = sizeof(back);
+  ASSERT_EQ(kt_ckpt_adapter_read_config(out.c_str(), &back), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_ckpt_adapter_read(out.c_str(), 12, loaded_args.data(), loaded_args.size()), KT_OK) << kt_last_error();
+
+  // The layer that trained, and a fresh one configured from adapter_config.json.
+  kt_moe *m1 = nullptr, *m2 = nullptr;
+  ASSERT_EQ(kt_moe_create(engine, &mo, &m1), KT_OK) << kt_last_error();
+  mo.lora_rank = back.rank, mo.lora_alpha = back.alpha, mo.use_rslora = back.use_rslora, mo.lora_targets = back.targets;
+  ASSERT_EQ(kt_moe_create(engine, &mo, &m2), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_load_weights(m1, nullptr, w, 3), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_load_weights(m2, nullptr, w, 3), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_bind(m1, trained_args.data(), trained_args.size()), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_bind(m2, loaded_args.data(), loaded_args.size()), KT_OK) << kt_last_error();
+  TensorPtr x = Tensor::make(kt_test::kBF16, {T, H}), ids = Tensor::make(kt_test::kI64, {T, K}),
+            rw = Tensor::make(kt_test::kF32, {T, K}), y1 = Tensor::make(kt_test::kBF16, {T, H}),
+            y2 = Tensor::make(kt_test::kBF16, {T, H});
+  for (int64_t i = 0; i < T * H; ++i) x->set(i, std::cos(0.21 * static_cast<double>(i)));
+  for (int64_t t = 0; t < T; ++t) {
+    ids->set(t * K, static_cast<double>(t % E));
+    ids->set(t * K + 1, static_cast<double>((t + 2) % E));
+    rw->set(t * K, 0.7);
+    rw->set(t * K + 1, 0.3);
+  }
+  kt_arg f1[4] = {{KT_ARG_X, x->dl()}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, rw->dl()}, {KT_ARG_Y, y1->dl()}};
+  kt_arg f2[4] = {{KT_ARG_X, x->dl()}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, rw->dl()}, {KT_ARG_Y, y2->dl()}};
+  ASSERT_EQ(kt_moe_forward(m1, f1, 4, nullptr), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_forward(m2, f2, 4, nullptr), KT_OK) << kt_last_error();
+  EXPECT_TRUE(same_bytes(*y1, *y2));
+  double norm = 0;
+  for (double v : y1->values()) norm += v * v;
+  EXPECT_GT(norm, 0.0);
+  float s1 = 0, s2 = 0;
+  ASSERT_EQ(kt_moe_lora_scale(m1, &s1), KT_OK);
+  ASSERT_EQ(kt_moe_lora_scale(m2, &s2), KT_OK);
+  EXPECT_EQ(s1, s2);
+  kt_moe_destroy(m1);
+  kt_moe_destroy(m2);
+  kt_engine_destroy(engine);
+}
+
 }  // namespace
