@@ -164,6 +164,69 @@ kt_structs! {
         pub accumulate: kt_grad_accumulate,
         pub param_grads: c_int,
     }
+
+    /// What kt_ckpt_get_info reports about a checkpoint directory.
+    pub struct kt_ckpt_info {
+        pub struct_size: usize,
+        pub architecture: *const c_char,
+        pub model_type: *const c_char,
+        pub layout: kt_ckpt_layout,
+        pub num_moe_layers: i64,
+        pub num_tensors: i64,
+        pub num_files: i64,
+        pub total_bytes: i64,
+        pub top_k: i64,
+    }
+    /// One MoE layer of a checkpoint.
+    pub struct kt_ckpt_layer_info {
+        pub struct_size: usize,
+        pub layer: i64,
+        pub num_experts: i64,
+        pub hidden: i64,
+        pub intermediate: i64,
+        pub has_bias: c_int,
+        pub layout: kt_ckpt_layout,
+        pub format: kt_ckpt_format,
+        pub weight_dtype: kt_ckpt_dtype,
+        pub loadable: c_int,
+        pub bytes: i64,
+    }
+    /// One tensor of a checkpoint (memory-mapped, owned by the handle).
+    pub struct kt_ckpt_tensor {
+        pub struct_size: usize,
+        pub name: *const c_char,
+        pub file: *const c_char,
+        pub dtype: kt_ckpt_dtype,
+        pub ndim: c_int,
+        pub shape: [i64; 8],
+        pub nbytes: i64,
+        pub data: *const c_void,
+    }
+    /// Settings of kt_ckpt_write_experts; fill with kt_ckpt_write_options_init.
+    pub struct kt_ckpt_write_options {
+        pub struct_size: usize,
+        pub layout: kt_ckpt_layout,
+        pub dtype: kt_ckpt_dtype,
+        pub max_shard_bytes: i64,
+        pub config_json: *const c_char,
+    }
+    /// The tensors of one layer to write.
+    pub struct kt_ckpt_layer_args {
+        pub layer: i64,
+        pub args: *const kt_arg,
+        pub num_args: usize,
+    }
+    /// PEFT adapter settings; fill with kt_ckpt_adapter_config_init.
+    pub struct kt_ckpt_adapter_config {
+        pub struct_size: usize,
+        pub rank: i64,
+        pub alpha: f32,
+        pub use_rslora: c_int,
+        pub targets: c_uint,
+        pub layout: kt_ckpt_layout,
+        pub dtype: kt_ckpt_dtype,
+        pub base_model: *const c_char,
+    }
 }
 
 // ------------------------------------------------------------- enum types
@@ -177,11 +240,16 @@ pub type kt_arg_id = c_int;
 pub type kt_weight_orientation = c_int;
 pub type kt_gate_up_order = c_int;
 pub type kt_grad_accumulate = c_int;
+pub type kt_ckpt_dtype = c_int;
+pub type kt_ckpt_layout = c_int;
+pub type kt_ckpt_format = c_int;
 
 /// Log callback: level, message (valid for the call), user pointer.
 pub type kt_log_fn = Option<unsafe extern "C" fn(level: c_int, message: *const c_char, user: *mut c_void)>;
 /// Called once a backward has written a layer's parameter gradients.
 pub type kt_grad_ready_fn = Option<unsafe extern "C" fn(moe: *mut kt_moe, user: *mut c_void)>;
+/// Loading progress: units done of total.
+pub type kt_ckpt_progress_fn = Option<unsafe extern "C" fn(done: i64, total: i64, user: *mut c_void)>;
 
 kt_opaque! {
     /// An engine: worker pool, kernels.
@@ -192,6 +260,8 @@ kt_opaque! {
     kt_context;
     /// An asynchronous forward or backward.
     kt_job;
+    /// An open checkpoint directory (safetensors files, memory-mapped).
+    kt_ckpt;
 }
 
 kt_constants! {
@@ -303,6 +373,39 @@ kt_constants! {
         KT_GRAD_OVERWRITE = 0,
         KT_GRAD_ACCUMULATE = 1,
     }
+    kt_ckpt_dtype {
+        KT_CKPT_DTYPE_UNKNOWN = 0,
+        KT_CKPT_DTYPE_F32 = 1,
+        KT_CKPT_DTYPE_F16 = 2,
+        KT_CKPT_DTYPE_BF16 = 3,
+        KT_CKPT_DTYPE_F64 = 4,
+        KT_CKPT_DTYPE_F8_E4M3 = 5,
+        KT_CKPT_DTYPE_F8_E5M2 = 6,
+        KT_CKPT_DTYPE_E8M0 = 7,
+        KT_CKPT_DTYPE_I8 = 8,
+        KT_CKPT_DTYPE_U8 = 9,
+        KT_CKPT_DTYPE_I16 = 10,
+        KT_CKPT_DTYPE_U16 = 11,
+        KT_CKPT_DTYPE_I32 = 12,
+        KT_CKPT_DTYPE_U32 = 13,
+        KT_CKPT_DTYPE_I64 = 14,
+        KT_CKPT_DTYPE_U64 = 15,
+        KT_CKPT_DTYPE_BOOL = 16,
+    }
+    kt_ckpt_layout {
+        KT_CKPT_LAYOUT_NONE = 0,
+        KT_CKPT_LAYOUT_PER_EXPERT = 1,
+        KT_CKPT_LAYOUT_MIXTRAL = 2,
+        KT_CKPT_LAYOUT_FUSED = 3,
+        KT_CKPT_LAYOUT_FUSED_IN_OUT = 4,
+        KT_CKPT_LAYOUT_GPT_OSS = 5,
+    }
+    kt_ckpt_format {
+        KT_CKPT_FORMAT_DENSE = 0,
+        KT_CKPT_FORMAT_FP8_BLOCK = 1,
+        KT_CKPT_FORMAT_INT4_GROUP = 2,
+        KT_CKPT_FORMAT_MXFP4 = 3,
+    }
 }
 
 kt_functions! {
@@ -347,4 +450,23 @@ kt_functions! {
     pub fn kt_job_wait(job: *mut kt_job) -> kt_status;
     pub fn kt_job_done(job: *const kt_job) -> c_int;
     pub fn kt_job_destroy(job: *mut kt_job);
+
+    pub fn kt_ckpt_dtype_name(dtype: kt_ckpt_dtype) -> *const c_char;
+    pub fn kt_ckpt_layout_name(layout: kt_ckpt_layout) -> *const c_char;
+    pub fn kt_ckpt_format_name(format: kt_ckpt_format) -> *const c_char;
+    pub fn kt_ckpt_open(dir: *const c_char, ckpt: *mut *mut kt_ckpt) -> kt_status;
+    pub fn kt_ckpt_close(ckpt: *mut kt_ckpt);
+    pub fn kt_ckpt_get_info(ckpt: *const kt_ckpt, info: *mut kt_ckpt_info) -> kt_status;
+    pub fn kt_ckpt_get_layer_info(ckpt: *const kt_ckpt, index: i64, info: *mut kt_ckpt_layer_info) -> kt_status;
+    pub fn kt_ckpt_moe_options(ckpt: *const kt_ckpt, layer: i64, options: *mut kt_moe_options) -> kt_status;
+    pub fn kt_ckpt_load_layer(ckpt: *const kt_ckpt, layer: i64, moe: *mut kt_moe, progress: kt_ckpt_progress_fn, user: *mut c_void) -> kt_status;
+    pub fn kt_ckpt_read_layer(ckpt: *const kt_ckpt, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_ckpt_tensor_at(ckpt: *const kt_ckpt, index: i64, tensor: *mut kt_ckpt_tensor) -> kt_status;
+    pub fn kt_ckpt_find_tensor(ckpt: *const kt_ckpt, name: *const c_char, tensor: *mut kt_ckpt_tensor) -> kt_status;
+    pub fn kt_ckpt_write_options_init(options: *mut kt_ckpt_write_options);
+    pub fn kt_ckpt_write_experts(dir: *const c_char, options: *const kt_ckpt_write_options, layers: *const kt_ckpt_layer_args, num_layers: usize) -> kt_status;
+    pub fn kt_ckpt_adapter_config_init(config: *mut kt_ckpt_adapter_config);
+    pub fn kt_ckpt_adapter_write(dir: *const c_char, config: *const kt_ckpt_adapter_config, layers: *const kt_ckpt_layer_args, num_layers: usize) -> kt_status;
+    pub fn kt_ckpt_adapter_read_config(dir: *const c_char, config: *mut kt_ckpt_adapter_config) -> kt_status;
+    pub fn kt_ckpt_adapter_read(dir: *const c_char, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
 }
