@@ -241,7 +241,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t col0 = hb * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, H - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * H + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+    clear_columns(acc, T, H, col0, ncols);
     float* co = s.c[0].data();
     for (int32_t e : R.active) {
       const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
@@ -269,15 +269,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         }
       }
     }
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = acc + t * H + col0;
-      char* dst = c.y.at(t, col0);
-      if (c.y.dtype == DType::kF32) {
-        std::memcpy(dst, src, static_cast<size_t>(ncols) * sizeof(float));
-      } else {
-        bf16_t* d = reinterpret_cast<bf16_t*>(dst);
-        for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
-      }
-    }
+    store_columns(acc, T, H, col0, ncols, c.y);
   });
 }
