@@ -402,6 +402,214 @@ KT_API void kt_job_destroy(kt_job* job);
 
 /* ------------------------------------------------ checkpoints (kt_ckpt_*) */
 
+/* Hugging Face checkpoint directories: config.json plus safetensors files
+ * (model.safetensors.index.json with its shards, or model.safetensors, or
+ * adapter_model.safetensors). Files are memory-mapped read-only; every
+ * header is validated in full when the checkpoint is opened (lengths,
+ * JSON, dtype/shape/byte-size agreement, offsets inside the file, no
+ * overlaps; index entries must name files inside the directory, no
+ * absolute paths, no "..", no symlink leading out). File and format errors
+ * are KT_ERR_IO with a message naming the file and the tensor. */
+
+/* Element types of checkpoint tensors. Values are pinned. */
+typedef enum kt_ckpt_dtype {
+  KT_CKPT_DTYPE_UNKNOWN = 0,
+  KT_CKPT_DTYPE_F32 = 1,
+  KT_CKPT_DTYPE_F16 = 2,
+  KT_CKPT_DTYPE_BF16 = 3,
+  KT_CKPT_DTYPE_F64 = 4,
+  KT_CKPT_DTYPE_F8_E4M3 = 5, /* fp8 e4m3fn */
+  KT_CKPT_DTYPE_F8_E5M2 = 6,
+  KT_CKPT_DTYPE_E8M0 = 7,    /* power-of-two scales (safetensors "F8_E8M0") */
+  KT_CKPT_DTYPE_I8 = 8,
+  KT_CKPT_DTYPE_U8 = 9,      /* also packed e2m1 pairs (MXFP4 blocks) */
+  KT_CKPT_DTYPE_I16 = 10,
+  KT_CKPT_DTYPE_U16 = 11,
+  KT_CKPT_DTYPE_I32 = 12,    /* also packed int4 (compressed-tensors weight_packed) */
+  KT_CKPT_DTYPE_U32 = 13,
+  KT_CKPT_DTYPE_I64 = 14,
+  KT_CKPT_DTYPE_U64 = 15,
+  KT_CKPT_DTYPE_BOOL = 16
+} kt_ckpt_dtype;
+
+/* Routed-expert tensor layouts (DESIGN.md, checkpoint layouts). Pinned. */
+typedef enum kt_ckpt_layout {
+  KT_CKPT_LAYOUT_NONE = 0,         /* no routed experts found */
+  KT_CKPT_LAYOUT_PER_EXPERT = 1,   /* layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight */
+  KT_CKPT_LAYOUT_MIXTRAL = 2,      /* layers.{L}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight */
+  KT_CKPT_LAYOUT_FUSED = 3,        /* layers.{L}.mlp.experts.gate_up_proj [E,2I,H], down_proj [E,H,I] */
+  KT_CKPT_LAYOUT_FUSED_IN_OUT = 4, /* the same names, gate_up_proj [E,H,2I], down_proj [E,I,H] */
+  KT_CKPT_LAYOUT_GPT_OSS = 5       /* gpt-oss: fused in x out, gate/up interleaved, with
+                                    * _bias tensors; MXFP4 (_blocks/_scales) or dequantized */
+} kt_ckpt_layout;
+
+/* How a layer's expert weights are stored. Pinned. */
+typedef enum kt_ckpt_format {
+  KT_CKPT_FORMAT_DENSE = 0,      /* bf16/fp16/fp32 (loadable) */
+  KT_CKPT_FORMAT_FP8_BLOCK = 1,  /* F8_E4M3 + weight_scale_inv [out/128, in/128] */
+  KT_CKPT_FORMAT_INT4_GROUP = 2, /* compressed-tensors weight_packed int32 [out, in/8] + weight_scale */
+  KT_CKPT_FORMAT_MXFP4 = 3       /* e2m1 pairs (U8) + E8M0 scales per 32 */
+} kt_ckpt_format;
+
+/* Short names ("BF16", "per_expert", "fp8_block"); static storage, never
+ * NULL ("unknown" for values outside the enum). */
+KT_API const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype);
+KT_API const char* kt_ckpt_layout_name(kt_ckpt_layout layout);
+KT_API const char* kt_ckpt_format_name(kt_ckpt_format format);
+
+typedef struct kt_ckpt kt_ckpt;
+
+/* Opens the checkpoint in directory dir (borrowed for the call): maps and
+ * validates every safetensors file, reads config.json when present, and
+ * detects the MoE layers. *ckpt is written by the call and owned by the
+ * caller (kt_ckpt_close). Either everything opens or nothing stays open. */
+KT_API kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt);
+/* Unmaps the files and frees the handle. Pointers the handle gave out
+ * (names, tensor data) become invalid. NULL is accepted. */
+KT_API void kt_ckpt_close(kt_ckpt* ckpt);
+
+typedef struct kt_ckpt_info {
+  size_t struct_size;         /* set by the caller to sizeof(kt_ckpt_info) */
+  const char* architecture;   /* config.json architectures[0], "" if none; owned by the handle */
+  const char* model_type;     /* config.json model_type, "" if none; owned by the handle */
+  kt_ckpt_layout layout;      /* layout of the routed experts */
+  int64_t num_moe_layers;     /* layers with routed experts */
+  int64_t num_tensors;        /* tensors in all files */
+  int64_t num_files;          /* safetensors files */
+  int64_t total_bytes;        /* tensor bytes in all files */
+  int64_t top_k;              /* config.json num_experts_per_tok (0 if absent) */
+} kt_ckpt_info;
+
+/* Writes the checkpoint's summary (fields up to info->struct_size).
+ * Read-only; safe from any thread while the handle is open. */
+KT_API kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info);
+
+typedef struct kt_ckpt_layer_info {
+  size_t struct_size;         /* set by the caller to sizeof(kt_ckpt_layer_info) */
+  int64_t layer;              /* L in the tensor names */
+  int64_t num_experts;        /* E */
+  int64_t hidden;             /* H */
+  int64_t intermediate;       /* I */
+  int has_bias;               /* 1 = bias tensors present (gpt-oss) */
+  kt_ckpt_layout layout;
+  kt_ckpt_format format;
+  kt_ckpt_dtype weight_dtype; /* element type of the weight tensors */
+  int loadable;               /* 1 = kt_ckpt_load_layer can load it in this build */
+  int64_t bytes;              /* bytes of this layer's routed-expert tensors (scales included) */
+} kt_ckpt_layer_info;
+
+/* Describes the index-th MoE layer, index in [0, num_moe_layers), ordered by
+ * layer number. */
+KT_API kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index,
+                                        kt_ckpt_layer_info* info);
+
+/* Fills *options (after kt_moe_options_init defaults) for layer L (the layer
+ * number of the tensor names): num_experts, hidden, intermediate, has_bias,
+ * top_k from config.json (1 if absent), activation (gpt-oss: swiglu_oai
+ * with its alpha and swiglu_limit; otherwise silu). The host may change
+ * mode, LoRA and max_tokens fields before kt_moe_create. */
+KT_API kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options* options);
+
+/* Progress of a load: experts done out of total; called on the loading
+ * thread between batches of experts, never while kt holds the layer. */
+typedef void (*kt_ckpt_progress_fn)(int64_t done, int64_t total, void* user);
+
+/* Loads layer L's routed experts into moe (its E, H, I and bias setting must
+ * match the layer) straight from the mapped files: bf16/fp16/fp32 sources,
+ * any of the layouts above, quantized formats fail with KT_ERR_UNSUPPORTED.
+ * Every tensor is checked before the first expert is loaded, so a failing
+ * call leaves moe as it was. progress may be NULL; user is passed to it.
+ * Serialised with the layer's other compute calls. */
+KT_API kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
+                                    kt_ckpt_progress_fn progress, void* user);
+
+/* Copies layer L's expert weights into host tensors, in the stacked HF
+ * nn.Linear orientation: W_GATE, W_UP [E,I,H], W_DOWN [E,H,I], and with
+ * biases B_GATE, B_UP [E,I], B_DOWN [E,H]; any subset of these ids.
+ * Destination dtypes fp32/bf16/fp16; a destination of the source's dtype
+ * gets the stored bits exactly. Tensors written by the call (nothing is
+ * written when it fails). */
+KT_API kt_status kt_ckpt_read_layer(const kt_ckpt* ckpt, int64_t layer, const kt_arg* args,
+                                    size_t num_args);
+
+typedef struct kt_ckpt_tensor {
+  size_t struct_size;       /* set by the caller to sizeof(kt_ckpt_tensor) */
+  const char* name;         /* owned by the handle */
+  const char* file;         /* path of its safetensors file; owned by the handle */
+  kt_ckpt_dtype dtype;
+  int ndim;                 /* <= 8 */
+  int64_t shape[8];
+  int64_t nbytes;
+  const void* data;         /* mapped, read-only, owned by the handle; may be
+                             * unaligned for its dtype */
+} kt_ckpt_tensor;
+
+/* Tensors, ordered by name: index in [0, num_tensors). */
+KT_API kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* tensor);
+/* The tensor called name; KT_ERR_IO when the checkpoint has none. */
+KT_API kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_tensor* tensor);
+
+/* ---- writers. Every file is written to a temporary name in its directory,
+ * fsync'ed and renamed; an index is renamed last, so a reader sees the old
+ * checkpoint or the new one, never a mix. The directory is created when
+ * missing. */
+
+typedef struct kt_ckpt_write_options {
+  size_t struct_size;
+  kt_ckpt_layout layout;       /* key names: KT_CKPT_LAYOUT_PER_EXPERT (default) or _MIXTRAL */
+  kt_ckpt_dtype dtype;         /* stored dtype: BF16 (default), F16, F32 */
+  int64_t max_shard_bytes;     /* shard size bound (default 4 GiB); more than one shard
+                                * writes model-0000i-of-0000N.safetensors + index */
+  const char* config_json;     /* config.json text to write (validated JSON); NULL = none */
+} kt_ckpt_write_options;
+
+KT_API void kt_ckpt_write_options_init(kt_ckpt_write_options* options);
+
+/* One layer's stacked weights for a writer: W_GATE, W_UP [E,I,H], W_DOWN
+ * [E,H,I] and optionally B_GATE, B_UP [E,I], B_DOWN [E,H] (bf16/fp16/fp32,
+ * any strides). Borrowed for the call. */
+typedef struct kt_ckpt_layer_args {
+  int64_t layer; /* L in the tensor names */
+  const kt_arg* args;
+  size_t num_args;
+} kt_ckpt_layer_args;
+
+/* Writes a full-expert checkpoint with HF key names into dir (borrowed). */
+KT_API kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* options,
+                                       const kt_ckpt_layer_args* layers, size_t num_layers);
+
+/* PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors), with
+ * PEFT's keys base_model.model.model.layers.{L}.mlp.experts.{e}.{proj}.lora_{A,B}.weight
+ * (block_sparse_moe / w1,w3,w2 for Mixtral naming). */
+typedef struct kt_ckpt_adapter_config {
+  size_t struct_size;
+  int64_t rank;                /* r >= 1 */
+  float alpha;                 /* lora_alpha */
+  int use_rslora;              /* 0/1 */
+  unsigned targets;            /* KT_PROJ_* bits */
+  kt_ckpt_layout layout;       /* key names: PER_EXPERT (default) or MIXTRAL */
+  kt_ckpt_dtype dtype;         /* stored dtype: F32 (default) or BF16 */
+  const char* base_model;      /* base_model_name_or_path; NULL = "" (writing only) */
+} kt_ckpt_adapter_config;
+
+KT_API void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config);
+
+/* Writes an adapter into dir from each layer's LoRA tensors: LORA_A_{p}
+ * [E,r,in] and LORA_B_{p} [E,out,r] (fp32|bf16) for every targeted p.
+ * Tensors borrowed for the call. */
+KT_API kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* config,
+                                       const kt_ckpt_layer_args* layers, size_t num_layers);
+
+/* Reads adapter_config.json of dir into *config (rank, alpha, use_rslora,
+ * targets, layout; dtype of the stored tensors; base_model set to NULL). */
+KT_API kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* config);
+
+/* Copies layer L's LoRA factors of the adapter in dir into host tensors:
+ * LORA_A_{p} [E,r,in], LORA_B_{p} [E,out,r] (fp32|bf16), any subset of the
+ * adapter's targets. Written by the call; nothing is written on failure. */
+KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_arg* args,
+                                      size_t num_args);
+
 #ifdef __cplusplus
 }
 #endif

@@ -37,10 +37,10 @@ def moe_forward(x, ids, weights, w, *, kind="silu", alpha=1.702, limit=0.0, lora
         xe = x[t]
 
         def proj(p, z):
-            W = w[p][e]
+            # z (W + s B A)^T, with the low-rank term kept factored (same value).
+            out = z @ w[p][e].t()
             if lora is not None and ("A_" + p) in lora:
-                W = W + lora_scale * lora["B_" + p][e] @ lora["A_" + p][e]
-            out = z @ W.t()
+                out = out + lora_scale * (z @ lora["A_" + p][e].t()) @ lora["B_" + p][e].t()
             if ("b_" + p) in w:
                 out = out + w["b_" + p][e]
             return out
@@ -51,14 +51,15 @@ def moe_forward(x, ids, weights, w, *, kind="silu", alpha=1.702, limit=0.0, lora
     return y
 
 
-def reference_grads(x, ids, weights, w, dy, *, lora=None, **kw):
+def reference_grads(x, ids, weights, w, dy, *, lora=None, weight_grads=True, **kw):
     """Forward + autograd in float64. Returns (y, grads) where grads has x,
-    weights and every tensor of w / lora by its key."""
+    weights, every LoRA tensor and (with weight_grads) every tensor of w."""
     leaves = {"x": x, "weights": weights}
     leaves.update({k: v for k, v in w.items()})
     if lora:
         leaves.update({k: v for k, v in lora.items()})
-    d = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    frozen = set() if weight_grads else set(w)
+    d = {k: v.detach().double().requires_grad_(k not in frozen) for k, v in leaves.items()}
     wd = {k: d[k] for k in w}
     ld = {k: d[k] for k in lora} if lora else None
     y = moe_forward(d["x"], ids, d["weights"], wd, lora=ld, **kw)

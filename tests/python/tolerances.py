@@ -16,12 +16,13 @@ that a real error (a wrong index, a missed term) cannot meet. DESIGN.md's
 goals (forward 0.3 %, dx 0.5 %, grads 0.3 %) are for fp32-accumulated real
 shapes; the tests print the measured numbers next to them.
 
-TRAINING: losses of the same model trained with kt experts vs pure torch,
-per step, relative. Weights in kt are bf16 while the torch model keeps fp32,
-so the two runs differ by bf16 rounding of the expert weights from step 0;
-AdamW normalises updates, so the difference stays at the level of that
-rounding plus its drift over 30 steps: 2 %.
+TRAINING: losses of the same model trained with kt experts (fp32 kernels) vs
+pure torch experts, per step, relative. Both start from the same bf16-rounded
+weights, so they differ only by fp32 summation order (~1e-7), which 30+ AdamW
+steps amplify a little (AdamW divides by sqrt of the second moment, so tiny
+gradients are not damped): 1e-4 is far above that (1.8e-7 measured) and far
+below what one wrong gradient term gives (the curves part within a few steps).
 """
 FP32 = 2e-5
 BF16 = 1e-2
-TRAINING = 2e-2
+TRAINING = 1e-4

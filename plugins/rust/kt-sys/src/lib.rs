@@ -1,0 +1,350 @@
+//! Raw declarations of kt's C ABI (`kt_c_api.h`, ABI major 1) and of the
+//! DLPack types it uses. Everything here is `unsafe` to call and mirrors the
+//! header one to one; the safe binding is the `kt` crate.
+//!
+//! The declarations are written by hand. The macros below also record each
+//! function's signature, each constant and each struct's layout as data, so
+//! `tests/header.rs` can compile them against the real header and fail on any
+//! difference.
+#![allow(non_camel_case_types, non_upper_case_globals)]
+
+use std::marker::{PhantomData, PhantomPinned};
+pub use std::os::raw::{c_char, c_int, c_uint, c_void};
+
+/// Declares `#[repr(C)]` structs and records their layout for the header check.
+macro_rules! kt_structs {
+    ($( $(#[$meta:meta])* pub struct $name:ident { $( $(#[$fmeta:meta])* pub $field:ident : $fty:ty, )* } )*) => {
+        $(
+            $(#[$meta])*
+            #[repr(C)]
+            #[derive(Clone, Copy, Debug)]
+            pub struct $name { $( $(#[$fmeta])* pub $field: $fty, )* }
+        )*
+
+        /// (name, size, alignment, [(field, offset)]) of every struct declared here.
+        #[doc(hidden)]
+        pub fn declared_layouts() -> Vec<(&'static str, usize, usize, Vec<(&'static str, usize)>)> {
+            vec![$(
+                {
+                    let probe = std::mem::MaybeUninit::<$name>::uninit();
+                    let base = probe.as_ptr();
+                    // addr_of! takes field addresses without reading the uninit value.
+                    let fields = vec![$( (stringify!($field), unsafe {
+                        std::ptr::addr_of!((*base).$field) as usize - base as usize
+                    }), )*];
+                    (stringify!($name), std::mem::size_of::<$name>(), std::mem::align_of::<$name>(), fields)
+                },
+            )*]
+        }
+    };
+}
+
+/// Declares integer constants (enum values and `#define`s) and records them.
+macro_rules! kt_constants {
+    ($( $(#[$meta:meta])* $ty:ident { $( $(#[$cmeta:meta])* $name:ident = $value:expr, )* } )*) => {
+        $( $( $(#[$cmeta])* pub const $name: $ty = $value; )* )*
+
+        /// (name, value) of every constant declared here.
+        #[doc(hidden)]
+        pub const DECLARED_CONSTANTS: &[(&str, i64)] = &[$( $( (stringify!($name), $value as i64), )* )*];
+    };
+}
+
+/// Declares the exported functions and records their signatures.
+macro_rules! kt_functions {
+    ($( $(#[$meta:meta])* pub fn $name:ident ( $( $arg:ident : $ty:ty ),* $(,)? ) $( -> $ret:ty )? ; )*) => {
+        extern "C" {
+            $( $(#[$meta])* pub fn $name( $( $arg: $ty ),* ) $( -> $ret )?; )*
+        }
+
+        /// (name, return type, parameter types) as written here, for the header check.
+        #[doc(hidden)]
+        pub const DECLARED_FUNCTIONS: &[(&str, &str, &[&str])] = &[
+            $( (stringify!($name), kt_functions!(@ret $($ret)?), &[ $( stringify!($ty) ),* ]), )*
+        ];
+    };
+    (@ret) => { "()" };
+    (@ret $ret:ty) => { stringify!($ret) };
+}
+
+/// Declares opaque handle types (only ever used through pointers).
+macro_rules! kt_opaque {
+    ($( $(#[$meta:meta])* $name:ident; )*) => {
+        $(
+            $(#[$meta])*
+            #[repr(C)]
+            pub struct $name {
+                _private: [u8; 0],
+                _not_send_sync_unpin: PhantomData<(*mut u8, PhantomPinned)>,
+            }
+        )*
+    };
+}
+
+// ------------------------------------------------------------------ DLPack
+
+pub type DLDeviceType = c_int;
+pub type DLDataTypeCode = u8;
+
+kt_structs! {
+    /// Where a tensor's memory lives.
+    pub struct DLDevice {
+        pub device_type: DLDeviceType,
+        pub device_id: i32,
+    }
+    /// Element type: code (kDLInt, kDLFloat, kDLBfloat...), bits, lanes.
+    pub struct DLDataType {
+        pub code: u8,
+        pub bits: u8,
+        pub lanes: u16,
+    }
+    /// A borrowed tensor view (DLPack).
+    pub struct DLTensor {
+        pub data: *mut c_void,
+        pub device: DLDevice,
+        pub ndim: i32,
+        pub dtype: DLDataType,
+        pub shape: *mut i64,
+        pub strides: *mut i64,
+        pub byte_offset: u64,
+    }
+
+    /// Engine settings; fill with kt_engine_options_init.
+    pub struct kt_engine_options {
+        pub struct_size: usize,
+        pub num_threads: c_int,
+        pub pin_threads: c_int,
+        pub max_isa: kt_isa,
+        pub verbosity: c_int,
+        pub log_fn: kt_log_fn,
+        pub log_user: *mut c_void,
+    }
+    /// What kt_engine_get_info reports.
+    pub struct kt_engine_info {
+        pub struct_size: usize,
+        pub num_threads: c_int,
+        pub isa: kt_isa,
+        pub cpu_isa: kt_isa,
+        pub kernel_name: *const c_char,
+    }
+    /// Layer shapes and settings; fill with kt_moe_options_init.
+    pub struct kt_moe_options {
+        pub struct_size: usize,
+        pub num_experts: i64,
+        pub top_k: i64,
+        pub hidden: i64,
+        pub intermediate: i64,
+        pub max_tokens: i64,
+        pub activation: kt_activation,
+        pub act_alpha: f32,
+        pub act_limit: f32,
+        pub has_bias: c_int,
+        pub mode: kt_mode,
+        pub weight_format: kt_weight_format,
+        pub lora_rank: i64,
+        pub lora_alpha: f32,
+        pub use_rslora: c_int,
+        pub lora_targets: c_uint,
+    }
+    /// One named argument of a call.
+    pub struct kt_arg {
+        pub id: c_int,
+        pub tensor: *const DLTensor,
+    }
+    /// Weight loading settings; fill with kt_load_options_init.
+    pub struct kt_load_options {
+        pub struct_size: usize,
+        pub orientation: kt_weight_orientation,
+        pub gate_up_order: kt_gate_up_order,
+    }
+    /// Backward settings; fill with kt_backward_options_init.
+    pub struct kt_backward_options {
+        pub struct_size: usize,
+        pub grad_scale: f32,
+        pub accumulate: kt_grad_accumulate,
+        pub param_grads: c_int,
+    }
+}
+
+// ------------------------------------------------------------- enum types
+
+pub type kt_status = c_int;
+pub type kt_isa = c_int;
+pub type kt_activation = c_int;
+pub type kt_mode = c_int;
+pub type kt_weight_format = c_int;
+pub type kt_arg_id = c_int;
+pub type kt_weight_orientation = c_int;
+pub type kt_gate_up_order = c_int;
+pub type kt_grad_accumulate = c_int;
+
+/// Log callback: level, message (valid for the call), user pointer.
+pub type kt_log_fn = Option<unsafe extern "C" fn(level: c_int, message: *const c_char, user: *mut c_void)>;
+/// Called once a backward has written a layer's parameter gradients.
+pub type kt_grad_ready_fn = Option<unsafe extern "C" fn(moe: *mut kt_moe, user: *mut c_void)>;
+
+kt_opaque! {
+    /// An engine: worker pool, kernels.
+    kt_engine;
+    /// One MoE layer's routed experts.
+    kt_moe;
+    /// Activations a training forward saved for one backward.
+    kt_context;
+    /// An asynchronous forward or backward.
+    kt_job;
+}
+
+kt_constants! {
+    c_int {
+        KT_VERSION_MAJOR = 1,
+        KT_ABI_VERSION = 1,
+    }
+    DLDeviceType {
+        kDLCPU = 1,
+        kDLCUDAHost = 3,
+    }
+    DLDataTypeCode {
+        kDLInt = 0,
+        kDLUInt = 1,
+        kDLFloat = 2,
+        kDLBfloat = 4,
+    }
+    kt_status {
+        KT_OK = 0,
+        KT_ERR_INVALID_ARGUMENT = 1,
+        KT_ERR_NULL_POINTER = 2,
+        KT_ERR_INVALID_HANDLE = 3,
+        KT_ERR_DTYPE = 4,
+        KT_ERR_SHAPE = 5,
+        KT_ERR_STRIDE = 6,
+        KT_ERR_DEVICE = 7,
+        KT_ERR_EXPERT_ID = 8,
+        KT_ERR_TOO_MANY_TOKENS = 9,
+        KT_ERR_CONTEXT = 10,
+        KT_ERR_NOT_BOUND = 11,
+        KT_ERR_NOT_LOADED = 12,
+        KT_ERR_MODE = 13,
+        KT_ERR_UNSUPPORTED = 14,
+        KT_ERR_OUT_OF_MEMORY = 15,
+        KT_ERR_IO = 16,
+        KT_ERR_INTERNAL = 17,
+    }
+    kt_isa {
+        KT_ISA_AUTO = 0,
+        KT_ISA_REF = 1,
+        KT_ISA_AVX2 = 2,
+        KT_ISA_AVX512BF16 = 3,
+        KT_ISA_AMX = 4,
+    }
+    kt_activation {
+        KT_ACT_SILU = 0,
+        KT_ACT_SWIGLU_OAI = 1,
+    }
+    kt_mode {
+        KT_MODE_INFERENCE = 0,
+        KT_MODE_LORA = 1,
+        KT_MODE_FULL = 2,
+    }
+    c_uint {
+        KT_PROJ_GATE = 1,
+        KT_PROJ_UP = 2,
+        KT_PROJ_DOWN = 4,
+        KT_PROJ_ALL = 7,
+        KT_SUBMIT_DEFERRED = 1,
+    }
+    kt_weight_format {
+        KT_FORMAT_BF16 = 0,
+    }
+    kt_arg_id {
+        KT_ARG_X = 1,
+        KT_ARG_IDS = 2,
+        KT_ARG_ROUTE_WEIGHTS = 3,
+        KT_ARG_Y = 4,
+        KT_ARG_DY = 5,
+        KT_ARG_DX = 6,
+        KT_ARG_DROUTE_WEIGHTS = 7,
+        KT_ARG_W_GATE = 16,
+        KT_ARG_W_UP = 17,
+        KT_ARG_W_DOWN = 18,
+        KT_ARG_W_GATE_UP = 19,
+        KT_ARG_B_GATE = 20,
+        KT_ARG_B_UP = 21,
+        KT_ARG_B_DOWN = 22,
+        KT_ARG_B_GATE_UP = 23,
+        KT_ARG_EXPERT_MAP = 24,
+        KT_ARG_LORA_A_GATE = 32,
+        KT_ARG_LORA_B_GATE = 33,
+        KT_ARG_LORA_A_UP = 34,
+        KT_ARG_LORA_B_UP = 35,
+        KT_ARG_LORA_A_DOWN = 36,
+        KT_ARG_LORA_B_DOWN = 37,
+        KT_ARG_GRAD_LORA_A_GATE = 48,
+        KT_ARG_GRAD_LORA_B_GATE = 49,
+        KT_ARG_GRAD_LORA_A_UP = 50,
+        KT_ARG_GRAD_LORA_B_UP = 51,
+        KT_ARG_GRAD_LORA_A_DOWN = 52,
+        KT_ARG_GRAD_LORA_B_DOWN = 53,
+        KT_ARG_GRAD_W_GATE = 64,
+        KT_ARG_GRAD_W_UP = 65,
+        KT_ARG_GRAD_W_DOWN = 66,
+        KT_ARG_GRAD_B_GATE = 67,
+        KT_ARG_GRAD_B_UP = 68,
+        KT_ARG_GRAD_B_DOWN = 69,
+    }
+    kt_weight_orientation {
+        KT_ORIENT_OUT_IN = 0,
+        KT_ORIENT_IN_OUT = 1,
+    }
+    kt_gate_up_order {
+        KT_GATE_UP_CONCAT = 0,
+        KT_GATE_UP_INTERLEAVED = 1,
+    }
+    kt_grad_accumulate {
+        KT_GRAD_OVERWRITE = 0,
+        KT_GRAD_ACCUMULATE = 1,
+    }
+}
+
+kt_functions! {
+    pub fn kt_version() -> *const c_char;
+    pub fn kt_version_number() -> c_int;
+    pub fn kt_abi_version() -> c_int;
+    pub fn kt_build_info() -> *const c_char;
+    pub fn kt_status_string(status: kt_status) -> *const c_char;
+    pub fn kt_last_error() -> *const c_char;
+    pub fn kt_clear_error();
+    pub fn kt_cpu_isa() -> kt_isa;
+    pub fn kt_isa_name(isa: kt_isa) -> *const c_char;
+
+    pub fn kt_engine_options_init(options: *mut kt_engine_options);
+    pub fn kt_engine_create(options: *const kt_engine_options, engine: *mut *mut kt_engine) -> kt_status;
+    pub fn kt_engine_destroy(engine: *mut kt_engine) -> kt_status;
+    pub fn kt_engine_get_info(engine: *const kt_engine, info: *mut kt_engine_info) -> kt_status;
+
+    pub fn kt_moe_options_init(options: *mut kt_moe_options);
+    pub fn kt_moe_create(engine: *mut kt_engine, options: *const kt_moe_options, moe: *mut *mut kt_moe) -> kt_status;
+    pub fn kt_moe_destroy(moe: *mut kt_moe);
+    pub fn kt_moe_lora_scale(moe: *const kt_moe, scale: *mut f32) -> kt_status;
+
+    pub fn kt_load_options_init(options: *mut kt_load_options);
+    pub fn kt_moe_load_weights(moe: *mut kt_moe, options: *const kt_load_options, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_moe_load_expert(moe: *mut kt_moe, expert: i64, options: *const kt_load_options, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_moe_set_skipped(moe: *mut kt_moe, mask: *const DLTensor) -> kt_status;
+    pub fn kt_moe_num_loaded(moe: *const kt_moe, count: *mut i64) -> kt_status;
+
+    pub fn kt_moe_bind(moe: *mut kt_moe, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_moe_params_changed(moe: *mut kt_moe) -> kt_status;
+    pub fn kt_moe_set_grad_hook(moe: *mut kt_moe, hook: kt_grad_ready_fn, user: *mut c_void) -> kt_status;
+
+    pub fn kt_moe_forward(moe: *mut kt_moe, args: *const kt_arg, num_args: usize, saved: *mut *mut kt_context) -> kt_status;
+    pub fn kt_backward_options_init(options: *mut kt_backward_options);
+    pub fn kt_moe_backward(moe: *mut kt_moe, ctx: *mut kt_context, options: *const kt_backward_options, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_context_release(ctx: *mut kt_context);
+
+    pub fn kt_moe_forward_submit(moe: *mut kt_moe, args: *const kt_arg, num_args: usize, saved: *mut *mut kt_context, flags: c_uint, job: *mut *mut kt_job) -> kt_status;
+    pub fn kt_moe_backward_submit(moe: *mut kt_moe, ctx: *mut kt_context, options: *const kt_backward_options, args: *const kt_arg, num_args: usize, flags: c_uint, job: *mut *mut kt_job) -> kt_status;
+    pub fn kt_job_run(job: *mut c_void);
+    pub fn kt_job_wait(job: *mut kt_job) -> kt_status;
+    pub fn kt_job_done(job: *const kt_job) -> c_int;
+    pub fn kt_job_destroy(job: *mut kt_job);
+}

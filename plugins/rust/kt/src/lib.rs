@@ -1,0 +1,528 @@
+//! Safe Rust binding of kt, the CPU engine for the routed experts of
+//! Mixture-of-Experts models, over its C ABI (`kt-sys`).
+//!
+//! - Handles are RAII: [`Engine`], [`Moe`] and [`Context`] free themselves on
+//!   drop, and lifetimes keep a layer from outliving its engine and a context
+//!   from outliving its layer.
+//! - Every failed call is an [`Error`] with kt's status and message.
+//! - Tensors are views of slices with a shape ([`TensorRef`] for inputs,
+//!   [`TensorMut`] for outputs); kt checks dtype and shape, the views check
+//!   that the shape fits the slice.
+//!
+//! ```no_run
+//! let engine = kt::Engine::new(&kt::EngineOptions::default())?;
+//! let moe = engine.moe(&kt::MoeOptions::new(8, 2, 64, 32))?;
+//! # Ok::<(), kt::Error>(())
+//! ```
+use std::ffi::CStr;
+use std::fmt;
+use std::marker::PhantomData;
+use std::os::raw::{c_int, c_void};
+use std::ptr;
+
+use kt_sys as sys;
+
+/// The ABI major this crate was written for; [`Engine::new`] refuses another.
+pub const ABI_VERSION: i32 = sys::KT_ABI_VERSION;
+
+/// A kt_status value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Status(pub i32);
+
+impl Status {
+    pub const OK: Status = Status(sys::KT_OK);
+    pub const INVALID_ARGUMENT: Status = Status(sys::KT_ERR_INVALID_ARGUMENT);
+    pub const NULL_POINTER: Status = Status(sys::KT_ERR_NULL_POINTER);
+    pub const INVALID_HANDLE: Status = Status(sys::KT_ERR_INVALID_HANDLE);
+    pub const DTYPE: Status = Status(sys::KT_ERR_DTYPE);
+    pub const SHAPE: Status = Status(sys::KT_ERR_SHAPE);
+    pub const STRIDE: Status = Status(sys::KT_ERR_STRIDE);
+    pub const DEVICE: Status = Status(sys::KT_ERR_DEVICE);
+    pub const EXPERT_ID: Status = Status(sys::KT_ERR_EXPERT_ID);
+    pub const TOO_MANY_TOKENS: Status = Status(sys::KT_ERR_TOO_MANY_TOKENS);
+    pub const CONTEXT: Status = Status(sys::KT_ERR_CONTEXT);
+    pub const NOT_BOUND: Status = Status(sys::KT_ERR_NOT_BOUND);
+    pub const NOT_LOADED: Status = Status(sys::KT_ERR_NOT_LOADED);
+    pub const MODE: Status = Status(sys::KT_ERR_MODE);
+    pub const UNSUPPORTED: Status = Status(sys::KT_ERR_UNSUPPORTED);
+    pub const OUT_OF_MEMORY: Status = Status(sys::KT_ERR_OUT_OF_MEMORY);
+    pub const IO: Status = Status(sys::KT_ERR_IO);
+    pub const INTERNAL: Status = Status(sys::KT_ERR_INTERNAL);
+
+    /// kt's name of the status ("KT_ERR_SHAPE").
+    pub fn name(self) -> &'static str {
+        // kt_status_string returns static storage for every value.
+        unsafe { CStr::from_ptr(sys::kt_status_string(self.0)) }.to_str().unwrap_or("KT_ERR_UNKNOWN")
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A failed kt call: the status and kt's message (naming the call and argument).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub status: Status,
+    pub message: String,
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Turns a status into Ok or an Error with this thread's last message (read
+/// right away, on the thread that made the call).
+fn check(status: sys::kt_status) -> Result<()> {
+    if status == sys::KT_OK {
+        return Ok(());
+    }
+    let message = unsafe { CStr::from_ptr(sys::kt_last_error()) }.to_string_lossy().into_owned();
+    Err(Error { status: Status(status), message })
+}
+
+fn static_str(s: *const std::os::raw::c_char) -> &'static str {
+    unsafe { CStr::from_ptr(s) }.to_str().unwrap_or("")
+}
+
+/// Version string of the loaded library ("1.0.0").
+pub fn version() -> &'static str {
+    static_str(unsafe { sys::kt_version() })
+}
+
+/// ABI major of the loaded library.
+pub fn library_abi_version() -> i32 {
+    unsafe { sys::kt_abi_version() }
+}
+
+/// Compiler, build type and kernels of the loaded library.
+pub fn build_info() -> &'static str {
+    static_str(unsafe { sys::kt_build_info() })
+}
+
+// ------------------------------------------------------------------ tensors
+
+/// A bfloat16 value as its bit pattern.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+impl Bf16 {
+    /// Rounds to nearest even.
+    pub fn from_f32(v: f32) -> Bf16 {
+        let bits = v.to_bits();
+        if v.is_nan() {
+            return Bf16(((bits >> 16) as u16) | 0x40);
+        }
+        Bf16((bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) >> 16) as u16)
+    }
+    pub fn to_f32(self) -> f32 {
+        f32::from_bits((self.0 as u32) << 16)
+    }
+}
+
+/// Element types a tensor view can have.
+pub trait Element: Copy + private::Sealed {
+    const DTYPE: sys::DLDataType;
+}
+mod private {
+    pub trait Sealed {}
+}
+macro_rules! element {
+    ($t:ty, $code:expr, $bits:expr) => {
+        impl private::Sealed for $t {}
+        impl Element for $t {
+            const DTYPE: sys::DLDataType = sys::DLDataType { code: $code, bits: $bits, lanes: 1 };
+        }
+    };
+}
+element!(f32, sys::kDLFloat, 32);
+element!(Bf16, sys::kDLBfloat, 16);
+element!(i32, sys::kDLInt, 32);
+element!(i64, sys::kDLInt, 64);
+element!(u8, sys::kDLUInt, 8);
+
+fn check_shape(len: usize, shape: &[i64]) -> Result<Vec<i64>> {
+    let elements = shape.iter().try_fold(1i64, |n, &d| if d < 0 { None } else { n.checked_mul(d) });
+    match elements {
+        Some(n) if n as usize == len => Ok(shape.to_vec()),
+        _ => Err(Error {
+            status: Status::SHAPE,
+            message: format!("shape {:?} does not fit a slice of {} elements", shape, len),
+        }),
+    }
+}
+
+fn dl_tensor(data: *mut c_void, dtype: sys::DLDataType, shape: &[i64]) -> sys::DLTensor {
+    sys::DLTensor {
+        data,
+        device: sys::DLDevice { device_type: sys::kDLCPU, device_id: 0 },
+        ndim: shape.len() as i32,
+        dtype,
+        // kt only reads the shape; DLTensor's field is not const.
+        shape: shape.as_ptr() as *mut i64,
+        strides: ptr::null_mut(),
+        byte_offset: 0,
+    }
+}
+
+/// A compact row-major view of a slice that kt reads.
+pub struct TensorRef<'a> {
+    tensor: sys::DLTensor,
+    _shape: Vec<i64>,
+    _data: PhantomData<&'a [u8]>,
+}
+
+impl<'a> TensorRef<'a> {
+    pub fn new<T: Element>(data: &'a [T], shape: &[i64]) -> Result<Self> {
+        let shape = check_shape(data.len(), shape)?;
+        let tensor = dl_tensor(data.as_ptr() as *mut c_void, T::DTYPE, &shape);
+        // The Vec's buffer does not move when the view moves.
+        Ok(TensorRef { tensor, _shape: shape, _data: PhantomData })
+    }
+}
+
+/// A compact row-major view of a slice that kt writes.
+pub struct TensorMut<'a> {
+    tensor: sys::DLTensor,
+    _shape: Vec<i64>,
+    _data: PhantomData<&'a mut [u8]>,
+}
+
+impl<'a> TensorMut<'a> {
+    pub fn new<T: Element>(data: &'a mut [T], shape: &[i64]) -> Result<Self> {
+        let shape = check_shape(data.len(), shape)?;
+        let tensor = dl_tensor(data.as_mut_ptr() as *mut c_void, T::DTYPE, &shape);
+        Ok(TensorMut { tensor, _shape: shape, _data: PhantomData })
+    }
+}
+
+/// Argument ids (kt_arg_id).
+pub use sys::kt_arg_id as ArgId;
+pub mod arg {
+    //! The argument ids of kt_arg_id.
+    pub use kt_sys::{
+        KT_ARG_B_DOWN as B_DOWN, KT_ARG_B_GATE as B_GATE, KT_ARG_B_GATE_UP as B_GATE_UP,
+        KT_ARG_B_UP as B_UP, KT_ARG_DROUTE_WEIGHTS as DROUTE_WEIGHTS, KT_ARG_DX as DX,
+        KT_ARG_DY as DY, KT_ARG_EXPERT_MAP as EXPERT_MAP, KT_ARG_GRAD_B_DOWN as GRAD_B_DOWN,
+        KT_ARG_GRAD_B_GATE as GRAD_B_GATE, KT_ARG_GRAD_B_UP as GRAD_B_UP,
+        KT_ARG_GRAD_LORA_A_DOWN as GRAD_LORA_A_DOWN, KT_ARG_GRAD_LORA_A_GATE as GRAD_LORA_A_GATE,
+        KT_ARG_GRAD_LORA_A_UP as GRAD_LORA_A_UP, KT_ARG_GRAD_LORA_B_DOWN as GRAD_LORA_B_DOWN,
+        KT_ARG_GRAD_LORA_B_GATE as GRAD_LORA_B_GATE, KT_ARG_GRAD_LORA_B_UP as GRAD_LORA_B_UP,
+        KT_ARG_GRAD_W_DOWN as GRAD_W_DOWN, KT_ARG_GRAD_W_GATE as GRAD_W_GATE,
+        KT_ARG_GRAD_W_UP as GRAD_W_UP, KT_ARG_IDS as IDS, KT_ARG_LORA_A_DOWN as LORA_A_DOWN,
+        KT_ARG_LORA_A_GATE as LORA_A_GATE, KT_ARG_LORA_A_UP as LORA_A_UP,
+        KT_ARG_LORA_B_DOWN as LORA_B_DOWN, KT_ARG_LORA_B_GATE as LORA_B_GATE,
+        KT_ARG_LORA_B_UP as LORA_B_UP, KT_ARG_ROUTE_WEIGHTS as ROUTE_WEIGHTS,
+        KT_ARG_W_DOWN as W_DOWN, KT_ARG_W_GATE as W_GATE, KT_ARG_W_GATE_UP as W_GATE_UP,
+        KT_ARG_W_UP as W_UP, KT_ARG_X as X, KT_ARG_Y as Y,
+    };
+}
+
+/// One named argument: an input view or an output view.
+pub enum Arg<'t, 'a> {
+    In(ArgId, &'t TensorRef<'a>),
+    Out(ArgId, &'t mut TensorMut<'a>),
+}
+
+fn raw_args(args: &[Arg<'_, '_>]) -> Vec<sys::kt_arg> {
+    args.iter()
+        .map(|a| match a {
+            Arg::In(id, t) => sys::kt_arg { id: *id, tensor: &t.tensor },
+            Arg::Out(id, t) => sys::kt_arg { id: *id, tensor: &t.tensor },
+        })
+        .collect()
+}
+
+// ------------------------------------------------------------------- engine
+
+/// Engine settings; `None`/defaults keep kt's choices.
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {
+    /// Worker threads; 0 = one per CPU of the affinity mask.
+    pub num_threads: i32,
+    /// Pin worker i to the i-th CPU (kt's default: yes).
+    pub pin_threads: Option<bool>,
+    /// Log level to stderr; None = from the environment (KT_VERBOSE).
+    pub verbosity: Option<i32>,
+}
+
+/// An engine: a worker pool and the kernels for this CPU.
+pub struct Engine {
+    raw: *mut sys::kt_engine,
+}
+
+// kt documents every call as safe from any thread.
+unsafe impl Send for Engine {}
+unsafe impl Sync for Engine {}
+
+impl Engine {
+    pub fn new(options: &EngineOptions) -> Result<Engine> {
+        if library_abi_version() != ABI_VERSION {
+            return Err(Error {
+                status: Status::UNSUPPORTED,
+                message: format!(
+                    "libkt has ABI {}, this crate was written for ABI {}",
+                    library_abi_version(),
+                    ABI_VERSION
+                ),
+            });
+        }
+        let mut o = std::mem::MaybeUninit::<sys::kt_engine_options>::uninit();
+        let mut o = unsafe {
+            sys::kt_engine_options_init(o.as_mut_ptr());
+            o.assume_init()
+        };
+        o.num_threads = options.num_threads;
+        if let Some(pin) = options.pin_threads {
+            o.pin_threads = pin as c_int;
+        }
+        if let Some(v) = options.verbosity {
+            o.verbosity = v;
+        }
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::kt_engine_create(&o, &mut raw) })?;
+        Ok(Engine { raw })
+    }
+
+    fn info(&self) -> Result<sys::kt_engine_info> {
+        let mut info = sys::kt_engine_info {
+            struct_size: std::mem::size_of::<sys::kt_engine_info>(),
+            num_threads: 0,
+            isa: 0,
+            cpu_isa: 0,
+            kernel_name: ptr::null(),
+        };
+        check(unsafe { sys::kt_engine_get_info(self.raw, &mut info) })?;
+        Ok(info)
+    }
+
+    /// Worker threads of the engine.
+    pub fn num_threads(&self) -> Result<i32> {
+        Ok(self.info()?.num_threads)
+    }
+
+    /// Name of the GEMM micro-kernel in use (owned by the engine).
+    pub fn kernel_name(&self) -> Result<&str> {
+        let name = self.info()?.kernel_name;
+        Ok(unsafe { CStr::from_ptr(name) }.to_str().unwrap_or(""))
+    }
+
+    /// Creates a layer on this engine; it cannot outlive the engine.
+    pub fn moe(&self, options: &MoeOptions) -> Result<Moe<'_>> {
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::kt_moe_create(self.raw, &options.raw, &mut raw) })?;
+        Ok(Moe { raw, _engine: PhantomData })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // Every layer borrowed the engine and is gone, so destroy cannot
+        // refuse; its status has nowhere to go from a destructor.
+        unsafe { sys::kt_engine_destroy(self.raw) };
+    }
+}
+
+// -------------------------------------------------------------------- layer
+
+/// A layer's shapes and settings, over kt's defaults (kt_moe_options_init).
+#[derive(Clone, Copy)]
+pub struct MoeOptions {
+    raw: sys::kt_moe_options,
+}
+
+impl MoeOptions {
+    /// E experts, k routes per token, hidden H, intermediate I; the rest default.
+    pub fn new(num_experts: i64, top_k: i64, hidden: i64, intermediate: i64) -> MoeOptions {
+        let mut o = std::mem::MaybeUninit::<sys::kt_moe_options>::uninit();
+        let mut raw = unsafe {
+            sys::kt_moe_options_init(o.as_mut_ptr());
+            o.assume_init()
+        };
+        raw.num_experts = num_experts;
+        raw.top_k = top_k;
+        raw.hidden = hidden;
+        raw.intermediate = intermediate;
+        MoeOptions { raw }
+    }
+    /// Most tokens per call (workspaces are sized for it).
+    pub fn max_tokens(mut self, t: i64) -> Self {
+        self.raw.max_tokens = t;
+        self
+    }
+    /// Activation kind (sys::KT_ACT_*), alpha (swiglu_oai) and clamp limit (<= 0: none).
+    pub fn activation(mut self, kind: sys::kt_activation, alpha: f32, limit: f32) -> Self {
+        self.raw.activation = kind;
+        self.raw.act_alpha = alpha;
+        self.raw.act_limit = limit;
+        self
+    }
+    /// Biases bg, bu, bd.
+    pub fn with_bias(mut self) -> Self {
+        self.raw.has_bias = 1;
+        self
+    }
+    /// LoRA mode: rank, alpha, targets (sys::KT_PROJ_* bits).
+    pub fn lora(mut self, rank: i64, alpha: f32, targets: u32) -> Self {
+        self.raw.mode = sys::KT_MODE_LORA;
+        self.raw.lora_rank = rank;
+        self.raw.lora_alpha = alpha;
+        self.raw.lora_targets = targets;
+        self
+    }
+    /// Full fine-tuning mode (base weights trainable).
+    pub fn full_training(mut self) -> Self {
+        self.raw.mode = sys::KT_MODE_FULL;
+        self
+    }
+}
+
+/// Backward settings.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardOptions {
+    /// Multiplies parameter gradients only.
+    pub grad_scale: f32,
+    /// Add into the gradient buffers instead of overwriting them.
+    pub accumulate: bool,
+    /// Compute parameter gradients (false: only dx and routing gradients).
+    pub param_grads: bool,
+}
+
+impl Default for BackwardOptions {
+    fn default() -> Self {
+        BackwardOptions { grad_scale: 1.0, accumulate: false, param_grads: true }
+    }
+}
+
+/// One MoE layer's routed experts.
+pub struct Moe<'e> {
+    raw: *mut sys::kt_moe,
+    _engine: PhantomData<&'e Engine>,
+}
+
+unsafe impl Send for Moe<'_> {}
+unsafe impl Sync for Moe<'_> {}
+
+impl<'e> Moe<'e> {
+    /// Loads stacked weights: arg::W_GATE, arg::W_UP [E,I,H], arg::W_DOWN
+    /// [E,H,I] (or W_GATE_UP), biases when the layer has them, EXPERT_MAP.
+    pub fn load_weights(&self, args: &[Arg<'_, '_>]) -> Result<()> {
+        let raw = raw_args(args);
+        check(unsafe { sys::kt_moe_load_weights(self.raw, ptr::null(), raw.as_ptr(), raw.len()) })
+    }
+
+    /// Number of experts loaded.
+    pub fn num_loaded(&self) -> Result<i64> {
+        let mut n = 0;
+        check(unsafe { sys::kt_moe_num_loaded(self.raw, &mut n) })?;
+        Ok(n)
+    }
+
+    /// Effective LoRA scale (0 outside LoRA mode).
+    pub fn lora_scale(&self) -> Result<f32> {
+        let mut s = 0.0;
+        check(unsafe { sys::kt_moe_lora_scale(self.raw, &mut s) })?;
+        Ok(s)
+    }
+
+    /// Binds trainable parameters and gradient buffers.
+    ///
+    /// # Safety
+    /// kt keeps the tensors' data pointers until the same id is bound again
+    /// or the layer is dropped: that memory must stay alive and unmoved, and
+    /// not be accessed while a backward writes the gradients.
+    pub unsafe fn bind(&self, args: &[Arg<'_, '_>]) -> Result<()> {
+        let raw = raw_args(args);
+        check(sys::kt_moe_bind(self.raw, raw.as_ptr(), raw.len()))
+    }
+
+    /// The bound parameters changed (after an optimizer step).
+    pub fn params_changed(&self) -> Result<()> {
+        check(unsafe { sys::kt_moe_params_changed(self.raw) })
+    }
+
+    fn forward_raw(
+        &self,
+        x: &TensorRef<'_>,
+        ids: &TensorRef<'_>,
+        route_weights: &TensorRef<'_>,
+        y: &mut TensorMut<'_>,
+        saved: *mut *mut sys::kt_context,
+    ) -> Result<()> {
+        let args = [
+            sys::kt_arg { id: sys::KT_ARG_X, tensor: &x.tensor },
+            sys::kt_arg { id: sys::KT_ARG_IDS, tensor: &ids.tensor },
+            sys::kt_arg { id: sys::KT_ARG_ROUTE_WEIGHTS, tensor: &route_weights.tensor },
+            sys::kt_arg { id: sys::KT_ARG_Y, tensor: &y.tensor },
+        ];
+        check(unsafe { sys::kt_moe_forward(self.raw, args.as_ptr(), args.len(), saved) })
+    }
+
+    /// y = MoE(x), nothing saved.
+    pub fn forward(
+        &self,
+        x: &TensorRef<'_>,
+        ids: &TensorRef<'_>,
+        route_weights: &TensorRef<'_>,
+        y: &mut TensorMut<'_>,
+    ) -> Result<()> {
+        self.forward_raw(x, ids, route_weights, y, ptr::null_mut())
+    }
+
+    /// y = MoE(x), saving what [`Moe::backward`] needs in the returned context.
+    pub fn forward_train(
+        &self,
+        x: &TensorRef<'_>,
+        ids: &TensorRef<'_>,
+        route_weights: &TensorRef<'_>,
+        y: &mut TensorMut<'_>,
+    ) -> Result<Context<'_>> {
+        let mut raw = ptr::null_mut();
+        self.forward_raw(x, ids, route_weights, y, &mut raw)?;
+        Ok(Context { raw, _moe: PhantomData })
+    }
+
+    /// Backward of ctx's forward. args: arg::DY (required), arg::DX and
+    /// arg::DROUTE_WEIGHTS (optional outputs). The context is spent.
+    pub fn backward(&self, ctx: &mut Context<'_>, options: &BackwardOptions, args: &[Arg<'_, '_>]) -> Result<()> {
+        let mut o = std::mem::MaybeUninit::<sys::kt_backward_options>::uninit();
+        let mut o = unsafe {
+            sys::kt_backward_options_init(o.as_mut_ptr());
+            o.assume_init()
+        };
+        o.grad_scale = options.grad_scale;
+        o.accumulate = if options.accumulate { sys::KT_GRAD_ACCUMULATE } else { sys::KT_GRAD_OVERWRITE };
+        o.param_grads = options.param_grads as c_int;
+        let raw = raw_args(args);
+        check(unsafe { sys::kt_moe_backward(self.raw, ctx.raw, &o, raw.as_ptr(), raw.len()) })
+    }
+}
+
+impl Drop for Moe<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::kt_moe_destroy(self.raw) };
+    }
+}
+
+/// What a training forward saved for its backward; released on drop.
+pub struct Context<'m> {
+    raw: *mut sys::kt_context,
+    _moe: PhantomData<&'m ()>,
+}
+
+unsafe impl Send for Context<'_> {}
+
+impl Drop for Context<'_> {
+    fn drop(&mut self) {
+        unsafe { sys::kt_context_release(self.raw) };
+    }
+}

@@ -1,0 +1,326 @@
+// The kt_ckpt_* ABI: argument checks, then the readers and writers of src/io.
+// Every call is guarded: no exception crosses, errors become a status and a
+// thread-local message.
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "core/error.h"
+#include "io/exporters.h"
+#include "io/io_guard.h"
+#include "io/layout.h"
+#include "io/safetensors.h"
+#include "kt_c_api.h"
+
+struct kt_ckpt {
+  static constexpr uint32_t kMagic = 0x6b74636bu;  // "ktck"
+  uint32_t magic = kMagic;
+  std::unique_ptr<kt::io::TensorSet> tensors;
+  kt::io::ModelInfo model;
+  std::vector<const std::pair<const std::string, kt::io::TensorRef>*> by_index;
+  int64_t total_bytes = 0;
+};
+
+namespace {
+
+using kt::check;
+using kt::io::guarded;
+
+void check_ckpt(const kt_ckpt* c, const char* where) {
+  check(c != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": ckpt is NULL");
+  check(c->magic == kt_ckpt::kMagic, KT_ERR_INVALID_HANDLE,
+        std::string(where) + ": ckpt is not an open kt_ckpt (closed?)");
+}
+
+void check_path(const char* path, const char* where, const char* name) {
+  check(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  check(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + name + " is empty");
+}
+
+// Copies `full` into the caller's struct up to its struct_size (keeping it).
+template <class T>
+void write_sized(T* out, const T& full, const char* where, const char* name) {
+  check(out != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  check(out->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": " + name + "->struct_size is not set");
+  const size_t keep = out->struct_size;
+  const size_t n = keep < sizeof(T) ? keep : sizeof(T);
+  std::memcpy(out, &full, n);
+  out->struct_size = keep;
+}
+
+// Reads a caller's growable options struct over the defaults; fields past
+// what this version knows must be zero.
+template <class T, class Init>
+T read_sized(const T* given, Init init, const char* where, const char* name) {
+  T o;
+  init(&o);
+  if (!given) return o;
+  check(given->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": " + name + "->struct_size is not set; call the _init function first");
+  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
+  std::memcpy(&o, given, n);
+  const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
+  for (size_t i = sizeof(T); i < given->struct_size; ++i)
+    check(extra[i] == 0, KT_ERR_UNSUPPORTED,
+          std::string(where) + ": " + name + " sets fields this kt version does not know");
+  o.struct_size = sizeof(T);
+  return o;
+}
+
+void fill_tensor(const kt_ckpt* c, const std::pair<const std::string, kt::io::TensorRef>& kv, kt_ckpt_tensor* out,
+                 const char* where) {
+  (void)c;
+  kt_ckpt_tensor t;
+  std::memset(&t, 0, sizeof(t));
+  t.struct_size = sizeof(t);
+  t.name = kv.first.c_str();
+  t.file = kv.second.file->path().c_str();
+  t.dtype = kv.second.entry->dtype;
+  t.ndim = static_cast<int>(kv.second.entry->shape.size());
+  for (int i = 0; i < t.ndim; ++i) t.shape[i] = kv.second.entry->shape[static_cast<size_t>(i)];
+  t.nbytes = static_cast<int64_t>(kv.second.entry->nbytes());
+  t.data = kv.second.data;
+  write_sized(out, t, where, "tensor");
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
+  switch (dtype) {
+    case KT_CKPT_DTYPE_F32: return "F32";
+    case KT_CKPT_DTYPE_F16: return "F16";
+    case KT_CKPT_DTYPE_BF16: return "BF16";
+    case KT_CKPT_DTYPE_F64: return "F64";
+    case KT_CKPT_DTYPE_F8_E4M3: return "F8_E4M3";
+    case KT_CKPT_DTYPE_F8_E5M2: return "F8_E5M2";
+    case KT_CKPT_DTYPE_E8M0: return "E8M0";
+    case KT_CKPT_DTYPE_I8: return "I8";
+    case KT_CKPT_DTYPE_U8: return "U8";
+    case KT_CKPT_DTYPE_I16: return "I16";
+    case KT_CKPT_DTYPE_U16: return "U16";
+    case KT_CKPT_DTYPE_I32: return "I32";
+    case KT_CKPT_DTYPE_U32: return "U32";
+    case KT_CKPT_DTYPE_I64: return "I64";
+    case KT_CKPT_DTYPE_U64: return "U64";
+    case KT_CKPT_DTYPE_BOOL: return "BOOL";
+    case KT_CKPT_DTYPE_UNKNOWN: break;
+  }
+  return "unknown";
+}
+
+const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
+  switch (layout) {
+    case KT_CKPT_LAYOUT_NONE: return "none";
+    case KT_CKPT_LAYOUT_PER_EXPERT: return "per_expert";
+    case KT_CKPT_LAYOUT_MIXTRAL: return "mixtral";
+    case KT_CKPT_LAYOUT_FUSED: return "fused";
+    case KT_CKPT_LAYOUT_FUSED_IN_OUT: return "fused_in_out";
+    case KT_CKPT_LAYOUT_GPT_OSS: return "gpt_oss";
+  }
+  return "unknown";
+}
+
+const char* kt_ckpt_format_name(kt_ckpt_format format) {
+  switch (format) {
+    case KT_CKPT_FORMAT_DENSE: return "dense";
+    case KT_CKPT_FORMAT_FP8_BLOCK: return "fp8_block";
+    case KT_CKPT_FORMAT_INT4_GROUP: return "int4_group";
+    case KT_CKPT_FORMAT_MXFP4: return "mxfp4";
+  }
+  return "unknown";
+}
+
+kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt) {
+  const char* w = "kt_ckpt_open";
+  return guarded(w, [&] {
+    check_path(dir, w, "dir");
+    check(ckpt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": ckpt is NULL");
+    std::unique_ptr<kt_ckpt> c(new kt_ckpt);
+    c->tensors.reset(new kt::io::TensorSet(dir));
+    const std::string config_path = std::string(dir) + "/config.json";
+    const std::string config = kt::io::file_exists(config_path) ? kt::io::read_text_file(config_path) : "";
+    c->model = kt::io::detect_layout(*c->tensors, config, dir);
+    for (const auto& kv : c->tensors->tensors()) {
+      c->by_index.push_back(&kv);
+      c->total_bytes += static_cast<int64_t>(kv.second.entry->nbytes());
+    }
+    *ckpt = c.release();
+  });
+}
+
+void kt_ckpt_close(kt_ckpt* ckpt) {
+  if (!ckpt || ckpt->magic != kt_ckpt::kMagic) return;
+  ckpt->magic = 0;
+  delete ckpt;
+}
+
+kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info) {
+  const char* w = "kt_ckpt_get_info";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    kt_ckpt_info full;
+    std::memset(&full, 0, sizeof(full));
+    full.struct_size = sizeof(full);
+    full.architecture = ckpt->model.architecture.c_str();
+    full.model_type = ckpt->model.model_type.c_str();
+    full.layout = ckpt->model.layout;
+    full.num_moe_layers = static_cast<int64_t>(ckpt->model.layers.size());
+    full.num_tensors = static_cast<int64_t>(ckpt->by_index.size());
+    full.num_files = static_cast<int64_t>(ckpt->tensors->files().size());
+    full.total_bytes = ckpt->total_bytes;
+    full.top_k = ckpt->model.top_k;
+    write_sized(info, full, w, "info");
+  });
+}
+
+kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_layer_info* info) {
+  const char* w = "kt_ckpt_get_layer_info";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    const int64_t n = static_cast<int64_t>(ckpt->model.layers.size());
+    check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
+    const kt::io::MoeLayer& m = ckpt->model.layers[static_cast<size_t>(index)];
+    kt_ckpt_layer_info full;
+    std::memset(&full, 0, sizeof(full));
+    full.struct_size = sizeof(full);
+    full.layer = m.layer;
+    full.num_experts = m.E;
+    full.hidden = m.H;
+    full.intermediate = m.I;
+    full.has_bias = m.has_bias ? 1 : 0;
+    full.layout = m.layout;
+    full.format = m.format;
+    full.weight_dtype = m.weight_dtype;
+    full.loadable = m.loadable() ? 1 : 0;
+    full.bytes = m.bytes;
+    write_sized(info, full, w, "info");
+  });
+}
+
+kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options* options) {
+  const char* w = "kt_ckpt_moe_options";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    check(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
+    const kt::io::MoeLayer& m = ckpt->model.get(layer, w);
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    o.num_experts = m.E;
+    o.hidden = m.H;
+    o.intermediate = m.I;
+    o.has_bias = m.has_bias ? 1 : 0;
+    o.top_k = ckpt->model.top_k > 0 && ckpt->model.top_k <= m.E ? ckpt->model.top_k : 1;
+    o.activation = ckpt->model.activation;
+    o.act_alpha = ckpt->model.act_alpha;
+    o.act_limit = ckpt->model.act_limit;
+    *options = o;
+  });
+}
+
+kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe, kt_ckpt_progress_fn progress,
+                             void* user) {
+  const char* w = "kt_ckpt_load_layer";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    kt::io::load_layer(ckpt->model.get(layer, w), moe, progress, user, w);
+  });
+}
+
+kt_status kt_ckpt_read_layer(const kt_ckpt* ckpt, int64_t layer, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_ckpt_read_layer";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    kt::io::read_layer(ckpt->model.get(layer, w), args, num_args, w);
+  });
+}
+
+kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* tensor) {
+  const char* w = "kt_ckpt_tensor_at";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    const int64_t n = static_cast<int64_t>(ckpt->by_index.size());
+    check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
+    fill_tensor(ckpt, *ckpt->by_index[static_cast<size_t>(index)], tensor, w);
+  });
+}
+
+kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_tensor* tensor) {
+  const char* w = "kt_ckpt_find_tensor";
+  return guarded(w, [&] {
+    check_ckpt(ckpt, w);
+    check(name != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": name is NULL");
+    auto it = ckpt->tensors->tensors().find(name);
+    check(it != ckpt->tensors->tensors().end(), KT_ERR_IO,
+          std::string(w) + ": " + ckpt->tensors->dir() + " holds no tensor '" + name + "'");
+    fill_tensor(ckpt, *it, tensor, w);
+  });
+}
+
+void kt_ckpt_write_options_init(kt_ckpt_write_options* options) {
+  if (!options) return;
+  std::memset(options, 0, sizeof(*options));
+  options->struct_size = sizeof(*options);
+  options->layout = KT_CKPT_LAYOUT_PER_EXPERT;
+  options->dtype = KT_CKPT_DTYPE_BF16;
+  options->max_shard_bytes = int64_t{4} << 30;
+  options->config_json = nullptr;
+}
+
+kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* options,
+                                const kt_ckpt_layer_args* layers, size_t num_layers) {
+  const char* w = "kt_ckpt_write_experts";
+  return guarded(w, [&] {
+    check_path(dir, w, "dir");
+    const kt_ckpt_write_options o = read_sized(options, kt_ckpt_write_options_init, w, "options");
+    kt::io::write_experts(dir, o, layers, num_layers, w);
+  });
+}
+
+void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config) {
+  if (!config) return;
+  std::memset(config, 0, sizeof(*config));
+  config->struct_size = sizeof(*config);
+  config->rank = 16;
+  config->alpha = 32.f;
+  config->use_rslora = 0;
+  config->targets = KT_PROJ_ALL;
+  config->layout = KT_CKPT_LAYOUT_PER_EXPERT;
+  config->dtype = KT_CKPT_DTYPE_F32;
+  config->base_model = nullptr;
+}
+
+kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* config,
+                                const kt_ckpt_layer_args* layers, size_t num_layers) {
+  const char* w = "kt_ckpt_adapter_write";
+  return guarded(w, [&] {
+    check_path(dir, w, "dir");
+    check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL (rank and alpha are required)");
+    const kt_ckpt_adapter_config c = read_sized(config, kt_ckpt_adapter_config_init, w, "config");
+    kt::io::write_adapter(dir, c, layers, num_layers, w);
+  });
+}
+
+kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* config) {
+  const char* w = "kt_ckpt_adapter_read_config";
+  return guarded(w, [&] {
+    check_path(dir, w, "dir");
+    kt_ckpt_adapter_config c;
+    kt::io::read_adapter_config(dir, &c);
+    write_sized(config, c, w, "config");
+  });
+}
+
+kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_ckpt_adapter_read";
+  return guarded(w, [&] {
+    check_path(dir, w, "dir");
+    kt::io::read_adapter(dir, layer, args, num_args, w);
+  });
+}
+
+}  // extern "C"

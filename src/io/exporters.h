@@ -1,0 +1,27 @@
+// Checkpoints kt writes (full-expert checkpoints, PEFT adapters) and the
+// adapter reader.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "kt_c_api.h"
+
+namespace kt {
+namespace io {
+
+void write_experts(const std::string& dir, const kt_ckpt_write_options& options,
+                   const kt_ckpt_layer_args* layers, size_t num_layers, const char* where);
+
+void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& config,
+                   const kt_ckpt_layer_args* layers, size_t num_layers, const char* where);
+
+// Fills rank, alpha, use_rslora, targets, layout, dtype (base_model = NULL).
+void read_adapter_config(const std::string& dir, kt_ckpt_adapter_config* config);
+
+void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, size_t num_args,
+                  const char* where);
+
+}  // namespace io
+}  // namespace kt

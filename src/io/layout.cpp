@@ -1,0 +1,721 @@
+#include "io/layout.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include <nlohmann/json.hpp>
+
+#include "core/buffer.h"
+#include "core/error.h"
+#include "core/tensor.h"
+#include "io/elements.h"
+#include "moe/moe_layer.h"
+#include "runtime/engine.h"
+
+namespace kt {
+namespace io {
+
+using nlohmann::json;
+
+namespace {
+
+[[noreturn]] void io_fail(const std::string& message) { fail(KT_ERR_IO, message); }
+
+bool is_float_dtype(kt_ckpt_dtype d) {
+  return d == KT_CKPT_DTYPE_BF16 || d == KT_CKPT_DTYPE_F16 || d == KT_CKPT_DTYPE_F32;
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? "," : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Reads decimal digits at s[pos...] up to the next '.'; false when absent.
+bool read_index(const std::string& s, size_t* pos, int64_t* value) {
+  size_t p = *pos;
+  int64_t v = 0;
+  const size_t start = p;
+  while (p < s.size() && s[p] >= '0' && s[p] <= '9' && p - start < 9) v = v * 10 + (s[p++] - '0');
+  if (p == start || p >= s.size() || s[p] != '.') return false;
+  *pos = p + 1;
+  *value = v;
+  return true;
+}
+
+bool starts_with(const std::string& s, size_t pos, const char* prefix) {
+  return s.compare(pos, std::strlen(prefix), prefix) == 0;
+}
+
+// A name split as <prefix>layers.<L>.<rest>.
+struct LayerName {
+  std::string before;  // "model."
+  int64_t layer = 0;
+  std::string rest;    // "mlp.experts.3.gate_proj.weight"
+};
+
+bool split_layer_name(const std::string& name, LayerName* out) {
+  size_t at = 0;
+  while ((at = name.find("layers.", at)) != std::string::npos) {
+    if (at == 0 || name[at - 1] == '.') {
+      size_t p = at + 7;
+      int64_t L = 0;
+      if (read_index(name, &p, &L)) {
+        out->before = name.substr(0, at);
+        out->layer = L;
+        out->rest = name.substr(p);
+        return true;
+      }
+    }
+    at += 7;
+  }
+  return false;
+}
+
+int proj_of(const std::string& p, bool mixtral) {
+  if (mixtral) return p == "w1" ? kProjGate : p == "w3" ? kProjUp : p == "w2" ? kProjDown : -1;
+  return p == "gate_proj" ? kProjGate : p == "up_proj" ? kProjUp : p == "down_proj" ? kProjDown : -1;
+}
+
+const char* kProjNames[3] = {"gate_proj", "up_proj", "down_proj"};
+const char* kMixtralNames[3] = {"w1", "w3", "w2"};
+
+struct Collected {
+  std::string base;  // "model.layers.3.mlp.experts"
+  kt_ckpt_layout layout = KT_CKPT_LAYOUT_NONE;
+  // per-expert: expert -> proj -> suffix -> tensor
+  std::map<int64_t, std::array<std::map<std::string, const TensorRef*>, 3>> experts;
+  std::map<std::string, const TensorRef*> fused;  // "gate_up_proj", "down_proj_bias", ...
+};
+
+int64_t config_int(const json& c, std::initializer_list<const char*> keys) {
+  for (const char* k : keys) {
+    if (c.contains(k) && c[k].is_number_integer()) return c[k].get<int64_t>();
+    if (c.contains("text_config") && c["text_config"].is_object() && c["text_config"].contains(k) &&
+        c["text_config"][k].is_number_integer())
+      return c["text_config"][k].get<int64_t>();
+  }
+  return -1;
+}
+
+// Logical [out, in] of a per-expert projection and its format.
+void describe_proj(const std::map<std::string, const TensorRef*>& parts, const std::string& base,
+                   ProjTensors* pt, kt_ckpt_format* format, int64_t* out, int64_t* in) {
+  auto get = [&](const char* s) -> const TensorRef* {
+    auto it = parts.find(s);
+    return it == parts.end() ? nullptr : it->second;
+  };
+  const std::string where = "tensor '" + base;
+  if (const TensorRef* packed = get("weight_packed")) {
+    const TensorEntry& t = *packed->entry;
+    if (t.dtype != KT_CKPT_DTYPE_I32 || t.shape.size() != 2)
+      io_fail(packed->file->path() + ": " + where + ".weight_packed': expected int32 [out, in/8], got " +
+              st_dtype_info(t.dtype).st_name + " " + shape_text(t.shape));
+    pt->weight = packed;
+    pt->scale = get("weight_scale");
+    if (!pt->scale) io_fail(packed->file->path() + ": " + where + ".weight_scale' is missing");
+    *format = KT_CKPT_FORMAT_INT4_GROUP;
+    *out = t.shape[0];
+    *in = t.shape[1] * 8;
+  } else if (const TensorRef* w = get("weight")) {
+    const TensorEntry& t = *w->entry;
+    if (t.shape.size() != 2)
+      io_fail(w->file->path() + ": " + where + ".weight': expected rank 2, got " + shape_text(t.shape));
+    pt->weight = w;
+    *out = t.shape[0];
+    *in = t.shape[1];
+    if (is_float_dtype(t.dtype)) {
+      *format = KT_CKPT_FORMAT_DENSE;
+    } else if (t.dtype == KT_CKPT_DTYPE_F8_E4M3) {
+      pt->scale = get("weight_scale_inv");
+      if (!pt->scale) io_fail(w->file->path() + ": " + where + ".weight_scale_inv' is missing (fp8 blocks)");
+      *format = KT_CKPT_FORMAT_FP8_BLOCK;
+    } else if ((t.dtype == KT_CKPT_DTYPE_U8 || t.dtype == KT_CKPT_DTYPE_I8) && get("scale")) {
+      pt->scale = get("scale");
+      *format = KT_CKPT_FORMAT_MXFP4;
+      *in = t.shape[1] * 2;
+    } else {
+      io_fail(w->file->path() + ": " + where + ".weight': dtype " + st_dtype_info(t.dtype).st_name +
+              " is not a known expert weight format");
+    }
+  } else {
+    io_fail("tensor '" + base + ".weight' is missing");
+  }
+  pt->bias = get("bias");
+}
+
+MoeLayer build_per_expert(int64_t L, const Collected& c) {
+  MoeLayer m;
+  m.layer = L;
+  m.prefix = c.base;
+  m.layout = c.layout;
+  const bool mixtral = c.layout == KT_CKPT_LAYOUT_MIXTRAL;
+  const char** names = mixtral ? kMixtralNames : kProjNames;
+  m.E = static_cast<int64_t>(c.experts.size());
+  int64_t expect = 0;
+  for (const auto& kv : c.experts) {
+    if (kv.first != expect)
+      io_fail("layer " + std::to_string(L) + ": expert " + std::to_string(expect) +
+              " is missing ('" + c.base + "." + std::to_string(expect) + "." + names[0] +
+              ".weight' not found; experts run to " + std::to_string(c.experts.rbegin()->first) + ")");
+    ++expect;
+  }
+  m.experts.resize(static_cast<size_t>(m.E));
+  bool first = true;
+  for (int64_t e = 0; e < m.E; ++e) {
+    for (int p = 0; p < 3; ++p) {
+      const std::string base = c.base + "." + std::to_string(e) + "." + names[p];
+      const auto& parts = c.experts.at(e)[static_cast<size_t>(p)];
+      if (parts.empty()) io_fail("tensor '" + base + ".weight' is missing");
+      ProjTensors& pt = m.experts[static_cast<size_t>(e)][static_cast<size_t>(p)];
+      kt_ckpt_format format;
+      int64_t out = 0, in = 0;
+      describe_proj(parts, base, &pt, &format, &out, &in);
+      const std::string file = pt.weight->file->path();
+      if (first) {
+        m.format = format;
+        m.weight_dtype = pt.weight->entry->dtype;
+        m.has_bias = pt.bias != nullptr;
+        if (p == kProjGate) {
+          m.I = out;
+          m.H = in;
+        }
+        first = false;
+      }
+      if (format != m.format || pt.weight->entry->dtype != m.weight_dtype)
+        io_fail(file + ": tensor '" + pt.weight->entry->name + "': format " + kt_ckpt_format_name(format) +
+                " " + kt_ckpt_dtype_name(pt.weight->entry->dtype) + " differs from the layer's " +
+                kt_ckpt_format_name(m.format) + " " + kt_ckpt_dtype_name(m.weight_dtype));
+      const int64_t want_out = p == kProjDown ? m.H : m.I, want_in = p == kProjDown ? m.I : m.H;
+      if (out != want_out || in != want_in)
+        io_fail(file + ": tensor '" + pt.weight->entry->name + "': logical shape [" + std::to_string(out) +
+                "," + std::to_string(in) + "] does not match the layer's [" + std::to_string(want_out) +
+                "," + std::to_string(want_in) + "] (H=" + std::to_string(m.H) + ", I=" +
+                std::to_string(m.I) + " from expert 0's " + names[0] + ")");
+      if ((pt.bias != nullptr) != m.has_bias)
+        io_fail("tensor '" + base + ".bias' is " + (m.has_bias ? "missing" : "present") +
+                " while expert 0's gate " + (m.has_bias ? "has one" : "has none"));
+      if (pt.bias) {
+        const TensorEntry& b = *pt.bias->entry;
+        if (!is_float_dtype(b.dtype) || b.shape != std::vector<int64_t>{want_out})
+          io_fail(pt.bias->file->path() + ": tensor '" + b.name + "': expected a float [" +
+                  std::to_string(want_out) + "] bias, got " + kt_ckpt_dtype_name(b.dtype) + " " +
+                  shape_text(b.shape));
+      }
+      for (const auto& kv : parts) m.bytes += static_cast<int64_t>(kv.second->entry->nbytes());
+    }
+  }
+  return m;
+}
+
+MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
+  MoeLayer m;
+  m.layer = L;
+  m.prefix = c.base;
+  auto get = [&](const char* s) -> const TensorRef* {
+    auto it = c.fused.find(s);
+    return it == c.fused.end() ? nullptr : it->second;
+  };
+  auto need = [&](const char* s) -> const TensorRef* {
+    const TensorRef* t = get(s);
+    if (!t) io_fail("tensor '" + c.base + "." + s + "' is missing (layer " + std::to_string(L) + ")");
+    return t;
+  };
+  auto bad = [&](const TensorRef* t, const std::string& expected) {
+    io_fail(t->file->path() + ": tensor '" + t->entry->name + "': expected " + expected + ", got " +
+            kt_ckpt_dtype_name(t->entry->dtype) + " " + shape_text(t->entry->shape));
+  };
+  for (const auto& kv : c.fused) m.bytes += static_cast<int64_t>(kv.second->entry->nbytes());
+  m.gate_up_bias = get("gate_up_proj_bias");
+  m.down_bias = get("down_proj_bias");
+  m.has_bias = m.gate_up_bias || m.down_bias;
+  const bool gpt_oss = gpt_oss_model || m.has_bias || get("gate_up_proj_blocks");
+  if (get("gate_up_proj_blocks")) {
+    // MXFP4: blocks [E, out, in/32, 16] u8, scales [E, out, in/32] e8m0 (out x in).
+    const TensorRef* gb = need("gate_up_proj_blocks");
+    const TensorRef* db = need("down_proj_blocks");
+    need("gate_up_proj_scales");
+    need("down_proj_scales");
+    const auto& gs = gb->entry->shape;
+    const auto& ds = db->entry->shape;
+    if (gs.size() != 4 || gs[3] != 16 || gb->entry->dtype != KT_CKPT_DTYPE_U8) bad(gb, "U8 [E, 2I, H/32, 16]");
+    if (ds.size() != 4 || ds[3] != 16 || db->entry->dtype != KT_CKPT_DTYPE_U8) bad(db, "U8 [E, H, I/32, 16]");
+    m.layout = KT_CKPT_LAYOUT_GPT_OSS;
+    m.format = KT_CKPT_FORMAT_MXFP4;
+    m.weight_dtype = KT_CKPT_DTYPE_U8;
+    m.E = gs[0];
+    m.I = gs[1] / 2;
+    m.H = gs[2] * 32;
+    if (gs[1] % 2 != 0 || ds[0] != m.E || ds[1] != m.H || ds[2] * 32 != m.I)
+      bad(db, "U8 [" + std::to_string(m.E) + ", " + std::to_string(m.H) + ", " +
+                  std::to_string(m.I / 32) + ", 16] to match " + gb->entry->name);
+  } else {
+    m.gate_up = need("gate_up_proj");
+    m.down = need("down_proj");
+    const auto& g = m.gate_up->entry->shape;
+    const auto& d = m.down->entry->shape;
+    if (g.size() != 3 || !is_float_dtype(m.gate_up->entry->dtype)) bad(m.gate_up, "a float [E, 2I, H] or [E, H, 2I] tensor");
+    if (d.size() != 3 || !is_float_dtype(m.down->entry->dtype)) bad(m.down, "a float [E, H, I] or [E, I, H] tensor");
+    m.format = KT_CKPT_FORMAT_DENSE;
+    m.weight_dtype = m.gate_up->entry->dtype;
+    m.E = g[0];
+    const bool out_in = g[1] == 2 * d[2] && g[2] == d[1];
+    const bool in_out = g[2] == 2 * d[1] && g[1] == d[2];
+    if (d[0] != m.E || (!out_in && !in_out) || (gpt_oss && !in_out))
+      bad(m.down, std::string(gpt_oss ? "" : "[E, H, I] with gate_up_proj [E, 2I, H], or ") +
+                      "[E, I, H] with gate_up_proj [E, H, 2I]; gate_up_proj is " + shape_text(g));
+    if (in_out) {
+      m.H = g[1];
+      m.I = g[2] / 2;
+    } else {
+      m.I = g[1] / 2;
+      m.H = g[2];
+    }
+    m.layout = gpt_oss ? KT_CKPT_LAYOUT_GPT_OSS : in_out ? KT_CKPT_LAYOUT_FUSED_IN_OUT : KT_CKPT_LAYOUT_FUSED;
+  }
+  if (m.has_bias) {
+    const TensorRef* gb = need("gate_up_proj_bias");
+    const TensorRef* db = need("down_proj_bias");
+    if (!is_float_dtype(gb->entry->dtype) || gb->entry->shape != std::vector<int64_t>{m.E, 2 * m.I})
+      bad(gb, "a float [" + std::to_string(m.E) + ", " + std::to_string(2 * m.I) + "] bias");
+    if (!is_float_dtype(db->entry->dtype) || db->entry->shape != std::vector<int64_t>{m.E, m.H})
+      bad(db, "a float [" + std::to_string(m.E) + ", " + std::to_string(m.H) + "] bias");
+  }
+  return m;
+}
+
+}  // namespace
+
+bool MoeLayer::loadable() const { return format == KT_CKPT_FORMAT_DENSE && is_float_dtype(weight_dtype); }
+
+const MoeLayer* ModelInfo::find(int64_t layer) const {
+  for (const auto& l : layers)
+    if (l.layer == layer) return &l;
+  return nullptr;
+}
+
+const MoeLayer& ModelInfo::get(int64_t layer, const char* where) const {
+  const MoeLayer* l = find(layer);
+  if (!l) {
+    std::string have;
+    for (size_t i = 0; i < layers.size() && i < 8; ++i) have += (i ? ", " : "") + std::to_string(layers[i].layer);
+    if (layers.size() > 8) have += ", ...";
+    fail(KT_ERR_INVALID_ARGUMENT, std::string(where) + ": layer " + std::to_string(layer) +
+                                      " has no routed experts in this checkpoint (MoE layers: " +
+                                      (have.empty() ? "none" : have) + ")");
+  }
+  return *l;
+}
+
+std::string expert_module_name(kt_ckpt_layout naming, int64_t layer, int64_t expert, int proj) {
+  const bool mixtral = naming == KT_CKPT_LAYOUT_MIXTRAL;
+  return "model.layers." + std::to_string(layer) + (mixtral ? ".block_sparse_moe" : ".mlp") +
+         ".experts." + std::to_string(expert) + "." + (mixtral ? kMixtralNames : kProjNames)[proj];
+}
+
+ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text,
+                        const std::string& dir) {
+  ModelInfo info;
+  json config = json::object();
+  const std::string config_path = dir + "/config.json";
+  if (!config_text.empty()) {
+    config = json::parse(config_text, nullptr, false);
+    if (config.is_discarded() || !config.is_object())
+      io_fail(config_path + ": not a JSON object");
+    if (config.contains("architectures") && config["architectures"].is_array() &&
+        !config["architectures"].empty() && config["architectures"][0].is_string())
+      info.architecture = config["architectures"][0].get<std::string>();
+    if (config.contains("model_type") && config["model_type"].is_string())
+      info.model_type = config["model_type"].get<std::string>();
+    const int64_t k = config_int(config, {"num_experts_per_tok", "experts_per_token", "moe_topk"});
+    info.top_k = k > 0 ? k : 0;
+  }
+  const bool gpt_oss = info.model_type == "gpt_oss";
+  if (gpt_oss) {
+    info.activation = KT_ACT_SWIGLU_OAI;
+    info.act_alpha = 1.702f;
+    info.act_limit = 7.f;
+    if (config.contains("swiglu_limit") && config["swiglu_limit"].is_number())
+      info.act_limit = config["swiglu_limit"].get<float>();
+  }
+
+  std::map<int64_t, Collected> by_layer;
+  for (const auto& kv : tensors.tensors()) {
+    LayerName n;
+    if (!split_layer_name(kv.first, &n)) continue;
+    const std::string& r = n.rest;
+    kt_ckpt_layout layout = KT_CKPT_LAYOUT_NONE;
+    std::string group;
+    size_t pos = 0;
+    if (starts_with(r, 0, "mlp.experts.")) {
+      group = "mlp.experts";
+      pos = 12;
+      layout = KT_CKPT_LAYOUT_PER_EXPERT;
+    } else if (starts_with(r, 0, "block_sparse_moe.experts.")) {
+      group = "block_sparse_moe.experts";
+      pos = 25;
+      layout = KT_CKPT_LAYOUT_MIXTRAL;
+    } else if (starts_with(r, 0, "ffn.experts.")) {
+      group = "ffn.experts";
+      pos = 12;
+      layout = KT_CKPT_LAYOUT_MIXTRAL;
+    } else {
+      continue;
+    }
+    const std::string base = n.before + "layers." + std::to_string(n.layer) + "." + group;
+    Collected& c = by_layer[n.layer];
+    auto claim = [&](kt_ckpt_layout l) {
+      if (c.layout != KT_CKPT_LAYOUT_NONE && (c.layout != l || c.base != base))
+        io_fail(kv.second.file->path() + ": tensor '" + kv.first + "' mixes a second expert layout into layer " +
+                std::to_string(n.layer) + " (already " + kt_ckpt_layout_name(c.layout) + " under '" + c.base + "')");
+      c.layout = l;
+      c.base = base;
+    };
+    int64_t e = 0;
+    size_t p = pos;
+    if (read_index(r, &p, &e)) {
+      const size_t dot = r.find('.', p);
+      if (dot == std::string::npos) continue;
+      const int proj = proj_of(r.substr(p, dot - p), layout == KT_CKPT_LAYOUT_MIXTRAL);
+      if (proj < 0) continue;
+      // Only a model's own parts (adapters' lora_A/lora_B keys are not experts).
+      const std::string part = r.substr(dot + 1);
+      static const char* kParts[] = {"weight", "weight_scale_inv", "weight_packed", "weight_scale",
+                                     "weight_shape", "bias", "scale"};
+      if (std::find_if(std::begin(kParts), std::end(kParts), [&](const char* k) { return part == k; }) ==
+          std::end(kParts))
+        continue;
+      claim(layout);
+      c.experts[e][static_cast<size_t>(proj)][r.substr(dot + 1)] = &kv.second;
+    } else if (layout == KT_CKPT_LAYOUT_PER_EXPERT) {
+      const std::string tail = r.substr(pos);
+      static const char* kFused[] = {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias",
+                                     "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                                     "down_proj_scales"};
+      if (std::find_if(std::begin(kFused), std::end(kFused), [&](const char* f) { return tail == f; }) ==
+          std::end(kFused))
+        continue;
+      claim(KT_CKPT_LAYOUT_FUSED);
+      c.fused[tail] = &kv.second;
+    }
+  }
+
+  for (auto& kv : by_layer) {
+    Collected& c = kv.second;
+    MoeLayer m = c.layout == KT_CKPT_LAYOUT_FUSED ? build_fused(kv.first, c, gpt_oss)
+                                                 : build_per_expert(kv.first, c);
+    if (info.layout == KT_CKPT_LAYOUT_NONE) info.layout = m.layout;
+    info.layers.push_back(std::move(m));
+  }
+
+  // config.json, where it states them, must agree with the tensors.
+  const int64_t cfg_h = config_int(config, {"hidden_size", "dim"});
+  const int64_t cfg_e = config_int(config, {"num_experts", "n_routed_experts", "num_local_experts"});
+  const int64_t cfg_i = config_int(config, {"moe_intermediate_size"});
+  for (const auto& m : info.layers) {
+    auto mismatch = [&](const char* key, int64_t cfg, int64_t got) {
+      io_fail(config_path + ": " + key + " = " + std::to_string(cfg) + " but layer " +
+              std::to_string(m.layer) + "'s expert tensors ('" + m.prefix + "') give " + std::to_string(got));
+    };
+    if (cfg_h > 0 && cfg_h != m.H) mismatch("hidden_size", cfg_h, m.H);
+    if (cfg_e > 0 && cfg_e != m.E) mismatch("the expert count", cfg_e, m.E);
+    if (cfg_i > 0 && cfg_i != m.I) mismatch("moe_intermediate_size", cfg_i, m.I);
+  }
+  return info;
+}
+
+// ------------------------------------------------------------------ loading
+
+namespace {
+
+// A DLTensor over mapped (or copied) bytes with its own shape storage.
+struct Tensor3 {
+  DLTensor t{};
+  int64_t shape[3] = {0, 0, 0};
+  int64_t strides[3] = {0, 0, 0};
+  void set(const void* data, kt_ckpt_dtype dt, int ndim, const int64_t* s, const int64_t* st) {
+    t.data = const_cast<void*>(data);
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = ndim;
+    t.dtype = dl_dtype(dt);
+    for (int i = 0; i < ndim; ++i) {
+      shape[i] = s[i];
+      strides[i] = st[i];
+    }
+    t.shape = shape;
+    t.strides = strides;
+    t.byte_offset = 0;
+  }
+};
+
+bool aligned_for(const void* p, kt_ckpt_dtype dt) {
+  return reinterpret_cast<uintptr_t>(p) % st_dtype_info(dt).size == 0;
+}
+
+void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) {
+  check(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
+  check(moe->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
+        std::string(where) + ": moe is not a live kt_moe (destroyed?)");
+  check(L.loadable(), KT_ERR_UNSUPPORTED,
+        std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
+            " " + kt_ckpt_dtype_name(L.weight_dtype) + " weights; this kt loads bf16/fp16/fp32 experts only");
+  auto same = [&](const char* what, int64_t layer_v, int64_t moe_v) {
+    check(layer_v == moe_v, KT_ERR_SHAPE,
+          std::string(where) + ": layer " + std::to_string(L.layer) + " has " + what + " = " +
+              std::to_string(layer_v) + " but the kt_moe was created with " + std::to_string(moe_v));
+  };
+  same("num_experts", L.E, moe->E);
+  same("hidden", L.H, moe->H);
+  same("intermediate", L.I, moe->I);
+  same("biases (1 = present)", L.has_bias ? 1 : 0, moe->opt.has_bias ? 1 : 0);
+}
+
+// Calls moe->load for experts [e0, e0+n) under the engine's compute lock.
+void load_chunk(kt_moe* moe, const kt_load_options& lo, std::vector<kt_arg> args, int64_t e0, int64_t n,
+                const char* where) {
+  std::vector<int64_t> map(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+  Tensor3 mt;
+  const int64_t one = 1;
+  mt.set(map.data(), KT_CKPT_DTYPE_I64, 1, &n, &one);
+  args.push_back(kt_arg{KT_ARG_EXPERT_MAP, &mt.t});
+  std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+  moe->load(lo, args.data(), args.size(), -1, where);
+}
+
+void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                     const char* where) {
+  kt_load_options lo;
+  kt_load_options_init(&lo);
+  constexpr int64_t kMaxRun = 16;
+  int64_t e0 = 0;
+  while (e0 < L.E) {
+    // Grow a run of experts whose tensors sit at a constant byte stride
+    // (per projection), so one strided DLTensor covers them all.
+    int64_t n = 1;
+    int64_t stride[3] = {0, 0, 0};
+    bool all_aligned = true;
+    for (int p = 0; p < 3; ++p) {
+      const TensorRef* w = L.experts[static_cast<size_t>(e0)][static_cast<size_t>(p)].weight;
+      all_aligned = all_aligned && aligned_for(w->data, w->entry->dtype);
+    }
+    while (all_aligned && e0 + n < L.E && n < kMaxRun) {
+      bool fits = true;
+      for (int p = 0; p < 3 && fits; ++p) {
+        const TensorRef* first = L.experts[static_cast<size_t>(e0)][static_cast<size_t>(p)].weight;
+        const TensorRef* next = L.experts[static_cast<size_t>(e0 + n)][static_cast<size_t>(p)].weight;
+        const int64_t es = static_cast<int64_t>(st_dtype_info(first->entry->dtype).size);
+        const int64_t d = next->data - first->data;
+        if (n == 1) {
+          if (d <= 0 || d % es != 0 || next->entry->dtype != first->entry->dtype) fits = false;
+          else stride[p] = d;
+        } else if (d != stride[p] * n || next->entry->dtype != first->entry->dtype) {
+          fits = false;
+        }
+      }
+      if (!fits) break;
+      ++n;
+    }
+    Tensor3 w[3], b[3];
+    std::vector<kt::Buffer<char>> copies;
+    std::vector<kt_arg> args;
+    static const int kW[3] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
+    static const int kB[3] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
+    // Places a tensor for the load: zero-copy when aligned, else copied.
+    auto place = [&](const TensorRef* r) -> const void* {
+      if (aligned_for(r->data, r->entry->dtype)) return r->data;
+      copies.emplace_back(static_cast<size_t>(r->entry->nbytes()));
+      std::memcpy(copies.back().data(), r->data, static_cast<size_t>(r->entry->nbytes()));
+      return copies.back().data();
+    };
+    for (int p = 0; p < 3; ++p) {
+      const ProjTensors& pt = L.experts[static_cast<size_t>(e0)][static_cast<size_t>(p)];
+      const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
+      const int64_t es = static_cast<int64_t>(st_dtype_info(pt.weight->entry->dtype).size);
+      const int64_t shape[3] = {n, out, in};
+      const int64_t strides[3] = {n > 1 ? stride[p] / es : out * in, in, 1};
+      w[p].set(place(pt.weight), pt.weight->entry->dtype, 3, shape, strides);
+      args.push_back(kt_arg{kW[p], &w[p].t});
+    }
+    if (L.has_bias) {
+      // Biases are small: gather the run's into one contiguous fp32 block.
+      std::vector<std::vector<float>> gathered(3);
+      for (int p = 0; p < 3; ++p) {
+        const int64_t out = p == kProjDown ? L.H : L.I;
+        gathered[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out));
+        for (int64_t i = 0; i < n; ++i) {
+          const TensorRef* br = L.experts[static_cast<size_t>(e0 + i)][static_cast<size_t>(p)].bias;
+          convert_elements(br->data, br->entry->dtype, gathered[static_cast<size_t>(p)].data() + i * out,
+                           KT_CKPT_DTYPE_F32, out);
+        }
+        copies.emplace_back(gathered[static_cast<size_t>(p)].size() * sizeof(float));
+        std::memcpy(copies.back().data(), gathered[static_cast<size_t>(p)].data(), copies.back().size());
+        const int64_t shape[2] = {n, out};
+        const int64_t strides[2] = {out, 1};
+        b[p].set(copies.back().data(), KT_CKPT_DTYPE_F32, 2, shape, strides);
+        args.push_back(kt_arg{kB[p], &b[p].t});
+      }
+    }
+    load_chunk(moe, lo, args, e0, n, where);
+    e0 += n;
+    if (progress) progress(e0, L.E, user);
+  }
+}
+
+void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                const char* where) {
+  kt_load_options lo;
+  kt_load_options_init(&lo);
+  const bool in_out = L.layout != KT_CKPT_LAYOUT_FUSED;
+  lo.orientation = in_out ? KT_ORIENT_IN_OUT : KT_ORIENT_OUT_IN;
+  lo.gate_up_order = L.layout == KT_CKPT_LAYOUT_GPT_OSS ? KT_GATE_UP_INTERLEAVED : KT_GATE_UP_CONCAT;
+  const int64_t kChunk = 16;
+  for (int64_t e0 = 0; e0 < L.E; e0 += kChunk) {
+    const int64_t n = std::min(kChunk, L.E - e0);
+    std::vector<kt::Buffer<char>> copies;
+    std::vector<kt_arg> args;
+    Tensor3 t[4];
+    auto stacked = [&](const TensorRef* r, int id, Tensor3* dst) {
+      const auto& s = r->entry->shape;
+      int64_t per = 1;
+      for (size_t i = 1; i < s.size(); ++i) per *= s[i];
+      const size_t es = st_dtype_info(r->entry->dtype).size;
+      const uint8_t* p = r->data + static_cast<size_t>(e0 * per) * es;
+      const void* data = p;
+      if (!aligned_for(p, r->entry->dtype)) {
+        copies.emplace_back(static_cast<size_t>(n * per) * es);
+        std::memcpy(copies.back().data(), p, copies.back().size());
+        data = copies.back().data();
+      }
+      int64_t shape[3] = {n, s.size() > 1 ? s[1] : 1, s.size() > 2 ? s[2] : 1};
+      int64_t strides[3] = {per, s.size() > 2 ? s[2] : 1, 1};
+      dst->set(data, r->entry->dtype, static_cast<int>(s.size()), shape, strides);
+      args.push_back(kt_arg{id, &dst->t});
+    };
+    stacked(L.gate_up, KT_ARG_W_GATE_UP, &t[0]);
+    stacked(L.down, KT_ARG_W_DOWN, &t[1]);
+    if (L.has_bias) {
+      stacked(L.gate_up_bias, KT_ARG_B_GATE_UP, &t[2]);
+      stacked(L.down_bias, KT_ARG_B_DOWN, &t[3]);
+    }
+    load_chunk(moe, lo, args, e0, n, where);
+    if (progress) progress(e0 + n, L.E, user);
+  }
+}
+
+}  // namespace
+
+void load_layer(const MoeLayer& layer, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                const char* where) {
+  check_moe_matches(layer, moe, where);
+  if (layer.layout == KT_CKPT_LAYOUT_PER_EXPERT || layer.layout == KT_CKPT_LAYOUT_MIXTRAL)
+    load_per_expert(layer, moe, progress, user, where);
+  else
+    load_fused(layer, moe, progress, user, where);
+}
+
+void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const char* where) {
+  check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": args is NULL");
+  check(L.loadable(), KT_ERR_UNSUPPORTED,
+        std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
+            " weights; only bf16/fp16/fp32 layers can be read into tensors");
+  struct Dest {
+    int id;
+    View v;
+    int proj;
+    bool bias;
+  };
+  std::vector<Dest> dests;
+  const std::initializer_list<DType> kOut = {DType::kF32, DType::kBF16, DType::kF16};
+  for (size_t i = 0; i < num_args; ++i) {
+    const int id = args[i].id;
+    int proj = -1;
+    bool bias = false;
+    switch (id) {
+      case KT_ARG_W_GATE: proj = kProjGate; break;
+      case KT_ARG_W_UP: proj = kProjUp; break;
+      case KT_ARG_W_DOWN: proj = kProjDown; break;
+      case KT_ARG_B_GATE: proj = kProjGate, bias = true; break;
+      case KT_ARG_B_UP: proj = kProjUp, bias = true; break;
+      case KT_ARG_B_DOWN: proj = kProjDown, bias = true; break;
+      default:
+        fail(KT_ERR_INVALID_ARGUMENT, std::string(where) + ": argument id " + std::to_string(id) +
+                                          " is not W_GATE/W_UP/W_DOWN/B_GATE/B_UP/B_DOWN");
+    }
+    for (const Dest& d : dests)
+      check(d.id != id, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": argument id " + std::to_string(id) + " given twice");
+    check(!bias || L.has_bias, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": layer " + std::to_string(L.layer) + " has no biases");
+    const int64_t out = proj == kProjDown ? L.H : L.I, in = proj == kProjDown ? L.I : L.H;
+    static const char* kNames[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_DOWN",
+                                   "KT_ARG_B_GATE", "KT_ARG_B_UP", "KT_ARG_B_DOWN"};
+    const char* name = kNames[proj + (bias ? 3 : 0)];
+    View v = bias ? check_tensor(args[i].tensor, {name, kOut, {L.E, out}}, where)
+                  : check_tensor(args[i].tensor, {name, kOut, {L.E, out, in}}, where);
+    dests.push_back(Dest{id, v, proj, bias});
+  }
+  const bool fused = !(L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL);
+  const bool in_out = fused && L.layout != KT_CKPT_LAYOUT_FUSED;
+  const bool interleaved = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
+  for (const Dest& d : dests) {
+    const int64_t out = d.proj == kProjDown ? L.H : L.I, in = d.proj == kProjDown ? L.I : L.H;
+    const kt_ckpt_dtype dst_dt = from_dtype(d.v.dtype);
+    for (int64_t e = 0; e < L.E; ++e) {
+      // Source element (o, i) of expert e: base + o*so + i*si (elements).
+      const TensorRef* src;
+      int64_t base = 0, so = 0, si = 0;
+      if (!fused) {
+        const ProjTensors& pt = L.experts[static_cast<size_t>(e)][static_cast<size_t>(d.proj)];
+        src = d.bias ? pt.bias : pt.weight;
+        so = d.bias ? 1 : in;
+        si = 1;
+      } else if (d.bias) {
+        src = d.proj == kProjDown ? L.down_bias : L.gate_up_bias;
+        const int64_t width = d.proj == kProjDown ? L.H : 2 * L.I;
+        base = e * width;
+        so = 1;
+        if (d.proj == kProjUp) base += interleaved ? 1 : L.I;
+        if (d.proj != kProjDown && interleaved) so = 2;
+      } else {
+        src = d.proj == kProjDown ? L.down : L.gate_up;
+        const int64_t rows = d.proj == kProjDown ? out : 2 * L.I;  // logical out rows of the tensor
+        base = e * rows * in;
+        int64_t row0 = 0, row_step = 1;
+        if (d.proj != kProjDown) {
+          row0 = d.proj == kProjUp ? (interleaved ? 1 : L.I) : 0;
+          row_step = interleaved ? 2 : 1;
+        }
+        if (in_out) {  // stored [in, rows]
+          base += row0;
+          so = row_step;
+          si = rows;
+        } else {       // stored [rows, in]
+          base += row0 * in;
+          so = row_step * in;
+          si = 1;
+        }
+      }
+      const kt_ckpt_dtype src_dt = src->entry->dtype;
+      const size_t ses = st_dtype_info(src_dt).size;
+      for (int64_t o = 0; o < out; ++o) {
+        if (d.bias) {
+          convert_elements(src->data + static_cast<size_t>(base + o * so) * ses, src_dt,
+                           d.v.at(e, o), dst_dt, 1);
+          continue;
+        }
+        if (si == 1 && d.v.strides[2] == 1) {
+          convert_elements(src->data + static_cast<size_t>(base + o * so) * ses, src_dt, d.v.at(e, o, 0),
+                           dst_dt, in);
+        } else {
+          for (int64_t i = 0; i < in; ++i)
+            convert_elements(src->data + static_cast<size_t>(base + o * so + i * si) * ses, src_dt,
+                             d.v.at(e, o, i), dst_dt, 1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace io
+}  // namespace kt

@@ -1,0 +1,76 @@
+// MoE layouts of Hugging Face checkpoints: which tensors hold each layer's
+// routed experts, their logical shapes and storage format, found from the
+// tensor names and checked against config.json.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "kt_c_api.h"
+
+namespace kt {
+namespace io {
+
+enum Proj3 { kProjGate = 0, kProjUp = 1, kProjDown = 2 };
+
+// One projection of one expert (per-expert layouts): the weight tensor plus
+// its scale and bias tensors where the format has them.
+struct ProjTensors {
+  const TensorRef* weight = nullptr;
+  const TensorRef* scale = nullptr;
+  const TensorRef* bias = nullptr;
+};
+
+struct MoeLayer {
+  int64_t layer = 0;
+  std::string prefix;  // "model.layers.3.mlp.experts"
+  kt_ckpt_layout layout = KT_CKPT_LAYOUT_NONE;
+  kt_ckpt_format format = KT_CKPT_FORMAT_DENSE;
+  kt_ckpt_dtype weight_dtype = KT_CKPT_DTYPE_UNKNOWN;
+  int64_t E = 0, H = 0, I = 0;
+  bool has_bias = false;
+  int64_t bytes = 0;
+  // Per-expert layouts (PER_EXPERT, MIXTRAL): [E][gate, up, down].
+  std::vector<std::array<ProjTensors, 3>> experts;
+  // Fused layouts: stacked tensors.
+  const TensorRef* gate_up = nullptr;
+  const TensorRef* down = nullptr;
+  const TensorRef* gate_up_bias = nullptr;
+  const TensorRef* down_bias = nullptr;
+  bool loadable() const;
+};
+
+struct ModelInfo {
+  std::string architecture, model_type;
+  int64_t top_k = 0;
+  kt_activation activation = KT_ACT_SILU;
+  float act_alpha = 1.702f, act_limit = 0.f;
+  kt_ckpt_layout layout = KT_CKPT_LAYOUT_NONE;
+  std::vector<MoeLayer> layers;  // ascending layer number
+  const MoeLayer* find(int64_t layer) const;
+  const MoeLayer& get(int64_t layer, const char* where) const;
+};
+
+// config_text may be empty (no config.json). `dir` names the checkpoint in
+// messages.
+ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text,
+                        const std::string& dir);
+
+// Loads `layer` into moe (shapes and format checked first; see
+// kt_ckpt_load_layer).
+void load_layer(const MoeLayer& layer, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                const char* where);
+
+// Copies a layer's weights into stacked host tensors (see kt_ckpt_read_layer).
+void read_layer(const MoeLayer& layer, const kt_arg* args, size_t num_args, const char* where);
+
+// Canonical key names of one expert projection's weight: the HF key of the
+// model ("model.layers.{L}.mlp.experts.{e}.gate_proj") without ".weight".
+std::string expert_module_name(kt_ckpt_layout naming, int64_t layer, int64_t expert, int proj);
+
+}  // namespace io
+}  // namespace kt

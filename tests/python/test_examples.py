@@ -1,0 +1,33 @@
+"""The examples run and train: the Python LoRA fine-tuning and the libtorch C++ program."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_finetune_moe_example():
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "plugins", "python"))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "python", "finetune_moe.py"),
+                          "--steps", "40", "--log-every", "10"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
+    assert len(losses) == 5, out.stdout  # steps 1, 10, 20, 30, 40
+    assert losses[-1] < 0.6 * losses[0], out.stdout
+    assert re.search(r"\(\d+ tokens/s\)", out.stdout)
+    assert "\r" not in out.stdout  # no progress bar when stdout is not a terminal
+
+
+@pytest.mark.skipif(not os.environ.get("KT_LIBTORCH_EXAMPLE"),
+                    reason="KT_LIBTORCH_EXAMPLE not set (libtorch plugin not built)")
+def test_cpp_libtorch_example():
+    out = subprocess.run([os.environ["KT_LIBTORCH_EXAMPLE"], "60"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    losses = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
+    assert len(losses) == 60
+    assert "trained" in out.stdout and losses[-1] < losses[0]

@@ -1,0 +1,85 @@
+"""The package without torch: numpy arrays, raw buffers, bf16 held as uint16."""
+import os
+import subprocess
+import sys
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PKG = os.path.join(os.path.dirname(os.path.dirname(HERE)), "plugins", "python")
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.modules["torch"] = None  # any import of torch now fails
+    import numpy as np
+    import kt
+
+    E, K, H, I, T = 3, 2, 24, 16, 5
+    rng = np.random.default_rng(0)
+
+    def bf16(a):  # round to nearest even, as uint16 bit patterns
+        u = a.astype(np.float32).view(np.uint32)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.astype(np.uint16)
+
+    def from_bf16(b):
+        return (b.astype(np.uint32) << 16).view(np.float32)
+
+    wg = from_bf16(bf16(rng.standard_normal((E, I, H)) / 5))
+    wu = from_bf16(bf16(rng.standard_normal((E, I, H)) / 5))
+    wd = from_bf16(bf16(rng.standard_normal((E, H, I)) / 4))
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = np.array([[0, 1], [2, 0], [1, -1], [2, 1], [0, 2]], np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+
+    def silu(v):
+        return v / (1 + np.exp(-v))
+
+    ref = np.zeros((T, H))
+    for t in range(T):
+        for j in range(K):
+            e = ids[t, j]
+            if e >= 0:
+                a = silu(wg[e] @ x[t]) * (wu[e] @ x[t])
+                ref[t] += w[t, j] * (wd[e] @ a)
+
+    m = kt.MoE(E, K, H, I, engine=kt.Engine(max_isa="avx2"))
+    # gate/up given transposed ([E, H, I]) as a non-contiguous numpy view
+    m.load_weights(gate=wg.transpose(0, 2, 1).copy().transpose(0, 2, 1), up=wu, down=wd)
+    y = np.empty_like(x)
+    m.forward(x, ids, w, y)
+    err = np.abs(y - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err
+
+    # bf16 activations through kt.RawTensor over uint16 storage
+    xb = bf16(x)
+    yb = np.empty_like(xb)
+    m.forward(kt.RawTensor(xb.ctypes.data, "bfloat16", xb.shape, owner=xb), ids, w,
+              kt.RawTensor(yb.ctypes.data, "bfloat16", yb.shape, owner=yb))
+    errb = np.abs(from_bf16(yb) - ref).max() / np.abs(ref).max()
+    assert errb < 2e-2, errb
+
+    # a training forward + backward with numpy buffers
+    ctx = m.forward(x, ids, w, y, save=True)
+    dy = rng.standard_normal((T, H)).astype(np.float32)
+    dx = np.empty_like(x)
+    dw = np.empty_like(w)
+    m.backward(ctx, dy, dx, dw)
+    assert dw[2, 1] == 0.0 and np.isfinite(dx).all()
+    assert abs(dw[0, 0] - dy[0] @ (wd[0] @ (silu(wg[0] @ x[0]) * (wu[0] @ x[0])))) < 1e-3
+    try:
+        m.backward(ctx, dy, dx, dw)
+    except kt.ContextError as e:
+        assert "spent" in str(e), e
+    else:
+        raise AssertionError("a second backward on a spent context succeeded")
+    ctx.release()
+    print("numpy-ok", kt.version())
+""")
+
+
+def test_without_torch():
+    env = dict(os.environ, PYTHONPATH=PKG)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "numpy-ok" in out.stdout
