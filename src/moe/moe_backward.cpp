@@ -98,6 +98,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     check(ctx->state == kt_context::kReady && !ctx->released, KT_ERR_CONTEXT,
           "kt_moe_backward: ctx is not ready (its forward failed, or it was spent or released)");
   }
+  StageClock clock(engine);
   const Routing& R = ctx->routing;
   const int64_t T = R.tokens, routes = R.routes;
   ThreadPool& pool = *engine->pool;
@@ -112,18 +113,21 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
 
   // Stage 0: dy -> fp32 and A format (K' = padded H of the W_d^T panels).
+  clock.enter(KT_STAGE_PACK_INPUT);
   dyf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   dya_.reserve(static_cast<size_t>(std::max<int64_t>(T * Hp * a_size_, 1)));
   pack_rows_a(c.dy, T, Hp, dya_.data(), dyf_.data());
   const float* dyf = dyf_.data();
 
   // Stage 1: LoRA down, lb_d = dy . (s B_d).
+  clock.enter(KT_STAGE_BWD_LORA);
   for (int p = 0; p < 3; ++p)
     if (lora_on(p)) lb_[p].reserve(rR);
   if (lora_on(kDown))
     project_rows(R, lora_[kDown].sbt.data(), H, true, dyf, H, lb_[kDown].data());
 
   // Stage 2: da' = dy . Wd_eff per (expert, block of I); dw parts; dg, du.
+  clock.enter(KT_STAGE_BWD_DOWN);
   dg_.reserve(rI);
   du_.reserve(rI);
   if (need_act) act_.reserve(rI);
@@ -170,10 +174,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   });
 
   // Stage 3: LoRA gate/up, lb = dg . (s B).
+  clock.enter(KT_STAGE_BWD_LORA);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p)) project_rows(R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
 
   // Stage 4: dx = sum over routes of dg . Wg_eff + du . Wu_eff, per block of H.
+  clock.enter(KT_STAGE_BWD_DX);
   if (c.has_dx) {
     acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     float* acc = acc_.data();
@@ -212,6 +218,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   }
 
   // Stage 5: routing-weight gradients.
+  clock.enter(KT_STAGE_BWD_ROUTE);
   if (c.has_dw) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
@@ -232,8 +239,15 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     }
   }
 
-  if (lora_grads) lora_gradients(ctx, c);
-  if (full) full_gradients(ctx, c);
+  if (lora_grads) {
+    clock.enter(KT_STAGE_LORA_GRADS);
+    lora_gradients(ctx, c);
+  }
+  if (full) {
+    clock.enter(KT_STAGE_FULL_GRADS);
+    full_gradients(ctx, c);
+  }
+  clock.stop();
   std::lock_guard<std::mutex> lock(state_mutex);
   ctx->state = kt_context::kSpent;
 }

@@ -136,6 +136,8 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
 
 void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   check_ready_for_forward(c);
+  StageClock clock(engine);
+  clock.enter(KT_STAGE_ROUTE);
   const int64_t T = c.T;
   Routing& R = save ? save->routing : routing_;
   route(c, &R);
@@ -145,6 +147,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const bool lora_gu = lora_on(kGate) || lora_on(kUp);
 
   // Stage 0: x -> A format (and fp32 for LoRA / the saved context).
+  clock.enter(KT_STAGE_PACK_INPUT);
   float* xf = nullptr;
   if (save) {
     save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
@@ -176,10 +179,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
 
   // Stage 1: LoRA A-projections of x.
+  clock.enter(KT_STAGE_LORA_A);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p)) project_rows(R, lora_[p].a.data(), H, true, xf, H, la[p]);
 
   // Stage 2: gate + up + activation, items (expert, block of I).
+  clock.enter(KT_STAGE_GATE_UP);
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const PanelShape gs = gate_shape;
   block_items(R, I);
@@ -230,9 +235,11 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   });
 
   // Stage 3: LoRA A-projection of a.
+  clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
 
   // Stage 4: down + bias + LoRA + routing weight + combine, items = blocks of H.
+  clock.enter(KT_STAGE_DOWN);
   const PanelShape ds = down_shape;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();

@@ -231,6 +231,34 @@ TEST(Determinism, SameResultsEveryRunAndForEveryThreadCount) {
   }
 }
 
+TEST(Profile, CountsStagesOnlyWhenOn) {
+  Runner run(lora_case(), KT_ISA_AUTO);
+  auto calls = [&](int stage) {
+    int64_t n = -1;
+    double s = -1;
+    EXPECT_EQ(kt_engine_profile_stage(run.engine(), stage, &n, &s), KT_OK);
+    EXPECT_GE(s, 0.0);
+    return n;
+  };
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(run.forward(&ctx), KT_OK);
+  kt_context_release(ctx);
+  for (int st = 0; kt_stage_name(st); ++st) EXPECT_EQ(calls(st), 0) << kt_stage_name(st);
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 1), KT_OK);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(run.forward(&ctx), KT_OK);
+    ASSERT_EQ(run.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK);
+    kt_context_release(ctx);
+  }
+  for (int st : {KT_STAGE_ROUTE, KT_STAGE_GATE_UP, KT_STAGE_DOWN, KT_STAGE_BWD_DOWN, KT_STAGE_BWD_DX,
+                 KT_STAGE_BWD_ROUTE, KT_STAGE_LORA_GRADS})
+    EXPECT_EQ(calls(st), 2) << kt_stage_name(st);
+  EXPECT_EQ(calls(KT_STAGE_LORA_A), 4);     // before gate/up and before down
+  EXPECT_EQ(calls(KT_STAGE_FULL_GRADS), 0);  // a LoRA layer
+  ASSERT_EQ(kt_engine_reset_profile(run.engine()), KT_OK);
+  EXPECT_EQ(calls(KT_STAGE_GATE_UP), 0);
+}
+
 // Every loading form gives the same layer as stacked bf16 tensors.
 TEST(Loading, AllSourceFormsMatchStackedBf16) {
   Case c;
