@@ -176,6 +176,31 @@ TEST(Async, ErrorsAreReportedAtSubmitOrWait) {
   kt_moe_destroy(empty);
 }
 
+TEST(Training, Bf16ParametersAndGradientBuffers) {
+  for (kt_mode mode : {KT_MODE_LORA, KT_MODE_FULL}) {
+    Case c = lora_case();
+    c.mode = mode;
+    c.bf16_params = true;
+    c.bf16_act = true;
+    Runner run(c, KT_ISA_AVX2);
+    if (!run.isa_available()) GTEST_SKIP();
+    kt_context* ctx = nullptr;
+    ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
+    ASSERT_EQ(run.backward(ctx, 0.5f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+    kt_context_release(ctx);
+    kt::reference::Grads g = run.ref_backward();
+    // Gradients are computed in fp32 and rounded once into the bf16 buffers.
+    const double tol = kBf16Outputs.forward;
+    EXPECT_LE(rel_l2(run.y(), run.ref_forward()), tol);
+    if (mode == KT_MODE_LORA) {
+      EXPECT_LE(rel_l2(run.grad_lora(0, false), scale(g.dla[0], 0.5)), tol);
+      EXPECT_LE(rel_l2(run.grad_lora(2, true), scale(g.dlb[2], 0.5)), tol);
+    } else {
+      for (int p = 0; p < 3; ++p) EXPECT_LE(rel_l2(run.grad_full(p, false), scale(g.dW[p], 0.5)), tol) << p;
+    }
+  }
+}
+
 TEST(Training, ParamsChangedIsSeenByTheNextForward) {
   Runner run(lora_case(), KT_ISA_AVX2);
   if (!run.isa_available()) GTEST_SKIP();
