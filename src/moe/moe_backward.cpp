@@ -144,7 +144,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
     transpose_panels(w_[kDown].data() + e * ds.elements(), ds, col0, ncols, s.panels[0].data());
     float* cda = s.c[0].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
@@ -193,7 +193,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       for (int32_t e : R.active) {
         transpose_panels(w_[kGate].data() + e * gs.elements(), gs, col0, ncols, s.panels[0].data());
         transpose_panels(w_[kUp].data() + e * gs.elements(), gs, col0, ncols, s.panels[1].data());
-        const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+        const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
         for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
@@ -223,7 +223,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
     for (int32_t e : R.active) {
-      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e + 1)]; ++p) {
+      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
         float v = 0.f;
         for (int64_t ib = 0; ib < nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * nIb + ib)];
         if (opt.has_bias) {
@@ -270,7 +270,7 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
   items_.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
-    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p)
       if (lora_on(static_cast<int>(p)))
@@ -284,7 +284,7 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
     const bool is_b = item & 1;
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
-    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
     std::vector<const float*>& rows = s.frows;
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     float* out_buf = s.grad.data();
@@ -329,7 +329,7 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
   items_.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
-    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p) {
       const int64_t out = p == kDown ? H : I;
@@ -345,7 +345,7 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const int64_t ob = std::min(kRowChunk, out - o0);
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
-    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
     std::vector<const float*>& rows = s.frows;
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {

@@ -63,12 +63,12 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = c.ids.get_int(t, j);
-      if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e + 1)];
+      if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e) + 1];
     }
   R->active.clear();
   for (int64_t e = 0; e < E; ++e) {
-    if (R->offsets[static_cast<size_t>(e + 1)] > 0) R->active.push_back(static_cast<int32_t>(e));
-    R->offsets[static_cast<size_t>(e + 1)] += R->offsets[static_cast<size_t>(e)];
+    if (R->offsets[static_cast<size_t>(e) + 1] > 0) R->active.push_back(static_cast<int32_t>(e));
+    R->offsets[static_cast<size_t>(e) + 1] += R->offsets[static_cast<size_t>(e)];
   }
   R->routes = R->offsets[static_cast<size_t>(E)];
   std::vector<int64_t>& fill = fill_;
@@ -87,7 +87,7 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
 void kt_moe::chunk_items(const Routing& R) {
   items_.clear();
   for (int32_t e : R.active) {
-    const int64_t n = R.offsets[static_cast<size_t>(e + 1)] - R.offsets[static_cast<size_t>(e)];
+    const int64_t n = R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)];
     for (int64_t c = 0; c < ceil_div(n, kRowChunk); ++c) items_.push_back((int64_t{e} << 32) | c);
   }
 }
@@ -124,7 +124,7 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
     const int64_t e = items_[static_cast<size_t>(it)] >> 32;
     const int64_t c = items_[static_cast<size_t>(it)] & 0xffffffff;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)] + c * kRowChunk;
-    const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e) + 1] - p0);
     auto& rows = scratch_[static_cast<size_t>(tid)].frows;
     for (int64_t i = 0; i < m; ++i)
       rows[static_cast<size_t>(i)] =
@@ -198,7 +198,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const bf16_t* wu = w_[kUp].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
@@ -253,7 +253,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     for (int32_t e : R.active) {
       const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
       const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
-      const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+      const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
       for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
