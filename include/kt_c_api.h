@@ -400,6 +400,37 @@ KT_API int kt_job_done(const kt_job* job);
 /* Waits for (or runs) the job, then frees it. NULL accepted. */
 KT_API void kt_job_destroy(kt_job* job);
 
+/* ---------------------------------------------------------------- profile */
+
+/* Stages of forward and backward, for the per-stage profile. Values are
+ * pinned; new stages are appended. */
+typedef enum kt_stage {
+  KT_STAGE_ROUTE = 0,       /* routing: counting sort of the routes */
+  KT_STAGE_PACK_INPUT = 1,  /* x (forward) or dy (backward) to the kernels' format */
+  KT_STAGE_LORA_A = 2,      /* forward LoRA A-projections */
+  KT_STAGE_GATE_UP = 3,     /* gate + up GEMMs with bias, LoRA and activation */
+  KT_STAGE_DOWN = 4,        /* down GEMM with bias, LoRA, routing weight and combine */
+  KT_STAGE_BWD_DOWN = 5,    /* Wd^T dy, routing-weight grad parts, activation derivative */
+  KT_STAGE_BWD_LORA = 6,    /* backward LoRA projections */
+  KT_STAGE_BWD_DX = 7,      /* dx from dg, du */
+  KT_STAGE_BWD_ROUTE = 8,   /* routing-weight gradients */
+  KT_STAGE_LORA_GRADS = 9,  /* LoRA parameter gradients */
+  KT_STAGE_FULL_GRADS = 10  /* full weight and bias gradients */
+} kt_stage;
+
+/* Name of a stage ("gate_up"), or NULL past the last stage: hosts iterate
+ * stages from 0 until NULL. Static storage. */
+KT_API const char* kt_stage_name(int stage);
+/* Turns the per-stage profile of the engine's computations on or off (off by
+ * default; off costs one relaxed atomic load per stage). */
+KT_API kt_status kt_engine_set_profiling(kt_engine* engine, int enabled);
+/* Accumulated wall time and count of a stage since creation or the last
+ * reset; KT_ERR_INVALID_ARGUMENT past the last stage. */
+KT_API kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* calls,
+                                         double* seconds);
+/* Zeroes every stage's time and count. */
+KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
+
 /* ------------------------------------------------ checkpoints (kt_ckpt_*) */
 
 /* Hugging Face checkpoint directories: config.json plus safetensors files

@@ -605,6 +605,44 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
   });
 }
 
+const char* kt_stage_name(int stage) {
+  static const char* const names[kt_engine::kStages] = {
+      "route", "pack_input", "lora_a", "gate_up", "down", "bwd_down",
+      "bwd_lora", "bwd_dx", "bwd_route", "lora_grads", "full_grads"};
+  return stage >= 0 && stage < kt_engine::kStages ? names[stage] : nullptr;
+}
+
+kt_status kt_engine_set_profiling(kt_engine* engine, int enabled) {
+  const char* w = "kt_engine_set_profiling";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    engine->profiling.store(enabled != 0);
+  });
+}
+
+kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* calls, double* seconds) {
+  const char* w = "kt_engine_profile_stage";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    kt::check(stage >= 0 && stage < kt_engine::kStages, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": stage " + std::to_string(stage) + " is outside [0, " +
+                  std::to_string(kt_engine::kStages) + ")");
+    if (calls) *calls = engine->stage_calls[stage].load();
+    if (seconds) *seconds = static_cast<double>(engine->stage_ns[stage].load()) * 1e-9;
+  });
+}
+
+kt_status kt_engine_reset_profile(kt_engine* engine) {
+  const char* w = "kt_engine_reset_profile";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    for (int i = 0; i < kt_engine::kStages; ++i) {
+      engine->stage_ns[i].store(0);
+      engine->stage_calls[i].store(0);
+    }
+  });
+}
+
 void kt_job_run(void* job) {
   kt_job* j = static_cast<kt_job*>(job);
   if (!j || !j->deferred) return;

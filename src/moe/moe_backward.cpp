@@ -98,6 +98,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     check(ctx->state == kt_context::kReady && !ctx->released, KT_ERR_CONTEXT,
           "kt_moe_backward: ctx is not ready (its forward failed, or it was spent or released)");
   }
+  StageClock clock(engine);
   const Routing& R = ctx->routing;
   const int64_t T = R.tokens, routes = R.routes;
   ThreadPool& pool = *engine->pool;
@@ -112,18 +113,21 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
 
   // Stage 0: dy -> fp32 and A format (K' = padded H of the W_d^T panels).
+  clock.enter(KT_STAGE_PACK_INPUT);
   dyf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   dya_.reserve(static_cast<size_t>(std::max<int64_t>(T * Hp * a_size_, 1)));
   pack_rows_a(c.dy, T, Hp, dya_.data(), dyf_.data());
   const float* dyf = dyf_.data();
 
   // Stage 1: LoRA down, lb_d = dy . (s B_d).
+  clock.enter(KT_STAGE_BWD_LORA);
   for (int p = 0; p < 3; ++p)
     if (lora_on(p)) lb_[p].reserve(rR);
   if (lora_on(kDown))
     project_rows(R, lora_[kDown].sbt.data(), H, true, dyf, H, lb_[kDown].data());
 
   // Stage 2: da' = dy . Wd_eff per (expert, block of I); dw parts; dg, du.
+  clock.enter(KT_STAGE_BWD_DOWN);
   dg_.reserve(rI);
   du_.reserve(rI);
   if (need_act) act_.reserve(rI);
@@ -140,7 +144,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
     transpose_panels(w_[kDown].data() + e * ds.elements(), ds, col0, ncols, s.panels[0].data());
     float* cda = s.c[0].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
@@ -170,10 +174,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   });
 
   // Stage 3: LoRA gate/up, lb = dg . (s B).
+  clock.enter(KT_STAGE_BWD_LORA);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p)) project_rows(R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
 
   // Stage 4: dx = sum over routes of dg . Wg_eff + du . Wu_eff, per block of H.
+  clock.enter(KT_STAGE_BWD_DX);
   if (c.has_dx) {
     acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     float* acc = acc_.data();
@@ -182,12 +188,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const int64_t col0 = hb * kBlockCols;
       const int64_t ncols = std::min(kBlockCols, H - col0);
       const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-      for (int64_t t = 0; t < T; ++t) std::memset(acc + t * H + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+      clear_columns(acc, T, H, col0, ncols);
       float* cx = s.c[0].data();
       for (int32_t e : R.active) {
         transpose_panels(w_[kGate].data() + e * gs.elements(), gs, col0, ncols, s.panels[0].data());
         transpose_panels(w_[kUp].data() + e * gs.elements(), gs, col0, ncols, s.panels[1].data());
-        const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+        const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
         for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
@@ -207,25 +213,17 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
           }
         }
       }
-      for (int64_t t = 0; t < T; ++t) {
-        const float* src = acc + t * H + col0;
-        char* dst = c.dx.at(t, col0);
-        if (c.dx.dtype == DType::kF32) {
-          std::memcpy(dst, src, static_cast<size_t>(ncols) * sizeof(float));
-        } else {
-          bf16_t* d = reinterpret_cast<bf16_t*>(dst);
-          for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
-        }
-      }
+      store_columns(acc, T, H, col0, ncols, c.dx);
     });
   }
 
   // Stage 5: routing-weight gradients.
+  clock.enter(KT_STAGE_BWD_ROUTE);
   if (c.has_dw) {
     for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
     for (int32_t e : R.active) {
-      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e + 1)]; ++p) {
+      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
         float v = 0.f;
         for (int64_t ib = 0; ib < nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * nIb + ib)];
         if (opt.has_bias) {
@@ -241,8 +239,15 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     }
   }
 
-  if (lora_grads) lora_gradients(ctx, c);
-  if (full) full_gradients(ctx, c);
+  if (lora_grads) {
+    clock.enter(KT_STAGE_LORA_GRADS);
+    lora_gradients(ctx, c);
+  }
+  if (full) {
+    clock.enter(KT_STAGE_FULL_GRADS);
+    full_gradients(ctx, c);
+  }
+  clock.stop();
   std::lock_guard<std::mutex> lock(state_mutex);
   ctx->state = kt_context::kSpent;
 }
@@ -265,7 +270,7 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
   items_.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
-    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p)
       if (lora_on(static_cast<int>(p)))
@@ -279,7 +284,7 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
     const bool is_b = item & 1;
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
-    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
     std::vector<const float*>& rows = s.frows;
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     float* out_buf = s.grad.data();
@@ -324,7 +329,7 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
   items_.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
-    const bool touched = R.offsets[static_cast<size_t>(e + 1)] > R.offsets[static_cast<size_t>(e)];
+    const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p) {
       const int64_t out = p == kDown ? H : I;
@@ -340,7 +345,7 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const int64_t ob = std::min(kRowChunk, out - o0);
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
-    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
     std::vector<const float*>& rows = s.frows;
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {

@@ -63,12 +63,12 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = c.ids.get_int(t, j);
-      if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e + 1)];
+      if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e) + 1];
     }
   R->active.clear();
   for (int64_t e = 0; e < E; ++e) {
-    if (R->offsets[static_cast<size_t>(e + 1)] > 0) R->active.push_back(static_cast<int32_t>(e));
-    R->offsets[static_cast<size_t>(e + 1)] += R->offsets[static_cast<size_t>(e)];
+    if (R->offsets[static_cast<size_t>(e) + 1] > 0) R->active.push_back(static_cast<int32_t>(e));
+    R->offsets[static_cast<size_t>(e) + 1] += R->offsets[static_cast<size_t>(e)];
   }
   R->routes = R->offsets[static_cast<size_t>(E)];
   std::vector<int64_t>& fill = fill_;
@@ -87,7 +87,7 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
 void kt_moe::chunk_items(const Routing& R) {
   items_.clear();
   for (int32_t e : R.active) {
-    const int64_t n = R.offsets[static_cast<size_t>(e + 1)] - R.offsets[static_cast<size_t>(e)];
+    const int64_t n = R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)];
     for (int64_t c = 0; c < ceil_div(n, kRowChunk); ++c) items_.push_back((int64_t{e} << 32) | c);
   }
 }
@@ -124,7 +124,7 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
     const int64_t e = items_[static_cast<size_t>(it)] >> 32;
     const int64_t c = items_[static_cast<size_t>(it)] & 0xffffffff;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)] + c * kRowChunk;
-    const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e + 1)] - p0);
+    const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e) + 1] - p0);
     auto& rows = scratch_[static_cast<size_t>(tid)].frows;
     for (int64_t i = 0; i < m; ++i)
       rows[static_cast<size_t>(i)] =
@@ -136,6 +136,8 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
 
 void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   check_ready_for_forward(c);
+  StageClock clock(engine);
+  clock.enter(KT_STAGE_ROUTE);
   const int64_t T = c.T;
   Routing& R = save ? save->routing : routing_;
   route(c, &R);
@@ -145,6 +147,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const bool lora_gu = lora_on(kGate) || lora_on(kUp);
 
   // Stage 0: x -> A format (and fp32 for LoRA / the saved context).
+  clock.enter(KT_STAGE_PACK_INPUT);
   float* xf = nullptr;
   if (save) {
     save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
@@ -176,10 +179,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
 
   // Stage 1: LoRA A-projections of x.
+  clock.enter(KT_STAGE_LORA_A);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p)) project_rows(R, lora_[p].a.data(), H, true, xf, H, la[p]);
 
   // Stage 2: gate + up + activation, items (expert, block of I).
+  clock.enter(KT_STAGE_GATE_UP);
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const PanelShape gs = gate_shape;
   block_items(R, I);
@@ -193,7 +198,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const bf16_t* wu = w_[kUp].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
@@ -230,9 +235,11 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   });
 
   // Stage 3: LoRA A-projection of a.
+  clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
 
   // Stage 4: down + bias + LoRA + routing weight + combine, items = blocks of H.
+  clock.enter(KT_STAGE_DOWN);
   const PanelShape ds = down_shape;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
@@ -241,12 +248,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t col0 = hb * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, H - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    for (int64_t t = 0; t < T; ++t) std::memset(acc + t * H + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+    clear_columns(acc, T, H, col0, ncols);
     float* co = s.c[0].data();
     for (int32_t e : R.active) {
       const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
       const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
-      const int64_t pend = R.offsets[static_cast<size_t>(e + 1)];
+      const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
       for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
@@ -269,15 +276,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         }
       }
     }
-    for (int64_t t = 0; t < T; ++t) {
-      const float* src = acc + t * H + col0;
-      char* dst = c.y.at(t, col0);
-      if (c.y.dtype == DType::kF32) {
-        std::memcpy(dst, src, static_cast<size_t>(ncols) * sizeof(float));
-      } else {
-        bf16_t* d = reinterpret_cast<bf16_t*>(dst);
-        for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
-      }
-    }
+    store_columns(acc, T, H, col0, ncols, c.y);
   });
 }

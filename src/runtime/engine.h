@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -47,6 +48,12 @@ struct kt_engine {
   std::mutex compute_mutex;
   std::atomic<int> num_layers{0};
 
+  // Per-stage profile (kt_stage): off by default.
+  static constexpr int kStages = 11;
+  std::atomic<bool> profiling{false};
+  std::atomic<int64_t> stage_ns[kStages] = {};
+  std::atomic<int64_t> stage_calls[kStages] = {};
+
   explicit kt_engine(const kt_engine_options& options);
   ~kt_engine();
 
@@ -68,6 +75,39 @@ struct kt_engine {
 };
 
 namespace kt {
+
+// Times consecutive stages into the engine's profile when profiling is on:
+// enter(stage) ends the previous stage and starts the next; destruction ends
+// the last one.
+class StageClock {
+ public:
+  explicit StageClock(kt_engine* engine)
+      : engine_(engine->profiling.load(std::memory_order_relaxed) ? engine : nullptr) {}
+  ~StageClock() { stop(); }
+  StageClock(const StageClock&) = delete;
+  StageClock& operator=(const StageClock&) = delete;
+
+  void enter(kt_stage stage) {
+    if (!engine_) return;
+    stop();
+    stage_ = stage;
+    start_ = std::chrono::steady_clock::now();
+  }
+  void stop() {
+    if (!engine_ || stage_ < 0) return;
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - start_).count();
+    engine_->stage_ns[stage_].fetch_add(ns, std::memory_order_relaxed);
+    engine_->stage_calls[stage_].fetch_add(1, std::memory_order_relaxed);
+    stage_ = -1;
+  }
+
+ private:
+  kt_engine* engine_;
+  int stage_ = -1;
+  std::chrono::steady_clock::time_point start_;
+};
+
 // Resolves the ISA cap of options + env KT_MAX_ISA (the lower wins).
 kt_isa effective_isa_cap(kt_isa requested);
 bool parse_isa(const char* text, kt_isa* out);

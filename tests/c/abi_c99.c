@@ -40,7 +40,8 @@ static const any_fn core_abi[] = {
     (any_fn)kt_moe_params_changed, (any_fn)kt_moe_set_grad_hook, (any_fn)kt_moe_forward,
     (any_fn)kt_backward_options_init, (any_fn)kt_moe_backward, (any_fn)kt_context_release,
     (any_fn)kt_moe_forward_submit, (any_fn)kt_moe_backward_submit, (any_fn)kt_job_run,
-    (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy,
+    (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy, (any_fn)kt_stage_name,
+    (any_fn)kt_engine_set_profiling, (any_fn)kt_engine_profile_stage, (any_fn)kt_engine_reset_profile,
 };
 
 static int failures = 0;
@@ -150,7 +151,22 @@ int main(void) {
   fwd[2].id = KT_ARG_ROUTE_WEIGHTS; fwd[2].tensor = &tw;
   fwd[3].id = KT_ARG_Y; fwd[3].tensor = &ty;
   kt_context* ctx = NULL;
+  CHECK(kt_engine_set_profiling(engine, 1) == KT_OK);
   CHECK(kt_moe_forward(moe, fwd, 4, &ctx) == KT_OK);
+  {
+    int64_t calls = 0;
+    double seconds = -1;
+    int stages = 0;
+    while (kt_stage_name(stages) != NULL) ++stages;
+    CHECK(stages == KT_STAGE_FULL_GRADS + 1);
+    CHECK(strcmp(kt_stage_name(KT_STAGE_GATE_UP), "gate_up") == 0);
+    CHECK(kt_engine_profile_stage(engine, KT_STAGE_GATE_UP, &calls, &seconds) == KT_OK);
+    CHECK(calls == 1 && seconds >= 0);
+    CHECK(kt_engine_profile_stage(engine, stages, &calls, &seconds) == KT_ERR_INVALID_ARGUMENT);
+    CHECK(kt_engine_reset_profile(engine) == KT_OK);
+    CHECK(kt_engine_profile_stage(engine, KT_STAGE_GATE_UP, &calls, &seconds) == KT_OK && calls == 0);
+    CHECK(kt_engine_set_profiling(engine, 0) == KT_OK);
+  }
   {
     const double a = 2.0 / (1.0 + exp(-2.0)) * 2.0;
     CHECK(fabs(y[0] - 0.5 * 1.5 * a) < 1e-2 * a && fabs(y[1] - y[0]) < 1e-6);

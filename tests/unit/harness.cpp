@@ -94,19 +94,20 @@ Runner::Runner(const Case& c, kt_isa isa, int threads) : c_(c) {
     for (int p = 0; p < 3; ++p) {
       if (!((c.targets >> p) & 1u)) continue;
       const int64_t in = in_dim(c, p), out = out_dim(c, p), r = c.rank;
-      la_[p] = Tensor::make(kF32, {c.E, r, in});
-      lb_[p] = Tensor::make(kF32, {c.E, out, r});
-      gla_[p] = Tensor::make(kF32, {c.E, r, in});
-      glb_[p] = Tensor::make(kF32, {c.E, out, r});
+      const DLDataType pt = c.bf16_params ? kBF16 : kF32;
+      la_[p] = Tensor::make(pt, {c.E, r, in});
+      lb_[p] = Tensor::make(pt, {c.E, out, r});
+      gla_[p] = Tensor::make(pt, {c.E, r, in});
+      glb_[p] = Tensor::make(pt, {c.E, out, r});
       params.la[p].resize(static_cast<size_t>(la_[p]->numel()));
       params.lb[p].resize(static_cast<size_t>(lb_[p]->numel()));
       for (int64_t i = 0; i < la_[p]->numel(); ++i) {
         la_[p]->set(i, normal(rng) / std::sqrt(static_cast<double>(in)));
-        params.la[p][static_cast<size_t>(i)] = la_[p]->f32()[i];
+        params.la[p][static_cast<size_t>(i)] = static_cast<float>(la_[p]->get(i));
       }
       for (int64_t i = 0; i < lb_[p]->numel(); ++i) {
         lb_[p]->set(i, 0.3 * normal(rng) / std::sqrt(static_cast<double>(r)));
-        params.lb[p][static_cast<size_t>(i)] = lb_[p]->f32()[i];
+        params.lb[p][static_cast<size_t>(i)] = static_cast<float>(lb_[p]->get(i));
       }
       bind.push_back({KT_ARG_LORA_A_GATE + 2 * p, la_[p]->dl()});
       bind.push_back({KT_ARG_LORA_B_GATE + 2 * p, lb_[p]->dl()});
@@ -116,7 +117,7 @@ Runner::Runner(const Case& c, kt_isa isa, int threads) : c_(c) {
   }
   if (c.mode == KT_MODE_FULL) {
     for (int p = 0; p < 3; ++p) {
-      gW_[p] = Tensor::make(kF32, {c.E, out_dim(c, p), in_dim(c, p)});
+      gW_[p] = Tensor::make(c.bf16_params ? kBF16 : kF32, {c.E, out_dim(c, p), in_dim(c, p)});
       bind.push_back({KT_ARG_GRAD_W_GATE + p, gW_[p]->dl()});
       if (c.bias) {
         gb_[p] = Tensor::make(kF32, {c.E, out_dim(c, p)});

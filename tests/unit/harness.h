@@ -105,6 +105,7 @@ struct Case {
   unsigned targets = KT_PROJ_ALL;
   bool rslora = false;
   bool bf16_act = false;      // x, y, dy, dx in bf16
+  bool bf16_params = false;   // LoRA factors, their gradients and full grads in bf16
   int minus_one_every = 0;    // every n-th route is -1
   bool one_expert = false;    // all routes to expert 0 (k = 1 then)
   std::vector<int> skipped;   // experts marked skipped

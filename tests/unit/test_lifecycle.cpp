@@ -176,6 +176,31 @@ TEST(Async, ErrorsAreReportedAtSubmitOrWait) {
   kt_moe_destroy(empty);
 }
 
+TEST(Training, Bf16ParametersAndGradientBuffers) {
+  for (kt_mode mode : {KT_MODE_LORA, KT_MODE_FULL}) {
+    Case c = lora_case();
+    c.mode = mode;
+    c.bf16_params = true;
+    c.bf16_act = true;
+    Runner run(c, KT_ISA_AVX2);
+    if (!run.isa_available()) GTEST_SKIP();
+    kt_context* ctx = nullptr;
+    ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
+    ASSERT_EQ(run.backward(ctx, 0.5f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+    kt_context_release(ctx);
+    kt::reference::Grads g = run.ref_backward();
+    // Gradients are computed in fp32 and rounded once into the bf16 buffers.
+    const double tol = kBf16Outputs.forward;
+    EXPECT_LE(rel_l2(run.y(), run.ref_forward()), tol);
+    if (mode == KT_MODE_LORA) {
+      EXPECT_LE(rel_l2(run.grad_lora(0, false), scale(g.dla[0], 0.5)), tol);
+      EXPECT_LE(rel_l2(run.grad_lora(2, true), scale(g.dlb[2], 0.5)), tol);
+    } else {
+      for (int p = 0; p < 3; ++p) EXPECT_LE(rel_l2(run.grad_full(p, false), scale(g.dW[p], 0.5)), tol) << p;
+    }
+  }
+}
+
 TEST(Training, ParamsChangedIsSeenByTheNextForward) {
   Runner run(lora_case(), KT_ISA_AVX2);
   if (!run.isa_available()) GTEST_SKIP();
@@ -229,6 +254,34 @@ TEST(Determinism, SameResultsEveryRunAndForEveryThreadCount) {
     EXPECT_EQ(run.dx(), first_dx) << threads << " threads";
     EXPECT_EQ(run.grad_lora(1, false), first_g) << threads << " threads";
   }
+}
+
+TEST(Profile, CountsStagesOnlyWhenOn) {
+  Runner run(lora_case(), KT_ISA_AUTO);
+  auto calls = [&](int stage) {
+    int64_t n = -1;
+    double s = -1;
+    EXPECT_EQ(kt_engine_profile_stage(run.engine(), stage, &n, &s), KT_OK);
+    EXPECT_GE(s, 0.0);
+    return n;
+  };
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(run.forward(&ctx), KT_OK);
+  kt_context_release(ctx);
+  for (int st = 0; kt_stage_name(st); ++st) EXPECT_EQ(calls(st), 0) << kt_stage_name(st);
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 1), KT_OK);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(run.forward(&ctx), KT_OK);
+    ASSERT_EQ(run.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK);
+    kt_context_release(ctx);
+  }
+  for (int st : {KT_STAGE_ROUTE, KT_STAGE_GATE_UP, KT_STAGE_DOWN, KT_STAGE_BWD_DOWN, KT_STAGE_BWD_DX,
+                 KT_STAGE_BWD_ROUTE, KT_STAGE_LORA_GRADS})
+    EXPECT_EQ(calls(st), 2) << kt_stage_name(st);
+  EXPECT_EQ(calls(KT_STAGE_LORA_A), 4);     // before gate/up and before down
+  EXPECT_EQ(calls(KT_STAGE_FULL_GRADS), 0);  // a LoRA layer
+  ASSERT_EQ(kt_engine_reset_profile(run.engine()), KT_OK);
+  EXPECT_EQ(calls(KT_STAGE_GATE_UP), 0);
 }
 
 // Every loading form gives the same layer as stacked bf16 tensors.

@@ -63,16 +63,11 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
   }
 }
 
-static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
-  float* d = static_cast<float*>(dst);
-  std::memcpy(d, src, static_cast<size_t>(k) * sizeof(float));
-  for (int64_t i = k; i < kp; ++i) d[i] = 0.f;
-}
 
 }  // namespace avx2
 
 extern const Kernels kernels_avx2 = {
-    KT_ISA_AVX2, "gemm_bf16w_f32_f32_4x16__avx2_fma", 4, avx2::gemm_bf16w, avx2::pack_a_f32,
+    KT_ISA_AVX2, "gemm_bf16w_f32_f32_4x16__avx2_fma", 4, avx2::gemm_bf16w, avx2::pack_a_f32_copy,
     avx2::sgemm_nn_generic, avx2::sgemm_nt_generic, avx2::sgemm_tn_generic,
     avx2::act_forward_generic, avx2::act_backward_generic,
 };

@@ -29,16 +29,11 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
   }
 }
 
-static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
-  float* d = static_cast<float*>(dst);
-  std::memcpy(d, src, static_cast<size_t>(k) * sizeof(float));
-  for (int64_t i = k; i < kp; ++i) d[i] = 0.f;
-}
 
 }  // namespace ref
 
 extern const Kernels kernels_ref = {
-    KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, ref::pack_a_f32,
+    KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, ref::pack_a_f32_copy,
     ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
     ref::act_forward_generic, ref::act_backward_generic,
 };
