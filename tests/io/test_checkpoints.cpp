@@ -473,6 +473,30 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   kt_ckpt_close(ck);
 }
 
+TEST_F(Checkpoints, HubCacheBlobLinksAreInside) {
+  // The Hugging Face hub cache: snapshots/<rev>/<file> links to ../../blobs/<hash>.
+  const Shape s{2, 16, 16};
+  const std::string repo = sub("models--org--name");
+  std::filesystem::create_directories(repo + "/blobs");
+  const std::string snap = sub("models--org--name/snapshots/0123abcd");
+  kt_io_test::write_file(repo + "/blobs/9f86d081", kt_io_test::safetensors_bytes(per_expert_tensors(0, s, "BF16", false)));
+  ASSERT_EQ(::symlink("../../blobs/9f86d081", (snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  nlohmann::json index = {{"weight_map", nlohmann::json::object()}};
+  for (const auto& t : per_expert_tensors(0, s, "BF16", false)) index["weight_map"][t.name] = "model-00001-of-00001.safetensors";
+  kt_io_test::write_text(snap + "/model.safetensors.index.json", index.dump());
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(snap.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(ckpt_info(ck).num_moe_layers, 1);
+  kt_ckpt_close(ck);
+  // A link to a blob of another repository is still outside.
+  const std::string other = sub("models--other--name/blobs");
+  kt_io_test::write_file(other + "/aa", kt_io_test::safetensors_bytes(per_expert_tensors(0, s, "BF16", false)));
+  ASSERT_EQ(::unlink((snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  ASSERT_EQ(::symlink("../../../models--other--name/blobs/aa", (snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  EXPECT_EQ(kt_ckpt_open(snap.c_str(), &ck), KT_ERR_IO);
+  EXPECT_NE(std::string(kt_last_error()).find("outside the checkpoint directory"), std::string::npos) << kt_last_error();
+}
+
 TEST_F(Checkpoints, LayerMismatchLeavesTheLayerEmpty) {
   const Shape s;
   const std::string d = sub("mismatch");
