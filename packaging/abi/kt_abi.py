@@ -314,8 +314,11 @@ def main():
               "include/kt_c_api.h and re-record the baseline:\n"
               "    cmake --build <build> --target kt_abi_record" % cur["abi_version"])
         return 1
-    if raised or good:
-        print("kt ABI: accepted; re-record the baseline when this is committed:\n"
+    if raised:
+        print("kt ABI: accepted (KT_ABI_VERSION raised); re-record the baseline:\n"
+              "    cmake --build <build> --target kt_abi_record")
+    elif good:
+        print("kt ABI: accepted; to pin the additions too, re-record the baseline:\n"
               "    cmake --build <build> --target kt_abi_record")
     return 1 if problems else 0
 
