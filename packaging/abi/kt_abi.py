@@ -320,7 +320,10 @@ def main():
     elif good:
         print("kt ABI: accepted; to pin the additions too, re-record the baseline:\n"
               "    cmake --build <build> --target kt_abi_record")
-    return 1 if problems else 0
+    if problems:
+        print("kt ABI: libkt and its header disagree (the error: lines above); rebuild, or export/declare them")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
