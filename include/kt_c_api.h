@@ -483,7 +483,9 @@ typedef enum kt_ckpt_format {
   KT_CKPT_FORMAT_DENSE = 0,      /* bf16/fp16/fp32 (loadable) */
   KT_CKPT_FORMAT_FP8_BLOCK = 1,  /* F8_E4M3 + weight_scale_inv [out/128, in/128] */
   KT_CKPT_FORMAT_INT4_GROUP = 2, /* compressed-tensors weight_packed int32 [out, in/8] + weight_scale */
-  KT_CKPT_FORMAT_MXFP4 = 3       /* e2m1 pairs (U8) + E8M0 scales per 32 */
+  KT_CKPT_FORMAT_MXFP4 = 3,      /* e2m1 pairs (U8) + E8M0 scales per 32 */
+  KT_CKPT_FORMAT_OTHER = 4       /* a weight format kt does not know; hidden and
+                                  * intermediate are the stored gate extents */
 } kt_ckpt_format;
 
 /* Short names ("BF16", "per_expert", "fp8_block"); static storage, never

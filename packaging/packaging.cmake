@@ -91,7 +91,6 @@ set(CPACK_DEB_COMPONENT_INSTALL ON)
 set(CPACK_ARCHIVE_COMPONENT_INSTALL ON)
 set(CPACK_DEBIAN_FILE_NAME "DEB-DEFAULT")
 set(CPACK_DEBIAN_PACKAGE_PRIORITY "optional")
-set(CPACK_DEBIAN_PACKAGE_HOMEPAGE "")
 
 set(_kt_deb_version "${PROJECT_VERSION}")
 set(CPACK_DEBIAN_RUNTIME_PACKAGE_NAME "libkt${KT_ABI_VERSION}")
@@ -152,6 +151,17 @@ if(Python3_Interpreter_FOUND AND KT_CLANG)
     VERBATIM)
 endif()
 
+# ----------------------------------------------------------------- examples
+# dlopen host: resolves every call at run time; loads libkt.so.<abi> by SONAME.
+if(KT_BUILD_EXAMPLES)
+  add_executable(kt_c_dlopen "${_kt_src_dir}/examples/c-dlopen/kt_dlopen.c")
+  target_include_directories(kt_c_dlopen PRIVATE "${_kt_src_dir}/include" "${KT_DLPACK_INCLUDE}")
+  target_link_libraries(kt_c_dlopen PRIVATE ${CMAKE_DL_LIBS} m)
+  set_target_properties(kt_c_dlopen PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
+  target_compile_options(kt_c_dlopen PRIVATE ${KT_WARNINGS})
+  add_dependencies(kt_c_dlopen kt)
+endif()
+
 if(NOT KT_BUILD_TESTS)
   return()
 endif()
@@ -173,16 +183,11 @@ else()
 endif()
 set_tests_properties(kt_abi_gate PROPERTIES SKIP_RETURN_CODE ${_kt_skip} LABELS "abi;packaging")
 
-# dlopen host: resolves every call at run time; loads libkt.so.<abi> by SONAME.
-add_executable(kt_c_dlopen "${_kt_src_dir}/examples/c-dlopen/kt_dlopen.c")
-target_include_directories(kt_c_dlopen PRIVATE "${_kt_src_dir}/include" "${KT_DLPACK_INCLUDE}")
-target_link_libraries(kt_c_dlopen PRIVATE ${CMAKE_DL_LIBS} m)
-set_target_properties(kt_c_dlopen PROPERTIES C_STANDARD 99 C_STANDARD_REQUIRED ON C_EXTENSIONS OFF)
-target_compile_options(kt_c_dlopen PRIVATE ${KT_WARNINGS})
-add_dependencies(kt_c_dlopen kt)
-add_test(NAME kt_c_dlopen COMMAND kt_c_dlopen)
-set_tests_properties(kt_c_dlopen PROPERTIES
-  ENVIRONMENT "LD_LIBRARY_PATH=$<TARGET_FILE_DIR:kt>" LABELS "consumer")
+if(TARGET kt_c_dlopen)
+  add_test(NAME kt_c_dlopen COMMAND kt_c_dlopen)
+  set_tests_properties(kt_c_dlopen PROPERTIES
+    ENVIRONMENT "LD_LIBRARY_PATH=$<TARGET_FILE_DIR:kt>" LABELS "consumer")
+endif()
 
 # Install into a scratch prefix once; the CMake and pkg-config consumers use it.
 set(_kt_prefix "${_kt_work}/prefix")

@@ -127,6 +127,7 @@ const char* kt_ckpt_format_name(kt_ckpt_format format) {
     case KT_CKPT_FORMAT_FP8_BLOCK: return "fp8_block";
     case KT_CKPT_FORMAT_INT4_GROUP: return "int4_group";
     case KT_CKPT_FORMAT_MXFP4: return "mxfp4";
+    case KT_CKPT_FORMAT_OTHER: return "other";
   }
   return "unknown";
 }

@@ -127,17 +127,16 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
     *in = t.shape[1];
     if (is_float_dtype(t.dtype)) {
       *format = KT_CKPT_FORMAT_DENSE;
-    } else if (t.dtype == KT_CKPT_DTYPE_F8_E4M3) {
+    } else if (t.dtype == KT_CKPT_DTYPE_F8_E4M3 && get("weight_scale_inv")) {
       pt->scale = get("weight_scale_inv");
-      if (!pt->scale) io_fail(w->file->path() + ": " + where + ".weight_scale_inv' is missing (fp8 blocks)");
       *format = KT_CKPT_FORMAT_FP8_BLOCK;
     } else if ((t.dtype == KT_CKPT_DTYPE_U8 || t.dtype == KT_CKPT_DTYPE_I8) && get("scale")) {
       pt->scale = get("scale");
       *format = KT_CKPT_FORMAT_MXFP4;
       *in = t.shape[1] * 2;
     } else {
-      io_fail(w->file->path() + ": " + where + ".weight': dtype " + st_dtype_info(t.dtype).st_name +
-              " is not a known expert weight format");
+      // Described (stored extents), never loaded: e.g. per-tensor fp8 or nvfp4.
+      *format = KT_CKPT_FORMAT_OTHER;
     }
   } else {
     io_fail("tensor '" + base + ".weight' is missing");
@@ -188,7 +187,9 @@ MoeLayer build_per_expert(int64_t L, const Collected& c) {
                 " " + kt_ckpt_dtype_name(pt.weight->entry->dtype) + " differs from the layer's " +
                 kt_ckpt_format_name(m.format) + " " + kt_ckpt_dtype_name(m.weight_dtype));
       const int64_t want_out = p == kProjDown ? m.H : m.I, want_in = p == kProjDown ? m.I : m.H;
-      if (out != want_out || in != want_in)
+      // Packed extents of an unknown format need not transpose between projections.
+      const bool known = m.format != KT_CKPT_FORMAT_OTHER;
+      if (known && (out != want_out || in != want_in))
         io_fail(file + ": tensor '" + pt.weight->entry->name + "': logical shape [" + std::to_string(out) +
                 "," + std::to_string(in) + "] does not match the layer's [" + std::to_string(want_out) +
                 "," + std::to_string(want_in) + "] (H=" + std::to_string(m.H) + ", I=" +

@@ -462,6 +462,23 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   EXPECT_EQ(layer_info(ck, 0).num_experts, 3);
   EXPECT_EQ(layer_info(ck, 0).loadable, 0);
   kt_ckpt_close(ck);
+  // A format kt does not know (per-tensor fp8 scales, as ModelOpt writes)
+  // is described as "other", and the checkpoint still opens.
+  const std::string o8 = sub("fp8_per_tensor");
+  std::vector<StTensor> pt;
+  for (int64_t e = 0; e < 2; ++e)
+    for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+      const std::string n = "model.layers.0.mlp.experts." + std::to_string(e) + "." + proj;
+      const bool down = std::string(proj) == "down_proj";
+      pt.push_back({n + ".weight", "F8_E4M3", {down ? 32 : 16, down ? 16 : 32}, std::vector<uint8_t>(512, 0x38)});
+      pt.push_back({n + ".weight_scale", "F32", {}, std::vector<uint8_t>(4, 0)});
+    }
+  kt_io_test::write_file(o8 + "/model.safetensors", kt_io_test::safetensors_bytes(pt));
+  ASSERT_EQ(kt_ckpt_open(o8.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(layer_info(ck, 0).format, KT_CKPT_FORMAT_OTHER);
+  EXPECT_STREQ(kt_ckpt_format_name(layer_info(ck, 0).format), "other");
+  EXPECT_EQ(layer_info(ck, 0).loadable, 0);
+  kt_ckpt_close(ck);
   const std::string v4 = sub("dsv4");
   kt_io_test::write_file(v4 + "/model.safetensors", kt_io_test::safetensors_bytes(mx));
   ASSERT_EQ(kt_ckpt_open(v4.c_str(), &ck), KT_OK) << kt_last_error();
@@ -471,6 +488,30 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   EXPECT_EQ(layer_info(ck, 0).hidden, 64);
   EXPECT_EQ(layer_info(ck, 0).intermediate, 32);
   kt_ckpt_close(ck);
+}
+
+TEST_F(Checkpoints, HubCacheBlobLinksAreInside) {
+  // The Hugging Face hub cache: snapshots/<rev>/<file> links to ../../blobs/<hash>.
+  const Shape s{2, 16, 16};
+  const std::string repo = sub("models--org--name");
+  std::filesystem::create_directories(repo + "/blobs");
+  const std::string snap = sub("models--org--name/snapshots/0123abcd");
+  kt_io_test::write_file(repo + "/blobs/9f86d081", kt_io_test::safetensors_bytes(per_expert_tensors(0, s, "BF16", false)));
+  ASSERT_EQ(::symlink("../../blobs/9f86d081", (snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  nlohmann::json index = {{"weight_map", nlohmann::json::object()}};
+  for (const auto& t : per_expert_tensors(0, s, "BF16", false)) index["weight_map"][t.name] = "model-00001-of-00001.safetensors";
+  kt_io_test::write_text(snap + "/model.safetensors.index.json", index.dump());
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(snap.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(ckpt_info(ck).num_moe_layers, 1);
+  kt_ckpt_close(ck);
+  // A link to a blob of another repository is still outside.
+  const std::string other = sub("models--other--name/blobs");
+  kt_io_test::write_file(other + "/aa", kt_io_test::safetensors_bytes(per_expert_tensors(0, s, "BF16", false)));
+  ASSERT_EQ(::unlink((snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  ASSERT_EQ(::symlink("../../../models--other--name/blobs/aa", (snap + "/model-00001-of-00001.safetensors").c_str()), 0);
+  EXPECT_EQ(kt_ckpt_open(snap.c_str(), &ck), KT_ERR_IO);
+  EXPECT_NE(std::string(kt_last_error()).find("outside the checkpoint directory"), std::string::npos) << kt_last_error();
 }
 
 TEST_F(Checkpoints, LayerMismatchLeavesTheLayerEmpty) {
