@@ -6,6 +6,7 @@
 #include <new>
 #include <string>
 
+#include "api/guard.h"
 #include "core/error.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
@@ -19,30 +20,26 @@
 #endif
 
 namespace {
-
 thread_local std::string t_last_error;
+}  // namespace
 
-void set_error(const std::string& message) { t_last_error = message; }
+namespace kt {
 
-template <class F>
-kt_status guarded(const char* where, F&& fn) {
+void set_last_error(const std::string& message) noexcept {
   try {
-    fn();
-    return KT_OK;
-  } catch (const kt::Error& e) {
-    set_error(e.what());
-    return e.status();
-  } catch (const std::bad_alloc&) {
-    set_error(std::string(where) + ": out of memory");
-    return KT_ERR_OUT_OF_MEMORY;
-  } catch (const std::exception& e) {
-    set_error(std::string(where) + ": internal error: " + e.what());
-    return KT_ERR_INTERNAL;
+    t_last_error = message;
   } catch (...) {
-    set_error(std::string(where) + ": internal error");
-    return KT_ERR_INTERNAL;
+    t_last_error.clear();  // out of memory for the message: the status still reports
   }
 }
+
+}  // namespace kt
+
+namespace {
+
+void set_error(const std::string& message) { kt::set_last_error(message); }
+
+using kt::guarded;
 
 void check_engine(const kt_engine* e, const char* where) {
   kt::check(e != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": engine is NULL");

@@ -9,7 +9,6 @@ list(APPEND KT_CORE_SOURCES
   src/io/ckpt_api.cpp
   src/io/elements.cpp
   src/io/exporters.cpp
-  src/io/io_guard.cpp
   src/io/layout.cpp
   src/io/safetensors.cpp
   src/io/writer.cpp

@@ -3,6 +3,7 @@
 // C tile stay in L1/L2 while a block of weight panels streams past.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -19,15 +20,16 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 
 // Column ownership: a work item owns columns [col0, col0 + ncols) of an fp32
-// accumulator [T, ld] for all tokens. It clears them, adds every expert's
+// accumulator [T, ld] for the tokens [t0, t1). It clears them, adds every expert's
 // contribution in expert order, then stores them into out ([T, *], bf16 or
 // fp32, unit inner stride).
-inline void clear_columns(float* acc, int64_t T, int64_t ld, int64_t col0, int64_t ncols) {
-  for (int64_t t = 0; t < T; ++t) std::memset(acc + t * ld + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
+inline void clear_columns(float* acc, int64_t t0, int64_t t1, int64_t ld, int64_t col0, int64_t ncols) {
+  for (int64_t t = t0; t < t1; ++t) std::memset(acc + t * ld + col0, 0, static_cast<size_t>(ncols) * sizeof(float));
 }
 
-inline void store_columns(const float* acc, int64_t T, int64_t ld, int64_t col0, int64_t ncols, const View& out) {
-  for (int64_t t = 0; t < T; ++t) {
+inline void store_columns(const float* acc, int64_t t0, int64_t t1, int64_t ld, int64_t col0, int64_t ncols,
+                          const View& out) {
+  for (int64_t t = t0; t < t1; ++t) {
     const float* src = acc + t * ld + col0;
     char* dst = out.at(t, col0);
     if (out.dtype == DType::kF32) {
@@ -37,6 +39,55 @@ inline void store_columns(const float* acc, int64_t T, int64_t ld, int64_t col0,
       for (int64_t j = 0; j < ncols; ++j) d[j] = f32_to_bf16(src[j]);
     }
   }
+}
+
+// How the combine stages (down + combine, dx) split [T, n] into work items
+// that each own a block of columns for a range of tokens. Enough items for
+// every worker (~4 per thread to balance skewed routing): narrower column
+// blocks when there are few tokens (decode: each item still streams whole
+// panels), token ranges when there are many. Each (token, column) has one
+// owner and experts are added in ascending order, so results do not depend on
+// the thread count.
+struct CombineSplit {
+  int64_t cols;      // columns per item (a multiple of 16, or the tail)
+  int64_t col_blocks;
+  int64_t token_chunk;
+  int64_t token_ranges;
+
+  static CombineSplit plan(int64_t T, int64_t n, int threads) {
+    CombineSplit s;
+    const int64_t want = 4 * static_cast<int64_t>(threads);
+    s.cols = kBlockCols;
+    s.col_blocks = ceil_div(n, s.cols);
+    if (s.col_blocks < want && T <= kRowChunk) {
+      s.cols = kPanelRows;
+      s.col_blocks = ceil_div(n, s.cols);
+    }
+    s.token_ranges = 1;
+    if (s.col_blocks < want && T > kRowChunk)
+      s.token_ranges = std::min(ceil_div(want, s.col_blocks), ceil_div(T, kRowChunk));
+    s.token_chunk = ceil_div(std::max<int64_t>(T, 1), s.token_ranges);
+    return s;
+  }
+  int64_t items() const { return col_blocks * token_ranges; }
+};
+
+// Positions [begin, end) of one expert whose tokens fall in [t0, t1):
+// positions are sorted by token within an expert.
+inline void token_range(const int32_t* token, int64_t begin, int64_t end, int64_t t0, int64_t t1,
+                        int64_t* first, int64_t* last) {
+  int64_t lo = begin, hi = end;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (token[mid] < t0) lo = mid + 1; else hi = mid;
+  }
+  *first = lo;
+  hi = end;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (token[mid] < t1) lo = mid + 1; else hi = mid;
+  }
+  *last = lo;
 }
 
 }  // namespace kt

@@ -183,18 +183,26 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   if (c.has_dx) {
     acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     float* acc = acc_.data();
-    pool.run(ceil_div(H, kBlockCols), [&](int64_t hb, int tid) {
+    // Token ranges repeat the W^T panel building per range: worth it only
+    // when columns alone cannot feed the workers.
+    const CombineSplit split = CombineSplit::plan(T, H, pool.size());
+    pool.run(split.items(), [&](int64_t item, int tid) {
       ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-      const int64_t col0 = hb * kBlockCols;
-      const int64_t ncols = std::min(kBlockCols, H - col0);
+      const int64_t col0 = (item % split.col_blocks) * split.cols;
+      const int64_t ncols = std::min(split.cols, H - col0);
+      const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
+      const int64_t t1 = std::min(T, t0 + split.token_chunk);
       const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-      clear_columns(acc, T, H, col0, ncols);
+      clear_columns(acc, t0, t1, H, col0, ncols);
       float* cx = s.c[0].data();
       for (int32_t e : R.active) {
+        int64_t pbegin, pend;
+        token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
+                    t1, &pbegin, &pend);
+        if (pbegin == pend) continue;
         transpose_panels(w_[kGate].data() + e * gs.elements(), gs, col0, ncols, s.panels[0].data());
         transpose_panels(w_[kUp].data() + e * gs.elements(), gs, col0, ncols, s.panels[1].data());
-        const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-        for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+        for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
           K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false);
@@ -213,7 +221,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
           }
         }
       }
-      store_columns(acc, T, H, col0, ncols, c.dx);
+      store_columns(acc, t0, t1, H, col0, ncols, c.dx);
     });
   }
 

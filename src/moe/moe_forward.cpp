@@ -238,23 +238,29 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
 
-  // Stage 4: down + bias + LoRA + routing weight + combine, items = blocks of H.
+  // Stage 4: down + bias + LoRA + routing weight + combine; items own a block
+  // of H columns for a range of tokens.
   clock.enter(KT_STAGE_DOWN);
   const PanelShape ds = down_shape;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
-  pool.run(ceil_div(H, kBlockCols), [&](int64_t hb, int tid) {
+  const CombineSplit split = CombineSplit::plan(T, H, pool.size());
+  pool.run(split.items(), [&](int64_t item, int tid) {
     ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t col0 = hb * kBlockCols;
-    const int64_t ncols = std::min(kBlockCols, H - col0);
+    const int64_t col0 = (item % split.col_blocks) * split.cols;
+    const int64_t ncols = std::min(split.cols, H - col0);
+    const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
+    const int64_t t1 = std::min(T, t0 + split.token_chunk);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    clear_columns(acc, T, H, col0, ncols);
+    clear_columns(acc, t0, t1, H, col0, ncols);
     float* co = s.c[0].data();
     for (int32_t e : R.active) {
       const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
       const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
-      const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-      for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+      int64_t pbegin, pend;
+      token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
+                  t1, &pbegin, &pend);
+      for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
         K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false);
@@ -276,6 +282,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         }
       }
     }
-    store_columns(acc, T, H, col0, ncols, c.y);
+    store_columns(acc, t0, t1, H, col0, ncols, c.y);
   });
 }

@@ -1,0 +1,38 @@
+// The boundary guard shared by every ABI shim (src/api, src/io): run the
+// call, turn every exception into a status and this thread's kt_last_error().
+#pragma once
+
+#include <exception>
+#include <new>
+#include <string>
+
+#include "core/error.h"
+#include "kt_c_api.h"
+
+namespace kt {
+
+// Makes message the calling thread's kt_last_error() (defined in c_api.cpp,
+// which owns the thread-local message).
+void set_last_error(const std::string& message) noexcept;
+
+template <class F>
+kt_status guarded(const char* where, F&& fn) noexcept {
+  try {
+    fn();
+    return KT_OK;
+  } catch (const Error& e) {
+    set_last_error(e.what());
+    return e.status();
+  } catch (const std::bad_alloc&) {
+    set_last_error(std::string(where) + ": out of memory");
+    return KT_ERR_OUT_OF_MEMORY;
+  } catch (const std::exception& e) {
+    set_last_error(std::string(where) + ": internal error: " + e.what());
+    return KT_ERR_INTERNAL;
+  } catch (...) {
+    set_last_error(std::string(where) + ": internal error");
+    return KT_ERR_INTERNAL;
+  }
+}
+
+}  // namespace kt
