@@ -178,7 +178,20 @@ struct Row {
   double routes = 0, touched = 0, flops = 0, bytes = 0;
   double kt_s = NAN, onednn_s = NAN, torch_s = NAN;
   std::string kt_error, onednn_error, torch_error;
+  // Relative L2 distance of oneDNN's result from kt's on the first batch:
+  // y for forward, dx for fwd+bwd dx (NaN when not compared).
+  double onednn_rel_l2 = NAN;
 };
+
+double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - ref[i];
+    num += d * d;
+    den += static_cast<double>(ref[i]) * ref[i];
+  }
+  return got.size() != ref.size() ? NAN : den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
 
 struct TouchedRow {
   int64_t touched = 0, tokens = 0;
@@ -271,6 +284,9 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   };
   const int64_t max_tokens = *std::max_element(o.tokens.begin(), o.tokens.end());
 
+  // kt's results on each workload's first batch, to check the oneDNN baseline against.
+  std::map<std::pair<Case, int64_t>, std::vector<float>> kt_results;
+  const bool compare_onednn = KT_BENCH_HAVE_ONEDNN && o.onednn;
   // kt: one layer per mode, released before the baselines allocate theirs.
   {
     KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16));
@@ -283,6 +299,10 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         const double s = kt.time_case(c, w, o.warmup, o.reps, &error);
         if (s >= 0) r.kt_s = s;
         else r.kt_error = error;
+        if (compare_onednn && (c == Case::kForward || c == Case::kTrainDx)) {
+          std::vector<float> y, dx;
+          if (kt.outputs(c, w, &y, &dx, &error)) kt_results[{c, w.tokens}] = c == Case::kForward ? y : dx;
+        }
       }
     }
     // Cost against touched experts at a fixed small T (the weight-streaming regime).
@@ -317,6 +337,12 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         const double s = dnnl.time_case(c, w, o.warmup, o.reps, &error);
         if (s >= 0) r.onednn_s = s;
         else r.onednn_error = error;
+        const auto kt_result = kt_results.find({c, w.tokens});
+        if (s >= 0 && kt_result != kt_results.end()) {
+          std::vector<float> y, dx;
+          if (dnnl.outputs(c, w, &y, &dx, &error))
+            r.onednn_rel_l2 = rel_l2(c == Case::kForward ? y : dx, kt_result->second);
+        }
       }
     }
   } else {
@@ -417,6 +443,12 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                   fmt("%.3f", r.onednn_s * 1e3).c_str(), fmt("%.2f", r.onednn_s / r.kt_s).c_str(),
                   fmt("%.3f", r.torch_s * 1e3).c_str(), fmt("%.2f", r.torch_s / r.kt_s).c_str());
     }
+    std::string agreement;
+    for (const Row& r : mr.rows)
+      if (std::isfinite(r.onednn_rel_l2))
+        agreement += std::string(agreement.empty() ? "" : ", ") + (r.which == Case::kForward ? "y" : "dx") + " T=" +
+                     std::to_string(r.tokens) + " " + fmt("%.1e", r.onednn_rel_l2);
+    if (!agreement.empty()) std::printf("   oneDNN vs kt, relative L2 on the first batch: %s\n", agreement.c_str());
     for (const Row& r : mr.rows)
       if (!r.kt_error.empty()) std::printf("   kt %s T=%lld: %s\n", case_key(r.which), static_cast<long long>(r.tokens), r.kt_error.c_str());
     std::printf("linearity, kt time ~ a*touched experts + b*routes (least squares over T):\n");
@@ -528,16 +560,17 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       }
       if (!r.kt_error.empty()) j.key("error").value(r.kt_error);
       j.end_object();
-      auto baseline = [&](const char* name, double seconds, const std::string& error) {
+      auto baseline = [&](const char* name, double seconds, const std::string& error, double rel_l2_vs_kt) {
         j.key(name).begin_object();
         j.key("ms").value(seconds * 1e3);
         j.key("gflops").value(r.flops / seconds / 1e9);
         j.key("speedup_of_kt").value(seconds / r.kt_s);
+        if (std::isfinite(rel_l2_vs_kt)) j.key("rel_l2_vs_kt").value(rel_l2_vs_kt);
         if (!error.empty()) j.key("error").value(error);
         j.end_object();
       };
-      baseline("onednn", r.onednn_s, r.onednn_error);
-      baseline("torch", r.torch_s, r.torch_error);
+      baseline("onednn", r.onednn_s, r.onednn_error, r.onednn_rel_l2);
+      baseline("torch", r.torch_s, r.torch_error, NAN);
       j.end_object();
     }
     j.end_array();

@@ -97,40 +97,64 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
   return true;
 }
 
+namespace {
+kt_mode mode_of(Case which) {
+  return which == Case::kTrainLora ? KT_MODE_LORA : which == Case::kTrainFull ? KT_MODE_FULL : KT_MODE_INFERENCE;
+}
+}  // namespace
+
+bool KtRunner::call(Case which, const Batch& b, HostTensor& y, HostTensor& dx, HostTensor& droute, std::string* error) {
+  const bool training = which != Case::kForward;
+  const kt_arg forward_args[] = {{KT_ARG_X, b.x.dl()},
+                                 {KT_ARG_IDS, b.ids.dl()},
+                                 {KT_ARG_ROUTE_WEIGHTS, b.route_weights.dl()},
+                                 {KT_ARG_Y, y.dl()}};
+  kt_context* saved = nullptr;
+  kt_status st = kt_moe_forward(moe_, forward_args, 4, training ? &saved : nullptr);
+  if (st != KT_OK) {
+    *error = kt_error("kt_moe_forward", st);
+    return false;
+  }
+  if (!training) return true;
+  kt_backward_options options;
+  kt_backward_options_init(&options);
+  const kt_arg backward_args[] = {{KT_ARG_DY, b.dy.dl()}, {KT_ARG_DX, dx.dl()}, {KT_ARG_DROUTE_WEIGHTS, droute.dl()}};
+  st = kt_moe_backward(moe_, saved, &options, backward_args, 3);
+  kt_context_release(saved);
+  if (st != KT_OK) {
+    *error = kt_error("kt_moe_backward", st);
+    return false;
+  }
+  return true;
+}
+
 double KtRunner::time_case(Case which, const Workload& work, int warmup, int reps, std::string* error) {
-  const kt_mode mode = which == Case::kTrainLora ? KT_MODE_LORA
-                       : which == Case::kTrainFull ? KT_MODE_FULL
-                                                   : KT_MODE_INFERENCE;
-  if (!prepare(mode, error)) return -1;
+  if (!prepare(mode_of(which), error)) return -1;
   const ModelShape& s = layer_.shape;
   const int64_t T = work.tokens;
   HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
   HostTensor droute(kDLFloat, 32, {T, s.top_k});
-  const bool training = which != Case::kForward;
-  kt_backward_options backward_options;
-  kt_backward_options_init(&backward_options);
-  return median_seconds(warmup, reps, [&](int call) {
-    const Batch& b = work.batches[static_cast<size_t>(call) % work.batches.size()];
-    const kt_arg forward_args[] = {{KT_ARG_X, b.x.dl()},
-                                   {KT_ARG_IDS, b.ids.dl()},
-                                   {KT_ARG_ROUTE_WEIGHTS, b.route_weights.dl()},
-                                   {KT_ARG_Y, y.dl()}};
-    kt_context* saved = nullptr;
-    kt_status st = kt_moe_forward(moe_, forward_args, 4, training ? &saved : nullptr);
-    if (st != KT_OK) {
-      *error = kt_error("kt_moe_forward", st);
-      return false;
-    }
-    if (!training) return true;
-    const kt_arg backward_args[] = {{KT_ARG_DY, b.dy.dl()}, {KT_ARG_DX, dx.dl()}, {KT_ARG_DROUTE_WEIGHTS, droute.dl()}};
-    st = kt_moe_backward(moe_, saved, &backward_options, backward_args, 3);
-    kt_context_release(saved);
-    if (st != KT_OK) {
-      *error = kt_error("kt_moe_backward", st);
-      return false;
-    }
-    return true;
+  return median_seconds(warmup, reps, [&](int i) {
+    return call(which, work.batches[static_cast<size_t>(i) % work.batches.size()], y, dx, droute, error);
   });
+}
+
+bool KtRunner::outputs(Case which, const Workload& work, std::vector<float>* y_out, std::vector<float>* dx_out,
+                       std::string* error) {
+  if (!prepare(mode_of(which), error)) return false;
+  const ModelShape& s = layer_.shape;
+  const int64_t T = work.tokens;
+  HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
+  HostTensor droute(kDLFloat, 32, {T, s.top_k});
+  if (!call(which, work.batches.front(), y, dx, droute, error)) return false;
+  y_out->resize(static_cast<size_t>(y.numel()));
+  for (int64_t i = 0; i < y.numel(); ++i) (*y_out)[static_cast<size_t>(i)] = from_bf16(y.u16()[i]);
+  dx_out->clear();
+  if (which != Case::kForward) {
+    dx_out->resize(static_cast<size_t>(dx.numel()));
+    for (int64_t i = 0; i < dx.numel(); ++i) (*dx_out)[static_cast<size_t>(i)] = from_bf16(dx.u16()[i]);
+  }
+  return true;
 }
 
 }  // namespace kt_bench

@@ -22,11 +22,15 @@ class KtRunner {
   // Median seconds of one call of `which` over the workload's batches (cycled),
   // after `warmup` calls; negative with *error set when kt reports a failure.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  // One call on the workload's first batch: y and (training cases) dx as floats.
+  bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);
   // (mode, seconds) of every layer loaded so far: how long kt took to pack it.
   const std::vector<std::pair<std::string, double>>& loads() const { return loads_; }
 
  private:
   bool prepare(kt_mode mode, std::string* error);
+  // One forward (+ backward for training cases) of batch b into y, dx, droute.
+  bool call(Case which, const Batch& b, HostTensor& y, HostTensor& dx, HostTensor& droute, std::string* error);
   void release_layer();
 
   kt_engine* engine_;

@@ -98,136 +98,179 @@ void group_routes(const Batch& b, int64_t experts, int64_t top_k, Grouping& g) {
 
 }  // namespace
 
+// Buffers of one call, sized for the largest batch before the timed calls.
+struct OneDnnBaseline::Workspace {
+  std::vector<uint16_t> xs, act, dys, wdys, dg, du;   // per sorted route row
+  std::vector<float> gate, up, out, da, droute;
+  std::vector<uint16_t> y, dx;                       // [T,H] outputs
+  std::vector<float> droute_weights;                 // [T,k]
+  std::vector<float> grad_gate, grad_up, grad_down;  // full mode, [E,out,in]
+  Grouping grouping;
+};
+
+void OneDnnBaseline::size_workspace(Case which, const Workload& work, Workspace& ws) const {
+  const ModelShape& s = impl_->layer.shape;
+  const size_t H = static_cast<size_t>(s.hidden), I = static_cast<size_t>(s.intermediate);
+  const size_t T = static_cast<size_t>(work.tokens), k = static_cast<size_t>(s.top_k);
+  int64_t max_routes = 0;
+  for (const Batch& b : work.batches) max_routes = std::max(max_routes, b.routes);
+  const size_t R = static_cast<size_t>(max_routes);
+  for (auto* v : {&ws.xs, &ws.dys, &ws.wdys}) v->resize(R * H);
+  for (auto* v : {&ws.act, &ws.dg, &ws.du}) v->resize(R * I);
+  for (auto* v : {&ws.gate, &ws.up, &ws.da}) v->resize(R * I);
+  ws.out.resize(R * H);
+  ws.droute.resize(R);
+  ws.y.resize(T * H);
+  ws.dx.resize(T * H);
+  ws.droute_weights.resize(T * k);
+  if (which == Case::kTrainFull) {
+    const size_t n = static_cast<size_t>(impl_->layer.experts) * I * H;
+    ws.grad_gate.resize(n);
+    ws.grad_up.resize(n);
+    ws.grad_down.resize(n);
+  }
+}
+
+void OneDnnBaseline::run(Case which, const Batch& b, Workspace& ws) {
+  Impl& m = *impl_;
+  const ModelShape& s = m.layer.shape;
+  const int64_t H = s.hidden, I = s.intermediate, E = m.layer.experts, k = s.top_k, T = b.tokens;
+  const uint16_t* wg = m.layer.gate.u16();
+  const uint16_t* wu = m.layer.up.u16();
+  const uint16_t* wd = m.layer.down.u16();
+  Grouping& g = ws.grouping;
+  auto at = [](auto& v, int64_t i) { return &v[static_cast<size_t>(i)]; };
+  group_routes(b, E, k, g);
+  const int64_t routes = g.offset.back();
+
+  // ---- forward
+#pragma omp parallel for
+  for (int64_t r = 0; r < routes; ++r)
+    std::memcpy(at(ws.xs, r * H), b.x.u16() + g.token[static_cast<size_t>(r)] * H, static_cast<size_t>(H) * 2);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = g.offset[static_cast<size_t>(e)], n = g.offset[static_cast<size_t>(e + 1)] - r0;
+    if (n == 0) continue;
+    m.gemm(n, I, H, at(ws.xs, r0 * H), false, wg + e * I * H, true, at(ws.gate, r0 * I), false);
+    m.gemm(n, I, H, at(ws.xs, r0 * H), false, wu + e * I * H, true, at(ws.up, r0 * I), false);
+#pragma omp parallel for
+    for (int64_t i = r0 * I; i < (r0 + n) * I; ++i) {
+      const float gv = ws.gate[static_cast<size_t>(i)];
+      ws.act[static_cast<size_t>(i)] = to_bf16(gv * sigmoid(gv) * ws.up[static_cast<size_t>(i)]);
+    }
+    m.gemm(n, H, I, at(ws.act, r0 * I), false, wd + e * H * I, true, at(ws.out, r0 * H), false);
+  }
+#pragma omp parallel for
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
+        if (row >= 0) sum += g.weight[static_cast<size_t>(row)] * ws.out[static_cast<size_t>(row * H + h)];
+      }
+      ws.y[static_cast<size_t>(t * H + h)] = to_bf16(sum);
+    }
+  }
+  if (which == Case::kForward) return;
+
+  // ---- backward: da = w * Wd^T dy, dg/du, dx = Wg^T dg + Wu^T du
+#pragma omp parallel for
+  for (int64_t r = 0; r < routes; ++r) {
+    const uint16_t* src = b.dy.u16() + g.token[static_cast<size_t>(r)] * H;
+    std::memcpy(at(ws.dys, r * H), src, static_cast<size_t>(H) * 2);
+    if (which == Case::kTrainFull) {
+      const float w = g.weight[static_cast<size_t>(r)];
+      for (int64_t h = 0; h < H; ++h) ws.wdys[static_cast<size_t>(r * H + h)] = to_bf16(w * from_bf16(src[h]));
+    }
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = g.offset[static_cast<size_t>(e)], n = g.offset[static_cast<size_t>(e + 1)] - r0;
+    if (n == 0) {
+      if (which == Case::kTrainFull) {  // the contract: untouched experts' grads are zero
+        const size_t bytes = static_cast<size_t>(I * H) * 4;
+        std::memset(at(ws.grad_gate, e * I * H), 0, bytes);
+        std::memset(at(ws.grad_up, e * I * H), 0, bytes);
+        std::memset(at(ws.grad_down, e * I * H), 0, bytes);
+      }
+      continue;
+    }
+    m.gemm(n, I, H, at(ws.dys, r0 * H), false, wd + e * H * I, false, at(ws.da, r0 * I), false);
+#pragma omp parallel for
+    for (int64_t r = r0; r < r0 + n; ++r) {
+      const float w = g.weight[static_cast<size_t>(r)];
+      float dot = 0;
+      for (int64_t i = r * I; i < (r + 1) * I; ++i) {
+        const float gv = ws.gate[static_cast<size_t>(i)], uv = ws.up[static_cast<size_t>(i)];
+        const float sg = sigmoid(gv), silu = gv * sg;
+        const float d = ws.da[static_cast<size_t>(i)];
+        dot += d * silu * uv;
+        const float dav = w * d;
+        ws.dg[static_cast<size_t>(i)] = to_bf16(dav * uv * sg * (1.f + gv * (1.f - sg)));
+        ws.du[static_cast<size_t>(i)] = to_bf16(dav * silu);
+      }
+      ws.droute[static_cast<size_t>(r)] = dot;
+    }
+    m.gemm(n, H, I, at(ws.dg, r0 * I), false, wg + e * I * H, false, at(ws.out, r0 * H), false);
+    m.gemm(n, H, I, at(ws.du, r0 * I), false, wu + e * I * H, false, at(ws.out, r0 * H), true);
+    if (which == Case::kTrainFull) {
+      // dWd = (w dy)^T a, dWg = dg^T x, dWu = du^T x: M = out, K = the expert's rows.
+      m.gemm(H, I, n, at(ws.wdys, r0 * H), true, at(ws.act, r0 * I), false, at(ws.grad_down, e * H * I), false);
+      m.gemm(I, H, n, at(ws.dg, r0 * I), true, at(ws.xs, r0 * H), false, at(ws.grad_gate, e * I * H), false);
+      m.gemm(I, H, n, at(ws.du, r0 * I), true, at(ws.xs, r0 * H), false, at(ws.grad_up, e * I * H), false);
+    }
+  }
+#pragma omp parallel for
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
+      ws.droute_weights[static_cast<size_t>(t * k + j)] = row >= 0 ? ws.droute[static_cast<size_t>(row)] : 0.f;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      float sum = 0;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
+        if (row >= 0) sum += ws.out[static_cast<size_t>(row * H + h)];
+      }
+      ws.dx[static_cast<size_t>(t * H + h)] = to_bf16(sum);
+    }
+  }
+}
+
 double OneDnnBaseline::time_case(Case which, const Workload& work, int warmup, int reps, std::string* error) {
   if (!supports(which)) {
     *error = "no oneDNN counterpart";
     return -1;
   }
-  Impl& m = *impl_;
-  const ModelShape& s = m.layer.shape;
-  const int64_t H = s.hidden, I = s.intermediate, E = m.layer.experts, k = s.top_k, T = work.tokens;
-  int64_t max_routes = 0;
-  for (const Batch& b : work.batches) max_routes = std::max(max_routes, b.routes);
-  const size_t R = static_cast<size_t>(max_routes);
-  // Workspaces sized once for the largest batch, outside the timed calls.
-  std::vector<uint16_t> xs(R * H), act(R * I), dys(R * H), wdys(R * H), dg(R * I), du(R * I);
-  std::vector<float> gate(R * I), up(R * I), out(R * H), da(R * I), droute(R);
-  std::vector<uint16_t> y(static_cast<size_t>(T * H)), dx(static_cast<size_t>(T * H));
-  std::vector<float> droute_weights(static_cast<size_t>(T * k));
-  std::vector<float> grad_gate, grad_up, grad_down;
-  if (which == Case::kTrainFull) {
-    grad_gate.resize(static_cast<size_t>(E * I * H));
-    grad_up.resize(grad_gate.size());
-    grad_down.resize(grad_gate.size());
-  }
-  Grouping g;
-  const uint16_t* wg = m.layer.gate.u16();
-  const uint16_t* wu = m.layer.up.u16();
-  const uint16_t* wd = m.layer.down.u16();
-
+  Workspace ws;
+  size_workspace(which, work, ws);
   try {
     return median_seconds(warmup, reps, [&](int call) {
-      const Batch& b = work.batches[static_cast<size_t>(call) % work.batches.size()];
-      group_routes(b, E, k, g);
-      const int64_t routes = g.offset.back();
-      // ---- forward
-#pragma omp parallel for
-      for (int64_t r = 0; r < routes; ++r)
-        std::memcpy(&xs[static_cast<size_t>(r * H)], b.x.u16() + g.token[static_cast<size_t>(r)] * H, H * 2);
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t r0 = g.offset[static_cast<size_t>(e)], n = g.offset[static_cast<size_t>(e + 1)] - r0;
-        if (n == 0) continue;
-        m.gemm(n, I, H, &xs[static_cast<size_t>(r0 * H)], false, wg + e * I * H, true, &gate[static_cast<size_t>(r0 * I)], false);
-        m.gemm(n, I, H, &xs[static_cast<size_t>(r0 * H)], false, wu + e * I * H, true, &up[static_cast<size_t>(r0 * I)], false);
-#pragma omp parallel for
-        for (int64_t i = r0 * I; i < (r0 + n) * I; ++i) {
-          const float gv = gate[static_cast<size_t>(i)];
-          act[static_cast<size_t>(i)] = to_bf16(gv * sigmoid(gv) * up[static_cast<size_t>(i)]);
-        }
-        m.gemm(n, H, I, &act[static_cast<size_t>(r0 * I)], false, wd + e * H * I, true, &out[static_cast<size_t>(r0 * H)], false);
-      }
-#pragma omp parallel for
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t h = 0; h < H; ++h) {
-          float sum = 0;
-          for (int64_t j = 0; j < k; ++j) {
-            const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
-            if (row >= 0) sum += g.weight[static_cast<size_t>(row)] * out[static_cast<size_t>(row * H + h)];
-          }
-          y[static_cast<size_t>(t * H + h)] = to_bf16(sum);
-        }
-      }
-      if (which == Case::kForward) return true;
-
-      // ---- backward: da = w * Wd^T dy, dg/du, dx = Wg^T dg + Wu^T du
-#pragma omp parallel for
-      for (int64_t r = 0; r < routes; ++r) {
-        const uint16_t* src = b.dy.u16() + g.token[static_cast<size_t>(r)] * H;
-        std::memcpy(&dys[static_cast<size_t>(r * H)], src, H * 2);
-        if (which == Case::kTrainFull) {
-          const float w = g.weight[static_cast<size_t>(r)];
-          for (int64_t h = 0; h < H; ++h) wdys[static_cast<size_t>(r * H + h)] = to_bf16(w * from_bf16(src[h]));
-        }
-      }
-      for (int64_t e = 0; e < E; ++e) {
-        const int64_t r0 = g.offset[static_cast<size_t>(e)], n = g.offset[static_cast<size_t>(e + 1)] - r0;
-        if (n == 0) {
-          if (which == Case::kTrainFull) {  // the contract: untouched experts' grads are zero
-            std::memset(&grad_gate[static_cast<size_t>(e * I * H)], 0, static_cast<size_t>(I * H) * 4);
-            std::memset(&grad_up[static_cast<size_t>(e * I * H)], 0, static_cast<size_t>(I * H) * 4);
-            std::memset(&grad_down[static_cast<size_t>(e * I * H)], 0, static_cast<size_t>(I * H) * 4);
-          }
-          continue;
-        }
-        m.gemm(n, I, H, &dys[static_cast<size_t>(r0 * H)], false, wd + e * H * I, false, &da[static_cast<size_t>(r0 * I)], false);
-#pragma omp parallel for
-        for (int64_t r = r0; r < r0 + n; ++r) {
-          const float w = g.weight[static_cast<size_t>(r)];
-          float dot = 0;
-          for (int64_t i = r * I; i < (r + 1) * I; ++i) {
-            const float gv = gate[static_cast<size_t>(i)], uv = up[static_cast<size_t>(i)];
-            const float sg = sigmoid(gv), silu = gv * sg;
-            const float d = da[static_cast<size_t>(i)];
-            dot += d * silu * uv;
-            const float dav = w * d;
-            dg[static_cast<size_t>(i)] = to_bf16(dav * uv * sg * (1.f + gv * (1.f - sg)));
-            du[static_cast<size_t>(i)] = to_bf16(dav * silu);
-          }
-          droute[static_cast<size_t>(r)] = dot;
-        }
-        m.gemm(n, H, I, &dg[static_cast<size_t>(r0 * I)], false, wg + e * I * H, false, &out[static_cast<size_t>(r0 * H)], false);
-        m.gemm(n, H, I, &du[static_cast<size_t>(r0 * I)], false, wu + e * I * H, false, &out[static_cast<size_t>(r0 * H)], true);
-        if (which == Case::kTrainFull) {
-          // dWd = (w dy)^T a, dWg = dg^T x, dWu = du^T x: M = out, K = the expert's rows.
-          m.gemm(H, I, n, &wdys[static_cast<size_t>(r0 * H)], true, &act[static_cast<size_t>(r0 * I)], false,
-                 &grad_down[static_cast<size_t>(e * H * I)], false);
-          m.gemm(I, H, n, &dg[static_cast<size_t>(r0 * I)], true, &xs[static_cast<size_t>(r0 * H)], false,
-                 &grad_gate[static_cast<size_t>(e * I * H)], false);
-          m.gemm(I, H, n, &du[static_cast<size_t>(r0 * I)], true, &xs[static_cast<size_t>(r0 * H)], false,
-                 &grad_up[static_cast<size_t>(e * I * H)], false);
-        }
-      }
-#pragma omp parallel for
-      for (int64_t t = 0; t < T; ++t) {
-        for (int64_t j = 0; j < k; ++j) {
-          const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
-          droute_weights[static_cast<size_t>(t * k + j)] = row >= 0 ? droute[static_cast<size_t>(row)] : 0.f;
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          float sum = 0;
-          for (int64_t j = 0; j < k; ++j) {
-            const int64_t row = g.row_of[static_cast<size_t>(t * k + j)];
-            if (row >= 0) sum += out[static_cast<size_t>(row * H + h)];
-          }
-          dx[static_cast<size_t>(t * H + h)] = to_bf16(sum);
-        }
-      }
+      run(which, work.batches[static_cast<size_t>(call) % work.batches.size()], ws);
       return true;
     });
   } catch (const dnnl::error& e) {
     *error = std::string("oneDNN: ") + e.what();
     return -1;
   }
+}
+
+bool OneDnnBaseline::outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx,
+                             std::string* error) {
+  Workspace ws;
+  size_workspace(which, work, ws);
+  try {
+    run(which, work.batches.front(), ws);
+  } catch (const dnnl::error& e) {
+    *error = std::string("oneDNN: ") + e.what();
+    return false;
+  }
+  y->resize(ws.y.size());
+  for (size_t i = 0; i < ws.y.size(); ++i) (*y)[i] = from_bf16(ws.y[i]);
+  dx->clear();
+  if (which != Case::kForward) {
+    dx->resize(ws.dx.size());
+    for (size_t i = 0; i < ws.dx.size(); ++i) (*dx)[i] = from_bf16(ws.dx[i]);
+  }
+  return true;
 }
 
 }  // namespace kt_bench

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "workload.h"
 
@@ -23,10 +24,16 @@ class OneDnnBaseline {
   static bool supports(Case which) { return which != Case::kTrainLora; }
   // Median seconds of one call over the workload's batches, as KtRunner::time_case.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  // One call on the workload's first batch: y and (training cases) dx as
+  // floats, to check that the baseline computes what kt computes.
+  bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);
   static std::string version();
 
  private:
   struct Impl;
+  struct Workspace;
+  void size_workspace(Case which, const Workload& work, Workspace& ws) const;
+  void run(Case which, const Batch& b, Workspace& ws);
   std::unique_ptr<Impl> impl_;
 };
 
