@@ -240,6 +240,7 @@ pub type kt_arg_id = c_int;
 pub type kt_weight_orientation = c_int;
 pub type kt_gate_up_order = c_int;
 pub type kt_grad_accumulate = c_int;
+pub type kt_stage = c_int;
 pub type kt_ckpt_dtype = c_int;
 pub type kt_ckpt_layout = c_int;
 pub type kt_ckpt_format = c_int;
@@ -373,6 +374,19 @@ kt_constants! {
         KT_GRAD_OVERWRITE = 0,
         KT_GRAD_ACCUMULATE = 1,
     }
+    kt_stage {
+        KT_STAGE_ROUTE = 0,
+        KT_STAGE_PACK_INPUT = 1,
+        KT_STAGE_LORA_A = 2,
+        KT_STAGE_GATE_UP = 3,
+        KT_STAGE_DOWN = 4,
+        KT_STAGE_BWD_DOWN = 5,
+        KT_STAGE_BWD_LORA = 6,
+        KT_STAGE_BWD_DX = 7,
+        KT_STAGE_BWD_ROUTE = 8,
+        KT_STAGE_LORA_GRADS = 9,
+        KT_STAGE_FULL_GRADS = 10,
+    }
     kt_ckpt_dtype {
         KT_CKPT_DTYPE_UNKNOWN = 0,
         KT_CKPT_DTYPE_F32 = 1,
@@ -405,6 +419,7 @@ kt_constants! {
         KT_CKPT_FORMAT_FP8_BLOCK = 1,
         KT_CKPT_FORMAT_INT4_GROUP = 2,
         KT_CKPT_FORMAT_MXFP4 = 3,
+        KT_CKPT_FORMAT_OTHER = 4,
     }
 }
 
@@ -450,6 +465,11 @@ kt_functions! {
     pub fn kt_job_wait(job: *mut kt_job) -> kt_status;
     pub fn kt_job_done(job: *const kt_job) -> c_int;
     pub fn kt_job_destroy(job: *mut kt_job);
+
+    pub fn kt_stage_name(stage: c_int) -> *const c_char;
+    pub fn kt_engine_set_profiling(engine: *mut kt_engine, enabled: c_int) -> kt_status;
+    pub fn kt_engine_profile_stage(engine: *const kt_engine, stage: c_int, calls: *mut i64, seconds: *mut f64) -> kt_status;
+    pub fn kt_engine_reset_profile(engine: *mut kt_engine) -> kt_status;
 
     pub fn kt_ckpt_dtype_name(dtype: kt_ckpt_dtype) -> *const c_char;
     pub fn kt_ckpt_layout_name(layout: kt_ckpt_layout) -> *const c_char;
