@@ -3,7 +3,7 @@
 //
 //   kt_bench [--json] [--quick] [--models LIST|all] [--tokens LIST] [--cases LIST]
 //            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
-//            [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
+//            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
 #include <algorithm>
@@ -12,8 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
-#include <memory>
-#include <set>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -43,6 +41,7 @@ struct Options {
   int warmup = 1;
   kt_isa max_isa = KT_ISA_AUTO;
   double max_weight_gb = 1.25;
+  bool profile = false;
   bool onednn = true;
   bool torch = true;
   std::string python = "/usr/bin/python3";
@@ -61,6 +60,7 @@ const char* kUsage =
     "  --warmup N           untimed calls before them (default 1)\n"
     "  --isa NAME           cap kt's kernels: ref, avx2, avx512bf16, amx\n"
     "  --max-weight-gb X    bf16 weights held per layer; larger models run a slice (default 1.25)\n"
+    "  --profile            also report kt's per-stage profile (extra, untimed calls)\n"
     "  --no-onednn          skip the oneDNN baseline\n"
     "  --no-torch           skip the torch baseline\n"
     "  --python PATH        interpreter for the torch baseline (default /usr/bin/python3)\n"
@@ -90,6 +90,7 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
     std::string v;
     if (a == "--json") o->json = true;
     else if (a == "--quick") o->quick = true;
+    else if (a == "--profile") o->profile = true;
     else if (a == "--no-onednn") o->onednn = false;
     else if (a == "--no-torch") o->torch = false;
     else if (a == "--help" || a == "-h") {
@@ -181,6 +182,7 @@ struct Row {
   // Relative L2 distance of oneDNN's result from kt's on the first batch:
   // y for forward, dx for fwd+bwd dx (NaN when not compared).
   double onednn_rel_l2 = NAN;
+  std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile: ms per call by stage
 };
 
 double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
@@ -299,6 +301,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         const double s = kt.time_case(c, w, o.warmup, o.reps, &error);
         if (s >= 0) r.kt_s = s;
         else r.kt_error = error;
+        if (o.profile && s >= 0) kt.profile_case(c, w, o.reps, &r.kt_stage_ms, &error);
         if (compare_onednn && (c == Case::kForward || c == Case::kTrainDx)) {
           std::vector<float> y, dx;
           if (kt.outputs(c, w, &y, &dx, &error)) kt_results[{c, w.tokens}] = c == Case::kForward ? y : dx;
@@ -448,6 +451,12 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       if (std::isfinite(r.onednn_rel_l2))
         agreement += std::string(agreement.empty() ? "" : ", ") + (r.which == Case::kForward ? "y" : "dx") + " T=" +
                      std::to_string(r.tokens) + " " + fmt("%.1e", r.onednn_rel_l2);
+    for (const Row& r : mr.rows) {
+      if (r.kt_stage_ms.empty()) continue;
+      std::printf("   profile %s T=%lld, ms per call:", case_key(r.which), static_cast<long long>(r.tokens));
+      for (const auto& st : r.kt_stage_ms) std::printf(" %s %.3f", st.first.c_str(), st.second);
+      std::printf("\n");
+    }
     if (!agreement.empty()) std::printf("   oneDNN vs kt, relative L2 on the first batch: %s\n", agreement.c_str());
     for (const Row& r : mr.rows)
       if (!r.kt_error.empty()) std::printf("   kt %s T=%lld: %s\n", case_key(r.which), static_cast<long long>(r.tokens), r.kt_error.c_str());
@@ -559,6 +568,11 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
         j.key("pct_roofline").value(x.pct_roofline);
       }
       if (!r.kt_error.empty()) j.key("error").value(r.kt_error);
+      if (!r.kt_stage_ms.empty()) {
+        j.key("stage_ms").begin_object();
+        for (const auto& st : r.kt_stage_ms) j.key(st.first).value(st.second);
+        j.end_object();
+      }
       j.end_object();
       auto baseline = [&](const char* name, double seconds, const std::string& error, double rel_l2_vs_kt) {
         j.key(name).begin_object();

@@ -139,6 +139,28 @@ double KtRunner::time_case(Case which, const Workload& work, int warmup, int rep
   });
 }
 
+bool KtRunner::profile_case(Case which, const Workload& work, int calls,
+                            std::vector<std::pair<std::string, double>>* stage_ms, std::string* error) {
+  if (!prepare(mode_of(which), error)) return false;
+  kt_status st = kt_engine_reset_profile(engine_);
+  if (st == KT_OK) st = kt_engine_set_profiling(engine_, 1);
+  if (st != KT_OK) {
+    *error = kt_error("kt_engine_set_profiling", st);
+    return false;
+  }
+  const bool ran = time_case(which, work, 0, calls, error) >= 0;
+  kt_engine_set_profiling(engine_, 0);
+  if (!ran) return false;
+  stage_ms->clear();
+  for (int stage = 0; kt_stage_name(stage) != nullptr; ++stage) {
+    int64_t count = 0;
+    double seconds = 0;
+    if (kt_engine_profile_stage(engine_, stage, &count, &seconds) == KT_OK && count > 0)
+      stage_ms->emplace_back(kt_stage_name(stage), seconds * 1e3 / calls);
+  }
+  return true;
+}
+
 bool KtRunner::outputs(Case which, const Workload& work, std::vector<float>* y_out, std::vector<float>* dx_out,
                        std::string* error) {
   if (!prepare(mode_of(which), error)) return false;

@@ -22,6 +22,11 @@ class KtRunner {
   // Median seconds of one call of `which` over the workload's batches (cycled),
   // after `warmup` calls; negative with *error set when kt reports a failure.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  // kt's per-stage profile over `calls` further calls (profiling is on only
+  // for them, so the timed calls never pay for it): (stage, ms per call) of
+  // every stage that ran.
+  bool profile_case(Case which, const Workload& work, int calls, std::vector<std::pair<std::string, double>>* stage_ms,
+                    std::string* error);
   // One call on the workload's first batch: y and (training cases) dx as floats.
   bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);
   // (mode, seconds) of every layer loaded so far: how long kt took to pack it.
