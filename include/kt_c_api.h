@@ -431,6 +431,48 @@ KT_API kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int
 /* Zeroes every stage's time and count. */
 KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
 
+/* ----------------------------------------------------------- packed cache */
+
+/* A layer's weights in kt's packed panel layout, saved to one file and
+ * memory-mapped back, so a large model reloads without repacking (`kt
+ * convert` writes one per MoE layer of a checkpoint).
+ *
+ * The file carries a versioned header (magic, cache format version, kt ABI
+ * version, panel layout id, E/H/I and bias flag, section offsets and byte
+ * sizes) and a 64-bit checksum of the header and of each section (gate, up,
+ * down panels; fp32 biases; per-expert loaded flags). The panel layout is the
+ * same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on one
+ * CPU loads on any; a cache of another format version, ABI version or panel
+ * layout is refused (KT_ERR_IO), one of another E/H/I/bias setting too
+ * (KT_ERR_SHAPE); messages name the file. */
+
+/* kt_moe_load_packed flag: check the header only, not the section
+ * checksums (which read the whole file once). */
+#define KT_PACKED_SKIP_CHECKSUMS 1u
+
+/* Writes moe's packed weights, biases and loaded flags to path (borrowed):
+ * to a temporary file in the same directory, fsync'ed and renamed over path,
+ * so path holds the old file or the whole new one. Experts never loaded are
+ * stored as zeros and flagged not loaded; the skipped mask is the host's
+ * routing setting and is not stored. At least one expert must be loaded
+ * (KT_ERR_NOT_LOADED otherwise). Serialised with the layer's compute calls. */
+KT_API kt_status kt_moe_save_packed(kt_moe* moe, const char* path);
+
+/* Replaces moe's weights, biases and loaded flags (experts not loaded in the
+ * file become not loaded; the skipped mask is kept) with those of the cache
+ * at path (borrowed). moe's E, H, I and bias setting must match the file's.
+ * The file is checked in full (header, sizes, and section checksums unless
+ * flags has KT_PACKED_SKIP_CHECKSUMS) before anything changes: on failure
+ * moe is as it was.
+ * In KT_MODE_INFERENCE and KT_MODE_LORA the weights are not copied: the
+ * layer reads them from a read-only mapping of the file, which it keeps
+ * until it is destroyed or weights are loaded into it again (the file may be
+ * replaced or removed meanwhile; it must not be modified in place). In
+ * KT_MODE_FULL, where kt_moe_params_changed repacks the base weights, they
+ * are copied into the layer's own memory and the file is not kept open.
+ * Serialised with the layer's compute calls. */
+KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags);
+
 /* ------------------------------------------------ checkpoints (kt_ckpt_*) */
 
 /* Hugging Face checkpoint directories: config.json plus safetensors files

@@ -3,12 +3,18 @@
 //   kt demo [--json] [--keep DIR]
 //                               writes a small synthetic checkpoint, loads a layer
 //                               from it through the ABI, runs a forward, checks it
+//   kt convert DIR OUT [--layers L,...] [--json]
+//                               packs each MoE layer of a checkpoint into
+//                               OUT/layer-<L>.ktpack (kt_moe_load_packed maps
+//                               them back) plus OUT/manifest.json
 //   kt version [--json]
 #include <dirent.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -76,6 +82,10 @@ int usage(FILE* to) {
                "  demo [--json] [--keep DIR] write a synthetic checkpoint, load a layer from it,\n"
                "                             run a forward and check it against the same weights\n"
                "                             loaded from tensors\n"
+               "  convert DIR OUT [--layers L,...] [--json]\n"
+               "                             pack the MoE layers of checkpoint DIR into a packed\n"
+               "                             cache: OUT/layer-<L>.ktpack (memory-mapped back by\n"
+               "                             kt_moe_load_packed) and OUT/manifest.json\n"
                "  version [--json]           library version, ABI, build, CPU ISA\n");
   return to == stderr ? 2 : 0;
 }
@@ -373,6 +383,215 @@ int cmd_demo(bool json, const std::string& keep_dir) {
   return rc;
 }
 
+// ----------------------------------------------------------------- convert
+
+// Writes text to path through a temporary file, fsync and rename, so a reader
+// sees the old manifest or the new one.
+bool write_file_atomic(const std::string& path, const std::string& text, std::string* error) {
+  const std::string temp = path + ".tmp." + std::to_string(getpid());
+  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    *error = temp + ": cannot create: " + std::strerror(errno);
+    return false;
+  }
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = write(fd, text.data() + done, text.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *error = temp + ": write failed: " + std::strerror(errno);
+      close(fd);
+      unlink(temp.c_str());
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (fsync(fd) != 0 || close(fd) != 0 || rename(temp.c_str(), path.c_str()) != 0) {
+    *error = path + ": cannot write: " + std::strerror(errno);
+    unlink(temp.c_str());
+    return false;
+  }
+  const std::string dir = path.substr(0, path.rfind('/') == std::string::npos ? 0 : path.rfind('/'));
+  const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    fsync(dfd);
+    close(dfd);
+  }
+  return true;
+}
+
+bool make_directories(const std::string& dir) {
+  for (size_t at = 1; at <= dir.size(); ++at) {
+    if (at != dir.size() && dir[at] != '/') continue;
+    const std::string part = dir.substr(0, at);
+    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return false;
+  }
+  struct stat st;
+  return stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// "3,5,7" -> {3, 5, 7}; false on anything else.
+bool parse_layer_list(const std::string& text, std::vector<int64_t>* out) {
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(at, end - at);
+    char* stop = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(item.c_str(), &stop, 10);
+    if (item.empty() || errno != 0 || *stop != '\0' || v < 0) return false;
+    out->push_back(v);
+    at = end + 1;
+  }
+  return !out->empty();
+}
+
+struct ConvertProgress {
+  bool draw = false;
+  size_t index = 0, count = 0;
+  int64_t layer = 0;
+};
+
+void draw_progress(int64_t done, int64_t total, void* user) {
+  const auto* p = static_cast<const ConvertProgress*>(user);
+  if (!p->draw) return;
+  const int width = 30;
+  const int filled = total > 0 ? static_cast<int>(done * width / total) : width;
+  std::fprintf(stderr, "\rlayer %lld (%zu/%zu) [%.*s%*s] %lld/%lld experts", static_cast<long long>(p->layer),
+               p->index + 1, p->count, filled, "##############################", width - filled, "",
+               static_cast<long long>(done), static_cast<long long>(total));
+  std::fflush(stderr);
+}
+
+int64_t file_size(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
+}
+
+int cmd_convert(const std::string& dir, const std::string& out, const std::string& layer_list, bool json) {
+  std::vector<int64_t> wanted;
+  if (!layer_list.empty() && !parse_layer_list(layer_list, &wanted)) {
+    std::fprintf(stderr, "kt convert: --layers takes layer numbers separated by commas, got '%s'\n",
+                 layer_list.c_str());
+    return 2;
+  }
+  kt_ckpt* ck = nullptr;
+  kt_status st = kt_ckpt_open(dir.c_str(), &ck);
+  if (st != KT_OK) return report_failure("convert", st, json);
+  kt_ckpt_info info;
+  std::memset(&info, 0, sizeof(info));
+  info.struct_size = sizeof(info);
+  if ((st = kt_ckpt_get_info(ck, &info)) != KT_OK) {
+    kt_ckpt_close(ck);
+    return report_failure("convert", st, json);
+  }
+  std::vector<kt_ckpt_layer_info> layers;
+  for (int64_t i = 0; i < info.num_moe_layers; ++i) {
+    kt_ckpt_layer_info li;
+    std::memset(&li, 0, sizeof(li));
+    li.struct_size = sizeof(li);
+    if ((st = kt_ckpt_get_layer_info(ck, i, &li)) != KT_OK) {
+      kt_ckpt_close(ck);
+      return report_failure("convert", st, json);
+    }
+    const bool selected = wanted.empty() || std::find(wanted.begin(), wanted.end(), li.layer) != wanted.end();
+    if (selected) layers.push_back(li);
+  }
+  for (int64_t L : wanted) {
+    bool found = false;
+    for (const auto& li : layers) found = found || li.layer == L;
+    if (!found) {
+      kt_ckpt_close(ck);
+      std::fprintf(stderr, "kt convert: %s has no MoE layer %lld\n", dir.c_str(), static_cast<long long>(L));
+      return 1;
+    }
+  }
+  for (const auto& li : layers) {
+    if (li.loadable) continue;
+    kt_ckpt_close(ck);
+    std::fprintf(stderr, "kt convert: layer %lld stores %s %s weights; kt packs bf16/fp16/fp32 layers only\n",
+                 static_cast<long long>(li.layer), kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype));
+    return 1;
+  }
+  if (!make_directories(out)) {
+    kt_ckpt_close(ck);
+    std::fprintf(stderr, "kt convert: %s: cannot create the directory: %s\n", out.c_str(), std::strerror(errno));
+    return 1;
+  }
+  kt_engine* engine = nullptr;
+  if ((st = kt_engine_create(nullptr, &engine)) != KT_OK) {
+    kt_ckpt_close(ck);
+    return report_failure("convert", st, json);
+  }
+  ConvertProgress progress;
+  progress.draw = !json && isatty(STDERR_FILENO);
+  progress.count = layers.size();
+  std::string entries;
+  int64_t total_bytes = 0;
+  for (size_t i = 0; i < layers.size() && st == KT_OK; ++i) {
+    const kt_ckpt_layer_info& li = layers[i];
+    progress.index = i;
+    progress.layer = li.layer;
+    kt_moe_options mo;
+    kt_moe* moe = nullptr;
+    const std::string name = "layer-" + std::to_string(li.layer) + ".ktpack";
+    const std::string path = out + "/" + name;
+    if ((st = kt_ckpt_moe_options(ck, li.layer, &mo)) == KT_OK) {
+      mo.max_tokens = 1;  // the layer only packs and saves: keep its workspaces small
+      st = kt_moe_create(engine, &mo, &moe);
+    }
+    if (st == KT_OK) st = kt_ckpt_load_layer(ck, li.layer, moe, draw_progress, &progress);
+    if (st == KT_OK) st = kt_moe_save_packed(moe, path.c_str());
+    kt_moe_destroy(moe);
+    if (st != KT_OK) break;
+    const int64_t bytes = file_size(path);
+    total_bytes += bytes;
+    char entry[640];
+    std::snprintf(entry, sizeof(entry),
+                  "%s\n    {\"layer\": %lld, \"file\": %s, \"bytes\": %lld, \"experts\": %lld, \"hidden\": %lld, "
+                  "\"intermediate\": %lld, \"bias\": %s, \"top_k\": %lld, \"activation\": %s, \"act_alpha\": %.9g, "
+                  "\"act_limit\": %.9g, \"source_dtype\": %s}",
+                  i ? "," : "", static_cast<long long>(li.layer), json_string(name).c_str(),
+                  static_cast<long long>(bytes), static_cast<long long>(li.num_experts),
+                  static_cast<long long>(li.hidden), static_cast<long long>(li.intermediate),
+                  li.has_bias ? "true" : "false", static_cast<long long>(mo.top_k),
+                  json_string(mo.activation == KT_ACT_SWIGLU_OAI ? "swiglu_oai" : "silu").c_str(),
+                  static_cast<double>(mo.act_alpha), static_cast<double>(mo.act_limit),
+                  json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str());
+    entries += entry;
+  }
+  if (progress.draw && !layers.empty()) std::fprintf(stderr, "\n");
+  kt_engine_destroy(engine);
+  if (st != KT_OK) {
+    kt_ckpt_close(ck);
+    return report_failure("convert", st, json);
+  }
+  // The manifest goes last: its presence says every layer file is complete.
+  std::string manifest = "{\n  \"format\": \"kt-packed-cache\",\n  \"kt_version\": " + json_string(kt_version()) +
+                         ",\n  \"abi\": " + std::to_string(kt_abi_version()) + ",\n  \"source\": " + json_string(dir) +
+                         ",\n  \"architecture\": " + json_string(info.architecture) +
+                         ",\n  \"model_type\": " + json_string(info.model_type) +
+                         ",\n  \"layout\": " + json_string(kt_ckpt_layout_name(info.layout)) +
+                         ",\n  \"bytes\": " + std::to_string(total_bytes) + ",\n  \"layers\": [" + entries +
+                         (layers.empty() ? "" : "\n  ") + "]\n}\n";
+  kt_ckpt_close(ck);
+  std::string error;
+  if (!write_file_atomic(out + "/manifest.json", manifest, &error)) {
+    std::fprintf(stderr, "kt convert: %s\n", error.c_str());
+    return 1;
+  }
+  if (json) {
+    std::printf("{\"ok\": true, \"out\": %s, \"manifest\": %s, \"layers\": %zu, \"bytes\": %lld}\n",
+                json_string(out).c_str(), json_string(out + "/manifest.json").c_str(), layers.size(),
+                static_cast<long long>(total_bytes));
+  } else {
+    std::printf("kt convert: packed %zu MoE layer(s) of %s into %s (%s), manifest.json written\n", layers.size(),
+                dir.c_str(), out.c_str(), human_bytes(total_bytes).c_str());
+  }
+  return 0;
+}
+
 int cmd_version(bool json) {
   if (json)
     std::printf("{\"version\": %s, \"abi\": %d, \"build\": %s, \"cpu_isa\": %s}\n", json_string(kt_version()).c_str(),
@@ -389,7 +608,7 @@ int main(int argc, char** argv) {
   if (argc < 2) return usage(stderr);
   const std::string cmd = argv[1];
   bool json = false;
-  std::string keep;
+  std::string keep, layer_list;
   std::vector<std::string> positional;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -397,6 +616,8 @@ int main(int argc, char** argv) {
       json = true;
     } else if (a == "--keep" && cmd == "demo" && i + 1 < argc) {
       keep = argv[++i];
+    } else if (a == "--layers" && cmd == "convert" && i + 1 < argc) {
+      layer_list = argv[++i];
     } else if (a == "-h" || a == "--help") {
       return usage(stdout);
     } else if (!a.empty() && a[0] == '-') {
@@ -408,6 +629,7 @@ int main(int argc, char** argv) {
   }
   if (cmd == "info" && positional.size() == 1) return cmd_info(positional[0], json);
   if (cmd == "demo" && positional.empty()) return cmd_demo(json, keep);
+  if (cmd == "convert" && positional.size() == 2) return cmd_convert(positional[0], positional[1], layer_list, json);
   if (cmd == "version" && positional.empty()) return cmd_version(json);
   if (cmd == "help" || cmd == "-h" || cmd == "--help") return usage(stdout);
   return usage(stderr);

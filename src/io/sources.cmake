@@ -10,6 +10,7 @@ list(APPEND KT_CORE_SOURCES
   src/io/elements.cpp
   src/io/exporters.cpp
   src/io/layout.cpp
+  src/io/packed_cache.cpp
   src/io/safetensors.cpp
   src/io/writer.cpp
 )

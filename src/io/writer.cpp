@@ -28,62 +28,62 @@ std::string directory_of(const std::string& path) {
   return slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
 }
 
-// An open temporary file that is removed unless committed.
-class TempFile {
- public:
-  explicit TempFile(const std::string& final_path) : final_(final_path) {
-    static std::atomic<unsigned> counter{0};
-    const std::string base = final_path.substr(final_path.rfind('/') + 1);
-    temp_ = directory_of(final_path) + "/." + base + ".tmp." + std::to_string(::getpid()) + "." +
-            std::to_string(counter.fetch_add(1));
-    fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd_ < 0) io_fail(temp_ + ": cannot create: " + std::strerror(errno));
-  }
-  ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(temp_.c_str());
-  }
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-
-  void write(const void* data, size_t n) {
-    const char* p = static_cast<const char*>(data);
-    while (n > 0) {
-      const ssize_t w = ::write(fd_, p, n);
-      if (w < 0) {
-        if (errno == EINTR) continue;
-        io_fail(final_ + ": write failed: " + std::strerror(errno));
-      }
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-  }
-
-  void commit() {
-    if (::fsync(fd_) != 0) io_fail(final_ + ": fsync failed: " + std::strerror(errno));
-    if (::close(fd_) != 0) {
-      fd_ = -1;
-      io_fail(final_ + ": close failed: " + std::strerror(errno));
-    }
-    fd_ = -1;
-    if (::rename(temp_.c_str(), final_.c_str()) != 0)
-      io_fail(final_ + ": cannot rename the temporary file into place: " + std::strerror(errno));
-    committed_ = true;
-    const std::string dir = directory_of(final_);
-    const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-      ::fsync(dfd);  // best effort: some file systems refuse directory fsync
-      ::close(dfd);
-    }
-  }
-
- private:
-  std::string final_, temp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
 }  // namespace
+
+AtomicFile::AtomicFile(const std::string& final_path) : final_(final_path) {
+  static std::atomic<unsigned> counter{0};
+  const std::string base = final_path.substr(final_path.rfind('/') + 1);
+  temp_ = directory_of(final_path) + "/." + base + ".tmp." + std::to_string(::getpid()) + "." +
+          std::to_string(counter.fetch_add(1));
+  fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd_ < 0) io_fail(temp_ + ": cannot create: " + std::strerror(errno));
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!committed_) ::unlink(temp_.c_str());
+}
+
+void AtomicFile::write(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  written_ += n;
+  while (n > 0) {
+    const ssize_t w = ::write(fd_, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      io_fail(final_ + ": write failed: " + std::strerror(errno));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+  }
+}
+
+void AtomicFile::write_zeros(size_t n) {
+  static const char zeros[4096] = {};
+  while (n > 0) {
+    const size_t chunk = n < sizeof(zeros) ? n : sizeof(zeros);
+    write(zeros, chunk);
+    n -= chunk;
+  }
+}
+
+void AtomicFile::commit() {
+  if (::fsync(fd_) != 0) io_fail(final_ + ": fsync failed: " + std::strerror(errno));
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    io_fail(final_ + ": close failed: " + std::strerror(errno));
+  }
+  fd_ = -1;
+  if (::rename(temp_.c_str(), final_.c_str()) != 0)
+    io_fail(final_ + ": cannot rename the temporary file into place: " + std::strerror(errno));
+  committed_ = true;
+  const std::string dir = directory_of(final_);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);  // best effort: some file systems refuse directory fsync
+    ::close(dfd);
+  }
+}
 
 uint64_t TensorToWrite::nbytes() const {
   uint64_t n = st_dtype_info(dtype).size;
@@ -108,7 +108,7 @@ void write_safetensors_atomic(const std::string& path, std::vector<TensorToWrite
   }
   std::string text = header.dump();
   while ((8 + text.size()) % 8 != 0) text += ' ';  // the data area starts 8-byte aligned
-  TempFile f(path);
+  AtomicFile f(path);
   uint8_t len[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
@@ -126,7 +126,7 @@ void write_safetensors_atomic(const std::string& path, std::vector<TensorToWrite
 }
 
 void write_text_atomic(const std::string& path, const std::string& text) {
-  TempFile f(path);
+  AtomicFile f(path);
   f.write(text.data(), text.size());
   f.commit();
 }

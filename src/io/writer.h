@@ -31,6 +31,28 @@ void write_safetensors_atomic(const std::string& path, std::vector<TensorToWrite
 
 void write_text_atomic(const std::string& path, const std::string& text);
 
+// A file written under a temporary name in its final directory; commit()
+// fsyncs it, renames it into place and fsyncs the directory. Destroyed
+// uncommitted, the temporary file is removed and the final name untouched.
+class AtomicFile {
+ public:
+  explicit AtomicFile(const std::string& final_path);
+  ~AtomicFile();
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  void write(const void* data, size_t n);
+  void write_zeros(size_t n);
+  uint64_t bytes_written() const { return written_; }
+  void commit();
+
+ private:
+  std::string final_, temp_;
+  int fd_ = -1;
+  bool committed_ = false;
+  uint64_t written_ = 0;
+};
+
 // Creates dir (and its parents) when missing; KT_ERR_IO naming it otherwise.
 void ensure_directory(const std::string& dir);
 

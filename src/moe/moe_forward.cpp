@@ -194,8 +194,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t col0 = (items_[static_cast<size_t>(it)] & 0xffffffff) * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    const bf16_t* wg = w_[kGate].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
-    const bf16_t* wu = w_[kUp].data() + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    const bf16_t* wg = wp_[kGate] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    const bf16_t* wu = wp_[kUp] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
@@ -255,7 +255,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     clear_columns(acc, t0, t1, H, col0, ncols);
     float* co = s.c[0].data();
     for (int32_t e : R.active) {
-      const bf16_t* wd = w_[kDown].data() + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
+      const bf16_t* wd = wp_[kDown] + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
       const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
       int64_t pbegin, pend;
       token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,

@@ -52,6 +52,7 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
   w_[kGate].resize(static_cast<size_t>(E * gate_shape.elements()));
   w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
   w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
+  for (int p = 0; p < 3; ++p) wp_[p] = w_[p].data();
   if (o.has_bias) {
     b_[kGate].resize(static_cast<size_t>(E * I));
     b_[kUp].resize(static_cast<size_t>(E * I));
@@ -234,7 +235,56 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
   WeightSet ws = parse_weights(*this, lo, table, single, where);
+  own_weights();
   pack_weights(*this, ws, lo, single, w_, b_, loaded_);
+}
+
+void kt_moe::own_weights() {
+  if (!mapping_) return;
+  const size_t counts[3] = {static_cast<size_t>(E * gate_shape.elements()),
+                            static_cast<size_t>(E * gate_shape.elements()),
+                            static_cast<size_t>(E * down_shape.elements())};
+  // Allocate all three before changing anything, so running out of memory
+  // leaves the mapped weights in use.
+  kt::Buffer<bf16_t> owned[3];
+  for (int p = 0; p < 3; ++p) owned[p].resize(counts[p]);
+  for (int p = 0; p < 3; ++p) {
+    const int64_t per_expert = static_cast<int64_t>(counts[p]) / E;
+    const bf16_t* src = wp_[p];
+    bf16_t* dst = owned[p].data();
+    engine->pool->run(E, [&](int64_t e, int) {
+      std::memcpy(dst + e * per_expert, src + e * per_expert, static_cast<size_t>(per_expert) * sizeof(bf16_t));
+    });
+    w_[p] = std::move(owned[p]);
+    wp_[p] = w_[p].data();
+  }
+  mapping_.reset();
+}
+
+void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const bf16_t* const weights[3],
+                          const float* const biases[3], const uint8_t* loaded) {
+  const int64_t per_expert[3] = {gate_shape.elements(), gate_shape.elements(), down_shape.elements()};
+  if (opt.mode == KT_MODE_FULL) {
+    // Never mapped in full mode, so w_ is allocated: copy, keep no mapping.
+    for (int p = 0; p < 3; ++p) {
+      const bf16_t* src = weights[p];
+      bf16_t* dst = w_[p].data();
+      const int64_t n = per_expert[p];
+      engine->pool->run(E, [&](int64_t e, int) {
+        std::memcpy(dst + e * n, src + e * n, static_cast<size_t>(n) * sizeof(bf16_t));
+      });
+    }
+  } else {
+    for (int p = 0; p < 3; ++p) {
+      wp_[p] = weights[p];
+      w_[p].resize(0);  // the owned copy is not read any more: give its memory back
+    }
+    mapping_ = std::move(mapping);
+  }
+  if (opt.has_bias)
+    for (int p = 0; p < 3; ++p)
+      std::memcpy(b_[p].data(), biases[p], b_[p].size() * sizeof(float));
+  std::memcpy(loaded_.data(), loaded, loaded_.size());
 }
 
 void kt_moe::set_skipped(const DLTensor* mask) {
@@ -351,6 +401,7 @@ void kt_moe::params_changed() {
       ws.bd = bound_[KT_ARG_B_DOWN].view;
       ws.has[sBg] = ws.has[sBu] = ws.has[sBd] = true;
     }
+    own_weights();
     pack_weights(*this, ws, bound_load_options_, -1, w_, b_, loaded_);
   }
 }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_set>
@@ -97,6 +98,21 @@ struct kt_moe {
   void check_backward_state(const BackwardCall& call) const;
   void backward(kt_context* ctx, const BackwardCall& call);
 
+  // Packed weights as the kernels read them ([E][panels] per projection):
+  // the layer's own buffers, or a read-only packed-cache mapping.
+  const kt::bf16_t* packed_weights(int proj) const { return wp_[proj]; }
+  const float* biases(int proj) const { return b_[proj].data(); }
+  const std::vector<uint8_t>& loaded_mask() const { return loaded_; }
+  bool weights_mapped() const { return mapping_ != nullptr; }
+  // Replaces every expert's packed weights, biases and loaded flag (call
+  // under the compute lock, after every check: it cannot fail). The weights
+  // stay where they are, inside `mapping`, which the layer keeps alive until
+  // it is destroyed or weights are loaded again; in KT_MODE_FULL they are
+  // copied into the layer's buffers instead, since params_changed repacks
+  // into those. biases may be null when the layer has none.
+  void adopt_packed(std::shared_ptr<const void> mapping, const kt::bf16_t* const weights[3],
+                    const float* const biases[3], const uint8_t* loaded);
+
   kt_context* new_context(const ForwardCall& call);
   void release_context(kt_context* ctx);
   bool owns(const kt_context* ctx) const;
@@ -126,10 +142,18 @@ struct kt_moe {
   void write_grad(const kt::View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
                   int64_t cols, bool transpose_src, float scale, bool accumulate) const;
 
+  // Makes the layer's own buffers hold the weights again (copying them out
+  // of a mapping), before weights are packed into them.
+  void own_weights();
+
   const kt::Kernels& K_;
   int a_size_;  // bytes per A-format element
-  // Packed base weights [E][panels] and fp32 biases.
+  // Packed base weights [E][panels] and fp32 biases. The kernels read the
+  // weights through wp_: w_ itself, or a packed-cache mapping held by
+  // mapping_ (w_ is then released).
   kt::Buffer<kt::bf16_t> w_[3];
+  const kt::bf16_t* wp_[3] = {nullptr, nullptr, nullptr};
+  std::shared_ptr<const void> mapping_;
   kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
   std::vector<uint8_t> loaded_, skipped_;
   kt::LoraFactors lora_[3];

@@ -18,6 +18,7 @@ LAYOUT(ckpt_adapter_config_size, sizeof(kt_ckpt_adapter_config) == 48);
 LAYOUT(ckpt_layer_args_size, sizeof(kt_ckpt_layer_args) == 24);
 LAYOUT(ckpt_values, KT_CKPT_DTYPE_BF16 == 3 && KT_CKPT_DTYPE_E8M0 == 7 && KT_CKPT_LAYOUT_GPT_OSS == 5 &&
                         KT_CKPT_FORMAT_MXFP4 == 3);
+LAYOUT(packed_flags, KT_PACKED_SKIP_CHECKSUMS == 1u);
 
 static int failures = 0;
 #define CHECK(cond)                                                                              \
@@ -157,6 +158,26 @@ int main(int argc, char** argv) {
       }
       CHECK(fabs(y[r][c] - want) <= 1e-2 * (1.0 + fabs(want)));
     }
+  /* The packed cache: the layer saved, mapped back into a second layer,
+   * computes the same Y bit for bit. */
+  {
+    static float y_cached[T][H];
+    char pack[600];
+    kt_moe* mapped = NULL;
+    DLTensor tyc = tensor(y_cached, f32, 2, xshape);
+    snprintf(pack, sizeof(pack), "%s/layer-0.ktpack", root);
+    CHECK(kt_moe_save_packed(moe, pack) == KT_OK);
+    CHECK(kt_moe_create(engine, &mo, &mapped) == KT_OK);
+    CHECK(kt_moe_load_packed(mapped, "/nonexistent/layer.ktpack", 0) == KT_ERR_IO);
+    CHECK(strstr(kt_last_error(), "/nonexistent/layer.ktpack") != NULL);
+    CHECK(kt_moe_load_packed(mapped, pack, KT_PACKED_SKIP_CHECKSUMS) == KT_OK);
+    CHECK(kt_moe_load_packed(mapped, pack, 0) == KT_OK);
+    fargs[3].tensor = &tyc;
+    CHECK(kt_moe_forward(mapped, fargs, 4, NULL) == KT_OK);
+    fargs[3].tensor = &ty;
+    CHECK(memcmp(y, y_cached, sizeof(y)) == 0);
+    kt_moe_destroy(mapped);
+  }
   kt_moe_destroy(moe);
   kt_engine_destroy(engine);
   kt_ckpt_close(ck);

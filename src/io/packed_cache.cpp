@@ -1,0 +1,373 @@
+#include "io/packed_cache.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "io/io_guard.h"
+#include "io/safetensors.h"
+#include "io/writer.h"
+#include "moe/moe_layer.h"
+#include "runtime/engine.h"
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the packed cache is written as little-endian memory images"
+#endif
+
+namespace kt {
+namespace io {
+
+namespace {
+
+constexpr char kMagic[8] = {'K', 'T', 'P', 'A', 'C', 'K', '\n', '\x1a'};
+
+struct SectionEntry {
+  uint32_t kind;
+  uint32_t reserved;
+  uint64_t offset;       // from the start of the file
+  uint64_t bytes;
+  uint64_t block_bytes;  // checksum block size (> 0)
+  uint64_t checksum;     // hash64 of the blocks' hash64s
+};
+
+struct PackedHeader {
+  char magic[8];
+  uint32_t format_version;
+  uint32_t abi_version;
+  uint32_t panel_layout;
+  uint32_t panel_rows;
+  uint32_t weight_format;
+  uint32_t has_bias;
+  int64_t experts, hidden, intermediate;
+  uint64_t file_bytes;
+  uint32_t num_sections;
+  uint32_t reserved0;
+  SectionEntry sections[kPackedSections];
+  uint8_t reserved[232];
+  uint64_t header_checksum;  // hash64 of every byte before it
+};
+static_assert(sizeof(PackedHeader) == kPackedHeaderBytes, "the packed cache header is 512 bytes");
+static_assert(offsetof(PackedHeader, header_checksum) == kPackedHeaderBytes - 8, "checksum last");
+
+constexpr uint64_t kP1 = 11400714785074694791ull, kP2 = 14029467366897019727ull,
+                   kP3 = 1609587929392839161ull, kP4 = 9650029242287828579ull, kP5 = 2870177450012600261ull;
+
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t read64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+inline uint32_t read32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline uint64_t round64(uint64_t acc, uint64_t in) { return rotl(acc + in * kP2, 31) * kP1; }
+inline uint64_t merge64(uint64_t acc, uint64_t v) { return (acc ^ round64(0, v)) * kP1 + kP4; }
+
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// What one layer's cache holds, derived from its shape.
+struct Plan {
+  uint64_t bytes[kPackedSections];
+  uint64_t block[kPackedSections];
+  uint64_t offset[kPackedSections];
+  uint64_t file_bytes;
+};
+
+Plan plan_for(const kt_moe& m) {
+  Plan p{};
+  const uint64_t E = static_cast<uint64_t>(m.E);
+  const uint64_t g = static_cast<uint64_t>(m.gate_shape.elements()) * sizeof(bf16_t);
+  const uint64_t d = static_cast<uint64_t>(m.down_shape.elements()) * sizeof(bf16_t);
+  p.bytes[0] = E * g, p.block[0] = g;
+  p.bytes[1] = E * g, p.block[1] = g;
+  p.bytes[2] = E * d, p.block[2] = d;
+  p.bytes[3] = m.opt.has_bias ? E * static_cast<uint64_t>(2 * m.I + m.H) * sizeof(float) : 0;
+  p.block[3] = std::max<uint64_t>(p.bytes[3], 1);
+  p.bytes[4] = E, p.block[4] = E;
+  uint64_t at = round_up(kPackedHeaderBytes, kPackedSectionAlign);
+  for (int s = 0; s < kPackedSections; ++s) {
+    p.offset[s] = at;
+    at = round_up(at + p.bytes[s], kPackedSectionAlign);
+  }
+  p.file_bytes = p.offset[kPackedSections - 1] + p.bytes[kPackedSections - 1];
+  return p;
+}
+
+// Checksum of a section whose block i is at block_ptr(i) (nullptr = zeros),
+// blocks hashed on the engine's threads (caller holds the compute lock).
+template <class BlockPtr>
+uint64_t section_checksum(kt_engine* engine, uint64_t bytes, uint64_t block, BlockPtr block_ptr) {
+  const uint64_t n = (bytes + block - 1) / block;
+  std::vector<uint64_t> hashes(static_cast<size_t>(n));
+  std::vector<uint8_t> zeros;
+  uint64_t zero_hash = 0;
+  bool need_zero = false;
+  for (uint64_t i = 0; i < n && !need_zero; ++i) need_zero = block_ptr(i) == nullptr;
+  if (need_zero) {
+    zeros.assign(static_cast<size_t>(block), 0);
+    zero_hash = hash64(zeros.data(), zeros.size());
+  }
+  engine->pool->run(static_cast<int64_t>(n), [&](int64_t i, int) {
+    const uint64_t len = std::min(block, bytes - static_cast<uint64_t>(i) * block);
+    const uint8_t* p = block_ptr(static_cast<uint64_t>(i));
+    hashes[static_cast<size_t>(i)] = p ? hash64(p, static_cast<size_t>(len)) : zero_hash;
+  });
+  return hash64(hashes.data(), hashes.size() * sizeof(uint64_t));
+}
+
+std::string shape_string(int64_t E, int64_t H, int64_t I, bool bias) {
+  return "E=" + std::to_string(E) + " H=" + std::to_string(H) + " I=" + std::to_string(I) +
+         (bias ? " with biases" : " without biases");
+}
+
+}  // namespace
+
+uint64_t hash64(const void* data, size_t n, uint64_t seed) {
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  const uint8_t* const end = p + n;
+  uint64_t h;
+  if (n >= 32) {
+    uint64_t v1 = seed + kP1 + kP2, v2 = seed + kP2, v3 = seed, v4 = seed - kP1;
+    const uint8_t* const limit = end - 32;
+    do {
+      v1 = round64(v1, read64(p));
+      v2 = round64(v2, read64(p + 8));
+      v3 = round64(v3, read64(p + 16));
+      v4 = round64(v4, read64(p + 24));
+      p += 32;
+    } while (p <= limit);
+    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
+    h = merge64(h, v1);
+    h = merge64(h, v2);
+    h = merge64(h, v3);
+    h = merge64(h, v4);
+  } else {
+    h = seed + kP5;
+  }
+  h += static_cast<uint64_t>(n);
+  for (; p + 8 <= end; p += 8) h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
+  if (p + 4 <= end) {
+    h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl(h ^ (*p * kP5), 11) * kP1;
+  h ^= h >> 33;
+  h *= kP2;
+  h ^= h >> 29;
+  h *= kP3;
+  h ^= h >> 32;
+  return h;
+}
+
+void save_packed(kt_moe* moe, const std::string& path, const char* where) {
+  std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+  const std::vector<uint8_t>& loaded = moe->loaded_mask();
+  check(std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
+        std::string(where) + ": the layer has no expert loaded; there is nothing to save to " + path);
+  const Plan plan = plan_for(*moe);
+  const uint64_t E = static_cast<uint64_t>(moe->E);
+
+  // Biases as stored: gate [E,I], up [E,I], down [E,H], contiguous.
+  std::vector<float> biases;
+  if (moe->opt.has_bias) {
+    const size_t ni = static_cast<size_t>(moe->E * moe->I), nh = static_cast<size_t>(moe->E * moe->H);
+    biases.resize(2 * ni + nh);
+    std::memcpy(biases.data(), moe->biases(kGate), ni * sizeof(float));
+    std::memcpy(biases.data() + ni, moe->biases(kUp), ni * sizeof(float));
+    std::memcpy(biases.data() + 2 * ni, moe->biases(kDown), nh * sizeof(float));
+    // Experts never loaded hold no defined values: store zeros.
+    for (uint64_t e = 0; e < E; ++e) {
+      if (loaded[e]) continue;
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(e * moe->I), moe->I, 0.f);
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(ni + e * moe->I), moe->I, 0.f);
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(2 * ni + e * moe->H), moe->H, 0.f);
+    }
+  }
+
+  PackedHeader h;
+  std::memset(&h, 0, sizeof(h));
+  std::memcpy(h.magic, kMagic, sizeof(kMagic));
+  h.format_version = kPackedFormatVersion;
+  h.abi_version = KT_ABI_VERSION;
+  h.panel_layout = kPanelLayoutBf16R16K2;
+  h.panel_rows = kPanelRows;
+  h.weight_format = static_cast<uint32_t>(moe->opt.weight_format);
+  h.has_bias = moe->opt.has_bias ? 1 : 0;
+  h.experts = moe->E, h.hidden = moe->H, h.intermediate = moe->I;
+  h.file_bytes = plan.file_bytes;
+  h.num_sections = kPackedSections;
+  // An expert's slot of a weight section: its panels, or zeros when never loaded.
+  auto weight_block = [&](int proj) {
+    return [&, proj](uint64_t e) -> const uint8_t* {
+      if (!loaded[e]) return nullptr;
+      return reinterpret_cast<const uint8_t*>(moe->packed_weights(proj)) + e * plan.block[proj];
+    };
+  };
+  for (int s = 0; s < kPackedSections; ++s) {
+    SectionEntry& se = h.sections[s];
+    se.kind = static_cast<uint32_t>(kSectionGate + s);
+    se.offset = plan.offset[s];
+    se.bytes = plan.bytes[s];
+    se.block_bytes = plan.block[s];
+    if (s < 3)
+      se.checksum = section_checksum(moe->engine, se.bytes, se.block_bytes, weight_block(s));
+    else if (s == 3)
+      se.checksum = section_checksum(moe->engine, se.bytes, se.block_bytes, [&](uint64_t) {
+        return reinterpret_cast<const uint8_t*>(biases.data());
+      });
+    else
+      se.checksum = section_checksum(moe->engine, se.bytes, se.block_bytes, [&](uint64_t) { return loaded.data(); });
+  }
+  h.header_checksum = hash64(&h, offsetof(PackedHeader, header_checksum));
+
+  AtomicFile f(path);
+  f.write(&h, sizeof(h));
+  for (int s = 0; s < kPackedSections; ++s) {
+    f.write_zeros(static_cast<size_t>(plan.offset[s] - f.bytes_written()));
+    if (s < 3) {
+      auto block = weight_block(s);
+      for (uint64_t e = 0; e < E; ++e) {
+        const uint8_t* p = block(e);
+        if (p)
+          f.write(p, static_cast<size_t>(plan.block[s]));
+        else
+          f.write_zeros(static_cast<size_t>(plan.block[s]));
+      }
+    } else if (s == 3) {
+      f.write(biases.data(), static_cast<size_t>(plan.bytes[s]));
+    } else {
+      f.write(loaded.data(), loaded.size());
+    }
+  }
+  check(f.bytes_written() == plan.file_bytes, KT_ERR_INTERNAL,
+        std::string(where) + ": " + path + ": wrote " + std::to_string(f.bytes_written()) + " bytes, planned " +
+            std::to_string(plan.file_bytes));
+  f.commit();
+}
+
+void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
+  const std::string w = std::string(where) + ": " + path;
+  auto map = std::make_shared<MappedFile>(path);
+  const uint64_t size = map->size();
+  const uint8_t* base = map->data();
+  check(size >= 16 && std::memcmp(base, kMagic, sizeof(kMagic)) == 0, KT_ERR_IO,
+        w + ": not a kt packed cache (no KTPACK magic)");
+  uint32_t version;
+  std::memcpy(&version, base + 8, 4);
+  check(version == kPackedFormatVersion, KT_ERR_IO,
+        w + ": packed cache format version " + std::to_string(version) + "; this kt reads version " +
+            std::to_string(kPackedFormatVersion) + " (rebuild it with kt convert)");
+  check(size >= kPackedHeaderBytes, KT_ERR_IO,
+        w + ": truncated: " + std::to_string(size) + " bytes, shorter than the " +
+            std::to_string(kPackedHeaderBytes) + "-byte header");
+  PackedHeader h;
+  std::memcpy(&h, base, sizeof(h));
+  check(hash64(&h, offsetof(PackedHeader, header_checksum)) == h.header_checksum, KT_ERR_IO,
+        w + ": header checksum mismatch (the file is corrupted)");
+  check(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
+        w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
+            std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
+  check(h.panel_layout == kPanelLayoutBf16R16K2 && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
+        w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" + std::to_string(h.panel_rows) +
+            "-row panels); this kt packs layout " + std::to_string(kPanelLayoutBf16R16K2) + " (" +
+            std::to_string(kPanelRows) + "-row panels) (rebuild it with kt convert)");
+  check(h.weight_format == static_cast<uint32_t>(moe->opt.weight_format), KT_ERR_IO,
+        w + ": holds weight format " + std::to_string(h.weight_format) + ", the layer uses " +
+            std::to_string(moe->opt.weight_format));
+  check(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
+            (h.has_bias != 0) == (moe->opt.has_bias != 0),
+        KT_ERR_SHAPE,
+        w + ": the cache holds a layer of " + shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
+            " but the kt_moe was created with " + shape_string(moe->E, moe->H, moe->I, moe->opt.has_bias != 0));
+  check(h.file_bytes == size, KT_ERR_IO,
+        w + ": truncated or extended: the header says " + std::to_string(h.file_bytes) + " bytes, the file has " +
+            std::to_string(size));
+  const Plan plan = plan_for(*moe);
+  check(h.num_sections == kPackedSections, KT_ERR_IO, w + ": " + std::to_string(h.num_sections) + " sections, expected " +
+                                                        std::to_string(kPackedSections));
+  static const char* kNames[kPackedSections] = {"gate", "up", "down", "bias", "loaded"};
+  for (int s = 0; s < kPackedSections; ++s) {
+    const SectionEntry& se = h.sections[s];
+    const std::string sec = w + ": section '" + kNames[s] + "'";
+    check(se.kind == static_cast<uint32_t>(kSectionGate + s), KT_ERR_IO, sec + " has kind " + std::to_string(se.kind));
+    check(se.bytes == plan.bytes[s], KT_ERR_IO,
+          sec + " holds " + std::to_string(se.bytes) + " bytes, the layer needs " + std::to_string(plan.bytes[s]));
+    check(se.offset % 64 == 0 && se.offset >= kPackedHeaderBytes && se.offset <= size && se.bytes <= size - se.offset,
+          KT_ERR_IO, sec + " at offset " + std::to_string(se.offset) + " is misaligned or outside the file");
+    check(se.block_bytes > 0, KT_ERR_IO, sec + " has a zero checksum block size");
+    if (s > 0) {
+      const SectionEntry& prev = h.sections[s - 1];
+      check(se.offset >= prev.offset + prev.bytes, KT_ERR_IO, sec + " overlaps the section before it");
+    }
+  }
+  const uint8_t* loaded = base + h.sections[4].offset;
+  for (int64_t e = 0; e < moe->E; ++e)
+    if (loaded[e] > 1) fail(KT_ERR_IO, w + ": loaded flag of expert " + std::to_string(e) + " is not 0/1");
+
+  std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+  if (!(flags & KT_PACKED_SKIP_CHECKSUMS)) {
+    for (int s = 0; s < kPackedSections; ++s) {
+      const SectionEntry& se = h.sections[s];
+      const uint8_t* sec = base + se.offset;
+      const uint64_t got =
+          section_checksum(moe->engine, se.bytes, se.block_bytes, [&](uint64_t i) { return sec + i * se.block_bytes; });
+      check(got == se.checksum, KT_ERR_IO,
+            w + ": checksum mismatch in section '" + kNames[s] + "' (the file is corrupted)");
+    }
+  }
+  const bf16_t* weights[3];
+  for (int s = 0; s < 3; ++s) weights[s] = reinterpret_cast<const bf16_t*>(base + h.sections[s].offset);
+  const float* biases[3] = {nullptr, nullptr, nullptr};
+  if (moe->opt.has_bias) {
+    const float* b = reinterpret_cast<const float*>(base + h.sections[3].offset);
+    biases[0] = b;
+    biases[1] = b + moe->E * moe->I;
+    biases[2] = b + 2 * moe->E * moe->I;
+  }
+  moe->adopt_packed(std::shared_ptr<const void>(map, map->data()), weights, biases, loaded);
+}
+
+}  // namespace io
+}  // namespace kt
+
+namespace {
+
+void check_live_moe(const kt_moe* m, const char* where) {
+  kt::check(m != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
+  kt::check(m->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
+            std::string(where) + ": moe is not a live kt_moe (destroyed?)");
+}
+
+void check_path_arg(const char* path, const char* where) {
+  kt::check(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": path is NULL");
+  kt::check(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": path is empty");
+}
+
+}  // namespace
+
+kt_status kt_moe_save_packed(kt_moe* moe, const char* path) {
+  const char* w = "kt_moe_save_packed";
+  return kt::io::guarded(w, [&] {
+    check_live_moe(moe, w);
+    check_path_arg(path, w);
+    kt::io::save_packed(moe, path, w);
+  });
+}
+
+kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags) {
+  const char* w = "kt_moe_load_packed";
+  return kt::io::guarded(w, [&] {
+    check_live_moe(moe, w);
+    check_path_arg(path, w);
+    kt::check((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": flags has bits this kt does not know");
+    kt::io::load_packed(moe, path, flags, w);
+  });
+}
