@@ -1,0 +1,469 @@
+// The packed cache: a layer saved with kt_moe_save_packed and mapped back
+// with kt_moe_load_packed computes bit-identically on every ISA the CPU
+// runs; broken, foreign or mismatched caches are refused with a message
+// naming the file, and the layer stays as it was; kt convert packs every
+// MoE layer of a checkpoint into caches that load back.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "harness.h"
+#include "kt_c_api.h"
+#include "st_builder.h"
+
+using kt_test::Tensor;
+using kt_test::TensorPtr;
+
+namespace {
+
+std::vector<uint8_t> read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// xxHash64, written here apart from src/io, to patch header fields and
+// reseal the header the way a cache of another kt would be sealed.
+uint64_t xxh64(const uint8_t* p, size_t n) {
+  const uint64_t P1 = 11400714785074694791ull, P2 = 14029467366897019727ull, P3 = 1609587929392839161ull,
+                 P4 = 9650029242287828579ull, P5 = 2870177450012600261ull;
+  auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
+  auto rd64 = [](const uint8_t* q) { uint64_t v; std::memcpy(&v, q, 8); return v; };
+  auto round = [&](uint64_t acc, uint64_t in) { return rotl(acc + in * P2, 31) * P1; };
+  const uint8_t* end = p + n;
+  uint64_t h;
+  if (n >= 32) {
+    uint64_t v[4] = {P1 + P2, P2, 0, 0 - P1};
+    while (end - p >= 32) {
+      for (int i = 0; i < 4; ++i) v[i] = round(v[i], rd64(p + 8 * i));
+      p += 32;
+    }
+    h = rotl(v[0], 1) + rotl(v[1], 7) + rotl(v[2], 12) + rotl(v[3], 18);
+    for (int i = 0; i < 4; ++i) h = (h ^ round(0, v[i])) * P1 + P4;
+  } else {
+    h = P5;
+  }
+  h += n;
+  for (; end - p >= 8; p += 8) h = rotl(h ^ round(0, rd64(p)), 27) * P1 + P4;
+  if (end - p >= 4) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
+    h = rotl(h ^ (uint64_t{v} * P1), 23) * P2 + P3;
+    p += 4;
+  }
+  for (; p < end; ++p) h = rotl(h ^ (*p * P5), 11) * P1;
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  return h ^ (h >> 32);
+}
+
+// Header fields the tests patch (the file layout of src/io/packed_cache.h).
+constexpr size_t kOffVersion = 8, kOffAbi = 12, kOffLayout = 16, kOffHeaderSum = 504, kHeader = 512;
+constexpr size_t kOffSections = 72, kSectionBytes = 40;
+
+void reseal(std::vector<uint8_t>& bytes) {
+  const uint64_t h = xxh64(bytes.data(), kOffHeaderSum);
+  std::memcpy(bytes.data() + kOffHeaderSum, &h, 8);
+}
+
+struct Weights {
+  TensorPtr gate, up, down, bg, bu, bd;
+  Weights(const kt_moe_options& o, uint32_t seed) {
+    const int64_t E = o.num_experts, H = o.hidden, I = o.intermediate;
+    gate = Tensor::make(kt_test::kF32, {E, I, H});
+    up = Tensor::make(kt_test::kF32, {E, I, H});
+    down = Tensor::make(kt_test::kF32, {E, H, I});
+    bg = Tensor::make(kt_test::kF32, {E, I});
+    bu = Tensor::make(kt_test::kF32, {E, I});
+    bd = Tensor::make(kt_test::kF32, {E, H});
+    uint32_t s = seed * 2654435761u + 7u;
+    auto fill = [&](Tensor& t, double scale) {
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        s = s * 1664525u + 1013904223u;
+        t.set(i, (static_cast<double>(s >> 8) / 16777216.0 * 2.0 - 1.0) * scale);
+      }
+    };
+    fill(*gate, 0.25);
+    fill(*up, 0.25);
+    fill(*down, 0.25);
+    fill(*bg, 0.1);
+    fill(*bu, 0.1);
+    fill(*bd, 0.1);
+  }
+  std::vector<kt_arg> args(bool bias) const {
+    std::vector<kt_arg> a = {{KT_ARG_W_GATE, gate->dl()}, {KT_ARG_W_UP, up->dl()}, {KT_ARG_W_DOWN, down->dl()}};
+    if (bias) a.insert(a.end(), {{KT_ARG_B_GATE, bg->dl()}, {KT_ARG_B_UP, bu->dl()}, {KT_ARG_B_DOWN, bd->dl()}});
+    return a;
+  }
+};
+
+struct Outputs {
+  std::vector<float> y, dx;
+  kt_status status = KT_OK;
+};
+
+// Forward (saving a context) and backward of a fixed batch that routes to
+// every expert; y and dx as fp32.
+Outputs run(kt_moe* moe, const kt_moe_options& o) {
+  const int64_t T = 13, K = o.top_k, H = o.hidden;
+  TensorPtr x = Tensor::make(kt_test::kF32, {T, H});
+  TensorPtr ids = Tensor::make(kt_test::kI32, {T, K});
+  TensorPtr w = Tensor::make(kt_test::kF32, {T, K});
+  TensorPtr y = Tensor::make(kt_test::kF32, {T, H});
+  TensorPtr dy = Tensor::make(kt_test::kF32, {T, H});
+  TensorPtr dx = Tensor::make(kt_test::kF32, {T, H});
+  for (int64_t i = 0; i < T * H; ++i) {
+    x->set(i, static_cast<double>((i * 37) % 23 - 11) / 16.0);
+    dy->set(i, static_cast<double>((i * 29) % 19 - 9) / 32.0);
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      ids->set(t * K + j, static_cast<double>((t + 3 * j) % o.num_experts));
+      w->set(t * K + j, j == 0 ? 0.75 : 0.25 / static_cast<double>(K - 1));
+    }
+  Outputs out;
+  kt_arg fa[4] = {{KT_ARG_X, x->dl()}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, w->dl()}, {KT_ARG_Y, y->dl()}};
+  kt_context* ctx = nullptr;
+  out.status = kt_moe_forward(moe, fa, 4, &ctx);
+  if (out.status != KT_OK) return out;
+  kt_arg ba[2] = {{KT_ARG_DY, dy->dl()}, {KT_ARG_DX, dx->dl()}};
+  kt_backward_options bo;
+  kt_backward_options_init(&bo);
+  bo.param_grads = 0;
+  out.status = kt_moe_backward(moe, ctx, &bo, ba, 2);
+  kt_context_release(ctx);
+  out.y.assign(y->f32(), y->f32() + T * H);
+  out.dx.assign(dx->f32(), dx->f32() + T * H);
+  return out;
+}
+
+void expect_identical(const Outputs& a, const Outputs& b, const std::string& what) {
+  ASSERT_EQ(a.status, KT_OK) << what;
+  ASSERT_EQ(b.status, KT_OK) << what;
+  ASSERT_EQ(a.y.size(), b.y.size());
+  EXPECT_EQ(std::memcmp(a.y.data(), b.y.data(), a.y.size() * 4), 0) << what << ": Y differs";
+  EXPECT_EQ(std::memcmp(a.dx.data(), b.dx.data(), a.dx.size() * 4), 0) << what << ": dX differs";
+}
+
+class PackedCache : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/kt_packed_test.XXXXXX";
+    const char* d = mkdtemp(tmpl);
+    ASSERT_NE(d, nullptr);
+    dir_ = d;
+  }
+  void TearDown() override {
+    for (kt_moe* m : layers_) kt_moe_destroy(m);
+    for (kt_engine* e : engines_) kt_engine_destroy(e);
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  // An engine capped at isa, or nullptr when the CPU lacks it.
+  kt_engine* engine(kt_isa isa) {
+    if (isa != KT_ISA_AUTO && kt_cpu_isa() < isa) return nullptr;
+    kt_engine_options eo;
+    kt_engine_options_init(&eo);
+    eo.num_threads = 2;
+    eo.pin_threads = 0;
+    eo.max_isa = isa;
+    kt_engine* e = nullptr;
+    EXPECT_EQ(kt_engine_create(&eo, &e), KT_OK) << kt_last_error();
+    engines_.push_back(e);
+    kt_engine_info info;
+    info.struct_size = sizeof(info);
+    EXPECT_EQ(kt_engine_get_info(e, &info), KT_OK);
+    if (isa != KT_ISA_AUTO) {
+      EXPECT_EQ(info.isa, isa);
+    }
+    return e;
+  }
+  kt_moe* layer(kt_engine* e, const kt_moe_options& o) {
+    kt_moe* m = nullptr;
+    EXPECT_EQ(kt_moe_create(e, &o, &m), KT_OK) << kt_last_error();
+    layers_.push_back(m);
+    return m;
+  }
+  static kt_moe_options options(bool bias, kt_mode mode = KT_MODE_INFERENCE) {
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    o.num_experts = 5;
+    o.top_k = 2;
+    o.hidden = 40;  // not a multiple of the 16-row panels: padding is saved too
+    o.intermediate = 24;
+    o.max_tokens = 64;
+    o.has_bias = bias ? 1 : 0;
+    if (bias) {
+      o.activation = KT_ACT_SWIGLU_OAI;
+      o.act_limit = 7.f;
+    }
+    o.mode = mode;
+    return o;
+  }
+  kt_moe* loaded_layer(kt_engine* e, const kt_moe_options& o, const Weights& w) {
+    kt_moe* m = layer(e, o);
+    const std::vector<kt_arg> a = w.args(o.has_bias != 0);
+    EXPECT_EQ(kt_moe_load_weights(m, nullptr, a.data(), a.size()), KT_OK) << kt_last_error();
+    return m;
+  }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+
+  std::string dir_;
+  std::vector<kt_engine*> engines_;
+  std::vector<kt_moe*> layers_;
+};
+
+TEST_F(PackedCache, RoundTripIsBitIdenticalOnEveryIsa) {
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  for (bool bias : {false, true}) {
+    const kt_moe_options o = options(bias);
+    const Weights w(o, bias ? 11 : 5);
+    // Written once, by the reference engine: the layout is the same for all.
+    kt_engine* ref = engine(KT_ISA_REF);
+    const std::string file = path(bias ? "bias.ktpack" : "plain.ktpack");
+    ASSERT_EQ(kt_moe_save_packed(loaded_layer(ref, o, w), file.c_str()), KT_OK) << kt_last_error();
+    int ran = 0;
+    for (kt_isa isa : isas) {
+      kt_engine* e = engine(isa);
+      if (!e) continue;
+      ++ran;
+      const Outputs fresh = run(loaded_layer(e, o, w), o);
+      kt_moe* mapped = layer(e, o);
+      ASSERT_EQ(kt_moe_load_packed(mapped, file.c_str(), 0), KT_OK) << kt_last_error();
+      int64_t n = 0;
+      ASSERT_EQ(kt_moe_num_loaded(mapped, &n), KT_OK);
+      EXPECT_EQ(n, o.num_experts);
+      expect_identical(fresh, run(mapped, o), std::string(kt_isa_name(isa)) + (bias ? " with biases" : ""));
+      // A cache saved from a mapped layer is the same file.
+      const std::string again = path("again.ktpack");
+      ASSERT_EQ(kt_moe_save_packed(mapped, again.c_str()), KT_OK) << kt_last_error();
+      EXPECT_EQ(read_bytes(again), read_bytes(file));
+    }
+    EXPECT_GE(ran, 1);
+  }
+}
+
+TEST_F(PackedCache, MappedLayerOutlivesTheFileAndTakesNewExperts) {
+  const kt_moe_options o = options(true);
+  const Weights w(o, 3), other(o, 4);
+  kt_engine* e = engine(KT_ISA_AUTO);
+  const std::string file = path("layer.ktpack");
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, o, w), file.c_str()), KT_OK) << kt_last_error();
+  kt_moe* mapped = layer(e, o);
+  ASSERT_EQ(kt_moe_load_packed(mapped, file.c_str(), 0), KT_OK) << kt_last_error();
+  ASSERT_EQ(std::remove(file.c_str()), 0);  // the mapping keeps the data
+  // Expert 2 replaced from tensors: the others must keep the cached weights.
+  kt_moe* expected = loaded_layer(e, o, w);
+  const int64_t I = o.intermediate, H = o.hidden;
+  TensorPtr g = Tensor::make(kt_test::kF32, {I, H}), u = Tensor::make(kt_test::kF32, {I, H});
+  TensorPtr d = Tensor::make(kt_test::kF32, {H, I});
+  TensorPtr bg = Tensor::make(kt_test::kF32, {I}), bu = Tensor::make(kt_test::kF32, {I});
+  TensorPtr bd = Tensor::make(kt_test::kF32, {H});
+  std::memcpy(g->f32(), other.gate->f32() + 2 * I * H, static_cast<size_t>(I * H) * 4);
+  std::memcpy(u->f32(), other.up->f32() + 2 * I * H, static_cast<size_t>(I * H) * 4);
+  std::memcpy(d->f32(), other.down->f32() + 2 * I * H, static_cast<size_t>(I * H) * 4);
+  std::memcpy(bg->f32(), other.bg->f32() + 2 * I, static_cast<size_t>(I) * 4);
+  std::memcpy(bu->f32(), other.bu->f32() + 2 * I, static_cast<size_t>(I) * 4);
+  std::memcpy(bd->f32(), other.bd->f32() + 2 * H, static_cast<size_t>(H) * 4);
+  kt_arg one[6] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, u->dl()}, {KT_ARG_W_DOWN, d->dl()},
+                   {KT_ARG_B_GATE, bg->dl()}, {KT_ARG_B_UP, bu->dl()}, {KT_ARG_B_DOWN, bd->dl()}};
+  ASSERT_EQ(kt_moe_load_expert(mapped, 2, nullptr, one, 6), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_load_expert(expected, 2, nullptr, one, 6), KT_OK) << kt_last_error();
+  expect_identical(run(expected, o), run(mapped, o), "after replacing expert 2");
+}
+
+TEST_F(PackedCache, PartialLayersKeepTheirLoadedFlags) {
+  const kt_moe_options o = options(false);
+  const Weights w(o, 8);
+  kt_engine* e = engine(KT_ISA_AUTO);
+  kt_moe* empty = layer(e, o);
+  const std::string file = path("partial.ktpack");
+  EXPECT_EQ(kt_moe_save_packed(empty, file.c_str()), KT_ERR_NOT_LOADED);
+  EXPECT_FALSE(std::filesystem::exists(file));
+  // Experts 0..4 stacked with a map of {1, 3}: only those two are loaded.
+  const int64_t I = o.intermediate, H = o.hidden;
+  TensorPtr map = Tensor::make(kt_test::kI64, {2});
+  map->set(0, 1);
+  map->set(1, 3);
+  TensorPtr g = Tensor::make(kt_test::kF32, {2, I, H}), u = Tensor::make(kt_test::kF32, {2, I, H});
+  TensorPtr d = Tensor::make(kt_test::kF32, {2, H, I});
+  kt_arg a[4] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, u->dl()}, {KT_ARG_W_DOWN, d->dl()}, {KT_ARG_EXPERT_MAP, map->dl()}};
+  ASSERT_EQ(kt_moe_load_weights(empty, nullptr, a, 4), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_save_packed(empty, file.c_str()), KT_OK) << kt_last_error();
+  kt_moe* back = loaded_layer(e, o, w);  // fully loaded before: the cache replaces all
+  ASSERT_EQ(kt_moe_load_packed(back, file.c_str(), 0), KT_OK) << kt_last_error();
+  int64_t n = 0;
+  ASSERT_EQ(kt_moe_num_loaded(back, &n), KT_OK);
+  EXPECT_EQ(n, 2);
+  EXPECT_EQ(run(back, o).status, KT_ERR_NOT_LOADED);  // the batch routes to expert 0
+}
+
+TEST_F(PackedCache, FullModeCopiesAndRepacksLater) {
+  const kt_moe_options o = options(false, KT_MODE_FULL);
+  const Weights w(o, 21), w2(o, 22);
+  kt_engine* e = engine(KT_ISA_AUTO);
+  const std::string file = path("full.ktpack");
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, o, w), file.c_str()), KT_OK) << kt_last_error();
+  kt_moe* from_cache = layer(e, o);
+  ASSERT_EQ(kt_moe_load_packed(from_cache, file.c_str(), 0), KT_OK) << kt_last_error();
+  ASSERT_EQ(std::remove(file.c_str()), 0);
+  expect_identical(run(loaded_layer(e, o, w), o), run(from_cache, o), "full mode");
+  // The optimizer's weights are repacked over the copy.
+  const std::vector<kt_arg> bound = w2.args(false);
+  ASSERT_EQ(kt_moe_bind(from_cache, bound.data(), bound.size()), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_params_changed(from_cache), KT_OK) << kt_last_error();
+  expect_identical(run(loaded_layer(e, o, w2), o), run(from_cache, o), "full mode after params_changed");
+}
+
+TEST_F(PackedCache, BadCachesAreRefusedAndTheLayerStaysAsItWas) {
+  const kt_moe_options o = options(true);
+  const Weights w(o, 31), w_other(o, 32);
+  kt_engine* e = engine(KT_ISA_AUTO);
+  const std::string good = path("good.ktpack");
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, o, w_other), good.c_str()), KT_OK) << kt_last_error();
+  const std::vector<uint8_t> bytes = read_bytes(good);
+  ASSERT_GT(bytes.size(), 8192u);
+  // The victim holds other weights, once from tensors and once mapped.
+  kt_moe* victim = loaded_layer(e, o, w);
+  const Outputs before = run(victim, o);
+  ASSERT_EQ(before.status, KT_OK);
+
+  struct Case {
+    std::string name;
+    std::vector<uint8_t> bytes;
+    kt_status status;
+    std::string message;
+  };
+  std::vector<Case> cases;
+  auto patched = [&](size_t at, uint8_t xor_with, bool seal) {
+    std::vector<uint8_t> b = bytes;
+    b[at] ^= xor_with;
+    if (seal) reseal(b);
+    return b;
+  };
+  uint64_t down_offset;
+  std::memcpy(&down_offset, bytes.data() + kOffSections + 2 * kSectionBytes + 8, 8);
+  cases.push_back({"flipped weight byte", patched(static_cast<size_t>(down_offset) + 77, 0x10, false), KT_ERR_IO,
+                   "checksum mismatch in section 'down'"});
+  cases.push_back({"flipped header byte", patched(40, 0x01, false), KT_ERR_IO, "header checksum"});
+  cases.push_back({"bad magic", patched(0, 0x20, false), KT_ERR_IO, "not a kt packed cache"});
+  cases.push_back({"other format version", patched(kOffVersion, 0x02, true), KT_ERR_IO, "format version"});
+  cases.push_back({"other ABI version", patched(kOffAbi, 0x04, true), KT_ERR_IO, "ABI"});
+  cases.push_back({"other panel layout", patched(kOffLayout, 0x01, true), KT_ERR_IO, "panel layout"});
+  cases.push_back({"truncated", std::vector<uint8_t>(bytes.begin(), bytes.end() - 100), KT_ERR_IO, "truncated"});
+  cases.push_back({"truncated header", std::vector<uint8_t>(bytes.begin(), bytes.begin() + 300), KT_ERR_IO,
+                   "truncated"});
+  cases.push_back({"empty", {}, KT_ERR_IO, "not a kt packed cache"});
+  std::vector<uint8_t> grown = bytes;
+  grown.resize(grown.size() + 64, 0);
+  cases.push_back({"extended", grown, KT_ERR_IO, "truncated or extended"});
+  for (const Case& c : cases) {
+    const std::string file = path("bad.ktpack");
+    kt_io_test::write_file(file, c.bytes);
+    EXPECT_EQ(kt_moe_load_packed(victim, file.c_str(), 0), c.status) << c.name;
+    const std::string msg = kt_last_error();
+    EXPECT_NE(msg.find(file), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find(c.message), std::string::npos) << c.name << ": " << msg;
+    expect_identical(before, run(victim, o), "after refusing: " + c.name);
+  }
+  // A flipped weight byte passes when checksums are skipped (header only).
+  const std::string flipped = path("flipped.ktpack");
+  kt_io_test::write_file(flipped, cases[0].bytes);
+  EXPECT_EQ(kt_moe_load_packed(victim, flipped.c_str(), KT_PACKED_SKIP_CHECKSUMS), KT_OK) << kt_last_error();
+
+  // Wrong shape: a layer of another H, and one without biases.
+  kt_moe_options wider = o;
+  wider.hidden = 48;
+  kt_moe* other_shape = layer(e, wider);
+  EXPECT_EQ(kt_moe_load_packed(other_shape, good.c_str(), 0), KT_ERR_SHAPE);
+  EXPECT_NE(std::string(kt_last_error()).find(good), std::string::npos) << kt_last_error();
+  EXPECT_NE(std::string(kt_last_error()).find("H=40"), std::string::npos) << kt_last_error();
+  kt_moe* no_bias = layer(e, options(false));
+  EXPECT_EQ(kt_moe_load_packed(no_bias, good.c_str(), 0), KT_ERR_SHAPE);
+  int64_t n = -1;
+  ASSERT_EQ(kt_moe_num_loaded(no_bias, &n), KT_OK);
+  EXPECT_EQ(n, 0);
+
+  // Mapped victim: a refused cache leaves the mapped weights in use.
+  kt_moe* mapped = layer(e, o);
+  ASSERT_EQ(kt_moe_load_packed(mapped, good.c_str(), 0), KT_OK) << kt_last_error();
+  const Outputs mapped_before = run(mapped, o);
+  kt_io_test::write_file(path("bad.ktpack"), cases[0].bytes);
+  EXPECT_EQ(kt_moe_load_packed(mapped, path("bad.ktpack").c_str(), 0), KT_ERR_IO);
+  expect_identical(mapped_before, run(mapped, o), "mapped layer after a refused cache");
+
+  // Argument checks.
+  EXPECT_EQ(kt_moe_load_packed(nullptr, good.c_str(), 0), KT_ERR_INVALID_HANDLE);
+  EXPECT_EQ(kt_moe_load_packed(victim, nullptr, 0), KT_ERR_NULL_POINTER);
+  EXPECT_EQ(kt_moe_load_packed(victim, good.c_str(), 0x80u), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kt_moe_load_packed(victim, dir_.c_str(), 0), KT_ERR_IO);
+  EXPECT_EQ(kt_moe_save_packed(victim, ""), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(kt_moe_save_packed(victim, (dir_ + "/no/such/dir/x.ktpack").c_str()), KT_ERR_IO);
+}
+
+#ifdef KT_CLI_PATH
+TEST_F(PackedCache, ConvertPacksEveryLayerOfACheckpoint) {
+  // A two-layer checkpoint with kt's writer (fp32 weights, two shards).
+  kt_moe_options o = options(false);
+  const Weights w1(o, 41), w3(o, 43);
+  const std::vector<kt_arg> a1 = w1.args(false), a3 = w3.args(false);
+  kt_ckpt_layer_args layers[2] = {{1, a1.data(), a1.size()}, {3, a3.data(), a3.size()}};
+  kt_ckpt_write_options wo;
+  kt_ckpt_write_options_init(&wo);
+  wo.dtype = KT_CKPT_DTYPE_F32;
+  wo.max_shard_bytes = 40000;
+  wo.config_json = "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"model_type\": \"qwen3_moe\", "
+                   "\"num_experts_per_tok\": 2}";
+  const std::string ckpt = path("ckpt"), out = path("packed");
+  ASSERT_EQ(kt_ckpt_write_experts(ckpt.c_str(), &wo, layers, 2), KT_OK) << kt_last_error();
+  const std::string cmd = std::string(KT_CLI_PATH) + " convert " + ckpt + " " + out + " --json > " + path("convert.json");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  const nlohmann::json reply = nlohmann::json::parse(read_bytes(path("convert.json")));
+  EXPECT_EQ(reply["ok"], true);
+  EXPECT_EQ(reply["layers"], 2);
+  const nlohmann::json manifest = nlohmann::json::parse(read_bytes(out + "/manifest.json"));
+  ASSERT_EQ(manifest["layers"].size(), 2u);
+  EXPECT_EQ(manifest["model_type"], "qwen3_moe");
+
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(ckpt.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_engine* e = engine(KT_ISA_AUTO);
+  for (const auto& entry : manifest["layers"]) {
+    const int64_t L = entry["layer"].get<int64_t>();
+    EXPECT_EQ(entry["file"], "layer-" + std::to_string(L) + ".ktpack");
+    EXPECT_EQ(entry["experts"], o.num_experts);
+    kt_moe_options lo;
+    ASSERT_EQ(kt_ckpt_moe_options(ck, L, &lo), KT_OK) << kt_last_error();
+    lo.max_tokens = 64;
+    kt_moe* from_ckpt = layer(e, lo);
+    ASSERT_EQ(kt_ckpt_load_layer(ck, L, from_ckpt, nullptr, nullptr), KT_OK) << kt_last_error();
+    kt_moe* from_cache = layer(e, lo);
+    const std::string file = out + "/" + entry["file"].get<std::string>();
+    EXPECT_EQ(static_cast<int64_t>(std::filesystem::file_size(file)), entry["bytes"].get<int64_t>());
+    ASSERT_EQ(kt_moe_load_packed(from_cache, file.c_str(), 0), KT_OK) << kt_last_error();
+    expect_identical(run(from_ckpt, lo), run(from_cache, lo), "layer " + std::to_string(L));
+  }
+  kt_ckpt_close(ck);
+
+  // --layers picks layers; an unknown layer fails and writes no manifest.
+  const std::string out2 = path("packed3");
+  ASSERT_EQ(std::system((std::string(KT_CLI_PATH) + " convert " + ckpt + " " + out2 + " --layers 3 > /dev/null").c_str()), 0);
+  EXPECT_TRUE(std::filesystem::exists(out2 + "/layer-3.ktpack"));
+  EXPECT_FALSE(std::filesystem::exists(out2 + "/layer-1.ktpack"));
+  const std::string out9 = path("packed9");
+  EXPECT_NE(std::system((std::string(KT_CLI_PATH) + " convert " + ckpt + " " + out9 + " --layers 9 2> /dev/null").c_str()), 0);
+  EXPECT_FALSE(std::filesystem::exists(out9 + "/manifest.json"));
+}
+#endif
+
+}  // namespace
