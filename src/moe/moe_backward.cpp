@@ -82,11 +82,38 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
 
 void kt_moe::write_grad(const View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
                         int64_t cols, bool transpose_src, float scale, bool accumulate) const {
+  // src == nullptr writes zeros (experts no token reached, overwrite mode).
+  const int last = dst.ndim - 1;
+  const bool unit = dst.shape[last] <= 1 || dst.strides[last] == 1;
+  const int64_t step = transpose_src ? rows : 1;
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; ++j) {
-      const float v = scale * (transpose_src ? src[j * rows + i] : src[i * cols + j]);
-      char* p = dst.ndim == 3 ? dst.at(e, row0 + i, j) : dst.at(e, row0 + j);
-      store_f32(p, dst.dtype, accumulate ? load_as_f32(p, dst.dtype) + v : v);
+    const float* s = src ? (transpose_src ? src + i : src + i * cols) : nullptr;
+    if (!unit) {  // any strides: element by element
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = s ? scale * s[j * step] : 0.f;
+        char* p = dst.ndim == 3 ? dst.at(e, row0 + i, j) : dst.at(e, row0 + j);
+        store_f32(p, dst.dtype, accumulate ? load_as_f32(p, dst.dtype) + v : v);
+      }
+      continue;
+    }
+    char* row = dst.ndim == 3 ? dst.at(e, row0 + i, 0) : dst.at(e, row0);
+    if (dst.dtype == DType::kF32) {
+      float* d = reinterpret_cast<float*>(row);
+      if (!s) {
+        if (!accumulate) std::memset(d, 0, static_cast<size_t>(cols) * sizeof(float));
+      } else if (accumulate) {
+        for (int64_t j = 0; j < cols; ++j) d[j] += scale * s[j * step];
+      } else {
+        for (int64_t j = 0; j < cols; ++j) d[j] = scale * s[j * step];
+      }
+    } else {
+      bf16_t* d = reinterpret_cast<bf16_t*>(row);
+      if (!s) {
+        if (!accumulate) std::memset(d, 0, static_cast<size_t>(cols) * sizeof(bf16_t));
+      } else {
+        for (int64_t j = 0; j < cols; ++j)
+          d[j] = f32_to_bf16(accumulate ? bf16_to_f32(d[j]) + scale * s[j * step] : scale * s[j * step]);
+      }
     }
   }
 }
@@ -296,6 +323,13 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
     std::vector<const float*>& rows = s.frows;
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     float* out_buf = s.grad.data();
+    if (n == 0) {  // no token reached this expert: its gradient is zero
+      if (is_b)
+        write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, nullptr, out, r, false, 1.f, false);
+      else
+        write_grad(bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view, e, 0, nullptr, r, in, false, 1.f, false);
+      return;
+    }
     if (!is_b) {
       // dA [r, in] = sum_rows (s B^T delta) (x) z
       const float* lbs = p == kDown ? scaled_[0].data() : lb_[p].data();
@@ -363,6 +397,11 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     }
     const float* delta = p == kDown ? delta_d_.data() : (p == kGate ? dg_.data() : du_.data());
     float* out_buf = s.grad.data();
+    if (n == 0) {  // no token reached this expert: its gradient is zero
+      write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, nullptr, ob, in, false, 1.f, false);
+      if (opt.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, o0, nullptr, 1, ob, false, 1.f, false);
+      return;
+    }
     K_.sgemm_tn(static_cast<int>(ob), static_cast<int>(in), n, delta + p0 * out + o0, out, rows.data(),
                 out_buf, in, false);
     write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, out_buf, ob, in, false, c.opt.grad_scale,
