@@ -10,6 +10,10 @@ cd "$(dirname "$0")/.."
 what="${1:-demo}"
 build="${KT_BUILD_DIR:-build}"
 jobs="${KT_JOBS:-$(nproc 2>/dev/null || echo 2)}"
+case "$what" in
+  demo|test) ;;
+  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
+esac
 
 packages="build-essential cmake ccache pkg-config libdlpack-dev libgtest-dev libbenchmark-dev \
 nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-torch libtorch-dev \
@@ -39,5 +43,4 @@ if [ -x plugins/python/install_dev.sh ]; then plugins/python/install_dev.sh "$bu
 case "$what" in
   demo) "$build/examples/qwen3_layer/kt_qwen3_layer" ;;
   test) ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500 ;;
-  *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
