@@ -58,6 +58,12 @@ struct Kernels {
   void (*sgemm_tn)(int m, int n, int k, const float* a, int64_t lda, const float* const* b_rows,
                    float* c, int64_t ldc, bool accumulate);
 
+  // W^T panels made in cache (formats/packed_bf16.h, transpose_panels): from
+  // np packed panels (panel_stride elements apart) builds the packed panels
+  // of columns [c0, c0 + cb) (c0 even) with K' = 16 * np.
+  void (*transpose_panels)(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
+                           int64_t cb, bf16_t* dst);
+
   // a[j] = act(g[j], u[j]) for j < n.
   void (*act_forward)(const ActParams& p, const float* g, const float* u, float* a, int64_t n);
   // From the pre-activations and da' (the gradient of a before the routing

@@ -169,7 +169,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     const int64_t col0 = ib * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    transpose_panels(wp_[kDown] + e * ds.elements(), ds, col0, ncols, s.panels[0].data());
+    K_.transpose_panels(wp_[kDown] + e * ds.elements(), ds.np, ds.panel_stride(), col0, ncols, s.panels[0].data());
     float* cda = s.c[0].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
@@ -227,8 +227,8 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                     t1, &pbegin, &pend);
         if (pbegin == pend) continue;
-        transpose_panels(wp_[kGate] + e * gs.elements(), gs, col0, ncols, s.panels[0].data());
-        transpose_panels(wp_[kUp] + e * gs.elements(), gs, col0, ncols, s.panels[1].data());
+        K_.transpose_panels(wp_[kGate] + e * gs.elements(), gs.np, gs.panel_stride(), col0, ncols, s.panels[0].data());
+        K_.transpose_panels(wp_[kUp] + e * gs.elements(), gs.np, gs.panel_stride(), col0, ncols, s.panels[1].data());
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;

@@ -53,8 +53,11 @@ TEST(PackedPanels, PackAndReadBackEveryElement) {
   }
 }
 
-TEST(PackedPanels, TransposedPanelsHoldTheTranspose) {
-  for (auto dims : {std::pair<int64_t, int64_t>{16, 64}, {37, 70}, {3, 2}, {50, 130}}) {
+class TransposeKernels : public ::testing::TestWithParam<const kt::Kernels*> {};
+
+TEST_P(TransposeKernels, TransposedPanelsHoldTheTranspose) {
+  const kt::Kernels& K = *GetParam();
+  for (auto dims : {std::pair<int64_t, int64_t>{16, 64}, {37, 70}, {3, 2}, {50, 130}, {768, 2048}}) {
     const int64_t n = dims.first, k = dims.second;
     std::vector<float> w(static_cast<size_t>(n * k));
     for (size_t i = 0; i < w.size(); ++i) w[i] = kt::bf16_to_f32(kt::f32_to_bf16(std::sin(static_cast<float>(i))));
@@ -62,16 +65,19 @@ TEST(PackedPanels, TransposedPanelsHoldTheTranspose) {
     kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
     kt::pack_bf16_panels(view2d(w.data(), n, k), 0, 1, s, packed.data());
     for (int64_t c0 = 0; c0 < k; c0 += 64) {
-      const int64_t cb = std::min<int64_t>(64, k - c0);
-      // The transposed block is a packed [cb, padded_rows(n)] matrix.
-      const kt::PanelShape t = kt::PanelShape::of(cb, s.padded_rows());
-      kt::Buffer<bf16_t> tp(static_cast<size_t>(t.elements()));
-      kt::transpose_panels(packed.data(), s, c0, cb, tp.data());
-      for (int64_t r = 0; r < t.padded_rows(); ++r)
-        for (int64_t c = 0; c < t.kp; ++c) {
-          const float want = r < cb && c < n ? w[static_cast<size_t>(c * k + c0 + r)] : 0.f;
-          ASSERT_EQ(kt::packed_get(tp.data(), t, r, c), want) << n << "x" << k << " block " << c0;
-        }
+      for (int64_t cb : {std::min<int64_t>(64, k - c0), std::min<int64_t>(16, k - c0), std::min<int64_t>(37, k - c0)}) {
+        // The transposed block is a packed [cb, padded_rows(n)] matrix.
+        const kt::PanelShape t = kt::PanelShape::of(cb, s.padded_rows());
+        kt::Buffer<bf16_t> tp(static_cast<size_t>(t.elements()));
+        for (size_t i = 0; i < tp.size(); ++i) tp[i] = 0x7fc0;  // NaN: every element must be written
+        K.transpose_panels(packed.data(), s.np, s.panel_stride(), c0, cb, tp.data());
+        for (int64_t r = 0; r < t.padded_rows(); ++r)
+          for (int64_t c = 0; c < t.kp; ++c) {
+            const float want = r < cb && c < n ? w[static_cast<size_t>(c * k + c0 + r)] : 0.f;
+            ASSERT_EQ(kt::packed_get(tp.data(), t, r, c), want)
+                << K.gemm_name << " " << n << "x" << k << " block " << c0 << "+" << cb << " at " << r << "," << c;
+          }
+      }
     }
   }
 }
@@ -171,6 +177,11 @@ TEST_P(GemmKernels, PackAFormatRoundsToNearestEven) {
     EXPECT_EQ(got, want) << K.gemm_name << " element " << i;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()),
+                         [](const ::testing::TestParamInfo<const kt::Kernels*>& i) {
+                           return std::string(kt_isa_name(i.param->isa));
+                         });
 
 INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernels()),
                          [](const ::testing::TestParamInfo<const kt::Kernels*>& i) {

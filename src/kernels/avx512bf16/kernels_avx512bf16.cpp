@@ -2,6 +2,7 @@
 // (activations rounded to nearest even once, when packed); fp32 accumulate.
 #include <immintrin.h>
 
+#include "formats/packed_bf16.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -83,7 +84,7 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 extern const Kernels kernels_avx512bf16 = {
     KT_ISA_AVX512BF16, "gemm_bf16w_bf16_f32_6x64__avx512bf16", 2, avx512bf16::gemm_bf16w,
     avx512bf16::pack_a_f32, avx512bf16::sgemm_nn_generic, avx512bf16::sgemm_nt_generic, avx512bf16::sgemm_tn_generic,
-    avx512bf16::act_forward_generic, avx512bf16::act_backward_generic,
+    avx512bf16::transpose_panels_generic, avx512bf16::act_forward_generic, avx512bf16::act_backward_generic,
 };
 
 }  // namespace kt

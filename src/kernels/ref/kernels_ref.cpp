@@ -2,6 +2,7 @@
 // fp32; accumulation in fp32 in K order.
 #include <cstring>
 
+#include "formats/packed_bf16.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -35,7 +36,7 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 extern const Kernels kernels_ref = {
     KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, ref::pack_a_f32_copy,
     ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
-    ref::act_forward_generic, ref::act_backward_generic,
+    ref::transpose_panels_generic, ref::act_forward_generic, ref::act_backward_generic,
 };
 
 }  // namespace kt
