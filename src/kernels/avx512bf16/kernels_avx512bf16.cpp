@@ -20,8 +20,12 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   for (int64_t g = 0; g < kp / 2; ++g) {
     __m512bh b[NP];
-    for (int p = 0; p < NP; ++p)
+    for (int p = 0; p < NP; ++p) {
+      // Few rows (decode): the weights stream from DRAM with little compute
+      // to hide it; fetch ahead of the hardware prefetcher.
+      if (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
       b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
+    }
     for (int r = 0; r < MR; ++r) {
       int32_t pair;
       __builtin_memcpy(&pair, a[r] + 2 * g, 4);
