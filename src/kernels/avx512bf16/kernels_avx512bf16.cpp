@@ -42,14 +42,27 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
   }
 }
 
+// The rows left after full MR tiles go in one tile of exactly that height:
+// every pass over the weight panels serves as many rows as registers allow.
+template <int NP, int R>
+static void tail(int rem, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
+                 float* c, int64_t ldc, bool accumulate) {
+  if constexpr (R > 0) {
+    if (rem == R) {
+      tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate);
+    } else {
+      tail<NP, R - 1>(rem, a, kp, w, panel_stride, c, ldc, accumulate);
+    }
+  }
+}
+
 template <int NP>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate) {
   constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
   int r = 0;
   for (; r + MR <= m; r += MR) tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
-  for (; r + 4 <= m; r += 4) tile<4, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
-  for (; r < m; ++r) tile<1, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
+  if (r < m) tail<NP, MR - 1>(m - r, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
 }
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
