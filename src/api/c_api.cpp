@@ -448,7 +448,6 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
     check_moe(moe, w);
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
     kt_moe::ForwardCall call = moe->check_forward(args, num_args);
-    moe->check_ready_for_forward(call);
     if (moe->engine->verbosity >= 2)
       moe->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
     kt_context* ctx = saved ? moe->new_context(call) : nullptr;

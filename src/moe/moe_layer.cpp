@@ -18,21 +18,6 @@ void Routing::reserve(int64_t max_tokens, int64_t k, int64_t experts) {
   weight.reserve(static_cast<size_t>(max_tokens * k));
 }
 
-void Routing::copy_from(const Routing& o) {
-  tokens = o.tokens;
-  routes = o.routes;
-  offsets = o.offsets;
-  active = o.active;
-  token.reserve(static_cast<size_t>(routes));
-  slot.reserve(static_cast<size_t>(routes));
-  weight.reserve(static_cast<size_t>(routes));
-  if (routes) {
-    std::memcpy(token.data(), o.token.data(), static_cast<size_t>(routes) * 4);
-    std::memcpy(slot.data(), o.slot.data(), static_cast<size_t>(routes) * 4);
-    std::memcpy(weight.data(), o.weight.data(), static_cast<size_t>(routes) * 4);
-  }
-}
-
 }  // namespace kt
 
 using namespace kt;

@@ -29,7 +29,6 @@ struct Routing {
   Buffer<int32_t> slot;               // [routes] t*k + j of position p
   Buffer<float> weight;               // [routes] routing weight of position p
   void reserve(int64_t max_tokens, int64_t k, int64_t experts);
-  void copy_from(const Routing& o);
 };
 
 // Trainable factors of one projection: A [E, r, in], and s*B^T [E, r, out].
@@ -169,7 +168,7 @@ struct kt_moe {
   // Workspaces, sized on first use up to max_tokens.
   kt::Routing routing_;
   kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
-  kt::Buffer<float> xf_, gbuf_, ubuf_, act_, acc_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_,
+  kt::Buffer<float> xf_, act_, acc_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_,
       delta_d_, scaled_[2];
   std::vector<int64_t> items_;
   std::vector<int64_t> fill_;
