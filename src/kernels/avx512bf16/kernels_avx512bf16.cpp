@@ -42,27 +42,36 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
   }
 }
 
-// The rows left after full MR tiles go in one tile of exactly that height:
-// every pass over the weight panels serves as many rows as registers allow.
+// One tile of h rows, 1 <= h <= R.
 template <int NP, int R>
-static void tail(int rem, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                 float* c, int64_t ldc, bool accumulate) {
+static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
+                           float* c, int64_t ldc, bool accumulate) {
   if constexpr (R > 0) {
-    if (rem == R) {
+    if (h == R) {
       tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate);
     } else {
-      tail<NP, R - 1>(rem, a, kp, w, panel_stride, c, ldc, accumulate);
+      tile_of_height<NP, R - 1>(h, a, kp, w, panel_stride, c, ldc, accumulate);
     }
   }
 }
 
+// The rows go in ceil(m / MR) tiles of balanced height (32 rows: 6,6,5,5,5,5
+// rather than 6,6,6,6,6,2): a low tile has too few accumulators to cover the
+// dot-product latency yet streams the panels as often as a full one.
 template <int NP>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate) {
   constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
-  int r = 0;
-  for (; r + MR <= m; r += MR) tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
-  if (r < m) tail<NP, MR - 1>(m - r, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
+  const int tiles = (m + MR - 1) / MR;
+  for (int t = 0, r = 0; t < tiles; ++t) {
+    const int h = (m - r) / (tiles - t);
+    if (h == MR) {
+      tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
+    } else {
+      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate);
+    }
+    r += h;
+  }
 }
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
