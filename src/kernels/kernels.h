@@ -35,9 +35,13 @@ struct Kernels {
   // a_rows[r] points at a row in A format of kp elements (kp even, zero
   // padded); panels are np consecutive packed panels, panel_stride elements
   // apart (= 16*kp). C rows are ldc floats apart and hold 16*np columns.
-  // Any m >= 0 and np >= 1.
+  // Any m >= 0 and np >= 1. prefetch (may be NULL) names the
+  // prefetch_bytes the caller reads next (the next weight panels): a kernel
+  // may fetch them into cache while it computes, so a block of panels comes
+  // from memory while the previous one is still in use.
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
-                     int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate);
+                     int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
+                     const void* prefetch, int64_t prefetch_bytes);
 
   // Converts k fp32 values to A format, zero padding to kp elements.
   void (*pack_a_f32)(const float* src, int64_t k, int64_t kp, void* dst);

@@ -72,6 +72,17 @@ struct CombineSplit {
   int64_t items() const { return col_blocks * token_ranges; }
 };
 
+// Items handed out in ranges of consecutive items, so a worker knows its
+// next item and can prefetch its weights while it computes the current one.
+// About 8 ranges per thread keep skewed routing balanced.
+struct ItemRanges {
+  int64_t items;
+  int64_t count;
+  ItemRanges(int64_t n, int threads) : items(n), count(std::min<int64_t>(n, 8 * static_cast<int64_t>(threads))) {}
+  int64_t begin(int64_t r) const { return items * r / count; }
+  int64_t end(int64_t r) const { return items * (r + 1) / count; }
+};
+
 // Positions [begin, end) of one expert whose tokens fall in [t0, t1):
 // positions are sorted by token within an expert.
 inline void token_range(const int32_t* token, int64_t begin, int64_t end, int64_t t0, int64_t t1,

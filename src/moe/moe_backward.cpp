@@ -176,7 +176,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
-      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false);
+      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false, nullptr, 0);
       if (lora_on(kDown)) {
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
         K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
@@ -232,9 +232,9 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false);
+          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false, nullptr, 0);
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true);
+          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true, nullptr, 0);
           for (int q = kGate; q <= kUp; ++q) {
             if (!lora_on(q)) continue;
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;

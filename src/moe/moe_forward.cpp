@@ -188,13 +188,21 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const PanelShape gs = gate_shape;
   block_items(R, I);
-  pool.run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
-    const int64_t col0 = (items_[static_cast<size_t>(it)] & 0xffffffff) * kBlockCols;
+  // The gate panels of an item's block, and their size in bytes.
+  const auto gate_block = [&](int64_t item, int64_t* bytes) {
+    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
+    *bytes = ceil_div(std::min(kBlockCols, I - col0), kPanelRows) * gs.panel_stride() * 2;
+    return wp_[kGate] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+  };
+  // One item: gate and up panels of a block of I for all of the expert's rows;
+  // `next` is the gate block the worker takes next.
+  const auto gate_up_item = [&](ThreadScratch& s, int64_t item, const bf16_t* next, int64_t next_bytes) {
+    const int64_t e = item >> 32;
+    const int64_t col0 = (item & 0xffffffff) * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    const bf16_t* wg = wp_[kGate] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    int64_t block_bytes;
+    const bf16_t* wg = gate_block(item, &block_bytes);
     const bf16_t* wu = wp_[kUp] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
@@ -203,8 +211,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false);
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false);
+      const bool last = p0 + kRowChunk >= pend;
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false, wu, block_bytes);
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false,
+                    last ? next : nullptr, next_bytes);
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
@@ -232,6 +242,16 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         K_.pack_a_f32(ai, ncols, std::min(kBlockCols, kpI - col0), aa_.data() + (p * kpI + col0) * a_size_);
       }
     }
+  };
+  const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
+  pool.run(ranges.count, [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      // While the up panels run, the next item's gate panels come in.
+      int64_t next_bytes = 0;
+      const bf16_t* next =
+          it + 1 < ranges.end(range) ? gate_block(items_[static_cast<size_t>(it + 1)], &next_bytes) : nullptr;
+      gate_up_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)], next, next_bytes);
+    }
   });
 
   // Stage 3: LoRA A-projection of a.
@@ -254,8 +274,14 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
     clear_columns(acc, t0, t1, H, col0, ncols);
     float* co = s.c[0].data();
-    for (int32_t e : R.active) {
+    const int64_t block_bytes = np * ds.panel_stride() * 2;
+    for (size_t ai = 0; ai < R.active.size(); ++ai) {
+      const int32_t e = R.active[ai];
       const bf16_t* wd = wp_[kDown] + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
+      // The next expert's panels of these columns come in while this one runs.
+      const bf16_t* next = ai + 1 < R.active.size()
+                               ? wp_[kDown] + R.active[ai + 1] * ds.elements() + (col0 / kPanelRows) * ds.panel_stride()
+                               : nullptr;
       const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
       int64_t pbegin, pend;
       token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
@@ -263,7 +289,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
-        K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false);
+        K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false,
+                      p0 + kRowChunk >= pend ? next : nullptr, block_bytes);
         if (lora_on(kDown)) {
           for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
           K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
