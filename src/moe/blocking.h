@@ -15,6 +15,7 @@ namespace kt {
 constexpr int64_t kBlockPanels = 4;
 constexpr int64_t kBlockCols = kBlockPanels * kPanelRows;
 constexpr int64_t kRowChunk = 64;
+constexpr int64_t kMaxItemCols = 4 * kBlockCols;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -58,6 +59,9 @@ struct CombineSplit {
     CombineSplit s;
     const int64_t want = 4 * static_cast<int64_t>(threads);
     s.cols = kBlockCols;
+    // Wider items while there are enough: an item reads each expert's rows
+    // once for all its columns.
+    while (s.cols < kMaxItemCols && ceil_div(n, 2 * s.cols) >= want) s.cols *= 2;
     s.col_blocks = ceil_div(n, s.cols);
     if (s.col_blocks < want && T <= kRowChunk) {
       s.cols = kPanelRows;

@@ -219,7 +219,6 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const int64_t ncols = std::min(split.cols, H - col0);
       const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
       const int64_t t1 = std::min(T, t0 + split.token_chunk);
-      const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
       clear_columns(acc, t0, t1, H, col0, ncols);
       float* cx = s.c[0].data();
       for (int32_t e : R.active) {
@@ -227,24 +226,32 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                     t1, &pbegin, &pend);
         if (pbegin == pend) continue;
-        K_.transpose_panels(wp_[kGate] + e * gs.elements(), gs.np, gs.panel_stride(), col0, ncols, s.panels[0].data());
-        K_.transpose_panels(wp_[kUp] + e * gs.elements(), gs.np, gs.panel_stride(), col0, ncols, s.panels[1].data());
-        for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
-          const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false, nullptr, 0);
-          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true, nullptr, 0);
-          for (int q = kGate; q <= kUp; ++q) {
-            if (!lora_on(q)) continue;
-            for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
-            K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                        lora_[q].a.data() + e * r * H + col0, H, cx, kBlockCols, true);
-          }
-          for (int i = 0; i < m; ++i) {
-            float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + col0;
-            const float* ci = cx + i * kBlockCols;
-            for (int64_t j = 0; j < ncols; ++j) dst[j] += ci[j];
+        // Blocks of kBlockCols columns: the expert's rows of dg and du stay in
+        // cache across them.
+        for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
+          const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
+          const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+          K_.transpose_panels(wp_[kGate] + e * gs.elements(), gs.np, gs.panel_stride(), sc0, sn, s.panels[0].data());
+          K_.transpose_panels(wp_[kUp] + e * gs.elements(), gs.np, gs.panel_stride(), sc0, sn, s.panels[1].data());
+          for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
+            const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+            for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
+            K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
+                          nullptr, 0);
+            for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
+            K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
+                          nullptr, 0);
+            for (int q = kGate; q <= kUp; ++q) {
+              if (!lora_on(q)) continue;
+              for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
+              K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
+                          lora_[q].a.data() + e * r * H + sc0, H, cx, kBlockCols, true);
+            }
+            for (int i = 0; i < m; ++i) {
+              float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0;
+              const float* ci = cx + i * kBlockCols;
+              for (int64_t j = 0; j < sn; ++j) dst[j] += ci[j];
+            }
           }
         }
       }

@@ -271,40 +271,52 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t ncols = std::min(split.cols, H - col0);
     const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
     const int64_t t1 = std::min(T, t0 + split.token_chunk);
-    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
     clear_columns(acc, t0, t1, H, col0, ncols);
     float* co = s.c[0].data();
-    const int64_t block_bytes = np * ds.panel_stride() * 2;
+    // The item's columns go in blocks of kBlockCols per expert, so the
+    // expert's rows of a stay in cache across the blocks.
+    const int64_t nsub = ceil_div(ncols, kBlockCols);
+    const auto panels = [&](int64_t e, int64_t sub) {
+      return wp_[kDown] + e * ds.elements() + ((col0 + sub * kBlockCols) / kPanelRows) * ds.panel_stride();
+    };
     for (size_t ai = 0; ai < R.active.size(); ++ai) {
       const int32_t e = R.active[ai];
-      const bf16_t* wd = wp_[kDown] + e * ds.elements() + (col0 / kPanelRows) * ds.panel_stride();
-      // The next expert's panels of these columns come in while this one runs.
-      const bf16_t* next = ai + 1 < R.active.size()
-                               ? wp_[kDown] + R.active[ai + 1] * ds.elements() + (col0 / kPanelRows) * ds.panel_stride()
-                               : nullptr;
-      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
       int64_t pbegin, pend;
       token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                   t1, &pbegin, &pend);
-      for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
-        const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
-        K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false,
-                      p0 + kRowChunk >= pend ? next : nullptr, block_bytes);
-        if (lora_on(kDown)) {
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
-          K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                      lora_[kDown].sbt.data() + e * r * H + col0, H, co, kBlockCols, true);
-        }
-        for (int i = 0; i < m; ++i) {
-          const int64_t p = p0 + i;
-          const float w = R.weight[static_cast<size_t>(p)];
-          float* dst = acc + R.token[static_cast<size_t>(p)] * H + col0;
-          const float* ci = co + i * kBlockCols;
-          if (bd) {
-            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * (ci[j] + bd[j]);
-          } else {
-            for (int64_t j = 0; j < ncols; ++j) dst[j] += w * ci[j];
+      for (int64_t sub = 0; sub < nsub; ++sub) {
+        const int64_t sc0 = col0 + sub * kBlockCols;
+        const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
+        const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+        // The next panels (next block, or the next expert's first) come in
+        // while these run.
+        const bf16_t* next = sub + 1 < nsub ? panels(e, sub + 1)
+                             : ai + 1 < R.active.size() ? panels(R.active[ai + 1], 0)
+                                                        : nullptr;
+        const int64_t next_cols = sub + 1 < nsub ? std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols)
+                                                 : std::min(kBlockCols, ncols);
+        const int64_t next_bytes = ceil_div(next_cols, kPanelRows) * ds.panel_stride() * 2;
+        const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
+        for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
+          const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
+          K_.gemm_bf16w(s.rows.data(), m, kpI, panels(e, sub), ds.panel_stride(), np, co, kBlockCols, false,
+                        p0 + kRowChunk >= pend ? next : nullptr, next_bytes);
+          if (lora_on(kDown)) {
+            for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
+            K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
+                        lora_[kDown].sbt.data() + e * r * H + sc0, H, co, kBlockCols, true);
+          }
+          for (int i = 0; i < m; ++i) {
+            const int64_t p = p0 + i;
+            const float w = R.weight[static_cast<size_t>(p)];
+            float* dst = acc + R.token[static_cast<size_t>(p)] * H + sc0;
+            const float* ci = co + i * kBlockCols;
+            if (bd) {
+              for (int64_t j = 0; j < sn; ++j) dst[j] += w * (ci[j] + bd[j]);
+            } else {
+              for (int64_t j = 0; j < sn; ++j) dst[j] += w * ci[j];
+            }
           }
         }
       }
