@@ -81,13 +81,14 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
 }
 
 void kt_moe::write_grad(const View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
-                        int64_t cols, bool transpose_src, float scale, bool accumulate) const {
+                        int64_t cols, bool transpose_src, float scale, bool accumulate, int64_t ld) const {
   // src == nullptr writes zeros (experts no token reached, overwrite mode).
   const int last = dst.ndim - 1;
   const bool unit = dst.shape[last] <= 1 || dst.strides[last] == 1;
   const int64_t step = transpose_src ? rows : 1;
+  if (ld == 0) ld = cols;
   for (int64_t i = 0; i < rows; ++i) {
-    const float* s = src ? (transpose_src ? src + i : src + i * cols) : nullptr;
+    const float* s = src ? (transpose_src ? src + i : src + i * ld) : nullptr;
     if (!unit) {  // any strides: element by element
       for (int64_t j = 0; j < cols; ++j) {
         const float v = s ? scale * s[j * step] : 0.f;
@@ -375,6 +376,10 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     float* d = delta_d_.data() + p * H;
     for (int64_t h = 0; h < H; ++h) d[h] = w * dy[h];
   }
+  if (K_.gemm_zip_bf16) {
+    full_gradients_zipped(ctx, c);
+    return;
+  }
   items_.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
@@ -421,6 +426,81 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
       }
       write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, o0, out_buf, 1, ob, false, c.opt.grad_scale,
                  accumulate);
+    }
+  });
+}
+
+// dW_p[e] = sum over the expert's routes of delta (x) z, on bf16 operands:
+// both come zipped in route pairs (kernels.h), z once per item and chunk of
+// routes, delta per block of output rows. Items are (expert, projection);
+// each owns its gradient, so nothing is shared between workers.
+void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
+  const Routing& R = ctx->routing;
+  const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
+  constexpr int64_t kZipRoutes = 256;
+  const int64_t wide = round_up(std::max(H, I), kPanelRows);
+  for (auto& s : scratch_) {
+    s.zip[0].reserve(static_cast<size_t>(kZipRoutes * wide));
+    s.zip[1].reserve(static_cast<size_t>(kZipRoutes * wide));
+    s.grad.reserve(static_cast<size_t>(kRowChunk * wide));
+  }
+  items_.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (skipped_[static_cast<size_t>(e)]) continue;
+    const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
+    if (!touched && accumulate) continue;
+    for (int64_t p = 0; p < 3; ++p) items_.push_back((e << 2) | p);
+  }
+  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    const int64_t e = items_[static_cast<size_t>(it)] >> 2;
+    const int p = static_cast<int>(items_[static_cast<size_t>(it)] & 3);
+    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t inp = round_up(in, kPanelRows);
+    const int64_t p0 = R.offsets[static_cast<size_t>(e)];
+    const int64_t n = R.offsets[static_cast<size_t>(e) + 1] - p0;
+    const View& gw = bound_[KT_ARG_GRAD_W_GATE + p].view;
+    if (n == 0) {  // no token reached this expert: its gradient is zero
+      write_grad(gw, e, 0, nullptr, out, in, false, 1.f, false);
+      if (opt.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, 0, nullptr, 1, out, false, 1.f, false);
+      return;
+    }
+    const auto z_row = [&](int64_t i) {
+      const int64_t pos = p0 + i;
+      return p == kDown ? act_.data() + pos * I : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+    };
+    const float* delta = (p == kDown ? delta_d_.data() : (p == kGate ? dg_.data() : du_.data())) + p0 * out;
+    bf16_t* zz = s.zip[0].data();
+    bf16_t* dz = s.zip[1].data();
+    float* cbuf = s.grad.data();
+    const auto zip_z = [&](int64_t r0, int64_t nr) {
+      for (int64_t g = 0; 2 * g < nr; ++g) {
+        bf16_t* dst = zz + g * 2 * inp;
+        K_.zip_rows_bf16(z_row(r0 + 2 * g), 2 * g + 1 < nr ? z_row(r0 + 2 * g + 1) : nullptr, in, dst);
+        std::memset(dst + 2 * in, 0, static_cast<size_t>(2 * (inp - in)) * sizeof(bf16_t));
+      }
+    };
+    const int64_t chunks = ceil_div(n, kZipRoutes);
+    if (chunks == 1) zip_z(0, n);
+    for (int64_t o0 = 0; o0 < out; o0 += kRowChunk) {
+      const int64_t ob = std::min(kRowChunk, out - o0);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        const int64_t r0 = ch * kZipRoutes, nr = std::min(kZipRoutes, n - r0);
+        if (chunks > 1) zip_z(r0, nr);
+        for (int64_t g = 0; 2 * g < nr; ++g) {
+          const float* d0 = delta + (r0 + 2 * g) * out + o0;
+          K_.zip_rows_bf16(d0, 2 * g + 1 < nr ? d0 + out : nullptr, ob, dz + g * 2 * ob);
+        }
+        K_.gemm_zip_bf16(dz, 2 * ob, static_cast<int>(ob), zz, 2 * inp, static_cast<int>(inp / kPanelRows),
+                         ceil_div(nr, 2), cbuf, inp, ch > 0);
+      }
+      write_grad(gw, e, o0, cbuf, ob, in, false, c.opt.grad_scale, accumulate, inp);
+    }
+    if (opt.has_bias) {
+      for (int64_t o = 0; o < out; ++o) cbuf[o] = 0.f;
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t o = 0; o < out; ++o) cbuf[o] += delta[i * out + o];
+      write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, 0, cbuf, 1, out, false, c.opt.grad_scale, accumulate);
     }
   });
 }

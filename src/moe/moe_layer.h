@@ -136,10 +136,13 @@ struct kt_moe {
                     const float* src, int64_t ld, float* out);
   void lora_gradients(kt_context* ctx, const BackwardCall& c);
   void full_gradients(kt_context* ctx, const BackwardCall& c);
-  // dst[e][row0 + i][j] (=|+=) scale * src(i, j); src is [rows, cols], or
-  // [cols, rows] when transpose_src. A 2-D dst ([E, n], biases) takes rows == 1.
+  // The same on bf16 operands (kernels with gemm_zip_bf16).
+  void full_gradients_zipped(kt_context* ctx, const BackwardCall& c);
+  // dst[e][row0 + i][j] (=|+=) scale * src(i, j); src is [rows, cols] with
+  // rows ld apart (ld 0: cols), or [cols, rows] when transpose_src. A 2-D
+  // dst ([E, n], biases) takes rows == 1.
   void write_grad(const kt::View& dst, int64_t e, int64_t row0, const float* src, int64_t rows,
-                  int64_t cols, bool transpose_src, float scale, bool accumulate) const;
+                  int64_t cols, bool transpose_src, float scale, bool accumulate, int64_t ld = 0) const;
 
   // Makes the layer's own buffers hold the weights again (copying them out
   // of a mapping), before weights are packed into them.
@@ -176,6 +179,7 @@ struct kt_moe {
     kt::Buffer<kt::bf16_t> panels[2];
     kt::Buffer<float> c[3];
     kt::Buffer<float> grad;
+    kt::Buffer<kt::bf16_t> zip[2];  // zipped operands of the weight gradients
     std::vector<const void*> rows;
     std::vector<const float*> frows;
   };

@@ -125,6 +125,53 @@ TEST_P(GemmKernels, WeightGemmMatchesScalarTwin) {
       }
 }
 
+// The zipped weight-gradient GEMM against plain loops in double, on bf16
+// values (exact products, fp32 sums): C[o, c] = sum_r D[r, o] * Z[r, c].
+TEST_P(GemmKernels, ZippedGradientGemmMatchesPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  if (!K.gemm_zip_bf16) GTEST_SKIP() << K.gemm_name << " takes fp32 operands; no zipped path";
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  for (int rows : {1, 2, 5, 32, 33})
+    for (int m : {1, 5, 6, 7, 13, 64})
+      for (int np : {1, 3, 4, 5, 9}) {
+        const int cols = np * 16 - (np > 1 ? 5 : 0);  // a partial last panel
+        const int ldz = np * 32, ldd = 2 * m + 2;
+        std::vector<float> d(static_cast<size_t>(rows * m)), z(static_cast<size_t>(rows * cols));
+        for (auto& v : d) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+        for (auto& v : z) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+        const int groups = (rows + 1) / 2;
+        std::vector<bf16_t> dz(static_cast<size_t>(groups * ldd), 0), zz(static_cast<size_t>(groups * ldz), 0);
+        for (int g = 0; g < groups; ++g) {
+          const bool pair = 2 * g + 1 < rows;
+          K.zip_rows_bf16(&d[static_cast<size_t>(2 * g * m)], pair ? &d[static_cast<size_t>((2 * g + 1) * m)] : nullptr,
+                          m, &dz[static_cast<size_t>(g * ldd)]);
+          K.zip_rows_bf16(&z[static_cast<size_t>(2 * g * cols)],
+                          pair ? &z[static_cast<size_t>((2 * g + 1) * cols)] : nullptr, cols,
+                          &zz[static_cast<size_t>(g * ldz)]);
+          for (int j = 0; j < m; ++j) {  // the zip itself: rounding of bf16 values is exact
+            ASSERT_EQ(kt::bf16_to_f32(dz[static_cast<size_t>(g * ldd + 2 * j)]), d[static_cast<size_t>(2 * g * m + j)]);
+            ASSERT_EQ(kt::bf16_to_f32(dz[static_cast<size_t>(g * ldd + 2 * j + 1)]),
+                      pair ? d[static_cast<size_t>((2 * g + 1) * m + j)] : 0.f);
+          }
+        }
+        const int ldc = np * 16 + 1;
+        for (bool acc : {false, true}) {
+          std::vector<float> c(static_cast<size_t>(m * ldc), 0.25f);
+          K.gemm_zip_bf16(dz.data(), ldd, m, zz.data(), ldz, np, groups, c.data(), ldc, acc);
+          for (int o = 0; o < m; ++o)
+            for (int j = 0; j < np * 16; ++j) {
+              double want = acc ? 0.25 : 0.0;
+              for (int r = 0; r < rows && j < cols; ++r)
+                want += static_cast<double>(d[static_cast<size_t>(r * m + o)]) * z[static_cast<size_t>(r * cols + j)];
+              ASSERT_NEAR(c[static_cast<size_t>(o * ldc + j)], want, 1e-5 * (1.0 + std::fabs(want)) * rows)
+                  << "rows=" << rows << " m=" << m << " np=" << np << " acc=" << acc << " at " << o << "," << j;
+            }
+          ASSERT_EQ(c[static_cast<size_t>(m * ldc - 1)], 0.25f) << "wrote past the panels";
+        }
+      }
+}
+
 TEST_P(GemmKernels, Fp32GemmsMatchPlainLoops) {
   const kt::Kernels& K = *GetParam();
   std::mt19937 rng(3);

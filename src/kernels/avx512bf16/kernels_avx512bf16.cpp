@@ -8,8 +8,8 @@
 namespace kt {
 namespace avx512bf16 {
 
-#include "kernels/sgemm_generic.inc"
 #include "kernels/activation_generic.inc"
+#include "kernels/sgemm_generic.inc"
 
 // Cache lines [0, lines) of pf, to be fetched while a tile runs.
 struct Prefetch {
@@ -36,7 +36,9 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
     for (int p = 0; p < NP; ++p) {
       // Few rows (decode): the weights stream from DRAM with little compute
       // to hide it; fetch ahead of the hardware prefetcher.
-      if (MR == 1) _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
+      if (MR == 1)
+        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32),
+                     _MM_HINT_T0);
       b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
     }
     for (int r = 0; r < MR; ++r) {
@@ -57,8 +59,9 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
 
 // One tile of h rows, 1 <= h <= R.
 template <int NP, int R>
-static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                           float* c, int64_t ldc, bool accumulate, Prefetch next) {
+static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w,
+                           int64_t panel_stride, float* c, int64_t ldc, bool accumulate,
+                           Prefetch next) {
   if constexpr (R > 0) {
     if (h == R) {
       tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate, next);
@@ -88,7 +91,8 @@ static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int
     if (h == MR) {
       tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, share);
     } else {
-      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, share);
+      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate,
+                                 share);
     }
     r += h;
   }
@@ -109,12 +113,108 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
     const bf16_t* w = panels + p * panel_stride;
     float* cp = c + p * kPanelRows;
     switch (n) {
-      case 4: rows<4>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share); break;
-      case 3: rows<3>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share); break;
-      case 2: rows<2>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share); break;
-      default: rows<1>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share); break;
+      case 4:
+        rows<4>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
+        break;
+      case 3:
+        rows<3>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
+        break;
+      case 2:
+        rows<2>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
+        break;
+      default:
+        rows<1>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
+        break;
     }
     p += n;
+  }
+}
+
+// Weight gradients: MR rows of D x NP panels of Z, both zipped (kernels.h).
+template <int MR, int NP>
+static inline void zip_tile(const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz,
+                            int64_t groups, float* c, int64_t ldc, bool accumulate) {
+  __m512 acc[MR][NP];
+  for (int r = 0; r < MR; ++r)
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512bh b[NP];
+    for (int p = 0; p < NP; ++p) b[p] = (__m512bh)_mm512_loadu_si512(z + g * ldz + p * 32);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      __builtin_memcpy(&pair, d + g * ldd + 2 * r, 4);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* cr = c + r * ldc;
+    for (int p = 0; p < NP; ++p) {
+      if (accumulate) acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_loadu_ps(cr + 16 * p));
+      _mm512_storeu_ps(cr + 16 * p, acc[r][p]);
+    }
+  }
+}
+
+template <int NP, int R>
+static void zip_tile_of_height(int h, const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz,
+                               int64_t groups, float* c, int64_t ldc, bool accumulate) {
+  if constexpr (R > 0) {
+    if (h == R) {
+      zip_tile<R, NP>(d, ldd, z, ldz, groups, c, ldc, accumulate);
+    } else {
+      zip_tile_of_height<NP, R - 1>(h, d, ldd, z, ldz, groups, c, ldc, accumulate);
+    }
+  }
+}
+
+// Z columns in groups of 4 panels (a few KB per group of rows, in L1); the
+// m rows of D in balanced tiles under them.
+static void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
+                          int64_t groups, float* c, int64_t ldc, bool accumulate) {
+  constexpr int MR = 6;
+  const int tiles = (m + MR - 1) / MR;
+  for (int p = 0; p < np; p += 4) {
+    const int n = np - p >= 4 ? 4 : np - p;
+    for (int t = 0, r = 0; t < tiles; ++t) {
+      const int h = (m - r) / (tiles - t);
+      const bf16_t* dr = d + 2 * r;
+      const bf16_t* zp = z + p * 32;
+      float* cr = c + r * ldc + p * kPanelRows;
+      switch (n) {
+        case 4:
+          zip_tile_of_height<4, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
+          break;
+        case 3:
+          zip_tile_of_height<3, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
+          break;
+        case 2:
+          zip_tile_of_height<2, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
+          break;
+        default:
+          zip_tile_of_height<1, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
+          break;
+      }
+      r += h;
+    }
+  }
+}
+
+// Round to nearest even (vcvtne2ps2bf16) and interleave the two rows.
+static void zip_rows_bf16(const float* r0, const float* r1, int64_t n, bf16_t* dst) {
+  // Element i takes r0[i/2] (even i) or r1[i/2] (odd i).
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24,
+                                         8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 b = r1 ? _mm512_loadu_ps(r1 + j) : _mm512_setzero_ps();
+    // Low half from r0, high half from r1.
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, _mm512_loadu_ps(r0 + j));
+    _mm512_storeu_si512(dst + 2 * j, _mm512_permutexvar_epi16(order, both));
+  }
+  for (; j < n; ++j) {
+    dst[2 * j] = f32_to_bf16(r0[j]);
+    dst[2 * j + 1] = r1 ? f32_to_bf16(r1[j]) : bf16_t{0};
   }
 }
 
@@ -127,7 +227,8 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
     __m512i nan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    __mmask16 is_nan = _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
+    __mmask16 is_nan =
+        _mm512_cmp_ps_mask(_mm512_castsi512_ps(u), _mm512_castsi512_ps(u), _CMP_UNORD_Q);
     r = _mm512_mask_blend_epi32(is_nan, _mm512_srli_epi32(r, 16), nan);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
   }
@@ -140,8 +241,8 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 // (2j, 2j+1) x columns (2g, 2g+1); transposed, qword i of row j is the block
 // of columns (2i, 2i+1), which is destination group j once a byte shuffle
 // swaps the middle halves of each block (see the portable version).
-static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
-                                    int64_t cb, bf16_t* dst) {
+static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t panel_stride,
+                                    int64_t c0, int64_t cb, bf16_t* dst) {
   const int64_t kp2 = np * kPanelRows;
   const int64_t stride2 = kPanelRows * kp2;
   const __m512i s1_lo = _mm512_setr_epi64(0, 8, 2, 10, 4, 12, 6, 14);
@@ -177,8 +278,10 @@ static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t pa
       // b[3]: 3 and 7; b[4..7] the same for rows 4-7.
       bf16_t* o = out + P * kPanelRows / 2 * 2 * kPanelRows;
       for (int j = 0; j < 4; ++j) {
-        const __m512i col_lo = _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_lo, b[j + 4]), swap);
-        const __m512i col_hi = _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_hi, b[j + 4]), swap);
+        const __m512i col_lo =
+            _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_lo, b[j + 4]), swap);
+        const __m512i col_hi =
+            _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_hi, b[j + 4]), swap);
         _mm512_storeu_si512(o + j * 2 * kPanelRows, col_lo);
         _mm512_storeu_si512(o + (j + 4) * 2 * kPanelRows, col_hi);
       }
@@ -189,9 +292,19 @@ static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t pa
 }  // namespace avx512bf16
 
 extern const Kernels kernels_avx512bf16 = {
-    KT_ISA_AVX512BF16, "gemm_bf16w_bf16_f32_6x64__avx512bf16", 2, avx512bf16::gemm_bf16w,
-    avx512bf16::pack_a_f32, avx512bf16::sgemm_nn_generic, avx512bf16::sgemm_nt_generic, avx512bf16::sgemm_tn_generic,
-    avx512bf16::transpose_panels_avx512, avx512bf16::act_forward_generic, avx512bf16::act_backward_generic,
+    KT_ISA_AVX512BF16,
+    "gemm_bf16w_bf16_f32_6x64__avx512bf16",
+    2,
+    avx512bf16::gemm_bf16w,
+    avx512bf16::gemm_zip_bf16,
+    avx512bf16::zip_rows_bf16,
+    avx512bf16::pack_a_f32,
+    avx512bf16::sgemm_nn_generic,
+    avx512bf16::sgemm_nt_generic,
+    avx512bf16::sgemm_tn_generic,
+    avx512bf16::transpose_panels_avx512,
+    avx512bf16::act_forward_generic,
+    avx512bf16::act_backward_generic,
 };
 
 }  // namespace kt
