@@ -47,10 +47,12 @@ struct Kernels {
   // operands come as zipped row pairs, [group][column][2] bf16 with the pair
   // (row 2g, row 2g+1) innermost, ld elements between groups. For o < m and
   // c < 16 * np: C[o, c] (=|+=) sum over g < groups, j < 2 of
-  // D[g][o][j] * Z[g][c][j]. d points at the first of the m columns of D; Z
-  // holds 16 * np columns per group (zero past the real ones).
+  // scale * D[g][o][j] * Z[g][c][j]. d points at the first of the m columns
+  // of D; Z holds 16 * np columns per group (zero past the real ones).
+  // stream: C is written once and not read soon (gradients in memory): the
+  // kernel may store around the caches where C is 64-byte aligned.
   void (*gemm_zip_bf16)(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
-                        int64_t groups, float* c, int64_t ldc, bool accumulate);
+                        int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool stream);
   // dst[2j] = bf16(r0[j]), dst[2j + 1] = bf16(r1[j]) (0 when r1 is NULL) for
   // j < n: one group of the zipped format. NULL with gemm_zip_bf16.
   void (*zip_rows_bf16)(const float* r0, const float* r1, int64_t n, bf16_t* dst);

@@ -480,10 +480,15 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
         std::memset(dst + 2 * in, 0, static_cast<size_t>(2 * (inp - in)) * sizeof(bf16_t));
       }
     };
+    // fp32 gradients with whole panels per row are written by the kernel
+    // itself, scaled, streamed past the caches; others go through cbuf.
+    const bool direct = gw.dtype == DType::kF32 && gw.strides[2] == 1 && in % kPanelRows == 0;
     const int64_t chunks = ceil_div(n, kZipRoutes);
     if (chunks == 1) zip_z(0, n);
     for (int64_t o0 = 0; o0 < out; o0 += kRowChunk) {
       const int64_t ob = std::min(kRowChunk, out - o0);
+      float* dst = direct ? reinterpret_cast<float*>(gw.at(e, o0, 0)) : cbuf;
+      const int64_t ld = direct ? gw.strides[1] : inp;
       for (int64_t ch = 0; ch < chunks; ++ch) {
         const int64_t r0 = ch * kZipRoutes, nr = std::min(kZipRoutes, n - r0);
         if (chunks > 1) zip_z(r0, nr);
@@ -492,9 +497,10 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
           K_.zip_rows_bf16(d0, 2 * g + 1 < nr ? d0 + out : nullptr, ob, dz + g * 2 * ob);
         }
         K_.gemm_zip_bf16(dz, 2 * ob, static_cast<int>(ob), zz, 2 * inp, static_cast<int>(inp / kPanelRows),
-                         ceil_div(nr, 2), cbuf, inp, ch > 0);
+                         ceil_div(nr, 2), dst, ld, ch > 0 || (direct && accumulate),
+                         direct ? c.opt.grad_scale : 1.f, direct && chunks == 1);
       }
-      write_grad(gw, e, o0, cbuf, ob, in, false, c.opt.grad_scale, accumulate, inp);
+      if (!direct) write_grad(gw, e, o0, cbuf, ob, in, false, c.opt.grad_scale, accumulate, inp);
     }
     if (opt.has_bias) {
       for (int64_t o = 0; o < out; ++o) cbuf[o] = 0.f;

@@ -132,8 +132,8 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 
 // Weight gradients: MR rows of D x NP panels of Z, both zipped (kernels.h).
 template <int MR, int NP>
-static inline void zip_tile(const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz,
-                            int64_t groups, float* c, int64_t ldc, bool accumulate) {
+static inline void zip_tile(const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz, int64_t groups, float* c,
+                            int64_t ldc, bool accumulate, float scale, bool stream) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
@@ -147,32 +147,40 @@ static inline void zip_tile(const bf16_t* d, int64_t ldd, const bf16_t* z, int64
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
     }
   }
+  const __m512 s = _mm512_set1_ps(scale);
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
     for (int p = 0; p < NP; ++p) {
-      if (accumulate) acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_loadu_ps(cr + 16 * p));
-      _mm512_storeu_ps(cr + 16 * p, acc[r][p]);
+      __m512 v = _mm512_mul_ps(acc[r][p], s);
+      if (accumulate) v = _mm512_add_ps(v, _mm512_loadu_ps(cr + 16 * p));
+      if (stream) {
+        _mm512_stream_ps(cr + 16 * p, v);
+      } else {
+        _mm512_storeu_ps(cr + 16 * p, v);
+      }
     }
   }
 }
 
 template <int NP, int R>
-static void zip_tile_of_height(int h, const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz,
-                               int64_t groups, float* c, int64_t ldc, bool accumulate) {
+static void zip_tile_of_height(int h, const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz, int64_t groups,
+                               float* c, int64_t ldc, bool accumulate, float scale, bool stream) {
   if constexpr (R > 0) {
     if (h == R) {
-      zip_tile<R, NP>(d, ldd, z, ldz, groups, c, ldc, accumulate);
+      zip_tile<R, NP>(d, ldd, z, ldz, groups, c, ldc, accumulate, scale, stream);
     } else {
-      zip_tile_of_height<NP, R - 1>(h, d, ldd, z, ldz, groups, c, ldc, accumulate);
+      zip_tile_of_height<NP, R - 1>(h, d, ldd, z, ldz, groups, c, ldc, accumulate, scale, stream);
     }
   }
 }
 
 // Z columns in groups of 4 panels (a few KB per group of rows, in L1); the
 // m rows of D in balanced tiles under them.
-static void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
-                          int64_t groups, float* c, int64_t ldc, bool accumulate) {
+static void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np, int64_t groups,
+                          float* c, int64_t ldc, bool accumulate, float scale, bool stream) {
   constexpr int MR = 6;
+  // Streaming stores need every C row 64-byte aligned.
+  stream = stream && reinterpret_cast<uintptr_t>(c) % 64 == 0 && (ldc * sizeof(float)) % 64 == 0;
   const int tiles = (m + MR - 1) / MR;
   for (int p = 0; p < np; p += 4) {
     const int n = np - p >= 4 ? 4 : np - p;
@@ -182,22 +190,17 @@ static void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, 
       const bf16_t* zp = z + p * 32;
       float* cr = c + r * ldc + p * kPanelRows;
       switch (n) {
-        case 4:
-          zip_tile_of_height<4, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
-          break;
-        case 3:
-          zip_tile_of_height<3, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
-          break;
-        case 2:
-          zip_tile_of_height<2, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
-          break;
-        default:
-          zip_tile_of_height<1, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate);
-          break;
+        case 4: zip_tile_of_height<4, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate, scale, stream); break;
+        case 3: zip_tile_of_height<3, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate, scale, stream); break;
+        case 2: zip_tile_of_height<2, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate, scale, stream); break;
+        default: zip_tile_of_height<1, MR>(h, dr, ldd, zp, ldz, groups, cr, ldc, accumulate, scale, stream); break;
       }
       r += h;
     }
   }
+  // Streaming stores are weakly ordered: make them visible before the
+  // caller signals that C is done.
+  if (stream) _mm_sfence();
 }
 
 // Round to nearest even (vcvtne2ps2bf16) and interleave the two rows.
