@@ -25,6 +25,44 @@ struct ActParams {
   float limit;
 };
 
+// Memory a caller reads next: `chunks` chunks of chunk_bytes, stride bytes
+// apart (one chunk: a contiguous block of panels; many: the slices of a
+// packed matrix that W^T panels are built from). Kernels fetch it into cache
+// while they compute.
+struct PrefetchRegion {
+  const void* base = nullptr;
+  int64_t chunk_bytes = 0;
+  int64_t chunks = 0;
+  int64_t stride = 0;
+
+  static PrefetchRegion block(const void* p, int64_t bytes) { return {p, bytes, p ? 1 : 0, 0}; }
+  int64_t lines_per_chunk() const { return (chunk_bytes + 63) / 64; }
+  int64_t lines() const { return base ? chunks * lines_per_chunk() : 0; }
+};
+
+// Walks the cache lines of a PrefetchRegion in order, issuing a prefetch per
+// call (portable builtin: every ISA unit can use it).
+class PrefetchCursor {
+ public:
+  explicit PrefetchCursor(const PrefetchRegion& r)
+      : chunk_(static_cast<const char*>(r.base)), per_chunk_(r.lines_per_chunk()), stride_(r.stride),
+        left_(r.lines()) {}
+  int64_t left() const { return left_; }
+  inline void issue(int64_t n) {
+    for (; n > 0 && left_ > 0; --n, --left_) {
+      __builtin_prefetch(chunk_ + line_ * 64, 0, 3);
+      if (++line_ == per_chunk_) {
+        line_ = 0;
+        chunk_ += stride_;
+      }
+    }
+  }
+
+ private:
+  const char* chunk_;
+  int64_t line_ = 0, per_chunk_, stride_, left_;
+};
+
 struct Kernels {
   kt_isa isa;
   const char* gemm_name;  // the contract-naming name of the weight GEMM
@@ -35,13 +73,12 @@ struct Kernels {
   // a_rows[r] points at a row in A format of kp elements (kp even, zero
   // padded); panels are np consecutive packed panels, panel_stride elements
   // apart (= 16*kp). C rows are ldc floats apart and hold 16*np columns.
-  // Any m >= 0 and np >= 1. prefetch (may be NULL) names the
-  // prefetch_bytes the caller reads next (the next weight panels): a kernel
-  // may fetch them into cache while it computes, so a block of panels comes
-  // from memory while the previous one is still in use.
+  // Any m >= 0 and np >= 1. next (base may be NULL) is what the caller reads
+  // next (the next weight panels): a kernel may fetch it into cache while it
+  // computes, so the next panels come from memory while these are in use.
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                      int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                     const void* prefetch, int64_t prefetch_bytes);
+                     const PrefetchRegion& next);
 
   // Weight gradients on bf16 operands (NULL where the A format is fp32): both
   // operands come as zipped row pairs, [group][column][2] bf16 with the pair

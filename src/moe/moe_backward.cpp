@@ -163,10 +163,17 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   dua_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
   dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(routes * nIb, 1)));
   block_items(R, I);
-  pool.run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
-    const int64_t ib = items_[static_cast<size_t>(it)] & 0xffffffff;
+  // What the W^T panels of an item are built from.
+  const auto down_source = [&](int64_t item) {
+    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
+    return transpose_source(wp_[kDown] + e * ds.elements(), ds, col0, std::min(kBlockCols, I - col0));
+  };
+  const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
+  // One item: da' for a block of I over all of the expert's rows; `next` is
+  // the source of the worker's next item, fetched while this one computes.
+  const auto bwd_down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
+    const int64_t e = item >> 32;
+    const int64_t ib = item & 0xffffffff;
     const int64_t col0 = ib * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
@@ -177,7 +184,8 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
-      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false, nullptr, 0);
+      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false,
+                    p0 + kRowChunk >= pend ? next : PrefetchRegion{});
       if (lora_on(kDown)) {
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
         K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
@@ -199,6 +207,11 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         K_.pack_a_f32(dup, ncols, kp, dua_.data() + (p * Ip + col0) * a_size_);
       }
     }
+  };
+  pool.run(ranges.count, [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+      bwd_down_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
+                    it + 1 < ranges.end(range) ? down_source(items_[static_cast<size_t>(it + 1)]) : PrefetchRegion{});
   });
 
   // Stage 3: LoRA gate/up, lb = dg . (s B).
@@ -222,7 +235,19 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const int64_t t1 = std::min(T, t0 + split.token_chunk);
       clear_columns(acc, t0, t1, H, col0, ncols);
       float* cx = s.c[0].data();
-      for (int32_t e : R.active) {
+      // The gate (q = 0) or up (q = 1) source of the block after (e, sc0):
+      // the next block of the expert, or the next expert's first.
+      const auto next_source = [&](int q, size_t ai, int64_t sc0) {
+        const bf16_t* w = wp_[q == 0 ? kGate : kUp];
+        if (sc0 + kBlockCols < col0 + ncols)
+          return transpose_source(w + R.active[ai] * gs.elements(), gs, sc0 + kBlockCols,
+                                  std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
+        if (ai + 1 < R.active.size())
+          return transpose_source(w + R.active[ai + 1] * gs.elements(), gs, col0, std::min(kBlockCols, ncols));
+        return PrefetchRegion{};
+      };
+      for (size_t ai = 0; ai < R.active.size(); ++ai) {
+        const int32_t e = R.active[ai];
         int64_t pbegin, pend;
         token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                     t1, &pbegin, &pend);
@@ -237,11 +262,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
           for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
             const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
             for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
+            const bool last = p0 + kRowChunk >= pend;
             K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                          nullptr, 0);
+                          last ? next_source(0, ai, sc0) : PrefetchRegion{});
             for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
             K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                          nullptr, 0);
+                          last ? next_source(1, ai, sc0) : PrefetchRegion{});
             for (int q = kGate; q <= kUp; ++q) {
               if (!lora_on(q)) continue;
               for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;

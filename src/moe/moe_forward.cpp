@@ -212,9 +212,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
       const bool last = p0 + kRowChunk >= pend;
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false, wu, block_bytes);
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false,
+                    PrefetchRegion::block(wu, block_bytes));
       K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false,
-                    last ? next : nullptr, next_bytes);
+                    PrefetchRegion::block(last ? next : nullptr, next_bytes));
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
@@ -301,7 +302,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
           K_.gemm_bf16w(s.rows.data(), m, kpI, panels(e, sub), ds.panel_stride(), np, co, kBlockCols, false,
-                        p0 + kRowChunk >= pend ? next : nullptr, next_bytes);
+                        PrefetchRegion::block(p0 + kRowChunk >= pend ? next : nullptr, next_bytes));
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
             K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),

@@ -112,9 +112,9 @@ TEST_P(GemmKernels, WeightGemmMatchesScalarTwin) {
         const int64_t ldc = np * 16 + 3;
         for (bool acc : {false, true}) {
           std::vector<float> ck(static_cast<size_t>(m * ldc), 0.5f), cr(static_cast<size_t>(m * ldc), 0.5f);
-          K.gemm_bf16w(rk.data(), m, s.kp, packed.data(), s.panel_stride(), np, ck.data(), ldc, acc, packed.data(),
-                       static_cast<int64_t>(packed.size() * sizeof(bf16_t)));
-          R.gemm_bf16w(rr.data(), m, s.kp, packed.data(), s.panel_stride(), np, cr.data(), ldc, acc, nullptr, 0);
+          K.gemm_bf16w(rk.data(), m, s.kp, packed.data(), s.panel_stride(), np, ck.data(), ldc, acc,
+                       kt::PrefetchRegion{packed.data(), 64, static_cast<int64_t>(packed.size() * 2 / 128), 128});
+          R.gemm_bf16w(rr.data(), m, s.kp, packed.data(), s.panel_stride(), np, cr.data(), ldc, acc, kt::PrefetchRegion{});
           for (int i = 0; i < m; ++i)
             for (int64_t j = 0; j < ldc; ++j) {
               const float want = cr[static_cast<size_t>(i * ldc + j)];

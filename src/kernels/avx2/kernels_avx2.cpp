@@ -49,7 +49,7 @@ static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, floa
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                        int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                       const void* /*prefetch*/, int64_t /*prefetch_bytes*/) {
+                       const PrefetchRegion& /*next*/) {
   const float* const* a = reinterpret_cast<const float* const*>(a_rows);
   for (int p = 0; p < np; ++p) {
     const bf16_t* w = panels + p * panel_stride;

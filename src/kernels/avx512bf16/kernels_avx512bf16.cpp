@@ -11,26 +11,23 @@ namespace avx512bf16 {
 #include "kernels/activation_generic.inc"
 #include "kernels/sgemm_generic.inc"
 
-// Cache lines [0, lines) of pf, to be fetched while a tile runs.
-struct Prefetch {
-  const char* pf = nullptr;
-  int64_t lines = 0;
-};
-
 // MR rows x NP panels of 16: MR*NP accumulators (<= 24) + NP weight vectors.
-// Alongside, the lines of `next` are prefetched evenly over the K loop.
+// Alongside, `quota` lines of the caller's next region are prefetched evenly
+// over the K loop.
 template <int MR, int NP>
 static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                        float* c, int64_t ldc, bool accumulate, Prefetch next) {
+                        float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota) {
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   const int64_t groups = kp / 2;
-  const int64_t lines_per_group = groups > 0 ? (next.lines + groups - 1) / groups : 0;
+  const int64_t lines_per_group = groups > 0 ? (quota + groups - 1) / groups : 0;
+  PrefetchCursor cursor = next;  // a local copy stays in registers
   for (int64_t g = 0; g < groups; ++g) {
-    for (int64_t j = 0; j < lines_per_group; ++j) {
-      const int64_t l = g * lines_per_group + j;
-      if (l < next.lines) _mm_prefetch(next.pf + l * 64, _MM_HINT_T0);
+    if (quota > 0) {
+      const int64_t n = quota < lines_per_group ? quota : lines_per_group;
+      cursor.issue(n);
+      quota -= n;
     }
     __m512bh b[NP];
     for (int p = 0; p < NP; ++p) {
@@ -48,6 +45,7 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
       for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
     }
   }
+  next = cursor;
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
     for (int p = 0; p < NP; ++p) {
@@ -59,14 +57,13 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
 
 // One tile of h rows, 1 <= h <= R.
 template <int NP, int R>
-static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w,
-                           int64_t panel_stride, float* c, int64_t ldc, bool accumulate,
-                           Prefetch next) {
+static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
+                           float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota) {
   if constexpr (R > 0) {
     if (h == R) {
-      tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate, next);
+      tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate, next, quota);
     } else {
-      tile_of_height<NP, R - 1>(h, a, kp, w, panel_stride, c, ldc, accumulate, next);
+      tile_of_height<NP, R - 1>(h, a, kp, w, panel_stride, c, ldc, accumulate, next, quota);
     }
   }
 }
@@ -75,24 +72,22 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // rather than 6,6,6,6,6,2): a low tile has too few accumulators to cover the
 // dot-product latency yet streams the panels as often as a full one.
 // With two tiles or more, the first streams the panels from memory and the
-// others find them in cache; all of them prefetch the caller's next panels,
+// others find them in cache; all of them prefetch the caller's next region,
 // a share each. A single tile (decode) is bound by the stream itself and
 // prefetches nothing more.
 template <int NP>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                 float* c, int64_t ldc, bool accumulate, Prefetch next) {
+                 float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines) {
   constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
   const int tiles = (m + MR - 1) / MR;
-  if (tiles < 2) next.lines = 0;
+  if (tiles < 2) lines = 0;
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int h = (m - r) / (tiles - t);
-    const int64_t l0 = next.lines * t / tiles, l1 = next.lines * (t + 1) / tiles;
-    const Prefetch share{next.pf + l0 * 64, l1 - l0};
+    const int64_t quota = lines * (t + 1) / tiles - lines * t / tiles;
     if (h == MR) {
-      tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, share);
+      tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota);
     } else {
-      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate,
-                                 share);
+      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota);
     }
     r += h;
   }
@@ -100,31 +95,23 @@ static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                        int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                       const void* prefetch, int64_t prefetch_bytes) {
+                       const PrefetchRegion& region) {
   const bf16_t* const* a = reinterpret_cast<const bf16_t* const*>(a_rows);
-  Prefetch next{static_cast<const char*>(prefetch), prefetch ? prefetch_bytes / 64 : 0};
+  PrefetchCursor next(region);
+  const int64_t lines = region.lines();
   // The calls over column groups each take a share of the prefetch.
   const int groups = (np + 3) / 4;
   int p = 0;
   for (int gi = 0; p < np; ++gi) {
     const int n = np - p >= 4 ? 4 : np - p;
-    const int64_t l0 = next.lines * gi / groups, l1 = next.lines * (gi + 1) / groups;
-    const Prefetch share{next.pf + l0 * 64, l1 - l0};
+    const int64_t share = lines * (gi + 1) / groups - lines * gi / groups;
     const bf16_t* w = panels + p * panel_stride;
     float* cp = c + p * kPanelRows;
     switch (n) {
-      case 4:
-        rows<4>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
-        break;
-      case 3:
-        rows<3>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
-        break;
-      case 2:
-        rows<2>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
-        break;
-      default:
-        rows<1>(a, m, kp, w, panel_stride, cp, ldc, accumulate, share);
-        break;
+      case 4: rows<4>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
+      case 3: rows<3>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
+      case 2: rows<2>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
+      default: rows<1>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
     }
     p += n;
   }

@@ -13,7 +13,7 @@ namespace ref {
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                        int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                       const void* /*prefetch*/, int64_t /*prefetch_bytes*/) {
+                       const PrefetchRegion& /*next*/) {
   for (int r = 0; r < m; ++r) {
     const float* a = static_cast<const float*>(a_rows[r]);
     for (int p = 0; p < np; ++p) {
