@@ -184,9 +184,9 @@ TEST_P(GemmKernels, Fp32GemmsMatchPlainLoops) {
   const kt::Kernels& K = *GetParam();
   std::mt19937 rng(3);
   std::normal_distribution<float> nd;
-  for (int m : {1, 5, 16})
-    for (int n : {1, 7, 33})
-      for (int k : {0, 1, 5, 17, 40}) {
+  for (int m : {1, 5, 16, 19})
+    for (int n : {1, 7, 33, 64, 70, 130})
+      for (int k : {0, 1, 5, 17, 40, 100}) {
         std::vector<float> a(static_cast<size_t>(m * k + 1)), at(static_cast<size_t>(k * m + 1)),
             b(static_cast<size_t>(k * n + 1)), bt(static_cast<size_t>(n * k + 1));
         for (auto& v : a) v = nd(rng);
@@ -210,9 +210,10 @@ TEST_P(GemmKernels, Fp32GemmsMatchPlainLoops) {
           K.sgemm_tn(m, n, k, at.data(), m, brows.data(), c3.data(), n, acc);
           for (size_t i = 0; i < want.size(); ++i) {
             const double w = want[i] + (acc ? 1.0 : 0.0);
-            EXPECT_NEAR(c1[i], w, 1e-4) << "sgemm_nn m=" << m << " n=" << n << " k=" << k;
-            EXPECT_NEAR(c2[i], w, 1e-4) << "sgemm_nt m=" << m << " n=" << n << " k=" << k;
-            EXPECT_NEAR(c3[i], w, 1e-4) << "sgemm_tn m=" << m << " n=" << n << " k=" << k;
+            const double tol = 1e-4 * (1.0 + std::fabs(w));
+            ASSERT_NEAR(c1[i], w, tol) << "sgemm_nn m=" << m << " n=" << n << " k=" << k << " acc=" << acc;
+            ASSERT_NEAR(c2[i], w, tol) << "sgemm_nt m=" << m << " n=" << n << " k=" << k << " acc=" << acc;
+            ASSERT_NEAR(c3[i], w, tol) << "sgemm_tn m=" << m << " n=" << n << " k=" << k << " acc=" << acc;
           }
         }
       }

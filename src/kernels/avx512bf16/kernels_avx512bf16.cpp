@@ -117,6 +117,162 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
   }
 }
 
+// ---- fp32 GEMMs (LoRA projections and gradients): register tiles of fp32
+// FMAs; column tails by masks. Rows of C are independent of how many rows a
+// call gets, so results do not depend on the work split.
+
+static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
+
+// C[MR rows, NV vectors of 16 columns (the last masked by `last`)].
+template <int MR, int NV>
+static inline void nn_tile(int k, const float* const* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
+                           bool accumulate, __mmask16 last) {
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, c + r * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (int p = 0; p < k; ++p) {
+    __m512 bv[NV];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, b + p * ldb + 16 * v);
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const __m512 av = _mm512_set1_ps(a_rows[r][p]);
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == NV - 1 ? last : 0xffff, acc[r][v]);
+}
+
+template <int MR>
+static inline void nn_rows(int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
+                           int64_t ldc, bool accumulate) {
+  for (int j = 0; j < n; j += 64) {
+    const int w = n - j < 64 ? n - j : 64;
+    const int nv = (w + 15) / 16;
+    const __mmask16 last = tail_mask(w - 16 * (nv - 1));
+    switch (nv) {
+      case 4: nn_tile<MR, 4>(k, a_rows, b + j, ldb, c + j, ldc, accumulate, last); break;
+      case 3: nn_tile<MR, 3>(k, a_rows, b + j, ldb, c + j, ldc, accumulate, last); break;
+      case 2: nn_tile<MR, 2>(k, a_rows, b + j, ldb, c + j, ldc, accumulate, last); break;
+      default: nn_tile<MR, 1>(k, a_rows, b + j, ldb, c + j, ldc, accumulate, last); break;
+    }
+  }
+}
+
+static void sgemm_nn(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
+                     int64_t ldc, bool accumulate) {
+  int r = 0;
+  for (; r + 4 <= m; r += 4) nn_rows<4>(n, k, a_rows + r, b, ldb, c + r * ldc, ldc, accumulate);
+  for (; r < m; ++r) nn_rows<1>(n, k, a_rows + r, b, ldb, c + r * ldc, ldc, accumulate);
+}
+
+// C[r, j] = dot(a_rows[r], B[j]) over k: MR x NJ accumulators of 16 partial
+// sums along k, reduced at the end.
+template <int MR, int NJ>
+static inline void nt_tile(int k, const float* const* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
+                           bool accumulate) {
+  __m512 acc[MR][NJ];
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int p = 0; p < k; p += 16) {
+    const __mmask16 mk = tail_mask(k - p);
+    __m512 av[MR];
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) av[r] = _mm512_maskz_loadu_ps(mk, a_rows[r] + p);
+    #pragma GCC unroll 16
+    for (int j = 0; j < NJ; ++j) {
+      const __m512 bv = _mm512_maskz_loadu_ps(mk, b + j * ldb + p);
+      #pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) acc[r][j] = _mm512_fmadd_ps(av[r], bv, acc[r][j]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+    #pragma GCC unroll 16
+    for (int j = 0; j < NJ; ++j) {
+      const float sum = _mm512_reduce_add_ps(acc[r][j]);
+      c[r * ldc + j] = accumulate ? c[r * ldc + j] + sum : sum;
+    }
+}
+
+template <int MR>
+static inline void nt_rows(int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
+                           int64_t ldc, bool accumulate) {
+  int j = 0;
+  for (; j + 8 <= n; j += 8) nt_tile<MR, 8>(k, a_rows, b + j * ldb, ldb, c + j, ldc, accumulate);
+  for (; j < n; ++j) nt_tile<MR, 1>(k, a_rows, b + j * ldb, ldb, c + j, ldc, accumulate);
+}
+
+static void sgemm_nt(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
+                     int64_t ldc, bool accumulate) {
+  int r = 0;
+  for (; r + 2 <= m; r += 2) nt_rows<2>(n, k, a_rows + r, b, ldb, c + r * ldc, ldc, accumulate);
+  for (; r < m; ++r) nt_rows<1>(n, k, a_rows + r, b, ldb, c + r * ldc, ldc, accumulate);
+}
+
+// C[i, cols] (=|+=) sum over the k rows r of A[r, i] * B_r[cols]: MR rows of
+// C x NV vectors held in registers over the whole reduction.
+template <int MR, int NV>
+static inline void tn_tile(int k, const float* a, int64_t lda, const float* const* b_rows, int64_t j, float* c,
+                           int64_t ldc, bool accumulate, __mmask16 last) {
+  __m512 acc[MR][NV];
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v)
+      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, c + i * ldc + 16 * v)
+                             : _mm512_setzero_ps();
+  for (int r = 0; r < k; ++r) {
+    __m512 bv[NV];
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, b_rows[r] + j + 16 * v);
+    #pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[r * lda + i]);
+      #pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+  }
+  #pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+    #pragma GCC unroll 16
+    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, v == NV - 1 ? last : 0xffff, acc[i][v]);
+}
+
+// Blocks of 32 columns, all rows of C under each: the block's k x 32 slice
+// of B stays in L1 across the row tiles, and the k rows of B are each read
+// once, front to back (prefetched a few blocks ahead: the rows are many
+// separate streams).
+static void sgemm_tn(int m, int n, int k, const float* a, int64_t lda, const float* const* b_rows, float* c,
+                     int64_t ldc, bool accumulate) {
+  for (int j = 0; j < n; j += 32) {
+    const int w = n - j < 32 ? n - j : 32;
+    const __mmask16 last = tail_mask(w > 16 ? w - 16 : w);
+    if (j + 128 < n)
+      for (int r = 0; r < k; ++r) _mm_prefetch(reinterpret_cast<const char*>(b_rows[r] + j + 128), _MM_HINT_T0);
+    int i = 0;
+    if (w > 16) {
+      for (; i + 8 <= m; i += 8) tn_tile<8, 2>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+      for (; i + 4 <= m; i += 4) tn_tile<4, 2>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+      for (; i < m; ++i) tn_tile<1, 2>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+    } else {
+      for (; i + 8 <= m; i += 8) tn_tile<8, 1>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+      for (; i + 4 <= m; i += 4) tn_tile<4, 1>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+      for (; i < m; ++i) tn_tile<1, 1>(k, a + i, lda, b_rows, j, c + i * ldc + j, ldc, accumulate, last);
+    }
+  }
+}
+
 // Weight gradients: MR rows of D x NP panels of Z, both zipped (kernels.h).
 template <int MR, int NP>
 static inline void zip_tile(const bf16_t* d, int64_t ldd, const bf16_t* z, int64_t ldz, int64_t groups, float* c,
@@ -289,9 +445,9 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::gemm_zip_bf16,
     avx512bf16::zip_rows_bf16,
     avx512bf16::pack_a_f32,
-    avx512bf16::sgemm_nn_generic,
-    avx512bf16::sgemm_nt_generic,
-    avx512bf16::sgemm_tn_generic,
+    avx512bf16::sgemm_nn,
+    avx512bf16::sgemm_nt,
+    avx512bf16::sgemm_tn,
     avx512bf16::transpose_panels_avx512,
     avx512bf16::act_forward_generic,
     avx512bf16::act_backward_generic,
