@@ -6,6 +6,8 @@
 //            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -30,6 +32,20 @@
 namespace kt_bench {
 namespace {
 
+// The torch baseline script: beside the program when installed
+// (<prefix>/libexec/kt/), else the one in the source tree it was built from.
+std::string default_torch_script() {
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    std::string dir(self);
+    const std::string beside = dir.substr(0, dir.find_last_of('/')) + "/torch_baseline.py";
+    if (access(beside.c_str(), R_OK) == 0) return beside;
+  }
+  return KT_BENCH_TORCH_SCRIPT;
+}
+
 struct Options {
   bool json = false;
   bool quick = false;
@@ -45,7 +61,7 @@ struct Options {
   bool onednn = true;
   bool torch = true;
   std::string python = "/usr/bin/python3";
-  std::string torch_script = KT_BENCH_TORCH_SCRIPT;
+  std::string torch_script = default_torch_script();
 };
 
 const char* kUsage =

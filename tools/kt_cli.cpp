@@ -86,6 +86,8 @@ int usage(FILE* to) {
                "                             pack the MoE layers of checkpoint DIR into a packed\n"
                "                             cache: OUT/layer-<L>.ktpack (memory-mapped back by\n"
                "                             kt_moe_load_packed) and OUT/manifest.json\n"
+               "  bench [options]            the benchmark: kt against this machine's limits,\n"
+               "                             oneDNN and torch eager (kt bench --help lists options)\n"
                "  version [--json]           library version, ABI, build, CPU ISA\n");
   return to == stderr ? 2 : 0;
 }
@@ -604,9 +606,43 @@ int cmd_version(bool json) {
 
 }  // namespace
 
+// ------------------------------------------------------------------- bench
+
+// kt bench runs the benchmark program with the remaining arguments. It is
+// looked up as $KT_BENCH, then next to an installed kt
+// (<prefix>/libexec/kt/kt_bench), then in the build tree kt was built in.
+int cmd_bench(int argc, char** argv) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("KT_BENCH"); env && *env) candidates.push_back(env);
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    self[n] = '\0';
+    std::string dir(self);
+    dir = dir.substr(0, dir.find_last_of('/'));
+    candidates.push_back(dir + "/../libexec/kt/kt_bench");
+  }
+#ifdef KT_BENCH_BUILD_PATH
+  candidates.push_back(KT_BENCH_BUILD_PATH);
+#endif
+  for (const std::string& path : candidates) {
+    if (access(path.c_str(), X_OK) != 0) continue;
+    std::vector<char*> args;
+    args.push_back(const_cast<char*>(path.c_str()));
+    for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+    args.push_back(nullptr);
+    execv(path.c_str(), args.data());
+    std::fprintf(stderr, "kt bench: cannot run %s: %s\n", path.c_str(), std::strerror(errno));
+    return 1;
+  }
+  std::fprintf(stderr, "kt bench: the benchmark program (kt_bench) is not installed here; set KT_BENCH to its path\n");
+  return 1;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) return usage(stderr);
   const std::string cmd = argv[1];
+  if (cmd == "bench") return cmd_bench(argc, argv);
   bool json = false;
   std::string keep, layer_list;
   std::vector<std::string> positional;
