@@ -3,6 +3,8 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <chrono>
+
 namespace kt {
 
 std::vector<int> allowed_cpus() {
@@ -37,23 +39,42 @@ ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    stop_.store(true);
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
+template <class Cond>
+bool ThreadPool::spin_until(Cond cond) {
+  constexpr auto kSpin = std::chrono::microseconds(100);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (cond()) return true;
+    // sched_yield lets a thread waiting for this CPU (the caller, a worker)
+    // run; with nothing else to run it returns at once.
+    sched_yield();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) return cond();
+  }
+}
+
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  thunk_ = thunk;
-  fn_ = fn;
-  n_ = n;
-  next_.store(0, std::memory_order_relaxed);
-  error_ = nullptr;
-  active_ = size();
-  ++generation_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    thunk_ = thunk;
+    fn_ = fn;
+    n_ = n;
+    next_.store(0, std::memory_order_relaxed);
+    error_ = nullptr;
+    active_.store(size(), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
+  }
   wake_.notify_all();
-  done_.wait(lock, [this] { return active_ == 0; });
+  if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
   thunk_ = nullptr;
   fn_ = nullptr;
   if (error_) {
@@ -69,11 +90,15 @@ void ThreadPool::worker_loop(int index) {
     Thunk thunk;
     void* fn;
     int64_t n;
-    {
+    const auto ready = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
+    if (!spin_until(ready)) {
       std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
+      wake_.wait(lock, ready);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stop_.load()) return;
+      seen = generation_.load(std::memory_order_relaxed);
       thunk = thunk_;
       fn = fn_;
       n = n_;
@@ -88,8 +113,12 @@ void ThreadPool::worker_loop(int index) {
         if (!error_) error_ = std::current_exception();
       }
     }
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (--active_ == 0) done_.notify_one();
+    // The last worker out wakes the caller (under the lock, so a caller
+    // between its check and its wait cannot miss it).
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      done_.notify_one();
+    }
   }
 }
 

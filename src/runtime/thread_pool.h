@@ -38,13 +38,19 @@ class ThreadPool {
   void run_impl(int64_t n, Thunk thunk, void* fn);
   void worker_loop(int index);
 
+  // Waits briefly (yielding the CPU) for cond before the caller falls back
+  // to its condition variable: runs come in quick succession (a layer's
+  // stages), and a sleep/wake pair costs tens of microseconds.
+  template <class Cond>
+  static bool spin_until(Cond cond);
+
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::condition_variable done_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  int active_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
+  std::atomic<int> active_{0};
   Thunk thunk_ = nullptr;
   void* fn_ = nullptr;
   int64_t n_ = 0;
