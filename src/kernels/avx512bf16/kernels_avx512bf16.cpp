@@ -20,32 +20,35 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
   __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
     for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+  // The K loop runs in steps of kStep groups; the prefetch lines of a step
+  // are issued before it, so the inner loop keeps its registers for the
+  // row pointers and accumulators.
+  constexpr int64_t kStep = 16;
   const int64_t groups = kp / 2;
-  const int64_t lines_per_group = groups > 0 ? (quota + groups - 1) / groups : 0;
-  PrefetchCursor cursor = next;  // a local copy stays in registers
-  for (int64_t g = 0; g < groups; ++g) {
+  const int64_t steps = (groups + kStep - 1) / kStep;
+  for (int64_t st = 0; st < steps; ++st) {
     if (quota > 0) {
-      const int64_t n = quota < lines_per_group ? quota : lines_per_group;
-      cursor.issue(n);
-      quota -= n;
+      const int64_t n = quota * (st + 1) / steps - quota * st / steps;
+      next.issue(n);
     }
-    __m512bh b[NP];
-    for (int p = 0; p < NP; ++p) {
-      // Few rows (decode): the weights stream from DRAM with little compute
-      // to hide it; fetch ahead of the hardware prefetcher.
-      if (MR == 1)
-        _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32),
-                     _MM_HINT_T0);
-      b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
-    }
-    for (int r = 0; r < MR; ++r) {
-      int32_t pair;
-      __builtin_memcpy(&pair, a[r] + 2 * g, 4);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-      for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
+    const int64_t g1 = (st + 1) * kStep < groups ? (st + 1) * kStep : groups;
+    for (int64_t g = st * kStep; g < g1; ++g) {
+      __m512bh b[NP];
+      for (int p = 0; p < NP; ++p) {
+        // Few rows (decode): the weights stream from DRAM with little compute
+        // to hide it; fetch ahead of the hardware prefetcher.
+        if (MR == 1)
+          _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
+        b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
+      }
+      for (int r = 0; r < MR; ++r) {
+        int32_t pair;
+        __builtin_memcpy(&pair, a[r] + 2 * g, 4);
+        const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
+      }
     }
   }
-  next = cursor;
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
     for (int p = 0; p < NP; ++p) {
