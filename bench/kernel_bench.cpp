@@ -1,0 +1,115 @@
+// kt_kernel_bench: kt's micro-kernels alone, on one pinned thread, against
+// that thread's measured peak and read bandwidth. It separates what a kernel
+// can do (weights hot in cache) from what it does when its weights stream
+// from memory (cold), with and without the prefetch of the next block that
+// the MoE stages pass it. Read with kt_bench's per-stage profile: a stage
+// below its kernel's cold figure loses time outside the kernel.
+//
+// usage: kt_kernel_bench [--isa NAME] [--quick]
+#include <pthread.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/buffer.h"
+#include "kernels/kernels.h"
+#include "machine_limits.h"
+#include "runtime/thread_pool.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+struct Shape {
+  const char* what;
+  int64_t k;  // reduction length (H for gate/up, I for down)
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  kt_isa cap = KT_ISA_AMX;  // no cap: the best this CPU runs
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") {
+      quick = true;
+    } else if (a == "--isa" && i + 1 < argc) {
+      const std::string v = argv[++i];
+      cap = v == "ref" ? KT_ISA_REF : v == "avx2" ? KT_ISA_AVX2 : v == "avx512bf16" ? KT_ISA_AVX512BF16 : KT_ISA_AMX;
+    } else {
+      std::fprintf(stderr, "usage: kt_kernel_bench [--isa ref|avx2|avx512bf16] [--quick]\n");
+      return a == "-h" || a == "--help" ? 0 : 2;
+    }
+  }
+  // One thread, pinned like a kt worker.
+  const std::vector<int> cpus = kt::allowed_cpus();
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpus.front(), &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+
+  const kt::Kernels& K = kt::select_kernels(cap);
+  const kt_bench::MachineLimits lim = kt_bench::measure_machine_limits(1, quick);
+  const bool bf16 = K.a_elem_size == 2;
+  const double peak = bf16 ? lim.bf16_dot_gflops : lim.fp32_fma_avx2_gflops;
+  std::printf("kt_kernel_bench: %s, one thread on CPU %d\n", K.gemm_name, cpus.front());
+  std::printf("one thread: %s peak %.0f GFLOP/s, DRAM read %.1f GB/s\n", bf16 ? "bf16 dot" : "fp32 FMA (avx2)", peak,
+              lim.dram_read_gbs);
+  std::printf("gemm_bf16w: m rows x 4 panels (64 columns) x k; hot = the same panels every call, cold = a new\n"
+              "block from a %s buffer each call, +pf = cold with the next block prefetched as the stages do\n",
+              quick ? "64 MiB" : "512 MiB");
+  std::printf("%-10s %5s %4s %10s %7s %10s %7s %10s %7s %9s\n", "shape", "k", "m", "hot GF/s", "%peak", "cold GF/s",
+              "%peak", "+pf GF/s", "%peak", "cold GB/s");
+
+  const int np = 4;
+  const size_t buffer_bytes = (quick ? 64ull : 512ull) << 20;
+  const Shape shapes[] = {{"down", 768}, {"gate/up", 2048}};
+  for (const Shape& sh : shapes) {
+    const int64_t kp = (sh.k + 1) / 2 * 2;
+    const int64_t panel_stride = kt::kPanelRows * kp;
+    const int64_t block = np * panel_stride;  // elements of one 64-column block
+    const int64_t blocks = static_cast<int64_t>(buffer_bytes / sizeof(kt::bf16_t)) / block;
+    kt::Buffer<kt::bf16_t> w(static_cast<size_t>(blocks * block));
+    for (int64_t i = 0; i < blocks * block; ++i) w[static_cast<size_t>(i)] = static_cast<kt::bf16_t>(0x3f80 + (i % 7));
+    std::vector<char> a(static_cast<size_t>(64 * kp * K.a_elem_size), 0);
+    std::vector<float> af(static_cast<size_t>(kp), 0.5f);
+    std::vector<const void*> rows(64);
+    for (int r = 0; r < 64; ++r) {
+      K.pack_a_f32(af.data(), sh.k, kp, a.data() + r * kp * K.a_elem_size);
+      rows[static_cast<size_t>(r)] = a.data() + r * kp * K.a_elem_size;
+    }
+    std::vector<float> c(64 * 64);
+    for (int m : {1, 6, 16, 32, 64}) {
+      const double flops = 2.0 * m * 64 * static_cast<double>(sh.k);
+      double gf[3];
+      for (int mode = 0; mode < 3; ++mode) {
+        const int64_t calls = mode == 0 ? (quick ? 50 : 2000) : blocks - 1;
+        double best = 1e30;
+        for (int rep = 0; rep < (quick ? 1 : 3); ++rep) {
+          const auto t0 = Clock::now();
+          for (int64_t i = 0; i < calls; ++i) {
+            const kt::bf16_t* wb = w.data() + (mode == 0 ? 0 : i) * block;
+            const kt::PrefetchRegion next =
+                mode == 2 ? kt::PrefetchRegion::block(wb + block, block * 2) : kt::PrefetchRegion{};
+            K.gemm_bf16w(rows.data(), m, kp, wb, panel_stride, np, c.data(), 64, false, next);
+          }
+          best = std::min(best, seconds_since(t0) / static_cast<double>(calls));
+        }
+        gf[mode] = flops / best / 1e9;
+      }
+      const double cold_gbs = gf[1] / flops * static_cast<double>(block * 2);
+      std::printf("%-10s %5lld %4d %10.1f %6.1f%% %10.1f %6.1f%% %10.1f %6.1f%% %9.1f\n", sh.what,
+                  static_cast<long long>(sh.k), m, gf[0], 100 * gf[0] / peak, gf[1], 100 * gf[1] / peak, gf[2],
+                  100 * gf[2] / peak, cold_gbs);
+    }
+  }
+  return 0;
+}
