@@ -56,6 +56,7 @@ struct Options {
   int reps = 5;
   int warmup = 1;
   kt_isa max_isa = KT_ISA_AUTO;
+  kt_gemm_backend backend = KT_GEMM_AUTO;
   double max_weight_gb = 1.25;
   bool profile = false;
   bool onednn = true;
@@ -75,6 +76,7 @@ const char* kUsage =
     "  --reps N             timed repetitions per result, median reported (default 5)\n"
     "  --warmup N           untimed calls before them (default 1)\n"
     "  --isa NAME           cap kt's kernels: ref, avx2, avx512bf16, amx\n"
+    "  --backend NAME       kt's weight GEMMs: native (default) or onednn (kt_gemm_backend)\n"
     "  --max-weight-gb X    bf16 weights held per layer; larger models run a slice (default 1.25)\n"
     "  --profile            also report kt's per-stage profile (extra, untimed calls)\n"
     "  --no-onednn          skip the oneDNN baseline\n"
@@ -145,7 +147,16 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
     else if (a == "--max-weight-gb") o->max_weight_gb = std::atof(v.c_str());
     else if (a == "--python") o->python = v;
     else if (a == "--torch-script") o->torch_script = v;
-    else if (a == "--isa") {
+    else if (a == "--backend") {
+      if (v == "native") {
+        o->backend = KT_GEMM_NATIVE;
+      } else if (v == "onednn") {
+        o->backend = KT_GEMM_ONEDNN;
+      } else {
+        *error = "unknown GEMM backend " + v + " (native, onednn)";
+        return false;
+      }
+    } else if (a == "--isa") {
       const kt_isa all[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
       const kt_isa* found = std::find_if(std::begin(all), std::end(all), [&](kt_isa x) { return v == kt_isa_name(x); });
       if (found == std::end(all)) {
@@ -651,10 +662,17 @@ int main(int argc, char** argv) {
   kt_engine_options_init(&eo);
   eo.num_threads = o.threads;
   eo.max_isa = o.max_isa;
+
   kt_engine* engine = nullptr;
   kt_status st = kt_engine_create(&eo, &engine);
   if (st != KT_OK) {
     std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_create", st).c_str());
+    return 1;
+  }
+  st = kt_engine_set_gemm_backend(engine, o.backend);
+  if (st != KT_OK) {
+    std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_set_gemm_backend", st).c_str());
+    kt_engine_destroy(engine);
     return 1;
   }
   kt_engine_info info{};

@@ -120,6 +120,15 @@ typedef void (*kt_log_fn)(int level, const char* message, void* user);
 
 typedef struct kt_engine kt_engine;
 
+/* Who computes the weight GEMMs (everything else is kt's own kernels). */
+typedef enum kt_gemm_backend {
+  KT_GEMM_AUTO = 0,   /* kt's kernels (the default) */
+  KT_GEMM_NATIVE = 1, /* kt's kernels */
+  KT_GEMM_ONEDNN = 2  /* oneDNN matmul (brgemm) on kt's packed panels, in place: it uses
+                         AMX on CPUs that have it. Needs a build with oneDNN and an
+                         AVX-512 BF16 CPU. */
+} kt_gemm_backend;
+
 typedef struct kt_engine_options {
   size_t struct_size; /* sizeof(kt_engine_options); set by _init */
   int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask */
@@ -147,10 +156,19 @@ typedef struct kt_engine_info {
   kt_isa isa;              /* kernels in use */
   kt_isa cpu_isa;          /* best the CPU runs */
   const char* kernel_name; /* e.g. "gemm_bf16_bf16_f32_8x64__avx512bf16"; owned by the engine */
+  kt_gemm_backend gemm_backend; /* KT_GEMM_NATIVE or KT_GEMM_ONEDNN (never AUTO) */
 } kt_engine_info;
 
 /* Writes the engine's settings into *info (fields up to info->struct_size). */
 KT_API kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info);
+
+/* Chooses who computes the engine's weight GEMMs, before any layer is created
+ * on it (a layer keeps the kernels it was created with): fails with
+ * KT_ERR_INVALID_ARGUMENT while layers exist, KT_ERR_UNSUPPORTED when this
+ * build (no oneDNN) or the engine's kernels (not avx512bf16) cannot run the
+ * backend; the engine is unchanged then. Not thread-safe with other calls on
+ * the engine. */
+KT_API kt_status kt_engine_set_gemm_backend(kt_engine* engine, kt_gemm_backend backend);
 
 /* -------------------------------------------------------------- MoE layer */
 

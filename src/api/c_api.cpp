@@ -269,6 +269,17 @@ kt_status kt_engine_destroy(kt_engine* engine) {
   });
 }
 
+kt_status kt_engine_set_gemm_backend(kt_engine* engine, kt_gemm_backend backend) {
+  const char* w = "kt_engine_set_gemm_backend";
+  return guarded(w, [&] {
+    check_engine(engine, w);
+    kt::check(backend >= KT_GEMM_AUTO && backend <= KT_GEMM_ONEDNN, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": backend = " + std::to_string(static_cast<int>(backend)) +
+                  " is not a kt_gemm_backend");
+    engine->set_gemm_backend(backend);
+  });
+}
+
 kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
   const char* w = "kt_engine_get_info";
   return guarded(w, [&] {
@@ -282,6 +293,7 @@ kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
     full.isa = engine->kernels->isa;
     full.cpu_isa = engine->cpu_isa;
     full.kernel_name = engine->kernels->gemm_name;
+    full.gemm_backend = engine->gemm_backend;
     const size_t n = info->struct_size < sizeof(full) ? info->struct_size : sizeof(full);
     const size_t keep = info->struct_size;
     std::memcpy(info, &full, n);

@@ -135,4 +135,10 @@ const Kernels& select_kernels(kt_isa cap);
 // Kernel table of exactly that ISA, or nullptr when not compiled in.
 const Kernels* kernels_for(kt_isa isa);
 
+// The oneDNN GEMM backend: `base` with its weight GEMM done by oneDNN
+// matmul on the same packed panels, or nullptr when this build has no
+// oneDNN or base's A format is not bf16.
+const Kernels* onednn_kernels(const Kernels& base);
+bool onednn_compiled();
+
 }  // namespace kt

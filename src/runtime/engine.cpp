@@ -85,6 +85,7 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   log_user = o.log_user;
   cpu_isa = kt::detect_cpu_isa();
   kernels = &kt::select_kernels(kt::effective_isa_cap(o.max_isa));
+  native_kernels = kernels;
   std::vector<int> cpus = kt::allowed_cpus();
   int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
   pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
@@ -101,6 +102,27 @@ kt_engine::~kt_engine() {
   jobs_cv_.notify_all();
   if (job_thread_.joinable()) job_thread_.join();
   magic = 0;
+}
+
+void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
+  const char* w = "kt_engine_set_gemm_backend";
+  kt::check(num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+            std::string(w) + ": " + std::to_string(num_layers.load()) +
+                " layer(s) were created on this engine with its current kernels; set the backend first");
+  if (backend == KT_GEMM_ONEDNN) {
+    const kt::Kernels* dnnl = kt::onednn_kernels(*native_kernels);
+    kt::check(dnnl != nullptr, KT_ERR_UNSUPPORTED,
+              std::string(w) + ": KT_GEMM_ONEDNN needs " +
+                  (kt::onednn_compiled() ? "the avx512bf16 kernels (bf16 operands); the engine runs " +
+                                               std::string(kt_isa_name(native_kernels->isa))
+                                         : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
+    kernels = dnnl;
+    gemm_backend = KT_GEMM_ONEDNN;
+  } else {
+    kernels = native_kernels;
+    gemm_backend = KT_GEMM_NATIVE;
+  }
+  log(1, std::string("engine: weight GEMMs by ") + kernels->gemm_name);
 }
 
 void kt_engine::log(int level, const std::string& message) const {

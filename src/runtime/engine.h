@@ -41,7 +41,11 @@ struct kt_engine {
   int verbosity = 0;
   kt_log_fn log_fn = nullptr;
   void* log_user = nullptr;
-  const kt::Kernels* kernels = nullptr;
+  const kt::Kernels* kernels = nullptr;         // what layers created now get
+  const kt::Kernels* native_kernels = nullptr;  // kt's own for the ISA cap
+  kt_gemm_backend gemm_backend = KT_GEMM_NATIVE;
+  // kt_engine_set_gemm_backend (throws kt::Error).
+  void set_gemm_backend(kt_gemm_backend backend);
   kt_isa cpu_isa = KT_ISA_REF;
   std::unique_ptr<kt::ThreadPool> pool;
   // One computation at a time on the pool.

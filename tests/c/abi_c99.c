@@ -14,7 +14,8 @@ LAYOUT(arg_size, sizeof(kt_arg) == 16);
 LAYOUT(arg_tensor, offsetof(kt_arg, tensor) == 8);
 LAYOUT(engine_options_size, sizeof(kt_engine_options) == 40);
 LAYOUT(engine_options_log_user, offsetof(kt_engine_options, log_user) == 32);
-LAYOUT(engine_info_size, sizeof(kt_engine_info) == 32);
+LAYOUT(engine_info_size, sizeof(kt_engine_info) == 40);
+LAYOUT(engine_info_gemm_backend, offsetof(kt_engine_info, gemm_backend) == 32);
 LAYOUT(moe_options_size, sizeof(kt_moe_options) == 96);
 LAYOUT(moe_options_max_tokens, offsetof(kt_moe_options, max_tokens) == 40);
 LAYOUT(moe_options_lora_targets, offsetof(kt_moe_options, lora_targets) == 88);
@@ -33,7 +34,7 @@ static const any_fn core_abi[] = {
     (any_fn)kt_version, (any_fn)kt_version_number, (any_fn)kt_abi_version, (any_fn)kt_build_info,
     (any_fn)kt_status_string, (any_fn)kt_last_error, (any_fn)kt_clear_error, (any_fn)kt_cpu_isa,
     (any_fn)kt_isa_name, (any_fn)kt_engine_options_init, (any_fn)kt_engine_create,
-    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_moe_options_init,
+    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_engine_set_gemm_backend, (any_fn)kt_moe_options_init,
     (any_fn)kt_moe_create, (any_fn)kt_moe_destroy, (any_fn)kt_moe_lora_scale,
     (any_fn)kt_load_options_init, (any_fn)kt_moe_load_weights, (any_fn)kt_moe_load_expert,
     (any_fn)kt_moe_set_skipped, (any_fn)kt_moe_num_loaded, (any_fn)kt_moe_bind,
@@ -92,7 +93,10 @@ int main(void) {
   kt_engine_info info;
   info.struct_size = sizeof(info);
   CHECK(kt_engine_get_info(engine, &info) == KT_OK);
-  CHECK(info.num_threads == 1 && info.kernel_name != NULL);
+  CHECK(info.num_threads == 1 && info.kernel_name != NULL && info.gemm_backend == KT_GEMM_NATIVE);
+  /* Choosing kt's own GEMMs again is always possible before any layer. */
+  CHECK(kt_engine_set_gemm_backend(engine, KT_GEMM_NATIVE) == KT_OK);
+  CHECK(kt_engine_set_gemm_backend(engine, (kt_gemm_backend)9) == KT_ERR_INVALID_ARGUMENT);
 
   /* E = 1 expert, k = 1, H = 2, I = 1, all weights 1 (exact in bf16), LoRA
    * on down with rank 1: A = 1, B = 0.5, alpha = 1 -> s = 1. */

@@ -45,6 +45,15 @@ SCRIPT = textwrap.dedent("""
                 a = silu(wg[e] @ x[t]) * (wu[e] @ x[t])
                 ref[t] += w[t, j] * (wd[e] @ a)
 
+    # The GEMM backend is chosen at engine creation; the oneDNN one needs
+    # bf16 activations, so the avx2 kernels refuse it, saying why.
+    assert kt.Engine(max_isa="avx2", gemm_backend="native").info()["gemm_backend"] == "native"
+    try:
+        kt.Engine(max_isa="avx2", gemm_backend="onednn")
+        raise AssertionError("the oneDNN backend was accepted on the avx2 kernels")
+    except kt.KtError as e:
+        assert "KT_GEMM_ONEDNN needs" in str(e), str(e)
+
     m = kt.MoE(E, K, H, I, engine=kt.Engine(max_isa="avx2"))
     # gate/up given transposed ([E, H, I]) as a non-contiguous numpy view
     m.load_weights(gate=wg.transpose(0, 2, 1).copy().transpose(0, 2, 1), up=wu, down=wd)

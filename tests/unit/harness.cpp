@@ -5,17 +5,21 @@ namespace kt_test {
 static int64_t in_dim(const Case& c, int p) { return p == 2 ? c.I : c.H; }
 static int64_t out_dim(const Case& c, int p) { return p == 2 ? c.H : c.I; }
 
-Runner::Runner(const Case& c, kt_isa isa, int threads) : c_(c) {
+Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) : c_(c) {
   kt_engine_options eo;
   kt_engine_options_init(&eo);
   eo.num_threads = threads;
   eo.max_isa = isa;
   eo.verbosity = 0;
   EXPECT_EQ(kt_engine_create(&eo, &engine_), KT_OK) << kt_last_error();
+  const kt_status st = kt_engine_set_gemm_backend(engine_, backend);
+  if (st == KT_ERR_UNSUPPORTED && backend == KT_GEMM_ONEDNN) return;  // available_ stays false
+  EXPECT_EQ(st, KT_OK) << kt_last_error();
   kt_engine_info info;
   info.struct_size = sizeof(info);
   kt_engine_get_info(engine_, &info);
   available_ = info.isa == isa || (isa == KT_ISA_AUTO);
+  if (backend == KT_GEMM_ONEDNN) EXPECT_EQ(info.gemm_backend, KT_GEMM_ONEDNN);
   if (!available_) return;
 
   kt_moe_options mo;

@@ -118,7 +118,9 @@ inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.
 // and compares each quantity with the reference.
 class Runner {
  public:
-  Runner(const Case& c, kt_isa isa, int threads = 2);
+  // backend KT_GEMM_ONEDNN: not available (skip) when this build or CPU
+  // cannot run it.
+  Runner(const Case& c, kt_isa isa, int threads = 2, kt_gemm_backend backend = KT_GEMM_AUTO);
   ~Runner();
   bool isa_available() const { return available_; }
   kt_engine* engine() { return engine_; }

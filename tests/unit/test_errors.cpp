@@ -270,6 +270,25 @@ TEST_F(Errors, LoadingAndCreation) {
   kt_engine* e = nullptr;
   expect_error(KT_ERR_INVALID_ARGUMENT, "num_threads", [&] { return kt_engine_create(&eo, &e); });
   EXPECT_EQ(e, nullptr);
+  // The GEMM backend: a value outside the enum; a layer already on the
+  // engine; the oneDNN backend on the fp32-activation kernels. Each refusal
+  // leaves the engine as it was.
+  expect_error(KT_ERR_INVALID_ARGUMENT, "not a kt_gemm_backend",
+               [&] { return kt_engine_set_gemm_backend(r.engine(), static_cast<kt_gemm_backend>(7)); });
+  expect_error(KT_ERR_INVALID_ARGUMENT, "set the backend first",
+               [&] { return kt_engine_set_gemm_backend(r.engine(), KT_GEMM_NATIVE); });
+  expect_error(KT_ERR_INVALID_HANDLE, "engine",
+               [&] { return kt_engine_set_gemm_backend(nullptr, KT_GEMM_NATIVE); });
+  eo.num_threads = 1;
+  eo.max_isa = KT_ISA_AVX2;
+  ASSERT_EQ(kt_engine_create(&eo, &e), KT_OK);
+  expect_error(KT_ERR_UNSUPPORTED, "KT_GEMM_ONEDNN needs",
+               [&] { return kt_engine_set_gemm_backend(e, KT_GEMM_ONEDNN); });
+  kt_engine_info info;
+  info.struct_size = sizeof(info);
+  ASSERT_EQ(kt_engine_get_info(e, &info), KT_OK);
+  EXPECT_EQ(info.gemm_backend, KT_GEMM_NATIVE);
+  EXPECT_EQ(kt_engine_destroy(e), KT_OK);
 }
 
 TEST(Status, NamesArePinned) {

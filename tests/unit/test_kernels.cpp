@@ -2,6 +2,7 @@
 // shapes (m = 1, row/panel tails, odd K), and the packed-panel helpers.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -175,6 +176,62 @@ TEST_P(GemmKernels, ZippedGradientGemmMatchesPlainLoops) {
             }
           if (!stream) {
             ASSERT_EQ(c[static_cast<size_t>(m * ldc - 1)], 0.25f) << "wrote past the panels";
+          }
+        }
+      }
+}
+
+// The oneDNN backend's weight GEMM (oneDNN matmul reading the packed panels
+// as BA16a16b2a) against kt's own kernel on the same operands: K multiples of
+// 32 run in oneDNN, others fall back; gathered and contiguous rows, both
+// write modes, a C wider than the panels.
+TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
+  const kt::Kernels* base = kt::kernels_for(KT_ISA_AVX512BF16);
+  if (!base || kt::detect_cpu_isa() < KT_ISA_AVX512BF16) GTEST_SKIP() << "no avx512bf16 kernels on this CPU/build";
+  const kt::Kernels* d = kt::onednn_kernels(*base);
+  if (!kt::onednn_compiled()) {
+    EXPECT_EQ(d, nullptr);
+    GTEST_SKIP() << "built without oneDNN";
+  }
+  ASSERT_NE(d, nullptr);
+  EXPECT_STREQ(d->gemm_name, "gemm_bf16w_bf16_f32__onednn_brgemm");
+  EXPECT_EQ(kt::onednn_kernels(*kt::kernels_for(KT_ISA_REF)), nullptr) << "fp32 activations cannot feed oneDNN bf16";
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (int64_t k : {32, 96, 100, 768})
+    for (int m : {1, 5, 6, 17, 64})
+      for (int np : {1, 3, 4}) {
+        const kt::PanelShape s = kt::PanelShape::of(np * 16, k);
+        std::vector<float> w(static_cast<size_t>(np * 16 * k));
+        for (auto& v : w) v = nd(rng);
+        kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+        kt::pack_bf16_panels(view2d(w.data(), np * 16, k), 0, 1, s, packed.data());
+        // Rows twice over: contiguous, and gathered in reverse order.
+        std::vector<bf16_t> a(static_cast<size_t>(m * s.kp));
+        std::vector<float> row(static_cast<size_t>(k));
+        for (int i = 0; i < m; ++i) {
+          for (auto& v : row) v = nd(rng);
+          base->pack_a_f32(row.data(), k, s.kp, &a[static_cast<size_t>(i * s.kp)]);
+        }
+        for (bool gathered : {false, true}) {
+          std::vector<const void*> rows(static_cast<size_t>(m));
+          std::vector<bf16_t> rev(a.size());
+          for (int i = 0; i < m; ++i) {
+            if (gathered) {
+              std::copy_n(&a[static_cast<size_t>(i * s.kp)], s.kp, &rev[static_cast<size_t>((m - 1 - i) * s.kp)]);
+              rows[static_cast<size_t>(i)] = &rev[static_cast<size_t>((m - 1 - i) * s.kp)];
+            } else {
+              rows[static_cast<size_t>(i)] = &a[static_cast<size_t>(i * s.kp)];
+            }
+          }
+          const int64_t ldc = np * 16 + 8;
+          for (bool acc : {false, true}) {
+            std::vector<float> cd(static_cast<size_t>(m * ldc), 0.5f), cb = cd;
+            d->gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np, cd.data(), ldc, acc, {});
+            base->gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np, cb.data(), ldc, acc, {});
+            for (size_t i = 0; i < cd.size(); ++i)
+              ASSERT_NEAR(cd[i], cb[i], 1e-5f * (1.f + std::fabs(cb[i])) * std::sqrt(static_cast<float>(k)))
+                  << "k=" << k << " m=" << m << " np=" << np << " gathered=" << gathered << " acc=" << acc << " at " << i;
           }
         }
       }

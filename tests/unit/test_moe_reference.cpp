@@ -21,9 +21,11 @@ void expect_close(const char* what, const std::vector<double>& got, const std::v
   ::testing::Test::RecordProperty(what, std::to_string(err));
 }
 
-void check_case(kt_isa isa, const Case& c) {
-  Runner run(c, isa);
-  if (!run.isa_available()) GTEST_SKIP() << kt_isa_name(isa) << " is not available on this CPU/build";
+void check_case(kt_isa isa, const Case& c, kt_gemm_backend backend = KT_GEMM_AUTO) {
+  Runner run(c, isa, 2, backend);
+  if (!run.isa_available())
+    GTEST_SKIP() << kt_isa_name(isa) << (backend == KT_GEMM_ONEDNN ? " with the oneDNN backend" : "")
+                 << " is not available on this CPU/build";
   const Tolerance tol = tolerance_for(isa, c.bf16_act);
   kt_context* ctx = nullptr;
   ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
@@ -63,6 +65,23 @@ INSTANTIATE_TEST_SUITE_P(RealShape, MoeVsReference,
                          ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16),
                                             ::testing::Values(qwen3_30b_a3b_slice())),
                          param_name);
+
+// The oneDNN GEMM backend on the same cases: shapes whose K is a multiple of
+// 32 go through oneDNN (the others through kt's kernel), so the mix checks
+// both and their hand-over. Same tolerances as the avx512bf16 path (the
+// same bf16 operands, fp32 accumulation).
+class OneDnnBackend : public ::testing::TestWithParam<Case> {};
+
+TEST_P(OneDnnBackend, ForwardBackwardMatch) { check_case(KT_ISA_AVX512BF16, GetParam(), KT_GEMM_ONEDNN); }
+
+std::vector<Case> onednn_cases() {
+  std::vector<Case> v = core_cases();
+  v.push_back(qwen3_30b_a3b_slice());
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OneDnnBackend, ::testing::ValuesIn(onednn_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace kt_test

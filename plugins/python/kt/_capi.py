@@ -99,6 +99,7 @@ class EngineInfo(ctypes.Structure):
         ("isa", ctypes.c_int),
         ("cpu_isa", ctypes.c_int),
         ("kernel_name", ctypes.c_char_p),
+        ("gemm_backend", ctypes.c_int),
     ]
 
 
@@ -160,6 +161,7 @@ _PROTOTYPES = {
     "kt_engine_create": (_S, [ctypes.POINTER(EngineOptions), ctypes.POINTER(_P)]),
     "kt_engine_destroy": (_S, [_P]),
     "kt_engine_get_info": (_S, [_P, ctypes.POINTER(EngineInfo)]),
+    "kt_engine_set_gemm_backend": (_S, [_P, ctypes.c_int]),
     "kt_moe_options_init": (None, [ctypes.POINTER(MoeOptions)]),
     "kt_moe_create": (_S, [_P, ctypes.POINTER(MoeOptions), ctypes.POINTER(_P)]),
     "kt_moe_destroy": (None, [_P]),

@@ -58,7 +58,10 @@ class _Handle:
 class Engine(_Handle):
     """A kt engine: a pinned worker pool plus the chosen kernels."""
 
-    def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1):
+    # kt_gemm_backend: who computes the weight GEMMs.
+    GEMM_BACKENDS = {"auto": 0, "native": 1, "onednn": 2}
+
+    def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1, gemm_backend="auto"):
         opts = _capi.EngineOptions()
         lib().kt_engine_options_init(ctypes.byref(opts))
         opts.num_threads = int(num_threads)
@@ -67,10 +70,18 @@ class Engine(_Handle):
             raise ValueError("kt: max_isa must be one of %s" % ", ".join(ISAS))
         opts.max_isa = ISAS[max_isa]
         opts.verbosity = int(verbosity)
+        if gemm_backend not in self.GEMM_BACKENDS:
+            raise ValueError("kt: gemm_backend must be one of %s" % ", ".join(self.GEMM_BACKENDS))
         handle = ctypes.c_void_p()
         check(lib().kt_engine_create(ctypes.byref(opts), ctypes.byref(handle)))
         self._handle = handle
         self._lib = lib()
+        if gemm_backend != "auto":
+            try:
+                check(lib().kt_engine_set_gemm_backend(handle, self.GEMM_BACKENDS[gemm_backend]))
+            except Exception:
+                self.close()
+                raise
 
     @property
     def handle(self):
@@ -85,7 +96,8 @@ class Engine(_Handle):
         names = {v: k for k, v in ISAS.items()}
         return {"num_threads": info.num_threads, "isa": names.get(info.isa, "unknown"),
                 "cpu_isa": names.get(info.cpu_isa, "unknown"),
-                "kernel_name": info.kernel_name.decode()}
+                "kernel_name": info.kernel_name.decode(),
+                "gemm_backend": {v: k for k, v in self.GEMM_BACKENDS.items()}.get(info.gemm_backend, "unknown")}
 
     def close(self):
         if self._handle:

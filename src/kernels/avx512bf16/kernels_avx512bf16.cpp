@@ -126,10 +126,12 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 
 static inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1); }
 
-// C[MR rows, NV vectors of 16 columns (the last masked by `last`)].
-template <int MR, int NV>
-static inline void nn_tile(int k, const float* const* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
-                           bool accumulate, __mmask16 last) {
+// C[MR rows, NV vectors of 16 columns (the last masked by `last`)] (=|+=)
+// sum over p < k of a_at(r, p) * b_row(p)[columns]: the tile stays in
+// registers over the whole reduction. sgemm_nn and sgemm_tn differ only in
+// where a(r, p) and the rows of B are.
+template <int MR, int NV, class AAt, class BRow>
+static inline void outer_tile(int k, AAt a_at, BRow b_row, float* c, int64_t ldc, bool accumulate, __mmask16 last) {
   __m512 acc[MR][NV];
   #pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
@@ -138,12 +140,13 @@ static inline void nn_tile(int k, const float* const* a_rows, const float* b, in
       acc[r][v] = accumulate ? _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, c + r * ldc + 16 * v)
                              : _mm512_setzero_ps();
   for (int p = 0; p < k; ++p) {
+    const float* bp = b_row(p);
     __m512 bv[NV];
     #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, b + p * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, bp + 16 * v);
     #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const __m512 av = _mm512_set1_ps(a_rows[r][p]);
+      const __m512 av = _mm512_set1_ps(a_at(r, p));
       #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
     }
@@ -152,6 +155,13 @@ static inline void nn_tile(int k, const float* const* a_rows, const float* b, in
   for (int r = 0; r < MR; ++r)
     #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + r * ldc + 16 * v, v == NV - 1 ? last : 0xffff, acc[r][v]);
+}
+
+template <int MR, int NV>
+static inline void nn_tile(int k, const float* const* a_rows, const float* b, int64_t ldb, float* c, int64_t ldc,
+                           bool accumulate, __mmask16 last) {
+  outer_tile<MR, NV>(
+      k, [&](int r, int p) { return a_rows[r][p]; }, [&](int p) { return b + p * ldb; }, c, ldc, accumulate, last);
 }
 
 template <int MR>
@@ -223,33 +233,13 @@ static void sgemm_nt(int m, int n, int k, const float* const* a_rows, const floa
   for (; r < m; ++r) nt_rows<1>(n, k, a_rows + r, b, ldb, c + r * ldc, ldc, accumulate);
 }
 
-// C[i, cols] (=|+=) sum over the k rows r of A[r, i] * B_r[cols]: MR rows of
-// C x NV vectors held in registers over the whole reduction.
+// C[i, cols] (=|+=) sum over the k rows r of A[r, i] * B_r[cols].
 template <int MR, int NV>
 static inline void tn_tile(int k, const float* a, int64_t lda, const float* const* b_rows, int64_t j, float* c,
                            int64_t ldc, bool accumulate, __mmask16 last) {
-  __m512 acc[MR][NV];
-  #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v)
-      acc[i][v] = accumulate ? _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, c + i * ldc + 16 * v)
-                             : _mm512_setzero_ps();
-  for (int r = 0; r < k; ++r) {
-    __m512 bv[NV];
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) bv[v] = _mm512_maskz_loadu_ps(v == NV - 1 ? last : 0xffff, b_rows[r] + j + 16 * v);
-    #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) {
-      const __m512 av = _mm512_set1_ps(a[r * lda + i]);
-      #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
-    }
-  }
-  #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
-    #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) _mm512_mask_storeu_ps(c + i * ldc + 16 * v, v == NV - 1 ? last : 0xffff, acc[i][v]);
+  outer_tile<MR, NV>(
+      k, [&](int i, int r) { return a[r * lda + i]; }, [&](int r) { return b_rows[r] + j; }, c, ldc, accumulate,
+      last);
 }
 
 // Blocks of 32 columns, all rows of C under each: the block's k x 32 slice

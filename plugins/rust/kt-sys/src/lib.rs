@@ -126,6 +126,7 @@ kt_structs! {
         pub isa: kt_isa,
         pub cpu_isa: kt_isa,
         pub kernel_name: *const c_char,
+        pub gemm_backend: kt_gemm_backend,
     }
     /// Layer shapes and settings; fill with kt_moe_options_init.
     pub struct kt_moe_options {
@@ -233,6 +234,7 @@ kt_structs! {
 
 pub type kt_status = c_int;
 pub type kt_isa = c_int;
+pub type kt_gemm_backend = c_int;
 pub type kt_activation = c_int;
 pub type kt_mode = c_int;
 pub type kt_weight_format = c_int;
@@ -306,6 +308,11 @@ kt_constants! {
         KT_ISA_AVX2 = 2,
         KT_ISA_AVX512BF16 = 3,
         KT_ISA_AMX = 4,
+    }
+    kt_gemm_backend {
+        KT_GEMM_AUTO = 0,
+        KT_GEMM_NATIVE = 1,
+        KT_GEMM_ONEDNN = 2,
     }
     kt_activation {
         KT_ACT_SILU = 0,
@@ -438,6 +445,7 @@ kt_functions! {
     pub fn kt_engine_create(options: *const kt_engine_options, engine: *mut *mut kt_engine) -> kt_status;
     pub fn kt_engine_destroy(engine: *mut kt_engine) -> kt_status;
     pub fn kt_engine_get_info(engine: *const kt_engine, info: *mut kt_engine_info) -> kt_status;
+    pub fn kt_engine_set_gemm_backend(engine: *mut kt_engine, backend: kt_gemm_backend) -> kt_status;
 
     pub fn kt_moe_options_init(options: *mut kt_moe_options);
     pub fn kt_moe_create(engine: *mut kt_engine, options: *const kt_moe_options, moe: *mut *mut kt_moe) -> kt_status;

@@ -300,6 +300,7 @@ impl Engine {
             isa: 0,
             cpu_isa: 0,
             kernel_name: ptr::null(),
+            gemm_backend: sys::KT_GEMM_AUTO,
         };
         check(unsafe { sys::kt_engine_get_info(self.raw, &mut info) })?;
         Ok(info)

@@ -1,0 +1,127 @@
+// The oneDNN GEMM backend (KT_GEMM_ONEDNN): the weight GEMM of the
+// avx512bf16 table done by oneDNN's matmul, everything else unchanged.
+//
+// kt's packed panels are oneDNN's BA16a16b2a layout of W^T ([K, N], N in
+// blocks of 16, K in blocks of 32 with bf16 pairs innermost), so oneDNN reads
+// the layer's weights in place: no second copy. oneDNN picks its brgemm
+// kernels for that layout (AMX where the CPU has it). Each worker thread runs
+// its calls single-threaded (the work split stays kt's) and keeps its own
+// primitives, one per shape.
+#include "kernels/kernels.h"
+
+#if KT_HAVE_ONEDNN
+
+#include <omp.h>
+
+#include <cstring>
+#include <dnnl.hpp>
+#include <map>
+#include <tuple>
+#include <vector>
+
+namespace kt {
+namespace {
+
+const Kernels* g_base = nullptr;  // the avx512bf16 table this one extends
+
+struct Shape {
+  int m;
+  int64_t kp;
+  int64_t n;
+  int64_t ldc;
+  bool accumulate;
+  bool operator<(const Shape& o) const {
+    return std::tie(m, kp, n, ldc, accumulate) < std::tie(o.m, o.kp, o.n, o.ldc, o.accumulate);
+  }
+};
+
+struct Plan {
+  dnnl::memory::desc a, b, c;
+  dnnl::matmul matmul;
+};
+
+struct WorkerState {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  dnnl::stream stream{engine};
+  std::map<Shape, Plan> plans;
+  std::vector<bf16_t> rows;  // gathered A rows
+  WorkerState() { omp_set_num_threads(1); }  // this thread's oneDNN calls stay on it
+};
+
+WorkerState& worker_state() {
+  thread_local WorkerState state;
+  return state;
+}
+
+const Plan& plan_for(WorkerState& w, const Shape& s) {
+  auto it = w.plans.find(s);
+  if (it != w.plans.end()) return it->second;
+  using dt = dnnl::memory::data_type;
+  Plan p;
+  p.a = dnnl::memory::desc({s.m, s.kp}, dt::bf16, dnnl::memory::dims{s.kp, 1});
+  p.b = dnnl::memory::desc({s.kp, s.n}, dt::bf16, dnnl::memory::format_tag::BA16a16b2a);
+  p.c = dnnl::memory::desc({s.m, s.n}, dt::f32, dnnl::memory::dims{s.ldc, 1});
+  dnnl::primitive_attr attr;
+  if (s.accumulate) {
+    dnnl::post_ops ops;
+    ops.append_sum(1.f);
+    attr.set_post_ops(ops);
+  }
+  p.matmul = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a, p.b, p.c), attr, w.engine));
+  return w.plans.emplace(s, std::move(p)).first->second;
+}
+
+void gemm_onednn(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride, int np,
+                 float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+  if (m <= 0) return;
+  // The layout needs K in blocks of 32 and panels 16 * kp apart; other
+  // shapes (none of the real models) run kt's kernel.
+  if (kp % 32 != 0 || panel_stride != kPanelRows * kp) {
+    g_base->gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+    return;
+  }
+  WorkerState& w = worker_state();
+  const bf16_t* a = static_cast<const bf16_t*>(a_rows[0]);
+  bool contiguous = true;
+  for (int r = 1; r < m && contiguous; ++r) contiguous = a_rows[r] == a + r * kp;
+  if (!contiguous) {
+    w.rows.resize(static_cast<size_t>(m * kp));
+    for (int r = 0; r < m; ++r)
+      std::memcpy(w.rows.data() + r * kp, a_rows[r], static_cast<size_t>(kp) * sizeof(bf16_t));
+    a = w.rows.data();
+  }
+  const Plan& p = plan_for(w, Shape{m, kp, int64_t{np} * kPanelRows, ldc, accumulate});
+  dnnl::memory am(p.a, w.engine, const_cast<bf16_t*>(a));
+  dnnl::memory bm(p.b, w.engine, const_cast<bf16_t*>(panels));
+  dnnl::memory cm(p.c, w.engine, c);
+  p.matmul.execute(w.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
+  w.stream.wait();
+}
+
+}  // namespace
+
+bool onednn_compiled() { return true; }
+
+const Kernels* onednn_kernels(const Kernels& base) {
+  if (base.a_elem_size != 2) return nullptr;  // oneDNN's bf16 matmul needs bf16 activations
+  // One table: the only base with bf16 activations is the avx512bf16 one.
+  static const Kernels table = [&] {
+    g_base = &base;
+    Kernels t = base;
+    t.gemm_name = "gemm_bf16w_bf16_f32__onednn_brgemm";
+    t.gemm_bf16w = gemm_onednn;
+    return t;
+  }();
+  return &table;
+}
+
+}  // namespace kt
+
+#else  // !KT_HAVE_ONEDNN
+
+namespace kt {
+bool onednn_compiled() { return false; }
+const Kernels* onednn_kernels(const Kernels&) { return nullptr; }
+}  // namespace kt
+
+#endif
