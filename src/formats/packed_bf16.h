@@ -47,6 +47,14 @@ inline float packed_get(const bf16_t* p, const PanelShape& s, int64_t r, int64_t
 // ceil(cb/16) * 16 * s.padded_rows() elements.
 void transpose_panels(const bf16_t* packed, const PanelShape& s, int64_t c0, int64_t cb, bf16_t* dst);
 
+// The panels of packed rows [r0, r0 + rb) (r0 a multiple of 16): one
+// contiguous block.
+inline PrefetchRegion panel_block(const bf16_t* packed, const PanelShape& s, int64_t r0, int64_t rb) {
+  return PrefetchRegion::block(packed + (r0 / kPanelRows) * s.panel_stride(),
+                               (rb + kPanelRows - 1) / kPanelRows * s.panel_stride() *
+                                   static_cast<int64_t>(sizeof(bf16_t)));
+}
+
 // What transpose_panels(packed, s, c0, cb) reads: a slice of every panel.
 inline PrefetchRegion transpose_source(const bf16_t* packed, const PanelShape& s, int64_t c0, int64_t cb) {
   return {packed + c0 * kPanelRows, ((cb + 1) / 2) * 2 * kPanelRows * static_cast<int64_t>(sizeof(bf16_t)), s.np,

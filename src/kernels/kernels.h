@@ -47,7 +47,6 @@ class PrefetchCursor {
   explicit PrefetchCursor(const PrefetchRegion& r)
       : chunk_(static_cast<const char*>(r.base)), per_chunk_(r.lines_per_chunk()), stride_(r.stride),
         left_(r.lines()) {}
-  int64_t left() const { return left_; }
   inline void issue(int64_t n) {
     for (; n > 0 && left_ > 0; --n, --left_) {
       __builtin_prefetch(chunk_ + line_ * 64, 0, 3);

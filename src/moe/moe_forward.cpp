@@ -188,22 +188,21 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
   const PanelShape gs = gate_shape;
   block_items(R, I);
-  // The gate panels of an item's block, and their size in bytes.
-  const auto gate_block = [&](int64_t item, int64_t* bytes) {
+  // The gate (q = kGate) or up panels of an item's block of I.
+  const auto block_of = [&](int q, int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    *bytes = ceil_div(std::min(kBlockCols, I - col0), kPanelRows) * gs.panel_stride() * 2;
-    return wp_[kGate] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    return panel_block(wp_[q] + e * gs.elements(), gs, col0, std::min(kBlockCols, I - col0));
   };
   // One item: gate and up panels of a block of I for all of the expert's rows;
   // `next` is the gate block the worker takes next.
-  const auto gate_up_item = [&](ThreadScratch& s, int64_t item, const bf16_t* next, int64_t next_bytes) {
+  const auto gate_up_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
     const int64_t e = item >> 32;
     const int64_t col0 = (item & 0xffffffff) * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    int64_t block_bytes;
-    const bf16_t* wg = gate_block(item, &block_bytes);
-    const bf16_t* wu = wp_[kUp] + e * gs.elements() + (col0 / kPanelRows) * gs.panel_stride();
+    const PrefetchRegion gate = block_of(kGate, item), up = block_of(kUp, item);
+    const bf16_t* wg = static_cast<const bf16_t*>(gate.base);
+    const bf16_t* wu = static_cast<const bf16_t*>(up.base);
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
@@ -212,10 +211,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
       const bool last = p0 + kRowChunk >= pend;
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false,
-                    PrefetchRegion::block(wu, block_bytes));
+      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false, up);
       K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false,
-                    PrefetchRegion::block(last ? next : nullptr, next_bytes));
+                    last ? next : PrefetchRegion{});
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
@@ -246,13 +244,11 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   };
   const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
   pool.run(ranges.count, [&](int64_t range, int tid) {
-    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
-      // While the up panels run, the next item's gate panels come in.
-      int64_t next_bytes = 0;
-      const bf16_t* next =
-          it + 1 < ranges.end(range) ? gate_block(items_[static_cast<size_t>(it + 1)], &next_bytes) : nullptr;
-      gate_up_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)], next, next_bytes);
-    }
+    // While the up panels run, the next item's gate panels come in.
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+      gate_up_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
+                   it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
+                                              : PrefetchRegion{});
   });
 
   // Stage 3: LoRA A-projection of a.
@@ -276,33 +272,31 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     float* co = s.c[0].data();
     // The item's columns go in blocks of kBlockCols per expert, so the
     // expert's rows of a stay in cache across the blocks.
-    const int64_t nsub = ceil_div(ncols, kBlockCols);
-    const auto panels = [&](int64_t e, int64_t sub) {
-      return wp_[kDown] + e * ds.elements() + ((col0 + sub * kBlockCols) / kPanelRows) * ds.panel_stride();
+    // The down panels of expert e for the columns [sc0, sc0 + kBlockCols)
+    // of the item.
+    const auto block_of_down = [&](int64_t e, int64_t sc0) {
+      return panel_block(wp_[kDown] + e * ds.elements(), ds, sc0, std::min(kBlockCols, col0 + ncols - sc0));
     };
     for (size_t ai = 0; ai < R.active.size(); ++ai) {
       const int32_t e = R.active[ai];
       int64_t pbegin, pend;
       token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                   t1, &pbegin, &pend);
-      for (int64_t sub = 0; sub < nsub; ++sub) {
-        const int64_t sc0 = col0 + sub * kBlockCols;
+      for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
         const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
         const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+        const bf16_t* wd = static_cast<const bf16_t*>(block_of_down(e, sc0).base);
         // The next panels (next block, or the next expert's first) come in
         // while these run.
-        const bf16_t* next = sub + 1 < nsub ? panels(e, sub + 1)
-                             : ai + 1 < R.active.size() ? panels(R.active[ai + 1], 0)
-                                                        : nullptr;
-        const int64_t next_cols = sub + 1 < nsub ? std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols)
-                                                 : std::min(kBlockCols, ncols);
-        const int64_t next_bytes = ceil_div(next_cols, kPanelRows) * ds.panel_stride() * 2;
+        const PrefetchRegion next = sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
+                                    : ai + 1 < R.active.size()      ? block_of_down(R.active[ai + 1], col0)
+                                                                    : PrefetchRegion{};
         const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, kpI, panels(e, sub), ds.panel_stride(), np, co, kBlockCols, false,
-                        PrefetchRegion::block(p0 + kRowChunk >= pend ? next : nullptr, next_bytes));
+          K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false,
+                        p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
             K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
