@@ -212,7 +212,7 @@ struct Row {
   std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile: ms per call by stage
 };
 
-double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
+[[maybe_unused]] double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
   double num = 0, den = 0;
   for (size_t i = 0; i < ref.size() && i < got.size(); ++i) {
     const double d = static_cast<double>(got[i]) - ref[i];

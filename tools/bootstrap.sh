@@ -15,9 +15,11 @@ case "$what" in
   *) echo "usage: $0 demo|test" >&2; exit 2 ;;
 esac
 
-packages="build-essential cmake ccache pkg-config libdlpack-dev libgtest-dev libbenchmark-dev \
+# libdnnl-dev only recommends ocl-icd-opencl-dev, but its CMake config needs
+# it; `file` is what cpack's Debian generator runs (the package test).
+packages="build-essential cmake ccache pkg-config file libdlpack-dev libgtest-dev libbenchmark-dev \
 nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-torch libtorch-dev \
-libdnnl-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
+libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
 
 missing=""
 for p in $packages; do
