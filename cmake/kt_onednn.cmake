@@ -38,8 +38,8 @@ if(NOT KT_ONEDNN_USABLE)  # a failed probe is retried at the next configure
       set(_kt_onednn_why "its CMake config or a test program failed")
     endif()
   endif()
-  set(KT_ONEDNN_USABLE ${_kt_onednn_ok} CACHE BOOL "oneDNN's CMake config loads and a oneDNN program links (probed once)")
-  set(KT_ONEDNN_WHY_NOT "${_kt_onednn_why}" CACHE INTERNAL "why oneDNN is not usable")
+  set(KT_ONEDNN_USABLE ${_kt_onednn_ok} CACHE BOOL "oneDNN's CMake config loads and a oneDNN program links" FORCE)
+  set(KT_ONEDNN_WHY_NOT "${_kt_onednn_why}" CACHE INTERNAL "why oneDNN is not usable" FORCE)
 endif()
 
 if(KT_ONEDNN_USABLE)
