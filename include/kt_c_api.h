@@ -24,6 +24,23 @@
  * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
  * are checked against what each argument requires; NULL strides mean compact
  * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted.
+ *
+ * Growable structs start with `size_t struct_size`, the size of the struct as
+ * the caller was compiled (fields are only ever appended). kt reads and writes
+ * only the first struct_size bytes, so a host built against an older header
+ * works with a newer library and the other way round. Option structs are set
+ * up by their static inline `*_init()` (below), which passes the caller's
+ * sizeof to the exported `*_defaults(struct, struct_size)`; bindings that
+ * cannot call inline functions call `*_defaults` with their own size. Fields
+ * the library does not know must be zero (they are then ignored); set to
+ * anything else they fail the call with KT_ERR_UNSUPPORTED.
+ *
+ * Precision: kt computes in fp32 between stages. The weight GEMMs of the
+ * default engine (avx512bf16 kernels) multiply bf16 operands: bf16 activations
+ * are exact there, fp32 activations are rounded to bf16 first (relative L2
+ * error of y, dx and gradients about 2e-3 on fp32 inputs, against about 1e-6
+ * with fp32 operands). An engine created with precision = KT_PRECISION_FP32
+ * keeps fp32 operands (fp32 FMA kernels; weights are still stored in bf16).
  */
 #ifndef KT_C_API_H_
 #define KT_C_API_H_
@@ -129,18 +146,34 @@ typedef enum kt_gemm_backend {
                          AVX-512 BF16 CPU. */
 } kt_gemm_backend;
 
+/* What the weight GEMMs multiply (see "Precision" at the top). */
+typedef enum kt_precision {
+  KT_PRECISION_DEFAULT = 0, /* fastest kernels: on avx512bf16 fp32 activations are
+                               rounded to bf16 operands */
+  KT_PRECISION_FP32 = 1     /* fp32 activations stay fp32: the fp32 FMA kernels (avx2, or
+                               ref without AVX2); bf16 activations give the same results
+                               as by default, more slowly */
+} kt_precision;
+
 typedef struct kt_engine_options {
   size_t struct_size; /* sizeof(kt_engine_options); set by _init */
   int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask */
   int pin_threads;    /* 1 = pin worker i to the i-th CPU of the mask (default 1) */
-  kt_isa max_isa;     /* cap; KT_ISA_AUTO = best, itself capped by env KT_MAX_ISA */
+  kt_isa max_isa;     /* cap; KT_ISA_AUTO = best, itself capped by env KT_MAX_ISA
+                         (ref|avx2|avx512bf16|amx|auto, any case; another value
+                         fails kt_engine_create with KT_ERR_INVALID_ARGUMENT) */
   int verbosity;      /* log level; -1 = from env KT_VERBOSE (default), 0 = silent */
   kt_log_fn log_fn;   /* NULL = stderr when verbosity > 0 */
   void* log_user;     /* passed to log_fn */
+  kt_precision precision; /* default KT_PRECISION_DEFAULT */
 } kt_engine_options;
 
-/* Fills defaults (struct_size included). */
-KT_API void kt_engine_options_init(kt_engine_options* options);
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_engine_options_defaults(kt_engine_options* options, size_t struct_size);
+static inline void kt_engine_options_init(kt_engine_options* options) {
+  kt_engine_options_defaults(options, sizeof(*options));
+}
 
 /* Creates an engine with its own pinned worker pool. options may be NULL
  * (defaults). *engine is written by the call and owned by the caller. */
@@ -157,6 +190,7 @@ typedef struct kt_engine_info {
   kt_isa cpu_isa;          /* best the CPU runs */
   const char* kernel_name; /* e.g. "gemm_bf16_bf16_f32_8x64__avx512bf16"; owned by the engine */
   kt_gemm_backend gemm_backend; /* KT_GEMM_NATIVE or KT_GEMM_ONEDNN (never AUTO) */
+  kt_precision precision;  /* as created */
 } kt_engine_info;
 
 /* Writes the engine's settings into *info (fields up to info->struct_size). */
@@ -217,7 +251,12 @@ typedef struct kt_moe_options {
   unsigned lora_targets;    /* KT_PROJ_* bits (default KT_PROJ_ALL) */
 } kt_moe_options;
 
-KT_API void kt_moe_options_init(kt_moe_options* options);
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_moe_options_defaults(kt_moe_options* options, size_t struct_size);
+static inline void kt_moe_options_init(kt_moe_options* options) {
+  kt_moe_options_defaults(options, sizeof(*options));
+}
 
 /* Creates a layer on engine (retained until kt_moe_destroy). The layer holds
  * no weights yet: every expert must be loaded or marked skipped before a
@@ -301,7 +340,12 @@ typedef struct kt_load_options {
   kt_gate_up_order gate_up_order;    /* default KT_GATE_UP_CONCAT */
 } kt_load_options;
 
-KT_API void kt_load_options_init(kt_load_options* options);
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_load_options_defaults(kt_load_options* options, size_t struct_size);
+static inline void kt_load_options_init(kt_load_options* options) {
+  kt_load_options_defaults(options, sizeof(*options));
+}
 
 /* Loads (packs) stacked expert weights. Accepted args: W_GATE+W_UP (or
  * W_GATE_UP), W_DOWN, biases when the layer has them, and optionally
@@ -354,6 +398,10 @@ KT_API kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* us
 /* ------------------------------------------------------ forward/backward */
 
 /* Forward. args: X, IDS, ROUTE_WEIGHTS, Y (all [T,...], inner stride 1).
+ * Y has the dtype of X (never the weights' storage dtype). Precision: fp32
+ * between stages; on the default engine with avx512bf16 kernels an fp32 X is
+ * rounded to bf16 for the weight GEMMs (about 2e-3 relative L2 error in y, dx
+ * and gradients); an engine with KT_PRECISION_FP32 keeps it fp32 (about 1e-6).
  * T = 0 is valid. With saved == NULL nothing is kept (inference). With
  * saved != NULL a new context holding what backward needs is written to
  * *saved; several contexts may be outstanding per layer. Each must be
@@ -373,7 +421,12 @@ typedef struct kt_backward_options {
   int param_grads;               /* 0 = only dx and routing grads (default 1) */
 } kt_backward_options;
 
-KT_API void kt_backward_options_init(kt_backward_options* options);
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_backward_options_defaults(kt_backward_options* options, size_t struct_size);
+static inline void kt_backward_options_init(kt_backward_options* options) {
+  kt_backward_options_defaults(options, sizeof(*options));
+}
 
 /* Backward of the forward that wrote ctx. args: DY (required), DX and
  * DROUTE_WEIGHTS (each optional, overwritten). In LoRA/full mode with
@@ -600,7 +653,8 @@ typedef struct kt_ckpt_layer_info {
 KT_API kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index,
                                         kt_ckpt_layer_info* info);
 
-/* Fills *options (after kt_moe_options_init defaults) for layer L (the layer
+/* Fills *options, which kt_moe_options_init set up (kt writes its first
+ * options->struct_size bytes: kt's defaults, then), for layer L (the layer
  * number of the tensor names): num_experts, hidden, intermediate, has_bias,
  * top_k from config.json (1 if absent), activation (gpt-oss: swiglu_oai
  * with its alpha and swiglu_limit; otherwise silu). The host may change
@@ -662,7 +716,12 @@ typedef struct kt_ckpt_write_options {
   const char* config_json;     /* config.json text to write (validated JSON); NULL = none */
 } kt_ckpt_write_options;
 
-KT_API void kt_ckpt_write_options_init(kt_ckpt_write_options* options);
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_ckpt_write_options_defaults(kt_ckpt_write_options* options, size_t struct_size);
+static inline void kt_ckpt_write_options_init(kt_ckpt_write_options* options) {
+  kt_ckpt_write_options_defaults(options, sizeof(*options));
+}
 
 /* One layer's stacked weights for a writer: W_GATE, W_UP [E,I,H], W_DOWN
  * [E,H,I] and optionally B_GATE, B_UP [E,I], B_DOWN [E,H] (bf16/fp16/fp32,
@@ -697,7 +756,12 @@ typedef struct kt_ckpt_adapter_config {
   const char* base_model;      /* base_model_name_or_path; NULL = "" (writing only) */
 } kt_ckpt_adapter_config;
 
-KT_API void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config);
+/* Writes the defaults into the first struct_size bytes of *config (zero past
+ * the fields this library knows) and sets config->struct_size. */
+KT_API void kt_ckpt_adapter_config_defaults(kt_ckpt_adapter_config* config, size_t struct_size);
+static inline void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config) {
+  kt_ckpt_adapter_config_defaults(config, sizeof(*config));
+}
 
 /* Writes an adapter into dir from each layer's LoRA tensors: LORA_A_{p}
  * [E,r,in] and LORA_B_{p} [E,out,r] (fp32|bf16) for every targeted p.
@@ -706,7 +770,8 @@ KT_API kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_co
                                        const kt_ckpt_layer_args* layers, size_t num_layers);
 
 /* Reads adapter_config.json of dir into *config (rank, alpha, use_rslora,
- * targets, layout; dtype of the stored tensors; base_model set to NULL). */
+ * targets, layout; dtype of the stored tensors; base_model set to NULL), up to
+ * config->struct_size bytes (set it with kt_ckpt_adapter_config_init). */
 KT_API kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* config);
 
 /* Copies layer L's LoRA factors of the adapter in dir into host tensors:

@@ -323,6 +323,7 @@ int cmd_demo(bool json, const std::string& keep_dir) {
       if ((st = kt_ckpt_get_info(ck, &info)) != KT_OK) break;
       failed_at = "creating the layer";
       if ((st = kt_engine_create(nullptr, &engine)) != KT_OK) break;
+      kt_moe_options_init(&mo);
       if ((st = kt_ckpt_moe_options(ck, layer, &mo)) != KT_OK) break;
       if ((st = kt_moe_create(engine, &mo, &from_ckpt)) != KT_OK) break;
       if ((st = kt_moe_create(engine, &mo, &from_tensors)) != KT_OK) break;
@@ -539,6 +540,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     kt_moe* moe = nullptr;
     const std::string name = "layer-" + std::to_string(li.layer) + ".ktpack";
     const std::string path = out + "/" + name;
+    kt_moe_options_init(&mo);
     if ((st = kt_ckpt_moe_options(ck, li.layer, &mo)) == KT_OK) {
       mo.max_tokens = 1;  // the layer only packs and saves: keep its workspaces small
       st = kt_moe_create(engine, &mo, &moe);

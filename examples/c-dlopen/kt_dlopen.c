@@ -31,10 +31,10 @@ static struct {
   const char* (*version)(void);
   const char* (*last_error)(void);
   const char* (*status_string)(kt_status);
-  void (*engine_options_init)(kt_engine_options*);
+  void (*engine_options_defaults)(kt_engine_options*, size_t);
   kt_status (*engine_create)(const kt_engine_options*, kt_engine**);
   kt_status (*engine_destroy)(kt_engine*);
-  void (*moe_options_init)(kt_moe_options*);
+  void (*moe_options_defaults)(kt_moe_options*, size_t);
   kt_status (*moe_create)(kt_engine*, const kt_moe_options*, kt_moe**);
   void (*moe_destroy)(kt_moe*);
   kt_status (*moe_load_weights)(kt_moe*, const kt_load_options*, const kt_arg*, size_t);
@@ -61,10 +61,10 @@ static int resolve_all(void* lib) {
   ok &= resolve(lib, "kt_version", &kt.version);
   ok &= resolve(lib, "kt_last_error", &kt.last_error);
   ok &= resolve(lib, "kt_status_string", &kt.status_string);
-  ok &= resolve(lib, "kt_engine_options_init", &kt.engine_options_init);
+  ok &= resolve(lib, "kt_engine_options_defaults", &kt.engine_options_defaults);
   ok &= resolve(lib, "kt_engine_create", &kt.engine_create);
   ok &= resolve(lib, "kt_engine_destroy", &kt.engine_destroy);
-  ok &= resolve(lib, "kt_moe_options_init", &kt.moe_options_init);
+  ok &= resolve(lib, "kt_moe_options_defaults", &kt.moe_options_defaults);
   ok &= resolve(lib, "kt_moe_create", &kt.moe_create);
   ok &= resolve(lib, "kt_moe_destroy", &kt.moe_destroy);
   ok &= resolve(lib, "kt_moe_load_weights", &kt.moe_load_weights);
@@ -188,7 +188,7 @@ static int run(void) {
   }
 
   kt_engine_options eo;
-  kt.engine_options_init(&eo);
+  kt.engine_options_defaults(&eo, sizeof(eo)); /* what the inline kt_engine_options_init does */
   eo.num_threads = 2;
   eo.pin_threads = 0;
   eo.verbosity = 0;
@@ -196,7 +196,7 @@ static int run(void) {
   if (!check(kt.engine_create(&eo, &engine), "kt_engine_create")) return 0;
 
   kt_moe_options mo;
-  kt.moe_options_init(&mo);
+  kt.moe_options_defaults(&mo, sizeof(mo));
   mo.num_experts = E;
   mo.top_k = K;
   mo.hidden = H;

@@ -5,7 +5,8 @@
     kt_abi.py check --header include/kt_c_api.h --library build/libkt.so.1 --baseline packaging/abi/kt_abi.json
 
 What is recorded:
-  functions   every kt_* function with its C type (return and parameter types)
+  functions   every exported kt_* function with its C type (return and parameter types)
+  inline_functions  every static inline kt_* function of the header (not exported)
   enums       every kt_* enum: its size and the value of each constant
   macros      every KT_* integer macro (bits, flags, versions)
   typedefs    every kt_* typedef with the type it names (function pointer callbacks)
@@ -51,13 +52,20 @@ def parse_ast(args):
     out = run([args.clang, "-Xclang", "-ast-dump=json", "-fsyntax-only", "-x", "c", "-std=c99"]
               + include_flags(args) + [args.header])
     tree = json.loads(out)
-    functions, enums, typedefs, records = {}, {}, {}, {}
+    functions, inline, enums, typedefs, records = {}, {}, {}, {}, {}
     for node in tree.get("inner", []):
         name = node.get("name", "")
         if not name.startswith(PREFIXES) or node.get("isImplicit"):
             continue
         kind = node["kind"]
-        if kind == "FunctionDecl":
+        if kind == "FunctionDecl" and node.get("storageClass") == "static":
+            # header-only (static inline): part of the source contract, not exported
+            inline[name] = {
+                "type": node["type"]["qualType"],
+                "params": [p["type"]["qualType"] for p in node.get("inner", [])
+                           if p["kind"] == "ParmVarDecl"],
+            }
+        elif kind == "FunctionDecl":
             functions[name] = {
                 "type": node["type"]["qualType"],
                 "params": [p["type"]["qualType"] for p in node.get("inner", [])
@@ -77,7 +85,7 @@ def parse_ast(args):
             fields = [{"name": f["name"], "type": f["type"]["qualType"]}
                       for f in node.get("inner", []) if f["kind"] == "FieldDecl"]
             records[name] = {"tag": node.get("tagUsed", "struct"), "fields": fields}
-    return functions, enums, typedefs, records
+    return functions, inline, enums, typedefs, records
 
 
 def enum_value(constant, previous):
@@ -142,7 +150,7 @@ def library_exports(args):
 
 
 def dump(args):
-    functions, enums, typedefs, records = parse_ast(args)
+    functions, inline, enums, typedefs, records = parse_ast(args)
     macros = parse_macros(args)
     measure_layout(args, enums, records)
     abi_version = macros.pop("KT_ABI_VERSION", None)
@@ -156,6 +164,7 @@ def dump(args):
         "abi_version": abi_version,
         "version": version,
         "functions": functions,
+        "inline_functions": inline,
         "enums": enums,
         "macros": macros,
         "typedefs": typedefs,
@@ -175,6 +184,15 @@ def compare(old, new):
         elif g["type"] != f["type"]:
             bad.append("function %s changed type: %s  ->  %s" % (name, f["type"], g["type"]))
     good += ["function %s was added" % n for n in sorted(set(new["functions"]) - set(old["functions"]))]
+
+    old_inline, new_inline = old.get("inline_functions", {}), new.get("inline_functions", {})
+    for name, f in sorted(old_inline.items()):
+        g = new_inline.get(name)
+        if g is None:
+            bad.append("inline function %s was removed" % name)
+        elif g["type"] != f["type"]:
+            bad.append("inline function %s changed type: %s  ->  %s" % (name, f["type"], g["type"]))
+    good += ["inline function %s was added" % n for n in sorted(set(new_inline) - set(old_inline))]
 
     for name, e in sorted(old["enums"].items()):
         n = new["enums"].get(name)

@@ -145,6 +145,9 @@ type EngineOptions struct {
 	NumThreads int  // worker threads; 0 = one per CPU of the affinity mask
 	NoPinning  bool // do not pin workers to CPUs
 	Verbosity  int  // log level to stderr; 0 = from KT_VERBOSE
+	// FP32Precision keeps fp32 activations fp32 in the weight GEMMs
+	// (KT_PRECISION_FP32); by default the avx512bf16 kernels round them to bf16.
+	FP32Precision bool
 }
 
 // Engine owns a worker pool. Close it after every layer made on it.
@@ -167,6 +170,9 @@ func NewEngine(opts *EngineOptions) (*Engine, error) {
 		}
 		if opts.Verbosity != 0 {
 			o.verbosity = C.int(opts.Verbosity)
+		}
+		if opts.FP32Precision {
+			o.precision = C.KT_PRECISION_FP32
 		}
 	}
 	e := &Engine{}

@@ -8,6 +8,7 @@
 
 #include "api/guard.h"
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
 #include "runtime/engine.h"
@@ -51,39 +52,6 @@ void check_moe(const kt_moe* m, const char* where) {
   kt::check(m != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
   kt::check(m->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
             std::string(where) + ": moe is not a live kt_moe (destroyed?)");
-}
-
-// Copies a caller's growable options struct over the defaults. Older callers
-// (smaller struct_size) get defaults for the fields they do not know; newer
-// callers' extra fields must be zero, else the request is refused.
-template <class T>
-T read_options(const T* given, const char* where, const char* name) {
-  T o;
-  std::memset(&o, 0, sizeof(o));
-  if (!given) return o;
-  kt::check(given->struct_size >= sizeof(size_t) + sizeof(int), KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": " + name + "->struct_size (" + std::to_string(given->struct_size) +
-                ") is too small; call the _init function first");
-  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
-  std::memcpy(&o, given, n);
-  const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
-  for (size_t i = sizeof(T); i < given->struct_size; ++i)
-    kt::check(extra[i] == 0, KT_ERR_UNSUPPORTED,
-              std::string(where) + ": " + name + " sets fields this kt version does not know");
-  o.struct_size = sizeof(T);
-  return o;
-}
-
-template <class T, class Init>
-T options_or_default(const T* given, Init init, const char* where, const char* name) {
-  T o;
-  init(&o);
-  if (!given) return o;
-  T read = read_options(given, where, name);
-  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
-  std::memcpy(&o, &read, n);
-  o.struct_size = sizeof(T);
-  return o;
 }
 
 bool finite(float v) { return std::isfinite(v); }
@@ -230,21 +198,25 @@ const char* kt_isa_name(kt_isa isa) {
   return "unknown";
 }
 
-void kt_engine_options_init(kt_engine_options* o) {
-  if (!o) return;
-  std::memset(o, 0, sizeof(*o));
-  o->struct_size = sizeof(*o);
-  o->num_threads = 0;
-  o->pin_threads = 1;
-  o->max_isa = KT_ISA_AUTO;
-  o->verbosity = -1;
+namespace {
+void set_engine_options_defaults(kt_engine_options& o) {
+  o.num_threads = 0;
+  o.pin_threads = 1;
+  o.max_isa = KT_ISA_AUTO;
+  o.verbosity = -1;
+  o.precision = KT_PRECISION_DEFAULT;
+}
+}  // namespace
+
+void kt_engine_options_defaults(kt_engine_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_engine_options_defaults);
 }
 
 kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine) {
   const char* w = "kt_engine_create";
   return guarded(w, [&] {
     kt::check(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
-    kt_engine_options o = options_or_default(options, kt_engine_options_init, w, "options");
+    kt_engine_options o = kt::read_sized(options, set_engine_options_defaults, w, "options");
     kt::check(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
                   " is outside [0, 4096]");
@@ -252,6 +224,12 @@ kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine)
               std::string(w) + ": options->max_isa is not a kt_isa");
     kt::check(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": options->pin_threads must be 0 or 1");
+    int precision;  // the raw value: a C caller may pass any int
+    static_assert(sizeof(precision) == sizeof(o.precision), "kt_precision is int-sized");
+    std::memcpy(&precision, &o.precision, sizeof(precision));
+    kt::check(precision == KT_PRECISION_DEFAULT || precision == KT_PRECISION_FP32, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": options->precision = " + std::to_string(precision) +
+                  " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
     *engine = new kt_engine(o);
   });
 }
@@ -284,36 +262,35 @@ kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
   const char* w = "kt_engine_get_info";
   return guarded(w, [&] {
     check_engine(engine, w);
-    kt::check(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
-    kt::check(info->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": info->struct_size is not set");
     kt_engine_info full;
+    std::memset(&full, 0, sizeof(full));
     full.struct_size = sizeof(full);
     full.num_threads = engine->pool->size();
     full.isa = engine->kernels->isa;
     full.cpu_isa = engine->cpu_isa;
     full.kernel_name = engine->kernels->gemm_name;
     full.gemm_backend = engine->gemm_backend;
-    const size_t n = info->struct_size < sizeof(full) ? info->struct_size : sizeof(full);
-    const size_t keep = info->struct_size;
-    std::memcpy(info, &full, n);
-    info->struct_size = keep;
+    full.precision = engine->precision;
+    kt::write_sized(info, full, w, "info");
   });
 }
 
-void kt_moe_options_init(kt_moe_options* o) {
-  if (!o) return;
-  std::memset(o, 0, sizeof(*o));
-  o->struct_size = sizeof(*o);
-  o->max_tokens = 1024;
-  o->activation = KT_ACT_SILU;
-  o->act_alpha = 1.702f;
-  o->act_limit = 0.f;
-  o->mode = KT_MODE_INFERENCE;
-  o->weight_format = KT_FORMAT_BF16;
-  o->lora_rank = 16;
-  o->lora_alpha = 32.f;
-  o->lora_targets = KT_PROJ_ALL;
+namespace {
+void set_moe_options_defaults(kt_moe_options& o) {
+  o.max_tokens = 1024;
+  o.activation = KT_ACT_SILU;
+  o.act_alpha = 1.702f;
+  o.act_limit = 0.f;
+  o.mode = KT_MODE_INFERENCE;
+  o.weight_format = KT_FORMAT_BF16;
+  o.lora_rank = 16;
+  o.lora_alpha = 32.f;
+  o.lora_targets = KT_PROJ_ALL;
+}
+}  // namespace
+
+void kt_moe_options_defaults(kt_moe_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_moe_options_defaults);
 }
 
 kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe) {
@@ -323,7 +300,7 @@ kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe
     kt::check(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
     kt::check(options != nullptr, KT_ERR_NULL_POINTER,
               std::string(w) + ": options is NULL (the shapes are required)");
-    kt_moe_options o = options_or_default(options, kt_moe_options_init, w, "options");
+    kt_moe_options o = kt::read_sized(options, set_moe_options_defaults, w, "options");
     validate_moe_options(o);
     kt_moe* m = new kt_moe(engine, o);
     engine->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
@@ -374,12 +351,15 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   });
 }
 
-void kt_load_options_init(kt_load_options* o) {
-  if (!o) return;
-  std::memset(o, 0, sizeof(*o));
-  o->struct_size = sizeof(*o);
-  o->orientation = KT_ORIENT_OUT_IN;
-  o->gate_up_order = KT_GATE_UP_CONCAT;
+namespace {
+void set_load_options_defaults(kt_load_options& o) {
+  o.orientation = KT_ORIENT_OUT_IN;
+  o.gate_up_order = KT_GATE_UP_CONCAT;
+}
+}  // namespace
+
+void kt_load_options_defaults(kt_load_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_load_options_defaults);
 }
 
 kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const kt_arg* args,
@@ -387,7 +367,7 @@ kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const
   const char* w = "kt_moe_load_weights";
   return guarded(w, [&] {
     check_moe(moe, w);
-    kt_load_options o = options_or_default(options, kt_load_options_init, w, "options");
+    kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
     moe->load(o, args, num_args, -1, w);
   });
@@ -401,7 +381,7 @@ kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options*
     kt::check(expert >= 0 && expert < moe->E, KT_ERR_EXPERT_ID,
               std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
                   std::to_string(moe->E) + ")");
-    kt_load_options o = options_or_default(options, kt_load_options_init, w, "options");
+    kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
     moe->load(o, args, num_args, expert, w);
   });
@@ -479,13 +459,16 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
   });
 }
 
-void kt_backward_options_init(kt_backward_options* o) {
-  if (!o) return;
-  std::memset(o, 0, sizeof(*o));
-  o->struct_size = sizeof(*o);
-  o->grad_scale = 1.f;
-  o->accumulate = KT_GRAD_OVERWRITE;
-  o->param_grads = 1;
+namespace {
+void set_backward_options_defaults(kt_backward_options& o) {
+  o.grad_scale = 1.f;
+  o.accumulate = KT_GRAD_OVERWRITE;
+  o.param_grads = 1;
+}
+}  // namespace
+
+void kt_backward_options_defaults(kt_backward_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_backward_options_defaults);
 }
 
 kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "io/exporters.h"
 #include "io/io_guard.h"
 #include "io/layout.h"
@@ -37,37 +38,6 @@ void check_path(const char* path, const char* where, const char* name) {
   check(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + name + " is empty");
 }
 
-// Copies `full` into the caller's struct up to its struct_size (keeping it).
-template <class T>
-void write_sized(T* out, const T& full, const char* where, const char* name) {
-  check(out != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
-  check(out->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + name + "->struct_size is not set");
-  const size_t keep = out->struct_size;
-  const size_t n = keep < sizeof(T) ? keep : sizeof(T);
-  std::memcpy(out, &full, n);
-  out->struct_size = keep;
-}
-
-// Reads a caller's growable options struct over the defaults; fields past
-// what this version knows must be zero.
-template <class T, class Init>
-T read_sized(const T* given, Init init, const char* where, const char* name) {
-  T o;
-  init(&o);
-  if (!given) return o;
-  check(given->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + name + "->struct_size is not set; call the _init function first");
-  const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
-  std::memcpy(&o, given, n);
-  const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
-  for (size_t i = sizeof(T); i < given->struct_size; ++i)
-    check(extra[i] == 0, KT_ERR_UNSUPPORTED,
-          std::string(where) + ": " + name + " sets fields this kt version does not know");
-  o.struct_size = sizeof(T);
-  return o;
-}
-
 void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_ckpt_tensor* out, const char* where) {
   kt_ckpt_tensor t;
   std::memset(&t, 0, sizeof(t));
@@ -79,7 +49,7 @@ void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_c
   for (int i = 0; i < t.ndim; ++i) t.shape[i] = kv.second.entry->shape[static_cast<size_t>(i)];
   t.nbytes = static_cast<int64_t>(kv.second.entry->nbytes());
   t.data = kv.second.data;
-  write_sized(out, t, where, "tensor");
+  kt::write_sized(out, t, where, "tensor");
 }
 
 }  // namespace
@@ -171,7 +141,7 @@ kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info) {
     full.num_files = static_cast<int64_t>(ckpt->tensors->files().size());
     full.total_bytes = ckpt->total_bytes;
     full.top_k = ckpt->model.top_k;
-    write_sized(info, full, w, "info");
+    kt::write_sized(info, full, w, "info");
   });
 }
 
@@ -196,7 +166,7 @@ kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_lay
     full.weight_dtype = m.weight_dtype;
     full.loadable = m.loadable() ? 1 : 0;
     full.bytes = m.bytes;
-    write_sized(info, full, w, "info");
+    kt::write_sized(info, full, w, "info");
   });
 }
 
@@ -216,7 +186,7 @@ kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options
     o.activation = ckpt->model.activation;
     o.act_alpha = ckpt->model.act_alpha;
     o.act_limit = ckpt->model.act_limit;
-    *options = o;
+    kt::write_sized(options, o, w, "options");
   });
 }
 
@@ -260,14 +230,17 @@ kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_ten
   });
 }
 
-void kt_ckpt_write_options_init(kt_ckpt_write_options* options) {
-  if (!options) return;
-  std::memset(options, 0, sizeof(*options));
-  options->struct_size = sizeof(*options);
-  options->layout = KT_CKPT_LAYOUT_PER_EXPERT;
-  options->dtype = KT_CKPT_DTYPE_BF16;
-  options->max_shard_bytes = int64_t{4} << 30;
-  options->config_json = nullptr;
+namespace {
+void set_ckpt_write_options_defaults(kt_ckpt_write_options& o) {
+  o.layout = KT_CKPT_LAYOUT_PER_EXPERT;
+  o.dtype = KT_CKPT_DTYPE_BF16;
+  o.max_shard_bytes = int64_t{4} << 30;
+  o.config_json = nullptr;
+}
+}  // namespace
+
+void kt_ckpt_write_options_defaults(kt_ckpt_write_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_ckpt_write_options_defaults);
 }
 
 kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* options,
@@ -275,22 +248,25 @@ kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* op
   const char* w = "kt_ckpt_write_experts";
   return guarded(w, [&] {
     check_path(dir, w, "dir");
-    const kt_ckpt_write_options o = read_sized(options, kt_ckpt_write_options_init, w, "options");
+    const kt_ckpt_write_options o = kt::read_sized(options, set_ckpt_write_options_defaults, w, "options");
     kt::io::write_experts(dir, o, layers, num_layers, w);
   });
 }
 
-void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config) {
-  if (!config) return;
-  std::memset(config, 0, sizeof(*config));
-  config->struct_size = sizeof(*config);
-  config->rank = 16;
-  config->alpha = 32.f;
-  config->use_rslora = 0;
-  config->targets = KT_PROJ_ALL;
-  config->layout = KT_CKPT_LAYOUT_PER_EXPERT;
-  config->dtype = KT_CKPT_DTYPE_F32;
-  config->base_model = nullptr;
+namespace {
+void set_ckpt_adapter_config_defaults(kt_ckpt_adapter_config& o) {
+  o.rank = 16;
+  o.alpha = 32.f;
+  o.use_rslora = 0;
+  o.targets = KT_PROJ_ALL;
+  o.layout = KT_CKPT_LAYOUT_PER_EXPERT;
+  o.dtype = KT_CKPT_DTYPE_F32;
+  o.base_model = nullptr;
+}
+}  // namespace
+
+void kt_ckpt_adapter_config_defaults(kt_ckpt_adapter_config* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_ckpt_adapter_config_defaults);
 }
 
 kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* config,
@@ -299,7 +275,7 @@ kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* c
   return guarded(w, [&] {
     check_path(dir, w, "dir");
     check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL (rank and alpha are required)");
-    const kt_ckpt_adapter_config c = read_sized(config, kt_ckpt_adapter_config_init, w, "config");
+    const kt_ckpt_adapter_config c = kt::read_sized(config, set_ckpt_adapter_config_defaults, w, "config");
     kt::io::write_adapter(dir, c, layers, num_layers, w);
   });
 }
@@ -310,7 +286,7 @@ kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* c
     check_path(dir, w, "dir");
     kt_ckpt_adapter_config c;
     kt::io::read_adapter_config(dir, &c);
-    write_sized(config, c, w, "config");
+    kt::write_sized(config, c, w, "config");
   });
 }
 

@@ -3,6 +3,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+
+#include <strings.h>
 
 #include "core/error.h"
 
@@ -15,19 +18,23 @@ bool parse_isa(const char* text, kt_isa* out) {
   } names[] = {{"auto", KT_ISA_AUTO}, {"ref", KT_ISA_REF}, {"avx2", KT_ISA_AVX2},
                {"avx512bf16", KT_ISA_AVX512BF16}, {"amx", KT_ISA_AMX}};
   for (const auto& n : names)
-    if (std::strcmp(text, n.name) == 0) {
+    if (strcasecmp(text, n.name) == 0) {
       *out = n.isa;
       return true;
     }
   return false;
 }
 
-kt_isa effective_isa_cap(kt_isa requested) {
+kt_isa effective_isa_cap(kt_isa requested, const char* where) {
   kt_isa cap = requested == KT_ISA_AUTO ? KT_ISA_AMX : requested;
   const char* env = std::getenv("KT_MAX_ISA");
+  if (!env || !*env) return cap;
   kt_isa env_cap;
-  if (env && *env && parse_isa(env, &env_cap) && env_cap != KT_ISA_AUTO && env_cap < cap)
-    cap = env_cap;
+  // A typo must not quietly change which kernels (and which precision) run.
+  check(parse_isa(env, &env_cap), KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": environment variable KT_MAX_ISA = '" + env +
+            "' is not a kernel level; accepted (any case): ref, avx2, avx512bf16, amx, auto");
+  if (env_cap != KT_ISA_AUTO && env_cap < cap) cap = env_cap;
   return cap;
 }
 
@@ -84,13 +91,18 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   log_fn = o.log_fn;
   log_user = o.log_user;
   cpu_isa = kt::detect_cpu_isa();
-  kernels = &kt::select_kernels(kt::effective_isa_cap(o.max_isa));
+  precision = o.precision;
+  kt_isa cap = kt::effective_isa_cap(o.max_isa, "kt_engine_create");
+  // fp32 operands: the highest table whose weight GEMM reads fp32 rows.
+  if (precision == KT_PRECISION_FP32 && cap > KT_ISA_AVX2) cap = KT_ISA_AVX2;
+  kernels = &kt::select_kernels(cap);
   native_kernels = kernels;
   std::vector<int> cpus = kt::allowed_cpus();
   int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
   pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
   log(1, std::string("engine: cpu isa ") + kt_isa_name(cpu_isa) + ", kernels " +
-             kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + "), " + std::to_string(n) +
+             kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
+             (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " + std::to_string(n) +
              " threads" + (o.pin_threads ? " pinned" : ""));
 }
 

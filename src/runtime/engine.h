@@ -44,6 +44,7 @@ struct kt_engine {
   const kt::Kernels* kernels = nullptr;         // what layers created now get
   const kt::Kernels* native_kernels = nullptr;  // kt's own for the ISA cap
   kt_gemm_backend gemm_backend = KT_GEMM_NATIVE;
+  kt_precision precision = KT_PRECISION_DEFAULT;
   // kt_engine_set_gemm_backend (throws kt::Error).
   void set_gemm_backend(kt_gemm_backend backend);
   kt_isa cpu_isa = KT_ISA_REF;
@@ -112,7 +113,9 @@ class StageClock {
   std::chrono::steady_clock::time_point start_;
 };
 
-// Resolves the ISA cap of options + env KT_MAX_ISA (the lower wins).
-kt_isa effective_isa_cap(kt_isa requested);
+// Resolves the ISA cap of options + env KT_MAX_ISA (the lower wins); an
+// unknown KT_MAX_ISA value throws KT_ERR_INVALID_ARGUMENT naming `where`.
+kt_isa effective_isa_cap(kt_isa requested, const char* where);
+// Kernel level names, any case ("ref", "AVX2", ...).
 bool parse_isa(const char* text, kt_isa* out);
 }  // namespace kt

@@ -12,10 +12,12 @@
 #define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
 LAYOUT(arg_size, sizeof(kt_arg) == 16);
 LAYOUT(arg_tensor, offsetof(kt_arg, tensor) == 8);
-LAYOUT(engine_options_size, sizeof(kt_engine_options) == 40);
+LAYOUT(engine_options_size, sizeof(kt_engine_options) == 48);
 LAYOUT(engine_options_log_user, offsetof(kt_engine_options, log_user) == 32);
+LAYOUT(engine_options_precision, offsetof(kt_engine_options, precision) == 40);
 LAYOUT(engine_info_size, sizeof(kt_engine_info) == 40);
 LAYOUT(engine_info_gemm_backend, offsetof(kt_engine_info, gemm_backend) == 32);
+LAYOUT(engine_info_precision, offsetof(kt_engine_info, precision) == 36);
 LAYOUT(moe_options_size, sizeof(kt_moe_options) == 96);
 LAYOUT(moe_options_max_tokens, offsetof(kt_moe_options, max_tokens) == 40);
 LAYOUT(moe_options_lora_targets, offsetof(kt_moe_options, lora_targets) == 88);
@@ -33,13 +35,13 @@ typedef void (*any_fn)(void);
 static const any_fn core_abi[] = {
     (any_fn)kt_version, (any_fn)kt_version_number, (any_fn)kt_abi_version, (any_fn)kt_build_info,
     (any_fn)kt_status_string, (any_fn)kt_last_error, (any_fn)kt_clear_error, (any_fn)kt_cpu_isa,
-    (any_fn)kt_isa_name, (any_fn)kt_engine_options_init, (any_fn)kt_engine_create,
-    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_engine_set_gemm_backend, (any_fn)kt_moe_options_init,
+    (any_fn)kt_isa_name, (any_fn)kt_engine_options_defaults, (any_fn)kt_engine_create,
+    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_engine_set_gemm_backend, (any_fn)kt_moe_options_defaults,
     (any_fn)kt_moe_create, (any_fn)kt_moe_destroy, (any_fn)kt_moe_lora_scale,
-    (any_fn)kt_load_options_init, (any_fn)kt_moe_load_weights, (any_fn)kt_moe_load_expert,
+    (any_fn)kt_load_options_defaults, (any_fn)kt_moe_load_weights, (any_fn)kt_moe_load_expert,
     (any_fn)kt_moe_set_skipped, (any_fn)kt_moe_num_loaded, (any_fn)kt_moe_bind,
     (any_fn)kt_moe_params_changed, (any_fn)kt_moe_set_grad_hook, (any_fn)kt_moe_forward,
-    (any_fn)kt_backward_options_init, (any_fn)kt_moe_backward, (any_fn)kt_context_release,
+    (any_fn)kt_backward_options_defaults, (any_fn)kt_moe_backward, (any_fn)kt_context_release,
     (any_fn)kt_moe_forward_submit, (any_fn)kt_moe_backward_submit, (any_fn)kt_job_run,
     (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy, (any_fn)kt_stage_name,
     (any_fn)kt_engine_set_profiling, (any_fn)kt_engine_profile_stage, (any_fn)kt_engine_reset_profile,
@@ -68,6 +70,73 @@ static DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int6
   return t;
 }
 
+/* kt_engine_options as a host compiled against the first v1 header laid it
+ * out (before precision was appended), followed by memory of the host's own. */
+struct engine_options_v1_0 {
+  size_t struct_size;
+  int num_threads;
+  int pin_threads;
+  kt_isa max_isa;
+  int verbosity;
+  kt_log_fn log_fn;
+  void* log_user;
+};
+struct old_host_memory {
+  struct engine_options_v1_0 options;
+  unsigned char canary[32];
+};
+/* The same struct as a host compiled against a newer header would have it. */
+struct newer_engine_options {
+  kt_engine_options known;
+  int64_t unknown_field;
+};
+
+/* Hosts of older and newer layouts get exactly their own bytes written and
+ * read: defaults never run past the caller's struct_size, fields the library
+ * does not know are refused unless zero. */
+static void check_growable_structs(void) {
+  struct old_host_memory old;
+  struct newer_engine_options newer;
+  kt_engine* e = NULL;
+  kt_engine_info info;
+  size_t i;
+  memset(&old, 0xA5, sizeof(old));
+  kt_engine_options_defaults((kt_engine_options*)&old.options, sizeof(old.options));
+  CHECK(old.options.struct_size == sizeof(old.options));
+  CHECK(old.options.pin_threads == 1 && old.options.max_isa == KT_ISA_AUTO && old.options.verbosity == -1);
+  for (i = 0; i < sizeof(old.canary); ++i) CHECK(old.canary[i] == 0xA5);
+  old.options.num_threads = 1;
+  CHECK(kt_engine_create((const kt_engine_options*)&old.options, &e) == KT_OK);
+  info.struct_size = sizeof(info);
+  CHECK(kt_engine_get_info(e, &info) == KT_OK && info.num_threads == 1);
+  CHECK(info.precision == KT_PRECISION_DEFAULT);
+  CHECK(kt_engine_destroy(e) == KT_OK);
+  /* An info struct of an older layout (up to gemm_backend) is filled only so far. */
+  memset(&info, 0x5A, sizeof(info));
+  info.struct_size = offsetof(kt_engine_info, precision);
+  CHECK(kt_engine_create(NULL, &e) == KT_OK);
+  CHECK(kt_engine_get_info(e, &info) == KT_OK);
+  CHECK(info.struct_size == offsetof(kt_engine_info, precision));
+  CHECK(*(const unsigned char*)&info.precision == 0x5A);
+  CHECK(kt_engine_destroy(e) == KT_OK);
+
+  memset(&newer, 0xA5, sizeof(newer));
+  kt_engine_options_defaults(&newer.known, sizeof(newer));
+  CHECK(newer.known.struct_size == sizeof(newer) && newer.unknown_field == 0);
+  CHECK(newer.known.precision == KT_PRECISION_DEFAULT && newer.known.pin_threads == 1);
+  newer.known.num_threads = 1;
+  CHECK(kt_engine_create(&newer.known, &e) == KT_OK);
+  CHECK(kt_engine_destroy(e) == KT_OK);
+  newer.unknown_field = 7;
+  e = NULL;
+  CHECK(kt_engine_create(&newer.known, &e) == KT_ERR_UNSUPPORTED && e == NULL);
+  CHECK(strstr(kt_last_error(), "kt_engine_create") != NULL);
+  /* A size that cannot even hold struct_size writes nothing. */
+  memset(&old, 0xA5, sizeof(old));
+  kt_engine_options_defaults((kt_engine_options*)&old.options, 4);
+  CHECK(((const unsigned char*)&old.options)[0] == 0xA5);
+}
+
 static int hook_calls = 0;
 static void on_grads(kt_moe* moe, void* user) {
   (void)moe;
@@ -84,6 +153,8 @@ int main(void) {
   CHECK(strcmp(kt_isa_name(KT_ISA_AVX2), "avx2") == 0);
   CHECK(kt_cpu_isa() >= KT_ISA_REF);
   CHECK(strcmp(kt_status_string(KT_ERR_DTYPE), "KT_ERR_DTYPE") == 0);
+
+  check_growable_structs();
 
   kt_engine* engine = NULL;
   kt_engine_options eo;

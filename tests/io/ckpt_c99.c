@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
   wargs[2].id = KT_ARG_W_DOWN, wargs[2].tensor = &td;
   layer.layer = 0, layer.args = wargs, layer.num_args = 3;
 
-  kt_ckpt_write_options_init(&wo);
+  kt_ckpt_write_options_defaults(&wo, sizeof(wo)); /* what kt_ckpt_write_options_init does */
   CHECK(wo.dtype == KT_CKPT_DTYPE_BF16 && wo.layout == KT_CKPT_LAYOUT_PER_EXPERT);
   wo.config_json = "{\"model_type\": \"qwen3_moe\", \"num_experts_per_tok\": 2}";
   CHECK(kt_ckpt_write_experts(dir, &wo, &layer, 1) == KT_OK);
@@ -127,6 +127,7 @@ int main(int argc, char** argv) {
   CHECK(memcmp(back, up, sizeof(up)) == 0);
 
   CHECK(kt_engine_create(NULL, &engine) == KT_OK);
+  kt_moe_options_init(&mo);
   CHECK(kt_ckpt_moe_options(ck, 0, &mo) == KT_OK);
   CHECK(mo.num_experts == E && mo.top_k == 2 && mo.activation == KT_ACT_SILU);
   CHECK(kt_moe_create(engine, &mo, &moe) == KT_OK);
@@ -193,7 +194,7 @@ int main(int argc, char** argv) {
   largs[0].id = KT_ARG_LORA_A_GATE, largs[0].tensor = &ta;
   largs[1].id = KT_ARG_LORA_B_GATE, largs[1].tensor = &tlb;
   layer.args = largs, layer.num_args = 2, layer.layer = 3;
-  kt_ckpt_adapter_config_init(&ac);
+  kt_ckpt_adapter_config_defaults(&ac, sizeof(ac)); /* what kt_ckpt_adapter_config_init does */
   ac.rank = R;
   ac.alpha = 4.0f;
   ac.targets = KT_PROJ_GATE;

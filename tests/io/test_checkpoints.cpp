@@ -186,6 +186,7 @@ class Checkpoints : public ::testing::Test {
     kt_ckpt* ck = nullptr;
     ASSERT_EQ(kt_ckpt_open(dir.c_str(), &ck), KT_OK) << kt_last_error();
     kt_moe_options o;
+    kt_moe_options_init(&o);
     ASSERT_EQ(kt_ckpt_moe_options(ck, L, &o), KT_OK) << kt_last_error();
     EXPECT_EQ(o.num_experts, s.E);
     EXPECT_EQ(o.hidden, s.H);
@@ -372,6 +373,7 @@ TEST_F(Checkpoints, GptOssDequantizedWithBiases) {
   EXPECT_EQ(li.layout, KT_CKPT_LAYOUT_GPT_OSS);
   EXPECT_EQ(li.has_bias, 1);
   kt_moe_options o;
+  kt_moe_options_init(&o);
   ASSERT_EQ(kt_ckpt_moe_options(ck, 1, &o), KT_OK);
   EXPECT_EQ(o.activation, KT_ACT_SWIGLU_OAI);
   EXPECT_FLOAT_EQ(o.act_limit, 7.f);
@@ -407,6 +409,7 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   ASSERT_EQ(kt_ckpt_find_tensor(ck, (p + "down_proj_scales").c_str(), &t), KT_OK);
   EXPECT_EQ(t.dtype, KT_CKPT_DTYPE_E8M0);
   kt_moe_options o;
+  kt_moe_options_init(&o);
   ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK);
   kt_moe* moe = nullptr;
   ASSERT_EQ(kt_moe_create(engine_, &o, &moe), KT_OK) << kt_last_error();
@@ -521,6 +524,7 @@ TEST_F(Checkpoints, LayerMismatchLeavesTheLayerEmpty) {
   kt_ckpt* ck = nullptr;
   ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
   kt_moe_options o;
+  kt_moe_options_init(&o);
   ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK);
   o.hidden = s.H * 2;
   kt_moe* moe = nullptr;

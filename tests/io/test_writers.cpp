@@ -149,6 +149,7 @@ TEST_F(Writers, WrittenCheckpointLoadsLikeItsTensors) {
   kt_ckpt* ck = nullptr;
   ASSERT_EQ(kt_ckpt_open(out.c_str(), &ck), KT_OK) << kt_last_error();
   kt_moe_options mo;
+  kt_moe_options_init(&mo);
   ASSERT_EQ(kt_ckpt_moe_options(ck, L, &mo), KT_OK);
   mo.top_k = 2;
   kt_moe *m1 = nullptr, *m2 = nullptr;

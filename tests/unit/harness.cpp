@@ -11,6 +11,7 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
   eo.num_threads = threads;
   eo.max_isa = isa;
   eo.verbosity = 0;
+  eo.precision = c.precision;
   EXPECT_EQ(kt_engine_create(&eo, &engine_), KT_OK) << kt_last_error();
   const kt_status st = kt_engine_set_gemm_backend(engine_, backend);
   if (st == KT_ERR_UNSUPPORTED && backend == KT_GEMM_ONEDNN) return;  // available_ stays false

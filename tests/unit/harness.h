@@ -110,6 +110,7 @@ struct Case {
   bool one_expert = false;    // all routes to expert 0 (k = 1 then)
   std::vector<int> skipped;   // experts marked skipped
   uint32_t seed = 1;
+  kt_precision precision = KT_PRECISION_DEFAULT;  // of the engine
 };
 
 inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.name; }

@@ -1,6 +1,8 @@
 // Every entry point's checks: the status, a message naming the argument, and
 // state left as it was (a valid call afterwards still matches the reference).
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 
 #include "harness.h"
@@ -313,10 +315,94 @@ void sink(int level, const char* message, void* user) {
   static_cast<LogSink*>(user)->lines.emplace_back(level, message);
 }
 
+// Sets an environment variable for a scope and puts the old value back (the
+// suite itself may run under a KT_MAX_ISA cap).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) setenv(name_, old_.c_str(), 1);
+    else unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  bool had_;
+  std::string old_;
+};
+
+TEST(Engine, UnknownIsaCapInEnvironmentIsRefused) {
+  for (const char* bad : {"foo", "avx512", "avx2 ", "sse4"}) {
+    ScopedEnv env("KT_MAX_ISA", bad);
+    kt_engine* e = nullptr;
+    EXPECT_EQ(kt_engine_create(nullptr, &e), KT_ERR_INVALID_ARGUMENT) << bad;
+    EXPECT_EQ(e, nullptr);
+    const std::string msg = kt_last_error();
+    EXPECT_NE(msg.find("kt_engine_create"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string("KT_MAX_ISA = '") + bad + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("ref, avx2, avx512bf16, amx, auto"), std::string::npos) << msg;
+  }
+}
+
+TEST(Engine, IsaCapInEnvironmentIgnoresCase) {
+  const kt_isa cpu = kt_cpu_isa();
+  for (const char* cap : {"AVX2", "Avx2", "REF", "Auto"}) {
+    ScopedEnv env("KT_MAX_ISA", cap);
+    kt_engine_options eo;
+    kt_engine_options_init(&eo);
+    eo.num_threads = 1;
+    kt_engine* e = nullptr;
+    ASSERT_EQ(kt_engine_create(&eo, &e), KT_OK) << cap << ": " << kt_last_error();
+    kt_engine_info info;
+    info.struct_size = sizeof(info);
+    ASSERT_EQ(kt_engine_get_info(e, &info), KT_OK);
+    const std::string lower = cap[0] == 'A' && cap[1] == 'u' ? "auto" : cap[0] == 'R' ? "ref" : "avx2";
+    const bool has512 = std::strstr(kt_build_info(), "avx512bf16") != nullptr;
+    const kt_isa want = lower == "ref"    ? KT_ISA_REF
+                        : lower == "avx2" ? (cpu >= KT_ISA_AVX2 ? KT_ISA_AVX2 : KT_ISA_REF)
+                                          : (cpu >= KT_ISA_AVX512BF16 && has512 ? KT_ISA_AVX512BF16
+                                             : cpu >= KT_ISA_AVX2 ? KT_ISA_AVX2 : KT_ISA_REF);
+    EXPECT_EQ(info.isa, want) << cap;
+    EXPECT_EQ(kt_engine_destroy(e), KT_OK);
+  }
+}
+
+TEST(Engine, Fp32PrecisionChoosesFp32OperandKernels) {
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  EXPECT_EQ(eo.precision, KT_PRECISION_DEFAULT);
+  eo.num_threads = 1;
+  eo.precision = KT_PRECISION_FP32;
+  kt_engine* e = nullptr;
+  ASSERT_EQ(kt_engine_create(&eo, &e), KT_OK) << kt_last_error();
+  kt_engine_info info;
+  info.struct_size = sizeof(info);
+  ASSERT_EQ(kt_engine_get_info(e, &info), KT_OK);
+  EXPECT_EQ(info.precision, KT_PRECISION_FP32);
+  EXPECT_LE(info.isa, KT_ISA_AVX2);
+  EXPECT_NE(std::string(info.kernel_name).find("_f32_f32_"), std::string::npos) << info.kernel_name;
+  // The oneDNN backend multiplies bf16 operands: not for an fp32 engine.
+  EXPECT_EQ(kt_engine_set_gemm_backend(e, KT_GEMM_ONEDNN), KT_ERR_UNSUPPORTED);
+  EXPECT_EQ(kt_engine_destroy(e), KT_OK);
+  // A value outside the enum is refused, naming it.
+  std::memset(&eo.precision, 0, sizeof(eo.precision));
+  const int bad = 7;
+  std::memcpy(&eo.precision, &bad, sizeof(bad));
+  e = nullptr;
+  EXPECT_EQ(kt_engine_create(&eo, &e), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(e, nullptr);
+  EXPECT_NE(std::string(kt_last_error()).find("options->precision = 7"), std::string::npos) << kt_last_error();
+}
+
 TEST(Engine, IsaCapFromEnvironmentAndLogCallback) {
   const kt_isa cpu = kt_cpu_isa();
   for (const char* cap : {"ref", "avx2"}) {
-    setenv("KT_MAX_ISA", cap, 1);
+    ScopedEnv env("KT_MAX_ISA", cap);
     LogSink log;
     kt_engine_options eo;
     kt_engine_options_init(&eo);
@@ -338,7 +424,6 @@ TEST(Engine, IsaCapFromEnvironmentAndLogCallback) {
         << log.lines[0].second;
     EXPECT_EQ(kt_engine_destroy(e), KT_OK);
   }
-  unsetenv("KT_MAX_ISA");
   // Silent by default: verbosity 0 never calls the sink.
   LogSink quiet;
   kt_engine_options eo;

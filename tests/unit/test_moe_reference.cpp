@@ -66,6 +66,28 @@ INSTANTIATE_TEST_SUITE_P(RealShape, MoeVsReference,
                                             ::testing::Values(qwen3_30b_a3b_slice())),
                          param_name);
 
+// Engines created with KT_PRECISION_FP32, on every case and whatever the CPU:
+// fp32 activations keep fp32 operands, so the fp32 tolerances hold (on the
+// default avx512bf16 engine the same fp32 cases need kBf16OperandsFp32Io).
+class Fp32Precision : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Fp32Precision, ForwardBackwardMatchWithFp32Operands) {
+  Case c = GetParam();
+  c.precision = KT_PRECISION_FP32;
+  Runner run(c, KT_ISA_AUTO);
+  ASSERT_TRUE(run.isa_available());
+  kt_engine_info info;
+  info.struct_size = sizeof(info);
+  ASSERT_EQ(kt_engine_get_info(run.engine(), &info), KT_OK);
+  EXPECT_EQ(info.precision, KT_PRECISION_FP32);
+  EXPECT_LE(info.isa, KT_ISA_AVX2) << "fp32 precision must run kernels with fp32 operands";
+  EXPECT_NE(std::string(info.kernel_name).find("_f32_f32_"), std::string::npos) << info.kernel_name;
+  check_case(KT_ISA_AUTO, c);  // tolerance_for(AUTO, ...) = the fp32-operand tolerances
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Fp32Precision, ::testing::ValuesIn(core_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
 // The oneDNN GEMM backend on the same cases: shapes whose K is a multiple of
 // 32 go through oneDNN (the others through kt's kernel), so the mix checks
 // both and their hand-over. Same tolerances as the avx512bf16 path (the

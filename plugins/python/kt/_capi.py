@@ -1,8 +1,10 @@
 """ctypes declarations of include/kt_c_api.h (ABI major 1) and the library loader.
 
 The struct layouts below mirror the header field by field; the growable option
-structs carry their own ``struct_size`` and are always filled by the library's
-``*_init`` functions first, so fields the header appends later keep defaults.
+structs carry their own ``struct_size`` and are always filled first by the
+library's ``*_defaults(struct, sizeof(struct))`` functions (what the header's
+inline ``*_init`` do), so the library writes only the bytes these classes have
+and fields it appends later keep their defaults.
 """
 import ctypes
 import ctypes.util
@@ -30,6 +32,8 @@ STATUS_NAMES = {
     14: "KT_ERR_UNSUPPORTED", 15: "KT_ERR_OUT_OF_MEMORY", 16: "KT_ERR_IO", 17: "KT_ERR_INTERNAL",
 }
 
+# kt_precision
+PRECISION_DEFAULT, PRECISION_FP32 = 0, 1
 # kt_isa
 ISA_AUTO, ISA_REF, ISA_AVX2, ISA_AVX512BF16, ISA_AMX = 0, 1, 2, 3, 4
 # kt_activation
@@ -89,6 +93,7 @@ class EngineOptions(ctypes.Structure):
         ("verbosity", ctypes.c_int),
         ("log_fn", LOG_FN),
         ("log_user", ctypes.c_void_p),
+        ("precision", ctypes.c_int),
     ]
 
 
@@ -100,6 +105,7 @@ class EngineInfo(ctypes.Structure):
         ("cpu_isa", ctypes.c_int),
         ("kernel_name", ctypes.c_char_p),
         ("gemm_backend", ctypes.c_int),
+        ("precision", ctypes.c_int),
     ]
 
 
@@ -157,16 +163,16 @@ _PROTOTYPES = {
     "kt_clear_error": (None, []),
     "kt_cpu_isa": (ctypes.c_int, []),
     "kt_isa_name": (ctypes.c_char_p, [ctypes.c_int]),
-    "kt_engine_options_init": (None, [ctypes.POINTER(EngineOptions)]),
+    "kt_engine_options_defaults": (None, [ctypes.POINTER(EngineOptions), ctypes.c_size_t]),
     "kt_engine_create": (_S, [ctypes.POINTER(EngineOptions), ctypes.POINTER(_P)]),
     "kt_engine_destroy": (_S, [_P]),
     "kt_engine_get_info": (_S, [_P, ctypes.POINTER(EngineInfo)]),
     "kt_engine_set_gemm_backend": (_S, [_P, ctypes.c_int]),
-    "kt_moe_options_init": (None, [ctypes.POINTER(MoeOptions)]),
+    "kt_moe_options_defaults": (None, [ctypes.POINTER(MoeOptions), ctypes.c_size_t]),
     "kt_moe_create": (_S, [_P, ctypes.POINTER(MoeOptions), ctypes.POINTER(_P)]),
     "kt_moe_destroy": (None, [_P]),
     "kt_moe_lora_scale": (_S, [_P, ctypes.POINTER(ctypes.c_float)]),
-    "kt_load_options_init": (None, [ctypes.POINTER(LoadOptions)]),
+    "kt_load_options_defaults": (None, [ctypes.POINTER(LoadOptions), ctypes.c_size_t]),
     "kt_moe_load_weights": (_S, [_P, ctypes.POINTER(LoadOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_moe_load_expert": (_S, [_P, ctypes.c_int64, ctypes.POINTER(LoadOptions), ctypes.POINTER(Arg),
                                 ctypes.c_size_t]),
@@ -175,7 +181,7 @@ _PROTOTYPES = {
     "kt_moe_bind": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_moe_params_changed": (_S, [_P]),
     "kt_moe_forward": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P)]),
-    "kt_backward_options_init": (None, [ctypes.POINTER(BackwardOptions)]),
+    "kt_backward_options_defaults": (None, [ctypes.POINTER(BackwardOptions), ctypes.c_size_t]),
     "kt_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_context_release": (None, [_P]),
 }

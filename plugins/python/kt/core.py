@@ -60,16 +60,23 @@ class Engine(_Handle):
 
     # kt_gemm_backend: who computes the weight GEMMs.
     GEMM_BACKENDS = {"auto": 0, "native": 1, "onednn": 2}
+    # kt_precision: "fp32" keeps fp32 activations fp32 in the weight GEMMs
+    # (by default the avx512bf16 kernels round them to bf16, ~2e-3 relative).
+    PRECISIONS = {"default": _capi.PRECISION_DEFAULT, "fp32": _capi.PRECISION_FP32}
 
-    def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1, gemm_backend="auto"):
+    def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1, gemm_backend="auto",
+                 precision="default"):
         opts = _capi.EngineOptions()
-        lib().kt_engine_options_init(ctypes.byref(opts))
+        lib().kt_engine_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.num_threads = int(num_threads)
         opts.pin_threads = 1 if pin_threads else 0
         if max_isa not in ISAS:
             raise ValueError("kt: max_isa must be one of %s" % ", ".join(ISAS))
         opts.max_isa = ISAS[max_isa]
         opts.verbosity = int(verbosity)
+        if precision not in self.PRECISIONS:
+            raise ValueError("kt: precision must be one of %s" % ", ".join(self.PRECISIONS))
+        opts.precision = self.PRECISIONS[precision]
         if gemm_backend not in self.GEMM_BACKENDS:
             raise ValueError("kt: gemm_backend must be one of %s" % ", ".join(self.GEMM_BACKENDS))
         handle = ctypes.c_void_p()
@@ -97,7 +104,8 @@ class Engine(_Handle):
         return {"num_threads": info.num_threads, "isa": names.get(info.isa, "unknown"),
                 "cpu_isa": names.get(info.cpu_isa, "unknown"),
                 "kernel_name": info.kernel_name.decode(),
-                "gemm_backend": {v: k for k, v in self.GEMM_BACKENDS.items()}.get(info.gemm_backend, "unknown")}
+                "gemm_backend": {v: k for k, v in self.GEMM_BACKENDS.items()}.get(info.gemm_backend, "unknown"),
+                "precision": {v: k for k, v in self.PRECISIONS.items()}.get(info.precision, "unknown")}
 
     def close(self):
         if self._handle:
@@ -175,7 +183,7 @@ class MoE(_Handle):
             raise ValueError("kt: mode must be one of %s" % ", ".join(MODES))
         self.engine = engine or default_engine()
         opts = _capi.MoeOptions()
-        lib().kt_moe_options_init(ctypes.byref(opts))
+        lib().kt_moe_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.num_experts = num_experts
         opts.top_k = top_k
         opts.hidden = hidden
@@ -259,7 +267,7 @@ class MoE(_Handle):
     @staticmethod
     def _load_options(orientation, interleaved):
         lo = _capi.LoadOptions()
-        lib().kt_load_options_init(ctypes.byref(lo))
+        lib().kt_load_options_defaults(ctypes.byref(lo), ctypes.sizeof(lo))
         if orientation not in ("out_in", "in_out"):
             raise ValueError("kt: orientation must be 'out_in' or 'in_out'")
         lo.orientation = _capi.ORIENT_IN_OUT if orientation == "in_out" else _capi.ORIENT_OUT_IN
@@ -300,7 +308,7 @@ class MoE(_Handle):
     def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0,
                  accumulate=False, param_grads=True):
         opts = _capi.BackwardOptions()
-        lib().kt_backward_options_init(ctypes.byref(opts))
+        lib().kt_backward_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.grad_scale = grad_scale
         opts.accumulate = _capi.GRAD_ACCUMULATE if accumulate else _capi.GRAD_OVERWRITE
         opts.param_grads = 1 if param_grads else 0

@@ -109,7 +109,7 @@ kt_structs! {
         pub byte_offset: u64,
     }
 
-    /// Engine settings; fill with kt_engine_options_init.
+    /// Engine settings; fill with kt_engine_options_defaults(&mut o, size_of::<kt_engine_options>()) (the header's inline kt_engine_options_init).
     pub struct kt_engine_options {
         pub struct_size: usize,
         pub num_threads: c_int,
@@ -118,6 +118,7 @@ kt_structs! {
         pub verbosity: c_int,
         pub log_fn: kt_log_fn,
         pub log_user: *mut c_void,
+        pub precision: kt_precision,
     }
     /// What kt_engine_get_info reports.
     pub struct kt_engine_info {
@@ -127,8 +128,9 @@ kt_structs! {
         pub cpu_isa: kt_isa,
         pub kernel_name: *const c_char,
         pub gemm_backend: kt_gemm_backend,
+        pub precision: kt_precision,
     }
-    /// Layer shapes and settings; fill with kt_moe_options_init.
+    /// Layer shapes and settings; fill with kt_moe_options_defaults(&mut o, size_of::<kt_moe_options>()) (the header's inline kt_moe_options_init).
     pub struct kt_moe_options {
         pub struct_size: usize,
         pub num_experts: i64,
@@ -152,13 +154,13 @@ kt_structs! {
         pub id: c_int,
         pub tensor: *const DLTensor,
     }
-    /// Weight loading settings; fill with kt_load_options_init.
+    /// Weight loading settings; fill with kt_load_options_defaults(&mut o, size_of::<kt_load_options>()) (the header's inline kt_load_options_init).
     pub struct kt_load_options {
         pub struct_size: usize,
         pub orientation: kt_weight_orientation,
         pub gate_up_order: kt_gate_up_order,
     }
-    /// Backward settings; fill with kt_backward_options_init.
+    /// Backward settings; fill with kt_backward_options_defaults(&mut o, size_of::<kt_backward_options>()) (the header's inline kt_backward_options_init).
     pub struct kt_backward_options {
         pub struct_size: usize,
         pub grad_scale: f32,
@@ -203,7 +205,7 @@ kt_structs! {
         pub nbytes: i64,
         pub data: *const c_void,
     }
-    /// Settings of kt_ckpt_write_experts; fill with kt_ckpt_write_options_init.
+    /// Settings of kt_ckpt_write_experts; fill with kt_ckpt_write_options_defaults(&mut o, size_of::<kt_ckpt_write_options>()) (the header's inline kt_ckpt_write_options_init).
     pub struct kt_ckpt_write_options {
         pub struct_size: usize,
         pub layout: kt_ckpt_layout,
@@ -217,7 +219,7 @@ kt_structs! {
         pub args: *const kt_arg,
         pub num_args: usize,
     }
-    /// PEFT adapter settings; fill with kt_ckpt_adapter_config_init.
+    /// PEFT adapter settings; fill with kt_ckpt_adapter_config_defaults(&mut c, size_of::<kt_ckpt_adapter_config>()) (the header's inline kt_ckpt_adapter_config_init).
     pub struct kt_ckpt_adapter_config {
         pub struct_size: usize,
         pub rank: i64,
@@ -235,6 +237,7 @@ kt_structs! {
 pub type kt_status = c_int;
 pub type kt_isa = c_int;
 pub type kt_gemm_backend = c_int;
+pub type kt_precision = c_int;
 pub type kt_activation = c_int;
 pub type kt_mode = c_int;
 pub type kt_weight_format = c_int;
@@ -313,6 +316,10 @@ kt_constants! {
         KT_GEMM_AUTO = 0,
         KT_GEMM_NATIVE = 1,
         KT_GEMM_ONEDNN = 2,
+    }
+    kt_precision {
+        KT_PRECISION_DEFAULT = 0,
+        KT_PRECISION_FP32 = 1,
     }
     kt_activation {
         KT_ACT_SILU = 0,
@@ -441,18 +448,18 @@ kt_functions! {
     pub fn kt_cpu_isa() -> kt_isa;
     pub fn kt_isa_name(isa: kt_isa) -> *const c_char;
 
-    pub fn kt_engine_options_init(options: *mut kt_engine_options);
+    pub fn kt_engine_options_defaults(options: *mut kt_engine_options, struct_size: usize);
     pub fn kt_engine_create(options: *const kt_engine_options, engine: *mut *mut kt_engine) -> kt_status;
     pub fn kt_engine_destroy(engine: *mut kt_engine) -> kt_status;
     pub fn kt_engine_get_info(engine: *const kt_engine, info: *mut kt_engine_info) -> kt_status;
     pub fn kt_engine_set_gemm_backend(engine: *mut kt_engine, backend: kt_gemm_backend) -> kt_status;
 
-    pub fn kt_moe_options_init(options: *mut kt_moe_options);
+    pub fn kt_moe_options_defaults(options: *mut kt_moe_options, struct_size: usize);
     pub fn kt_moe_create(engine: *mut kt_engine, options: *const kt_moe_options, moe: *mut *mut kt_moe) -> kt_status;
     pub fn kt_moe_destroy(moe: *mut kt_moe);
     pub fn kt_moe_lora_scale(moe: *const kt_moe, scale: *mut f32) -> kt_status;
 
-    pub fn kt_load_options_init(options: *mut kt_load_options);
+    pub fn kt_load_options_defaults(options: *mut kt_load_options, struct_size: usize);
     pub fn kt_moe_load_weights(moe: *mut kt_moe, options: *const kt_load_options, args: *const kt_arg, num_args: usize) -> kt_status;
     pub fn kt_moe_load_expert(moe: *mut kt_moe, expert: i64, options: *const kt_load_options, args: *const kt_arg, num_args: usize) -> kt_status;
     pub fn kt_moe_set_skipped(moe: *mut kt_moe, mask: *const DLTensor) -> kt_status;
@@ -463,7 +470,7 @@ kt_functions! {
     pub fn kt_moe_set_grad_hook(moe: *mut kt_moe, hook: kt_grad_ready_fn, user: *mut c_void) -> kt_status;
 
     pub fn kt_moe_forward(moe: *mut kt_moe, args: *const kt_arg, num_args: usize, saved: *mut *mut kt_context) -> kt_status;
-    pub fn kt_backward_options_init(options: *mut kt_backward_options);
+    pub fn kt_backward_options_defaults(options: *mut kt_backward_options, struct_size: usize);
     pub fn kt_moe_backward(moe: *mut kt_moe, ctx: *mut kt_context, options: *const kt_backward_options, args: *const kt_arg, num_args: usize) -> kt_status;
     pub fn kt_context_release(ctx: *mut kt_context);
 
@@ -491,9 +498,9 @@ kt_functions! {
     pub fn kt_ckpt_read_layer(ckpt: *const kt_ckpt, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
     pub fn kt_ckpt_tensor_at(ckpt: *const kt_ckpt, index: i64, tensor: *mut kt_ckpt_tensor) -> kt_status;
     pub fn kt_ckpt_find_tensor(ckpt: *const kt_ckpt, name: *const c_char, tensor: *mut kt_ckpt_tensor) -> kt_status;
-    pub fn kt_ckpt_write_options_init(options: *mut kt_ckpt_write_options);
+    pub fn kt_ckpt_write_options_defaults(options: *mut kt_ckpt_write_options, struct_size: usize);
     pub fn kt_ckpt_write_experts(dir: *const c_char, options: *const kt_ckpt_write_options, layers: *const kt_ckpt_layer_args, num_layers: usize) -> kt_status;
-    pub fn kt_ckpt_adapter_config_init(config: *mut kt_ckpt_adapter_config);
+    pub fn kt_ckpt_adapter_config_defaults(config: *mut kt_ckpt_adapter_config, struct_size: usize);
     pub fn kt_ckpt_adapter_write(dir: *const c_char, config: *const kt_ckpt_adapter_config, layers: *const kt_ckpt_layer_args, num_layers: usize) -> kt_status;
     pub fn kt_ckpt_adapter_read_config(dir: *const c_char, config: *mut kt_ckpt_adapter_config) -> kt_status;
     pub fn kt_ckpt_adapter_read(dir: *const c_char, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;

@@ -253,6 +253,9 @@ pub struct EngineOptions {
     pub pin_threads: Option<bool>,
     /// Log level to stderr; None = from the environment (KT_VERBOSE).
     pub verbosity: Option<i32>,
+    /// Keep fp32 activations fp32 in the weight GEMMs (KT_PRECISION_FP32;
+    /// by default the avx512bf16 kernels round them to bf16).
+    pub fp32_precision: bool,
 }
 
 /// An engine: a worker pool and the kernels for this CPU.
@@ -278,7 +281,7 @@ impl Engine {
         }
         let mut o = std::mem::MaybeUninit::<sys::kt_engine_options>::uninit();
         let mut o = unsafe {
-            sys::kt_engine_options_init(o.as_mut_ptr());
+            sys::kt_engine_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_engine_options>());
             o.assume_init()
         };
         o.num_threads = options.num_threads;
@@ -287,6 +290,9 @@ impl Engine {
         }
         if let Some(v) = options.verbosity {
             o.verbosity = v;
+        }
+        if options.fp32_precision {
+            o.precision = sys::KT_PRECISION_FP32;
         }
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_engine_create(&o, &mut raw) })?;
@@ -301,6 +307,7 @@ impl Engine {
             cpu_isa: 0,
             kernel_name: ptr::null(),
             gemm_backend: sys::KT_GEMM_AUTO,
+            precision: sys::KT_PRECISION_DEFAULT,
         };
         check(unsafe { sys::kt_engine_get_info(self.raw, &mut info) })?;
         Ok(info)
@@ -309,6 +316,11 @@ impl Engine {
     /// Worker threads of the engine.
     pub fn num_threads(&self) -> Result<i32> {
         Ok(self.info()?.num_threads)
+    }
+
+    /// Whether fp32 activations stay fp32 in the weight GEMMs (KT_PRECISION_FP32).
+    pub fn fp32_precision(&self) -> Result<bool> {
+        Ok(self.info()?.precision == sys::KT_PRECISION_FP32)
     }
 
     /// Name of the GEMM micro-kernel in use (owned by the engine).
@@ -335,7 +347,7 @@ impl Drop for Engine {
 
 // -------------------------------------------------------------------- layer
 
-/// A layer's shapes and settings, over kt's defaults (kt_moe_options_init).
+/// A layer's shapes and settings, over kt's defaults (kt_moe_options_defaults).
 #[derive(Clone, Copy)]
 pub struct MoeOptions {
     raw: sys::kt_moe_options,
@@ -346,7 +358,7 @@ impl MoeOptions {
     pub fn new(num_experts: i64, top_k: i64, hidden: i64, intermediate: i64) -> MoeOptions {
         let mut o = std::mem::MaybeUninit::<sys::kt_moe_options>::uninit();
         let mut raw = unsafe {
-            sys::kt_moe_options_init(o.as_mut_ptr());
+            sys::kt_moe_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_moe_options>());
             o.assume_init()
         };
         raw.num_experts = num_experts;
@@ -497,7 +509,7 @@ impl<'e> Moe<'e> {
     pub fn backward(&self, ctx: &mut Context<'_>, options: &BackwardOptions, args: &[Arg<'_, '_>]) -> Result<()> {
         let mut o = std::mem::MaybeUninit::<sys::kt_backward_options>::uninit();
         let mut o = unsafe {
-            sys::kt_backward_options_init(o.as_mut_ptr());
+            sys::kt_backward_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_backward_options>());
             o.assume_init()
         };
         o.grad_scale = options.grad_scale;

@@ -94,7 +94,8 @@ fn assert_close(name: &str, got: &[f32], want: &[f64]) {
 }
 
 fn engine() -> Engine {
-    Engine::new(&EngineOptions { num_threads: 2, pin_threads: Some(false), verbosity: Some(0) }).unwrap()
+    Engine::new(&EngineOptions { num_threads: 2, pin_threads: Some(false), verbosity: Some(0), ..Default::default() })
+        .unwrap()
 }
 
 fn load(moe: &kt::Moe<'_>, l: &Layer) {
@@ -103,6 +104,17 @@ fn load(moe: &kt::Moe<'_>, l: &Layer) {
     let wd = TensorRef::new(&l.wd, &[E as i64, H as i64, I as i64]).unwrap();
     moe.load_weights(&[Arg::In(arg::W_GATE, &wg), Arg::In(arg::W_UP, &wu), Arg::In(arg::W_DOWN, &wd)]).unwrap();
     assert_eq!(moe.num_loaded().unwrap(), E as i64);
+}
+
+#[test]
+fn fp32_precision_is_an_engine_setting() {
+    let default = engine();
+    assert!(!default.fp32_precision().unwrap());
+    let exact = Engine::new(&EngineOptions { num_threads: 1, fp32_precision: true, ..Default::default() }).unwrap();
+    assert!(exact.fp32_precision().unwrap());
+    // fp32 operands: the kernels are the fp32-FMA ones (avx2, or ref without AVX2).
+    let name = exact.kernel_name().unwrap();
+    assert!(name.contains("_f32_f32_"), "{}", name);
 }
 
 #[test]
