@@ -38,7 +38,7 @@
  * Precision: kt computes in fp32 between stages. The weight GEMMs of the
  * default engine (avx512bf16 kernels) multiply bf16 operands: bf16 activations
  * are exact there, fp32 activations are rounded to bf16 first (relative L2
- * error of y, dx and gradients about 2e-3 on fp32 inputs, against about 1e-6
+ * error of y, dx and gradients 2-3e-3 on fp32 inputs, against below 1e-6
  * with fp32 operands). An engine created with precision = KT_PRECISION_FP32
  * keeps fp32 operands (fp32 FMA kernels; weights are still stored in bf16).
  */
@@ -400,8 +400,8 @@ KT_API kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* us
 /* Forward. args: X, IDS, ROUTE_WEIGHTS, Y (all [T,...], inner stride 1).
  * Y has the dtype of X (never the weights' storage dtype). Precision: fp32
  * between stages; on the default engine with avx512bf16 kernels an fp32 X is
- * rounded to bf16 for the weight GEMMs (about 2e-3 relative L2 error in y, dx
- * and gradients); an engine with KT_PRECISION_FP32 keeps it fp32 (about 1e-6).
+ * rounded to bf16 for the weight GEMMs (2-3e-3 relative L2 error in y, dx
+ * and gradients); an engine with KT_PRECISION_FP32 keeps it fp32 (below 1e-6).
  * T = 0 is valid. With saved == NULL nothing is kept (inference). With
  * saved != NULL a new context holding what backward needs is written to
  * *saved; several contexts may be outstanding per layer. Each must be

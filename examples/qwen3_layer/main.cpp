@@ -101,12 +101,15 @@ struct Batch {
   Tensor x, ids, w, y, dy, dx, dw;
   Batch(const Shape& s, int64_t T_, uint64_t seed)
       : T(T_), x(kDLBfloat, 16, {T_, s.H}), ids(kDLInt, 32, {T_, s.K}), w(kDLFloat, 32, {T_, s.K}),
-        y(kDLBfloat, 16, {T_, s.H}), dy(kDLBfloat, 16, {T_, s.H}), dx(kDLBfloat, 16, {T_, s.H}),
+        y(kDLBfloat, 16, {T_, s.H}), dy(kDLFloat, 32, {T_, s.H}), dx(kDLBfloat, 16, {T_, s.H}),
         dw(kDLFloat, 32, {T_, s.K}) {
     Rng rng(seed);
     for (int64_t i = 0; i < T * s.H; ++i) {
       x.u16()[i] = to_bf16(rng.normal());
-      dy.u16()[i] = to_bf16(rng.normal());
+      // The loss gradient as a host computes it: fp32, not bf16-representable
+      // (kt rounds it where its kernels take bf16 operands; the reference
+      // below uses these exact values, so that rounding counts as error).
+      dy.f32()[i] = rng.normal();
     }
     for (int64_t t = 0; t < T; ++t) {
       // k distinct experts per token, weights normalised like a softmax top-k.
@@ -276,23 +279,34 @@ int main(int argc, char** argv) {
                               dy = values(check.dy, check.T * s.H);
     const std::vector<double> y = kt::reference::forward(spec, P, check.T, x, ids, w);
     const kt::reference::Grads g = kt::reference::backward(spec, P, check.T, x, ids, w, dy);
-    // LoRA grads of the touched experts, in the reference's local order.
-    std::vector<double> gA, gA_ref;
-    for (auto& kv : local) {
-      const int64_t in = s.H;
-      const float* got = lora[2]->f32() + kv.first * r * in;
-      for (int64_t i = 0; i < r * in; ++i) {
-        gA.push_back(got[i]);
-        gA_ref.push_back(g.dla[0][static_cast<size_t>(kv.second * r * in + i)]);
+    // The six LoRA gradients of the touched experts, in the reference's local
+    // order; the largest error is reported.
+    double e_lora = 0;
+    for (int p = 0; p < 3; ++p) {
+      const int64_t in = p == 2 ? s.I : s.H, out = p == 2 ? s.H : s.I;
+      for (int b = 0; b < 2; ++b) {
+        const int64_t n = b ? out * r : r * in;
+        const std::vector<double>& ref = b ? g.dlb[p] : g.dla[p];
+        std::vector<double> got, want;
+        for (auto& kv : local) {
+          const float* kt_grad = lora[static_cast<size_t>(4 * p + 2 + b)]->f32() + kv.first * n;
+          for (int64_t i = 0; i < n; ++i) {
+            got.push_back(kt_grad[i]);
+            want.push_back(ref[static_cast<size_t>(kv.second * n + i)]);
+          }
+        }
+        e_lora = std::max(e_lora, rel_l2(got, want));
       }
     }
     const double e_y = rel_l2(values(check.y, check.T * s.H), y);
     const double e_dx = rel_l2(values(check.dx, check.T * s.H), g.dx);
     const double e_dw = rel_l2(values(check.dw, check.T * s.K), g.dw);
-    const double e_ga = rel_l2(gA, gA_ref);
-    const bool pass = e_y <= 3e-3 && e_dx <= 5e-3 && e_dw <= 1e-2 && e_ga <= 3e-3;
-    std::printf("check vs double reference (relative L2): forward %.2e, dx %.2e, routing grad %.2e, "
-                "LoRA dA_gate %.2e  -> %s\n", e_y, e_dx, e_dw, e_ga, pass ? "PASS" : "FAIL");
+    // Bounds of the bf16-operand kernels with bf16 x and an fp32 dy (each
+    // operand rounded to bf16 once; tests/unit/tolerances.h gives the reasons).
+    const bool pass = e_y <= 3e-3 && e_dx <= 6e-3 && e_dw <= 1e-2 && e_lora <= 6e-3;
+    std::printf("check vs double reference (relative L2; bf16 x, fp32 dy): forward %.2e, dx %.2e, "
+                "routing grad %.2e, LoRA grads (worst of 6) %.2e  -> %s\n",
+                e_y, e_dx, e_dw, e_lora, pass ? "PASS" : "FAIL");
     if (!pass) return 1;
   }
 

@@ -21,6 +21,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def fp32_engine():
-    """An engine on kt's fp32-operand kernels, for the tight comparisons."""
+    """An engine whose weight GEMMs keep fp32 operands, for the tight comparisons."""
     import kt
-    return kt.Engine(max_isa="avx2")
+    engine = kt.Engine(precision="fp32")
+    assert engine.info()["precision"] == "fp32"
+    assert engine.info()["isa"] in ("avx2", "ref")
+    return engine

@@ -4,7 +4,7 @@ Errors are relative L2 norms ||kt - ref|| / ||ref|| against the float64
 reference of reference.py computed from the same (bf16-rounded) weights.
 
 FP32: activations, LoRA factors and gradients in fp32 on kt's fp32-operand
-kernels (engine capped at avx2): the only difference left is fp32 vs fp64
+kernels (an engine created with precision="fp32"): the only difference left is fp32 vs fp64
 summation order over H or I terms, ~1e-7 per element; 2e-5 leaves room for
 the longest sums (K up to 2048) and for cancellation in small gradients.
 

@@ -1,5 +1,6 @@
 // The MoE op through the C ABI against the double-precision reference, for
 // every compiled ISA path forced in turn through the engine's ISA cap.
+#include <cstdio>
 #include <tuple>
 
 #include "cases.h"
@@ -18,7 +19,9 @@ void expect_close(const char* what, const std::vector<double>& got, const std::v
   ASSERT_EQ(got.size(), ref.size()) << what;
   const double err = rel_l2(got, ref);
   EXPECT_LE(err, tol) << what << ": relative L2 error " << err << " > " << tol;
-  ::testing::Test::RecordProperty(what, std::to_string(err));
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3e", err);  // std::to_string would print 1e-7 as 0.000000
+  ::testing::Test::RecordProperty(what, text);
 }
 
 void check_case(kt_isa isa, const Case& c, kt_gemm_backend backend = KT_GEMM_AUTO) {
