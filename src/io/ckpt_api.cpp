@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "io/exporters.h"
 #include "io/io_guard.h"
@@ -24,6 +25,7 @@ struct kt_ckpt {
 namespace {
 
 using kt::check;
+using kt::check_enum;
 using kt::io::guarded;
 
 void check_ckpt(const kt_ckpt* c, const char* where) {
@@ -56,8 +58,10 @@ T read_sized(const T* given, Init init, const char* where, const char* name) {
   T o;
   init(&o);
   if (!given) return o;
-  check(given->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + name + "->struct_size is not set; call the _init function first");
+  check(given->struct_size >= sizeof(size_t) && given->struct_size <= kt::kMaxOptionsStructSize,
+        KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": " + name + "->struct_size (" + std::to_string(given->struct_size) +
+            ") is not the size of any version of the struct; call the _init function first");
   const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
   std::memcpy(&o, given, n);
   const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
@@ -87,7 +91,7 @@ void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_c
 extern "C" {
 
 const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
-  switch (dtype) {
+  switch (kt::enum_bits(dtype)) {
     case KT_CKPT_DTYPE_F32: return "F32";
     case KT_CKPT_DTYPE_F16: return "F16";
     case KT_CKPT_DTYPE_BF16: return "BF16";
@@ -110,7 +114,7 @@ const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
 }
 
 const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
-  switch (layout) {
+  switch (kt::enum_bits(layout)) {
     case KT_CKPT_LAYOUT_NONE: return "none";
     case KT_CKPT_LAYOUT_PER_EXPERT: return "per_expert";
     case KT_CKPT_LAYOUT_MIXTRAL: return "mixtral";
@@ -122,7 +126,7 @@ const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
 }
 
 const char* kt_ckpt_format_name(kt_ckpt_format format) {
-  switch (format) {
+  switch (kt::enum_bits(format)) {
     case KT_CKPT_FORMAT_DENSE: return "dense";
     case KT_CKPT_FORMAT_FP8_BLOCK: return "fp8_block";
     case KT_CKPT_FORMAT_INT4_GROUP: return "int4_group";
@@ -276,6 +280,10 @@ kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* op
   return guarded(w, [&] {
     check_path(dir, w, "dir");
     const kt_ckpt_write_options o = read_sized(options, kt_ckpt_write_options_init, w, "options");
+    check_enum(o.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": options->layout",
+               "kt_ckpt_layout");
+    check_enum(o.dtype, KT_CKPT_DTYPE_UNKNOWN, KT_CKPT_DTYPE_BOOL, std::string(w) + ": options->dtype",
+               "kt_ckpt_dtype");
     kt::io::write_experts(dir, o, layers, num_layers, w);
   });
 }
@@ -300,6 +308,10 @@ kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* c
     check_path(dir, w, "dir");
     check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL (rank and alpha are required)");
     const kt_ckpt_adapter_config c = read_sized(config, kt_ckpt_adapter_config_init, w, "config");
+    check_enum(c.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": config->layout",
+               "kt_ckpt_layout");
+    check_enum(c.dtype, KT_CKPT_DTYPE_UNKNOWN, KT_CKPT_DTYPE_BOOL, std::string(w) + ": config->dtype",
+               "kt_ckpt_dtype");
     kt::io::write_adapter(dir, c, layers, num_layers, w);
   });
 }
