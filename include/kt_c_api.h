@@ -23,7 +23,20 @@
  *
  * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
  * are checked against what each argument requires; NULL strides mean compact
- * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted.
+ * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted. A tensor's
+ * byte size and the byte offset of each element must fit in 64 bits
+ * (KT_ERR_SHAPE, KT_ERR_STRIDE). A tensor kt writes (Y, DX, DROUTE_WEIGHTS,
+ * gradient buffers, kt_ckpt_* destinations) must address distinct elements
+ * (no stride 0 over an extent > 1: KT_ERR_STRIDE) and must share no memory
+ * with the call's other tensors, nor with the layer's bound parameters and
+ * gradient buffers (KT_ERR_INVALID_ARGUMENT).
+ *
+ * Enum arguments and fields holding a value outside their enumerators are
+ * refused with KT_ERR_INVALID_ARGUMENT. Options structs: a struct_size
+ * smaller than the library's struct gets defaults for the fields it lacks; a
+ * larger one is accepted when the bytes past the library's struct are zero
+ * (KT_ERR_UNSUPPORTED otherwise: the caller asks for something this library
+ * does not know); a struct_size above 4096 is KT_ERR_INVALID_ARGUMENT.
  */
 #ifndef KT_C_API_H_
 #define KT_C_API_H_
@@ -221,7 +234,11 @@ KT_API void kt_moe_options_init(kt_moe_options* options);
 
 /* Creates a layer on engine (retained until kt_moe_destroy). The layer holds
  * no weights yet: every expert must be loaded or marked skipped before a
- * forward routes to it. *moe is written by the call. */
+ * forward routes to it. *moe is written by the call. Its memory (packed
+ * weights, biases, LoRA factors, workspaces for max_tokens) is allocated
+ * now: a layer needing more than the machine's physical memory is refused
+ * with KT_ERR_INVALID_ARGUMENT, an allocation that fails is
+ * KT_ERR_OUT_OF_MEMORY. */
 KT_API kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe);
 /* Waits for the layer's pending jobs, releases its saved contexts, frees it.
  * NULL is accepted. */
@@ -370,7 +387,8 @@ typedef struct kt_backward_options {
   size_t struct_size;
   float grad_scale;              /* multiplies parameter gradients only (default 1) */
   kt_grad_accumulate accumulate; /* default KT_GRAD_OVERWRITE */
-  int param_grads;               /* 0 = only dx and routing grads (default 1) */
+  int param_grads;               /* 1 = also parameter gradients (default), 0 = only dx
+                                    and routing grads; other values are refused */
 } kt_backward_options;
 
 KT_API void kt_backward_options_init(kt_backward_options* options);
