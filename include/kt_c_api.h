@@ -23,7 +23,16 @@
  *
  * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
  * are checked against what each argument requires; NULL strides mean compact
- * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted.
+ * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted. A tensor's
+ * byte size and the byte offset of each element must fit in 64 bits
+ * (KT_ERR_SHAPE, KT_ERR_STRIDE). A tensor kt writes (Y, DX, DROUTE_WEIGHTS,
+ * gradient buffers, kt_ckpt_* destinations) must address distinct elements
+ * (no stride 0 over an extent > 1: KT_ERR_STRIDE) and must share no memory
+ * with the call's other tensors, nor with the layer's bound parameters and
+ * gradient buffers (KT_ERR_INVALID_ARGUMENT).
+ *
+ * Enum arguments and fields holding a value outside their enumerators are
+ * refused with KT_ERR_INVALID_ARGUMENT.
  *
  * Growable structs start with `size_t struct_size`, the size of the struct as
  * the caller was compiled (fields are only ever appended). kt reads and writes
@@ -33,7 +42,8 @@
  * sizeof to the exported `*_defaults(struct, struct_size)`; bindings that
  * cannot call inline functions call `*_defaults` with their own size. Fields
  * the library does not know must be zero (they are then ignored); set to
- * anything else they fail the call with KT_ERR_UNSUPPORTED.
+ * anything else they fail the call with KT_ERR_UNSUPPORTED. A struct_size
+ * above 4096 is KT_ERR_INVALID_ARGUMENT.
  *
  * Precision: kt computes in fp32 between stages. The weight GEMMs of the
  * default engine (avx512bf16 kernels) multiply bf16 operands: bf16 activations
@@ -260,7 +270,11 @@ static inline void kt_moe_options_init(kt_moe_options* options) {
 
 /* Creates a layer on engine (retained until kt_moe_destroy). The layer holds
  * no weights yet: every expert must be loaded or marked skipped before a
- * forward routes to it. *moe is written by the call. */
+ * forward routes to it. *moe is written by the call. Its memory (packed
+ * weights, biases, LoRA factors, workspaces for max_tokens) is allocated
+ * now: a layer needing more than the machine's physical memory is refused
+ * with KT_ERR_INVALID_ARGUMENT, an allocation that fails is
+ * KT_ERR_OUT_OF_MEMORY. */
 KT_API kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe);
 /* Waits for the layer's pending jobs, releases its saved contexts, frees it.
  * NULL is accepted. */
@@ -418,7 +432,8 @@ typedef struct kt_backward_options {
   size_t struct_size;
   float grad_scale;              /* multiplies parameter gradients only (default 1) */
   kt_grad_accumulate accumulate; /* default KT_GRAD_OVERWRITE */
-  int param_grads;               /* 0 = only dx and routing grads (default 1) */
+  int param_grads;               /* 1 = also parameter gradients (default), 0 = only dx
+                                    and routing grads; other values are refused */
 } kt_backward_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past

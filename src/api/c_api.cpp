@@ -1,12 +1,15 @@
 // The ABI boundary: every exported function checks its handles and options,
 // calls the core, and turns every exception into a status + thread-local
 // message. Nothing thrown crosses this file.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <new>
 #include <string>
 
 #include "api/guard.h"
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
 #include "kt_c_api.h"
@@ -69,17 +72,18 @@ void validate_moe_options(const kt_moe_options& o) {
   range(o.hidden, 1, 1 << 20, "hidden");
   range(o.intermediate, 1, 1 << 20, "intermediate");
   range(o.max_tokens, 1, (int64_t{1} << 31) / o.top_k / 64, "max_tokens");
-  check(o.activation == KT_ACT_SILU || o.activation == KT_ACT_SWIGLU_OAI, KT_ERR_INVALID_ARGUMENT,
-        std::string(w) + ": options->activation is not a kt_activation");
+  // Enum fields as integers first: a C host may store any int in them.
+  kt::check_enum(o.activation, KT_ACT_SILU, KT_ACT_SWIGLU_OAI, std::string(w) + ": options->activation",
+                 "kt_activation");
+  kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
+  check(kt::enum_bits(o.weight_format) == KT_FORMAT_BF16, KT_ERR_UNSUPPORTED,
+        std::string(w) + ": options->weight_format = " + std::to_string(kt::enum_bits(o.weight_format)) +
+            ": this kt stores bf16 weights only");
   check(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
         std::string(w) + ": options->act_alpha must be finite and > 0");
   check(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
         std::string(w) + ": options->act_limit must be finite (<= 0 for none)");
   range(o.has_bias, 0, 1, "has_bias");
-  check(o.mode == KT_MODE_INFERENCE || o.mode == KT_MODE_LORA || o.mode == KT_MODE_FULL,
-        KT_ERR_INVALID_ARGUMENT, std::string(w) + ": options->mode is not a kt_mode");
-  check(o.weight_format == KT_FORMAT_BF16, KT_ERR_UNSUPPORTED,
-        std::string(w) + ": options->weight_format: this kt stores bf16 weights only");
   if (o.mode == KT_MODE_LORA) {
     range(o.lora_rank, 1, 1024, "lora_rank");
     check(finite(o.lora_alpha), KT_ERR_INVALID_ARGUMENT,
@@ -88,6 +92,26 @@ void validate_moe_options(const kt_moe_options& o) {
     check(o.lora_targets != 0 && (o.lora_targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
           std::string(w) + ": options->lora_targets must be a non-empty set of KT_PROJ_* bits");
   }
+}
+
+// A layer is allocated when it is created: refuse one whose memory cannot be
+// counted in 64 bits or exceeds the machine's physical memory, before any
+// allocation (an allocation that still fails is KT_ERR_OUT_OF_MEMORY).
+void check_layer_fits(const kt_moe_options& o, const kt_engine& engine, const char* w) {
+  const kt::CheckedSize bytes =
+      kt_moe::memory_bytes(o, engine.pool->size(), engine.kernels->a_elem_size);
+  const std::string shape = "E=" + std::to_string(o.num_experts) + ", H=" + std::to_string(o.hidden) +
+                            ", I=" + std::to_string(o.intermediate) +
+                            ", max_tokens=" + std::to_string(o.max_tokens);
+  kt::check(!bytes.overflow(), KT_ERR_INVALID_ARGUMENT,
+            std::string(w) + ": options (" + shape + ") describe a layer of more than 2^63 bytes");
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return;
+  const kt::CheckedSize physical = kt::CheckedSize(pages) * page;
+  kt::check(physical.overflow() || bytes.value() <= physical.value(), KT_ERR_INVALID_ARGUMENT,
+            std::string(w) + ": options (" + shape + ") describe a layer of " + std::to_string(bytes.value()) +
+                " bytes (packed weights, biases, LoRA factors, workspaces), more than the " +
+                std::to_string(physical.value()) + " bytes of this machine's physical memory");
 }
 
 // Ends a submitted job's bookkeeping on its layer.
@@ -151,8 +175,8 @@ int kt_abi_version(void) { return KT_ABI_VERSION; }
 
 const char* kt_build_info(void) { return KT_BUILD_INFO; }
 
-const char* kt_status_string(kt_status s) {
-  switch (s) {
+const char* kt_status_string(kt_status status) {
+  switch (kt::enum_bits(status)) {
     case KT_OK: return "KT_OK";
     case KT_ERR_INVALID_ARGUMENT: return "KT_ERR_INVALID_ARGUMENT";
     case KT_ERR_NULL_POINTER: return "KT_ERR_NULL_POINTER";
@@ -188,7 +212,7 @@ kt_isa kt_cpu_isa(void) {
 }
 
 const char* kt_isa_name(kt_isa isa) {
-  switch (isa) {
+  switch (kt::enum_bits(isa)) {
     case KT_ISA_AUTO: return "auto";
     case KT_ISA_REF: return "ref";
     case KT_ISA_AVX2: return "avx2";
@@ -220,8 +244,7 @@ kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine)
     kt::check(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
                   " is outside [0, 4096]");
-    kt::check(o.max_isa >= KT_ISA_AUTO && o.max_isa <= KT_ISA_AMX, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": options->max_isa is not a kt_isa");
+    kt::check_enum(o.max_isa, KT_ISA_AUTO, KT_ISA_AMX, std::string(w) + ": options->max_isa", "kt_isa");
     kt::check(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": options->pin_threads must be 0 or 1");
     int precision;  // the raw value: a C caller may pass any int
@@ -251,9 +274,7 @@ kt_status kt_engine_set_gemm_backend(kt_engine* engine, kt_gemm_backend backend)
   const char* w = "kt_engine_set_gemm_backend";
   return guarded(w, [&] {
     check_engine(engine, w);
-    kt::check(backend >= KT_GEMM_AUTO && backend <= KT_GEMM_ONEDNN, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": backend = " + std::to_string(static_cast<int>(backend)) +
-                  " is not a kt_gemm_backend");
+    kt::check_enum(backend, KT_GEMM_AUTO, KT_GEMM_ONEDNN, std::string(w) + ": backend", "kt_gemm_backend");
     engine->set_gemm_backend(backend);
   });
 }
@@ -302,6 +323,7 @@ kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe
               std::string(w) + ": options is NULL (the shapes are required)");
     kt_moe_options o = kt::read_sized(options, set_moe_options_defaults, w, "options");
     validate_moe_options(o);
+    check_layer_fits(o, *engine, w);
     kt_moe* m = new kt_moe(engine, o);
     engine->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
                        " H=" + std::to_string(o.hidden) + " I=" + std::to_string(o.intermediate) +
@@ -439,7 +461,7 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
   return guarded(w, [&] {
     check_moe(moe, w);
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    kt_moe::ForwardCall call = moe->check_forward(args, num_args);
+    kt_moe::ForwardCall call = moe->check_forward(args, num_args, w);
     if (moe->engine->verbosity >= 2)
       moe->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
     kt_context* ctx = saved ? moe->new_context(call) : nullptr;
@@ -478,7 +500,7 @@ kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_option
   kt_status st = guarded(w, [&] {
     check_moe(moe, w);
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    kt_moe::BackwardCall call = moe->check_backward(ctx, options, args, num_args);
+    kt_moe::BackwardCall call = moe->check_backward(ctx, options, args, num_args, w);
     {
       std::lock_guard<std::mutex> l(moe->state_mutex);
       kt::check(!ctx->backward_queued, KT_ERR_CONTEXT,
@@ -511,7 +533,7 @@ kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args
     kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
     kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": unknown flags");
-    kt_moe::ForwardCall call = moe->check_forward(args, num_args);
+    kt_moe::ForwardCall call = moe->check_forward(args, num_args, w);
     kt_context* ctx = saved ? moe->new_context(call) : nullptr;
     kt_job* j = new_job(moe, flags);
     kt_engine* engine = moe->engine;
@@ -562,7 +584,7 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
       ctx->state = kt_context::kReady;  // let the argument check pass
       lock.unlock();
       try {
-        call = moe->check_backward(ctx, options, args, num_args);
+        call = moe->check_backward(ctx, options, args, num_args, w);
       } catch (...) {
         std::lock_guard<std::mutex> l(moe->state_mutex);
         ctx->state = state;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <string>
 
+#include "core/checked.h"
 #include "core/error.h"
 
 namespace kt {
@@ -39,9 +40,10 @@ template <class T, class SetDefaults>
 T read_sized(const T* given, SetDefaults set, const char* where, const char* name) {
   T o = defaults_of<T>(set);
   if (!given) return o;
-  check(given->struct_size >= sizeof(size_t) + sizeof(int), KT_ERR_INVALID_ARGUMENT,
+  check(given->struct_size >= sizeof(size_t) + sizeof(int) && given->struct_size <= kMaxOptionsStructSize,
+        KT_ERR_INVALID_ARGUMENT,
         std::string(where) + ": " + name + "->struct_size (" + std::to_string(given->struct_size) +
-            ") is too small; call the _init function first");
+            ") is not the size of any version of the struct; call the _init function first");
   const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
   std::memcpy(static_cast<void*>(&o), given, n);
   const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);

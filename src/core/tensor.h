@@ -52,7 +52,23 @@ struct TensorSpec {
 std::string shape_string(const View& v);
 
 // Converts and checks a tensor against spec; throws kt::Error naming `where`
-// (the calling function) and spec.name.
+// (the calling function) and spec.name. Besides dtype, shape, strides and
+// device, the byte size and the byte offset of every element must fit in
+// 64 bits (KT_ERR_SHAPE, KT_ERR_STRIDE), so View::at cannot overflow.
 View check_tensor(const DLTensor* t, const TensorSpec& spec, const char* where);
+
+// A tensor kt writes: no two indices may address the same element (a
+// stride of 0 over an extent > 1, or dims that interleave). KT_ERR_STRIDE.
+void check_writable(const View& v, const char* where, const char* name);
+
+enum class Overlap { kNo, kYes, kUnknown };
+// Whether two views share an element. Exact for views that are slices of a
+// common tensor (any dims); kUnknown only when telling them apart would take
+// millions of steps.
+Overlap views_overlap(const View& a, const View& b);
+// Refuses (KT_ERR_INVALID_ARGUMENT) when `a`, which kt writes, may share
+// memory with `b`.
+void check_disjoint(const View& a, const char* a_name, const View& b, const char* b_name,
+                    const char* where);
 
 }  // namespace kt

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
 #include "io/exporters.h"
@@ -25,6 +26,7 @@ struct kt_ckpt {
 namespace {
 
 using kt::check;
+using kt::check_enum;
 using kt::io::guarded;
 
 void check_ckpt(const kt_ckpt* c, const char* where) {
@@ -57,7 +59,7 @@ void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_c
 extern "C" {
 
 const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
-  switch (dtype) {
+  switch (kt::enum_bits(dtype)) {
     case KT_CKPT_DTYPE_F32: return "F32";
     case KT_CKPT_DTYPE_F16: return "F16";
     case KT_CKPT_DTYPE_BF16: return "BF16";
@@ -80,7 +82,7 @@ const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
 }
 
 const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
-  switch (layout) {
+  switch (kt::enum_bits(layout)) {
     case KT_CKPT_LAYOUT_NONE: return "none";
     case KT_CKPT_LAYOUT_PER_EXPERT: return "per_expert";
     case KT_CKPT_LAYOUT_MIXTRAL: return "mixtral";
@@ -92,7 +94,7 @@ const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
 }
 
 const char* kt_ckpt_format_name(kt_ckpt_format format) {
-  switch (format) {
+  switch (kt::enum_bits(format)) {
     case KT_CKPT_FORMAT_DENSE: return "dense";
     case KT_CKPT_FORMAT_FP8_BLOCK: return "fp8_block";
     case KT_CKPT_FORMAT_INT4_GROUP: return "int4_group";
@@ -249,6 +251,10 @@ kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* op
   return guarded(w, [&] {
     check_path(dir, w, "dir");
     const kt_ckpt_write_options o = kt::read_sized(options, set_ckpt_write_options_defaults, w, "options");
+    check_enum(o.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": options->layout",
+               "kt_ckpt_layout");
+    check_enum(o.dtype, KT_CKPT_DTYPE_UNKNOWN, KT_CKPT_DTYPE_BOOL, std::string(w) + ": options->dtype",
+               "kt_ckpt_dtype");
     kt::io::write_experts(dir, o, layers, num_layers, w);
   });
 }
@@ -276,6 +282,10 @@ kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* c
     check_path(dir, w, "dir");
     check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL (rank and alpha are required)");
     const kt_ckpt_adapter_config c = kt::read_sized(config, set_ckpt_adapter_config_defaults, w, "config");
+    check_enum(c.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": config->layout",
+               "kt_ckpt_layout");
+    check_enum(c.dtype, KT_CKPT_DTYPE_UNKNOWN, KT_CKPT_DTYPE_BOOL, std::string(w) + ": config->dtype",
+               "kt_ckpt_dtype");
     kt::io::write_adapter(dir, c, layers, num_layers, w);
   });
 }

@@ -249,7 +249,8 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, cons
       need_shape(*b, {E, out, r}, where, lname + " LoRA B of " + kProjWord[p]);
       const int64_t h = p == 2 ? out : in, i = p == 2 ? in : out;
       check((H < 0 || H == h) && (I < 0 || I == i), KT_ERR_SHAPE,
-            w + ": " + lname + ": LoRA shapes of " + kProjWord[p] + " disagree with the other projections' H/I");
+            w + ": " + lname + ": the shapes of " + arg_name(kLoraA[p]) + " " + shape_string(*a) + " and " +
+                arg_name(kLoraB[p]) + " " + shape_string(*b) + " disagree with the other projections' H/I");
       H = h;
       I = i;
       const View av = *a, bv = *b;

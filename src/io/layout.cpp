@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/buffer.h"
+#include "core/checked.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "io/elements.h"
@@ -21,6 +22,17 @@ using nlohmann::json;
 namespace {
 
 [[noreturn]] void io_fail(const std::string& message) { fail(KT_ERR_IO, message); }
+
+// extent * factor for a logical extent derived from a stored one (packed
+// elements, interleaved rows). Headers allow any extent on a zero-byte
+// tensor, so the product is checked.
+int64_t scaled_extent(int64_t extent, int64_t factor, const TensorRef& t) {
+  int64_t out = 0;
+  if (!mul_fits(extent, factor, &out))
+    io_fail(t.file->path() + ": tensor '" + t.entry->name + "': extent " + std::to_string(extent) +
+            " times " + std::to_string(factor) + " overflows a 64-bit count");
+  return out;
+}
 
 bool is_float_dtype(kt_ckpt_dtype d) {
   return d == KT_CKPT_DTYPE_BF16 || d == KT_CKPT_DTYPE_F16 || d == KT_CKPT_DTYPE_F32;
@@ -117,7 +129,7 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
     if (!pt->scale) io_fail(packed->file->path() + ": " + where + ".weight_scale' is missing");
     *format = KT_CKPT_FORMAT_INT4_GROUP;
     *out = t.shape[0];
-    *in = t.shape[1] * 8;
+    *in = scaled_extent(t.shape[1], 8, *packed);
   } else if (const TensorRef* w = get("weight")) {
     const TensorEntry& t = *w->entry;
     if (t.shape.size() != 2)
@@ -133,7 +145,7 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
     } else if ((t.dtype == KT_CKPT_DTYPE_U8 || t.dtype == KT_CKPT_DTYPE_I8) && get("scale")) {
       pt->scale = get("scale");
       *format = KT_CKPT_FORMAT_MXFP4;
-      *in = t.shape[1] * 2;
+      *in = scaled_extent(t.shape[1], 2, *w);
     } else {
       // Described (stored extents), never loaded: e.g. per-tensor fp8 or nvfp4.
       *format = KT_CKPT_FORMAT_OTHER;
@@ -247,8 +259,8 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
     m.weight_dtype = KT_CKPT_DTYPE_U8;
     m.E = gs[0];
     m.I = gs[1] / 2;
-    m.H = gs[2] * 32;
-    if (gs[1] % 2 != 0 || ds[0] != m.E || ds[1] != m.H || ds[2] * 32 != m.I)
+    m.H = scaled_extent(gs[2], 32, *gb);
+    if (gs[1] % 2 != 0 || ds[0] != m.E || ds[1] != m.H || scaled_extent(ds[2], 32, *db) != m.I)
       bad(db, "U8 [" + std::to_string(m.E) + ", " + std::to_string(m.H) + ", " +
                   std::to_string(m.I / 32) + ", 16] to match " + gb->entry->name);
   } else {
@@ -261,8 +273,11 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
     m.format = KT_CKPT_FORMAT_DENSE;
     m.weight_dtype = m.gate_up->entry->dtype;
     m.E = g[0];
-    const bool out_in = g[1] == 2 * d[2] && g[2] == d[1];
-    const bool in_out = g[2] == 2 * d[1] && g[1] == d[2];
+    // g[k] == 2 * d[j], without computing 2 * d[j] (any extent passes the
+    // header check of a zero-byte tensor).
+    auto twice = [](int64_t gv, int64_t dv) { return gv % 2 == 0 && gv / 2 == dv; };
+    const bool out_in = twice(g[1], d[2]) && g[2] == d[1];
+    const bool in_out = twice(g[2], d[1]) && g[1] == d[2];
     if (d[0] != m.E || (!out_in && !in_out) || (gpt_oss && !in_out))
       bad(m.down, std::string(gpt_oss ? "" : "[E, H, I] with gate_up_proj [E, 2I, H], or ") +
                       "[E, I, H] with gate_up_proj [E, H, 2I]; gate_up_proj is " + shape_text(g));
@@ -647,6 +662,8 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
     bool bias;
   };
   std::vector<Dest> dests;
+  static const char* const kNames[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_DOWN",
+                                       "KT_ARG_B_GATE", "KT_ARG_B_UP", "KT_ARG_B_DOWN"};
   const std::initializer_list<DType> kOut = {DType::kF32, DType::kBF16, DType::kF16};
   for (size_t i = 0; i < num_args; ++i) {
     const int id = args[i].id;
@@ -668,8 +685,6 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
     check(!bias || L.has_bias, KT_ERR_INVALID_ARGUMENT,
           std::string(where) + ": layer " + std::to_string(L.layer) + " has no biases");
     const int64_t out = proj == kProjDown ? L.H : L.I, in = proj == kProjDown ? L.I : L.H;
-    static const char* kNames[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_DOWN",
-                                   "KT_ARG_B_GATE", "KT_ARG_B_UP", "KT_ARG_B_DOWN"};
     const char* name = kNames[proj + (bias ? 3 : 0)];
     View v = bias ? check_tensor(args[i].tensor, {name, kOut, {L.E, out}}, where)
                   : check_tensor(args[i].tensor, {name, kOut, {L.E, out, in}}, where);
@@ -678,7 +693,16 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
   const bool fused = !(L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL);
   const bool in_out = fused && L.layout != KT_CKPT_LAYOUT_FUSED;
   const bool interleaved = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
+  for (size_t i = 0; i < dests.size(); ++i) {
+    check_writable(dests[i].v, where, kNames[dests[i].proj + (dests[i].bias ? 3 : 0)]);
+    for (size_t j = 0; j < i; ++j)
+      check_disjoint(dests[i].v, kNames[dests[i].proj + (dests[i].bias ? 3 : 0)], dests[j].v,
+                     kNames[dests[j].proj + (dests[j].bias ? 3 : 0)], where);
+  }
   for (const Dest& d : dests) {
+    // Nothing to copy; also keeps a layer of 2^62 zero-byte experts from
+    // looping over them.
+    if (d.v.numel() == 0) continue;
     const int64_t out = d.proj == kProjDown ? L.H : L.I, in = d.proj == kProjDown ? L.I : L.H;
     const kt_ckpt_dtype dst_dt = from_dtype(d.v.dtype);
     for (int64_t e = 0; e < L.E; ++e) {

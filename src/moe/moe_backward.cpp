@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
@@ -15,20 +16,34 @@
 using namespace kt;
 
 kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
-                                            const kt_arg* args, size_t n) const {
-  const char* where = "kt_moe_backward";
+                                            const kt_arg* args, size_t n, const char* where) const {
   BackwardCall c;
+  c.where = where;
   kt_backward_options_init(&c.opt);
   if (o) {
-    check(o->struct_size >= offsetof(kt_backward_options, accumulate), KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": options->struct_size is too small");
+    // As every options struct: older callers (smaller struct_size) get the
+    // defaults of what they do not know; newer callers' fields past ours
+    // must be zero.
+    check(o->struct_size >= offsetof(kt_backward_options, accumulate) &&
+              o->struct_size <= kMaxOptionsStructSize,
+          KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": options->struct_size (" + std::to_string(o->struct_size) +
+              ") is not the size of a kt_backward_options; call kt_backward_options_init first");
     std::memcpy(&c.opt, o, std::min(o->struct_size, sizeof(c.opt)));
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(o);
+    for (size_t i = sizeof(c.opt); i < o->struct_size; ++i)
+      check(bytes[i] == 0, KT_ERR_UNSUPPORTED,
+            std::string(where) + ": options sets fields this kt version does not know (byte " +
+                std::to_string(i) + " past the " + std::to_string(sizeof(c.opt)) + " it knows)");
     c.opt.struct_size = sizeof(c.opt);
   }
   check(std::isfinite(c.opt.grad_scale), KT_ERR_INVALID_ARGUMENT,
         std::string(where) + ": options->grad_scale is not finite");
-  check(c.opt.accumulate == KT_GRAD_OVERWRITE || c.opt.accumulate == KT_GRAD_ACCUMULATE,
-        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->accumulate is not a kt_grad_accumulate");
+  check_enum(c.opt.accumulate, KT_GRAD_OVERWRITE, KT_GRAD_ACCUMULATE, std::string(where) + ": options->accumulate",
+             "kt_grad_accumulate");
+  check(c.opt.param_grads == 0 || c.opt.param_grads == 1, KT_ERR_INVALID_ARGUMENT,
+        std::string(where) + ": options->param_grads = " + std::to_string(c.opt.param_grads) +
+            " must be 0 or 1");
   check(ctx != nullptr, KT_ERR_CONTEXT,
         std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   {
@@ -55,11 +70,21 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
                         {"KT_ARG_DROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {T, K}}, where);
     c.has_dw = true;
   }
+  // DX and DROUTE_WEIGHTS are written while DY is still read.
+  if (c.has_dx) {
+    check_writable(c.dx, where, "KT_ARG_DX");
+    check_disjoint(c.dx, "KT_ARG_DX", c.dy, "KT_ARG_DY", where);
+  }
+  if (c.has_dw) {
+    check_writable(c.dw, where, "KT_ARG_DROUTE_WEIGHTS");
+    check_disjoint(c.dw, "KT_ARG_DROUTE_WEIGHTS", c.dy, "KT_ARG_DY", where);
+    if (c.has_dx) check_disjoint(c.dw, "KT_ARG_DROUTE_WEIGHTS", c.dx, "KT_ARG_DX", where);
+  }
   return c;
 }
 
 void kt_moe::check_backward_state(const BackwardCall& c) const {
-  const char* where = "kt_moe_backward";
+  const char* where = c.where;
   if (c.opt.param_grads && opt.mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p) {
       if (!lora_on(p)) continue;
@@ -76,6 +101,17 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
         check(bound_[ids[k]].set, KT_ERR_NOT_BOUND,
               std::string(where) + ": " + arg_name(ids[k]) +
                   " is not bound (kt_moe_bind), or pass param_grads = 0");
+    }
+  }
+  // The gradient buffers this call writes must not share memory with its
+  // other tensors.
+  if (c.opt.param_grads && opt.mode != KT_MODE_INFERENCE) {
+    for (int id = KT_ARG_GRAD_LORA_A_GATE; id <= KT_ARG_GRAD_B_DOWN; ++id) {
+      if (!bound_[id].set) continue;
+      const View& g = bound_[id].view;
+      check_disjoint(g, arg_name(id), c.dy, "KT_ARG_DY", where);
+      if (c.has_dx) check_disjoint(c.dx, "KT_ARG_DX", g, arg_name(id), where);
+      if (c.has_dw) check_disjoint(c.dw, "KT_ARG_DROUTE_WEIGHTS", g, arg_name(id), where);
     }
   }
 }

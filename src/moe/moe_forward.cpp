@@ -13,14 +13,14 @@
 
 using namespace kt;
 
-kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n) const {
-  const char* where = "kt_moe_forward";
+kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n, const char* where) const {
   ArgTable t(args, n, where, {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y});
   const int required[] = {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y};
   for (int id : required)
     check(t[id] != nullptr, KT_ERR_NULL_POINTER,
           std::string(where) + ": " + arg_name(id) + " is required");
   ForwardCall c;
+  c.where = where;
   c.x = check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
   c.T = c.x.shape[0];
   check(c.T <= opt.max_tokens, KT_ERR_TOO_MANY_TOKENS,
@@ -30,6 +30,11 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n) const {
   c.w = check_tensor(t[KT_ARG_ROUTE_WEIGHTS],
                      {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {c.T, K}}, where);
   c.y = check_tensor(t[KT_ARG_Y], {"KT_ARG_Y", {c.x.dtype}, {c.T, H}, true}, where);
+  // Y is written while X, IDS and ROUTE_WEIGHTS are still read.
+  check_writable(c.y, where, "KT_ARG_Y");
+  check_disjoint(c.y, "KT_ARG_Y", c.x, "KT_ARG_X", where);
+  check_disjoint(c.y, "KT_ARG_Y", c.ids, "KT_ARG_IDS", where);
+  check_disjoint(c.y, "KT_ARG_Y", c.w, "KT_ARG_ROUTE_WEIGHTS", where);
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = c.ids.get_int(t, j);
@@ -41,7 +46,7 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n) const {
 }
 
 void kt_moe::check_ready_for_forward(const ForwardCall& c) const {
-  const char* where = "kt_moe_forward";
+  const char* where = c.where;
   if (opt.mode == KT_MODE_LORA)
     check(lora_ready_, KT_ERR_NOT_BOUND,
           std::string(where) + ": LoRA mode: bind every targeted KT_ARG_LORA_A_* and KT_ARG_LORA_B_* first");

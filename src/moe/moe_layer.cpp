@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/checked.h"
 #include "core/error.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
@@ -66,6 +67,35 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.frows.resize(static_cast<size_t>(kRowChunk));
   }
   engine->num_layers.fetch_add(1);
+}
+
+CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a) {
+  const int64_t E = o.num_experts, K = o.top_k, H = o.hidden, I = o.intermediate, T = o.max_tokens;
+  const int64_t r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
+  const PanelShape gs = PanelShape::of(I, H), ds = PanelShape::of(H, I);
+  const int64_t f32 = sizeof(float), b16 = sizeof(bf16_t), idx = sizeof(int64_t);
+  CheckedSize bytes = CheckedSize(E) * (CheckedSize(gs.elements()) * 2 + ds.elements()) * b16;
+  if (o.has_bias) bytes += CheckedSize(E) * (CheckedSize(I) * 2 + H) * f32;
+  int64_t targets = 0;
+  for (int p = 0; p < 3; ++p) targets += o.mode == KT_MODE_LORA && ((o.lora_targets >> p) & 1u);
+  bytes += CheckedSize(targets) * E * r * (CheckedSize(H) + I) * f32;
+  const int64_t nb = std::max(ceil_div(I, kBlockCols), ceil_div(H, kBlockCols));
+  bytes += CheckedSize(E) * std::max<int64_t>(nb, 3) * 2 * idx;
+  const int64_t kpad = std::max(round_up(H, kPanelRows), round_up(I, kPanelRows)), wide = std::max(H, I);
+  bytes += CheckedSize(threads) * (CheckedSize(2) * kBlockCols * kpad * b16 +
+                                   CheckedSize(3) * kRowChunk * kBlockCols * f32 +
+                                   CheckedSize(std::max<int64_t>(kRowChunk, r)) * wide * f32);
+  const CheckedSize routes = CheckedSize(T) * K;
+  const CheckedSize tokens_h = CheckedSize(T) * H;
+  // forward: x in fp32 and A format, g and u, LoRA projections, a, a in A
+  // format, the accumulator; backward: dy likewise, dg, du, a, both in A
+  // format, routing-weight parts, the down delta, LoRA partials.
+  bytes += tokens_h * f32 * 2 + CheckedSize(T) * gs.kp * a + routes * I * f32 * 3 +
+           routes * r * f32 * 3 + routes * ds.kp * a;
+  bytes += tokens_h * f32 + CheckedSize(T) * ds.padded_rows() * a + routes * I * f32 * 3 +
+           routes * gs.padded_rows() * a * 2 + routes * ceil_div(I, kBlockCols) * f32 +
+           routes * H * f32 + routes * r * f32 * 5;
+  return bytes;
 }
 
 kt_moe::~kt_moe() {
@@ -208,10 +238,10 @@ static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& 
 
 void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single,
                   const char* where) {
-  check(lo.orientation == KT_ORIENT_OUT_IN || lo.orientation == KT_ORIENT_IN_OUT,
-        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->orientation is not a kt_weight_orientation");
-  check(lo.gate_up_order == KT_GATE_UP_CONCAT || lo.gate_up_order == KT_GATE_UP_INTERLEAVED,
-        KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->gate_up_order is not a kt_gate_up_order");
+  check_enum(lo.orientation, KT_ORIENT_OUT_IN, KT_ORIENT_IN_OUT, std::string(where) + ": options->orientation",
+             "kt_weight_orientation");
+  check_enum(lo.gate_up_order, KT_GATE_UP_CONCAT, KT_GATE_UP_INTERLEAVED,
+             std::string(where) + ": options->gate_up_order", "kt_gate_up_order");
   if (single >= 0 || single < -1)
     check(single >= 0 && single < E, KT_ERR_EXPERT_ID,
           std::string(where) + ": expert " + std::to_string(single) + " is outside [0, " +
@@ -330,6 +360,7 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
                      : check_tensor(args[i].tensor, {name, dts, {E, out, in}}, where);
     accepted.emplace_back(id, v);
   }
+  check_bound_memory(accepted, where);
   for (auto& a : accepted) {
     bound_[a.first].set = true;
     bound_[a.first].view = a.second;
@@ -339,6 +370,36 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
     if (lora_on(p))
       lora_bound = bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set;
   if (lora_bound) snapshot_lora();
+}
+
+// Backward writes the gradient buffers: each must address distinct elements
+// and share no memory with another bound tensor (a gradient written into its
+// own parameter, or two gradients into one buffer, would corrupt both).
+// Parameters may share memory with each other: kt only reads them.
+void kt_moe::check_bound_memory(const std::vector<std::pair<int, View>>& accepted, const char* where) const {
+  auto is_grad = [](int id) { return id >= KT_ARG_GRAD_LORA_A_GATE; };
+  // The bindings after this call: the accepted ones replace their ids.
+  std::vector<std::pair<int, const View*>> all;
+  for (const auto& a : accepted) all.emplace_back(a.first, &a.second);
+  for (int id = 0; id < kMaxArgId; ++id) {
+    if (!bound_[id].set) continue;
+    bool replaced = false;
+    for (const auto& a : accepted) replaced = replaced || a.first == id;
+    if (!replaced) all.emplace_back(id, &bound_[id].view);
+  }
+  // Pairs among the previous bindings were checked when they were bound.
+  for (size_t i = 0; i < accepted.size(); ++i) {
+    const int id = accepted[i].first;
+    if (is_grad(id)) check_writable(accepted[i].second, where, arg_name(id));
+    for (size_t j = 0; j < all.size(); ++j) {
+      const int other = all[j].first;
+      if (other == id || (j < i) || !(is_grad(id) || is_grad(other))) continue;
+      if (is_grad(id))
+        check_disjoint(accepted[i].second, arg_name(id), *all[j].second, arg_name(other), where);
+      else
+        check_disjoint(*all[j].second, arg_name(other), accepted[i].second, arg_name(id), where);
+    }
+  }
 }
 
 void kt_moe::snapshot_lora() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/checked.h"
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
 #include "kt_c_api.h"
@@ -68,6 +69,11 @@ struct kt_moe {
   kt_moe(kt_engine* engine, const kt_moe_options& options);
   ~kt_moe();
 
+  // Bytes a layer with these (range-checked) options holds: packed weights,
+  // biases, LoRA factors, per-thread scratch, and forward and backward
+  // workspaces for max_tokens tokens. Overflow is reported, not wrapped.
+  static kt::CheckedSize memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a_elem_size);
+
   void load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single_expert,
             const char* where);
   void set_skipped(const DLTensor* mask);
@@ -76,11 +82,13 @@ struct kt_moe {
   int64_t num_loaded() const;
 
   // Checks arguments; returns the parsed call (throws kt::Error).
+  // `where` names the ABI call in every message.
   struct ForwardCall {
     kt::View x, ids, w, y;
     int64_t T = 0;
+    const char* where = "kt_moe_forward";
   };
-  ForwardCall check_forward(const kt_arg* args, size_t n) const;
+  ForwardCall check_forward(const kt_arg* args, size_t n, const char* where) const;
   // Runs under the engine's compute lock; rechecks what depends on state.
   void forward(const ForwardCall& call, kt_context* save);
   void check_ready_for_forward(const ForwardCall& call) const;
@@ -89,11 +97,13 @@ struct kt_moe {
     kt::View dy, dx, dw;
     bool has_dx = false, has_dw = false;
     kt_backward_options opt;
+    const char* where = "kt_moe_backward";
   };
   BackwardCall check_backward(const kt_context* ctx, const kt_backward_options* o,
-                              const kt_arg* args, size_t n) const;
-  // Checks that need the layer's current state (bound buffers); run under
-  // the engine's compute lock, also by submitted jobs when they start.
+                              const kt_arg* args, size_t n, const char* where) const;
+  // Checks that need the layer's current state (bound buffers, which the
+  // outputs must not overlap); run under the engine's compute lock, also by
+  // submitted jobs when they start.
   void check_backward_state(const BackwardCall& call) const;
   void backward(kt_context* ctx, const BackwardCall& call);
 
@@ -134,6 +144,7 @@ struct kt_moe {
   // src + pos*ld.
   void project_rows(const kt::Routing& R, const float* mats, int64_t in, bool by_token,
                     const float* src, int64_t ld, float* out);
+  void check_bound_memory(const std::vector<std::pair<int, kt::View>>& accepted, const char* where) const;
   void lora_gradients(kt_context* ctx, const BackwardCall& c);
   void full_gradients(kt_context* ctx, const BackwardCall& c);
   // The same on bf16 operands (kernels with gemm_zip_bf16).
