@@ -414,7 +414,12 @@ void kt_moe_destroy(kt_moe* moe) {
       m->jobs_done.wait(lock, [&] { return m->jobs.empty(); });
     }
     m->end_context_handles();
-    // Freed here, or when another thread's call on the layer returns.
+    {
+      std::lock_guard<std::mutex> lock(m->engine->lifetime_mutex);
+      m->leave_engine();
+    }
+    // Freed here, or when another thread's call (or a job's hook) on the
+    // layer returns; it keeps its engine alive until then.
   } catch (...) {
     // Destruction cannot report; nothing here throws in practice.
   }

@@ -67,6 +67,13 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.frows.resize(static_cast<size_t>(kRowChunk));
   }
   engine->num_layers.fetch_add(1);
+  counted_ = true;
+}
+
+void kt_moe::leave_engine() {
+  if (!counted_) return;
+  counted_ = false;
+  engine->num_layers.fetch_sub(1);
 }
 
 kt_moe::~kt_moe() {
@@ -76,7 +83,7 @@ kt_moe::~kt_moe() {
   }
   for (kt_context* c : retiring_) delete c;
   for (kt_context* c : free_contexts_) delete c;
-  engine->num_layers.fetch_sub(1);
+  leave_engine();
 }
 
 // ------------------------------------------------------------------ loading

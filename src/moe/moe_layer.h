@@ -76,6 +76,9 @@ struct kt_moe {
 
   kt_moe(kt_engine* engine, const kt_moe_options& options);
   ~kt_moe();
+  // The layer stops counting as one of its engine's (kt_moe_destroy); the
+  // object may live on while a call or job still holds it. Runs once.
+  void leave_engine();
 
   void load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single_expert,
             const char* where);
@@ -172,6 +175,7 @@ struct kt_moe {
   // of a mapping), before weights are packed into them.
   void own_weights();
 
+  bool counted_ = false;  // in engine->num_layers
   const kt::Kernels& K_;
   int a_size_;  // bytes per A-format element
   // Packed base weights [E][panels] and fp32 biases. The kernels read the
