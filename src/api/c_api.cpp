@@ -522,19 +522,27 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
     kt_moe::ForwardCall call = layer->check_forward(args, num_args);
     if (layer->engine->verbosity >= 2)
       layer->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
-    kt_context* ctx = saved ? layer->new_context(call, 0) : nullptr;
+    // Held while it is filled: its handle exists (and could be released by
+    // a host guessing it) before the call returns it.
+    kt_context* ctx = saved ? layer->new_context(call, 1) : nullptr;
     try {
       layer->forward(call, ctx);
     } catch (...) {
-      if (ctx) layer->release_context(ctx->handle);
+      if (ctx) {
+        layer->release_context(ctx->handle);
+        layer->drop_hold(ctx);
+      }
       throw;
     }
     if (ctx) {
+      kt_context* handle;
       {
         std::lock_guard<std::mutex> l(layer->state_mutex);
         ctx->state = kt_context::kReady;
+        handle = kt::handle_value<kt_context>(ctx->handle);
       }
-      *saved = kt::handle_value<kt_context>(ctx->handle);
+      layer->drop_hold(ctx);
+      *saved = handle;
     }
   });
 }
