@@ -432,7 +432,9 @@ KT_API kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx,
                                         size_t num_args, unsigned flags, kt_job** job);
 /* Runs a deferred job on the calling thread; a plain void(*)(void*) so a host
  * can enqueue it as a host function on its own stream (cudaLaunchHostFunc).
- * Running a job twice, or a job that is not deferred, does nothing. */
+ * It returns when the job has ended: a job that another thread is running
+ * (a backward job that started its deferred forward) is waited for. Running
+ * a job that ended, or a job that is not deferred, does nothing. */
 KT_API void kt_job_run(void* job);
 /* Waits until the job ended; returns its status (its message becomes this
  * thread's last error). A deferred job that nobody runs is never waited for:

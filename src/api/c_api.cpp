@@ -742,7 +742,10 @@ kt_status kt_engine_reset_profile(kt_engine* engine) {
 void kt_job_run(void* job) {
   std::shared_ptr<kt_job> j = live_job(static_cast<const kt_job*>(job));
   if (!j || !j->deferred) return;
-  j->execute();
+  // Returns when the job has ended, also when another thread runs it (a
+  // backward job that started its forward): a host stream that runs this
+  // may read the job's outputs next.
+  j->wait();
 }
 
 kt_status kt_job_wait(kt_job* job) {
