@@ -21,25 +21,39 @@ struct Entry {
 constexpr HandleId kFirstHandle = 0x10000;
 constexpr HandleId kHandleStep = 16;
 
-struct Table {
-  std::mutex mutex;
-  HandleId next = kFirstHandle;
-  std::unordered_map<HandleId, Entry> live;
+// The live handles. The map exists only while a handle is live: a process
+// (or a host that dlcloses libkt) that destroyed every handle holds no
+// memory of kt's, so leak checkers see exactly what a host forgot. The
+// counter lives outside it: values are never reused, even across an empty
+// table.
+std::mutex g_mutex;
+HandleId g_next = kFirstHandle;
+std::unordered_map<HandleId, Entry>* g_live = nullptr;
 
-  HandleId add(Entry e) {
-    std::lock_guard<std::mutex> lock(mutex);
-    const HandleId id = next;
-    next += kHandleStep;
-    live.emplace(id, std::move(e));
-    return id;
+HandleId add_entry(Entry e) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_live) g_live = new std::unordered_map<HandleId, Entry>;
+  const HandleId id = g_next;
+  g_live->emplace(id, std::move(e));
+  g_next += kHandleStep;  // after the insertion, which may throw
+  return id;
+}
+
+// The live entry of handle, or null (g_mutex held).
+Entry* find_entry(HandleId handle, HandleKind kind) {
+  if (!g_live) return nullptr;
+  auto it = g_live->find(handle);
+  if (it == g_live->end() || it->second.kind != kind) return nullptr;
+  return &it->second;
+}
+
+// Erases a live entry (g_mutex held); frees the map with the last one.
+void erase_entry(HandleId handle) {
+  g_live->erase(handle);
+  if (g_live->empty()) {
+    delete g_live;
+    g_live = nullptr;
   }
-};
-
-// Never destroyed: handles may be used (and destroyed) from static
-// destructors and from threads that outlive main.
-Table& table() {
-  static Table* t = new Table;
-  return *t;
 }
 
 const char* type_name(HandleKind kind) {
@@ -64,46 +78,37 @@ const char* ended_word(HandleKind kind) {
 }  // namespace
 
 HandleId add_handle(HandleKind kind, std::shared_ptr<void> object) {
-  return table().add(Entry{kind, std::move(object), 0});
+  return add_entry(Entry{kind, std::move(object), 0});
 }
 
-HandleId add_context_handle(HandleId layer) {
-  return table().add(Entry{HandleKind::kContext, nullptr, layer});
-}
+HandleId add_context_handle(HandleId layer) { return add_entry(Entry{HandleKind::kContext, nullptr, layer}); }
 
 std::shared_ptr<void> find_handle(HandleId handle, HandleKind kind) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.live.find(handle);
-  if (it == t.live.end() || it->second.kind != kind) return nullptr;
-  return it->second.object;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const Entry* e = find_entry(handle, kind);
+  return e ? e->object : nullptr;
 }
 
 HandleId context_owner(HandleId context) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.live.find(context);
-  if (it == t.live.end() || it->second.kind != HandleKind::kContext) return 0;
-  return it->second.owner;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const Entry* e = find_entry(context, HandleKind::kContext);
+  return e ? e->owner : 0;
 }
 
 std::shared_ptr<void> remove_handle(HandleId handle, HandleKind kind) {
-  Table& t = table();
-  std::shared_ptr<void> object;
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.live.find(handle);
-  if (it == t.live.end() || it->second.kind != kind) return nullptr;
-  object = std::move(it->second.object);
-  t.live.erase(it);
+  std::shared_ptr<void> object;  // released by the caller, after the lock
+  std::lock_guard<std::mutex> lock(g_mutex);
+  Entry* e = find_entry(handle, kind);
+  if (!e) return nullptr;
+  object = std::move(e->object);
+  erase_entry(handle);
   return object;
 }
 
 bool remove_context_handle(HandleId context) {
-  Table& t = table();
-  std::lock_guard<std::mutex> lock(t.mutex);
-  auto it = t.live.find(context);
-  if (it == t.live.end() || it->second.kind != HandleKind::kContext) return false;
-  t.live.erase(it);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!find_entry(context, HandleKind::kContext)) return false;
+  erase_entry(context);
   return true;
 }
 
