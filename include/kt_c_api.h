@@ -21,6 +21,16 @@
  * message naming the call and the argument. No C++ exception, abort or exit
  * crosses this boundary.
  *
+ * Handles (kt_engine*, kt_moe*, kt_context*, kt_job*, kt_ckpt*) are opaque
+ * values, not addresses: kt finds each in a process-wide table of live
+ * handles and never reads memory through one, and it never gives the same
+ * value out twice in a process. So a destroyed, released, closed or
+ * never-issued handle is refused (KT_ERR_INVALID_HANDLE; KT_ERR_CONTEXT for a
+ * context), even after a new object took the old one's memory, and nothing is
+ * acted on; calls returning void then do nothing and set kt_last_error(). A
+ * handle destroyed while another thread's call on it runs is freed when that
+ * call returns; calls that start after the destroy are refused.
+ *
  * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
  * are checked against what each argument requires; NULL strides mean compact
  * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted. A tensor's
@@ -96,14 +106,14 @@ typedef enum kt_status {
   KT_OK = 0,
   KT_ERR_INVALID_ARGUMENT = 1, /* a value out of its allowed set or range */
   KT_ERR_NULL_POINTER = 2,     /* a required pointer or tensor is NULL */
-  KT_ERR_INVALID_HANDLE = 3,   /* NULL or destroyed handle, handle of another layer */
+  KT_ERR_INVALID_HANDLE = 3,   /* NULL, destroyed or never-issued handle, or one of another kind */
   KT_ERR_DTYPE = 4,            /* tensor dtype not accepted for that argument */
   KT_ERR_SHAPE = 5,            /* tensor rank or extents wrong */
   KT_ERR_STRIDE = 6,           /* strides not supported for that argument */
   KT_ERR_DEVICE = 7,           /* tensor not in CPU-addressable memory */
   KT_ERR_EXPERT_ID = 8,        /* an expert id outside [-1, E) */
   KT_ERR_TOO_MANY_TOKENS = 9,  /* T above the layer's max_tokens */
-  KT_ERR_CONTEXT = 10,         /* saved context missing, spent, not ready, or of another layer */
+  KT_ERR_CONTEXT = 10,         /* saved context missing, released, spent, not ready, or of another layer */
   KT_ERR_NOT_BOUND = 11,       /* LoRA parameters or gradient buffers not bound */
   KT_ERR_NOT_LOADED = 12,      /* a routed expert has no weights loaded */
   KT_ERR_MODE = 13,            /* call not allowed in the layer's training mode */
@@ -190,7 +200,8 @@ static inline void kt_engine_options_init(kt_engine_options* options) {
 KT_API kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine);
 /* Waits for the engine's pending jobs, then frees it. Every layer created on
  * it must be destroyed first (the call fails with KT_ERR_INVALID_ARGUMENT
- * otherwise, and the engine stays usable). NULL is accepted. */
+ * otherwise, and the engine stays usable). NULL is accepted; a destroyed
+ * engine gives KT_ERR_INVALID_HANDLE. */
 KT_API kt_status kt_engine_destroy(kt_engine* engine);
 
 typedef struct kt_engine_info {
@@ -277,7 +288,10 @@ static inline void kt_moe_options_init(kt_moe_options* options) {
  * KT_ERR_OUT_OF_MEMORY. */
 KT_API kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe);
 /* Waits for the layer's pending jobs, releases its saved contexts, frees it.
- * NULL is accepted. */
+ * Deferred jobs nobody ran are cancelled instead (waiting on one returns
+ * KT_ERR_INVALID_HANDLE). The handles of its contexts end with it. The
+ * layer's gradient hook may destroy the layer (and then its engine). NULL is
+ * accepted; a destroyed layer is left alone (kt_last_error() says so). */
 KT_API void kt_moe_destroy(kt_moe* moe);
 
 /* Effective LoRA scale s of the layer (0 when not in LoRA mode). */
@@ -452,8 +466,13 @@ static inline void kt_backward_options_init(kt_backward_options* options) {
 KT_API kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
                                  const kt_arg* args, size_t num_args);
 
-/* Frees a context (spent or not). NULL accepted. A context whose forward job
- * is still pending is released when that job ends. */
+/* Frees a context (spent or not) and ends its handle at once: a backward or
+ * a second release with it is refused (KT_ERR_CONTEXT; a second release does
+ * nothing and sets kt_last_error()), and never reaches a newer context. A
+ * context that a submitted job still uses (its forward job, or a submitted
+ * backward) is freed when that job ends; the job runs as submitted. The
+ * contexts of a destroyed layer are already freed: releasing one does
+ * nothing. NULL accepted. */
 KT_API void kt_context_release(kt_context* ctx);
 
 /* -------------------------------------------------------------- async jobs */
@@ -469,21 +488,30 @@ typedef struct kt_job kt_job;
  * ended successfully. *job is written by the call; wait for it and destroy it. */
 KT_API kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args,
                                        kt_context** saved, unsigned flags, kt_job** job);
-/* Submits a backward, as kt_moe_forward_submit. */
+/* Submits a backward, as kt_moe_forward_submit. ctx may come from a
+ * forward job that has not run yet: when the backward job starts first (for
+ * example, kt_job_wait on a deferred backward before its deferred forward
+ * ran), it runs that deferred forward first on its own thread, or waits for
+ * it when it is queued or running; if that forward fails, the backward fails
+ * with KT_ERR_CONTEXT. The forward job then counts as run (kt_job_done = 1,
+ * kt_job_wait returns its status). */
 KT_API kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx,
                                         const kt_backward_options* options, const kt_arg* args,
                                         size_t num_args, unsigned flags, kt_job** job);
 /* Runs a deferred job on the calling thread; a plain void(*)(void*) so a host
  * can enqueue it as a host function on its own stream (cudaLaunchHostFunc).
- * Running a job twice, or a job that is not deferred, does nothing. */
+ * It returns when the job has ended: a job that another thread is running
+ * (a backward job that started its deferred forward) is waited for. Running
+ * a job that ended, or a job that is not deferred, does nothing. */
 KT_API void kt_job_run(void* job);
 /* Waits until the job ended; returns its status (its message becomes this
  * thread's last error). A deferred job that nobody runs is never waited for:
  * kt_job_wait runs it on the calling thread. */
 KT_API kt_status kt_job_wait(kt_job* job);
-/* 1 if the job ended, 0 if not. */
+/* 1 if the job ended (or job is not a live job), 0 if not. */
 KT_API int kt_job_done(const kt_job* job);
-/* Waits for (or runs) the job, then frees it. NULL accepted. */
+/* Waits for (or runs) the job, then frees it. NULL accepted. A destroyed job
+ * is refused by every kt_job_* call (wait: KT_ERR_INVALID_HANDLE). */
 KT_API void kt_job_destroy(kt_job* job);
 
 /* ---------------------------------------------------------------- profile */
@@ -572,7 +600,8 @@ KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flag
  *
  * Thread safety: a kt_ckpt does not change after kt_ckpt_open; every call
  * taking a const kt_ckpt* may run concurrently with the others from any
- * thread. kt_ckpt_close must not race with them. */
+ * thread. A kt_ckpt_close racing with them frees the checkpoint when the
+ * last of them returns. */
 
 /* Element types of checkpoint tensors. Values are pinned. */
 typedef enum kt_ckpt_dtype {
@@ -630,7 +659,8 @@ typedef struct kt_ckpt kt_ckpt;
  * caller (kt_ckpt_close). Either everything opens or nothing stays open. */
 KT_API kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt);
 /* Unmaps the files and frees the handle. Pointers the handle gave out
- * (names, tensor data) become invalid. NULL is accepted. */
+ * (names, tensor data) become invalid. NULL is accepted; closing twice does
+ * nothing (kt_last_error() says so). */
 KT_API void kt_ckpt_close(kt_ckpt* ckpt);
 
 typedef struct kt_ckpt_info {

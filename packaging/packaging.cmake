@@ -229,3 +229,14 @@ foreach(_kt_binding rust go)
       SKIP_RETURN_CODE ${_kt_skip} LABELS "consumer;bindings")
   endif()
 endforeach()
+
+# A sanitized libkt needs its sanitizer runtime loaded first; these programs
+# (built by other toolchains, or outside this tree) do not load it.
+kt_skip_when_sanitized("consumers are compiled outside this build, without the sanitizer runtime"
+  kt_install_prefix kt_consumer_cmake kt_consumer_pkgconfig kt_consumer_deb)
+foreach(_kt_binding rust go)
+  if(EXISTS "${_kt_consumers}/${_kt_binding}_test.sh")
+    kt_skip_when_sanitized("the ${_kt_binding} toolchain links the sanitized libkt without the sanitizer runtime"
+      kt_${_kt_binding})
+  endif()
+endforeach()

@@ -45,16 +45,17 @@ void set_error(const std::string& message) { kt::set_last_error(message); }
 
 using kt::guarded;
 
-void check_engine(const kt_engine* e, const char* where) {
-  kt::check(e != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": engine is NULL");
-  kt::check(e->magic == kt_engine::kMagic, KT_ERR_INVALID_HANDLE,
-            std::string(where) + ": engine is not a live kt_engine (destroyed?)");
+using kt::HandleId;
+using kt::HandleKind;
+
+// The object behind a live handle (kept alive for the caller's call), or
+// KT_ERR_INVALID_HANDLE. Handles are looked up, never dereferenced.
+std::shared_ptr<kt_engine> live_engine(const kt_engine* e, const char* where) {
+  return kt::live(e, HandleKind::kEngine, where, "engine");
 }
 
-void check_moe(const kt_moe* m, const char* where) {
-  kt::check(m != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
-  kt::check(m->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
-            std::string(where) + ": moe is not a live kt_moe (destroyed?)");
+std::shared_ptr<kt_moe> live_moe(const kt_moe* m, const char* where) {
+  return kt::live(m, HandleKind::kMoe, where, "moe");
 }
 
 bool finite(float v) { return std::isfinite(v); }
@@ -114,48 +115,83 @@ void check_layer_fits(const kt_moe_options& o, const kt_engine& engine, const ch
                 std::to_string(physical.value()) + " bytes of this machine's physical memory");
 }
 
-// Ends a submitted job's bookkeeping on its layer.
+// Ends a submitted job's bookkeeping on its layer. The job's closure keeps
+// the layer alive; after this, kt_moe_destroy may return.
 void finish_job(kt_moe* m, kt_job* job) {
+  std::shared_ptr<kt_job> mine;  // dropped after the lock
   std::lock_guard<std::mutex> lock(m->state_mutex);
-  m->jobs.erase(job);
+  auto it = m->jobs.find(job);
+  if (it != m->jobs.end()) {
+    mine = std::move(it->second);
+    m->jobs.erase(it);
+  }
   if (m->jobs.empty()) m->jobs_done.notify_all();
 }
 
-void call_grad_hook(kt_moe* m) {
-  kt_grad_ready_fn fn;
-  void* user;
-  {
-    std::lock_guard<std::mutex> lock(m->state_mutex);
-    fn = m->grad_hook;
-    user = m->grad_hook_user;
+struct GradHook {
+  kt_grad_ready_fn fn = nullptr;
+  void* user = nullptr;
+  HandleId layer = 0;
+  // The hook gets the layer's handle; it runs when kt no longer holds the
+  // layer (it may call kt, even destroy the layer).
+  void call() const {
+    if (fn) fn(kt::handle_value<kt_moe>(layer), user);
   }
-  if (fn) fn(m, user);
+};
+
+GradHook grad_hook_of(kt_moe* m) {
+  std::lock_guard<std::mutex> lock(m->state_mutex);
+  return GradHook{m->grad_hook, m->grad_hook_user, m->handle};
 }
 
-// Marks a forward's context after its run; frees it if the host already
-// released it.
+// Marks a submitted forward's context after its run and ends the job's hold
+// (freeing the context if the host released it meanwhile).
 void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
-  bool release = false;
+  std::shared_ptr<kt_job> forward_job;
   {
     std::lock_guard<std::mutex> lock(m->state_mutex);
     ctx->state = ok ? kt_context::kReady : kt_context::kFailed;
-    release = ctx->released;
+    forward_job.swap(ctx->forward_job);
   }
-  if (release) m->release_context(ctx);
+  m->drop_hold(ctx);
 }
 
-kt_job* new_job(kt_moe* m, unsigned flags) {
-  kt_job* job = new kt_job;
+// A new job of layer m; refused once the layer's destruction has begun.
+std::shared_ptr<kt_job> new_job(kt_moe* m, unsigned flags, const char* where) {
+  auto job = std::make_shared<kt_job>();
   job->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
-  job->engine = m->engine;
   std::lock_guard<std::mutex> lock(m->state_mutex);
-  m->jobs.insert(job);
+  kt::check(!m->destroyed, KT_ERR_INVALID_HANDLE,
+            std::string(where) + ": moe is being destroyed by another thread");
+  m->jobs.emplace(job.get(), job);
   return job;
 }
 
-void start_job(kt_moe* m, kt_job* job) {
-  if (!job->deferred) m->engine->enqueue(job);
+// Gives the job its handle and starts it (unless deferred).
+kt_job* start_job(kt_moe* m, const std::shared_ptr<kt_job>& job) {
+  kt_job* handle = kt::handle_value<kt_job>(kt::add_handle(HandleKind::kJob, job));
+  if (!job->deferred) m->engine->jobs.enqueue(job);
+  return handle;
 }
+
+std::shared_ptr<kt_job> live_job(const kt_job* job) {
+  return std::static_pointer_cast<kt_job>(kt::find_handle(kt::handle_id(job), HandleKind::kJob));
+}
+
+// Holds a context of a layer for one synchronous call.
+class ContextHold {
+ public:
+  ContextHold(kt_moe* m, const kt_context* handle, const char* where)
+      : m_(m), ctx_(m->hold_context(handle, where)) {}
+  ~ContextHold() { m_->drop_hold(ctx_); }
+  ContextHold(const ContextHold&) = delete;
+  ContextHold& operator=(const ContextHold&) = delete;
+  kt_context* get() const { return ctx_; }
+
+ private:
+  kt_moe* m_;
+  kt_context* ctx_;
+};
 
 }  // namespace
 
@@ -253,7 +289,8 @@ kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine)
     kt::check(precision == KT_PRECISION_DEFAULT || precision == KT_PRECISION_FP32, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": options->precision = " + std::to_string(precision) +
                   " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
-    *engine = new kt_engine(o);
+    auto e = std::make_shared<kt_engine>(o);
+    *engine = kt::handle_value<kt_engine>(kt::add_handle(HandleKind::kEngine, e));
   });
 }
 
@@ -261,37 +298,44 @@ kt_status kt_engine_destroy(kt_engine* engine) {
   const char* w = "kt_engine_destroy";
   if (!engine) return KT_OK;
   return guarded(w, [&] {
-    check_engine(engine, w);
-    kt::check(engine->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": " + std::to_string(engine->num_layers.load()) +
-                  " layer(s) still use this engine; destroy them first");
-    engine->drain();
-    delete engine;
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
+    {
+      std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
+      kt::check(eng->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+                std::string(w) + ": " + std::to_string(eng->num_layers.load()) +
+                    " layer(s) still use this engine; destroy them first");
+      kt::check(!eng->destroyed, KT_ERR_INVALID_HANDLE,
+                std::string(w) + ": engine is being destroyed by another thread");
+      eng->destroyed = true;
+    }
+    kt::remove_handle(kt::handle_id(engine), HandleKind::kEngine);
+    eng->jobs.drain();
+    // Freed here, or when another thread's call on it returns.
   });
 }
 
 kt_status kt_engine_set_gemm_backend(kt_engine* engine, kt_gemm_backend backend) {
   const char* w = "kt_engine_set_gemm_backend";
   return guarded(w, [&] {
-    check_engine(engine, w);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     kt::check_enum(backend, KT_GEMM_AUTO, KT_GEMM_ONEDNN, std::string(w) + ": backend", "kt_gemm_backend");
-    engine->set_gemm_backend(backend);
+    eng->set_gemm_backend(backend);
   });
 }
 
 kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
   const char* w = "kt_engine_get_info";
   return guarded(w, [&] {
-    check_engine(engine, w);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     kt_engine_info full;
     std::memset(&full, 0, sizeof(full));
     full.struct_size = sizeof(full);
-    full.num_threads = engine->pool->size();
-    full.isa = engine->kernels->isa;
-    full.cpu_isa = engine->cpu_isa;
-    full.kernel_name = engine->kernels->gemm_name;
-    full.gemm_backend = engine->gemm_backend;
-    full.precision = engine->precision;
+    full.num_threads = eng->pool->size();
+    full.isa = eng->kernels->isa;
+    full.cpu_isa = eng->cpu_isa;
+    full.kernel_name = eng->kernels->gemm_name;
+    full.gemm_backend = eng->gemm_backend;
+    full.precision = eng->precision;
     kt::write_sized(info, full, w, "info");
   });
 }
@@ -317,48 +361,64 @@ void kt_moe_options_defaults(kt_moe_options* o, size_t struct_size) {
 kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe) {
   const char* w = "kt_moe_create";
   return guarded(w, [&] {
-    check_engine(engine, w);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     kt::check(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
     kt::check(options != nullptr, KT_ERR_NULL_POINTER,
               std::string(w) + ": options is NULL (the shapes are required)");
     kt_moe_options o = kt::read_sized(options, set_moe_options_defaults, w, "options");
     validate_moe_options(o);
-    check_layer_fits(o, *engine, w);
-    kt_moe* m = new kt_moe(engine, o);
-    engine->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
+    check_layer_fits(o, *eng, w);
+    std::shared_ptr<kt_moe> m;
+    {
+      std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
+      kt::check(!eng->destroyed, KT_ERR_INVALID_HANDLE,
+                std::string(w) + ": engine is being destroyed by another thread");
+      m = std::make_shared<kt_moe>(eng.get(), o);
+    }
+    m->engine_ref = eng;
+    m->handle = kt::add_handle(HandleKind::kMoe, m);
+    eng->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
                        " H=" + std::to_string(o.hidden) + " I=" + std::to_string(o.intermediate) +
-                       " mode=" + std::to_string(o.mode) + " kernels " + engine->kernels->gemm_name);
-    *moe = m;
+                       " mode=" + std::to_string(o.mode) + " kernels " + eng->kernels->gemm_name);
+    *moe = kt::handle_value<kt_moe>(m->handle);
   });
 }
 
 void kt_moe_destroy(kt_moe* moe) {
-  if (!moe || moe->magic != kt_moe::kMagic) return;
+  if (!moe) return;
   try {
-    std::vector<kt_job*> deferred;
+    std::shared_ptr<kt_moe> m =
+        std::static_pointer_cast<kt_moe>(kt::remove_handle(kt::handle_id(moe), HandleKind::kMoe));
+    if (!m) {
+      set_error("kt_moe_destroy: moe is not a live kt_moe (destroyed?)");
+      return;
+    }
+    // Jobs that never started are cancelled so they cannot touch the layer:
+    // deferred ones, and on the job thread (a hook destroying its layer)
+    // also the queued ones, which could never run before this returns.
+    const bool on_job_thread = m->engine->jobs.on_job_thread();
+    std::vector<std::shared_ptr<kt_job>> pending;
     {
-      std::lock_guard<std::mutex> lock(moe->state_mutex);
-      for (kt_job* j : moe->jobs)
-        if (j->deferred) deferred.push_back(j);
+      std::lock_guard<std::mutex> lock(m->state_mutex);
+      m->destroyed = true;
+      for (auto& kv : m->jobs)
+        if (kv.second->deferred || on_job_thread) pending.push_back(kv.second);
     }
-    for (kt_job* j : deferred) {
-      std::lock_guard<std::mutex> lock(j->mutex);
-      if (j->state == 0) {  // never run: cancel so it cannot touch the layer
-        j->state = 2;
-        j->status = KT_ERR_INVALID_HANDLE;
-        j->message = "kt_job: its layer was destroyed before the job ran";
-        j->work = nullptr;
-        j->cv.notify_all();
-        std::lock_guard<std::mutex> l2(moe->state_mutex);
-        moe->jobs.erase(j);
-      }
-    }
+    for (auto& j : pending)
+      if (j->cancel(KT_ERR_INVALID_HANDLE, "kt_job: its layer was destroyed before the job ran"))
+        finish_job(m.get(), j.get());
+    pending.clear();
     {
-      std::unique_lock<std::mutex> lock(moe->state_mutex);
-      moe->jobs_done.wait(lock, [&] { return moe->jobs.empty(); });
+      std::unique_lock<std::mutex> lock(m->state_mutex);
+      m->jobs_done.wait(lock, [&] { return m->jobs.empty(); });
     }
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    delete moe;
+    m->end_context_handles();
+    {
+      std::lock_guard<std::mutex> lock(m->engine->lifetime_mutex);
+      m->leave_engine();
+    }
+    // Freed here, or when another thread's call (or a job's hook) on the
+    // layer returns; it keeps its engine alive until then.
   } catch (...) {
     // Destruction cannot report; nothing here throws in practice.
   }
@@ -367,9 +427,9 @@ void kt_moe_destroy(kt_moe* moe) {
 kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   const char* w = "kt_moe_lora_scale";
   return guarded(w, [&] {
-    check_moe(moe, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt::check(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
-    *scale = moe->lora_scale;
+    *scale = layer->lora_scale;
   });
 }
 
@@ -388,10 +448,10 @@ kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const
                               size_t num_args) {
   const char* w = "kt_moe_load_weights";
   return guarded(w, [&] {
-    check_moe(moe, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    moe->load(o, args, num_args, -1, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->load(o, args, num_args, -1, w);
   });
 }
 
@@ -399,84 +459,92 @@ kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options*
                              const kt_arg* args, size_t num_args) {
   const char* w = "kt_moe_load_expert";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    kt::check(expert >= 0 && expert < moe->E, KT_ERR_EXPERT_ID,
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    kt::check(expert >= 0 && expert < layer->E, KT_ERR_EXPERT_ID,
               std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
-                  std::to_string(moe->E) + ")");
+                  std::to_string(layer->E) + ")");
     kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    moe->load(o, args, num_args, expert, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->load(o, args, num_args, expert, w);
   });
 }
 
 kt_status kt_moe_set_skipped(kt_moe* moe, const DLTensor* mask) {
   const char* w = "kt_moe_set_skipped";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    moe->set_skipped(mask);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->set_skipped(mask);
   });
 }
 
 kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
   const char* w = "kt_moe_num_loaded";
   return guarded(w, [&] {
-    check_moe(moe, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt::check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    *count = moe->num_loaded();
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    *count = layer->num_loaded();
   });
 }
 
 kt_status kt_moe_bind(kt_moe* moe, const kt_arg* args, size_t num_args) {
   const char* w = "kt_moe_bind";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    moe->bind(args, num_args);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->bind(args, num_args);
   });
 }
 
 kt_status kt_moe_params_changed(kt_moe* moe) {
   const char* w = "kt_moe_params_changed";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    moe->params_changed();
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->params_changed();
   });
 }
 
 kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* user) {
   const char* w = "kt_moe_set_grad_hook";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->state_mutex);
-    moe->grad_hook = fn;
-    moe->grad_hook_user = fn ? user : nullptr;
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->state_mutex);
+    layer->grad_hook = fn;
+    layer->grad_hook_user = fn ? user : nullptr;
   });
 }
 
 kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_context** saved) {
   const char* w = "kt_moe_forward";
   return guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    kt_moe::ForwardCall call = moe->check_forward(args, num_args, w);
-    if (moe->engine->verbosity >= 2)
-      moe->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
-    kt_context* ctx = saved ? moe->new_context(call) : nullptr;
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    kt_moe::ForwardCall call = layer->check_forward(args, num_args, w);
+    if (layer->engine->verbosity >= 2)
+      layer->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
+    // Held while it is filled: its handle exists (and could be released by
+    // a host guessing it) before the call returns it.
+    kt_context* ctx = saved ? layer->new_context(call, 1) : nullptr;
     try {
-      moe->forward(call, ctx);
+      layer->forward(call, ctx);
     } catch (...) {
       if (ctx) {
-        settle_context(moe, ctx, false);
-        moe->release_context(ctx);
+        layer->release_context(ctx->handle);
+        layer->drop_hold(ctx);
       }
       throw;
     }
     if (ctx) {
-      settle_context(moe, ctx, true);
-      *saved = ctx;
+      kt_context* handle;
+      {
+        std::lock_guard<std::mutex> l(layer->state_mutex);
+        ctx->state = kt_context::kReady;
+        handle = kt::handle_value<kt_context>(ctx->handle);
+      }
+      layer->drop_hold(ctx);
+      *saved = handle;
     }
   });
 }
@@ -496,32 +564,41 @@ void kt_backward_options_defaults(kt_backward_options* o, size_t struct_size) {
 kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
                           const kt_arg* args, size_t num_args) {
   const char* w = "kt_moe_backward";
-  bool hook = false;
+  GradHook hook;
   kt_status st = guarded(w, [&] {
-    check_moe(moe, w);
-    std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-    kt_moe::BackwardCall call = moe->check_backward(ctx, options, args, num_args, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    ContextHold held(layer.get(), ctx, w);
+    kt_context* c = held.get();
+    kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w);
     {
-      std::lock_guard<std::mutex> l(moe->state_mutex);
-      kt::check(!ctx->backward_queued, KT_ERR_CONTEXT,
+      std::lock_guard<std::mutex> l(layer->state_mutex);
+      kt::check(!c->backward_queued, KT_ERR_CONTEXT,
                 std::string(w) + ": ctx already has a backward submitted");
     }
-    if (moe->engine->verbosity >= 2)
-      moe->engine->log(2, "backward: T=" + std::to_string(ctx->tokens) +
+    if (layer->engine->verbosity >= 2)
+      layer->engine->log(2, "backward: T=" + std::to_string(c->tokens) +
                               " grad_scale=" + std::to_string(call.opt.grad_scale) +
                               (call.opt.accumulate ? " accumulate" : " overwrite"));
-    moe->backward(ctx, call);
-    hook = call.opt.param_grads && moe->opt.mode != KT_MODE_INFERENCE;
+    layer->backward(c, call);
+    if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
   });
-  if (st == KT_OK && hook) call_grad_hook(moe);
+  if (st == KT_OK) hook.call();
   return st;
 }
 
 void kt_context_release(kt_context* ctx) {
-  if (!ctx || ctx->magic != kt_context::kMagic || !ctx->layer) return;
+  if (!ctx) return;
   try {
-    ctx->layer->release_context(ctx);
+    const HandleId id = kt::handle_id(ctx);
+    std::shared_ptr<kt_moe> layer;
+    if (const HandleId owner = kt::context_owner(id))
+      layer = std::static_pointer_cast<kt_moe>(kt::find_handle(owner, HandleKind::kMoe));
+    if (!layer || !layer->release_context(id))
+      set_error("kt_context_release: ctx is not a live kt_context (released already, or its layer "
+                "was destroyed); nothing was released");
   } catch (...) {
+    // Release cannot report; nothing here throws in practice.
   }
 }
 
@@ -529,33 +606,41 @@ kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args
                                 kt_context** saved, unsigned flags, kt_job** job) {
   const char* w = "kt_moe_forward_submit";
   return guarded(w, [&] {
-    check_moe(moe, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
     kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": unknown flags");
-    kt_moe::ForwardCall call = moe->check_forward(args, num_args, w);
-    kt_context* ctx = saved ? moe->new_context(call) : nullptr;
-    kt_job* j = new_job(moe, flags);
-    kt_engine* engine = moe->engine;
-    j->work = [moe, call, ctx, j, engine] {
-      bool ok = false;
+    kt_moe::ForwardCall call = layer->check_forward(args, num_args, w);
+    std::shared_ptr<kt_job> j = new_job(layer.get(), flags, w);
+    // The job holds the context until it ends.
+    kt_context* ctx = nullptr;
+    if (saved) {
       try {
-        {
-          std::lock_guard<std::mutex> lock(engine->compute_mutex);
-          moe->forward(call, ctx);
-        }
-        ok = true;
+        ctx = layer->new_context(call, 1);
       } catch (...) {
-        if (ctx) settle_context(moe, ctx, false);
-        finish_job(moe, j);
+        finish_job(layer.get(), j.get());
         throw;
       }
-      if (ctx) settle_context(moe, ctx, ok);
-      finish_job(moe, j);
+      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      ctx->forward_job = j;
+    }
+    kt_job* raw = j.get();
+    j->work = [layer, call, ctx, raw] {
+      bool ok = false;
+      try {
+        std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+        layer->forward(call, ctx);
+        ok = true;
+      } catch (...) {
+        if (ctx) settle_context(layer.get(), ctx, false);
+        finish_job(layer.get(), raw);
+        throw;
+      }
+      if (ctx) settle_context(layer.get(), ctx, ok);
+      finish_job(layer.get(), raw);
     };
-    if (saved) *saved = ctx;
-    *job = j;
-    start_job(moe, j);
+    if (saved) *saved = kt::handle_value<kt_context>(ctx->handle);
+    *job = start_job(layer.get(), j);
   });
 }
 
@@ -564,57 +649,61 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
                                  kt_job** job) {
   const char* w = "kt_moe_backward_submit";
   return guarded(w, [&] {
-    check_moe(moe, w);
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
     kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": unknown flags");
-    kt_moe::BackwardCall call;
+    // The job holds the context until it ends (a release meanwhile frees it
+    // then). A context whose forward job has not ended may be submitted
+    // against: the backward job runs or waits for that forward first.
+    ContextHold held(layer.get(), ctx, w);
+    kt_context* c = held.get();
+    const kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w, true);
     {
-      // A context whose forward job is queued may be submitted against: the
-      // job thread runs jobs in order. Mark it so it is not submitted twice.
-      kt::check(ctx != nullptr, KT_ERR_CONTEXT, std::string(w) + ": ctx is NULL");
-      std::unique_lock<std::mutex> lock(moe->state_mutex);
-      kt::check(moe->owns(ctx) && !ctx->released, KT_ERR_CONTEXT,
-                std::string(w) + ": ctx does not belong to this layer or was released");
-      kt::check(!ctx->backward_queued && ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
-                std::string(w) + ": ctx is spent or already has a backward submitted");
-      kt::check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
-                std::string(w) + ": ctx: its forward failed");
-      const auto state = ctx->state;
-      ctx->state = kt_context::kReady;  // let the argument check pass
-      lock.unlock();
-      try {
-        call = moe->check_backward(ctx, options, args, num_args, w);
-      } catch (...) {
-        std::lock_guard<std::mutex> l(moe->state_mutex);
-        ctx->state = state;
-        throw;
-      }
-      lock.lock();
-      ctx->state = state;
-      ctx->backward_queued = true;
+      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      kt::check(!c->backward_queued, KT_ERR_CONTEXT,
+                std::string(w) + ": ctx already has a backward submitted");
+      c->backward_queued = true;
+      ++c->holds;  // the job's own
     }
-    kt_job* j = new_job(moe, flags);
-    kt_engine* engine = moe->engine;
-    j->work = [moe, call, ctx, j, engine] {
+    std::shared_ptr<kt_job> j;
+    try {
+      j = new_job(layer.get(), flags, w);
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> lock(layer->state_mutex);
+        c->backward_queued = false;
+      }
+      layer->drop_hold(c);
+      throw;
+    }
+    kt_job* raw = j.get();
+    j->work = [layer, call, c, raw] {
+      GradHook hook;
       try {
+        std::shared_ptr<kt_job> forward_job;
         {
-          std::lock_guard<std::mutex> lock(engine->compute_mutex);
-          moe->backward(ctx, call);
+          std::lock_guard<std::mutex> lock(layer->state_mutex);
+          forward_job = c->forward_job;
         }
+        if (forward_job) forward_job->wait();  // runs a deferred forward nobody ran yet
+        std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+        layer->backward(c, call);
+        if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
       } catch (...) {
         {
-          std::lock_guard<std::mutex> l(moe->state_mutex);
-          ctx->backward_queued = false;
+          std::lock_guard<std::mutex> l(layer->state_mutex);
+          c->backward_queued = false;
         }
-        finish_job(moe, j);
+        layer->drop_hold(c);
+        finish_job(layer.get(), raw);
         throw;
       }
-      if (call.opt.param_grads && moe->opt.mode != KT_MODE_INFERENCE) call_grad_hook(moe);
-      finish_job(moe, j);
+      layer->drop_hold(c);
+      finish_job(layer.get(), raw);
+      hook.call();
     };
-    *job = j;
-    start_job(moe, j);
+    *job = start_job(layer.get(), j);
   });
 }
 
@@ -628,61 +717,71 @@ const char* kt_stage_name(int stage) {
 kt_status kt_engine_set_profiling(kt_engine* engine, int enabled) {
   const char* w = "kt_engine_set_profiling";
   return guarded(w, [&] {
-    check_engine(engine, w);
-    engine->profiling.store(enabled != 0);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
+    eng->profiling.store(enabled != 0);
   });
 }
 
 kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* calls, double* seconds) {
   const char* w = "kt_engine_profile_stage";
   return guarded(w, [&] {
-    check_engine(engine, w);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     kt::check(stage >= 0 && stage < kt_engine::kStages, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": stage " + std::to_string(stage) + " is outside [0, " +
                   std::to_string(kt_engine::kStages) + ")");
-    if (calls) *calls = engine->stage_calls[stage].load();
-    if (seconds) *seconds = static_cast<double>(engine->stage_ns[stage].load()) * 1e-9;
+    if (calls) *calls = eng->stage_calls[stage].load();
+    if (seconds) *seconds = static_cast<double>(eng->stage_ns[stage].load()) * 1e-9;
   });
 }
 
 kt_status kt_engine_reset_profile(kt_engine* engine) {
   const char* w = "kt_engine_reset_profile";
   return guarded(w, [&] {
-    check_engine(engine, w);
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     for (int i = 0; i < kt_engine::kStages; ++i) {
-      engine->stage_ns[i].store(0);
-      engine->stage_calls[i].store(0);
+      eng->stage_ns[i].store(0);
+      eng->stage_calls[i].store(0);
     }
   });
 }
 
 void kt_job_run(void* job) {
-  kt_job* j = static_cast<kt_job*>(job);
+  std::shared_ptr<kt_job> j = live_job(static_cast<const kt_job*>(job));
   if (!j || !j->deferred) return;
-  j->execute();
+  // Returns when the job has ended, also when another thread runs it (a
+  // backward job that started its forward): a host stream that runs this
+  // may read the job's outputs next.
+  j->wait();
 }
 
 kt_status kt_job_wait(kt_job* job) {
-  if (!job) {
-    set_error("kt_job_wait: job is NULL");
-    return KT_ERR_INVALID_HANDLE;
-  }
-  job->wait();
-  if (job->status != KT_OK) set_error(job->message);
-  return job->status;
+  const char* w = "kt_job_wait";
+  std::shared_ptr<kt_job> j;
+  const kt_status st = guarded(w, [&] {
+    j = std::static_pointer_cast<kt_job>(kt::live_handle(job, HandleKind::kJob, w, "job"));
+  });
+  if (st != KT_OK) return st;
+  j->wait();
+  if (j->status != KT_OK) set_error(j->message);
+  return j->status;
 }
 
 int kt_job_done(const kt_job* job) {
-  if (!job) return 1;
-  kt_job* j = const_cast<kt_job*>(job);
+  std::shared_ptr<kt_job> j = live_job(job);
+  if (!j) return 1;
   std::lock_guard<std::mutex> lock(j->mutex);
   return j->state == 2;
 }
 
 void kt_job_destroy(kt_job* job) {
   if (!job) return;
-  job->wait();
-  delete job;
+  std::shared_ptr<kt_job> j =
+      std::static_pointer_cast<kt_job>(kt::remove_handle(kt::handle_id(job), HandleKind::kJob));
+  if (!j) {
+    set_error("kt_job_destroy: job is not a live kt_job (destroyed?)");
+    return;
+  }
+  j->wait();
 }
 
 }  // extern "C"

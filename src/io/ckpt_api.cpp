@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "api/handles.h"
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
@@ -15,8 +16,6 @@
 #include "kt_c_api.h"
 
 struct kt_ckpt {
-  static constexpr uint32_t kMagic = 0x6b74636bu;  // "ktck"
-  uint32_t magic = kMagic;
   std::unique_ptr<kt::io::TensorSet> tensors;
   kt::io::ModelInfo model;
   std::vector<const std::pair<const std::string, kt::io::TensorRef>*> by_index;
@@ -29,10 +28,10 @@ using kt::check;
 using kt::check_enum;
 using kt::io::guarded;
 
-void check_ckpt(const kt_ckpt* c, const char* where) {
-  check(c != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": ckpt is NULL");
-  check(c->magic == kt_ckpt::kMagic, KT_ERR_INVALID_HANDLE,
-        std::string(where) + ": ckpt is not an open kt_ckpt (closed?)");
+// The checkpoint behind an open handle, kept for the call; handles are
+// looked up, never dereferenced.
+std::shared_ptr<kt_ckpt> check_ckpt(const kt_ckpt* c, const char* where) {
+  return kt::live(c, kt::HandleKind::kCkpt, where, "ckpt");
 }
 
 void check_path(const char* path, const char* where, const char* name) {
@@ -118,31 +117,32 @@ kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt) {
       c->by_index.push_back(&kv);
       c->total_bytes += static_cast<int64_t>(kv.second.entry->nbytes());
     }
-    *ckpt = c.release();
+    *ckpt = kt::handle_value<kt_ckpt>(kt::add_handle(kt::HandleKind::kCkpt, std::shared_ptr<kt_ckpt>(std::move(c))));
   });
 }
 
 void kt_ckpt_close(kt_ckpt* ckpt) {
-  if (!ckpt || ckpt->magic != kt_ckpt::kMagic) return;
-  ckpt->magic = 0;
-  delete ckpt;
+  if (!ckpt) return;
+  // Unmapped here, or when another thread's call on it returns.
+  if (!kt::remove_handle(kt::handle_id(ckpt), kt::HandleKind::kCkpt))
+    kt::set_last_error("kt_ckpt_close: ckpt is not an open kt_ckpt (closed already?)");
 }
 
 kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info) {
   const char* w = "kt_ckpt_get_info";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
     kt_ckpt_info full;
     std::memset(&full, 0, sizeof(full));
     full.struct_size = sizeof(full);
-    full.architecture = ckpt->model.architecture.c_str();
-    full.model_type = ckpt->model.model_type.c_str();
-    full.layout = ckpt->model.layout;
-    full.num_moe_layers = static_cast<int64_t>(ckpt->model.layers.size());
-    full.num_tensors = static_cast<int64_t>(ckpt->by_index.size());
-    full.num_files = static_cast<int64_t>(ckpt->tensors->files().size());
-    full.total_bytes = ckpt->total_bytes;
-    full.top_k = ckpt->model.top_k;
+    full.architecture = c->model.architecture.c_str();
+    full.model_type = c->model.model_type.c_str();
+    full.layout = c->model.layout;
+    full.num_moe_layers = static_cast<int64_t>(c->model.layers.size());
+    full.num_tensors = static_cast<int64_t>(c->by_index.size());
+    full.num_files = static_cast<int64_t>(c->tensors->files().size());
+    full.total_bytes = c->total_bytes;
+    full.top_k = c->model.top_k;
     kt::write_sized(info, full, w, "info");
   });
 }
@@ -150,11 +150,11 @@ kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info) {
 kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_layer_info* info) {
   const char* w = "kt_ckpt_get_layer_info";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
-    const int64_t n = static_cast<int64_t>(ckpt->model.layers.size());
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+    const int64_t n = static_cast<int64_t>(c->model.layers.size());
     check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
           std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
-    const kt::io::MoeLayer& m = ckpt->model.layers[static_cast<size_t>(index)];
+    const kt::io::MoeLayer& m = c->model.layers[static_cast<size_t>(index)];
     kt_ckpt_layer_info full;
     std::memset(&full, 0, sizeof(full));
     full.struct_size = sizeof(full);
@@ -175,19 +175,19 @@ kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_lay
 kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options* options) {
   const char* w = "kt_ckpt_moe_options";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
     check(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
-    const kt::io::MoeLayer& m = ckpt->model.get(layer, w);
+    const kt::io::MoeLayer& m = c->model.get(layer, w);
     kt_moe_options o;
     kt_moe_options_init(&o);
     o.num_experts = m.E;
     o.hidden = m.H;
     o.intermediate = m.I;
     o.has_bias = m.has_bias ? 1 : 0;
-    o.top_k = ckpt->model.top_k > 0 && ckpt->model.top_k <= m.E ? ckpt->model.top_k : 1;
-    o.activation = ckpt->model.activation;
-    o.act_alpha = ckpt->model.act_alpha;
-    o.act_limit = ckpt->model.act_limit;
+    o.top_k = c->model.top_k > 0 && c->model.top_k <= m.E ? c->model.top_k : 1;
+    o.activation = c->model.activation;
+    o.act_alpha = c->model.act_alpha;
+    o.act_limit = c->model.act_limit;
     kt::write_sized(options, o, w, "options");
   });
 }
@@ -196,38 +196,39 @@ kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe, kt
                              void* user) {
   const char* w = "kt_ckpt_load_layer";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
-    kt::io::load_layer(ckpt->model.get(layer, w), moe, progress, user, w);
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+    const std::shared_ptr<kt_moe> m = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
+    kt::io::load_layer(c->model.get(layer, w), m.get(), progress, user, w);
   });
 }
 
 kt_status kt_ckpt_read_layer(const kt_ckpt* ckpt, int64_t layer, const kt_arg* args, size_t num_args) {
   const char* w = "kt_ckpt_read_layer";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
-    kt::io::read_layer(ckpt->model.get(layer, w), args, num_args, w);
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+    kt::io::read_layer(c->model.get(layer, w), args, num_args, w);
   });
 }
 
 kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* tensor) {
   const char* w = "kt_ckpt_tensor_at";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
-    const int64_t n = static_cast<int64_t>(ckpt->by_index.size());
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+    const int64_t n = static_cast<int64_t>(c->by_index.size());
     check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
           std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
-    fill_tensor(*ckpt->by_index[static_cast<size_t>(index)], tensor, w);
+    fill_tensor(*c->by_index[static_cast<size_t>(index)], tensor, w);
   });
 }
 
 kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_tensor* tensor) {
   const char* w = "kt_ckpt_find_tensor";
   return guarded(w, [&] {
-    check_ckpt(ckpt, w);
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
     check(name != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": name is NULL");
-    auto it = ckpt->tensors->tensors().find(name);
-    check(it != ckpt->tensors->tensors().end(), KT_ERR_IO,
-          std::string(w) + ": " + ckpt->tensors->dir() + " holds no tensor '" + name + "'");
+    auto it = c->tensors->tensors().find(name);
+    check(it != c->tensors->tensors().end(), KT_ERR_IO,
+          std::string(w) + ": " + c->tensors->dir() + " holds no tensor '" + name + "'");
     fill_tensor(*it, tensor, w);
   });
 }

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "api/handles.h"
 #include "core/error.h"
 #include "io/io_guard.h"
 #include "io/safetensors.h"
@@ -339,10 +340,9 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
 
 namespace {
 
-void check_live_moe(const kt_moe* m, const char* where) {
-  kt::check(m != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
-  kt::check(m->magic == kt_moe::kMagic, KT_ERR_INVALID_HANDLE,
-            std::string(where) + ": moe is not a live kt_moe (destroyed?)");
+// The layer behind a live handle, kept for the call.
+std::shared_ptr<kt_moe> live_moe(const kt_moe* m, const char* where) {
+  return kt::live(m, kt::HandleKind::kMoe, where, "moe");
 }
 
 void check_path_arg(const char* path, const char* where) {
@@ -355,19 +355,19 @@ void check_path_arg(const char* path, const char* where) {
 kt_status kt_moe_save_packed(kt_moe* moe, const char* path) {
   const char* w = "kt_moe_save_packed";
   return kt::io::guarded(w, [&] {
-    check_live_moe(moe, w);
+    const std::shared_ptr<kt_moe> m = live_moe(moe, w);
     check_path_arg(path, w);
-    kt::io::save_packed(moe, path, w);
+    kt::io::save_packed(m.get(), path, w);
   });
 }
 
 kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags) {
   const char* w = "kt_moe_load_packed";
   return kt::io::guarded(w, [&] {
-    check_live_moe(moe, w);
+    const std::shared_ptr<kt_moe> m = live_moe(moe, w);
     check_path_arg(path, w);
     kt::check((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": flags has bits this kt does not know");
-    kt::io::load_packed(moe, path, flags, w);
+    kt::io::load_packed(m.get(), path, flags, w);
   });
 }

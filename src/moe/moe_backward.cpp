@@ -16,7 +16,8 @@
 using namespace kt;
 
 kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
-                                            const kt_arg* args, size_t n, const char* where) const {
+                                            const kt_arg* args, size_t n, const char* where,
+                                            bool forward_may_pend) const {
   BackwardCall c;
   c.where = where;
   kt_backward_options_init(&c.opt);
@@ -48,9 +49,7 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
         std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   {
     std::lock_guard<std::mutex> lock(state_mutex);
-    check(owns(ctx) && !ctx->released, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx does not belong to this layer or was released");
-    check(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
+    check(forward_may_pend || ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
           std::string(where) + ": ctx: its forward has not finished (wait for the forward job)");
     check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
           std::string(where) + ": ctx: its forward failed");
@@ -159,8 +158,11 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   check_backward_state(c);
   {
     std::lock_guard<std::mutex> lock(state_mutex);
-    check(ctx->state == kt_context::kReady && !ctx->released, KT_ERR_CONTEXT,
-          "kt_moe_backward: ctx is not ready (its forward failed, or it was spent or released)");
+    check(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
+          "kt_moe_backward: ctx: its forward job never ran (its layer was destroyed first)");
+    check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT, "kt_moe_backward: ctx: its forward failed");
+    check(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
+          "kt_moe_backward: ctx is spent: a backward already consumed it");
   }
   StageClock clock(engine);
   const Routing& R = ctx->routing;

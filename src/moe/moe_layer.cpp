@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "core/checked.h"
 #include "core/error.h"
@@ -67,6 +68,13 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.frows.resize(static_cast<size_t>(kRowChunk));
   }
   engine->num_layers.fetch_add(1);
+  counted_ = true;
+}
+
+void kt_moe::leave_engine() {
+  if (!counted_) return;
+  counted_ = false;
+  engine->num_layers.fetch_sub(1);
 }
 
 CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a) {
@@ -99,9 +107,13 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
 }
 
 kt_moe::~kt_moe() {
-  for (kt_context* c : contexts_) delete c;
-  engine->num_layers.fetch_sub(1);
-  magic = 0;
+  for (auto& kv : contexts_) {
+    remove_context_handle(kv.first);
+    delete kv.second;
+  }
+  for (kt_context* c : retiring_) delete c;
+  for (kt_context* c : free_contexts_) delete c;
+  leave_engine();
 }
 
 // ------------------------------------------------------------------ loading
@@ -454,43 +466,93 @@ void kt_moe::params_changed() {
 
 // ------------------------------------------------------------ contexts
 
-kt_context* kt_moe::new_context(const ForwardCall& call) {
-  std::lock_guard<std::mutex> lock(state_mutex);
-  kt_context* c;
-  if (!free_contexts_.empty()) {
-    c = free_contexts_.back();
-    free_contexts_.pop_back();
-  } else {
-    c = new kt_context;
+kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
+  std::unique_ptr<kt_context> fresh;
+  {
+    std::lock_guard<std::mutex> lock(state_mutex);
+    if (!free_contexts_.empty()) {
+      fresh.reset(free_contexts_.back());
+      free_contexts_.pop_back();
+    }
   }
-  c->magic = kt_context::kMagic;
-  c->layer = this;
+  if (!fresh) fresh.reset(new kt_context);
+  kt_context* c = fresh.get();
   c->state = kt_context::kPending;
+  c->holds = holds;
   c->released = false;
   c->backward_queued = false;
+  c->forward_job.reset();
   c->tokens = call.T;
   c->x_dtype = call.x.dtype;
-  contexts_.insert(c);
+  // A handle value never issued before: a released handle cannot name this
+  // context even though its memory is reused.
+  std::lock_guard<std::mutex> lock(state_mutex);
+  contexts_.reserve(contexts_.size() + 1);
+  c->handle = add_context_handle(handle);
+  contexts_.emplace(c->handle, fresh.release());
   return c;
 }
 
-void kt_moe::release_context(kt_context* c) {
+kt_context* kt_moe::hold_context(const kt_context* ctx, const char* where) {
+  check(ctx != nullptr, KT_ERR_CONTEXT,
+        std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
+  const HandleId id = handle_id(ctx);
   std::lock_guard<std::mutex> lock(state_mutex);
-  if (!contexts_.count(c)) return;
-  if (c->state == kt_context::kPending) {  // its forward job still runs
-    c->released = true;
-    return;
+  auto it = contexts_.find(id);
+  if (it == contexts_.end()) {
+    const HandleId owner = context_owner(id);
+    check(owner == 0 || owner == handle, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx does not belong to this layer (it is a context of another kt_moe)");
+    fail(KT_ERR_CONTEXT, std::string(where) +
+                             ": ctx is not a live context: it was released (a released handle is never "
+                             "valid again)");
   }
-  contexts_.erase(c);
-  c->magic = 0;
+  ++it->second->holds;
+  return it->second;
+}
+
+void kt_moe::drop_hold(kt_context* c) {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  if (--c->holds > 0 || !c->released) return;
+  retiring_.erase(c);
+  recycle_context(c);
+}
+
+bool kt_moe::release_context(HandleId id) {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  auto it = contexts_.find(id);
+  if (it == contexts_.end()) return false;
+  kt_context* c = it->second;
+  contexts_.erase(it);
+  remove_context_handle(id);
+  c->handle = 0;
+  if (c->holds > 0) {  // a job still uses it: freed when the last hold ends
+    c->released = true;
+    retiring_.insert(c);
+  } else {
+    recycle_context(c);
+  }
+  return true;
+}
+
+void kt_moe::end_context_handles() {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  for (auto& kv : contexts_) {
+    remove_context_handle(kv.first);
+    kt_context* c = kv.second;
+    c->handle = 0;
+    c->released = true;
+    retiring_.insert(c);  // freed by the last hold, or with the layer
+  }
+  contexts_.clear();
+}
+
+void kt_moe::recycle_context(kt_context* c) {
+  c->forward_job.reset();
   // Keep a few for reuse so steady-state training does not allocate.
   if (free_contexts_.size() < 8) {
     free_contexts_.push_back(c);
   } else {
     delete c;
   }
-}
-
-bool kt_moe::owns(const kt_context* c) const {
-  return contexts_.count(const_cast<kt_context*>(c)) != 0;
 }

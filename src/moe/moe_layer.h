@@ -8,9 +8,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "api/handles.h"
 #include "core/buffer.h"
 #include "core/checked.h"
 #include "core/tensor.h"
@@ -42,13 +44,20 @@ enum Proj { kGate = 0, kUp = 1, kDown = 2 };
 
 }  // namespace kt
 
+// What a training forward saved for its backward. The host holds it by a
+// handle (kt::HandleId); the layer owns it.
 struct kt_context {
-  static constexpr uint32_t kMagic = 0x6b746378u;
-  uint32_t magic = kMagic;
-  kt_moe* layer = nullptr;
+  kt::HandleId handle = 0;
   enum State { kPending, kReady, kSpent, kFailed } state = kPending;
-  bool released = false;  // host released it while its forward was pending
+  // Jobs and calls using it now: its submitted forward, a submitted or
+  // running backward. A context released while held is freed when the last
+  // hold ends.
+  int holds = 0;
+  bool released = false;
   bool backward_queued = false;
+  // The submitted forward that fills it, until that job ends: a backward
+  // job runs it first (or waits for it) when it has not run yet.
+  std::shared_ptr<kt_job> forward_job;
   int64_t tokens = 0;  // T of the forward (known at submit time)
   kt::DType x_dtype = kt::DType::kF32;
   kt::Routing routing;
@@ -58,8 +67,8 @@ struct kt_context {
 };
 
 struct kt_moe {
-  static constexpr uint32_t kMagic = 0x6b746d6fu;
-  uint32_t magic = kMagic;
+  kt::HandleId handle = 0;                // the host's handle of this layer
+  std::shared_ptr<kt_engine> engine_ref;  // keeps the engine while the layer lives
   kt_engine* engine;
   kt_moe_options opt;
   int64_t E, K, H, I, r;
@@ -68,6 +77,9 @@ struct kt_moe {
 
   kt_moe(kt_engine* engine, const kt_moe_options& options);
   ~kt_moe();
+  // The layer stops counting as one of its engine's (kt_moe_destroy); the
+  // object may live on while a call or job still holds it. Runs once.
+  void leave_engine();
 
   // Bytes a layer with these (range-checked) options holds: packed weights,
   // biases, LoRA factors, per-thread scratch, and forward and backward
@@ -99,8 +111,11 @@ struct kt_moe {
     kt_backward_options opt;
     const char* where = "kt_moe_backward";
   };
+  // ctx is held by the caller; with forward_may_pend a context whose
+  // submitted forward has not ended yet is accepted (backward_submit).
   BackwardCall check_backward(const kt_context* ctx, const kt_backward_options* o,
-                              const kt_arg* args, size_t n, const char* where) const;
+                              const kt_arg* args, size_t n, const char* where,
+                              bool forward_may_pend = false) const;
   // Checks that need the layer's current state (bound buffers, which the
   // outputs must not overlap); run under the engine's compute lock, also by
   // submitted jobs when they start.
@@ -122,15 +137,28 @@ struct kt_moe {
   void adopt_packed(std::shared_ptr<const void> mapping, const kt::bf16_t* const weights[3],
                     const float* const biases[3], const uint8_t* loaded);
 
-  kt_context* new_context(const ForwardCall& call);
-  void release_context(kt_context* ctx);
-  bool owns(const kt_context* ctx) const;
+  // A new context with its handle and `holds` holds (1 for a submitted
+  // forward, which drops it when it ends).
+  kt_context* new_context(const ForwardCall& call, int holds);
+  // The live context of handle `ctx` with one more hold, or KT_ERR_CONTEXT
+  // naming `where` (NULL, released, another layer's).
+  kt_context* hold_context(const kt_context* ctx, const char* where);
+  // Ends a hold; frees the context when it was released and this was the last.
+  void drop_hold(kt_context* c);
+  // Ends the handle `ctx`; the context is freed now, or when its last hold
+  // ends. False when ctx is not a live context of this layer.
+  bool release_context(kt::HandleId ctx);
+  // Ends every context handle of the layer (destruction): later releases
+  // of them are refused instead of reaching a freed layer.
+  void end_context_handles();
 
   kt_grad_ready_fn grad_hook = nullptr;
   void* grad_hook_user = nullptr;
-  mutable std::mutex state_mutex;  // contexts, hook, pending job count
-  std::unordered_set<kt_job*> jobs;  // submitted, not ended
+  mutable std::mutex state_mutex;  // contexts, hook, pending jobs, destroyed
+  // Submitted, not ended; shared with the queue and the job's handle.
+  std::unordered_map<kt_job*, std::shared_ptr<kt_job>> jobs;
   std::condition_variable jobs_done;
+  bool destroyed = false;  // kt_moe_destroy began: no new jobs
 
  private:
   bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
@@ -159,6 +187,7 @@ struct kt_moe {
   // of a mapping), before weights are packed into them.
   void own_weights();
 
+  bool counted_ = false;  // in engine->num_layers
   const kt::Kernels& K_;
   int a_size_;  // bytes per A-format element
   // Packed base weights [E][panels] and fp32 biases. The kernels read the
@@ -196,6 +225,8 @@ struct kt_moe {
   };
   std::vector<ThreadScratch> scratch_;
 
-  std::unordered_set<kt_context*> contexts_;
-  std::vector<kt_context*> free_contexts_;
+  void recycle_context(kt_context* c);  // under state_mutex
+  std::unordered_map<kt::HandleId, kt_context*> contexts_;  // live handles
+  std::unordered_set<kt_context*> retiring_;  // released while held
+  std::vector<kt_context*> free_contexts_;    // for reuse, without a handle
 };

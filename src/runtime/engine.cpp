@@ -71,6 +71,20 @@ void kt_job::execute() {
   cv.notify_all();
 }
 
+bool kt_job::cancel(kt_status st, const std::string& msg) {
+  std::function<void()> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (state != 0) return false;
+    state = 2;
+    status = st;
+    message = msg;
+    dropped.swap(work);
+    cv.notify_all();
+  }
+  return true;  // the work (and what it holds) is dropped here, unlocked
+}
+
 void kt_job::wait() {
   bool run_here;
   {
@@ -106,15 +120,7 @@ kt_engine::kt_engine(const kt_engine_options& o) {
              " threads" + (o.pin_threads ? " pinned" : ""));
 }
 
-kt_engine::~kt_engine() {
-  {
-    std::lock_guard<std::mutex> lock(jobs_mutex_);
-    stop_ = true;
-  }
-  jobs_cv_.notify_all();
-  if (job_thread_.joinable()) job_thread_.join();
-  magic = 0;
-}
+kt_engine::~kt_engine() = default;
 
 void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
   const char* w = "kt_engine_set_gemm_backend";
@@ -146,30 +152,70 @@ void kt_engine::log(int level, const std::string& message) const {
   }
 }
 
-void kt_engine::enqueue(kt_job* job) {
-  std::lock_guard<std::mutex> lock(jobs_mutex_);
-  if (!job_thread_.joinable()) job_thread_ = std::thread([this] { job_loop(); });
-  queue_.push_back(job);
-  jobs_cv_.notify_all();
+namespace kt {
+
+struct JobRunner::State {
+  std::mutex mutex;
+  std::condition_variable work_cv;
+  std::condition_variable idle_cv;
+  std::deque<std::shared_ptr<kt_job>> queue;
+  bool busy = false;
+  bool stop = false;
+  std::thread thread;  // started by the first job
+  std::thread::id thread_id;
+};
+
+JobRunner::JobRunner() : s_(std::make_shared<State>()) {}
+
+JobRunner::~JobRunner() {
+  {
+    std::lock_guard<std::mutex> lock(s_->mutex);
+    s_->stop = true;
+  }
+  s_->work_cv.notify_all();
+  if (!s_->thread.joinable()) return;
+  if (s_->thread.get_id() == std::this_thread::get_id())
+    s_->thread.detach();  // it finishes its current job, then leaves the loop
+  else
+    s_->thread.join();
 }
 
-void kt_engine::drain() {
-  std::unique_lock<std::mutex> lock(jobs_mutex_);
-  idle_cv_.wait(lock, [this] { return queue_.empty() && !busy_; });
+void JobRunner::enqueue(std::shared_ptr<kt_job> job) {
+  std::lock_guard<std::mutex> lock(s_->mutex);
+  if (!s_->thread.joinable()) {
+    s_->thread = std::thread(&JobRunner::loop, s_);
+    s_->thread_id = s_->thread.get_id();
+  }
+  s_->queue.push_back(std::move(job));
+  s_->work_cv.notify_all();
 }
 
-void kt_engine::job_loop() {
-  std::unique_lock<std::mutex> lock(jobs_mutex_);
+void JobRunner::drain() {
+  std::unique_lock<std::mutex> lock(s_->mutex);
+  if (s_->thread_id == std::this_thread::get_id()) return;
+  s_->idle_cv.wait(lock, [this] { return s_->queue.empty() && !s_->busy; });
+}
+
+bool JobRunner::on_job_thread() const {
+  std::lock_guard<std::mutex> lock(s_->mutex);
+  return s_->thread_id == std::this_thread::get_id();
+}
+
+void JobRunner::loop(std::shared_ptr<State> s) {
+  std::unique_lock<std::mutex> lock(s->mutex);
   for (;;) {
-    jobs_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-    if (queue_.empty()) return;  // stop requested and nothing left
-    kt_job* job = queue_.front();
-    queue_.pop_front();
-    busy_ = true;
+    s->work_cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+    if (s->queue.empty()) return;  // stop requested and nothing left
+    std::shared_ptr<kt_job> job = std::move(s->queue.front());
+    s->queue.pop_front();
+    s->busy = true;
     lock.unlock();
     job->execute();
+    job.reset();
     lock.lock();
-    busy_ = false;
-    if (queue_.empty()) idle_cv_.notify_all();
+    s->busy = false;
+    if (s->queue.empty()) s->idle_cv.notify_all();
   }
 }
+
+}  // namespace kt

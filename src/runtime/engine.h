@@ -19,7 +19,9 @@
 #include "runtime/thread_pool.h"
 
 // A unit of submitted work. Its closure owns copies of the argument
-// descriptors; the tensors' memory stays the host's.
+// descriptors (and keeps its layer alive); the tensors' memory stays the
+// host's. Shared by its handle, the queue that runs it, and the layer's list
+// of pending jobs, so whichever lets go last frees it.
 struct kt_job {
   std::function<void()> work;  // throws kt::Error on failure
   bool deferred = false;
@@ -28,16 +30,44 @@ struct kt_job {
   int state = 0;  // 0 waiting, 1 running, 2 ended
   kt_status status = KT_OK;
   std::string message;
-  kt_engine* engine = nullptr;
 
   // Runs the work on the calling thread once; later calls return at once.
   void execute();
+  // Waits until the job ended; runs a deferred job nobody started.
   void wait();
+  // Ends a job that has not started with status and message (its work is
+  // dropped); false when it already started.
+  bool cancel(kt_status status, const std::string& message);
 };
 
+namespace kt {
+
+// The engine's job thread and its queue. The thread shares the queue's
+// state, so the runner may be destroyed from the job thread itself (a hook
+// that destroys the last layer and the engine): the thread is then
+// detached and ends once its current job returns.
+class JobRunner {
+ public:
+  JobRunner();
+  ~JobRunner();
+  JobRunner(const JobRunner&) = delete;
+  JobRunner& operator=(const JobRunner&) = delete;
+
+  void enqueue(std::shared_ptr<kt_job> job);
+  // Blocks until every queued job has ended (returns at once on the job
+  // thread, which cannot wait for itself).
+  void drain();
+  bool on_job_thread() const;
+
+ private:
+  struct State;
+  static void loop(std::shared_ptr<State> s);
+  std::shared_ptr<State> s_;
+};
+
+}  // namespace kt
+
 struct kt_engine {
-  static constexpr uint32_t kMagic = 0x6b74656eu;  // "kten"
-  uint32_t magic = kMagic;
   int verbosity = 0;
   kt_log_fn log_fn = nullptr;
   void* log_user = nullptr;
@@ -52,6 +82,10 @@ struct kt_engine {
   // One computation at a time on the pool.
   std::mutex compute_mutex;
   std::atomic<int> num_layers{0};
+  // Layer creation and engine destruction: no layer is created on an engine
+  // once its destruction has begun.
+  std::mutex lifetime_mutex;
+  bool destroyed = false;
 
   // Per-stage profile (kt_stage): off by default.
   static constexpr int kStages = 11;
@@ -63,20 +97,8 @@ struct kt_engine {
   ~kt_engine();
 
   void log(int level, const std::string& message) const;
-  // Queues a non-deferred job on the job thread.
-  void enqueue(kt_job* job);
-  // Blocks until every queued job has ended.
-  void drain();
-
- private:
-  void job_loop();
-  std::mutex jobs_mutex_;
-  std::condition_variable jobs_cv_;
-  std::condition_variable idle_cv_;
-  std::deque<kt_job*> queue_;
-  bool busy_ = false;
-  bool stop_ = false;
-  std::thread job_thread_;
+  // The job thread that runs non-deferred jobs.
+  kt::JobRunner jobs;
 };
 
 namespace kt {
