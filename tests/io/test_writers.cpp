@@ -269,14 +269,28 @@ TEST_F(Writers, AdapterRoundTripIsExact) {
       EXPECT_TRUE(same_bytes(*got.b[p], *lora[static_cast<size_t>(l)].b[p])) << "layer " << l << " proj " << p;
     }
   }
-  // A layer the adapter does not have, and a rank that does not match.
+  // A layer the adapter does not have is an argument error; a rank or an
+  // expert count that does not match the destination is a shape error (the
+  // file is fine). Each names the call; nothing is written.
   TensorPtr a3 = Tensor::make(kt_test::kF32, {E, r + 1, H});
   kt_arg one = {KT_ARG_LORA_A_GATE, a3->dl()};
-  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 3, &one, 1), KT_ERR_IO);
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 3, &one, 1), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(kt_last_error()).rfind("kt_ckpt_adapter_read: ", 0), 0u) << kt_last_error();
   EXPECT_NE(std::string(kt_last_error()).find("layer 3"), std::string::npos) << kt_last_error();
-  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &one, 1), KT_ERR_IO);
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &one, 1), KT_ERR_SHAPE);
+  EXPECT_EQ(std::string(kt_last_error()).rfind("kt_ckpt_adapter_read: ", 0), 0u) << kt_last_error();
   EXPECT_NE(std::string(kt_last_error()).find("experts.0.gate_proj.lora_A.weight"), std::string::npos) << kt_last_error();
+  EXPECT_NE(std::string(kt_last_error()).find("wants [5,32]"), std::string::npos) << kt_last_error();
   for (int64_t i = 0; i < a3->numel(); ++i) ASSERT_EQ(a3->get(i), 0.0);
+  TensorPtr a4 = Tensor::make(kt_test::kF32, {E + 1, r, H});
+  kt_arg more = {KT_ARG_LORA_A_GATE, a4->dl()};
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &more, 1), KT_ERR_SHAPE);
+  EXPECT_NE(std::string(kt_last_error()).find("holds 4 experts, the adapter 3"), std::string::npos) << kt_last_error();
+  for (int64_t i = 0; i < a4->numel(); ++i) ASSERT_EQ(a4->get(i), 0.0);
+  // The config struct may not be NULL: a null-pointer error, before any file is read.
+  EXPECT_EQ(kt_ckpt_adapter_read_config(out.c_str(), nullptr), KT_ERR_NULL_POINTER);
+  EXPECT_EQ(std::string(kt_last_error()), "kt_ckpt_adapter_read_config: config is NULL");
+  EXPECT_EQ(kt_ckpt_adapter_read_config((dir_ + "/none").c_str(), nullptr), KT_ERR_NULL_POINTER);
 }
 
 TEST_F(Writers, AdapterBf16AndTargetsSubset) {
