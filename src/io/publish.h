@@ -71,8 +71,8 @@ OwnedName owned_with_temporaries(OwnedName owned);
 class StagedDir {
  public:
   // dir: the directory to replace (created with its parents when missing; a
-  // symlink to a directory is followed and stays a link). what names the
-  // call's output in messages.
+  // symlink to a directory is followed and stays a link). Removes the stale
+  // siblings of writers that died, then creates and locks the staging one.
   StagedDir(const std::string& dir, OwnedName owned);
   ~StagedDir();
   StagedDir(const StagedDir&) = delete;
