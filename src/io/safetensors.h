@@ -148,18 +148,25 @@ class TensorSet {
 std::string read_text_file(const std::string& path);
 std::string read_text_file(const DirHandle& dir, const std::string& name);
 
-// Runs read(dir) on the directory at path, opened once. When it fails
-// because a writer swapped in a new version meanwhile (files of the old one
-// vanish), it runs again on the new version, up to three times.
+// Runs read(dir) on the directory at path, opened once, and gives its
+// result only if path still names that directory afterwards: a writer swaps
+// the new version in before it deletes the old one, so a read that overlapped
+// the deletion (where a file such as config.json may already be gone) is
+// noticed and made again on the new version. KT_ERR_IO after five tries.
 template <class F>
 auto read_consistent(const std::string& path, F&& read) {
-  for (int attempt = 0;; ++attempt) {
+  constexpr int kTries = 5;
+  for (int attempt = 1;; ++attempt) {
     auto dir = std::make_shared<const DirHandle>(path);
     try {
-      return read(dir);
+      auto result = read(dir);
+      if (dir->still_current()) return result;
     } catch (const Error&) {
-      if (attempt >= 2 || dir->still_current()) throw;
+      if (attempt >= kTries || dir->still_current()) throw;
     }
+    if (attempt >= kTries)
+      fail(KT_ERR_IO, path + ": replaced by a writer while it was read, " + std::to_string(kTries) +
+                          " times in a row");
   }
 }
 

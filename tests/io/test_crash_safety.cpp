@@ -20,6 +20,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -29,6 +30,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness.h"
@@ -456,6 +458,44 @@ TEST_F(CrashSafety, ExpertCheckpointWriterNeverLeavesAMix) {
     return seen;
   };
   run_all(w);
+}
+
+// Readers running while a writer rewrites the checkpoint again and again
+// open one version each time, never the config of one with the tensors of
+// the other, nor a version whose deletion has begun (kt_ckpt_open reads
+// every file through one directory handle and checks it is still current).
+TEST_F(CrashSafety, ReadersDuringRewritesSeeOneVersion) {
+  const Experts v1(1, 3000), v2(2, int64_t{1} << 30);
+  const std::string target = dir_ + "/live";
+  ASSERT_EQ(v1.write(target), KT_OK) << kt_last_error();
+  std::atomic<bool> done{false};
+  std::atomic<int> write_failures{0};
+  std::thread writer([&] {
+    for (int i = 0; i < 40; ++i)
+      if ((i % 2 ? v1 : v2).write(target) != KT_OK) ++write_failures;
+    done = true;
+  });
+  int opened = 0, refused = 0, mixed = 0;
+  while (!done) {
+    kt_ckpt* ck = nullptr;
+    if (kt_ckpt_open(target.c_str(), &ck) != KT_OK) {
+      ++refused;
+      continue;
+    }
+    ++opened;
+    kt_ckpt_info info;
+    info.struct_size = sizeof(info);
+    const bool ok = kt_ckpt_get_info(ck, &info) == KT_OK &&
+                    ((info.top_k == 1 && v1.matches(ck)) || (info.top_k == 2 && v2.matches(ck)));
+    if (!ok) ++mixed;
+    kt_ckpt_close(ck);
+  }
+  writer.join();
+  EXPECT_EQ(write_failures, 0);
+  EXPECT_EQ(mixed, 0) << "of " << opened << " opens";
+  EXPECT_GT(opened, 0);
+  std::printf("readers during rewrites: %d opens, %d refused (replaced while read five times), %d mixed\n", opened,
+              refused, mixed);
 }
 
 // ------------------------------------------------------------- packed cache
