@@ -28,5 +28,7 @@ for t in $targets; do
     echo "kt_fuzz_$t failed; the log is $fuzz/fuzz-$t.log" >&2
     exit 1
   }
-  grep -E "^#[0-9]+ +DONE|stat::number_of_executed_units|stat::peak_rss_mb" "$fuzz/fuzz-$t.log" || tail -3 "$fuzz/fuzz-$t.log"
+  # The coverage reached (cov: edges, ft: features, corp: corpus) and the runs.
+  grep -E "cov: " "$fuzz/fuzz-$t.log" | tail -1
+  grep -E "^Done [0-9]+ runs" "$fuzz/fuzz-$t.log" || tail -3 "$fuzz/fuzz-$t.log"
 done
