@@ -566,7 +566,10 @@ KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
 
 /* Writes moe's packed weights, biases and loaded flags to path (borrowed):
  * to a temporary file in the same directory, fsync'ed and renamed over path,
- * so path holds the old file or the whole new one. Experts never loaded are
+ * so path holds the old file or the whole new one, also when the writer is
+ * killed or the disk is full (KT_ERR_IO naming the call and path). The
+ * temporaries of writers that died are removed by the next save to the same
+ * path. Experts never loaded are
  * stored as zeros and flagged not loaded; the skipped mask is the host's
  * routing setting and is not stored. At least one expert must be loaded
  * (KT_ERR_NOT_LOADED otherwise). Serialised with the layer's compute calls. */
@@ -596,7 +599,13 @@ KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flag
  * JSON, dtype/shape/byte-size agreement, offsets inside the file, no
  * overlaps; index entries must name files inside the directory, no
  * absolute paths, no "..", no symlink leading out). File and format errors
- * are KT_ERR_IO with a message naming the file and the tensor.
+ * are KT_ERR_IO with a message naming the call, the file and the tensor.
+ * Anything that is not a regular file (a FIFO, a device, a directory) is
+ * refused with KT_ERR_IO without blocking on it, here and in
+ * kt_moe_load_packed. Every file of one checkpoint (config.json, index,
+ * shards) is opened relative to one handle of the directory, so a reader
+ * sees one version of a directory that a kt writer replaces meanwhile
+ * (below), never files of two.
  *
  * Thread safety: a kt_ckpt does not change after kt_ckpt_open; every call
  * taking a const kt_ckpt* may run concurrently with the others from any
@@ -747,10 +756,29 @@ KT_API kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_t
 /* The tensor called name; KT_ERR_IO when the checkpoint has none. */
 KT_API kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_tensor* tensor);
 
-/* ---- writers. Every file is written to a temporary name in its directory,
- * fsync'ed and renamed; an index is renamed last, so a reader sees the old
- * checkpoint or the new one, never a mix. The directory is created when
- * missing. */
+/* ---- writers. A writer publishes its output directory in one atomic
+ * step, so a reader (kt, PEFT, transformers) sees the old output or the
+ * whole new one, never a mix, whatever happens to the writer (killed, disk
+ * full). The rule, for kt_ckpt_write_experts, kt_ckpt_adapter_write and
+ * `kt convert`:
+ * - the new version is built in a fresh sibling directory
+ *   ".<dir>.kt-new.<pid>.<n>" (every file fsync'ed), then swapped with dir
+ *   by renameat2(RENAME_EXCHANGE) (a rename when dir does not exist; it and
+ *   its parents are created), and the old version is removed. dir keeps its
+ *   path and its flat layout (adapter_config.json and
+ *   adapter_model.safetensors at the top, as PEFT loads them). dir's parent
+ *   must be writable; a symlink to a directory stays a link to the new one.
+ * - dir is replaced as a whole: the names the call owns (listed at each
+ *   writer) come from the new version; every other entry of the old dir (a
+ *   README, a tokenizer, subdirectories) is carried over as a hard link (a
+ *   copy where links are refused). A process whose working directory is
+ *   inside dir keeps the old one.
+ * - every argument (shapes, names, UTF-8 of strings) is checked before the
+ *   first byte is written; any failure, a full disk included (KT_ERR_IO
+ *   naming the call and the path), leaves the old dir as it was.
+ * - staging directories of writers that died are removed by the next writer
+ *   of the same dir. On file systems without RENAME_EXCHANGE the swap is two
+ *   renames, between which dir is briefly absent (never mixed). */
 
 typedef struct kt_ckpt_write_options {
   size_t struct_size;
@@ -782,8 +810,9 @@ typedef struct kt_ckpt_layer_args {
  * the Mixtral names), biases as ....{proj}.bias; plus config.json when
  * options->config_json is set. Shards fill up to max_shard_bytes (a larger
  * tensor gets a shard of its own); one shard is written as model.safetensors.
- * Every argument is checked before the first file is written. options may be
- * NULL (defaults). */
+ * Owns (replaces) model.safetensors, model.safetensors.index.json,
+ * model-*-of-*.safetensors, and config.json when options->config_json is set
+ * (else an existing config.json is kept). options may be NULL (defaults). */
 KT_API kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* options,
                                        const kt_ckpt_layer_args* layers, size_t num_layers);
 
@@ -810,18 +839,24 @@ static inline void kt_ckpt_adapter_config_init(kt_ckpt_adapter_config* config) {
 
 /* Writes an adapter into dir from each layer's LoRA tensors: LORA_A_{p}
  * [E,r,in] and LORA_B_{p} [E,out,r] (fp32|bf16) for every targeted p.
+ * Owns adapter_config.json and adapter_model.safetensors, published
+ * together. config->base_model must be UTF-8 (KT_ERR_INVALID_ARGUMENT).
  * Tensors borrowed for the call. */
 KT_API kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* config,
                                        const kt_ckpt_layer_args* layers, size_t num_layers);
 
 /* Reads adapter_config.json of dir into *config (rank, alpha, use_rslora,
  * targets, layout; dtype of the stored tensors; base_model set to NULL), up to
- * config->struct_size bytes (set it with kt_ckpt_adapter_config_init). */
+ * config->struct_size bytes (set it with kt_ckpt_adapter_config_init).
+ * config NULL: KT_ERR_NULL_POINTER, before any file is read. */
 KT_API kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* config);
 
 /* Copies layer L's LoRA factors of the adapter in dir into host tensors:
  * LORA_A_{p} [E,r,in], LORA_B_{p} [E,out,r] (fp32|bf16), any subset of the
- * adapter's targets. Written by the call; nothing is written on failure. */
+ * adapter's targets. Written by the call; nothing is written on failure.
+ * A layer or projection the adapter lacks: KT_ERR_INVALID_ARGUMENT; a
+ * destination whose E, r, in or out differ from the stored tensors:
+ * KT_ERR_SHAPE; a broken file: KT_ERR_IO. */
 KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_arg* args,
                                       size_t num_args);
 

@@ -1,4 +1,5 @@
-// kt: the command-line tool. Uses only the public C ABI of libkt.
+// kt: the command-line tool. Uses only the public C ABI of libkt, plus the
+// POSIX publishing helper of src/io (io/publish.h) compiled in, for kt convert.
 //   kt info DIR [--json]        what a checkpoint holds: MoE layers, shapes, formats
 //   kt demo [--json] [--keep DIR]
 //                               writes a small synthetic checkpoint, loads a layer
@@ -15,6 +16,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <memory>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -22,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
+#include "io/publish.h"
 #include "kt_c_api.h"
 
 namespace {
@@ -388,51 +392,6 @@ int cmd_demo(bool json, const std::string& keep_dir) {
 
 // ----------------------------------------------------------------- convert
 
-// Writes text to path through a temporary file, fsync and rename, so a reader
-// sees the old manifest or the new one.
-bool write_file_atomic(const std::string& path, const std::string& text, std::string* error) {
-  const std::string temp = path + ".tmp." + std::to_string(getpid());
-  const int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    *error = temp + ": cannot create: " + std::strerror(errno);
-    return false;
-  }
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t n = write(fd, text.data() + done, text.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      *error = temp + ": write failed: " + std::strerror(errno);
-      close(fd);
-      unlink(temp.c_str());
-      return false;
-    }
-    done += static_cast<size_t>(n);
-  }
-  if (fsync(fd) != 0 || close(fd) != 0 || rename(temp.c_str(), path.c_str()) != 0) {
-    *error = path + ": cannot write: " + std::strerror(errno);
-    unlink(temp.c_str());
-    return false;
-  }
-  const std::string dir = path.substr(0, path.rfind('/') == std::string::npos ? 0 : path.rfind('/'));
-  const int dfd = open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    fsync(dfd);
-    close(dfd);
-  }
-  return true;
-}
-
-bool make_directories(const std::string& dir) {
-  for (size_t at = 1; at <= dir.size(); ++at) {
-    if (at != dir.size() && dir[at] != '/') continue;
-    const std::string part = dir.substr(0, at);
-    if (mkdir(part.c_str(), 0755) != 0 && errno != EEXIST) return false;
-  }
-  struct stat st;
-  return stat(dir.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
 // "3,5,7" -> {3, 5, 7}; false on anything else.
 bool parse_layer_list(const std::string& text, std::vector<int64_t>* out) {
   size_t at = 0;
@@ -465,6 +424,18 @@ void draw_progress(int64_t done, int64_t total, void* user) {
                p->index + 1, p->count, filled, "##############################", width - filled, "",
                static_cast<long long>(done), static_cast<long long>(total));
   std::fflush(stderr);
+}
+
+// The names kt convert writes in OUT: manifest.json and layer-<L>.ktpack.
+bool is_packed_cache_name(const std::string& name) {
+  if (name == "manifest.json") return true;
+  const std::string head = "layer-", tail = ".ktpack";
+  if (name.size() <= head.size() + tail.size() || name.compare(0, head.size(), head) != 0 ||
+      name.compare(name.size() - tail.size(), tail.size(), tail) != 0)
+    return false;
+  for (size_t i = head.size(); i < name.size() - tail.size(); ++i)
+    if (name[i] < '0' || name[i] > '9') return false;
+  return true;
 }
 
 int64_t file_size(const std::string& path) {
@@ -517,9 +488,15 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
                  static_cast<long long>(li.layer), kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype));
     return 1;
   }
-  if (!make_directories(out)) {
+  // OUT is replaced as a whole (kt/io/publish.h): the layer files and the
+  // manifest are written into a new version next to it, which is swapped in
+  // last, so a reader sees the old packed cache or the new one, never a mix.
+  std::unique_ptr<kt::io::StagedDir> staged;
+  try {
+    staged.reset(new kt::io::StagedDir(out, kt::io::owned_with_temporaries(is_packed_cache_name)));
+  } catch (const kt::Error& e) {
     kt_ckpt_close(ck);
-    std::fprintf(stderr, "kt convert: %s: cannot create the directory: %s\n", out.c_str(), std::strerror(errno));
+    std::fprintf(stderr, "kt convert: %s\n", e.what());
     return 1;
   }
   kt_engine* engine = nullptr;
@@ -539,7 +516,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     kt_moe_options mo;
     kt_moe* moe = nullptr;
     const std::string name = "layer-" + std::to_string(li.layer) + ".ktpack";
-    const std::string path = out + "/" + name;
+    const std::string path = staged->file(name);
     kt_moe_options_init(&mo);
     if ((st = kt_ckpt_moe_options(ck, li.layer, &mo)) == KT_OK) {
       mo.max_tokens = 1;  // the layer only packs and saves: keep its workspaces small
@@ -580,9 +557,13 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
                          ",\n  \"bytes\": " + std::to_string(total_bytes) + ",\n  \"layers\": [" + entries +
                          (layers.empty() ? "" : "\n  ") + "]\n}\n";
   kt_ckpt_close(ck);
-  std::string error;
-  if (!write_file_atomic(out + "/manifest.json", manifest, &error)) {
-    std::fprintf(stderr, "kt convert: %s\n", error.c_str());
+  try {
+    kt::io::AtomicFile f(staged->file("manifest.json"), kt::io::AtomicFile::kCreate);
+    f.write(manifest.data(), manifest.size());
+    f.commit();
+    staged->publish();
+  } catch (const kt::Error& e) {
+    std::fprintf(stderr, "kt convert: %s\n", e.what());
     return 1;
   }
   if (json) {

@@ -108,16 +108,20 @@ kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt) {
   return guarded(w, [&] {
     check_path(dir, w, "dir");
     check(ckpt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": ckpt is NULL");
-    std::unique_ptr<kt_ckpt> c(new kt_ckpt);
-    c->tensors.reset(new kt::io::TensorSet(dir));
-    const std::string config_path = std::string(dir) + "/config.json";
-    const std::string config = kt::io::file_exists(config_path) ? kt::io::read_text_file(config_path) : "";
-    c->model = kt::io::detect_layout(*c->tensors, config, dir);
-    for (const auto& kv : c->tensors->tensors()) {
-      c->by_index.push_back(&kv);
-      c->total_bytes += static_cast<int64_t>(kv.second.entry->nbytes());
-    }
-    *ckpt = kt::handle_value<kt_ckpt>(kt::add_handle(kt::HandleKind::kCkpt, std::shared_ptr<kt_ckpt>(std::move(c))));
+    // Every file from one version of the directory (see kt::io::DirHandle).
+    std::unique_ptr<kt_ckpt> opened =
+        kt::io::read_consistent(dir, [&](std::shared_ptr<const kt::io::DirHandle> d) {
+          std::unique_ptr<kt_ckpt> c(new kt_ckpt);
+          c->tensors.reset(new kt::io::TensorSet(d));
+          const std::string config = d->has("config.json") ? kt::io::read_text_file(*d, "config.json") : "";
+          c->model = kt::io::detect_layout(*c->tensors, config, dir);
+          for (const auto& kv : c->tensors->tensors()) {
+            c->by_index.push_back(&kv);
+            c->total_bytes += static_cast<int64_t>(kv.second.entry->nbytes());
+          }
+          return c;
+        });
+    *ckpt = kt::handle_value<kt_ckpt>(kt::add_handle(kt::HandleKind::kCkpt, std::shared_ptr<kt_ckpt>(std::move(opened))));
   });
 }
 
@@ -295,6 +299,9 @@ kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* c
   const char* w = "kt_ckpt_adapter_read_config";
   return guarded(w, [&] {
     check_path(dir, w, "dir");
+    check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL");
+    check(config->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+          std::string(w) + ": config->struct_size is not set");
     kt_ckpt_adapter_config c;
     kt::io::read_adapter_config(dir, &c);
     kt::write_sized(config, c, w, "config");

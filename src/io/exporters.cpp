@@ -105,6 +105,49 @@ void need_shape(const View& v, std::initializer_list<int64_t> shape, const char*
 
 const char* kProjWord[3] = {"gate", "up", "down"};
 
+// "model-00001-of-00003.safetensors" and the like (any digit counts).
+bool is_shard_name(const std::string& n) {
+  const std::string head = "model-", mid = "-of-", tail = ".safetensors";
+  if (n.size() <= head.size() + mid.size() + tail.size() || n.compare(0, head.size(), head) != 0 ||
+      n.compare(n.size() - tail.size(), tail.size(), tail) != 0)
+    return false;
+  const std::string core = n.substr(head.size(), n.size() - head.size() - tail.size());
+  const size_t m = core.find(mid);
+  if (m == std::string::npos || m == 0 || m + mid.size() == core.size()) return false;
+  for (size_t i = 0; i < core.size(); ++i)
+    if ((i < m || i >= m + mid.size()) && (core[i] < '0' || core[i] > '9')) return false;
+  return true;
+}
+
+// Whether s is well-formed UTF-8 (JSON text must be).
+bool valid_utf8(const char* s) {
+  const unsigned char* p = reinterpret_cast<const unsigned char*>(s);
+  while (*p) {
+    int extra = 0;
+    uint32_t cp = 0;
+    if (*p < 0x80) {
+      ++p;
+      continue;
+    } else if ((*p & 0xE0) == 0xC0) {
+      extra = 1, cp = *p & 0x1F;
+    } else if ((*p & 0xF0) == 0xE0) {
+      extra = 2, cp = *p & 0x0F;
+    } else if ((*p & 0xF8) == 0xF0) {
+      extra = 3, cp = *p & 0x07;
+    } else {
+      return false;
+    }
+    ++p;
+    for (int i = 0; i < extra; ++i, ++p) {
+      if ((*p & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (*p & 0x3F);
+    }
+    static const uint32_t kMin[4] = {0, 0x80, 0x800, 0x10000};
+    if (cp < kMin[extra] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const kt_ckpt_layer_args* layers,
@@ -173,29 +216,34 @@ void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const
     current += n;
     shards.back().push_back(std::move(t));
   }
-  ensure_directory(dir);
+  // Names, sizes and texts are settled: now the new version is built next to
+  // dir and swapped in as a whole.
+  const bool with_config = !config_text.empty();
+  StagedDir staged(dir, owned_with_temporaries([with_config](const std::string& name) {
+    return name == "model.safetensors" || name == "model.safetensors.index.json" || is_shard_name(name) ||
+           (with_config && name == "config.json");
+  }));
   const std::map<std::string, std::string> meta = {{"format", "pt"}};
-  if (!config_text.empty()) write_text_atomic(dir + "/config.json", config_text);
-  const std::string index_path = dir + "/model.safetensors.index.json";
+  if (with_config) write_text(staged.file("config.json"), config_text, AtomicFile::kCreate);
   if (shards.size() == 1) {
-    write_safetensors_atomic(dir + "/model.safetensors", std::move(shards[0]), meta);
-    ::unlink(index_path.c_str());  // a stale index would shadow the new file
-    return;
-  }
-  json weight_map = json::object();
-  uint64_t total = 0;
-  const size_t n = shards.size();
-  for (size_t i = 0; i < n; ++i) {
-    char name[64];
-    std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, n);
-    for (const auto& t : shards[i]) {
-      weight_map[t.name] = name;
-      total += t.nbytes();
+    write_safetensors(staged.file("model.safetensors"), std::move(shards[0]), meta, AtomicFile::kCreate);
+  } else {
+    json weight_map = json::object();
+    uint64_t total = 0;
+    const size_t n = shards.size();
+    for (size_t i = 0; i < n; ++i) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", i + 1, n);
+      for (const auto& t : shards[i]) {
+        weight_map[t.name] = name;
+        total += t.nbytes();
+      }
+      write_safetensors(staged.file(name), std::move(shards[i]), meta, AtomicFile::kCreate);
     }
-    write_safetensors_atomic(dir + "/" + name, std::move(shards[i]), meta);
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    write_text(staged.file("model.safetensors.index.json"), index.dump(2) + "\n", AtomicFile::kCreate);
   }
-  json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-  write_text_atomic(index_path, index.dump(2) + "\n");
+  staged.publish();
 }
 
 namespace {
@@ -220,6 +268,8 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, cons
         w + ": config->targets must be a non-empty set of KT_PROJ_* bits");
   check_naming(c.layout, where, "config->layout");
   const kt_ckpt_dtype dt = checked_store_dtype(c.dtype, false, where, "config->dtype");
+  check(c.base_model == nullptr || valid_utf8(c.base_model), KT_ERR_INVALID_ARGUMENT,
+        w + ": config->base_model is not valid UTF-8 text");
   const int64_t r = c.rank;
   std::vector<TensorToWrite> all;
   for (size_t li = 0; li < num_layers; ++li) {
@@ -286,117 +336,144 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, cons
                  {"fan_in_fan_out", false},
                  {"inference_mode", true},
                  {"modules_to_save", nullptr}};
-  ensure_directory(dir);
-  write_safetensors_atomic(dir + "/adapter_model.safetensors", std::move(all), {{"format", "pt"}});
-  write_text_atomic(dir + "/adapter_config.json", config.dump(2) + "\n");
+  const std::string config_text = config.dump(2) + "\n";
+  // The pair is published together: built next to dir, swapped in as a whole.
+  StagedDir staged(dir, owned_with_temporaries([](const std::string& name) {
+    return name == "adapter_model.safetensors" || name == "adapter_config.json";
+  }));
+  write_safetensors(staged.file("adapter_model.safetensors"), std::move(all), {{"format", "pt"}}, AtomicFile::kCreate);
+  write_text(staged.file("adapter_config.json"), config_text, AtomicFile::kCreate);
+  staged.publish();
 }
 
 void read_adapter_config(const std::string& dir, kt_ckpt_adapter_config* out) {
-  const std::string path = dir + "/adapter_config.json";
-  json j = json::parse(read_text_file(path), nullptr, false);
-  if (j.is_discarded() || !j.is_object()) fail(KT_ERR_IO, path + ": not a JSON object");
-  if (!j.contains("peft_type") || j["peft_type"] != "LORA") fail(KT_ERR_IO, path + ": peft_type is not \"LORA\"");
-  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1 || j["r"].get<int64_t>() > 1024)
-    fail(KT_ERR_IO, path + ": r missing or not an integer in [1, 1024]");
-  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) fail(KT_ERR_IO, path + ": lora_alpha missing or not a number");
-  std::string targets;
-  if (j.contains("target_modules") && j["target_modules"].is_string()) {
-    targets = j["target_modules"].get<std::string>();
-  } else if (j.contains("target_modules") && j["target_modules"].is_array()) {
-    for (const auto& t : j["target_modules"])
-      if (t.is_string()) targets += t.get<std::string>() + " ";
-  } else {
-    fail(KT_ERR_IO, path + ": target_modules missing");
-  }
-  kt_ckpt_adapter_config c;
-  kt_ckpt_adapter_config_init(&c);
-  c.rank = j["r"].get<int64_t>();
-  c.alpha = j["lora_alpha"].get<float>();
-  c.use_rslora = j.contains("use_rslora") && j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
-  const bool mixtral = targets.find("w1") != std::string::npos || targets.find("w2") != std::string::npos ||
-                       targets.find("w3") != std::string::npos;
-  c.layout = mixtral ? KT_CKPT_LAYOUT_MIXTRAL : KT_CKPT_LAYOUT_PER_EXPERT;
-  static const char* kHf[3] = {"gate_proj", "up_proj", "down_proj"};
-  static const char* kMx[3] = {"w1", "w3", "w2"};
-  c.targets = 0;
-  for (int p = 0; p < 3; ++p)
-    if (targets.find(mixtral ? kMx[p] : kHf[p]) != std::string::npos) c.targets |= 1u << p;
-  if (c.targets == 0) fail(KT_ERR_IO, path + ": target_modules names no expert projection");
-  TensorSet ts(dir);
-  c.dtype = KT_CKPT_DTYPE_F32;
-  for (const auto& kv : ts.tensors())
-    if (kv.first.find(".lora_A.") != std::string::npos) {
-      c.dtype = kv.second.entry->dtype;
-      break;
+  // The config and the tensors from one version of the directory.
+  *out = read_consistent(dir, [&](std::shared_ptr<const DirHandle> d) {
+    const std::string path = d->label("adapter_config.json");
+    json j = json::parse(read_text_file(*d, "adapter_config.json"), nullptr, false);
+    if (j.is_discarded() || !j.is_object()) fail(KT_ERR_IO, path + ": not a JSON object");
+    if (!j.contains("peft_type") || j["peft_type"] != "LORA") fail(KT_ERR_IO, path + ": peft_type is not \"LORA\"");
+    if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1 || j["r"].get<int64_t>() > 1024)
+      fail(KT_ERR_IO, path + ": r missing or not an integer in [1, 1024]");
+    if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number())
+      fail(KT_ERR_IO, path + ": lora_alpha missing or not a number");
+    std::string targets;
+    if (j.contains("target_modules") && j["target_modules"].is_string()) {
+      targets = j["target_modules"].get<std::string>();
+    } else if (j.contains("target_modules") && j["target_modules"].is_array()) {
+      for (const auto& t : j["target_modules"])
+        if (t.is_string()) targets += t.get<std::string>() + " ";
+    } else {
+      fail(KT_ERR_IO, path + ": target_modules missing");
     }
-  c.base_model = nullptr;
-  *out = c;
+    kt_ckpt_adapter_config c;
+    kt_ckpt_adapter_config_init(&c);
+    c.rank = j["r"].get<int64_t>();
+    c.alpha = j["lora_alpha"].get<float>();
+    c.use_rslora = j.contains("use_rslora") && j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
+    const bool mixtral = targets.find("w1") != std::string::npos || targets.find("w2") != std::string::npos ||
+                         targets.find("w3") != std::string::npos;
+    c.layout = mixtral ? KT_CKPT_LAYOUT_MIXTRAL : KT_CKPT_LAYOUT_PER_EXPERT;
+    static const char* kHf[3] = {"gate_proj", "up_proj", "down_proj"};
+    static const char* kMx[3] = {"w1", "w3", "w2"};
+    c.targets = 0;
+    for (int p = 0; p < 3; ++p)
+      if (targets.find(mixtral ? kMx[p] : kHf[p]) != std::string::npos) c.targets |= 1u << p;
+    if (c.targets == 0) fail(KT_ERR_IO, path + ": target_modules names no expert projection");
+    TensorSet ts(d);
+    c.dtype = KT_CKPT_DTYPE_F32;
+    for (const auto& kv : ts.tensors())
+      if (kv.first.find(".lora_A.") != std::string::npos) {
+        c.dtype = kv.second.entry->dtype;
+        break;
+      }
+    c.base_model = nullptr;
+    return c;
+  });
 }
 
 void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, size_t num_args, const char* where) {
   const std::string w = where;
   check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, w + ": args is NULL");
   check(layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": layer must be >= 0");
-  TensorSet ts(dir);
   kt_ckpt_layer_args L{layer, args, num_args};
-  auto views = collect(L, {KT_ARG_LORA_A_GATE, KT_ARG_LORA_B_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_B_UP,
-                           KT_ARG_LORA_A_DOWN, KT_ARG_LORA_B_DOWN},
-                       {DType::kF32, DType::kBF16}, where, "layer " + std::to_string(layer));
-  // The key naming is the one whose expert 0 exists.
-  kt_ckpt_layout naming = KT_CKPT_LAYOUT_PER_EXPERT;
-  bool found = false;
-  for (kt_ckpt_layout l : {KT_CKPT_LAYOUT_PER_EXPERT, KT_CKPT_LAYOUT_MIXTRAL})
-    for (int p = 0; p < 3 && !found; ++p)
-      if (ts.find(adapter_key(l, layer, 0, p, true))) {
-        naming = l;
-        found = true;
+  const auto views = collect(L, {KT_ARG_LORA_A_GATE, KT_ARG_LORA_B_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_B_UP,
+                                 KT_ARG_LORA_A_DOWN, KT_ARG_LORA_B_DOWN},
+                             {DType::kF32, DType::kBF16}, where, "layer " + std::to_string(layer));
+  read_consistent(dir, [&](std::shared_ptr<const DirHandle> d) {
+    TensorSet ts(d);
+    // The key naming is the one whose expert 0 exists.
+    kt_ckpt_layout naming = KT_CKPT_LAYOUT_PER_EXPERT;
+    bool found = false;
+    for (kt_ckpt_layout l : {KT_CKPT_LAYOUT_PER_EXPERT, KT_CKPT_LAYOUT_MIXTRAL})
+      for (int p = 0; p < 3 && !found; ++p)
+        if (ts.find(adapter_key(l, layer, 0, p, true))) {
+          naming = l;
+          found = true;
+        }
+    // Messages name the one file, or the directory of an indexed adapter.
+    const std::string file = ts.files().size() == 1 ? ts.files().front()->path() : ts.dir();
+    if (!found)
+      fail(KT_ERR_INVALID_ARGUMENT, w + ": " + file + " holds no LoRA tensors of layer " + std::to_string(layer));
+    struct Copy {
+      const TensorRef* src;
+      View dst;
+      int64_t e;
+    };
+    std::vector<Copy> copies;
+    for (const auto& kv : views) {
+      int p = -1;
+      bool a = false;
+      for (int q = 0; q < 3; ++q) {
+        if (kv.first == kLoraA[q]) p = q, a = true;
+        if (kv.first == kLoraB[q]) p = q;
       }
-  const std::string file = ts.files().front()->path();
-  if (!found) fail(KT_ERR_IO, file + ": holds no LoRA tensors of layer " + std::to_string(layer));
-  struct Copy {
-    const TensorRef* src;
-    View dst;
-    int64_t e;
-  };
-  std::vector<Copy> copies;
-  for (const auto& kv : views) {
-    int p = -1;
-    bool a = false;
-    for (int q = 0; q < 3; ++q) {
-      if (kv.first == kLoraA[q]) p = q, a = true;
-      if (kv.first == kLoraB[q]) p = q;
-    }
-    const View& v = kv.second;
-    check(v.ndim == 3, KT_ERR_SHAPE, w + ": LoRA " + (a ? "A" : "B") + " of " + kProjWord[p] + " must be rank 3");
-    for (int64_t e = 0; e < v.shape[0]; ++e) {
-      const std::string key = adapter_key(naming, layer, e, p, a);
-      const TensorRef* t = ts.find(key);
-      if (!t) fail(KT_ERR_IO, file + ": tensor '" + key + "' is missing");
-      const auto& s = t->entry->shape;
-      const bool float_dt = t->entry->dtype == KT_CKPT_DTYPE_F32 || t->entry->dtype == KT_CKPT_DTYPE_BF16 ||
-                            t->entry->dtype == KT_CKPT_DTYPE_F16;
-      if (!float_dt || s.size() != 2 || s[0] != v.shape[1] || s[1] != v.shape[2])
-        fail(KT_ERR_IO, file + ": tensor '" + key + "' is " + kt_ckpt_dtype_name(t->entry->dtype) + " [" +
-                            (s.size() == 2 ? std::to_string(s[0]) + "," + std::to_string(s[1]) : "rank " + std::to_string(s.size())) +
-                            "], the destination wants a float [" + std::to_string(v.shape[1]) + "," +
-                            std::to_string(v.shape[2]) + "]");
-      copies.push_back(Copy{t, v, e});
-    }
-  }
-  for (const Copy& c : copies) {
-    const int64_t rows = c.dst.shape[1], cols = c.dst.shape[2];
-    const size_t ses = st_dtype_info(c.src->entry->dtype).size;
-    const kt_ckpt_dtype dd = from_dtype(c.dst.dtype);
-    for (int64_t r = 0; r < rows; ++r) {
-      const uint8_t* src = c.src->data + static_cast<size_t>(r * cols) * ses;
-      if (c.dst.strides[2] == 1) {
-        convert_elements(src, c.src->entry->dtype, c.dst.at(c.e, r, 0), dd, cols);
-      } else {
-        for (int64_t k = 0; k < cols; ++k)
-          convert_elements(src + static_cast<size_t>(k) * ses, c.src->entry->dtype, c.dst.at(c.e, r, k), dd, 1);
+      const View& v = kv.second;
+      check(v.ndim == 3, KT_ERR_SHAPE, w + ": LoRA " + (a ? "A" : "B") + " of " + kProjWord[p] + " must be rank 3");
+      for (int64_t e = 0; e < v.shape[0]; ++e) {
+        const std::string key = adapter_key(naming, layer, e, p, a);
+        const TensorRef* t = ts.find(key);
+        // Expert 0 of a projection missing: the adapter does not target it;
+        // a later expert missing: the destination has more experts than it.
+        if (!t && e == 0)
+          fail(KT_ERR_INVALID_ARGUMENT, w + ": " + file + ": tensor '" + key + "' is missing (layer " +
+                                            std::to_string(layer) + " has no LoRA " + (a ? "A" : "B") + " of " +
+                                            kProjWord[p] + ")");
+        if (!t)
+          fail(KT_ERR_SHAPE, w + ": " + file + ": tensor '" + key + "' is missing: the destination holds " +
+                                 std::to_string(v.shape[0]) + " experts, the adapter " + std::to_string(e));
+        const auto& s = t->entry->shape;
+        const bool float_dt = t->entry->dtype == KT_CKPT_DTYPE_F32 || t->entry->dtype == KT_CKPT_DTYPE_BF16 ||
+                              t->entry->dtype == KT_CKPT_DTYPE_F16;
+        const std::string stored = std::string(kt_ckpt_dtype_name(t->entry->dtype)) + " [" +
+                                   (s.size() == 2 ? std::to_string(s[0]) + "," + std::to_string(s[1])
+                                                  : "rank " + std::to_string(s.size())) +
+                                   "]";
+        if (!float_dt || s.size() != 2)
+          fail(KT_ERR_IO, w + ": " + file + ": tensor '" + key + "' is " + stored + ", not a float matrix");
+        if (s[0] != v.shape[1] || s[1] != v.shape[2])
+          fail(KT_ERR_SHAPE, w + ": " + file + ": tensor '" + key + "' is " + stored +
+                                 ", the destination wants [" + std::to_string(v.shape[1]) + "," +
+                                 std::to_string(v.shape[2]) + "]");
+        copies.push_back(Copy{t, v, e});
       }
     }
-  }
+    for (const Copy& c : copies) {
+      const int64_t rows = c.dst.shape[1], cols = c.dst.shape[2];
+      const size_t ses = st_dtype_info(c.src->entry->dtype).size;
+      const kt_ckpt_dtype dd = from_dtype(c.dst.dtype);
+      for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t* src = c.src->data + static_cast<size_t>(r * cols) * ses;
+        if (c.dst.strides[2] == 1) {
+          convert_elements(src, c.src->entry->dtype, c.dst.at(c.e, r, 0), dd, cols);
+        } else {
+          for (int64_t k = 0; k < cols; ++k)
+            convert_elements(src + static_cast<size_t>(k) * ses, c.src->entry->dtype, c.dst.at(c.e, r, k), dd, 1);
+        }
+      }
+    }
+    return 0;
+  });
 }
 
 }  // namespace io

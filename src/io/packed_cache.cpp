@@ -131,19 +131,20 @@ std::string shape_string(int64_t E, int64_t H, int64_t I, bool bias) {
 }  // namespace
 
 uint64_t hash64(const void* data, size_t n, uint64_t seed) {
-  const uint8_t* p = static_cast<const uint8_t*>(data);
-  const uint8_t* const end = p + n;
+  // Offsets, not pointer arithmetic: data may be NULL when n is 0 (an empty
+  // section), and no pointer may step past the end of the bytes.
+  static const uint8_t kNothing = 0;
+  const uint8_t* p = n == 0 ? &kNothing : static_cast<const uint8_t*>(data);
+  size_t i = 0;
   uint64_t h;
   if (n >= 32) {
     uint64_t v1 = seed + kP1 + kP2, v2 = seed + kP2, v3 = seed, v4 = seed - kP1;
-    const uint8_t* const limit = end - 32;
-    do {
-      v1 = round64(v1, read64(p));
-      v2 = round64(v2, read64(p + 8));
-      v3 = round64(v3, read64(p + 16));
-      v4 = round64(v4, read64(p + 24));
-      p += 32;
-    } while (p <= limit);
+    for (; n - i >= 32; i += 32) {
+      v1 = round64(v1, read64(p + i));
+      v2 = round64(v2, read64(p + i + 8));
+      v3 = round64(v3, read64(p + i + 16));
+      v4 = round64(v4, read64(p + i + 24));
+    }
     h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
     h = merge64(h, v1);
     h = merge64(h, v2);
@@ -153,12 +154,12 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
     h = seed + kP5;
   }
   h += static_cast<uint64_t>(n);
-  for (; p + 8 <= end; p += 8) h = rotl(h ^ round64(0, read64(p)), 27) * kP1 + kP4;
-  if (p + 4 <= end) {
-    h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * kP1), 23) * kP2 + kP3;
-    p += 4;
+  for (; n - i >= 8; i += 8) h = rotl(h ^ round64(0, read64(p + i)), 27) * kP1 + kP4;
+  if (n - i >= 4) {
+    h = rotl(h ^ (static_cast<uint64_t>(read32(p + i)) * kP1), 23) * kP2 + kP3;
+    i += 4;
   }
-  for (; p < end; ++p) h = rotl(h ^ (*p * kP5), 11) * kP1;
+  for (; i < n; ++i) h = rotl(h ^ (p[i] * kP5), 11) * kP1;
   h ^= h >> 33;
   h *= kP2;
   h ^= h >> 29;

@@ -10,9 +10,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <set>
-#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -246,64 +244,78 @@ std::map<std::string, std::string> parse_index(const std::string& text, const st
   return out;
 }
 
-MappedFile::MappedFile(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) io_fail(path + ": cannot open: " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
+namespace {
+
+// Opens name (relative to dirfd, or a path with AT_FDCWD) for reading and
+// refuses anything but a regular file. O_NONBLOCK: opening a FIFO must not
+// wait for a writer.
+int open_regular(int dirfd, const std::string& name, const std::string& label, struct stat* st) {
+  const int fd = ::openat(dirfd, name.c_str(), O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+  if (fd < 0) io_fail(label + ": cannot open: " + std::strerror(errno));
+  if (::fstat(fd, st) != 0) {
     const int err = errno;
     ::close(fd);
-    io_fail(path + ": cannot stat: " + std::strerror(err));
+    io_fail(label + ": cannot stat: " + std::strerror(err));
   }
-  if (!S_ISREG(st.st_mode)) {
+  if (!S_ISREG(st->st_mode)) {
     ::close(fd);
-    io_fail(path + ": not a regular file");
+    io_fail(label + ": not a regular file (" +
+            (S_ISFIFO(st->st_mode) ? "a FIFO" : S_ISDIR(st->st_mode) ? "a directory" : "a device or socket") + ")");
   }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ > 0) {
-    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED) {
+  return fd;
+}
+
+std::string read_all(int fd, const std::string& label, const struct stat& st) {
+  if (static_cast<uint64_t>(st.st_size) > kMaxHeaderBytes) {
+    ::close(fd);
+    io_fail(label + ": " + std::to_string(st.st_size) + " bytes, above the " + std::to_string(kMaxHeaderBytes) +
+            "-byte limit for a JSON file");
+  }
+  std::string out;
+  char buf[65536];
+  for (;;) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
       const int err = errno;
       ::close(fd);
-      io_fail(path + ": cannot map " + std::to_string(size_) + " bytes: " + std::strerror(err));
+      io_fail(label + ": read error: " + std::strerror(err));
     }
-    data_ = static_cast<const uint8_t*>(p);
+    if (n == 0) break;
+    out.append(buf, static_cast<size_t>(n));
+    if (out.size() > kMaxHeaderBytes) {
+      ::close(fd);
+      io_fail(label + ": grew above the " + std::to_string(kMaxHeaderBytes) + "-byte limit while read");
+    }
   }
   ::close(fd);
+  return out;
 }
 
-MappedFile::~MappedFile() {
-  if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+// The path a descriptor refers to now (its directory may have been renamed
+// since it was opened); "" when /proc cannot say.
+std::string fd_path(int fd) {
+  char buf[PATH_MAX + 1];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(link.c_str(), buf, PATH_MAX);
+  if (n <= 0) return "";
+  return std::string(buf, static_cast<size_t>(n));
 }
 
-SafetensorsFile::SafetensorsFile(const std::string& path)
-    : map_(path), header_(parse_safetensors(map_.data(), map_.size(), path)) {}
-
-bool file_exists(const std::string& path) {
-  struct stat st;
-  return ::stat(path.c_str(), &st) == 0;
-}
-
-std::string read_text_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) io_fail(path + ": cannot open: " + std::strerror(errno));
-  std::ostringstream s;
-  s << f.rdbuf();
-  if (f.bad()) io_fail(path + ": read error");
-  return s.str();
-}
-
-std::string resolve_inside(const std::string& dir, const std::string& name,
-                           const std::string& label) {
-  char* real_dir = ::realpath(dir.c_str(), nullptr);
-  if (!real_dir) io_fail(dir + ": cannot resolve directory: " + std::strerror(errno));
-  const std::string base = real_dir;
-  std::free(real_dir);
-  const std::string joined = dir + "/" + name;
-  char* real_file = ::realpath(joined.c_str(), nullptr);
-  if (!real_file) io_fail(label + ": file " + printable(name) + " (" + joined + "): " + std::strerror(errno));
-  const std::string resolved = real_file;
-  std::free(real_file);
+// Refuses a file of an index (opened as fd) that resolves outside dir:
+// absolute paths and ".." are refused by parse_index; this catches symlinks.
+void check_inside(const DirHandle& dir, int fd, const std::string& name, const std::string& label) {
+  std::string base = fd_path(dir.fd()), resolved = fd_path(fd);
+  if (base.empty() || resolved.empty()) {
+    char* real_dir = ::realpath(dir.path().c_str(), nullptr);
+    char* real_file = ::realpath(dir.label(name).c_str(), nullptr);
+    base = real_dir ? real_dir : "";
+    resolved = real_file ? real_file : "";
+    std::free(real_dir);
+    std::free(real_file);
+    if (base.empty() || resolved.empty())
+      io_fail(label + ": file " + printable(name) + " (" + dir.label(name) + "): cannot resolve its path");
+  }
   auto inside = [&](const std::string& root) {
     return resolved.size() > root.size() && resolved.compare(0, root.size(), root) == 0 &&
            (root == "/" || resolved[root.size()] == '/');
@@ -321,18 +333,111 @@ std::string resolve_inside(const std::string& dir, const std::string& name,
   if (!inside(base) && !hub_blob)
     io_fail(label + ": file " + printable(name) + " resolves to " + resolved +
             ", outside the checkpoint directory " + base);
-  return resolved;
 }
 
-TensorSet::TensorSet(const std::string& dir) : dir_(dir) {
-  const std::string index = dir + "/model.safetensors.index.json";
-  if (file_exists(index)) {
-    const std::map<std::string, std::string> weight_map = parse_index(read_text_file(index), index);
+}  // namespace
+
+DirHandle::DirHandle(const std::string& path) : path_(path) {
+  fd_ = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd_ < 0) {
+    const int err = errno;
+    io_fail(path + (err == ENOTDIR ? ": not a directory" : ": cannot open the directory: " + std::string(std::strerror(err))));
+  }
+  struct stat st;
+  if (::fstat(fd_, &st) == 0) {
+    dev_ = static_cast<uint64_t>(st.st_dev);
+    ino_ = static_cast<uint64_t>(st.st_ino);
+  }
+}
+
+DirHandle::~DirHandle() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool DirHandle::has(const std::string& name) const {
+  struct stat st;
+  return ::fstatat(fd_, name.c_str(), &st, 0) == 0;
+}
+
+bool DirHandle::still_current() const {
+  struct stat st;
+  return ::stat(path_.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_dev) == dev_ &&
+         static_cast<uint64_t>(st.st_ino) == ino_;
+}
+
+MappedFile::MappedFile(const std::string& path) : path_(path) {
+  struct stat st;
+  const int fd = open_regular(AT_FDCWD, path, path, &st);
+  map(fd);
+}
+
+MappedFile::MappedFile(const DirHandle& dir, const std::string& name, const std::string& listed_in)
+    : path_(dir.label(name)) {
+  struct stat st;
+  const std::string label = listed_in.empty() ? path_ : listed_in + ": file " + printable(name) + " (" + path_ + ")";
+  const int fd = open_regular(dir.fd(), name, label, &st);
+  if (!listed_in.empty()) {
+    // The containment check looks at the file actually opened.
+    try {
+      check_inside(dir, fd, name, listed_in);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  }
+  map(fd);
+}
+
+void MappedFile::map(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    io_fail(path_ + ": cannot stat: " + std::strerror(err));
+  }
+  size_ = static_cast<size_t>(st.st_size);
+  if (size_ > 0) {
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      io_fail(path_ + ": cannot map " + std::to_string(size_) + " bytes: " + std::strerror(err));
+    }
+    data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);
+}
+
+MappedFile::~MappedFile() {
+  if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+}
+
+SafetensorsFile::SafetensorsFile(std::unique_ptr<MappedFile> map)
+    : map_(std::move(map)), header_(parse_safetensors(map_->data(), map_->size(), map_->path())) {}
+
+std::string read_text_file(const std::string& path) {
+  struct stat st;
+  const int fd = open_regular(AT_FDCWD, path, path, &st);
+  return read_all(fd, path, st);
+}
+
+std::string read_text_file(const DirHandle& dir, const std::string& name) {
+  struct stat st;
+  const std::string label = dir.label(name);
+  const int fd = open_regular(dir.fd(), name, label, &st);
+  return read_all(fd, label, st);
+}
+
+TensorSet::TensorSet(std::shared_ptr<const DirHandle> dir) : dir_(std::move(dir)) {
+  const DirHandle& d = *dir_;
+  const std::string index_name = "model.safetensors.index.json";
+  const std::string index = d.label(index_name);
+  if (d.has(index_name)) {
+    const std::map<std::string, std::string> weight_map = parse_index(read_text_file(d, index_name), index);
     std::map<std::string, const SafetensorsFile*> by_name;
     for (const auto& kv : weight_map) {
       if (by_name.count(kv.second)) continue;
-      const std::string path = resolve_inside(dir, kv.second, index);
-      files_.emplace_back(new SafetensorsFile(path));
+      files_.emplace_back(new SafetensorsFile(std::unique_ptr<MappedFile>(new MappedFile(d, kv.second, index))));
       by_name[kv.second] = files_.back().get();
     }
     for (const auto& kv : weight_map) {
@@ -354,18 +459,14 @@ TensorSet::TensorSet(const std::string& dir) : dir_(dir) {
     return;
   }
   for (const char* single : {"model.safetensors", "adapter_model.safetensors"}) {
-    const std::string path = dir + "/" + single;
-    if (!file_exists(path)) continue;
-    files_.emplace_back(new SafetensorsFile(path));
+    if (!d.has(single)) continue;
+    files_.emplace_back(new SafetensorsFile(std::unique_ptr<MappedFile>(new MappedFile(d, single))));
     const SafetensorsFile* f = files_.back().get();
     for (const auto& t : f->header().tensors) tensors_[t.name] = TensorRef{&t, f, f->tensor_data(t)};
     return;
   }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    io_fail(dir + ": not a directory");
-  io_fail(dir + ": holds no model.safetensors.index.json, model.safetensors or "
-                "adapter_model.safetensors");
+  io_fail(d.path() + ": holds no model.safetensors.index.json, model.safetensors or "
+                     "adapter_model.safetensors");
 }
 
 const TensorRef* TensorSet::find(const std::string& name) const {
@@ -375,7 +476,7 @@ const TensorRef* TensorSet::find(const std::string& name) const {
 
 const TensorRef& TensorSet::get(const std::string& name) const {
   const TensorRef* r = find(name);
-  if (!r) io_fail(dir_ + ": tensor " + printable(name) + " is missing from the checkpoint");
+  if (!r) io_fail(dir_->path() + ": tensor " + printable(name) + " is missing from the checkpoint");
   return *r;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "kt_c_api.h"
 
 namespace kt {
@@ -55,10 +56,37 @@ ParsedHeader parse_safetensors(const uint8_t* bytes, size_t size, const std::str
 // each file name checked to be a plain relative path without "..".
 std::map<std::string, std::string> parse_index(const std::string& text, const std::string& label);
 
-// A read-only private mapping of a whole file.
+// A directory opened once. The files of one checkpoint are opened relative
+// to it, so a reader sees one version of a directory that a writer replaces
+// as a whole (io/publish.h), never files of two versions.
+class DirHandle {
+ public:
+  explicit DirHandle(const std::string& path);  // KT_ERR_IO when not a directory
+  ~DirHandle();
+  DirHandle(const DirHandle&) = delete;
+  DirHandle& operator=(const DirHandle&) = delete;
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+  std::string label(const std::string& name) const { return path_ + "/" + name; }
+  bool has(const std::string& name) const;  // an entry of that name exists (links followed)
+  // Whether path still names the directory opened (false once a writer has
+  // swapped a new version in).
+  bool still_current() const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+  uint64_t dev_ = 0, ino_ = 0;
+};
+
+// A read-only private mapping of a whole regular file. Anything else (a FIFO,
+// a device, a directory) is refused without blocking on it.
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path);
+  // listed_in: the index naming the file; when given, a file that resolves
+  // outside dir (a symlink out) is refused.
+  MappedFile(const DirHandle& dir, const std::string& name, const std::string& listed_in = "");
   ~MappedFile();
   MappedFile(const MappedFile&) = delete;
   MappedFile& operator=(const MappedFile&) = delete;
@@ -67,6 +95,7 @@ class MappedFile {
   const std::string& path() const { return path_; }
 
  private:
+  void map(int fd);
   std::string path_;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
@@ -75,16 +104,16 @@ class MappedFile {
 // One mapped and validated safetensors file.
 class SafetensorsFile {
  public:
-  explicit SafetensorsFile(const std::string& path);
-  const std::string& path() const { return map_.path(); }
+  explicit SafetensorsFile(std::unique_ptr<MappedFile> map);
+  const std::string& path() const { return map_->path(); }
   const ParsedHeader& header() const { return header_; }
   const uint8_t* tensor_data(const TensorEntry& t) const {
-    return map_.data() + header_.data_offset + t.begin;
+    return map_->data() + header_.data_offset + t.begin;
   }
-  uint64_t file_size() const { return map_.size(); }
+  uint64_t file_size() const { return map_->size(); }
 
  private:
-  MappedFile map_;
+  std::unique_ptr<MappedFile> map_;
   ParsedHeader header_;
 };
 
@@ -99,8 +128,9 @@ struct TensorRef {
 // (sharded), else model.safetensors, else adapter_model.safetensors.
 class TensorSet {
  public:
-  explicit TensorSet(const std::string& dir);
-  const std::string& dir() const { return dir_; }
+  explicit TensorSet(std::shared_ptr<const DirHandle> dir);
+  const std::string& dir() const { return dir_->path(); }
+  const DirHandle& handle() const { return *dir_; }
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
   // Sorted by name.
   const std::map<std::string, TensorRef>& tensors() const { return tensors_; }
@@ -108,19 +138,37 @@ class TensorSet {
   const TensorRef& get(const std::string& name) const;  // KT_ERR_IO when missing
 
  private:
-  std::string dir_;
+  std::shared_ptr<const DirHandle> dir_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, TensorRef> tensors_;
 };
 
-// Reads a whole (small) text file; KT_ERR_IO naming it on failure.
+// Reads a whole (small: at most kMaxHeaderBytes) regular file; KT_ERR_IO
+// naming it on failure, without blocking on a FIFO or device.
 std::string read_text_file(const std::string& path);
-bool file_exists(const std::string& path);
+std::string read_text_file(const DirHandle& dir, const std::string& name);
 
-// Resolves `name` (a plain relative file name from an index) inside `dir`
-// and refuses absolute paths, ".." and symlinks that lead outside `dir`.
-std::string resolve_inside(const std::string& dir, const std::string& name,
-                           const std::string& label);
+// Runs read(dir) on the directory at path, opened once, and gives its
+// result only if path still names that directory afterwards: a writer swaps
+// the new version in before it deletes the old one, so a read that overlapped
+// the deletion (where a file such as config.json may already be gone) is
+// noticed and made again on the new version. KT_ERR_IO after five tries.
+template <class F>
+auto read_consistent(const std::string& path, F&& read) {
+  constexpr int kTries = 5;
+  for (int attempt = 1;; ++attempt) {
+    auto dir = std::make_shared<const DirHandle>(path);
+    try {
+      auto result = read(dir);
+      if (dir->still_current()) return result;
+    } catch (const Error&) {
+      if (attempt >= kTries || dir->still_current()) throw;
+    }
+    if (attempt >= kTries)
+      fail(KT_ERR_IO, path + ": replaced by a writer while it was read, " + std::to_string(kTries) +
+                          " times in a row");
+  }
+}
 
 }  // namespace io
 }  // namespace kt

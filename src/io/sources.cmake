@@ -11,6 +11,7 @@ list(APPEND KT_CORE_SOURCES
   src/io/exporters.cpp
   src/io/layout.cpp
   src/io/packed_cache.cpp
+  src/io/publish.cpp
   src/io/safetensors.cpp
   src/io/writer.cpp
 )

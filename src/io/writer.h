@@ -1,6 +1,4 @@
-// Atomic file writers: each file goes to a temporary name in its directory,
-// is fsync'ed, then renamed over the final name (and the directory fsync'ed),
-// so readers see either the old file or the whole new one.
+// safetensors and text files through the publishing rules of io/publish.h.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "io/publish.h"
 #include "kt_c_api.h"
 
 namespace kt {
@@ -25,36 +24,13 @@ struct TensorToWrite {
 
 // Writes a safetensors file: tensors ordered by element size (largest first)
 // then name, so every tensor starts aligned to its element size; the data
-// area is contiguous, as the format's reference reader requires.
-void write_safetensors_atomic(const std::string& path, std::vector<TensorToWrite> tensors,
-                              const std::map<std::string, std::string>& metadata);
+// area is contiguous, as the format's reference reader requires. The header
+// is built (and every name checked) before the file is created.
+void write_safetensors(const std::string& path, std::vector<TensorToWrite> tensors,
+                       const std::map<std::string, std::string>& metadata,
+                       AtomicFile::Mode mode = AtomicFile::kReplace);
 
-void write_text_atomic(const std::string& path, const std::string& text);
-
-// A file written under a temporary name in its final directory; commit()
-// fsyncs it, renames it into place and fsyncs the directory. Destroyed
-// uncommitted, the temporary file is removed and the final name untouched.
-class AtomicFile {
- public:
-  explicit AtomicFile(const std::string& final_path);
-  ~AtomicFile();
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-
-  void write(const void* data, size_t n);
-  void write_zeros(size_t n);
-  uint64_t bytes_written() const { return written_; }
-  void commit();
-
- private:
-  std::string final_, temp_;
-  int fd_ = -1;
-  bool committed_ = false;
-  uint64_t written_ = 0;
-};
-
-// Creates dir (and its parents) when missing; KT_ERR_IO naming it otherwise.
-void ensure_directory(const std::string& dir);
+void write_text(const std::string& path, const std::string& text, AtomicFile::Mode mode = AtomicFile::kReplace);
 
 }  // namespace io
 }  // namespace kt

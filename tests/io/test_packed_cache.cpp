@@ -415,7 +415,12 @@ TEST_F(PackedCache, BadCachesAreRefusedAndTheLayerStaysAsItWas) {
   EXPECT_EQ(kt_moe_load_packed(victim, good.c_str(), 0x80u), KT_ERR_INVALID_ARGUMENT);
   EXPECT_EQ(kt_moe_load_packed(victim, dir_.c_str(), 0), KT_ERR_IO);
   EXPECT_EQ(kt_moe_save_packed(victim, ""), KT_ERR_INVALID_ARGUMENT);
-  EXPECT_EQ(kt_moe_save_packed(victim, (dir_ + "/no/such/dir/x.ktpack").c_str()), KT_ERR_IO);
+  const std::string unwritable = dir_ + "/no/such/dir/x.ktpack";
+  EXPECT_EQ(kt_moe_save_packed(victim, unwritable.c_str()), KT_ERR_IO);
+  // The message names the call and the destination, not a temporary name.
+  const std::string msg = kt_last_error();
+  EXPECT_EQ(msg.rfind("kt_moe_save_packed: " + unwritable + ": cannot create a temporary file in ", 0), 0u) << msg;
+  EXPECT_EQ(msg.find(".tmp."), std::string::npos) << msg;
 }
 
 #ifdef KT_CLI_PATH

@@ -18,6 +18,13 @@ TEST(PackedHash, KnownAnswers) {
   EXPECT_EQ(of("Nobody inspects the spammish repetition"), 0xFBCEA83C8A378BF1ull);
 }
 
+// An empty section (a layer without biases) hashes NULL with length 0: the
+// empty-input answer, with no arithmetic on the null pointer (UBSan).
+TEST(PackedHash, NullWithZeroLengthIsTheEmptyInput) {
+  EXPECT_EQ(kt::io::hash64(nullptr, 0), 0xEF46DB3751D8E999ull);
+  EXPECT_EQ(kt::io::hash64(nullptr, 0, 7), kt::io::hash64("", 0, 7));
+}
+
 TEST(PackedHash, EveryByteMatters) {
   std::string s(1000, 'x');
   const uint64_t h = of(s);

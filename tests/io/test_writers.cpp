@@ -3,9 +3,15 @@
 // computes what the source tensors compute.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -270,14 +276,28 @@ TEST_F(Writers, AdapterRoundTripIsExact) {
       EXPECT_TRUE(same_bytes(*got.b[p], *lora[static_cast<size_t>(l)].b[p])) << "layer " << l << " proj " << p;
     }
   }
-  // A layer the adapter does not have, and a rank that does not match.
+  // A layer the adapter does not have is an argument error; a rank or an
+  // expert count that does not match the destination is a shape error (the
+  // file is fine). Each names the call; nothing is written.
   TensorPtr a3 = Tensor::make(kt_test::kF32, {E, r + 1, H});
   kt_arg one = {KT_ARG_LORA_A_GATE, a3->dl()};
-  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 3, &one, 1), KT_ERR_IO);
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 3, &one, 1), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_EQ(std::string(kt_last_error()).rfind("kt_ckpt_adapter_read: ", 0), 0u) << kt_last_error();
   EXPECT_NE(std::string(kt_last_error()).find("layer 3"), std::string::npos) << kt_last_error();
-  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &one, 1), KT_ERR_IO);
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &one, 1), KT_ERR_SHAPE);
+  EXPECT_EQ(std::string(kt_last_error()).rfind("kt_ckpt_adapter_read: ", 0), 0u) << kt_last_error();
   EXPECT_NE(std::string(kt_last_error()).find("experts.0.gate_proj.lora_A.weight"), std::string::npos) << kt_last_error();
+  EXPECT_NE(std::string(kt_last_error()).find("wants [5,32]"), std::string::npos) << kt_last_error();
   for (int64_t i = 0; i < a3->numel(); ++i) ASSERT_EQ(a3->get(i), 0.0);
+  TensorPtr a4 = Tensor::make(kt_test::kF32, {E + 1, r, H});
+  kt_arg more = {KT_ARG_LORA_A_GATE, a4->dl()};
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &more, 1), KT_ERR_SHAPE);
+  EXPECT_NE(std::string(kt_last_error()).find("holds 4 experts, the adapter 3"), std::string::npos) << kt_last_error();
+  for (int64_t i = 0; i < a4->numel(); ++i) ASSERT_EQ(a4->get(i), 0.0);
+  // The config struct may not be NULL: a null-pointer error, before any file is read.
+  EXPECT_EQ(kt_ckpt_adapter_read_config(out.c_str(), nullptr), KT_ERR_NULL_POINTER);
+  EXPECT_EQ(std::string(kt_last_error()), "kt_ckpt_adapter_read_config: config is NULL");
+  EXPECT_EQ(kt_ckpt_adapter_read_config((dir_ + "/none").c_str(), nullptr), KT_ERR_NULL_POINTER);
 }
 
 TEST_F(Writers, AdapterBf16AndTargetsSubset) {
@@ -390,6 +410,121 @@ TEST_F(Writers, AdapterLoadedBackReproducesTheForward) {
   kt_moe_destroy(m1);
   kt_moe_destroy(m2);
   kt_engine_destroy(engine);
+}
+
+}  // namespace
+
+namespace {
+
+// Runs body in a forked child under a 10 s alarm: a reader that blocks (on a
+// FIFO) fails the test instead of hanging the suite. The child's exit code
+// is the number of failed expectations.
+int run_with_watchdog(const std::function<int()>& body) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(10);
+    _exit(body());
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (WIFSIGNALED(status)) return 1000 + WTERMSIG(status);
+  return WEXITSTATUS(status);
+}
+
+int expect_refused(kt_status st, kt_status want, const std::string& call, const std::string& what) {
+  const std::string msg = kt_last_error();
+  const bool ok = st == want && msg.rfind(call + ": ", 0) == 0 && msg.find(what) != std::string::npos;
+  if (!ok) std::fprintf(stderr, "%s: status %s, message: %s\n", call.c_str(), kt_status_string(st), msg.c_str());
+  return ok ? 0 : 1;
+}
+
+TEST_F(Writers, ReadersRefuseFifosWithoutBlocking) {
+  const int64_t E = 2, H = 16, I = 16;
+  TensorPtr g = stacked(kt_test::kF32, 0, 0, E, I, H), d = stacked(kt_test::kF32, 0, 2, E, H, I);
+  kt_arg a[3] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, g->dl()}, {KT_ARG_W_DOWN, d->dl()}};
+  kt_ckpt_layer_args la = {0, a, 3};
+  kt_ckpt_write_options o;
+  kt_ckpt_write_options_init(&o);
+  o.config_json = "{\"model_type\": \"qwen3_moe\"}";
+  // model.safetensors as a FIFO.
+  const std::string fifo_model = dir_ + "/fifo_model";
+  ASSERT_EQ(kt_ckpt_write_experts(fifo_model.c_str(), &o, &la, 1), KT_OK) << kt_last_error();
+  ASSERT_EQ(::unlink((fifo_model + "/model.safetensors").c_str()), 0);
+  ASSERT_EQ(::mkfifo((fifo_model + "/model.safetensors").c_str(), 0644), 0);
+  // config.json as a FIFO.
+  const std::string fifo_config = dir_ + "/fifo_config";
+  ASSERT_EQ(kt_ckpt_write_experts(fifo_config.c_str(), &o, &la, 1), KT_OK) << kt_last_error();
+  ASSERT_EQ(::unlink((fifo_config + "/config.json").c_str()), 0);
+  ASSERT_EQ(::mkfifo((fifo_config + "/config.json").c_str(), 0644), 0);
+  // adapter_config.json as a FIFO.
+  TensorPtr la_a = Tensor::make(kt_test::kF32, {E, 2, I}), la_b = Tensor::make(kt_test::kF32, {E, H, 2});
+  kt_arg lora[2] = {{KT_ARG_LORA_A_DOWN, la_a->dl()}, {KT_ARG_LORA_B_DOWN, la_b->dl()}};
+  kt_ckpt_layer_args ll = {0, lora, 2};
+  kt_ckpt_adapter_config c;
+  kt_ckpt_adapter_config_init(&c);
+  c.rank = 2;
+  c.targets = KT_PROJ_DOWN;
+  const std::string fifo_adapter = dir_ + "/fifo_adapter";
+  ASSERT_EQ(kt_ckpt_adapter_write(fifo_adapter.c_str(), &c, &ll, 1), KT_OK) << kt_last_error();
+  ASSERT_EQ(::unlink((fifo_adapter + "/adapter_config.json").c_str()), 0);
+  ASSERT_EQ(::mkfifo((fifo_adapter + "/adapter_config.json").c_str(), 0644), 0);
+  // A packed cache path that is a FIFO.
+  const std::string fifo_pack = dir_ + "/layer.ktpack";
+  ASSERT_EQ(::mkfifo(fifo_pack.c_str(), 0644), 0);
+
+  const int failures = run_with_watchdog([&] {
+    int bad = 0;
+    kt_ckpt* ck = nullptr;
+    bad += expect_refused(kt_ckpt_open(fifo_model.c_str(), &ck), KT_ERR_IO, "kt_ckpt_open",
+                          "model.safetensors: not a regular file (a FIFO)");
+    bad += expect_refused(kt_ckpt_open(fifo_config.c_str(), &ck), KT_ERR_IO, "kt_ckpt_open",
+                          "config.json: not a regular file (a FIFO)");
+    kt_ckpt_adapter_config back;
+    back.struct_size = sizeof(back);
+    bad += expect_refused(kt_ckpt_adapter_read_config(fifo_adapter.c_str(), &back), KT_ERR_IO,
+                          "kt_ckpt_adapter_read_config", "adapter_config.json: not a regular file (a FIFO)");
+    kt_engine_options eo;
+    kt_engine_options_init(&eo);
+    eo.num_threads = 1;
+    eo.pin_threads = 0;
+    kt_engine* engine = nullptr;
+    kt_moe* moe = nullptr;
+    kt_moe_options mo;
+    kt_moe_options_init(&mo);
+    mo.num_experts = E, mo.hidden = H, mo.intermediate = I, mo.top_k = 1;
+    if (kt_engine_create(&eo, &engine) != KT_OK || kt_moe_create(engine, &mo, &moe) != KT_OK) return 100;
+    bad += expect_refused(kt_moe_load_packed(moe, fifo_pack.c_str(), 0), KT_ERR_IO, "kt_moe_load_packed",
+                          "not a regular file (a FIFO)");
+    // A directory in place of the cache file, too.
+    bad += expect_refused(kt_moe_load_packed(moe, dir_.c_str(), 0), KT_ERR_IO, "kt_moe_load_packed",
+                          "not a regular file (a directory)");
+    kt_moe_destroy(moe);
+    kt_engine_destroy(engine);
+    return bad;
+  });
+  EXPECT_EQ(failures, 0) << "1000 + signal: a reader blocked (14 = SIGALRM after 10 s)";
+}
+
+// An adapter folder whose index maps no tensors at all: a clean error naming
+// the call and the folder, no crash.
+TEST_F(Writers, AdapterWithAnEmptyIndexIsRefused) {
+  const int64_t E = 2, H = 16, I = 16;
+  TensorPtr la_a = Tensor::make(kt_test::kF32, {E, 2, I}), la_b = Tensor::make(kt_test::kF32, {E, H, 2});
+  kt_arg lora[2] = {{KT_ARG_LORA_A_DOWN, la_a->dl()}, {KT_ARG_LORA_B_DOWN, la_b->dl()}};
+  kt_ckpt_layer_args ll = {0, lora, 2};
+  kt_ckpt_adapter_config c;
+  kt_ckpt_adapter_config_init(&c);
+  c.rank = 2;
+  c.targets = KT_PROJ_DOWN;
+  const std::string out = dir_ + "/empty_index";
+  ASSERT_EQ(kt_ckpt_adapter_write(out.c_str(), &c, &ll, 1), KT_OK) << kt_last_error();
+  std::ofstream(out + "/model.safetensors.index.json") << "{\"weight_map\":{}}";
+  TensorPtr a = Tensor::make(kt_test::kF32, {E, 2, I});
+  kt_arg one = {KT_ARG_LORA_A_DOWN, a->dl()};
+  EXPECT_EQ(kt_ckpt_adapter_read(out.c_str(), 0, &one, 1), KT_ERR_INVALID_ARGUMENT);
+  const std::string msg = kt_last_error();
+  EXPECT_EQ(msg.rfind("kt_ckpt_adapter_read: " + out + " holds no LoRA tensors of layer 0", 0), 0u) << msg;
+  for (int64_t i = 0; i < a->numel(); ++i) ASSERT_EQ(a->get(i), 0.0);
 }
 
 }  // namespace

@@ -1,0 +1,89 @@
+// libFuzzer target: config.json layout detection and the layer readers
+// through the public ABI on a fuzzed checkpoint directory: kt_ckpt_open,
+// every info query, kt_ckpt_read_layer into fp32 tensors and
+// kt_ckpt_load_layer into a layer made from kt_ckpt_moe_options (small
+// layers only).
+#include <cstdint>
+#include <cstdlib>
+#include <vector>
+
+#include "fuzz_bundle.h"
+#include "fuzz_check.h"
+#include "kt_c_api.h"
+
+namespace {
+
+using kt_fuzz::checked;
+
+struct Dl {
+  std::vector<float> data;
+  std::vector<int64_t> shape;
+  DLTensor t{};
+  Dl(std::vector<int64_t> s) : shape(std::move(s)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    data.assign(static_cast<size_t>(n), 0.f);
+    t.data = data.data();
+    t.device = DLDevice{kDLCPU, 0};
+    t.ndim = static_cast<int>(shape.size());
+    t.dtype = DLDataType{kDLFloat, 32, 1};
+    t.shape = shape.data();
+    t.strides = nullptr;
+  }
+};
+
+kt_engine* engine() {
+  static kt_engine* e = [] {
+    kt_engine_options o;
+    kt_engine_options_init(&o);
+    o.num_threads = 1;
+    o.pin_threads = 0;
+    kt_engine* made = nullptr;
+    if (kt_engine_create(&o, &made) != KT_OK) std::abort();
+    return made;
+  }();
+  return e;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static kt_fuzz::Scratch scratch;
+  scratch.materialize(kt_fuzz::parse_bundle(data, size));
+  kt_ckpt* ck = nullptr;
+  if (checked(kt_ckpt_open(scratch.dir().c_str(), &ck), "kt_ckpt_open") != KT_OK) return 0;
+  kt_ckpt_info info;
+  info.struct_size = sizeof(info);
+  checked(kt_ckpt_get_info(ck, &info), "kt_ckpt_get_info");
+  for (int64_t i = 0; i < info.num_tensors && i < 64; ++i) {
+    kt_ckpt_tensor t;
+    t.struct_size = sizeof(t);
+    if (checked(kt_ckpt_tensor_at(ck, i, &t), "kt_ckpt_tensor_at") == KT_OK)
+      checked(kt_ckpt_find_tensor(ck, t.name, &t), "kt_ckpt_find_tensor");
+  }
+  for (int64_t i = 0; i < info.num_moe_layers; ++i) {
+    kt_ckpt_layer_info li;
+    li.struct_size = sizeof(li);
+    if (checked(kt_ckpt_get_layer_info(ck, i, &li), "kt_ckpt_get_layer_info") != KT_OK) continue;
+    kt_moe_options mo;
+    if (checked(kt_ckpt_moe_options(ck, li.layer, &mo), "kt_ckpt_moe_options") != KT_OK) continue;
+    const int64_t E = li.num_experts, H = li.hidden, I = li.intermediate;
+    const bool small = E > 0 && H > 0 && I > 0 && E <= 64 && H <= 512 && I <= 512 && E * H * I <= (1 << 16);
+    if (!small) continue;
+    Dl g({E, I, H}), u({E, I, H}), d({E, H, I}), bg({E, I}), bu({E, I}), bd({E, H});
+    std::vector<kt_arg> args = {{KT_ARG_W_GATE, &g.t}, {KT_ARG_W_UP, &u.t}, {KT_ARG_W_DOWN, &d.t}};
+    if (li.has_bias) {
+      args.push_back({KT_ARG_B_GATE, &bg.t});
+      args.push_back({KT_ARG_B_UP, &bu.t});
+      args.push_back({KT_ARG_B_DOWN, &bd.t});
+    }
+    checked(kt_ckpt_read_layer(ck, li.layer, args.data(), args.size()), "kt_ckpt_read_layer");
+    mo.max_tokens = 2;
+    kt_moe* moe = nullptr;
+    if (checked(kt_moe_create(engine(), &mo, &moe), "kt_moe_create") != KT_OK) continue;
+    checked(kt_ckpt_load_layer(ck, li.layer, moe, nullptr, nullptr), "kt_ckpt_load_layer");
+    kt_moe_destroy(moe);
+  }
+  kt_ckpt_close(ck);
+  return 0;
+}
