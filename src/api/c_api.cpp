@@ -14,6 +14,7 @@
 #include "core/sized_struct.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
+#include "optim/optimizer.h"
 #include "runtime/engine.h"
 
 #ifdef KT_HAVE_BUILD_INFO_H
@@ -265,6 +266,9 @@ kt_status kt_engine_destroy(kt_engine* engine) {
     kt::check(engine->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
               std::string(w) + ": " + std::to_string(engine->num_layers.load()) +
                   " layer(s) still use this engine; destroy them first");
+    kt::check(engine->num_optimizers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+              std::string(w) + ": " + std::to_string(engine->num_optimizers.load()) +
+                  " optimizer(s) still use this engine; destroy them first");
     engine->drain();
     delete engine;
   });
@@ -358,6 +362,7 @@ void kt_moe_destroy(kt_moe* moe) {
       moe->jobs_done.wait(lock, [&] { return moe->jobs.empty(); });
     }
     std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+    kt::optim::detach_layer(moe);
     delete moe;
   } catch (...) {
     // Destruction cannot report; nothing here throws in practice.

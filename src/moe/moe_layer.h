@@ -126,6 +126,14 @@ struct kt_moe {
   void release_context(kt_context* ctx);
   bool owns(const kt_context* ctx) const;
 
+  // The tensor bound to id, or null (kt_optimizer reads the bindings).
+  const kt::View* bound_view(int id) const {
+    return id >= 0 && id < 80 && bound_[id].set ? &bound_[id].view : nullptr;
+  }
+  // Optimizers created over this layer (under the engine's compute lock);
+  // the layer detaches them when it is destroyed.
+  std::vector<kt_optimizer*> optimizers;
+
   kt_grad_ready_fn grad_hook = nullptr;
   void* grad_hook_user = nullptr;
   mutable std::mutex state_mutex;  // contexts, hook, pending job count

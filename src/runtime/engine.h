@@ -52,6 +52,7 @@ struct kt_engine {
   // One computation at a time on the pool.
   std::mutex compute_mutex;
   std::atomic<int> num_layers{0};
+  std::atomic<int> num_optimizers{0};  // kt_optimizer on this engine (or its layers)
 
   // Per-stage profile (kt_stage): off by default.
   static constexpr int kStages = 11;
