@@ -874,8 +874,11 @@ KT_API kt_status kt_optimizer_create(kt_engine* engine, const kt_optimizer_optio
  * must be bound (KT_ERR_NOT_BOUND), compact (KT_ERR_STRIDE), parameters
  * fp32|bf16 (KT_ERR_DTYPE); KT_MODE_INFERENCE is KT_ERR_MODE. Parameter
  * order (for kt_optimizer_state): gate, up, down; A before B; weights before
- * biases. Each step ends by making the layer use the new values, as
- * kt_moe_params_changed does. Rebinding a parameter afterwards makes later
+ * biases. After a step the layer computes with the new values: in
+ * KT_MODE_FULL each work item packs the weight rows it has just updated into
+ * the layer's bf16 panels (and biases) in the same pass over memory, with the
+ * result kt_moe_params_changed would give, which is then not needed; in
+ * KT_MODE_LORA the layer re-reads its factors. Rebinding a parameter afterwards makes later
  * steps fail (KT_ERR_INVALID_ARGUMENT); destroying the layer makes them fail
  * with KT_ERR_INVALID_HANDLE (destroy the optimizer, then the layer). */
 KT_API kt_status kt_optimizer_create_for_layer(kt_moe* moe, const kt_optimizer_options* options,

@@ -13,6 +13,7 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "formats/packed_bf16.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 #include "moe/args.h"
@@ -92,18 +93,37 @@ void kt_optimizer::allocate_state() {
     if (adamw) zeroed(p.v);
     if (adamw && opt.amsgrad) zeroed(p.vmax);
   }
+  plan_items();
+}
+
+void kt_optimizer::plan_items() {
+  items.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    if (p.proj >= 0 && !p.is_bias) {
+      // Whole panels of one expert, about kChunkElements at a time.
+      const int64_t per_expert = p.rows * p.cols;
+      const int64_t panel_rows = kt::kPanelRows;
+      const int64_t step_rows =
+          std::max<int64_t>(panel_rows, kt::optim::kChunkElements / std::max<int64_t>(p.cols, 1) / panel_rows * panel_rows);
+      for (int64_t e = 0; per_expert > 0 && e < p.numel / per_expert; ++e)
+        for (int64_t r = 0; r < p.rows; r += step_rows)
+          items.push_back({i, e * per_expert + r * p.cols, std::min(step_rows, p.rows - r) * p.cols});
+      continue;
+    }
+    for (int64_t o = 0; o < p.numel; o += kt::optim::kChunkElements)
+      items.push_back({i, o, std::min(kt::optim::kChunkElements, p.numel - o)});
+  }
 }
 
 template <class F>
 void kt_optimizer::for_chunks(F&& fn) {
-  std::vector<std::pair<size_t, int64_t>> items;  // (param, first element)
-  for (size_t i = 0; i < params.size(); ++i)
-    for (int64_t o = 0; o < params[i].numel; o += kt::optim::kChunkElements) items.emplace_back(i, o);
-  auto run = [&](int64_t item) {
-    const Param& p = params[items[static_cast<size_t>(item)].first];
-    const int64_t o = items[static_cast<size_t>(item)].second;
+  auto run = [&](int64_t index) {
+    const Item& item = items[static_cast<size_t>(index)];
+    const Param& p = params[item.param];
+    const int64_t o = item.offset;
     Span s;
-    s.n = std::min(kt::optim::kChunkElements, p.numel - o);
+    s.n = item.n;
     s.p = p.master + o;
     s.g_bf16 = p.grad.dtype == kt::DType::kBF16;
     s.g = p.grad.data + o * static_cast<int64_t>(p.grad.elem_size());
@@ -111,14 +131,33 @@ void kt_optimizer::for_chunks(F&& fn) {
     if (p.v.size()) s.v = const_cast<float*>(p.v.data()) + o;
     if (p.vmax.size()) s.vmax = const_cast<float*>(p.vmax.data()) + o;
     if (p.bf16_copy) s.p_bf16 = p.bf16_copy + o;
-    fn(static_cast<size_t>(item), s);
+    fn(static_cast<size_t>(index), s);
   };
   const int64_t n = static_cast<int64_t>(items.size());
   if (engine && n > 1) {
-    engine->pool->run(n, [&](int64_t item, int) { run(item); });
+    engine->pool->run(n, [&](int64_t index, int) { run(index); });
   } else {
     for (int64_t i = 0; i < n; ++i) run(i);
   }
+}
+
+void kt_optimizer::write_layer_item(const Item& item, kt::bf16_t* const packed[3], float* const biases[3]) const {
+  const Param& p = params[item.param];
+  if (p.proj < 0) return;
+  if (p.is_bias) {
+    // The layer keeps what it would read from the bound tensor.
+    float* dst = biases[p.proj] + item.offset;
+    for (int64_t i = 0; i < item.n; ++i)
+      dst[i] = p.bf16_copy ? kt::bf16_to_f32(p.bf16_copy[item.offset + i]) : p.master[item.offset + i];
+    return;
+  }
+  const int64_t per_expert = p.rows * p.cols;
+  const int64_t e = item.offset / per_expert, r0 = item.offset % per_expert / p.cols, rows = item.n / p.cols;
+  const kt::PanelShape whole = kt::PanelShape::of(p.rows, p.cols);
+  kt::bf16_t* base = packed[p.proj] + e * whole.elements();
+  for (int64_t r = r0; r < r0 + rows; r += kt::kPanelRows)
+    kernels->pack_panel(p.master + e * per_expert + r * p.cols, std::min<int64_t>(kt::kPanelRows, p.rows - r), p.cols,
+                        base + r / kt::kPanelRows * whole.panel_stride());
 }
 
 void kt_optimizer::check_layer(const char* where) {
@@ -145,17 +184,21 @@ void kt_optimizer::layer_params_changed() {
 
 bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
   check_layer(where);
-  std::vector<uint8_t> finite;
-  {
-    size_t chunks = 0;
-    for (const Param& p : params) chunks += static_cast<size_t>((p.numel + kt::optim::kChunkElements - 1) /
-                                                                kt::optim::kChunkElements);
-    finite.assign(chunks, 0);
-  }
+  std::vector<uint8_t> finite(items.size(), 0);
   for_chunks([&](size_t item, const Span& s) { finite[item] = kernels->all_finite(s, unscale, clip); });
   for (uint8_t f : finite)
     if (!f) return false;
   const int64_t t = step + 1;
+  // Full mode: each work item packs the rows it updated while they are in
+  // cache, instead of a separate repack of every weight.
+  const bool pack = packs_in_step();
+  kt::bf16_t* packed[3] = {nullptr, nullptr, nullptr};
+  float* biases[3] = {nullptr, nullptr, nullptr};
+  if (pack)
+    for (int p = 0; p < 3; ++p) {
+      packed[p] = moe->writable_packed(p);
+      if (moe->opt.has_bias) biases[p] = moe->writable_biases(p);
+    }
   if (opt.algorithm == KT_OPTIM_ADAMW) {
     kt::optim::AdamWScalars c;
     c.unscale = unscale;
@@ -170,7 +213,10 @@ bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
     c.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
     c.neg_step_size = static_cast<float>(-(opt.lr / bc1));
     c.eps = static_cast<float>(opt.eps);
-    for_chunks([&](size_t, const Span& s) { kernels->adamw(s, c); });
+    for_chunks([&](size_t i, const Span& s) {
+      kernels->adamw(s, c);
+      if (pack) write_layer_item(items[i], packed, biases);
+    });
   } else {
     kt::optim::SgdScalars c;
     c.unscale = unscale;
@@ -182,21 +228,24 @@ bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
     c.mu = static_cast<float>(opt.momentum);
     c.one_minus_dampening = static_cast<float>(1.0 - opt.dampening);
     c.neg_lr = static_cast<float>(-opt.lr);
-    for_chunks([&](size_t, const Span& s) { kernels->sgd(s, c); });
+    for_chunks([&](size_t i, const Span& s) {
+      kernels->sgd(s, c);
+      if (pack) write_layer_item(items[i], packed, biases);
+    });
     if (opt.momentum != 0.0) momentum_started = true;
   }
   step = t;
-  layer_params_changed();
+  if (pack) {
+    moe->weights_written();
+  } else {
+    layer_params_changed();
+  }
   return true;
 }
 
 double kt_optimizer::grad_sq_norm(const char* where) {
   check_layer(where);
-  std::vector<double> parts;
-  size_t chunks = 0;
-  for (const Param& p : params)
-    chunks += static_cast<size_t>((p.numel + kt::optim::kChunkElements - 1) / kt::optim::kChunkElements);
-  parts.assign(chunks, 0.0);
+  std::vector<double> parts(items.size(), 0.0);
   for_chunks([&](size_t item, const Span& s) { parts[item] = kernels->sum_squares(s); });
   double sum = 0.0;
   for (double x : parts) sum += x;  // fixed order: independent of threads
@@ -491,6 +540,12 @@ kt_optimizer* create_for_layer(kt_moe* moe, const kt_optimizer_options& o, const
     p.param = *pv;
     p.grad = *gv;
     p.numel = pv->numel();
+    if (mode == KT_MODE_FULL) {
+      p.is_bias = id.first >= KT_ARG_B_GATE;
+      p.proj = id.first - (p.is_bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
+      p.rows = pv->shape[1];
+      p.cols = p.is_bias ? 1 : pv->shape[2];
+    }
     if (pv->dtype == DType::kF32) {
       p.master = reinterpret_cast<float*>(pv->data);
     } else {

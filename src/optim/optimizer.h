@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/dtype.h"
 #include "core/tensor.h"
 #include "kt_c_api.h"
 #include "optim/update.h"
@@ -29,6 +30,12 @@ struct kt_optimizer {
     uint16_t* bf16_copy = nullptr;  // the bf16 parameter written back, or null
     kt::Buffer<float> m, v, vmax; // AdamW moments / SGD momentum (m)
     std::vector<int64_t> shape;   // kt_optimizer_state's DLTensor shape
+    // Full mode: the step packs each updated run of rows into the layer's
+    // panels (projection proj, [experts][rows, cols] per parameter), or
+    // copies an updated bias into the layer's fp32 biases.
+    int proj = -1;
+    bool is_bias = false;
+    int64_t rows = 0, cols = 0;
   };
 
   kt_engine* engine = nullptr;  // null: steps run on the calling thread
@@ -60,10 +67,23 @@ struct kt_optimizer {
 
   // Layer mode: the layer still exists and still binds what we update.
   void check_layer(const char* where);
-  // Layer mode: the layer reads the (new) parameters.
+  // Layer mode: the layer reads the (new) parameters (full mode: repacks).
   void layer_params_changed();
+  // Layer mode: true when the step writes the layer's panels itself.
+  bool packs_in_step() const { return layer_mode && moe && params.size() && params[0].proj >= 0; }
 
-  // Runs fn(span) over every parameter's chunks (on the pool when there is
+  // Work items: (param, first element, elements); a full-mode weight's
+  // items are whole panels of one expert.
+  struct Item {
+    size_t param;
+    int64_t offset, n;
+  };
+  std::vector<Item> items;
+  void plan_items();
+  // Full mode: writes the layer's packed panels / biases of item i.
+  void write_layer_item(const Item& item, kt::bf16_t* const packed[3], float* const biases[3]) const;
+
+  // Runs fn(item index, span) over every item (on the pool when there is
   // an engine).
   template <class F>
   void for_chunks(F&& fn);

@@ -54,6 +54,10 @@ struct UpdateKernels {
   double (*sum_squares)(const Span& s);
   void (*adamw)(const Span& s, const AdamWScalars& c);
   void (*sgd)(const Span& s, const SgdScalars& c);
+  // One bf16 panel (formats/packed_bf16.h: 16 rows, column pairs
+  // interleaved) from `count` <= 16 fp32 rows of `cols` elements, compact;
+  // missing rows and the odd column are zero. dst holds 16 * round_up(cols, 2).
+  void (*pack_panel)(const float* rows, int64_t count, int64_t cols, uint16_t* dst);
 };
 
 // The best table this CPU runs, capped by cap (KT_ISA_AUTO = no cap).

@@ -6,7 +6,7 @@
 namespace kt {
 namespace optim {
 namespace avx2 {
-extern const UpdateKernels kKernels = {"avx2", all_finite, sum_squares, adamw, sgd};
+extern const UpdateKernels kKernels = {"avx2", all_finite, sum_squares, adamw, sgd, pack_panel};
 }  // namespace avx2
 }  // namespace optim
 }  // namespace kt

@@ -6,7 +6,7 @@
 namespace kt {
 namespace optim {
 namespace avx512 {
-extern const UpdateKernels kKernels = {"avx512", all_finite, sum_squares, adamw, sgd};
+extern const UpdateKernels kKernels = {"avx512", all_finite, sum_squares, adamw, sgd, pack_panel};
 }  // namespace avx512
 }  // namespace optim
 }  // namespace kt

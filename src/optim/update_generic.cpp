@@ -6,7 +6,7 @@
 namespace kt {
 namespace optim {
 namespace generic {
-extern const UpdateKernels kKernels = {"generic", all_finite, sum_squares, adamw, sgd};
+extern const UpdateKernels kKernels = {"generic", all_finite, sum_squares, adamw, sgd, pack_panel};
 }  // namespace generic
 }  // namespace optim
 }  // namespace kt

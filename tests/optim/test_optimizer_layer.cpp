@@ -6,6 +6,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "harness.h"
@@ -19,7 +20,8 @@ using kt_test::kI32;
 using kt_test::Tensor;
 using kt_test::TensorPtr;
 
-constexpr int64_t E = 3, K = 2, H = 32, I = 16, T = 6, R = 4;
+// I = 21: a partial panel (gate, up) and an odd column count (down).
+constexpr int64_t E = 3, K = 2, H = 32, I = 21, T = 6, R = 4;
 
 struct Engine {
   kt_engine* e = nullptr;
@@ -40,7 +42,7 @@ TensorPtr random_tensor(DLDataType dt, std::vector<int64_t> shape, std::mt19937&
   return t;
 }
 
-kt_moe* make_layer(kt_engine* engine, kt_mode mode) {
+kt_moe* make_layer(kt_engine* engine, kt_mode mode, bool bias = false) {
   kt_moe_options o;
   kt_moe_options_init(&o);
   o.num_experts = E;
@@ -49,6 +51,7 @@ kt_moe* make_layer(kt_engine* engine, kt_mode mode) {
   o.intermediate = I;
   o.max_tokens = 64;
   o.mode = mode;
+  o.has_bias = bias;
   o.lora_rank = R;
   o.lora_alpha = 8;
   kt_moe* m = nullptr;
@@ -56,18 +59,23 @@ kt_moe* make_layer(kt_engine* engine, kt_mode mode) {
   return m;
 }
 
+// Weights w[0..2] (gate, up, down) and biases w[3..5].
 struct Weights {
-  TensorPtr w[3];
+  TensorPtr w[6];
   Weights(DLDataType dt, std::mt19937& rng) {
     w[0] = random_tensor(dt, {E, I, H}, rng, 0.2f);
     w[1] = random_tensor(dt, {E, I, H}, rng, 0.2f);
     w[2] = random_tensor(dt, {E, H, I}, rng, 0.2f);
+    w[3] = random_tensor(dt, {E, I}, rng, 0.2f);
+    w[4] = random_tensor(dt, {E, I}, rng, 0.2f);
+    w[5] = random_tensor(dt, {E, H}, rng, 0.2f);
   }
 };
 
-void load(kt_moe* m, Weights& w) {
-  kt_arg args[] = {{KT_ARG_W_GATE, w.w[0]->dl()}, {KT_ARG_W_UP, w.w[1]->dl()}, {KT_ARG_W_DOWN, w.w[2]->dl()}};
-  ASSERT_EQ(kt_moe_load_weights(m, nullptr, args, 3), KT_OK) << kt_last_error();
+void load(kt_moe* m, Weights& w, bool bias = false) {
+  kt_arg args[] = {{KT_ARG_W_GATE, w.w[0]->dl()}, {KT_ARG_W_UP, w.w[1]->dl()}, {KT_ARG_W_DOWN, w.w[2]->dl()},
+                   {KT_ARG_B_GATE, w.w[3]->dl()}, {KT_ARG_B_UP, w.w[4]->dl()},  {KT_ARG_B_DOWN, w.w[5]->dl()}};
+  ASSERT_EQ(kt_moe_load_weights(m, nullptr, args, bias ? 6 : 3), KT_OK) << kt_last_error();
 }
 
 struct Inputs {
@@ -91,50 +99,54 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-class FullMode : public ::testing::TestWithParam<bool> {};
+class FullMode : public ::testing::TestWithParam<std::tuple<bool, bool>> {};
 
 // A full-mode layer after kt's step computes what a layer freshly loaded with
 // the updated masters computes; the masters are those of a host optimizer
 // stepping copies of the same tensors.
 TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
-  const bool bf16 = GetParam();
+  const bool bf16 = std::get<0>(GetParam()), bias = std::get<1>(GetParam());
+  const int np = bias ? 6 : 3;
   const DLDataType dt = bf16 ? kBF16 : kF32;
   Engine engine;
   std::mt19937 rng(41);
   Weights w(dt, rng);
   Inputs in(rng);
-  kt_moe* layer = make_layer(engine.e, KT_MODE_FULL);
-  load(layer, w);
-  TensorPtr g[3] = {random_tensor(kF32, {E, I, H}, rng, 0.1f), random_tensor(kF32, {E, I, H}, rng, 0.1f),
-                    random_tensor(kF32, {E, H, I}, rng, 0.1f)};
-  kt_arg bind[] = {{KT_ARG_W_GATE, w.w[0]->dl()},      {KT_ARG_W_UP, w.w[1]->dl()},
-                   {KT_ARG_W_DOWN, w.w[2]->dl()},      {KT_ARG_GRAD_W_GATE, g[0]->dl()},
-                   {KT_ARG_GRAD_W_UP, g[1]->dl()},     {KT_ARG_GRAD_W_DOWN, g[2]->dl()}};
-  ASSERT_EQ(kt_moe_bind(layer, bind, 6), KT_OK) << kt_last_error();
+  kt_moe* layer = make_layer(engine.e, KT_MODE_FULL, bias);
+  load(layer, w, bias);
+  Weights g(kF32, rng);
+  std::vector<kt_arg> bind;
+  for (int p = 0; p < np; ++p) {
+    const int param_id = p < 3 ? KT_ARG_W_GATE + p : KT_ARG_B_GATE + p - 3;
+    const int grad_id = p < 3 ? KT_ARG_GRAD_W_GATE + p : KT_ARG_GRAD_B_GATE + p - 3;
+    bind.push_back({param_id, w.w[p]->dl()});
+    bind.push_back({grad_id, g.w[p]->dl()});
+  }
+  ASSERT_EQ(kt_moe_bind(layer, bind.data(), bind.size()), KT_OK) << kt_last_error();
   const std::vector<float> y_before = in.forward(layer);
 
   // Host twin: the same values as fp32, the same gradients.
-  TensorPtr host[3];
-  kt_optimizer_param pairs[3];
-  for (int p = 0; p < 3; ++p) {
+  TensorPtr host[6];
+  kt_optimizer_param pairs[6];
+  for (int p = 0; p < np; ++p) {
     host[p] = Tensor::make(kF32, w.w[p]->shape);
     for (int64_t i = 0; i < host[p]->numel(); ++i) host[p]->set(i, w.w[p]->get(i));
-    pairs[p] = {host[p]->dl(), g[p]->dl()};
+    pairs[p] = {host[p]->dl(), g.w[p]->dl()};
   }
   kt_optimizer_options o;
   kt_optimizer_options_init(&o);
   o.lr = 0.05;
   kt_optimizer *opt = nullptr, *twin = nullptr;
   ASSERT_EQ(kt_optimizer_create_for_layer(layer, &o, &opt), KT_OK) << kt_last_error();
-  ASSERT_EQ(kt_optimizer_create(nullptr, &o, pairs, 3, &twin), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_optimizer_create(nullptr, &o, pairs, static_cast<size_t>(np), &twin), KT_OK) << kt_last_error();
   size_t n = 0;
   EXPECT_EQ(kt_optimizer_num_params(opt, &n), KT_OK);
-  EXPECT_EQ(n, 3u);
+  EXPECT_EQ(n, static_cast<size_t>(np));
   for (int s = 0; s < 3; ++s) {
     ASSERT_EQ(kt_optimizer_step(opt, nullptr), KT_OK) << kt_last_error();
     ASSERT_EQ(kt_optimizer_step(twin, nullptr), KT_OK) << kt_last_error();
   }
-  for (int p = 0; p < 3; ++p) {
+  for (int p = 0; p < np; ++p) {
     DLTensor master;
     ASSERT_EQ(kt_optimizer_state(opt, static_cast<size_t>(p), KT_OPTIM_STATE_MASTER, &master), KT_OK);
     EXPECT_EQ(std::memcmp(master.data, host[p]->f32(), static_cast<size_t>(host[p]->numel()) * 4), 0) << p;
@@ -146,12 +158,16 @@ TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
   const std::vector<float> y_after = in.forward(layer);
   EXPECT_FALSE(same_bits(y_before, y_after)) << "the step did not reach the layer";
 
-  Weights updated(kF32, rng);
-  for (int p = 0; p < 3; ++p)
-    std::memcpy(updated.w[p]->f32(), host[p]->f32(), static_cast<size_t>(host[p]->numel()) * 4);
-  kt_moe* fresh = make_layer(engine.e, KT_MODE_INFERENCE);
-  load(fresh, updated);
+  // A layer loaded from the masters (bf16 parameters: from their bf16 copies).
+  Weights updated(dt, rng);
+  for (int p = 0; p < np; ++p)
+    for (int64_t i = 0; i < host[p]->numel(); ++i) updated.w[p]->set(i, host[p]->f32()[i]);
+  kt_moe* fresh = make_layer(engine.e, KT_MODE_INFERENCE, bias);
+  load(fresh, updated, bias);
   EXPECT_TRUE(same_bits(y_after, in.forward(fresh)));
+  // And the layer's own repack of its bound tensors agrees with the step's packing.
+  ASSERT_EQ(kt_moe_params_changed(layer), KT_OK) << kt_last_error();
+  EXPECT_TRUE(same_bits(y_after, in.forward(layer)));
 
   // Rebinding a parameter: the optimizer refuses to step a tensor it does not own.
   TensorPtr other = random_tensor(dt, {E, I, H}, rng, 0.2f);
@@ -169,7 +185,8 @@ TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
   kt_optimizer_destroy(opt);
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, FullMode, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(DtypesAndBiases, FullMode,
+                         ::testing::Combine(::testing::Values(false, true), ::testing::Values(false, true)));
 
 TEST(LoraMode, StepMakesTheLayerReadTheNewFactors) {
   Engine engine;
