@@ -806,8 +806,10 @@ KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_a
  *
  * Masters: an fp32 parameter tensor is its own master and is updated in
  * place. A bf16 parameter (layer mode) gets an fp32 master inside the
- * optimizer, initialised from its values at creation; each step updates the
- * master and writes the parameter back rounded to bf16 (nearest even).
+ * optimizer, initialised from its values at creation (later host writes to
+ * the bf16 tensor are not read back: the next step overwrites them); each
+ * step updates the master and writes the parameter back rounded to bf16
+ * (nearest even).
  *
  * Arithmetic, per element in fp32, with g = (grad * grad_unscale) * clip_coef
  * and the scalars below computed in double and rounded to fp32 once:

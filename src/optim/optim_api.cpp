@@ -312,7 +312,6 @@ kt_status kt_optimizer_state(kt_optimizer* opt, size_t index, kt_optim_state whi
           std::string(w) + ": which = " + std::to_string(kt::enum_bits(which)) + ": " +
               (adamw ? "AdamW" : "SGD") + (adamw && !opt->opt.amsgrad ? " without amsgrad" : "") +
               " keeps no such state");
-    p.shape.assign(p.param.shape, p.param.shape + p.param.ndim);
     std::memset(out, 0, sizeof(*out));
     out->data = data;
     out->device.device_type = kDLCPU;

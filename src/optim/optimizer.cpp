@@ -84,6 +84,7 @@ std::unique_lock<std::mutex> kt_optimizer::lock_compute() {
 void kt_optimizer::allocate_state() {
   const bool adamw = opt.algorithm == KT_OPTIM_ADAMW;
   for (Param& p : params) {
+    p.shape.assign(p.param.shape, p.param.shape + p.param.ndim);
     const size_t n = static_cast<size_t>(p.numel);
     auto zeroed = [n](kt::Buffer<float>& b) {
       b.resize(n);

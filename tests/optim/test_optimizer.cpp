@@ -235,6 +235,30 @@ INSTANTIATE_TEST_SUITE_P(Variants, SgdSteps,
                          ::testing::Values(SgdCase{0, 0, 0, 0}, SgdCase{0, 0, 1e-2, 0}, SgdCase{0.9, 0, 0, 0},
                                            SgdCase{0.9, 0.1, 1e-2, 0}, SgdCase{0.9, 0, 1e-2, 1}));
 
+// bf16 gradients are read as their fp32 values.
+TEST(Optimizer, Bf16GradientsStepAsTheirFp32Values) {
+  std::mt19937 rng(13);
+  const std::vector<float> p0 = randn(3000, rng);
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  TensorPtr param = f32_tensor({3000}, p0), grad = Tensor::make(kBF16, {3000});
+  kt_optimizer_param pp{param->dl(), grad->dl()};
+  kt_optimizer* opt = nullptr;
+  ASSERT_EQ(kt_optimizer_create(nullptr, &o, &pp, 1, &opt), KT_OK) << kt_last_error();
+  RefAdamW ref(p0);
+  for (int s = 0; s < 10; ++s) {
+    std::vector<float> g = randn(p0.size(), rng);
+    for (size_t i = 0; i < g.size(); ++i) {
+      grad->set(static_cast<int64_t>(i), g[i]);
+      g[i] = static_cast<float>(grad->get(static_cast<int64_t>(i)));
+    }
+    ASSERT_EQ(kt_optimizer_step(opt, nullptr), KT_OK);
+    ref.step(g, o);
+  }
+  EXPECT_EQ(count_diff(values_of(*param), ref.p), 0);
+  kt_optimizer_destroy(opt);
+}
+
 // grad_unscale and clip_coef act as (g * unscale) * clip before the update.
 TEST(Optimizer, UnscaleAndClipMultiplyTheGradient) {
   std::mt19937 rng(3);

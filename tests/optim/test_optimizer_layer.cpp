@@ -3,6 +3,7 @@
 // new factors), exactly as a layer freshly loaded with the updated masters.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <string>
@@ -157,6 +158,23 @@ TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
   }
   const std::vector<float> y_after = in.forward(layer);
   EXPECT_FALSE(same_bits(y_before, y_after)) << "the step did not reach the layer";
+
+  // A non-finite gradient: the step is skipped, the layer and masters unchanged.
+  const float kept = g.w[2]->f32()[7];
+  g.w[2]->f32()[7] = NAN;
+  kt_optimizer_step_options so;
+  kt_optimizer_step_options_init(&so);
+  int nonfinite = -1;
+  so.found_nonfinite = &nonfinite;
+  ASSERT_EQ(kt_optimizer_step(opt, &so), KT_OK) << kt_last_error();
+  EXPECT_EQ(nonfinite, 1);
+  g.w[2]->f32()[7] = kept;
+  EXPECT_TRUE(same_bits(y_after, in.forward(layer)));
+  for (int p = 0; p < np; ++p) {
+    DLTensor master;
+    ASSERT_EQ(kt_optimizer_state(opt, static_cast<size_t>(p), KT_OPTIM_STATE_MASTER, &master), KT_OK);
+    EXPECT_EQ(std::memcmp(master.data, host[p]->f32(), static_cast<size_t>(host[p]->numel()) * 4), 0) << p;
+  }
 
   // A layer loaded from the masters (bf16 parameters: from their bf16 copies).
   Weights updated(dt, rng);

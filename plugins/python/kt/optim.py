@@ -10,7 +10,9 @@ torch.optim's, in its operation order (see kt_c_api.h): the same bits as
 torch's for-loop implementation on AVX2/AVX-512 CPUs.
 
 Each parameter gets its own kt optimizer (kt owns its state); ``state[p]``
-holds views of that state, and ``state_dict()`` returns copies.
+holds views of that state, and ``state_dict()`` returns copies. kt keeps
+the parameter's storage from its first step on: replacing ``p.data`` with
+another tensor afterwards is not followed.
 """
 import ctypes
 
