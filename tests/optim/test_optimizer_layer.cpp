@@ -206,6 +206,73 @@ TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
 INSTANTIATE_TEST_SUITE_P(DtypesAndBiases, FullMode,
                          ::testing::Combine(::testing::Values(false, true), ::testing::Values(false, true)));
 
+// The overlap pattern: the layer's gradient hook submits the optimizer step
+// while the backward job ends; the step equals a host optimizer's on the
+// same gradients.
+struct HookState {
+  kt_optimizer* opt = nullptr;
+  kt_job* job = nullptr;
+  kt_status status = KT_ERR_INTERNAL;
+};
+
+void submit_step(kt_moe*, void* user) {
+  HookState* h = static_cast<HookState*>(user);
+  h->status = kt_optimizer_step_submit(h->opt, nullptr, 0, &h->job);
+}
+
+TEST(LayerOptimizer, GradHookSubmitsTheStep) {
+  Engine engine;
+  std::mt19937 rng(59);
+  Weights w(kF32, rng);
+  Inputs in(rng);
+  kt_moe* layer = make_layer(engine.e, KT_MODE_FULL);
+  load(layer, w);
+  Weights g(kF32, rng);
+  kt_arg bind[] = {{KT_ARG_W_GATE, w.w[0]->dl()},  {KT_ARG_W_UP, w.w[1]->dl()},
+                   {KT_ARG_W_DOWN, w.w[2]->dl()},  {KT_ARG_GRAD_W_GATE, g.w[0]->dl()},
+                   {KT_ARG_GRAD_W_UP, g.w[1]->dl()}, {KT_ARG_GRAD_W_DOWN, g.w[2]->dl()}};
+  ASSERT_EQ(kt_moe_bind(layer, bind, 6), KT_OK) << kt_last_error();
+  TensorPtr host[3];
+  kt_optimizer_param pairs[3];
+  for (int p = 0; p < 3; ++p) {
+    host[p] = Tensor::make(kF32, w.w[p]->shape);
+    std::memcpy(host[p]->f32(), w.w[p]->f32(), static_cast<size_t>(host[p]->numel()) * 4);
+    pairs[p] = {host[p]->dl(), g.w[p]->dl()};
+  }
+  HookState h;
+  kt_optimizer* twin = nullptr;
+  ASSERT_EQ(kt_optimizer_create_for_layer(layer, nullptr, &h.opt), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_optimizer_create(nullptr, nullptr, pairs, 3, &twin), KT_OK);
+  ASSERT_EQ(kt_moe_set_grad_hook(layer, submit_step, &h), KT_OK);
+
+  TensorPtr y = Tensor::make(kF32, {T, H}), dy = random_tensor(kF32, {T, H}, rng, 1.f);
+  kt_arg fwd[] = {{KT_ARG_X, in.x->dl()}, {KT_ARG_IDS, in.ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, in.rw->dl()},
+                  {KT_ARG_Y, y->dl()}};
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(kt_moe_forward(layer, fwd, 4, &ctx), KT_OK) << kt_last_error();
+  kt_arg bwd[] = {{KT_ARG_DY, dy->dl()}};
+  kt_job* backward = nullptr;
+  ASSERT_EQ(kt_moe_backward_submit(layer, ctx, nullptr, bwd, 1, 0, &backward), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_job_wait(backward), KT_OK) << kt_last_error();
+  kt_job_destroy(backward);
+  kt_context_release(ctx);
+  ASSERT_EQ(h.status, KT_OK);
+  ASSERT_NE(h.job, nullptr);
+  ASSERT_EQ(kt_job_wait(h.job), KT_OK) << kt_last_error();
+  kt_job_destroy(h.job);
+
+  ASSERT_EQ(kt_optimizer_step(twin, nullptr), KT_OK);
+  int64_t step = 0;
+  kt_optimizer_get_step(h.opt, &step);
+  EXPECT_EQ(step, 1);
+  for (int p = 0; p < 3; ++p)
+    EXPECT_EQ(std::memcmp(w.w[p]->f32(), host[p]->f32(), static_cast<size_t>(host[p]->numel()) * 4), 0) << p;
+  ASSERT_EQ(kt_moe_set_grad_hook(layer, nullptr, nullptr), KT_OK);
+  kt_optimizer_destroy(twin);
+  kt_optimizer_destroy(h.opt);
+  kt_moe_destroy(layer);
+}
+
 TEST(LoraMode, StepMakesTheLayerReadTheNewFactors) {
   Engine engine;
   std::mt19937 rng(43);
