@@ -354,10 +354,15 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   loaded.beta1 = number("beta1");
   loaded.beta2 = number("beta2");
   loaded.eps = number("eps");
-  loaded.amsgrad = static_cast<int>(number("amsgrad"));
+  auto flag = [&](const char* key) {
+    const double v = number(key);
+    check(v == 0.0 || v == 1.0, KT_ERR_IO, w + ": metadata '" + key + "' is not 0 or 1");
+    return static_cast<int>(v);
+  };
+  loaded.amsgrad = flag("amsgrad");
   loaded.momentum = number("momentum");
   loaded.dampening = number("dampening");
-  loaded.nesterov = static_cast<int>(number("nesterov"));
+  loaded.nesterov = flag("nesterov");
   check(loaded.amsgrad == opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
         w + ": saved with amsgrad = " + std::to_string(loaded.amsgrad) + ", this optimizer has " +
             std::to_string(opt.amsgrad));
@@ -365,7 +370,7 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   const double saved_step = number("step");
   check(saved_step >= 0 && saved_step < 9.0e15 && saved_step == std::floor(saved_step), KT_ERR_IO,
         w + ": metadata 'step' is not a step count");
-  const double started = number("momentum_started");
+  const int started = flag("momentum_started");
 
   // Every tensor: present, fp32, the parameter's shape; and nothing else.
   struct Copy {
@@ -413,7 +418,7 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   }
   opt = loaded;
   step = static_cast<int64_t>(saved_step);
-  momentum_started = started != 0.0;
+  momentum_started = started != 0;
   layer_params_changed();
 }
 

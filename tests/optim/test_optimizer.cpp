@@ -432,11 +432,20 @@ TEST(OptimizerState, MismatchedOrDamagedFilesChangeNothing) {
     const char* needle;
   };
   const std::string missing = temp_path("missing.safetensors");
+  // A safetensors file that is not an optimizer state: a checkpoint.
+  const std::string ckpt_dir = temp_path("ckpt");
+  TensorPtr wg = f32_tensor({1, 2, 2}, {1, 2, 3, 4}), wu = f32_tensor({1, 2, 2}, {1, 2, 3, 4});
+  TensorPtr wd = f32_tensor({1, 2, 2}, {1, 2, 3, 4});
+  kt_arg wargs[] = {{KT_ARG_W_GATE, wg->dl()}, {KT_ARG_W_UP, wu->dl()}, {KT_ARG_W_DOWN, wd->dl()}};
+  kt_ckpt_layer_args layer{0, wargs, 3};
+  ASSERT_EQ(kt_ckpt_write_experts(ckpt_dir.c_str(), nullptr, &layer, 1), KT_OK) << kt_last_error();
+  const std::string foreign = ckpt_dir + "/model.safetensors";
   for (const Expect& e : {Expect{&other_shape, good, KT_ERR_SHAPE, "param.0.master"},
                           Expect{&other_ams, good, KT_ERR_INVALID_ARGUMENT, "amsgrad"},
                           Expect{&other_algo, good, KT_ERR_INVALID_ARGUMENT, "adamw"},
                           Expect{&a, cut, KT_ERR_IO, "cut.safetensors"},
-                          Expect{&a, missing, KT_ERR_IO, "missing.safetensors"}}) {
+                          Expect{&a, missing, KT_ERR_IO, "missing.safetensors"},
+                          Expect{&a, foreign, KT_ERR_IO, "not a kt optimizer state file"}}) {
     const std::vector<float> before = values_of(*e.hp->param);
     int64_t step_before = 0;
     kt_optimizer_get_step(e.hp->opt, &step_before);
@@ -449,9 +458,10 @@ TEST(OptimizerState, MismatchedOrDamagedFilesChangeNothing) {
     kt_optimizer_get_step(e.hp->opt, &step_after);
     EXPECT_EQ(step_after, step_before);
   }
-  // A file that is not an optimizer state (a checkpoint of tensors).
   std::remove(good.c_str());
   std::remove(cut.c_str());
+  std::remove(foreign.c_str());
+  std::remove(ckpt_dir.c_str());
 }
 
 TEST(OptimizerBadInput, RefusedWithNamedArguments) {
