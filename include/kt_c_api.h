@@ -860,6 +860,181 @@ KT_API kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_co
 KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_arg* args,
                                       size_t num_args);
 
+/* ------------------------------------------------ optimizer (kt_optimizer_*) */
+
+/* A fused CPU optimizer, AdamW or SGD with torch.optim's semantics, over fp32
+ * master weights. It is created over a layer's trainable parameters (the
+ * tensors bound with kt_moe_bind and their bound gradient buffers) or over
+ * host tensors given as (param, grad) pairs. kt owns the state (moments,
+ * momentum buffers, the step count); a step reads every gradient, updates
+ * masters and state, and leaves the layer using the new values.
+ *
+ * Masters: an fp32 parameter tensor is its own master and is updated in
+ * place. A bf16 parameter (layer mode) gets an fp32 master inside the
+ * optimizer, initialised from its values at creation (later host writes to
+ * the bf16 tensor are not read back: the next step overwrites them); each
+ * step updates the master and writes the parameter back rounded to bf16
+ * (nearest even).
+ *
+ * Arithmetic, per element in fp32, with g = (grad * grad_unscale) * clip_coef
+ * and the scalars below computed in double and rounded to fp32 once:
+ *   AdamW: p = p * (1 - lr*wd); m = fma(g, 1-b1, m*b1);
+ *          v = fma((1-b2)*g, g, v*b2); (amsgrad: vmax = max(vmax, v), used for v)
+ *          p = p + (-lr/(1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)
+ *   SGD:   d = wd ? fma(p, wd, g) : g; with momentum mu: buf = d at its first
+ *          step, then fma(d, 1-dampening, buf*mu); d = nesterov ? fma(buf, mu, d)
+ *          : buf; p = fma(d, -lr, p)
+ * This is the operation order of torch.optim.AdamW and SGD (torch 1.13,
+ * for-loop implementation, on AVX2/AVX-512 CPUs): results are the same bits.
+ * Elements are independent, so the result does not depend on thread count
+ * or kernel ISA. */
+
+typedef struct kt_optimizer kt_optimizer;
+
+typedef enum kt_optim_algorithm {
+  KT_OPTIM_ADAMW = 0, /* decoupled weight decay, bias correction, optional amsgrad */
+  KT_OPTIM_SGD = 1    /* momentum, dampening, nesterov, L2 weight decay */
+} kt_optim_algorithm;
+
+typedef struct kt_optimizer_options {
+  size_t struct_size;           /* set by _init */
+  kt_optim_algorithm algorithm; /* default KT_OPTIM_ADAMW */
+  int amsgrad;                  /* AdamW, 0/1 (default 0) */
+  double lr;                    /* learning rate >= 0 (default 1e-3) */
+  double weight_decay;          /* >= 0; default 1e-2 (torch AdamW's; torch SGD's is 0) */
+  double beta1, beta2;          /* AdamW, in [0, 1) (default 0.9, 0.999) */
+  double eps;                   /* AdamW, >= 0 (default 1e-8) */
+  double momentum;              /* SGD, >= 0 (default 0) */
+  double dampening;             /* SGD (default 0) */
+  int nesterov;                 /* SGD, 0/1; needs momentum > 0 and dampening 0 */
+} kt_optimizer_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_optimizer_options_defaults(kt_optimizer_options* options, size_t struct_size);
+static inline void kt_optimizer_options_init(kt_optimizer_options* options) {
+  kt_optimizer_options_defaults(options, sizeof(*options));
+}
+
+/* One host parameter: param fp32, compact row-major, updated in place; grad
+ * fp32|bf16, compact, the shape of param, read by each step. Both retained
+ * until the optimizer is destroyed (grad until kt_optimizer_set_grad
+ * replaces it); they may not share memory with each other or with another
+ * pair's tensors. */
+typedef struct kt_optimizer_param {
+  const DLTensor* param;
+  const DLTensor* grad;
+} kt_optimizer_param;
+
+/* Creates an optimizer over host tensors. engine may be NULL (steps run on
+ * the calling thread); otherwise steps run on its worker pool and the engine
+ * must outlive the optimizer (kt_engine_destroy refuses while it exists).
+ * options may be NULL (defaults). *opt is written by the call. */
+KT_API kt_status kt_optimizer_create(kt_engine* engine, const kt_optimizer_options* options,
+                                     const kt_optimizer_param* params, size_t num_params,
+                                     kt_optimizer** opt);
+
+/* Creates an optimizer over moe's trainable parameters: in KT_MODE_LORA the
+ * bound LORA_A_p and LORA_B_p of every target p with their GRAD_LORA_ ids; in
+ * KT_MODE_FULL W_GATE, W_UP, W_DOWN (and the B_ ids with biases) with their
+ * GRAD_W_ (GRAD_B_) ids. All
+ * must be bound (KT_ERR_NOT_BOUND), compact (KT_ERR_STRIDE), parameters
+ * fp32|bf16 (KT_ERR_DTYPE); KT_MODE_INFERENCE is KT_ERR_MODE. Parameter
+ * order (for kt_optimizer_state): gate, up, down; A before B; weights before
+ * biases. After a step the layer computes with the new values: in
+ * KT_MODE_FULL each work item packs the weight rows it has just updated into
+ * the layer's bf16 panels (and biases) in the same pass over memory, with the
+ * result kt_moe_params_changed would give, which is then not needed; in
+ * KT_MODE_LORA the layer re-reads its factors. Rebinding a parameter afterwards makes later
+ * steps fail (KT_ERR_INVALID_ARGUMENT); destroying the layer makes them fail
+ * with KT_ERR_INVALID_HANDLE (destroy the optimizer, then the layer). */
+KT_API kt_status kt_optimizer_create_for_layer(kt_moe* moe, const kt_optimizer_options* options,
+                                               kt_optimizer** opt);
+
+/* Waits for the optimizer's submitted steps and frees it. NULL accepted. */
+KT_API void kt_optimizer_destroy(kt_optimizer* opt);
+
+/* Replaces the hyperparameters for the following steps (lr schedules).
+ * algorithm and amsgrad must stay as created (KT_ERR_INVALID_ARGUMENT). */
+KT_API kt_status kt_optimizer_set_options(kt_optimizer* opt, const kt_optimizer_options* options);
+/* Writes the current hyperparameters (fields up to options->struct_size). */
+KT_API kt_status kt_optimizer_get_options(const kt_optimizer* opt, kt_optimizer_options* options);
+
+/* Replaces the gradient of host parameter index (retained; same rules as at
+ * creation). Not for optimizers of a layer (KT_ERR_MODE). */
+KT_API kt_status kt_optimizer_set_grad(kt_optimizer* opt, size_t index, const DLTensor* grad);
+
+typedef struct kt_optimizer_step_options {
+  size_t struct_size;   /* set by _init */
+  float grad_unscale;   /* multiplies every gradient first (1/loss scale; default 1) */
+  float clip_coef;      /* then multiplies it (global-norm clipping; default 1) */
+  int* found_nonfinite; /* NULL, or written by the call: 1 = some g was inf or
+                           NaN and the step was skipped (nothing changed, the
+                           step count kept), 0 = the step was made */
+} kt_optimizer_step_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_optimizer_step_options_defaults(kt_optimizer_step_options* options,
+                                               size_t struct_size);
+static inline void kt_optimizer_step_options_init(kt_optimizer_step_options* options) {
+  kt_optimizer_step_options_defaults(options, sizeof(*options));
+}
+
+/* One step over every parameter. options may be NULL (defaults). Every
+ * gradient is checked before anything changes: a non-finite one skips the
+ * step (reported through found_nonfinite; the call returns KT_OK).
+ * Serialised with the engine's compute calls. */
+KT_API kt_status kt_optimizer_step(kt_optimizer* opt, const kt_optimizer_step_options* options);
+
+/* Submits a step as a job on the engine's job thread (after the jobs
+ * submitted before it), as kt_moe_backward_submit; found_nonfinite is
+ * written when the job ends. Needs an engine (KT_ERR_UNSUPPORTED without). */
+KT_API kt_status kt_optimizer_step_submit(kt_optimizer* opt, const kt_optimizer_step_options* options,
+                                          unsigned flags, kt_job** job);
+
+/* *out = sum of g*g over every gradient as stored (before grad_unscale; a
+ * host with loss scale s multiplies by 1/s^2), accumulated in double in a
+ * fixed order. Inf or NaN when a gradient is. */
+KT_API kt_status kt_optimizer_grad_sq_norm(kt_optimizer* opt, double* out);
+
+/* Number of parameters, and steps made so far. */
+KT_API kt_status kt_optimizer_num_params(const kt_optimizer* opt, size_t* count);
+KT_API kt_status kt_optimizer_get_step(const kt_optimizer* opt, int64_t* step);
+/* Sets the step count (resuming from a host's own state); step >= 0. With
+ * SGD, step > 0 marks the momentum buffers as started. */
+KT_API kt_status kt_optimizer_set_step(kt_optimizer* opt, int64_t step);
+
+/* State tensors of one parameter. Values are pinned. */
+typedef enum kt_optim_state {
+  KT_OPTIM_STATE_MASTER = 0,     /* fp32 master (the host tensor itself when fp32) */
+  KT_OPTIM_STATE_EXP_AVG = 1,    /* AdamW m */
+  KT_OPTIM_STATE_EXP_AVG_SQ = 2, /* AdamW v */
+  KT_OPTIM_STATE_MAX_EXP_AVG_SQ = 3, /* AdamW with amsgrad */
+  KT_OPTIM_STATE_MOMENTUM = 4    /* SGD momentum buffer */
+} kt_optim_state;
+
+/* Writes into *out a view (fp32, compact, the parameter's shape) of parameter
+ * index's state tensor: data and shape are owned by the optimizer and valid
+ * until it is destroyed. The host may read it, or write it between steps
+ * (restoring a state). A state the algorithm does not keep is
+ * KT_ERR_INVALID_ARGUMENT. A layer follows masters written through the view
+ * at the next step (or use kt_optimizer_load, which it follows at once). */
+KT_API kt_status kt_optimizer_state(kt_optimizer* opt, size_t index, kt_optim_state which,
+                                    DLTensor* out);
+
+/* Saves masters, state, step and hyperparameters to one safetensors file at
+ * path (borrowed): written to a temporary file in the same directory,
+ * fsync'ed and renamed over path. Serialised with the engine's compute calls. */
+KT_API kt_status kt_optimizer_save(kt_optimizer* opt, const char* path);
+/* Restores what kt_optimizer_save wrote. The file must come from an
+ * optimizer of the same algorithm, amsgrad setting, parameter count, names,
+ * shapes and dtypes (KT_ERR_SHAPE / KT_ERR_INVALID_ARGUMENT otherwise; a
+ * damaged or truncated file is KT_ERR_IO); everything is checked before
+ * anything changes. A layer's optimizer also makes the layer use the loaded
+ * masters. */
+KT_API kt_status kt_optimizer_load(kt_optimizer* opt, const char* path);
+
 #ifdef __cplusplus
 }
 #endif

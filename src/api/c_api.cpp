@@ -14,6 +14,7 @@
 #include "core/sized_struct.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
+#include "optim/optimizer.h"
 #include "runtime/engine.h"
 
 #ifdef KT_HAVE_BUILD_INFO_H
@@ -304,6 +305,9 @@ kt_status kt_engine_destroy(kt_engine* engine) {
       kt::check(eng->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
                 std::string(w) + ": " + std::to_string(eng->num_layers.load()) +
                     " layer(s) still use this engine; destroy them first");
+      kt::check(eng->num_optimizers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+                std::string(w) + ": " + std::to_string(eng->num_optimizers.load()) +
+                    " optimizer(s) still use this engine; destroy them first");
       kt::check(!eng->destroyed, KT_ERR_INVALID_HANDLE,
                 std::string(w) + ": engine is being destroyed by another thread");
       eng->destroyed = true;
@@ -411,6 +415,10 @@ void kt_moe_destroy(kt_moe* moe) {
     {
       std::unique_lock<std::mutex> lock(m->state_mutex);
       m->jobs_done.wait(lock, [&] { return m->jobs.empty(); });
+    }
+    {
+      std::lock_guard<std::mutex> lock(m->engine->compute_mutex);
+      kt::optim::detach_layer(m.get());
     }
     m->end_context_handles();
     {

@@ -63,6 +63,7 @@ const char* type_name(HandleKind kind) {
     case HandleKind::kContext: return "kt_context";
     case HandleKind::kJob: return "kt_job";
     case HandleKind::kCkpt: return "kt_ckpt";
+    case HandleKind::kOptimizer: return "kt_optimizer";
   }
   return "kt handle";
 }

@@ -1,4 +1,5 @@
-// The handles kt gives hosts (engines, layers, contexts, jobs, checkpoints)
+// The handles kt gives hosts (engines, layers, contexts, jobs, checkpoints,
+// optimizers)
 // are opaque numbers, not addresses. A process-wide table maps each live one
 // to its object; a value is never given out twice. So a destroyed, released
 // or never-issued handle is found missing in the table without reading the
@@ -17,7 +18,7 @@
 
 namespace kt {
 
-enum class HandleKind { kEngine, kMoe, kContext, kJob, kCkpt };
+enum class HandleKind { kEngine, kMoe, kContext, kJob, kCkpt, kOptimizer };
 
 using HandleId = uintptr_t;
 

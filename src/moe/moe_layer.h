@@ -3,6 +3,7 @@
 // backward algorithms, written once over the kernel table.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <condition_variable>
 #include <memory>
@@ -151,6 +152,25 @@ struct kt_moe {
   // Ends every context handle of the layer (destruction): later releases
   // of them are refused instead of reaching a freed layer.
   void end_context_handles();
+
+  // The tensor bound to id, or null (kt_optimizer reads the bindings).
+  const kt::View* bound_view(int id) const {
+    return id >= 0 && id < 80 && bound_[id].set ? &bound_[id].view : nullptr;
+  }
+  // Full mode, for kt_optimizer's step, which packs the updated weights
+  // itself: the layer's own packed panels and fp32 biases of projection
+  // proj, written in place (call under the compute lock), and the end of
+  // such a write (every expert is then loaded, as after params_changed).
+  kt::bf16_t* writable_packed(int proj) {
+    own_weights();
+    return w_[proj].data();
+  }
+  float* writable_biases(int proj) { return b_[proj].data(); }
+  void weights_written() { std::fill(loaded_.begin(), loaded_.end(), uint8_t{1}); }
+
+  // Optimizers created over this layer (under the engine's compute lock);
+  // the layer detaches them when it is destroyed.
+  std::vector<kt_optimizer*> optimizers;
 
   kt_grad_ready_fn grad_hook = nullptr;
   void* grad_hook_user = nullptr;

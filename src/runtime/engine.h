@@ -86,6 +86,7 @@ struct kt_engine {
   // once its destruction has begun.
   std::mutex lifetime_mutex;
   bool destroyed = false;
+  std::atomic<int> num_optimizers{0};  // kt_optimizer on this engine (or its layers)
 
   // Per-stage profile (kt_stage): off by default.
   static constexpr int kStages = 11;

@@ -151,6 +151,41 @@ class Arg(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("tensor", ctypes.POINTER(DLTensor))]
 
 
+# kt_optim_algorithm / kt_optim_state
+OPTIM_ADAMW, OPTIM_SGD = 0, 1
+OPTIM_STATE_MASTER, OPTIM_STATE_EXP_AVG, OPTIM_STATE_EXP_AVG_SQ = 0, 1, 2
+OPTIM_STATE_MAX_EXP_AVG_SQ, OPTIM_STATE_MOMENTUM = 3, 4
+
+
+class OptimizerOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("algorithm", ctypes.c_int),
+        ("amsgrad", ctypes.c_int),
+        ("lr", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("momentum", ctypes.c_double),
+        ("dampening", ctypes.c_double),
+        ("nesterov", ctypes.c_int),
+    ]
+
+
+class OptimizerStepOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("grad_unscale", ctypes.c_float),
+        ("clip_coef", ctypes.c_float),
+        ("found_nonfinite", ctypes.POINTER(ctypes.c_int)),
+    ]
+
+
+class OptimizerParam(ctypes.Structure):
+    _fields_ = [("param", ctypes.POINTER(DLTensor)), ("grad", ctypes.POINTER(DLTensor))]
+
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int  # kt_status
 _PROTOTYPES = {
@@ -184,6 +219,23 @@ _PROTOTYPES = {
     "kt_backward_options_defaults": (None, [ctypes.POINTER(BackwardOptions), ctypes.c_size_t]),
     "kt_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_context_release": (None, [_P]),
+    "kt_optimizer_options_defaults": (None, [ctypes.POINTER(OptimizerOptions), ctypes.c_size_t]),
+    "kt_optimizer_step_options_defaults": (None, [ctypes.POINTER(OptimizerStepOptions), ctypes.c_size_t]),
+    "kt_optimizer_create": (_S, [_P, ctypes.POINTER(OptimizerOptions), ctypes.POINTER(OptimizerParam),
+                                 ctypes.c_size_t, ctypes.POINTER(_P)]),
+    "kt_optimizer_create_for_layer": (_S, [_P, ctypes.POINTER(OptimizerOptions), ctypes.POINTER(_P)]),
+    "kt_optimizer_destroy": (None, [_P]),
+    "kt_optimizer_set_options": (_S, [_P, ctypes.POINTER(OptimizerOptions)]),
+    "kt_optimizer_get_options": (_S, [_P, ctypes.POINTER(OptimizerOptions)]),
+    "kt_optimizer_set_grad": (_S, [_P, ctypes.c_size_t, ctypes.POINTER(DLTensor)]),
+    "kt_optimizer_step": (_S, [_P, ctypes.POINTER(OptimizerStepOptions)]),
+    "kt_optimizer_grad_sq_norm": (_S, [_P, ctypes.POINTER(ctypes.c_double)]),
+    "kt_optimizer_num_params": (_S, [_P, ctypes.POINTER(ctypes.c_size_t)]),
+    "kt_optimizer_get_step": (_S, [_P, ctypes.POINTER(ctypes.c_int64)]),
+    "kt_optimizer_set_step": (_S, [_P, ctypes.c_int64]),
+    "kt_optimizer_state": (_S, [_P, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(DLTensor)]),
+    "kt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
+    "kt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
 }
 
 

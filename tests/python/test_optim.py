@@ -1,0 +1,143 @@
+"""kt.optim.AdamW / SGD against torch.optim.AdamW / SGD: 200 steps of random
+gradients under LR schedulers, with weight decay and two parameter groups.
+kt's step is torch's for-loop arithmetic in the same operation order, so the
+parameters are compared bit for bit (torch.equal)."""
+import pytest
+import torch
+
+import kt
+import kt.optim
+
+
+def make_params(seed, shapes=((37, 29), (300,), (64, 65))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g) for s in shapes]
+
+
+def run(opt_cls, kwargs, groups, steps, schedule, seed=0, state=None, start=0, params=None):
+    """Trains copies of params with opt_cls; returns (params, optimizer)."""
+    params = [torch.nn.Parameter(p.clone()) for p in params]
+    param_groups = [{"params": [params[i] for i in idx], **extra} for idx, extra in groups]
+    opt = opt_cls(param_groups, **kwargs)
+    sched = schedule(opt)
+    if state is not None:
+        opt.load_state_dict(state[0])
+        sched.load_state_dict(state[1])
+    g = torch.Generator().manual_seed(seed + 1000 * start)
+    for _ in range(start, steps):
+        opt.zero_grad()
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * 0.1
+        opt.step()
+        sched.step()
+    return params, opt, sched
+
+
+def cosine(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=200)
+
+
+def step_lr(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=30, gamma=0.5)
+
+
+GROUPS = [((0, 1), {}), ((2,), {"lr": 3e-3, "weight_decay": 0.0})]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adamw_matches_torch_bit_for_bit(amsgrad):
+    init = make_params(1)
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    ours, opt, _ = run(kt.optim.AdamW, kw, GROUPS, 200, cosine, params=init)
+    theirs, topt, _ = run(torch.optim.AdamW, kw, GROUPS, 200, cosine, params=init)
+    for a, b, a0 in zip(ours, theirs, init):
+        assert torch.equal(a, b), (a - b).abs().max()
+        assert not torch.equal(a.detach(), a0)
+    # The state is torch's, key for key.
+    sa, sb = opt.state_dict(), topt.state_dict()
+    for ga, gb in zip(sa["param_groups"], sb["param_groups"]):
+        assert {k: ga[k] for k in ga if k in gb} == {k: gb[k] for k in ga if k in gb}
+    for k in sb["state"]:
+        assert set(sa["state"][k]) == set(sb["state"][k])
+        for name, v in sb["state"][k].items():
+            assert torch.equal(sa["state"][k][name], v), name
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=0.1),
+    dict(lr=0.1, weight_decay=1e-2),
+    dict(lr=0.1, momentum=0.9),
+    dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+    dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+])
+def test_sgd_matches_torch_bit_for_bit(kw):
+    init = make_params(2)
+    groups = [((0, 1), {}), ((2,), {"lr": 0.05})]
+    ours, opt, _ = run(kt.optim.SGD, kw, groups, 200, step_lr, params=init)
+    theirs, topt, _ = run(torch.optim.SGD, kw, groups, 200, step_lr, params=init)
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b), (a - b).abs().max()
+    sa, sb = opt.state_dict(), topt.state_dict()
+    for k in sb["state"]:
+        va, vb = sa["state"][k]["momentum_buffer"], sb["state"][k]["momentum_buffer"]
+        assert (va is None) == (vb is None)
+        if vb is not None:
+            assert torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("source", [kt.optim.AdamW, torch.optim.AdamW])
+def test_adamw_resumes_from_a_state_dict_bit_identically(source):
+    init = make_params(3)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    half, opt, sched = run(source, kw, GROUPS, 50, cosine, params=init)
+    state = (opt.state_dict(), sched.state_dict())
+    resumed, _, _ = run(kt.optim.AdamW, kw, GROUPS, 100, cosine, state=state, start=50,
+                        params=[p.detach() for p in half])
+    # The uninterrupted kt run, with the same gradients (run() seeds by start).
+    full_a, opt_a, sched_a = run(kt.optim.AdamW, kw, GROUPS, 50, cosine, params=init)
+    full_b, _, _ = run(kt.optim.AdamW, kw, GROUPS, 100, cosine,
+                       state=(opt_a.state_dict(), sched_a.state_dict()), start=50,
+                       params=[p.detach() for p in full_a])
+    for a, b in zip(resumed, full_b):
+        assert torch.equal(a, b)
+
+
+def test_sgd_state_moves_to_and_from_torch():
+    init = make_params(4)
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-2)
+    groups = [((0, 1, 2), {})]
+    half, topt, tsched = run(torch.optim.SGD, kw, groups, 20, step_lr, params=init)
+    state = (topt.state_dict(), tsched.state_dict())
+    ours, _, _ = run(kt.optim.SGD, kw, groups, 40, step_lr, state=state, start=20,
+                     params=[p.detach() for p in half])
+    theirs, _, _ = run(torch.optim.SGD, kw, groups, 40, step_lr, state=state, start=20,
+                       params=[p.detach() for p in half])
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+def test_zero_grad_and_params_without_grad():
+    p = torch.nn.Parameter(torch.ones(8))
+    q = torch.nn.Parameter(torch.ones(8))
+    opt = kt.optim.AdamW([p, q], lr=0.1)
+    p.grad = torch.ones(8)
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(8))
+    assert torch.equal(q.detach(), torch.ones(8))  # no grad: untouched, no state
+    assert q not in opt.state
+    opt.zero_grad()
+    assert p.grad is None or not p.grad.any()
+
+
+def test_unsupported_parameters_are_refused_by_name():
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    p.grad = torch.ones(4, dtype=torch.float64)
+    opt = kt.optim.AdamW([p])
+    with pytest.raises(kt.KtError) as e:
+        opt.step()
+    assert e.value.status == "KT_ERR_DTYPE" or "KT_ERR_DTYPE" in str(e.value)
+    assert "params[0].param" in str(e.value)
+    with pytest.raises(ValueError):
+        kt.optim.AdamW([torch.nn.Parameter(torch.ones(2))], betas=(1.0, 0.9))
+    with pytest.raises(ValueError):
+        kt.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1, nesterov=True)
