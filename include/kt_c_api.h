@@ -53,7 +53,8 @@
  * cannot call inline functions call `*_defaults` with their own size. Fields
  * the library does not know must be zero (they are then ignored); set to
  * anything else they fail the call with KT_ERR_UNSUPPORTED. A struct_size
- * above 4096 is KT_ERR_INVALID_ARGUMENT.
+ * above 4096 is KT_ERR_INVALID_ARGUMENT (and `*_defaults` writes nothing
+ * then).
  *
  * Precision: kt computes in fp32 between stages. The weight GEMMs of the
  * default engine (avx512bf16 kernels) multiply bf16 operands: bf16 activations

@@ -24,11 +24,13 @@ T defaults_of(SetDefaults set) {
 }
 
 // Writes the defaults into the caller's struct_size bytes (zero past what this
-// library knows) and sets its struct_size; a size too small to hold
-// struct_size writes nothing.
+// library knows) and sets its struct_size; a size that cannot hold
+// struct_size, or that no version of a struct has (above
+// kMaxOptionsStructSize), writes nothing (the call that reads the struct
+// then refuses it).
 template <class T, class SetDefaults>
 void write_defaults(T* out, size_t struct_size, SetDefaults set) {
-  if (!out || struct_size < sizeof(size_t)) return;
+  if (!out || struct_size < sizeof(size_t) || struct_size > kMaxOptionsStructSize) return;
   const T d = defaults_of<T>(set);
   std::memset(static_cast<void*>(out), 0, struct_size);
   std::memcpy(static_cast<void*>(out), &d, struct_size < sizeof(T) ? struct_size : sizeof(T));

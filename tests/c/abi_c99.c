@@ -131,9 +131,12 @@ static void check_growable_structs(void) {
   e = NULL;
   CHECK(kt_engine_create(&newer.known, &e) == KT_ERR_UNSUPPORTED && e == NULL);
   CHECK(strstr(kt_last_error(), "kt_engine_create") != NULL);
-  /* A size that cannot even hold struct_size writes nothing. */
+  /* A size that cannot even hold struct_size, or that no struct version has,
+   * writes nothing. */
   memset(&old, 0xA5, sizeof(old));
   kt_engine_options_defaults((kt_engine_options*)&old.options, 4);
+  CHECK(((const unsigned char*)&old.options)[0] == 0xA5);
+  kt_engine_options_defaults((kt_engine_options*)&old.options, (size_t)1 << 40);
   CHECK(((const unsigned char*)&old.options)[0] == 0xA5);
 }
 

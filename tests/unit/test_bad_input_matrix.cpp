@@ -192,7 +192,6 @@ struct BadCase {
   std::string call;    // the message starts with "<call>:"
   std::string needle;  // and contains this (the argument)
   std::function<kt_status(World&)> run;
-  bool destroyed_handle = false;
 };
 
 std::ostream& operator<<(std::ostream& o, const BadCase& c) { return o << c.name; }
@@ -501,12 +500,12 @@ struct Adder {
   std::vector<BadCase>* cases;
   void operator()(const std::string& what, Layer layer, kt_status status, const std::string& call,
                   const std::string& needle, std::function<kt_status(World&)> run) const {
-    cases->push_back(BadCase{call + "/" + what, layer, status, call, needle, std::move(run), false});
+    cases->push_back(BadCase{call + "/" + what, layer, status, call, needle, std::move(run)});
   }
   // A destroyed or released handle: the call must see it is not live.
   void destroyed(const std::string& what, Layer layer, kt_status status, const std::string& call,
                  const std::string& needle, std::function<kt_status(World&)> run) const {
-    cases->push_back(BadCase{call + "/" + what, layer, status, call, needle, std::move(run), true});
+    (*this)(what, layer, status, call, needle, std::move(run));
   }
 };
 
