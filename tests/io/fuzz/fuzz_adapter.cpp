@@ -12,28 +12,13 @@
 
 #include "fuzz_bundle.h"
 #include "fuzz_check.h"
+#include "fuzz_host.h"
 #include "kt_c_api.h"
 
 namespace {
 
 using kt_fuzz::checked;
-
-struct Dl {
-  std::vector<float> data;
-  std::vector<int64_t> shape;
-  DLTensor t{};
-  Dl(std::vector<int64_t> s) : shape(std::move(s)) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    data.assign(static_cast<size_t>(n), 0.f);
-    t.data = data.data();
-    t.device = DLDevice{kDLCPU, 0};
-    t.ndim = static_cast<int>(shape.size());
-    t.dtype = DLDataType{kDLFloat, 32, 1};
-    t.shape = shape.data();
-    t.strides = nullptr;
-  }
-};
+using kt_fuzz::F32Tensor;
 
 // The layer, expert and projection a PEFT key names; false for other keys.
 bool parse_key(const std::string& k, int64_t* layer, int64_t* expert, int* proj, bool* a) {
@@ -91,7 +76,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (layers.empty()) layers[0][0] = Proj{1, {1, 4}, {4, 1}};
   for (auto& kv : layers) {
     for (int extra = 0; extra < 2; ++extra) {
-      std::vector<Dl> dests;
+      std::vector<F32Tensor> dests;
       dests.reserve(6);
       std::vector<kt_arg> args;
       static const int kA[3] = {KT_ARG_LORA_A_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_A_DOWN};
@@ -111,7 +96,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                    "kt_ckpt_adapter_read");
       // Nothing is written when the call fails.
       if (st != KT_OK)
-        for (const Dl& d : dests)
+        for (const F32Tensor& d : dests)
           for (float v : d.data)
             if (v != 0.f) std::abort();
     }

@@ -9,41 +9,14 @@
 
 #include "fuzz_bundle.h"
 #include "fuzz_check.h"
+#include "fuzz_host.h"
 #include "kt_c_api.h"
 
 namespace {
 
 using kt_fuzz::checked;
-
-struct Dl {
-  std::vector<float> data;
-  std::vector<int64_t> shape;
-  DLTensor t{};
-  Dl(std::vector<int64_t> s) : shape(std::move(s)) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    data.assign(static_cast<size_t>(n), 0.f);
-    t.data = data.data();
-    t.device = DLDevice{kDLCPU, 0};
-    t.ndim = static_cast<int>(shape.size());
-    t.dtype = DLDataType{kDLFloat, 32, 1};
-    t.shape = shape.data();
-    t.strides = nullptr;
-  }
-};
-
-kt_engine* engine() {
-  static kt_engine* e = [] {
-    kt_engine_options o;
-    kt_engine_options_init(&o);
-    o.num_threads = 1;
-    o.pin_threads = 0;
-    kt_engine* made = nullptr;
-    if (kt_engine_create(&o, &made) != KT_OK) std::abort();
-    return made;
-  }();
-  return e;
-}
+using kt_fuzz::engine;
+using kt_fuzz::F32Tensor;
 
 }  // namespace
 
@@ -70,7 +43,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int64_t E = li.num_experts, H = li.hidden, I = li.intermediate;
     const bool small = E > 0 && H > 0 && I > 0 && E <= 64 && H <= 512 && I <= 512 && E * H * I <= (1 << 16);
     if (!small) continue;
-    Dl g({E, I, H}), u({E, I, H}), d({E, H, I}), bg({E, I}), bu({E, I}), bd({E, H});
+    F32Tensor g({E, I, H}), u({E, I, H}), d({E, H, I}), bg({E, I}), bu({E, I}), bd({E, H});
     std::vector<kt_arg> args = {{KT_ARG_W_GATE, &g.t}, {KT_ARG_W_UP, &u.t}, {KT_ARG_W_DOWN, &d.t}};
     if (li.has_bias) {
       args.push_back({KT_ARG_B_GATE, &bg.t});

@@ -11,27 +11,16 @@
 
 #include "fuzz_bundle.h"
 #include "fuzz_check.h"
+#include "fuzz_host.h"
 #include "io/packed_cache.h"
 #include "kt_c_api.h"
 
 namespace {
 
 using kt_fuzz::checked;
+using kt_fuzz::engine;
 
 constexpr int64_t kE = 2, kH = 32, kI = 32, kT = 2;
-
-kt_engine* engine() {
-  static kt_engine* e = [] {
-    kt_engine_options o;
-    kt_engine_options_init(&o);
-    o.num_threads = 1;
-    o.pin_threads = 0;
-    kt_engine* made = nullptr;
-    if (kt_engine_create(&o, &made) != KT_OK) std::abort();
-    return made;
-  }();
-  return e;
-}
 
 kt_moe* layer(bool bias) {
   kt_moe_options o;
