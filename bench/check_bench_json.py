@@ -65,6 +65,23 @@ def main():
         if seen != CASES:
             fail(f"{where}: cases {sorted(seen)}, expected {sorted(CASES)}")
         require(model["linearity"], ["touched_experts_sweep"] + sorted(CASES), where + " linearity")
+    require(doc, ["optimizer"], "the document (the optimizer case runs by default)")
+    optimizer = doc["optimizer"]
+    require(optimizer, ["model", "algorithm", "bytes_per_param", "torch", "results"], "optimizer")
+    require(optimizer["torch"], ["ran"], "optimizer torch")
+    if not optimizer["torch"]["ran"]:
+        require(optimizer["torch"], ["reason"], "optimizer torch")
+    if not optimizer["results"]:
+        fail("optimizer: no result")
+    for r in optimizer["results"]:
+        require(r, ["experts", "params", "kt_ms", "kt_gparams_per_s", "floor_ms", "pct_floor", "torch_forloop_ms",
+                    "torch_foreach_ms", "layer_step_ms", "layer_over_plain", "repack_ms", "fwd_bwd_ms"],
+                "optimizer result")
+        if "error" in r:
+            fail(f"optimizer: kt failed: {r['error']}")
+        for k in ("kt_ms", "layer_step_ms", "repack_ms", "fwd_bwd_ms"):
+            if not r[k] or r[k] <= 0:
+                fail(f"optimizer {r['experts']} experts: no {k}")
     print(f"check_bench_json: OK ({len(doc['models'])} model(s), "
           f"{sum(len(m['results']) for m in doc['models'])} results)")
 

@@ -4,6 +4,7 @@
 //   kt_bench [--json] [--quick] [--models LIST|all] [--tokens LIST] [--cases LIST]
 //            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
 //            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
+//            [--optim-params LIST]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
 #include <unistd.h>
@@ -23,6 +24,7 @@
 #include "kt_runner.h"
 #include "machine_limits.h"
 #include "model_shapes.h"
+#include "optimizer_bench.h"
 #include "torch_runner.h"
 #include "workload.h"
 #if KT_BENCH_HAVE_ONEDNN
@@ -46,12 +48,19 @@ std::string default_torch_script() {
   return KT_BENCH_TORCH_SCRIPT;
 }
 
+// torch_optim_baseline.py, found like torch_baseline.py.
+std::string optimizer_script_of(const std::string& torch_script) {
+  return torch_script.substr(0, torch_script.find_last_of('/') + 1) + "torch_optim_baseline.py";
+}
+
 struct Options {
   bool json = false;
   bool quick = false;
   std::vector<std::string> models{"qwen3-30b-a3b"};
   std::vector<int64_t> tokens{1, 8, 32, 128, 512, 2048};
   std::vector<Case> cases{std::begin(kAllCases), std::end(kAllCases)};
+  bool optimizer = true;                          // the `optimizer` case
+  std::vector<int64_t> optim_params{16000000, 64000000};
   int threads = 0;
   int reps = 5;
   int warmup = 1;
@@ -71,7 +80,9 @@ const char* kUsage =
     "  --quick              smoke run: T in {1,8}, a 16-expert slice, 1 rep\n"
     "  --models LIST|all    comma-separated model names (default qwen3-30b-a3b)\n"
     "  --tokens LIST        token counts T (default 1,8,32,128,512,2048)\n"
-    "  --cases LIST         forward,train_dx,train_lora,train_full (default all)\n"
+    "  --cases LIST         forward,train_dx,train_lora,train_full,optimizer (default all)\n"
+    "  --optim-params LIST  optimizer case: parameter counts in millions, rounded to whole\n"
+    "                       experts (at least top_k) of the first model (default 16,64)\n"
     "  --threads N          kt worker threads, and the threads of every measurement (0 = all CPUs)\n"
     "  --reps N             timed repetitions per result, median reported (default 5)\n"
     "  --warmup N           untimed calls before them (default 1)\n"
@@ -94,7 +105,7 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 bool parse_options(int argc, char** argv, Options* o, std::string* error) {
-  bool tokens_given = false, reps_given = false;
+  bool tokens_given = false, reps_given = false, optim_params_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto next = [&](std::string* v) {
@@ -131,7 +142,12 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
       tokens_given = true;
     } else if (a == "--cases") {
       o->cases.clear();
+      o->optimizer = false;
       for (const std::string& c : split(v)) {
+        if (c == "optimizer") {
+          o->optimizer = true;
+          continue;
+        }
         const Case* found = std::find_if(std::begin(kAllCases), std::end(kAllCases), [&](Case k) { return c == case_key(k); });
         if (found == std::end(kAllCases)) {
           *error = "unknown case " + c;
@@ -139,6 +155,10 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
         }
         o->cases.push_back(*found);
       }
+    } else if (a == "--optim-params") {
+      o->optim_params.clear();
+      for (const std::string& n : split(v)) o->optim_params.push_back(static_cast<int64_t>(std::atof(n.c_str()) * 1e6));
+      optim_params_given = true;
     } else if (a == "--threads") o->threads = std::atoi(v.c_str());
     else if (a == "--reps") {
       o->reps = std::atoi(v.c_str());
@@ -172,7 +192,13 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
   if (o->quick) {
     if (!tokens_given) o->tokens = {1, 8};
     if (!reps_given) o->reps = 1;
+    if (!optim_params_given) o->optim_params = {1};
   }
+  for (int64_t n : o->optim_params)
+    if (n < 1) {
+      *error = "--optim-params must be positive";
+      return false;
+    }
   for (int64_t t : o->tokens)
     if (t < 1) {
       *error = "token counts must be >= 1";
@@ -183,7 +209,7 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
       *error = "unknown model " + m;
       return false;
     }
-  if (o->reps < 1 || o->warmup < 0 || o->tokens.empty() || o->cases.empty() || o->max_weight_gb <= 0) {
+  if (o->reps < 1 || o->warmup < 0 || o->tokens.empty() || (o->cases.empty() && !o->optimizer) || o->max_weight_gb <= 0) {
     *error = "need --reps >= 1, --warmup >= 0, --max-weight-gb > 0, and some tokens and cases";
     return false;
   }
@@ -435,7 +461,55 @@ std::string fmt(const char* format, double v) {
   return buffer;
 }
 
-void print_table(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models) {
+// Seconds the memory traffic of `bytes_per_param` per parameter takes at the
+// measured DRAM read bandwidth (writes counted as reads: a lower bound).
+double memory_floor_s(int64_t params, double bytes_per_param, const Limits& lim) {
+  return lim.machine.dram_read_gbs > 0 ? static_cast<double>(params) * bytes_per_param / (lim.machine.dram_read_gbs * 1e9)
+                                       : NAN;
+}
+
+double positive_or_nan(double seconds) { return seconds > 0 ? seconds : NAN; }
+
+void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
+  const ModelShape& s = rep.shape;
+  std::printf("\n== optimizer: AdamW over fp32 masters of %s experts (H=%lld I=%lld); torch: %s\n", s.name,
+              static_cast<long long>(s.hidden), static_cast<long long>(s.intermediate),
+              rep.torch_version.empty() ? rep.torch_reason.c_str()
+                                        : ("torch " + rep.torch_version + ", " + std::to_string(rep.torch_threads) +
+                                           " threads" + (rep.torch_reason.empty() ? "" : "; " + rep.torch_reason)).c_str());
+  std::printf("%4s %8s %9s %8s %7s %9s %10s %6s %10s %6s %9s %7s %9s\n", "exp", "Mparams", "kt ms", "Gparam/s", "%floor",
+              "floor ms", "loop ms", "xloop", "foreach ms", "xfore", "layer ms", "xplain", "repack ms");
+  for (const OptimizerRow& r : rep.rows) {
+    const double kt = positive_or_nan(r.kt_plain_s), layer = positive_or_nan(r.kt_layer_s);
+    const double floor = memory_floor_s(r.params, kAdamwBytesPerParam, lim);
+    const double loop = positive_or_nan(r.torch_forloop_s), fore = positive_or_nan(r.torch_foreach_s);
+    std::printf("%4lld %8.1f %9s %8s %7s %9s %10s %6s %10s %6s %9s %7s %9s\n", static_cast<long long>(r.experts),
+                static_cast<double>(r.params) / 1e6, fmt("%.2f", kt * 1e3).c_str(),
+                fmt("%.2f", static_cast<double>(r.params) / kt / 1e9).c_str(), fmt("%.1f", 100 * floor / kt).c_str(),
+                fmt("%.2f", floor * 1e3).c_str(), fmt("%.2f", loop * 1e3).c_str(), fmt("%.2f", loop / kt).c_str(),
+                fmt("%.2f", fore * 1e3).c_str(), fmt("%.2f", fore / kt).c_str(), fmt("%.2f", layer * 1e3).c_str(),
+                fmt("%.2f", layer / kt).c_str(), fmt("%.2f", positive_or_nan(r.repack_s) * 1e3).c_str());
+  }
+  std::printf("   full fine-tune step of those experts at T=%lld (routes to other experts dropped):\n",
+              static_cast<long long>(rep.tokens));
+  for (const OptimizerRow& r : rep.rows) {
+    const double fb = positive_or_nan(r.fwd_bwd_s), layer = positive_or_nan(r.kt_layer_s);
+    const double torch_path = positive_or_nan(r.torch_forloop_s) + positive_or_nan(r.repack_s);
+    std::printf("   %lld experts: fwd+bwd %s ms; kt step %s ms (%s%% of the step); torch AdamW + repack %s ms (%s%%)\n",
+                static_cast<long long>(r.experts), fmt("%.1f", fb * 1e3).c_str(), fmt("%.1f", layer * 1e3).c_str(),
+                fmt("%.1f", 100 * layer / (fb + layer)).c_str(), fmt("%.1f", torch_path * 1e3).c_str(),
+                fmt("%.1f", 100 * torch_path / (fb + torch_path)).c_str());
+    if (!r.error.empty()) std::printf("   %lld experts: %s\n", static_cast<long long>(r.experts), r.error.c_str());
+  }
+  std::printf("   kt ms: kt_optimizer_step over fp32 tensors; floor: %.0f B/param (read p, g, m, v; write p, m, v) at the\n"
+              "   DRAM read bandwidth; loop/foreach: torch.optim.AdamW(foreach=False/True), x = torch / kt; layer: the\n"
+              "   full-mode layer's step (bf16 params, fp32 masters, bf16 copy and panels written, %.0f B/param),\n"
+              "   xplain = layer / kt; repack: kt_moe_params_changed, what a step outside kt needs after it.\n",
+              kAdamwBytesPerParam, kLayerStepBytesPerParam);
+}
+
+void print_table(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models,
+                 const OptimizerReport* optimizer) {
   const MachineLimits& m = lim.machine;
   std::printf("kt %s (abi %d), kernels %s (%s), %d threads\n", kt_version(), kt_abi_version(), kt_isa_name(info.isa),
               info.kernel_name ? info.kernel_name : "?", info.num_threads);
@@ -503,11 +577,53 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       std::printf("\n");
     }
   }
-  std::printf("\n%%peak / %%bw: of the measured peak / DRAM read bandwidth; * marks the bound (roofline) of the case.\n"
-              "xoneDNN, xtorch: baseline time / kt time (above 1: kt is faster).\n");
+  if (!models.empty())
+    std::printf("\n%%peak / %%bw: of the measured peak / DRAM read bandwidth; * marks the bound (roofline) of the case.\n"
+                "xoneDNN, xtorch: baseline time / kt time (above 1: kt is faster).\n");
+  if (optimizer) print_optimizer(*optimizer, lim);
 }
 
-void write_json(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models) {
+void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limits& lim) {
+  j.key("optimizer").begin_object();
+  j.key("model").value(rep.shape.name);
+  j.key("algorithm").value("adamw");
+  j.key("tokens").value(rep.tokens);
+  j.key("bytes_per_param").value(kAdamwBytesPerParam);
+  j.key("layer_bytes_per_param").value(kLayerStepBytesPerParam);
+  j.key("torch").begin_object();
+  j.key("ran").value(!rep.torch_version.empty());
+  if (!rep.torch_version.empty()) {
+    j.key("version").value(rep.torch_version);
+    j.key("threads").value(rep.torch_threads);
+  }
+  if (!rep.torch_reason.empty()) j.key("reason").value(rep.torch_reason);
+  j.end_object();
+  j.key("results").begin_array();
+  for (const OptimizerRow& r : rep.rows) {
+    const double kt = positive_or_nan(r.kt_plain_s);
+    const double floor = memory_floor_s(r.params, kAdamwBytesPerParam, lim);
+    j.begin_object();
+    j.key("experts").value(r.experts);
+    j.key("params").value(r.params);
+    j.key("kt_ms").value(kt * 1e3);
+    j.key("kt_gparams_per_s").value(static_cast<double>(r.params) / kt / 1e9);
+    j.key("floor_ms").value(floor * 1e3);
+    j.key("pct_floor").value(100 * floor / kt);
+    j.key("torch_forloop_ms").value(positive_or_nan(r.torch_forloop_s) * 1e3);
+    j.key("torch_foreach_ms").value(positive_or_nan(r.torch_foreach_s) * 1e3);
+    j.key("layer_step_ms").value(positive_or_nan(r.kt_layer_s) * 1e3);
+    j.key("layer_over_plain").value(positive_or_nan(r.kt_layer_s) / kt);
+    j.key("repack_ms").value(positive_or_nan(r.repack_s) * 1e3);
+    j.key("fwd_bwd_ms").value(positive_or_nan(r.fwd_bwd_s) * 1e3);
+    if (!r.error.empty()) j.key("error").value(r.error);
+    j.end_object();
+  }
+  j.end_array();
+  j.end_object();
+}
+
+void write_json(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models,
+                const OptimizerReport* optimizer) {
   JsonWriter j;
   const MachineLimits& m = lim.machine;
   j.begin_object();
@@ -639,6 +755,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     j.end_object();
   }
   j.end_array();
+  if (optimizer) write_optimizer_json(j, *optimizer, lim);
   j.end_object();
   std::printf("%s\n", j.str().c_str());
 }
@@ -695,17 +812,32 @@ int main(int argc, char** argv) {
   if (o.torch && !torch_reason.empty() && !o.json) std::fprintf(stderr, "kt_bench: torch baseline skipped: %s\n", torch_reason.c_str());
 
   std::vector<ModelReport> models;
-  for (const std::string& name : o.models) {
-    const ModelShape& shape = *std::find_if(std::begin(kModelShapes), std::end(kModelShapes),
-                                            [&](const ModelShape& s) { return name == s.name; });
-    models.push_back(bench_model(shape, o, engine, info.num_threads, torch_reason));
+  auto shape_of = [](const std::string& name) -> const ModelShape& {
+    return *std::find_if(std::begin(kModelShapes), std::end(kModelShapes), [&](const ModelShape& s) { return name == s.name; });
+  };
+  if (!o.cases.empty())
+    for (const std::string& name : o.models) models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, torch_reason));
+  OptimizerReport optimizer;
+  if (o.optimizer) {
+    OptimizerBenchOptions oo;
+    oo.shape = shape_of(o.models.front());
+    oo.param_counts = o.optim_params;
+    oo.tokens = o.quick ? 8 : 512;
+    oo.warmup = o.warmup;
+    oo.reps = o.reps;
+    oo.threads = info.num_threads;
+    oo.torch = o.torch;
+    oo.python = o.python;
+    oo.torch_script = optimizer_script_of(o.torch_script);
+    optimizer = run_optimizer_bench(engine, oo, torch_reason);
   }
-  if (o.json) write_json(o, lim, info, models);
-  else print_table(o, lim, info, models);
+  if (o.json) write_json(o, lim, info, models, o.optimizer ? &optimizer : nullptr);
+  else print_table(o, lim, info, models, o.optimizer ? &optimizer : nullptr);
 
   bool kt_failed = false;
   for (const ModelReport& mr : models)
     for (const Row& r : mr.rows) kt_failed = kt_failed || !r.kt_error.empty();
+  for (const OptimizerRow& r : optimizer.rows) kt_failed = kt_failed || !r.error.empty();
   st = kt_engine_destroy(engine);
   if (st != KT_OK) {
     std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_destroy", st).c_str());

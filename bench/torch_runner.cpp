@@ -53,6 +53,37 @@ bool parse_string(const std::string& s, size_t& i, std::string* out) {
   return true;
 }
 
+// Runs `command` and collects its JSON lines: the {"torch": version} header
+// and one {"case", <index_key>, "ms" | "error"} per measurement.
+void read_json_lines(const std::string& command, const std::string& python, const char* index_key, TorchRun* run) {
+  FILE* pipe = popen(command.c_str(), "r");
+  if (!pipe) {
+    run->reason = "cannot start " + python;
+    return;
+  }
+  std::string line;
+  char buffer[4096];
+  while (fgets(buffer, sizeof(buffer), pipe)) {
+    line += buffer;
+    if (line.empty() || line.back() != '\n') continue;
+    std::map<std::string, std::string> fields;
+    if (parse_flat_json_object(line, &fields)) {
+      if (fields.count("torch")) {
+        run->version = fields["torch"];
+        run->threads = std::atoi(fields["threads"].c_str());
+      } else if (fields.count("case") && fields.count(index_key)) {
+        const auto key = std::make_pair(fields["case"], static_cast<int64_t>(std::atoll(fields[index_key].c_str())));
+        if (fields.count("ms")) run->seconds[key] = std::atof(fields["ms"].c_str()) / 1e3;
+        else run->errors[key] = fields["error"];
+      }
+    }
+    line.clear();
+  }
+  const int status = pclose(pipe);
+  run->ran = !run->version.empty();
+  if (status != 0) run->reason = "torch baseline exited with status " + std::to_string(status);
+}
+
 }  // namespace
 
 bool parse_flat_json_object(const std::string& line, std::map<std::string, std::string>* out) {
@@ -141,34 +172,26 @@ TorchRun run_torch_baseline(const std::string& python, const std::string& script
           << " --intermediate " << layer.shape.intermediate << " --experts " << layer.experts << " --top-k "
           << layer.shape.top_k << " --tokens " << tokens << " --cases " << case_list << " --batch-dir "
           << shell_quote(dir) << " --threads " << threads << " --warmup " << warmup << " --reps " << reps;
-  FILE* pipe = popen(command.str().c_str(), "r");
-  if (!pipe) {
-    run.reason = "cannot start " + python;
-  } else {
-    std::string line;
-    char buffer[4096];
-    while (fgets(buffer, sizeof(buffer), pipe)) {
-      line += buffer;
-      if (line.empty() || line.back() != '\n') continue;
-      std::map<std::string, std::string> fields;
-      if (parse_flat_json_object(line, &fields)) {
-        if (fields.count("torch")) {
-          run.version = fields["torch"];
-          run.threads = std::atoi(fields["threads"].c_str());
-        } else if (fields.count("case") && fields.count("tokens")) {
-          const auto key = std::make_pair(fields["case"], static_cast<int64_t>(std::atoll(fields["tokens"].c_str())));
-          if (fields.count("ms")) run.seconds[key] = std::atof(fields["ms"].c_str()) / 1e3;
-          else run.errors[key] = fields["error"];
-        }
-      }
-      line.clear();
-    }
-    const int status = pclose(pipe);
-    run.ran = !run.version.empty();
-    if (status != 0) run.reason = "torch baseline exited with status " + std::to_string(status);
-  }
+  read_json_lines(command.str(), python, "tokens", &run);
   for (const std::string& f : files) std::remove(f.c_str());
   rmdir(dir);
+  return run;
+}
+
+TorchRun run_torch_optimizer_baseline(const std::string& python, const std::string& script, const ModelShape& shape,
+                                      const std::vector<int64_t>& experts, int threads, int warmup, int reps) {
+  TorchRun run;
+  if (access(script.c_str(), R_OK) != 0) {
+    run.reason = "script " + script + " not found";
+    return run;
+  }
+  std::string list;
+  for (int64_t e : experts) list += (list.empty() ? "" : ",") + std::to_string(e);
+  std::ostringstream command;
+  command << shell_quote(python) << ' ' << shell_quote(script) << " --hidden " << shape.hidden << " --intermediate "
+          << shape.intermediate << " --experts " << list << " --threads " << threads << " --warmup " << warmup
+          << " --reps " << reps;
+  read_json_lines(command.str(), python, "experts", &run);
   return run;
 }
 

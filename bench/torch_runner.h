@@ -16,7 +16,7 @@ struct TorchRun {
   std::string reason;   // why nothing ran, or a failure of the subprocess
   std::string version;  // torch.__version__
   int threads = 0;
-  std::map<std::pair<std::string, int64_t>, double> seconds;  // (case key, T) -> median seconds
+  std::map<std::pair<std::string, int64_t>, double> seconds;  // (case key, T or experts) -> median seconds
   std::map<std::pair<std::string, int64_t>, std::string> errors;
 };
 
@@ -26,6 +26,12 @@ std::string torch_unavailable_reason(const std::string& python);
 TorchRun run_torch_baseline(const std::string& python, const std::string& script, const LayerWeights& layer,
                             const std::vector<Workload>& workloads, const std::vector<Case>& cases, int threads,
                             int warmup, int reps);
+
+// torch_optim_baseline.py: torch.optim.AdamW steps over the fp32 expert
+// weights of `experts[i]` experts of `shape`; keys ("adamw_forloop" |
+// "adamw_foreach", experts).
+TorchRun run_torch_optimizer_baseline(const std::string& python, const std::string& script, const ModelShape& shape,
+                                      const std::vector<int64_t>& experts, int threads, int warmup, int reps);
 
 // Parses one flat JSON object ({"k": "string" | number | true | false | null, ...})
 // into key -> value text (strings unescaped). False when the line is not one.

@@ -28,10 +28,10 @@ set(_kt_components runtime dev)
 if(TARGET kt_cli)
   install(TARGETS kt_cli RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT tools)
   list(APPEND _kt_components tools)
-  # kt bench: the benchmark and its torch baseline script, beside each other.
+  # kt bench: the benchmark and its torch baseline scripts, beside each other.
   if(TARGET kt_bench)
     install(TARGETS kt_bench RUNTIME DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt" COMPONENT tools)
-    install(FILES "${_kt_src_dir}/bench/torch_baseline.py" DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt"
+    install(FILES "${_kt_src_dir}/bench/torch_baseline.py" "${_kt_src_dir}/bench/torch_optim_baseline.py" DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt"
       COMPONENT tools)
   endif()
 endif()

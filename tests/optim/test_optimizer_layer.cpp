@@ -21,8 +21,9 @@ using kt_test::kI32;
 using kt_test::Tensor;
 using kt_test::TensorPtr;
 
-// I = 21: a partial panel (gate, up) and an odd column count (down).
-constexpr int64_t E = 3, K = 2, H = 32, I = 21, T = 6, R = 4;
+// I = 21: a partial panel (gate, up) and an odd column count (down); H = 40:
+// gate/up rows of one whole 16-pair block and a tail of 4 pairs.
+constexpr int64_t E = 3, K = 2, H = 40, I = 21, T = 6, R = 4;
 
 struct Engine {
   kt_engine* e = nullptr;

@@ -1,0 +1,168 @@
+#include "optimizer_bench.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
+#include "bench_common.h"
+#include "kt_runner.h"
+#include "torch_runner.h"
+#include "workload.h"
+
+namespace kt_bench {
+namespace {
+
+void fill(HostTensor& t, Rng& rng, float scale) {
+  float* p = t.f32();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = scale * rng.normal();
+}
+
+std::vector<std::vector<int64_t>> weight_shapes(const ModelShape& s, int64_t experts) {
+  return {{experts, s.intermediate, s.hidden}, {experts, s.intermediate, s.hidden}, {experts, s.hidden, s.intermediate}};
+}
+
+// kt_optimizer_step over fp32 host tensors shaped like the layer's weights.
+double time_plain_step(kt_engine* engine, const ModelShape& shape, int64_t experts, int warmup, int reps,
+                       std::string* error) {
+  Rng rng(11);
+  std::vector<HostTensor> params, grads;
+  std::vector<kt_optimizer_param> pairs;
+  for (const std::vector<int64_t>& dims : weight_shapes(shape, experts)) {
+    params.emplace_back(kDLFloat, 32, dims);
+    grads.emplace_back(kDLFloat, 32, dims);
+    fill(params.back(), rng, 0.02f);
+    fill(grads.back(), rng, 1e-3f);
+  }
+  for (size_t i = 0; i < params.size(); ++i) pairs.push_back({params[i].dl(), grads[i].dl()});
+  kt_optimizer* opt = nullptr;
+  kt_status st = kt_optimizer_create(engine, nullptr, pairs.data(), pairs.size(), &opt);
+  if (st != KT_OK) {
+    *error = kt_error("kt_optimizer_create", st);
+    return -1;
+  }
+  const double s = median_seconds(warmup, reps, [&](int) {
+    st = kt_optimizer_step(opt, nullptr);
+    if (st != KT_OK) *error = kt_error("kt_optimizer_step", st);
+    return st == KT_OK;
+  });
+  kt_optimizer_destroy(opt);
+  return s;
+}
+
+// A full-mode layer with the host's bf16 weights bound: the optimizer keeps
+// fp32 masters and each step writes the bf16 copy and the packed panels.
+// Also times kt_moe_params_changed, the repack a host optimizer would need.
+bool time_layer_step(kt_engine* engine, const LayerWeights& layer, int warmup, int reps, OptimizerRow* row) {
+  const ModelShape& s = layer.shape;
+  kt_moe_options options;
+  kt_moe_options_init(&options);
+  options.num_experts = layer.experts;
+  options.top_k = s.top_k;
+  options.hidden = s.hidden;
+  options.intermediate = s.intermediate;
+  options.max_tokens = 16;
+  options.mode = KT_MODE_FULL;
+  kt_moe* moe = nullptr;
+  kt_status st = kt_moe_create(engine, &options, &moe);
+  if (st != KT_OK) {
+    row->error = kt_error("kt_moe_create", st);
+    return false;
+  }
+  Rng rng(13);
+  std::vector<HostTensor> grads;
+  for (const std::vector<int64_t>& dims : weight_shapes(s, layer.experts)) {
+    grads.emplace_back(kDLFloat, 32, dims);
+    fill(grads.back(), rng, 1e-3f);
+  }
+  const kt_arg args[] = {{KT_ARG_W_GATE, layer.gate.dl()},   {KT_ARG_W_UP, layer.up.dl()},
+                         {KT_ARG_W_DOWN, layer.down.dl()},   {KT_ARG_GRAD_W_GATE, grads[0].dl()},
+                         {KT_ARG_GRAD_W_UP, grads[1].dl()},  {KT_ARG_GRAD_W_DOWN, grads[2].dl()}};
+  kt_optimizer* opt = nullptr;
+  const char* call = "kt_moe_load_weights";
+  st = kt_moe_load_weights(moe, nullptr, args, 3);
+  if (st == KT_OK) {
+    call = "kt_moe_bind";
+    st = kt_moe_bind(moe, args, 6);
+  }
+  if (st == KT_OK) {
+    call = "kt_optimizer_create_for_layer";
+    st = kt_optimizer_create_for_layer(moe, nullptr, &opt);
+  }
+  if (st == KT_OK) {
+    row->kt_layer_s = median_seconds(warmup, reps, [&](int) {
+      st = kt_optimizer_step(opt, nullptr);
+      call = "kt_optimizer_step";
+      return st == KT_OK;
+    });
+  }
+  if (st == KT_OK) {
+    row->repack_s = median_seconds(warmup, reps, [&](int) {
+      st = kt_moe_params_changed(moe);
+      call = "kt_moe_params_changed";
+      return st == KT_OK;
+    });
+  }
+  if (st != KT_OK) row->error = kt_error(call, st);
+  kt_optimizer_destroy(opt);
+  kt_moe_destroy(moe);
+  return st == KT_OK;
+}
+
+}  // namespace
+
+OptimizerReport run_optimizer_bench(kt_engine* engine, const OptimizerBenchOptions& o, const std::string& torch_reason) {
+  OptimizerReport rep;
+  rep.shape = o.shape;
+  rep.tokens = o.tokens;
+  const int64_t per_expert = 3 * o.shape.hidden * o.shape.intermediate;
+  std::vector<int64_t> expert_counts;
+  for (int64_t n : o.param_counts) {
+    // A layer needs at least top_k experts.
+    const int64_t e = std::max<int64_t>(o.shape.top_k, (n + per_expert / 2) / per_expert);
+    if (std::find(expert_counts.begin(), expert_counts.end(), e) == expert_counts.end()) expert_counts.push_back(e);
+  }
+  for (int64_t e : expert_counts) {
+    OptimizerRow row;
+    row.experts = e;
+    row.params = e * per_expert;
+    std::fprintf(stderr, "kt_bench: optimizer: %lld experts of %s (%.1f M params)\n", static_cast<long long>(e),
+                 o.shape.name, static_cast<double>(row.params) / 1e6);
+    std::string error;
+    row.kt_plain_s = time_plain_step(engine, o.shape, e, o.warmup, o.reps, &error);
+    if (row.kt_plain_s < 0) row.error = error;
+    const LayerWeights layer = make_layer_weights(o.shape, e, 42);
+    if (time_layer_step(engine, layer, o.warmup, o.reps, &row)) {
+      // The rest of a full fine-tune step on the same layer: routes to the
+      // model's other experts are dropped, so the forward and backward cost
+      // scales with the experts held, as the optimizer's does.
+      KtRunner kt(engine, layer, o.tokens);
+      const Workload work = make_workload(layer, o.tokens, 2024);
+      row.fwd_bwd_s = kt.time_case(Case::kTrainFull, work, o.warmup, o.reps, &error);
+      if (row.fwd_bwd_s < 0) row.error = error;
+    }
+    rep.rows.push_back(row);
+  }
+  if (!o.torch) {
+    rep.torch_reason = "skipped (--no-torch)";
+  } else if (!torch_reason.empty()) {
+    rep.torch_reason = torch_reason;
+  } else {
+    std::fprintf(stderr, "kt_bench: optimizer: torch.optim.AdamW\n");
+    TorchRun run = run_torch_optimizer_baseline(o.python, o.torch_script, o.shape, expert_counts, o.threads, o.warmup,
+                                                o.reps);
+    rep.torch_version = run.version;
+    rep.torch_threads = run.threads;
+    rep.torch_reason = run.reason;
+    for (OptimizerRow& row : rep.rows) {
+      const auto forloop = run.seconds.find({"adamw_forloop", row.experts});
+      const auto foreach_ = run.seconds.find({"adamw_foreach", row.experts});
+      if (forloop != run.seconds.end()) row.torch_forloop_s = forloop->second;
+      if (foreach_ != run.seconds.end()) row.torch_foreach_s = foreach_->second;
+      const auto failed = run.errors.find({"adamw_forloop", row.experts});
+      if (failed != run.errors.end() && rep.torch_reason.empty()) rep.torch_reason = failed->second;
+    }
+  }
+  return rep;
+}
+
+}  // namespace kt_bench
