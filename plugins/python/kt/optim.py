@@ -9,12 +9,23 @@ between them) and ``zero_grad``. Parameters must be CPU float32 tensors
 torch.optim's, in its operation order (see kt_c_api.h): the same bits as
 torch's for-loop implementation on AVX2/AVX-512 CPUs.
 
-Each parameter gets its own kt optimizer (kt owns its state); ``state[p]``
-holds views of that state, and ``state_dict()`` returns copies. kt keeps
-the parameter's storage from its first step on: replacing ``p.data`` with
-another tensor afterwards is not followed.
+The parameters of a ``kt.torch.MoEExperts`` (LoRA factors, or full-mode
+weights and biases) are stepped by one kt optimizer over the layer when all
+of them are in the same parameter group with gradients: it reads the
+gradients kt wrote, and in full mode writes the layer's packed weights in
+the same pass (no repack at the next forward). Parameters may then be
+float32 (updated in place, they are the masters) or bfloat16 (kt keeps
+float32 masters, ``state[p]["master"]``, and writes the parameter back
+rounded; an in-place change of the parameter by the host is taken into the
+master before the next step). Any other parameter, float32 on the CPU, gets
+a kt optimizer of its own.
+
+kt owns the state; ``state[p]`` holds views of it, and ``state_dict()``
+returns copies. kt keeps the parameter's storage from its first step on:
+replacing ``p.data`` with another tensor afterwards is not followed.
 """
 import ctypes
+import weakref
 
 import torch
 
@@ -23,10 +34,10 @@ from .core import _Handle, check, default_engine, lib
 from ._tensor import DLView
 
 
-def _state_view(handle, which, shape):
+def _state_view(handle, which, shape, index=0):
     """A torch tensor over kt's state buffer (no copy)."""
     t = _capi.DLTensor()
-    check(lib().kt_optimizer_state(handle, 0, which, ctypes.byref(t)))
+    check(lib().kt_optimizer_state(handle, index, which, ctypes.byref(t)))
     numel = 1
     for s in shape:
         numel *= s
@@ -71,6 +82,50 @@ class _KtParamState(_Handle):
             pass
 
 
+class _KtLayerState(_Handle):
+    """The kt optimizer over one MoEExperts layer's trainable parameters."""
+
+    def __init__(self, module, options):
+        self._lib = lib()
+        module.sync_parameters()
+        module._bind_grads_for_step()
+        handle = ctypes.c_void_p()
+        check(self._lib.kt_optimizer_create_for_layer(module.kt_layer.handle, ctypes.byref(options),
+                                                      ctypes.byref(handle)))
+        self.handle = handle
+        self.layer = module.kt_layer  # the layer must outlive its optimizer
+        self.module = weakref.ref(module)
+        self.params = [p for _, p in module.trainable_parameters()]
+        self.versions = [p._version for p in self.params]
+
+    def take_host_writes(self):
+        """A bf16 parameter the host changed in place since kt last wrote it
+        goes into kt's fp32 master (an fp32 parameter is its own master)."""
+        for i, p in enumerate(self.params):
+            if p._version != self.versions[i] and p.dtype != torch.float32:
+                _state_view(self.handle, _capi.OPTIM_STATE_MASTER, tuple(p.shape), i).copy_(p.detach())
+
+    def close(self):
+        if self.handle:
+            self._lib.kt_optimizer_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _layer_of(p):
+    """The MoEExperts whose trainable parameter p is, or None."""
+    ref = getattr(p, "_kt_owner", None)
+    module = ref() if ref is not None else None
+    if module is None or not any(q is p for _, q in module.trainable_parameters()):
+        return None
+    return module
+
+
 class _KtOptimizer(torch.optim.Optimizer):
     _ALGORITHM = None
 
@@ -79,7 +134,8 @@ class _KtOptimizer(torch.optim.Optimizer):
             raise ValueError("kt.optim: maximize=True is not supported")
         super().__init__(params, defaults)
         self._engine = engine if engine is not None else default_engine()
-        self._kt = {}
+        self._kt = {}       # parameter -> _KtParamState
+        self._layers = {}   # id(MoEExperts) -> _KtLayerState
 
     def _options(self, group):
         o = _capi.OptimizerOptions()
@@ -99,16 +155,55 @@ class _KtOptimizer(torch.optim.Optimizer):
     def _attach_state(self, p, group, entry):
         """Points state[p] at kt's buffers, first copying in any state that
         load_state_dict put there (from kt or from torch's optimizer)."""
+        entry.views = self._attach_views(p, group, entry.handle, 0)
+        step = self._kt_step_of(self.state.get(p, {}))
+        check(lib().kt_optimizer_set_step(entry.handle, step))
+        self.state[p] = self._public_state(group, entry.views, step)
+
+    def _attach_views(self, p, group, handle, index):
         old = self.state.get(p, {})
-        entry.views = {}
-        for key, which in self._state_keys(group):
-            view = _state_view(entry.handle, which, tuple(p.shape))
+        keys = list(self._state_keys(group))
+        if p.dtype != torch.float32:
+            keys.append(("master", _capi.OPTIM_STATE_MASTER))
+        views = {}
+        for key, which in keys:
+            view = _state_view(handle, which, tuple(p.shape), index)
             if isinstance(old.get(key), torch.Tensor):
                 view.copy_(old[key].to(torch.float32).reshape(view.shape))
-            entry.views[key] = view
-        step = self._kt_step_of(old)
-        check(lib().kt_optimizer_set_step(entry.handle, step))
-        self.state[p] = self._public_state(group, entry, step)
+            views[key] = view
+        return views
+
+    def _layer_entry(self, module, group):
+        """The layer optimizer of module, when every trainable parameter of it
+        is in this group with a gradient; else None."""
+        params = [p for _, p in module.trainable_parameters()]
+        in_group = set(id(q) for q in group["params"])
+        if not params or any(id(p) not in in_group or p.grad is None for p in params):
+            return None
+        entry = self._layers.get(id(module))
+        if entry is None or entry.module() is not module or any(
+                a is not b for a, b in zip(entry.params, params)):
+            entry = _KtLayerState(module, self._options(group))
+            self._layers[id(module)] = entry
+            entry.views = [self._attach_views(p, group, entry.handle, i) for i, p in enumerate(params)]
+            step = self._kt_step_of(self.state.get(params[0], {}))
+            check(lib().kt_optimizer_set_step(entry.handle, step))
+        return entry
+
+    def _step_layer(self, module, entry, group, options):
+        module.sync_parameters()
+        module._bind_grads_for_step()
+        entry.take_host_writes()
+        check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(options)))
+        check(lib().kt_optimizer_step(entry.handle, None))
+        steps = ctypes.c_int64()
+        check(lib().kt_optimizer_get_step(entry.handle, ctypes.byref(steps)))
+        # kt wrote the parameters (and in full mode the layer's packed
+        # weights) itself: nothing for the next forward to re-read.
+        module._versions_read()
+        entry.versions = [p._version for p in entry.params]
+        for p, views in zip(entry.params, entry.views):
+            self.state[p] = self._public_state(group, views, steps.value)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -119,21 +214,28 @@ class _KtOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             if group.get("maximize"):
                 raise ValueError("kt.optim: maximize=True is not supported")
-            options = None
+            options = self._options(group)
+            stepped = set()
             for p in group["params"]:
-                if p.grad is None:
+                if p.grad is None or id(p) in stepped:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError("kt.optim does not support sparse gradients")
+                module = _layer_of(p)
+                layer_entry = self._layer_entry(module, group) if module is not None else None
+                if layer_entry is not None:
+                    self._step_layer(module, layer_entry, group, options)
+                    stepped.update(id(q) for q in layer_entry.params)
+                    continue
                 entry = self._entry(p, group)
-                if options is None:
-                    options = self._options(group)
                 check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(options)))
                 entry.use_grad(p.grad)
                 check(lib().kt_optimizer_step(entry.handle, None))
                 steps = ctypes.c_int64()
                 check(lib().kt_optimizer_get_step(entry.handle, ctypes.byref(steps)))
-                self.state[p] = self._public_state(group, entry, steps.value)
+                self.state[p] = self._public_state(group, entry.views, steps.value)
+                if module is not None:
+                    module._params_written_outside()
         return loss
 
     def state_dict(self):
@@ -144,12 +246,25 @@ class _KtOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
+        # torch casts loaded state to each parameter's dtype; kt keeps fp32
+        # state (and masters) for bf16 parameters, so take the saved values.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i)
+            if saved is not None and p.dtype != torch.float32:
+                self.state[p] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) and k != "step" else
+                                     self.state[p].get(k, v)) for k, v in saved.items()}
         for group in self.param_groups:
             for p in group["params"]:
                 entry = self._kt.get(p)
                 if entry is not None:
                     check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(self._options(group))))
                     self._attach_state(p, group, entry)
+        # Layer optimizers are made again at the next step from the loaded state.
+        for entry in self._layers.values():
+            entry.close()
+        self._layers = {}
 
 
 class AdamW(_KtOptimizer):
@@ -190,9 +305,9 @@ class AdamW(_KtOptimizer):
         return int(step.item() if isinstance(step, torch.Tensor) else step)
 
     @staticmethod
-    def _public_state(group, entry, step):
+    def _public_state(group, views, step):
         state = {"step": torch.tensor(float(step))}
-        state.update(entry.views)
+        state.update(views)
         return state
 
 
@@ -233,6 +348,9 @@ class SGD(_KtOptimizer):
         return 1 if isinstance(old.get("momentum_buffer"), torch.Tensor) else 0
 
     @staticmethod
-    def _public_state(group, entry, step):
+    def _public_state(group, views, step):
         started = step > 0 and group["momentum"] != 0
-        return {"momentum_buffer": entry.views["momentum_buffer"] if started else None}
+        state = {"momentum_buffer": views["momentum_buffer"] if started else None}
+        if "master" in views:
+            state["master"] = views["master"]
+        return state

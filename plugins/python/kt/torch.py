@@ -19,6 +19,7 @@ Inputs on an accelerator are copied to the CPU for kt and the result copied
 back; the parameters stay on the CPU even when the model is moved.
 """
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -134,6 +135,9 @@ class MoEExperts(nn.Module):
                 self.b_up = nn.Parameter(torch.zeros(E, I, dtype=param_dtype))
                 self.b_down = nn.Parameter(torch.zeros(E, H, dtype=param_dtype))
                 self._arg_names += [("B_GATE", "b_gate"), ("B_UP", "b_up"), ("B_DOWN", "b_down")]
+        for _, attr in self._arg_names:
+            # kt.optim finds the layer of a parameter through this.
+            getattr(self, attr)._kt_owner = weakref.ref(self)
         self._bound_keys = {}      # kt arg name -> (data_ptr, shape, strides, dtype) bound
         self._bound_versions = {}  # parameter attribute -> version counter kt has read
         self._grad_buffers = {}    # parameter attribute -> tensor kt writes when .grad is None
@@ -151,6 +155,36 @@ class MoEExperts(nn.Module):
     def trainable_parameters(self):
         """(kt argument name, Parameter) of every tensor kt trains."""
         return [(arg, getattr(self, attr)) for arg, attr in self._arg_names]
+
+    def _params_written_outside(self):
+        """Parameters were changed without torch's version counter moving
+        (kt.optim stepped one of them on its own): the next forward re-reads
+        them all."""
+        self._needs_reload = True
+
+    def _bind_grads_for_step(self):
+        """Binds every parameter's current ``.grad`` as the gradient kt's
+        layer optimizer reads (a trainer may have replaced a .grad)."""
+        binds = {}
+        for arg, p in self.trainable_parameters():
+            g = p.grad
+            if g.device.type != "cpu" or g.shape != p.shape or g.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError("kt: %s.grad must be a CPU float32/bfloat16 tensor of the parameter's shape" % arg)
+            if not g.is_contiguous():
+                p.grad = g = g.contiguous()
+            key = (g.data_ptr(), tuple(g.shape), g.stride(), g.dtype)
+            if self._bound_keys.get("GRAD_" + arg) != key:
+                binds["GRAD_" + arg] = (g, key)
+        if binds:
+            self.kt_layer.bind(**{a: t for a, (t, _) in binds.items()})
+            for a, (_, key) in binds.items():
+                self._bound_keys[a] = key
+
+    def _versions_read(self):
+        """Records the parameters' version counters as read by kt: kt's own
+        optimizer writes them in place without moving the counters."""
+        for arg, p in self.trainable_parameters():
+            self._bound_versions[arg] = p._version
 
     # ---------------------------------------------------------------- loading
 
@@ -236,7 +270,7 @@ class MoEExperts(nn.Module):
             # Binding only records the tensors; kt packs them at params_changed.
             if rebind or changed or self._needs_reload:
                 self.kt_layer.params_changed()
-        elif changed and not rebind:
+        elif (changed or self._needs_reload) and not rebind:
             # A LoRA bind already read every factor (all are bound together).
             self.kt_layer.params_changed()
         self._needs_reload = False
