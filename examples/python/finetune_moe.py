@@ -1,15 +1,23 @@
 #!/usr/bin/env python3
-"""LoRA fine-tuning of a small MoE transformer whose routed experts run in kt.
+"""Fine-tuning of a small MoE transformer whose routed experts run in kt.
 
 The model has the module layout of a Qwen3-MoE checkpoint (attention, a
 router ``mlp.gate`` and routed experts ``mlp.experts.{e}.{gate,up,down}_proj``);
-kt.hf moves the routed experts into kt with LoRA on every projection, the rest
-stays in torch. The data are generated token sequences that follow a hidden
+kt.hf moves the routed experts into kt, the rest stays in torch.
+
+* ``--mode lora`` (default): LoRA on every expert projection, plus the routers.
+* ``--mode full``: every weight trains. The experts' weights are bf16
+  parameters (``--param-dtype``) whose fp32 masters and AdamW moments kt's
+  optimizer keeps; its step writes the layer's packed weights in the same pass.
+
+``--optimizer kt`` (default) steps with ``kt.optim.AdamW``, ``torch`` with
+``torch.optim.AdamW``. The data are generated token sequences that follow a hidden
 rule (t -> (a*t + b) mod vocab, with some noise), so the loss has something to
 learn. Prints ``loss <value>`` at every logged step, a progress bar when
 stdout is a terminal, and tokens/s.
 
     python3 examples/python/finetune_moe.py --steps 60
+    python3 examples/python/finetune_moe.py --mode full --steps 60
 """
 import argparse
 import math
@@ -23,10 +31,12 @@ import torch.nn.functional as F
 
 try:
     import kt.hf
+    import kt.optim
 except ImportError:  # run from a checkout without install_dev.sh
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                     "plugins", "python"))
     import kt.hf
+    import kt.optim
 
 
 class Expert(nn.Module):
@@ -134,7 +144,11 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--lora-rank", type=int, default=8)
     ap.add_argument("--lora-alpha", type=float, default=16.0)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--mode", choices=("lora", "full"), default="lora")
+    ap.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
+                    help="full mode: dtype of the expert weight parameters")
+    ap.add_argument("--optimizer", choices=("kt", "torch"), default="kt")
+    ap.add_argument("--lr", type=float, default=None, help="default 1e-2 (lora), 2e-3 (full)")
     ap.add_argument("--threads", type=int, default=0, help="kt worker threads (0 = all CPUs)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -142,24 +156,31 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = MoeForCausalLM(args.vocab, args.hidden, args.heads, args.layers, args.intermediate,
                            args.experts, args.top_k)
-    for p in model.parameters():
-        p.requires_grad_(False)
     engine = kt.Engine(num_threads=args.threads)
-    replaced = kt.hf.replace_moe_experts(model, mode="lora", lora_rank=args.lora_rank,
-                                         lora_alpha=args.lora_alpha, engine=engine)
-    # The usual MoE LoRA recipe: adapters on the experts, plus the routers.
-    params = []
-    for experts in kt.hf.kt_experts_modules(model):
-        params += list(experts.parameters())
-    for name in replaced:
-        gate = model.get_submodule(name).gate.weight
-        gate.requires_grad_(True)
-        params.append(gate)
+    if args.mode == "lora":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        replaced = kt.hf.replace_moe_experts(model, mode="lora", lora_rank=args.lora_rank,
+                                             lora_alpha=args.lora_alpha, engine=engine)
+        # The usual MoE LoRA recipe: adapters on the experts, plus the routers.
+        params = []
+        for experts in kt.hf.kt_experts_modules(model):
+            params += list(experts.parameters())
+        for name in replaced:
+            gate = model.get_submodule(name).gate.weight
+            gate.requires_grad_(True)
+            params.append(gate)
+    else:
+        dtype = torch.bfloat16 if args.param_dtype == "bf16" else torch.float32
+        replaced = kt.hf.replace_moe_experts(model, mode="full", param_dtype=dtype, engine=engine)
+        params = list(model.parameters())
     n_train = sum(p.numel() for p in params)
-    print("kt %s (%s): %d MoE blocks in kt, %d trainable parameters" % (
-        kt.version(), engine.info()["kernel_name"], len(replaced), n_train))
+    print("kt %s (%s): %d MoE blocks in kt, %s fine-tune, %d trainable parameters, %s AdamW" % (
+        kt.version(), engine.info()["kernel_name"], len(replaced), args.mode, n_train, args.optimizer))
 
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    lr = args.lr if args.lr is not None else (1e-2 if args.mode == "lora" else 2e-3)
+    adamw = kt.optim.AdamW if args.optimizer == "kt" else torch.optim.AdamW
+    opt = adamw(params, lr=lr, weight_decay=0.0)
     data = generated_batches(args.vocab, args.batch, args.seq, noise=0.05,
                              generator=torch.Generator().manual_seed(args.seed + 1))
     tty = sys.stdout.isatty()

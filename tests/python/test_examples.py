@@ -1,4 +1,4 @@
-"""The examples run and train: the Python LoRA fine-tuning and the libtorch C++ program."""
+"""The examples run and train: the Python LoRA and full fine-tuning (kt's AdamW) and the libtorch C++ program."""
 import os
 import re
 import subprocess
@@ -9,10 +9,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_finetune_moe_example():
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_finetune_moe_example(mode):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "plugins", "python"))
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "python", "finetune_moe.py"),
-                          "--steps", "40", "--log-every", "10"],
+                          "--steps", "40", "--log-every", "10", "--mode", mode],
                          env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     losses = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
@@ -20,6 +21,7 @@ def test_finetune_moe_example():
     assert losses[-1] < 0.6 * losses[0], out.stdout
     assert re.search(r"\(\d+ tokens/s\)", out.stdout)
     assert "\r" not in out.stdout  # no progress bar when stdout is not a terminal
+    assert "%s fine-tune" % mode in out.stdout and "kt AdamW" in out.stdout
 
 
 @pytest.mark.skipif(not os.environ.get("KT_LIBTORCH_EXAMPLE"),
