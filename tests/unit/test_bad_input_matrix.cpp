@@ -66,6 +66,9 @@ class World {
     }
   }
   ~World() {
+    // Optimizers before the layer and the engine they use.
+    kt_optimizer_destroy(host_opt_);
+    kt_optimizer_destroy(layer_opt_);
     kt_ckpt_close(ckpt_);
     if (!dir_.empty()) std::filesystem::remove_all(dir_);
   }
@@ -117,6 +120,47 @@ class World {
     }
     return ckpt_;
   }
+  // An AdamW over two host fp32 parameters [3,5] and [7], on the engine.
+  kt_optimizer* host_opt() {
+    if (!host_opt_) {
+      const std::vector<std::vector<int64_t>> shapes{{3, 5}, {7}};
+      for (const auto& shape : shapes) {
+        opt_params_.push_back(Tensor::make(kF32, shape));
+        opt_grads_.push_back(Tensor::make(kF32, shape));
+        for (int64_t i = 0; i < opt_params_.back()->numel(); ++i) {
+          opt_params_.back()->set(i, 0.1 * static_cast<double>(i + 1));
+          opt_grads_.back()->set(i, 0.01 * static_cast<double>(i % 3) - 0.01);
+        }
+      }
+      kt_optimizer_param pairs[2] = {{opt_params_[0]->dl(), opt_grads_[0]->dl()}, {opt_params_[1]->dl(), opt_grads_[1]->dl()}};
+      EXPECT_EQ(kt_optimizer_create(engine(), nullptr, pairs, 2, &host_opt_), KT_OK) << kt_last_error();
+    }
+    return host_opt_;
+  }
+  DLTensor* host_param(int i) {
+    host_opt();
+    return opt_params_[static_cast<size_t>(i)]->dl();
+  }
+  DLTensor* host_grad(int i) {
+    host_opt();
+    return opt_grads_[static_cast<size_t>(i)]->dl();
+  }
+  // An AdamW over the layer's trainable parameters.
+  kt_optimizer* layer_opt() {
+    if (!layer_opt_) {
+      EXPECT_EQ(kt_optimizer_create_for_layer(moe(), nullptr, &layer_opt_), KT_OK) << kt_last_error();
+    }
+    return layer_opt_;
+  }
+  // A state file of the host optimizer, saved before any step.
+  std::string host_state() {
+    const std::string path = dir() + "/host_state.safetensors";
+    if (!std::filesystem::exists(path)) {
+      EXPECT_EQ(kt_optimizer_save(host_opt(), path.c_str()), KT_OK) << kt_last_error();
+    }
+    return path;
+  }
+
   // An adapter of the LoRA factors in dir()/adapter.
   std::string adapter() {
     const std::string path = dir() + "/adapter";
@@ -166,6 +210,23 @@ class World {
         EXPECT_LE(rel_l2(r().grad_full(p, false), g.dW[p]), tol_.full) << "projection " << p;
       }
     }
+    // A refused optimizer call changed nothing: no step was made, the
+    // parameters are as created, and the next step works.
+    if (host_opt_) {
+      int64_t step = -1;
+      ASSERT_EQ(kt_optimizer_get_step(host_opt_, &step), KT_OK);
+      EXPECT_EQ(step, 0);
+      for (int64_t i = 0; i < opt_params_[0]->numel(); ++i)
+        ASSERT_EQ(opt_params_[0]->get(i), static_cast<double>(static_cast<float>(0.1 * static_cast<double>(i + 1))));
+      ASSERT_EQ(kt_optimizer_step(host_opt_, nullptr), KT_OK) << kt_last_error();
+      EXPECT_NE(opt_params_[0]->get(0), static_cast<double>(0.1f));
+    }
+    if (layer_opt_) {
+      int64_t step = -1;
+      ASSERT_EQ(kt_optimizer_get_step(layer_opt_, &step), KT_OK);
+      EXPECT_EQ(step, 0);
+      ASSERT_EQ(kt_optimizer_step(layer_opt_, nullptr), KT_OK) << kt_last_error();
+    }
     if (ckpt_) {
       TensorPtr back = Tensor::make(kF32, {4, 24, 32});
       kt_arg a[] = {{KT_ARG_W_GATE, back->dl()}};
@@ -180,6 +241,9 @@ class World {
   Tolerance tol_{};
   std::string dir_;
   kt_ckpt* ckpt_ = nullptr;
+  kt_optimizer* host_opt_ = nullptr;
+  kt_optimizer* layer_opt_ = nullptr;
+  std::vector<TensorPtr> opt_params_, opt_grads_;
   bool adapter_written_ = false;
   std::map<std::string, TensorPtr> named_;
   std::vector<std::unique_ptr<DLTensor>> slices_;
@@ -1285,6 +1349,219 @@ void add_file_cases(const Adder& add) {
   });
 }
 
+// kt_optimizer_create over the world's host tensors with one pair changed.
+kt_status create_optimizer_with(World& w, const std::function<void(kt_optimizer_param*, kt_optimizer_options&)>& change) {
+  w.host_opt();
+  kt_optimizer_param pairs[2] = {{w.host_param(0), w.host_grad(0)}, {w.host_param(1), w.host_grad(1)}};
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  change(pairs, o);
+  kt_optimizer* opt = nullptr;
+  const kt_status st = kt_optimizer_create(w.engine(), &o, pairs, 2, &opt);
+  kt_optimizer_destroy(opt);
+  return st;
+}
+
+void add_optimizer_cases(const Adder& add) {
+  const Layer L = Layer::kLora, F = Layer::kFull;
+  const kt_status INV = KT_ERR_INVALID_ARGUMENT, NUL = KT_ERR_NULL_POINTER, HANDLE = KT_ERR_INVALID_HANDLE;
+  const char* create = "kt_optimizer_create";
+  add("opt_out_null", L, NUL, create, "opt", [](World& w) {
+    kt_optimizer_param pair{w.r().W_[0]->dl(), w.r().gW_[0]->dl()};
+    return kt_optimizer_create(nullptr, nullptr, &pair, 1, nullptr);
+  });
+  add("params_null", L, NUL, create, "params", [](World&) {
+    kt_optimizer* opt = nullptr;
+    return kt_optimizer_create(nullptr, nullptr, nullptr, 1, &opt);
+  });
+  add("num_params_zero", L, INV, create, "num_params", [](World& w) {
+    kt_optimizer_param pair{w.host_param(0), w.host_grad(0)};
+    kt_optimizer* opt = nullptr;
+    return kt_optimizer_create(nullptr, nullptr, &pair, 0, &opt);
+  });
+  add("engine_destroyed", L, HANDLE, create, "engine", [](World& w) {
+    kt_engine* e = nullptr;
+    EXPECT_EQ(kt_engine_create(nullptr, &e), KT_OK);
+    kt_engine_destroy(e);
+    kt_optimizer_param pair{w.host_param(0), w.host_grad(0)};
+    kt_optimizer* opt = nullptr;
+    return kt_optimizer_create(e, nullptr, &pair, 1, &opt);
+  });
+  add("param_bf16", L, KT_ERR_DTYPE, create, "params[0].param", [](World& w) {
+    TensorPtr bf16 = Tensor::make(kBF16, {3, 5});
+    return create_optimizer_with(w, [&](kt_optimizer_param* p, kt_optimizer_options&) { p[0].param = bf16->dl(); });
+  });
+  add("grad_null", L, NUL, create, "params[1].grad", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param* p, kt_optimizer_options&) { p[1].grad = nullptr; });
+  });
+  add("grad_shape", L, KT_ERR_SHAPE, create, "params[0].grad", [](World& w) {
+    TensorPtr g = Tensor::make(kF32, {5, 3});
+    return create_optimizer_with(w, [&](kt_optimizer_param* p, kt_optimizer_options&) { p[0].grad = g->dl(); });
+  });
+  add("grad_is_param", L, INV, create, "params[0].param", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param* p, kt_optimizer_options&) { p[0].grad = p[0].param; });
+  });
+  add("param_shared_by_two", L, INV, create, "params[1].param", [](World& w) {
+    TensorPtr g = Tensor::make(kF32, {3, 5});
+    return create_optimizer_with(w, [&](kt_optimizer_param* p, kt_optimizer_options&) {
+      p[1].param = p[0].param;
+      p[1].grad = g->dl();
+    });
+  });
+  add("options_struct_size_zero", L, INV, create, "options->struct_size", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.struct_size = 0; });
+  });
+  add("algorithm_unknown", L, INV, create, "algorithm", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { set_raw(o.algorithm, 7); });
+  });
+  add("lr_negative", L, INV, create, "lr", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.lr = -1e-3; });
+  });
+  add("lr_nan", L, INV, create, "lr", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.lr = std::nan(""); });
+  });
+  add("beta1_one", L, INV, create, "beta1", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.beta1 = 1.0; });
+  });
+  add("amsgrad_two", L, INV, create, "amsgrad", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.amsgrad = 2; });
+  });
+  add("nesterov_without_momentum", L, INV, create, "nesterov", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) {
+      o.algorithm = KT_OPTIM_SGD;
+      o.nesterov = 1;
+    });
+  });
+
+  const char* for_layer = "kt_optimizer_create_for_layer";
+  add("moe_null", L, HANDLE, for_layer, "moe", [](World&) {
+    kt_optimizer* opt = nullptr;
+    return kt_optimizer_create_for_layer(nullptr, nullptr, &opt);
+  });
+  add("opt_out_null", F, NUL, for_layer, "opt", [](World& w) { return kt_optimizer_create_for_layer(w.moe(), nullptr, nullptr); });
+  add("inference_layer", L, KT_ERR_MODE, for_layer, "KT_MODE_INFERENCE", [](World& w) {
+    kt_moe_options o = layer_options(w);
+    o.mode = KT_MODE_INFERENCE;
+    kt_moe* m = nullptr;
+    EXPECT_EQ(kt_moe_create(w.engine(), &o, &m), KT_OK);
+    kt_optimizer* opt = nullptr;
+    const kt_status st = kt_optimizer_create_for_layer(m, nullptr, &opt);
+    kt_moe_destroy(m);
+    return st;
+  });
+  add("grads_not_bound", F, KT_ERR_NOT_BOUND, for_layer, "KT_ARG_GRAD_W_GATE", [](World& w) {
+    kt_moe_options o = layer_options(w);
+    kt_moe* m = nullptr;
+    EXPECT_EQ(kt_moe_create(w.engine(), &o, &m), KT_OK);
+    kt_arg a[] = {{KT_ARG_W_GATE, w.r().W_[0]->dl()}, {KT_ARG_W_UP, w.r().W_[1]->dl()}, {KT_ARG_W_DOWN, w.r().W_[2]->dl()}};
+    EXPECT_EQ(kt_moe_bind(m, a, 3), KT_OK) << kt_last_error();
+    kt_optimizer* opt = nullptr;
+    const kt_status st = kt_optimizer_create_for_layer(m, nullptr, &opt);
+    kt_moe_destroy(m);
+    return st;
+  });
+
+  add("opt_null", L, HANDLE, "kt_optimizer_step", "opt", [](World&) { return kt_optimizer_step(nullptr, nullptr); });
+  add.destroyed("opt_destroyed", L, HANDLE, "kt_optimizer_step", "opt", [](World& w) {
+    kt_optimizer_param pair{w.host_param(0), w.host_grad(0)};
+    kt_optimizer* opt = nullptr;
+    EXPECT_EQ(kt_optimizer_create(nullptr, nullptr, &pair, 1, &opt), KT_OK);
+    kt_optimizer_destroy(opt);
+    return kt_optimizer_step(opt, nullptr);
+  });
+  add("struct_size_zero", L, INV, "kt_optimizer_step", "options->struct_size", [](World& w) {
+    kt_optimizer_step_options o;
+    kt_optimizer_step_options_init(&o);
+    o.struct_size = 0;
+    return kt_optimizer_step(w.host_opt(), &o);
+  });
+  add("unscale_inf", L, INV, "kt_optimizer_step", "grad_unscale", [](World& w) {
+    kt_optimizer_step_options o;
+    kt_optimizer_step_options_init(&o);
+    o.grad_unscale = INFINITY;
+    return kt_optimizer_step(w.host_opt(), &o);
+  });
+  add("layer_rebound", F, INV, "kt_optimizer_step", "W_UP was bound again", [](World& w) {
+    w.layer_opt();
+    TensorPtr other = Tensor::make(kF32, {4, 24, 32});
+    for (int64_t i = 0; i < other->numel(); ++i) other->set(i, w.r().W_[1]->get(i));
+    kt_arg a[] = {{KT_ARG_W_UP, other->dl()}};
+    EXPECT_EQ(kt_moe_bind(w.moe(), a, 1), KT_OK) << kt_last_error();
+    const kt_status st = kt_optimizer_step(w.layer_opt(), nullptr);
+    kt_arg back[] = {{KT_ARG_W_UP, w.r().W_[1]->dl()}};
+    EXPECT_EQ(kt_moe_bind(w.moe(), back, 1), KT_OK) << kt_last_error();
+    return st;
+  });
+  add("job_null", L, NUL, "kt_optimizer_step_submit", "job",
+      [](World& w) { return kt_optimizer_step_submit(w.host_opt(), nullptr, 0, nullptr); });
+  add("flags_unknown", L, INV, "kt_optimizer_step_submit", "flags", [](World& w) {
+    kt_job* job = nullptr;
+    return kt_optimizer_step_submit(w.host_opt(), nullptr, 8, &job);
+  });
+  add("without_engine", L, KT_ERR_UNSUPPORTED, "kt_optimizer_step_submit", "engine", [](World& w) {
+    kt_optimizer_param pair{w.host_param(0), w.host_grad(0)};
+    kt_optimizer* opt = nullptr;
+    EXPECT_EQ(kt_optimizer_create(nullptr, nullptr, &pair, 1, &opt), KT_OK);
+    kt_job* job = nullptr;
+    const kt_status st = kt_optimizer_step_submit(opt, nullptr, 0, &job);
+    kt_optimizer_destroy(opt);
+    return st;
+  });
+
+  add("options_null", L, NUL, "kt_optimizer_set_options", "options",
+      [](World& w) { return kt_optimizer_set_options(w.host_opt(), nullptr); });
+  add("algorithm_changed", L, INV, "kt_optimizer_set_options", "algorithm", [](World& w) {
+    kt_optimizer_options o;
+    kt_optimizer_options_init(&o);
+    o.algorithm = KT_OPTIM_SGD;
+    return kt_optimizer_set_options(w.host_opt(), &o);
+  });
+  add("eps_negative", L, INV, "kt_optimizer_set_options", "eps", [](World& w) {
+    kt_optimizer_options o;
+    kt_optimizer_options_init(&o);
+    o.eps = -1;
+    return kt_optimizer_set_options(w.host_opt(), &o);
+  });
+  add("options_null", L, NUL, "kt_optimizer_get_options", "options",
+      [](World& w) { return kt_optimizer_get_options(w.host_opt(), nullptr); });
+  add("index_past_end", L, INV, "kt_optimizer_set_grad", "index",
+      [](World& w) { return kt_optimizer_set_grad(w.host_opt(), 2, w.host_grad(0)); });
+  add("grad_shape", L, KT_ERR_SHAPE, "kt_optimizer_set_grad", "grad",
+      [](World& w) { return kt_optimizer_set_grad(w.host_opt(), 1, w.host_grad(0)); });
+  add("of_a_layer", F, KT_ERR_MODE, "kt_optimizer_set_grad", "layer",
+      [](World& w) { return kt_optimizer_set_grad(w.layer_opt(), 0, w.r().gW_[0]->dl()); });
+  add("out_null", L, NUL, "kt_optimizer_grad_sq_norm", "out",
+      [](World& w) { return kt_optimizer_grad_sq_norm(w.host_opt(), nullptr); });
+  add("count_null", L, NUL, "kt_optimizer_num_params", "count",
+      [](World& w) { return kt_optimizer_num_params(w.host_opt(), nullptr); });
+  add("step_null", L, NUL, "kt_optimizer_get_step", "step", [](World& w) { return kt_optimizer_get_step(w.host_opt(), nullptr); });
+  add("step_negative", L, INV, "kt_optimizer_set_step", "step", [](World& w) { return kt_optimizer_set_step(w.host_opt(), -1); });
+  add("out_null", L, NUL, "kt_optimizer_state", "out",
+      [](World& w) { return kt_optimizer_state(w.host_opt(), 0, KT_OPTIM_STATE_EXP_AVG, nullptr); });
+  add("index_past_end", L, INV, "kt_optimizer_state", "index", [](World& w) {
+    DLTensor t;
+    return kt_optimizer_state(w.host_opt(), 2, KT_OPTIM_STATE_EXP_AVG, &t);
+  });
+  add("state_not_kept", L, INV, "kt_optimizer_state", "which = 4", [](World& w) {
+    DLTensor t;
+    return kt_optimizer_state(w.host_opt(), 0, KT_OPTIM_STATE_MOMENTUM, &t);
+  });
+  add("state_unknown", L, INV, "kt_optimizer_state", "which", [](World& w) {
+    DLTensor t;
+    kt_optim_state which;
+    set_raw(which, 99);
+    return kt_optimizer_state(w.host_opt(), 0, which, &t);
+  });
+  add("path_null", L, NUL, "kt_optimizer_save", "path", [](World& w) { return kt_optimizer_save(w.host_opt(), nullptr); });
+  add("directory_missing", L, KT_ERR_IO, "kt_optimizer_save", "no_such_dir",
+      [](World& w) { return kt_optimizer_save(w.host_opt(), (w.dir() + "/no_such_dir/state").c_str()); });
+  add("path_null", L, NUL, "kt_optimizer_load", "path", [](World& w) { return kt_optimizer_load(w.host_opt(), nullptr); });
+  add("file_missing", L, KT_ERR_IO, "kt_optimizer_load", "missing",
+      [](World& w) { return kt_optimizer_load(w.host_opt(), (w.dir() + "/missing").c_str()); });
+  add("of_other_parameters", F, KT_ERR_INVALID_ARGUMENT, "kt_optimizer_load", "another optimizer",
+      [](World& w) { return kt_optimizer_load(w.layer_opt(), w.host_state().c_str()); });
+}
+
 std::vector<BadCase> all_cases() {
   std::vector<BadCase> cases;
   add_tensor_cases(&cases);
@@ -1294,6 +1571,7 @@ std::vector<BadCase> all_cases() {
   add_layer_cases(add);
   add_compute_cases(add);
   add_file_cases(add);
+  add_optimizer_cases(add);
   return cases;
 }
 
@@ -1326,7 +1604,11 @@ TEST(BadInputMatrix, CoversEveryCallThatCanFail) {
         "kt_moe_forward_submit", "kt_moe_backward_submit", "kt_job_wait", "kt_moe_save_packed", "kt_moe_load_packed",
         "kt_ckpt_open", "kt_ckpt_get_info", "kt_ckpt_get_layer_info", "kt_ckpt_moe_options", "kt_ckpt_load_layer",
         "kt_ckpt_read_layer", "kt_ckpt_tensor_at", "kt_ckpt_find_tensor", "kt_ckpt_write_experts",
-        "kt_ckpt_adapter_write", "kt_ckpt_adapter_read_config", "kt_ckpt_adapter_read"})
+        "kt_ckpt_adapter_write", "kt_ckpt_adapter_read_config", "kt_ckpt_adapter_read", "kt_optimizer_create",
+        "kt_optimizer_create_for_layer", "kt_optimizer_set_options", "kt_optimizer_get_options",
+        "kt_optimizer_set_grad", "kt_optimizer_step", "kt_optimizer_step_submit", "kt_optimizer_grad_sq_norm",
+        "kt_optimizer_num_params", "kt_optimizer_get_step", "kt_optimizer_set_step", "kt_optimizer_state",
+        "kt_optimizer_save", "kt_optimizer_load"})
     EXPECT_EQ(calls.count(f), 1u) << f << " has no bad-input case";
   std::cout << "bad-input matrix: " << all_cases().size() << " cases\n";
 }
