@@ -1,5 +1,6 @@
 // Crash safety of every writer: the adapter writer, the expert-checkpoint
-// writer, kt convert over an existing output and the packed-cache writer.
+// writer, kt convert over an existing output, the packed-cache writer and the
+// optimizer state writer.
 // Each is killed (SIGKILL, in a forked child, or the kt command) before each
 // of its file-changing steps in turn (write, fsync, rename, link, unlink,
 // mkdir: tests/io/faultfs.c counts them), and torn in the middle of each
@@ -540,6 +541,49 @@ TEST_F(CrashSafety, PackedCacheWriterNeverLeavesAMixAndCleansUp) {
     if (!std::filesystem::exists(w.target)) return "absent";
     Packed reader(1);
     if (kt_moe_load_packed(reader.moe, w.target.c_str(), 0) != KT_OK) return std::string("error: ") + kt_last_error();
+    const Snapshot s = snapshot(w.target);
+    return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";
+  };
+  run_all(w);
+}
+
+// ------------------------------------------------------- optimizer state
+
+// An AdamW state file whose masters and step count tell the version. No
+// engine: a forked child has no worker threads of the parent's engines.
+kt_status save_optimizer_state(int version, const std::string& path) {
+  TensorPtr param = Tensor::make(kt_test::kF32, {37, 11}), grad = Tensor::make(kt_test::kF32, {37, 11});
+  for (int64_t i = 0; i < param->numel(); ++i) param->set(i, version * 1000 + i);
+  kt_optimizer_param pair{param->dl(), grad->dl()};
+  kt_optimizer* opt = nullptr;
+  kt_status st = kt_optimizer_create(nullptr, nullptr, &pair, 1, &opt);
+  if (st == KT_OK) st = kt_optimizer_set_step(opt, version);
+  if (st == KT_OK) st = kt_optimizer_save(opt, path.c_str());
+  kt_optimizer_destroy(opt);
+  return st;
+}
+
+TEST_F(CrashSafety, OptimizerStateWriterNeverLeavesAMix) {
+  Writer w;
+  w.call = "kt_optimizer_save";
+  w.target = dir_ + "/optimizer.safetensors";
+  w.write_old = [&] { return save_optimizer_state(1, w.target); };
+  w.write_new = [&] { return save_optimizer_state(2, w.target); };
+  w.write_next = [&] { return save_optimizer_state(3, w.target); };
+  w.reader_sees = [&]() -> std::string {
+    if (!std::filesystem::exists(w.target)) return "absent";
+    TensorPtr param = Tensor::make(kt_test::kF32, {37, 11}), grad = Tensor::make(kt_test::kF32, {37, 11});
+    kt_optimizer_param pair{param->dl(), grad->dl()};
+    kt_optimizer* opt = nullptr;
+    EXPECT_EQ(kt_optimizer_create(nullptr, nullptr, &pair, 1, &opt), KT_OK);
+    const kt_status st = kt_optimizer_load(opt, w.target.c_str());
+    int64_t step = -1;
+    kt_optimizer_get_step(opt, &step);
+    kt_optimizer_destroy(opt);
+    if (st != KT_OK) return std::string("error: ") + kt_last_error();
+    // The loaded masters are the saved version's, whole.
+    for (int64_t i = 0; i < param->numel(); ++i)
+      if (param->get(i) != static_cast<double>(static_cast<float>(step * 1000 + i))) return "torn";
     const Snapshot s = snapshot(w.target);
     return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";
   };
