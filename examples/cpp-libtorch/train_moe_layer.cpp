@@ -1,16 +1,20 @@
 // Trains the LoRA factors of one MoE layer whose routed experts run in kt,
-// through the torch.ops.kt operators, with libtorch's AdamW: the layer learns
-// to match a teacher whose expert weights differ by a low-rank update.
+// through the torch.ops.kt operators: the layer learns to match a teacher
+// whose expert weights differ by a low-rank update. The optimizer is kt's
+// fused AdamW over the layer (kt_torch::LayerOptimizer, the default) or
+// libtorch's torch::optim::AdamW; both compute the same numbers.
 //
-//   kt_libtorch_train [steps]      prints "step <i> loss <value>"; exits 0 when
-//                                  the mean of the last 5 losses is below a fifth
-//                                  of the first (batches are random, so one step
-//                                  alone is noisy).
+//   kt_libtorch_train [steps] [kt|torch]
+//       prints "step <i> loss <value>"; exits 0 when the mean of the last 5
+//       losses is below a fifth of the first (batches are random, so one
+//       step alone is noisy).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 
 #include "kt_torch.h"
 
@@ -18,6 +22,7 @@ using LayerPtr = c10::intrusive_ptr<kt_torch::MoeLayer>;
 
 int main(int argc, char** argv) {
   const int steps = argc > 1 ? std::atoi(argv[1]) : 60;
+  const bool kt_optimizer = argc <= 2 || std::strcmp(argv[2], "torch") != 0;
   const int64_t E = 8, k = 2, H = 64, I = 48, T = 96, rank = 4;
   torch::manual_seed(0);
 
@@ -40,7 +45,12 @@ int main(int argc, char** argv) {
                                                          8.0, T, 0);
   student->load_weights(gate, up, down);
 
-  torch::optim::AdamW opt(student->parameters(), torch::optim::AdamWOptions(2e-2).weight_decay(0));
+  const double lr = 2e-2, weight_decay = 0;
+  std::unique_ptr<torch::optim::AdamW> torch_opt;
+  c10::intrusive_ptr<kt_torch::LayerOptimizer> kt_opt;
+  if (!kt_optimizer)
+    torch_opt = std::make_unique<torch::optim::AdamW>(
+        student->parameters(), torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
   double first = 0, tail = 0;
   for (int step = 0; step < steps; ++step) {
     auto x = torch::randn({T, H});
@@ -53,17 +63,26 @@ int main(int argc, char** argv) {
       torch::NoGradGuard no_grad;
       target = moe.call(teacher, x, ids, weights);
     }
-    opt.zero_grad();
+    for (auto& p : student->parameters()) p.mutable_grad() = at::Tensor();  // zero_grad(set_to_none)
     auto y = moe.call(student, x, ids, weights);
     auto loss = torch::mse_loss(y, target);
     loss.backward();
-    opt.step();
+    if (torch_opt) {
+      torch_opt->step();
+    } else {
+      // Made at the first step: kt's optimizer reads the gradients kt has bound.
+      if (!kt_opt)
+        kt_opt = c10::make_intrusive<kt_torch::LayerOptimizer>(student, "adamw", lr, weight_decay, 0.9,
+                                                               0.999, 1e-8, 0.0, false);
+      kt_opt->step(1.0, 1.0);
+    }
     const double value = loss.item<double>();
     if (step == 0) first = value;
     if (step >= steps - 5) tail += value / 5;
-    std::printf("step %d loss %.6f\n", step, value);
+    std::printf("step %d loss %.9f\n", step, value);
   }
   const bool ok = steps >= 5 && tail < 0.2 * first;
-  std::printf("first %.6f last-5 mean %.6f: %s\n", first, tail, ok ? "trained" : "did not train");
+  std::printf("%s AdamW: first %.6f last-5 mean %.6f: %s\n", kt_optimizer ? "kt" : "libtorch", first, tail,
+              ok ? "trained" : "did not train");
   return ok ? 0 : 1;
 }

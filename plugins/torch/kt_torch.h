@@ -4,6 +4,8 @@
 //   kt::moe_forward(layer, x, ids, weights, save) -> (y, context)
 //   kt::moe_backward(layer, context, dy, param_grads) -> (dx, dweights)
 //   kt::context_release(layer, context)
+// and kt's fused optimizer over a layer's parameters as a custom class
+// (torch.classes.kt.LayerOptimizer).
 // The layer's trainable tensors (LoRA factors, or the stacked weights in full
 // mode) are CPU tensors kt reads in place; kt writes their grad(): a new
 // gradient when grad() is undefined, added to it otherwise, times grad_scale.
@@ -51,8 +53,14 @@ class MoeLayer : public torch::CustomClassHolder {
                                               bool param_grads);
   void release(int64_t context);
 
+  // For LayerOptimizer: the layer handle, made current (parameters re-read
+  // if the host changed them, every parameter's grad() bound as the
+  // gradient kt's optimizer reads; all must be defined).
+  kt_moe* prepare_optimizer_step();
+
  private:
   void sync_parameters();
+  int grad_id(size_t i) const;
   void bind(const std::vector<std::pair<int, at::Tensor>>& args);
 
   std::shared_ptr<kt_engine> engine_;
@@ -67,6 +75,37 @@ class MoeLayer : public torch::CustomClassHolder {
   std::vector<int64_t> bound_version_;           // version counter kt has read
   std::vector<const void*> bound_grad_ptr_;      // grad buffer kt writes
   bool needs_reload_ = false;
+};
+
+// kt's fused AdamW or SGD (torch.optim's arithmetic, kt_optimizer_*) over a
+// layer's trainable parameters, stepped from the gradients kt wrote into
+// their grad(). After a step the layer computes with the new values: in full
+// mode kt packed them in the same pass, so the next forward repacks nothing.
+class LayerOptimizer : public torch::CustomClassHolder {
+ public:
+  // algorithm "adamw" | "sgd"; betas, eps for AdamW; momentum, nesterov for SGD.
+  LayerOptimizer(c10::intrusive_ptr<MoeLayer> layer, std::string algorithm, double lr,
+                 double weight_decay, double beta1, double beta2, double eps, double momentum,
+                 bool nesterov);
+  ~LayerOptimizer() override;
+  LayerOptimizer(const LayerOptimizer&) = delete;
+  LayerOptimizer& operator=(const LayerOptimizer&) = delete;
+
+  // One step with g = grad * grad_unscale * clip_coef; false (and nothing
+  // changed) when a gradient was not finite.
+  bool step(double grad_unscale, double clip_coef);
+  void set_lr(double lr);
+  double lr() const;
+  // Sum of squares of the gradients as stored (for global-norm clipping).
+  double grad_sq_norm();
+  int64_t steps() const;
+  // Masters, moments, step and hyperparameters, written atomically.
+  void save(const std::string& path);
+  void load(const std::string& path);
+
+ private:
+  c10::intrusive_ptr<MoeLayer> layer_;  // outlives the optimizer
+  kt_optimizer* opt_ = nullptr;
 };
 
 }  // namespace kt_torch

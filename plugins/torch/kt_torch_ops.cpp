@@ -212,8 +212,7 @@ std::tuple<at::Tensor, at::Tensor> MoeLayer::backward(int64_t context, const at:
         install.emplace_back(i, g);
       }
       if (g.data_ptr() != bound_grad_ptr_[i]) {
-        grads.emplace_back(param_ids_[i] + (KT_ARG_GRAD_LORA_A_GATE - KT_ARG_LORA_A_GATE), g);
-        if (mode_ == KT_MODE_FULL) grads.back().first = param_ids_[i] - KT_ARG_W_GATE + KT_ARG_GRAD_W_GATE;
+        grads.emplace_back(grad_id(i), g);
         bound_grad_ptr_[i] = g.data_ptr();
       }
     }
@@ -235,6 +234,92 @@ std::tuple<at::Tensor, at::Tensor> MoeLayer::backward(int64_t context, const at:
 void MoeLayer::release(int64_t context) {
   kt_context_release(reinterpret_cast<kt_context*>(static_cast<intptr_t>(context)));
 }
+
+int MoeLayer::grad_id(size_t i) const {
+  return mode_ == KT_MODE_FULL ? param_ids_[i] - KT_ARG_W_GATE + KT_ARG_GRAD_W_GATE
+                               : param_ids_[i] + (KT_ARG_GRAD_LORA_A_GATE - KT_ARG_LORA_A_GATE);
+}
+
+kt_moe* MoeLayer::prepare_optimizer_step() {
+  TORCH_CHECK(!params_.empty(), "kt: an inference layer has no parameters to optimize");
+  sync_parameters();
+  std::vector<std::pair<int, at::Tensor>> grads;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    TORCH_CHECK(g.defined(), "kt: ", param_names_[i], " has no grad() (run backward first)");
+    TORCH_CHECK(g.device().is_cpu() && g.is_contiguous(), "kt: ", param_names_[i],
+                ".grad() must be a contiguous CPU tensor");
+    if (g.data_ptr() != bound_grad_ptr_[i]) {
+      grads.emplace_back(grad_id(i), g);
+      bound_grad_ptr_[i] = g.data_ptr();
+    }
+  }
+  if (!grads.empty()) bind(grads);
+  return moe_;
+}
+
+LayerOptimizer::LayerOptimizer(c10::intrusive_ptr<MoeLayer> layer, std::string algorithm, double lr,
+                               double weight_decay, double beta1, double beta2, double eps,
+                               double momentum, bool nesterov)
+    : layer_(std::move(layer)) {
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  TORCH_CHECK(algorithm == "adamw" || algorithm == "sgd", "kt: algorithm must be adamw or sgd, not ", algorithm);
+  o.algorithm = algorithm == "adamw" ? KT_OPTIM_ADAMW : KT_OPTIM_SGD;
+  o.lr = lr;
+  o.weight_decay = weight_decay;
+  o.beta1 = beta1;
+  o.beta2 = beta2;
+  o.eps = eps;
+  o.momentum = momentum;
+  o.nesterov = nesterov ? 1 : 0;
+  check(kt_optimizer_create_for_layer(layer_->prepare_optimizer_step(), &o, &opt_));
+}
+
+LayerOptimizer::~LayerOptimizer() { kt_optimizer_destroy(opt_); }
+
+bool LayerOptimizer::step(double grad_unscale, double clip_coef) {
+  layer_->prepare_optimizer_step();
+  kt_optimizer_step_options o;
+  kt_optimizer_step_options_init(&o);
+  int nonfinite = 0;
+  o.grad_unscale = static_cast<float>(grad_unscale);
+  o.clip_coef = static_cast<float>(clip_coef);
+  o.found_nonfinite = &nonfinite;
+  check(kt_optimizer_step(opt_, &o));
+  return nonfinite == 0;
+}
+
+void LayerOptimizer::set_lr(double lr) {
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  check(kt_optimizer_get_options(opt_, &o));
+  o.lr = lr;
+  check(kt_optimizer_set_options(opt_, &o));
+}
+
+double LayerOptimizer::lr() const {
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  check(kt_optimizer_get_options(opt_, &o));
+  return o.lr;
+}
+
+double LayerOptimizer::grad_sq_norm() {
+  layer_->prepare_optimizer_step();
+  double out = 0;
+  check(kt_optimizer_grad_sq_norm(opt_, &out));
+  return out;
+}
+
+int64_t LayerOptimizer::steps() const {
+  int64_t n = 0;
+  check(kt_optimizer_get_step(opt_, &n));
+  return n;
+}
+
+void LayerOptimizer::save(const std::string& path) { check(kt_optimizer_save(opt_, path.c_str())); }
+void LayerOptimizer::load(const std::string& path) { check(kt_optimizer_load(opt_, path.c_str())); }
 
 namespace {
 
@@ -328,6 +413,17 @@ TORCH_LIBRARY(kt, m) {
       .def("grad_scale", &MoeLayer::grad_scale)
       .def("set_grad_scale", &MoeLayer::set_grad_scale);
   m.class_<kt_torch::SavedContext>("SavedContext");
+  using kt_torch::LayerOptimizer;
+  m.class_<LayerOptimizer>("LayerOptimizer")
+      .def(torch::init<c10::intrusive_ptr<MoeLayer>, std::string, double, double, double, double, double,
+                       double, bool>())
+      .def("step", &LayerOptimizer::step)
+      .def("set_lr", &LayerOptimizer::set_lr)
+      .def("lr", &LayerOptimizer::lr)
+      .def("grad_sq_norm", &LayerOptimizer::grad_sq_norm)
+      .def("steps", &LayerOptimizer::steps)
+      .def("save", &LayerOptimizer::save)
+      .def("load", &LayerOptimizer::load);
   m.def("moe(__torch__.torch.classes.kt.MoeLayer layer, Tensor x, Tensor ids, Tensor weights) -> Tensor",
         &kt_torch::moe);
   m.def("moe_forward(__torch__.torch.classes.kt.MoeLayer layer, Tensor x, Tensor ids, "

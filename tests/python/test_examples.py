@@ -27,9 +27,14 @@ def test_finetune_moe_example(mode):
 @pytest.mark.skipif(not os.environ.get("KT_LIBTORCH_EXAMPLE"),
                     reason="KT_LIBTORCH_EXAMPLE not set (libtorch plugin not built)")
 def test_cpp_libtorch_example():
-    out = subprocess.run([os.environ["KT_LIBTORCH_EXAMPLE"], "60"], capture_output=True, text=True,
-                         timeout=240)
-    assert out.returncode == 0, out.stdout + out.stderr
-    losses = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
-    assert len(losses) == 60
-    assert "trained" in out.stdout and losses[-1] < losses[0]
+    """kt's LayerOptimizer and libtorch's AdamW train the same numbers."""
+    runs = {}
+    for optimizer in ("kt", "torch"):
+        out = subprocess.run([os.environ["KT_LIBTORCH_EXAMPLE"], "60", optimizer], capture_output=True,
+                             text=True, timeout=240)
+        assert out.returncode == 0, out.stdout + out.stderr
+        losses = [float(v) for v in re.findall(r"^step \d+ loss ([0-9.]+)", out.stdout, re.M)]
+        assert len(losses) == 60
+        assert "trained" in out.stdout and losses[-1] < losses[0]
+        runs[optimizer] = losses
+    assert runs["kt"] == runs["torch"]
