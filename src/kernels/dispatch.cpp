@@ -58,8 +58,21 @@ const Kernels* kernels_for(kt_isa isa) {
   return nullptr;
 }
 
+#if KT_HAVE_AMX
+namespace amx {
+bool self_test();
+}
+bool amx_kernels_verified() {
+  static const bool verified = amx::self_test();
+  return verified;
+}
+#else
+bool amx_kernels_verified() { return false; }
+#endif
+
 const Kernels& select_kernels(kt_isa cap) {
-  const kt_isa cpu = detect_cpu_isa();
+  kt_isa cpu = detect_cpu_isa();
+  if (cpu == KT_ISA_AMX && !amx_kernels_verified()) cpu = KT_ISA_AVX512BF16;
   const Kernels* best = &kernels_ref;
 #define KT_KERNELS(level, symbol, compiled) \
   if ((compiled) && (level) <= cap && (level) <= cpu) best = &symbol;

@@ -133,6 +133,10 @@ kt_isa detect_cpu_isa();
 const Kernels& select_kernels(kt_isa cap);
 // Kernel table of exactly that ISA, or nullptr when not compiled in.
 const Kernels* kernels_for(kt_isa isa);
+// Whether the AMX kernels, on this CPU, computed a known product right
+// (checked once; select_kernels uses AVX-512 BF16 instead when not). Only
+// call where detect_cpu_isa() is KT_ISA_AMX.
+bool amx_kernels_verified();
 
 // The oneDNN GEMM backend: `base` with its weight GEMM done by oneDNN
 // matmul on the same packed panels, or nullptr when this build has no

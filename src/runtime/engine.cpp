@@ -131,7 +131,7 @@ void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
     const kt::Kernels* dnnl = kt::onednn_kernels(*native_kernels);
     kt::check(dnnl != nullptr, KT_ERR_UNSUPPORTED,
               std::string(w) + ": KT_GEMM_ONEDNN needs " +
-                  (kt::onednn_compiled() ? "the avx512bf16 kernels (bf16 operands); the engine runs " +
+                  (kt::onednn_compiled() ? "the avx512bf16 or amx kernels (bf16 operands); the engine runs " +
                                                std::string(kt_isa_name(native_kernels->isa))
                                          : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
     kernels = dnnl;

@@ -19,7 +19,7 @@ using kt::bf16_t;
 std::vector<const kt::Kernels*> compiled_kernels() {
   std::vector<const kt::Kernels*> v;
   const kt_isa cpu = kt::detect_cpu_isa();
-  for (kt_isa isa : {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16}) {
+  for (kt_isa isa : {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX}) {
     const kt::Kernels* k = kt::kernels_for(isa);
     if (k && isa <= cpu) v.push_back(k);
   }
@@ -92,7 +92,9 @@ TEST_P(GemmKernels, WeightGemmMatchesScalarTwin) {
   const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
-  for (int m : {1, 3, 4, 5, 6, 7, 13, 16, 17, 64})
+  // m 16.., k 32..: the AMX kernel's tiles (one or two row tiles, one or
+  // two panels, whole K tiles and a remainder); fewer: its AVX-512 path.
+  for (int m : {1, 3, 4, 5, 6, 7, 13, 16, 17, 33, 64})
     for (int np : {1, 2, 3, 4, 5})
       for (int64_t k : {1, 2, 31, 64, 100}) {
         const kt::PanelShape s = kt::PanelShape::of(np * 16, k);
@@ -185,6 +187,19 @@ TEST_P(GemmKernels, ZippedGradientGemmMatchesPlainLoops) {
 // as BA16a16b2a) against kt's own kernel on the same operands: K multiples of
 // 32 run in oneDNN, others fall back; gathered and contiguous rows, both
 // write modes, a C wider than the panels.
+// The AMX kernels run their reference-twin tests (GemmKernels.*, with the
+// amx table) only where the CPU has AMX; this says so where it has not.
+TEST(AmxKernels, RunWhereTheCpuHasAmx) {
+  const kt::Kernels* amx = kt::kernels_for(KT_ISA_AMX);
+  if (!amx) GTEST_SKIP() << "this build has no AMX kernels (KT_ENABLE_AMX, or a compiler without -mamx-bf16)";
+  if (kt::detect_cpu_isa() < KT_ISA_AMX)
+    GTEST_SKIP() << "this CPU (or OS) has no AMX-BF16: the AMX kernels and their twin tests did not run";
+  // The one-time self-test passed, so the automatic choice is the AMX table.
+  EXPECT_TRUE(kt::amx_kernels_verified());
+  EXPECT_EQ(kt::select_kernels(KT_ISA_AUTO).isa, KT_ISA_AMX);
+  EXPECT_EQ(kt::select_kernels(KT_ISA_AVX512BF16).isa, KT_ISA_AVX512BF16);
+}
+
 TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
   const kt::Kernels* base = kt::kernels_for(KT_ISA_AVX512BF16);
   if (!base || kt::detect_cpu_isa() < KT_ISA_AVX512BF16) GTEST_SKIP() << "no avx512bf16 kernels on this CPU/build";

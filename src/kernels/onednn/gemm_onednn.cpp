@@ -1,5 +1,5 @@
 // The oneDNN GEMM backend (KT_GEMM_ONEDNN): the weight GEMM of the
-// avx512bf16 table done by oneDNN's matmul, everything else unchanged.
+// avx512bf16 or amx table done by oneDNN's matmul, everything else unchanged.
 //
 // kt's packed panels are oneDNN's BA16a16b2a layout of W^T ([K, N], N in
 // blocks of 16, K in blocks of 32 with bf16 pairs innermost), so oneDNN reads
@@ -22,7 +22,8 @@
 namespace kt {
 namespace {
 
-const Kernels* g_base = nullptr;  // the avx512bf16 table this one extends
+// The bf16-activation tables the oneDNN ones extend: [0] avx512bf16, [1] amx.
+const Kernels* g_bases[2] = {nullptr, nullptr};
 
 struct Shape {
   int m;
@@ -71,13 +72,13 @@ const Plan& plan_for(WorkerState& w, const Shape& s) {
   return w.plans.emplace(s, std::move(p)).first->second;
 }
 
-void gemm_onednn(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride, int np,
-                 float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+void gemm_onednn(const Kernels& base, const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                 int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
   if (m <= 0) return;
   // The layout needs K in blocks of 32 and panels 16 * kp apart; other
   // shapes (none of the real models) run kt's kernel.
   if (kp % 32 != 0 || panel_stride != kPanelRows * kp) {
-    g_base->gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+    base.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
     return;
   }
   WorkerState& w = worker_state();
@@ -98,21 +99,35 @@ void gemm_onednn(const void* const* a_rows, int m, int64_t kp, const bf16_t* pan
   w.stream.wait();
 }
 
+template <int I>
+void gemm_onednn_over(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride, int np,
+                      float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+  gemm_onednn(*g_bases[I], a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+}
+
+template <int I>
+Kernels table_over(const Kernels& base) {
+  g_bases[I] = &base;
+  Kernels t = base;
+  t.gemm_name = "gemm_bf16w_bf16_f32__onednn_brgemm";
+  t.gemm_bf16w = gemm_onednn_over<I>;
+  return t;
+}
+
 }  // namespace
 
 bool onednn_compiled() { return true; }
 
 const Kernels* onednn_kernels(const Kernels& base) {
   if (base.a_elem_size != 2) return nullptr;  // oneDNN's bf16 matmul needs bf16 activations
-  // One table: the only base with bf16 activations is the avx512bf16 one.
-  static const Kernels table = [&] {
-    g_base = &base;
-    Kernels t = base;
-    t.gemm_name = "gemm_bf16w_bf16_f32__onednn_brgemm";
-    t.gemm_bf16w = gemm_onednn;
-    return t;
-  }();
-  return &table;
+  // One table per base with bf16 activations (avx512bf16, amx): shapes
+  // oneDNN's layout does not take run that base's own kernel.
+  if (base.isa == KT_ISA_AMX) {
+    static const Kernels amx = table_over<1>(base);
+    return &amx;
+  }
+  static const Kernels avx512 = table_over<0>(base);
+  return &avx512;
 }
 
 }  // namespace kt
