@@ -316,6 +316,7 @@ _PROTOTYPES = {
     "kt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
     "kt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
     "kt_moe_save_packed": (_S, [_P, ctypes.c_char_p]),
+    "kt_moe_read_weights": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_moe_load_packed": (_S, [_P, ctypes.c_char_p, ctypes.c_uint]),
     "kt_ckpt_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
     "kt_ckpt_layout_name": (ctypes.c_char_p, [ctypes.c_int]),

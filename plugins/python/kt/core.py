@@ -280,6 +280,18 @@ class MoE(_Handle):
         lo.gate_up_order = _capi.GATE_UP_INTERLEAVED if interleaved else _capi.GATE_UP_CONCAT
         return lo
 
+    def read_weights(self, *, gate=None, up=None, down=None, bias_gate=None, bias_up=None,
+                     bias_down=None):
+        """Copies the base weights as kt computes with them into host tensors:
+        gate, up [E,I,H], down [E,H,I], bias_* [E,out] (fp32/bf16/fp16); a
+        bf16 destination gets the stored bits exactly."""
+        pairs = [(n, t) for n, t in (("W_GATE", gate), ("W_UP", up), ("W_DOWN", down),
+                                     ("B_GATE", bias_gate), ("B_UP", bias_up),
+                                     ("B_DOWN", bias_down)) if t is not None]
+        arr, views = _args(pairs)
+        check(lib().kt_moe_read_weights(self.handle, arr, len(pairs)))
+        del views
+
     def save_packed(self, path):
         """Writes the packed weights to one file (atomically replaced)."""
         check(lib().kt_moe_save_packed(self.handle, os.fsencode(path)))

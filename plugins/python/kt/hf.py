@@ -19,6 +19,8 @@ transformers:
 
 Routers, shared experts, attention and everything else stay in torch.
 """
+import json
+import math
 import os
 import re
 import warnings
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from . import _hf_names, _safetensors
 from .checkpoint import Checkpoint, read_packed_manifest
 from .torch import MoEExperts
 
@@ -135,13 +138,10 @@ class KtSparseMoeBlock(nn.Module):
         return (y, logits) if logits is not None else y
 
 
-class KtFusedExperts(nn.Module):
+class KtFusedExperts(MoEExperts):
     """Stands in for a fused experts module: experts(hidden [N,H], top_k_index
-    [N,k], top_k_weights [N,k] or dense [N,E]) -> [N,H]."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
+    [N,k], top_k_weights [N,k] or dense [N,E]) -> [N,H]. Its state_dict keeps
+    the fused module's names (gate_up_proj, down_proj)."""
 
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs):
         ids = top_k_index if top_k_index is not None else kwargs.get("router_indices")
@@ -154,13 +154,13 @@ class KtFusedExperts(nn.Module):
             weights = weights.gather(1, ids.long())
         if weights.dtype not in (torch.float32, torch.bfloat16):
             weights = weights.float()
-        return self.experts(h, ids, weights).reshape(shape)
+        return super().forward(h, ids, weights).reshape(shape)
 
 
-def _make_experts(E, k, H, I, options, **layer_kw):
+def _make_experts(E, k, H, I, options, cls=MoEExperts, **layer_kw):
     kw = dict(options)
     kw.update(layer_kw)
-    return MoEExperts(E, k, H, I, **kw)
+    return cls(E, k, H, I, **kw)
 
 
 class _WeightSource:
@@ -284,11 +284,11 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
         act = getattr(ex, "act_fn", None)
         if act is not None and not _is_silu(act):
             raise ValueError("kt.hf: expert activation %s is not SiLU" % type(act).__name__)
-    kt_experts = _make_experts(E, k, H, I, options, **layer_kw)
+    kt_experts = _make_experts(E, k, H, I, options, cls=KtFusedExperts, **layer_kw)
     kt_experts.hf_naming = ("gpt_oss" if oss else "fused") + ("_in_out" if orientation == "in_out" else "")
     if source:
         source.fill(kt_experts, _layer_number(block_name), block_name)
-        return KtFusedExperts(kt_experts)
+        return kt_experts
     if _on_meta(gu, down):
         raise ValueError("kt.hf: %s: the experts are on the meta device; pass checkpoint= or "
                          "packed= to load them" % block_name)
@@ -296,7 +296,7 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
     if layer_kw.get("bias"):
         kw.update(bias_gate_up=ex.gate_up_proj_bias.detach(), bias_down=ex.down_proj_bias.detach())
     kt_experts.load_weights(**kw)
-    return KtFusedExperts(kt_experts)
+    return kt_experts
 
 
 def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.0,
@@ -331,8 +331,8 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
             if any(name.startswith(r + ".") or name == r for r in replaced):
                 continue
             experts = getattr(module, "experts", None)
-            if experts is None or isinstance(module, (KtSparseMoeBlock, KtFusedExperts)) \
-                    or isinstance(experts, (MoEExperts, KtFusedExperts)):
+            if experts is None or isinstance(module, (KtSparseMoeBlock, MoEExperts)) \
+                    or isinstance(experts, MoEExperts):
                 continue
             naming = _per_expert_naming(experts)
             if naming is not None and isinstance(getattr(module, "gate", None), nn.Module):
@@ -394,3 +394,102 @@ def _set_child(model, qualified, new):
     parent_name, _, child = qualified.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
+
+
+def _lora_layers(model):
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEExperts) and m.mode == "lora"]
+    if not layers:
+        raise ValueError("kt.hf: the model has no kt experts in LoRA mode")
+    first = layers[0][1]
+    for name, m in layers:
+        if (m.lora_rank, m._init_kwargs["lora_alpha"], m._init_kwargs["use_rslora"], m.lora_targets) != (
+                first.lora_rank, first._init_kwargs["lora_alpha"], first._init_kwargs["use_rslora"],
+                first.lora_targets):
+            raise ValueError("kt.hf: %s has other LoRA settings than %s; one adapter has one r, alpha "
+                             "and target set" % (name, layers[0][0]))
+    if len({_hf_names.is_fused(m.hf_naming) for _, m in layers}) > 1:
+        raise ValueError("kt.hf: the model mixes per-expert and fused expert blocks; PEFT's config "
+                         "gives them one rank, which kt's factors of the two do not share")
+    return layers
+
+
+def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
+    """Writes the LoRA factors of every kt block of ``model`` as a PEFT adapter
+    (adapter_config.json + adapter_model.safetensors) that PEFT and vLLM load:
+    per-expert blocks as PEFT's LoRA on each expert's modules
+    (``...experts.<e>.gate_proj.lora_A.weight``), fused blocks (transformers
+    v5, gpt-oss) in PEFT's parameter-targeting form (``target_parameters``;
+    kt's separate gate and up factors become one factor pair of gate_up_proj
+    with twice the rank, see kt._hf_names). Keys are
+    ``base_model.model.<module path>``, as PeftModel.save_pretrained writes."""
+    layers = _lora_layers(model)
+    first = layers[0][1]
+    tensors, target_modules, target_parameters, multiplier = {}, set(), [], 1
+    fused = _hf_names.is_fused(first.hf_naming)
+    for name, m in layers:
+        lora = {attr: getattr(m, attr).detach().to(dtype) for _, attr in m._arg_names}
+        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets)
+        multiplier = max([multiplier] + list(mult.values()))
+        for k, t in rel.items():
+            tensors["base_model.model.%s.%s" % (name, k)] = t
+        parent = name.rsplit(".", 1)[0].rsplit(".", 1)[-1] if "." in name else ""
+        if fused:
+            for p in mult:
+                key = "%s.experts.%s" % (parent, p) if parent else "experts." + p
+                if key not in target_parameters:
+                    target_parameters.append(key)
+        else:
+            names = _hf_names.PER_EXPERT.get(m.hf_naming, _hf_names.PER_EXPERT["qwen"])
+            wanted = [n for p, n in zip(_hf_names.PROJ, names) if p in m.lora_targets]
+            target_modules.add(r".*\.%s\.experts\.\d+\.(%s)" % (re.escape(parent), "|".join(wanted)))
+    # gate_up_proj first: PEFT nests the first listed parameter innermost.
+    target_parameters.sort(key=lambda k: not k.endswith("gate_up_proj"))
+    r = first.lora_rank * multiplier
+    alpha = float(first._init_kwargs["lora_alpha"])
+    use_rslora = bool(first._init_kwargs["use_rslora"])
+    alpha *= (multiplier ** 0.5 if use_rslora else multiplier)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+              "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "base_model_name_or_path": base_model or "",
+              "modules_to_save": None,
+              "target_modules": ("|".join(sorted(target_modules)) if target_modules else None)}
+    if fused:
+        config["target_parameters"] = target_parameters
+    os.makedirs(directory, exist_ok=True)
+    _safetensors.save(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
+    _safetensors.write_atomic(os.path.join(directory, "adapter_config.json"),
+                              [(json.dumps(config, indent=2) + "\n").encode()])
+    return config
+
+
+def load_adapter(model, directory):
+    """Loads a PEFT adapter written by save_adapter (or by PEFT for the same
+    layouts) into the LoRA factors of the model's kt blocks. The adapter's
+    r and lora_alpha must give the blocks' rank and scale."""
+    layers = _lora_layers(model)
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    tensors = _safetensors.load(os.path.join(directory, "adapter_model.safetensors"))
+    first = layers[0][1]
+    if config.get("peft_type") != "LORA":
+        raise ValueError("kt.hf: %s is not a LoRA adapter" % directory)
+    if not math.isclose(config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"]),
+                        first.lora_scale, rel_tol=1e-6):
+        raise ValueError("kt.hf: the adapter's scale (lora_alpha %g, r %d) differs from the model's %g"
+                         % (config["lora_alpha"], config["r"], first.lora_scale))
+    with torch.no_grad():
+        for name, m in layers:
+            prefix = "base_model.model.%s." % name
+            rel = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if not rel:
+                raise ValueError("kt.hf: %s holds no LoRA tensors of %s" % (directory, name))
+            try:
+                lora = _hf_names.lora_from_peft(m.hf_naming, rel, m.lora_targets, m.num_experts, m.lora_rank)
+            except KeyError as e:
+                raise ValueError("kt.hf: %s: tensor %s%s is missing" % (directory, prefix, e.args[0])) from None
+            for attr, t in lora.items():
+                target = getattr(m, attr)
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ValueError("kt.hf: %s: %s has shape %s, the model's %s" % (
+                        name, attr, tuple(t.shape), tuple(target.shape)))
+                target.copy_(t)
