@@ -133,3 +133,16 @@ def test_gpt_oss_lora_targets_gate_up_proj_and_down_proj():
     kt.hf.replace_moe_experts(model2, mode="lora", lora_rank=4,
                               target_modules=["mlp.experts.down_proj"])
     assert kt.hf.kt_experts_modules(model2)[0].lora_targets == ("down",)
+
+
+def test_lora_bias_training_is_refused_with_the_alternative():
+    model = Wrapper(GptOssMLP(H, I, E, K))
+    for bias in ("all", "lora_only"):
+        with pytest.raises(ValueError, match="not supported in LoRA mode.*mode='full'.*bias='none'"):
+            kt.hf.replace_moe_experts(model, mode="lora", bias=bias)
+    # mode="full" trains the gpt-oss expert biases.
+    kt.hf.replace_moe_experts(model, mode="full", bias="all")
+    experts = kt.hf.kt_experts_modules(model)[0]
+    out = model(torch.randn(1, 3, H))[0]
+    out.square().sum().backward()
+    assert experts.b_gate.grad is not None and experts.b_gate.grad.abs().sum() > 0

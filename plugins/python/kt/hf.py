@@ -302,7 +302,8 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
 def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.0,
                         lora_dropout=0.0, use_rslora=False, target_modules=None,
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
-                        fused_orientation=None, checkpoint=None, packed=None, strict=False):
+                        fused_orientation=None, checkpoint=None, packed=None, strict=False,
+                        bias="none"):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -319,7 +320,16 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
 
     A module that looks like an MoE block (it has ``experts``) but is not
     recognised is reported with a warning, or raises ValueError with
-    ``strict=True``."""
+    ``strict=True``.
+
+    ``bias`` is PEFT's LoRA bias setting; kt's LoRA mode keeps expert biases
+    frozen, so only "none" is accepted there."""
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
+    if bias != "none" and mode == "lora":
+        raise ValueError("kt.hf: bias=%r (training the expert biases) is not supported in LoRA mode: "
+                         "kt keeps base weights and biases frozen there. Use mode='full' to train the "
+                         "expert biases (with the weights), or bias='none'" % (bias,))
     options = dict(mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                    lora_dropout=lora_dropout, use_rslora=use_rslora,
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
