@@ -28,37 +28,6 @@ typedef struct ktgo_arg {
 	int64_t shape[KTGO_MAX_DIMS];
 } ktgo_arg;
 
-static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** saved,
-                           const kt_backward_options* backward_options, int n, const ktgo_arg* meta,
-                           void* d0, void* d1, void* d2, void* d3, void* d4, void* d5, void* d6,
-                           void* d7, void* d8, void* d9, void* d10, void* d11, void* d12,
-                           void* d13, void* d14, void* d15) {
-	void* data[KTGO_MAX_ARGS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
-	DLTensor tensors[KTGO_MAX_ARGS];
-	int64_t shapes[KTGO_MAX_ARGS][KTGO_MAX_DIMS];
-	kt_arg args[KTGO_MAX_ARGS];
-	for (int i = 0; i < n; ++i) {
-		memset(&tensors[i], 0, sizeof(tensors[i]));
-		memcpy(shapes[i], meta[i].shape, sizeof(shapes[i]));
-		tensors[i].data = data[i];
-		tensors[i].device.device_type = kDLCPU;
-		tensors[i].ndim = meta[i].ndim;
-		tensors[i].dtype.code = (uint8_t)meta[i].code;
-		tensors[i].dtype.bits = (uint8_t)meta[i].bits;
-		tensors[i].dtype.lanes = 1;
-		tensors[i].shape = shapes[i];
-		args[i].id = meta[i].id;
-		args[i].tensor = &tensors[i];
-	}
-	switch (op) {
-	case KTGO_LOAD: return kt_moe_load_weights(moe, NULL, args, (size_t)n);
-	case KTGO_FORWARD: return kt_moe_forward(moe, args, (size_t)n, saved);
-	case KTGO_BACKWARD: return kt_moe_backward(moe, ctx, backward_options, args, (size_t)n);
-	case KTGO_BIND: return kt_moe_bind(moe, args, (size_t)n);
-	}
-	return KT_ERR_INVALID_ARGUMENT;
-}
-
 static void ktgo_fill(int n, const ktgo_arg* meta, void* const* data, DLTensor* tensors,
                       int64_t (*shapes)[KTGO_MAX_DIMS], kt_arg* args) {
 	for (int i = 0; i < n; ++i) {
@@ -74,6 +43,25 @@ static void ktgo_fill(int n, const ktgo_arg* meta, void* const* data, DLTensor* 
 		args[i].id = meta[i].id;
 		args[i].tensor = &tensors[i];
 	}
+}
+
+static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** saved,
+                           const kt_backward_options* backward_options, int n, const ktgo_arg* meta,
+                           void* d0, void* d1, void* d2, void* d3, void* d4, void* d5, void* d6,
+                           void* d7, void* d8, void* d9, void* d10, void* d11, void* d12,
+                           void* d13, void* d14, void* d15) {
+	void* data[KTGO_MAX_ARGS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+	DLTensor tensors[KTGO_MAX_ARGS];
+	int64_t shapes[KTGO_MAX_ARGS][KTGO_MAX_DIMS];
+	kt_arg args[KTGO_MAX_ARGS];
+	ktgo_fill(n, meta, data, tensors, shapes, args);
+	switch (op) {
+	case KTGO_LOAD: return kt_moe_load_weights(moe, NULL, args, (size_t)n);
+	case KTGO_FORWARD: return kt_moe_forward(moe, args, (size_t)n, saved);
+	case KTGO_BACKWARD: return kt_moe_backward(moe, ctx, backward_options, args, (size_t)n);
+	case KTGO_BIND: return kt_moe_bind(moe, args, (size_t)n);
+	}
+	return KT_ERR_INVALID_ARGUMENT;
 }
 
 enum { KTGO_READ_LAYER = 0, KTGO_READ_ADAPTER = 1 };
