@@ -1036,6 +1036,18 @@ KT_API kt_status kt_optimizer_save(kt_optimizer* opt, const char* path);
  * masters. */
 KT_API kt_status kt_optimizer_load(kt_optimizer* opt, const char* path);
 
+/* ------------------------------------------------- reading weights back */
+
+/* Copies the layer's base weights, as it computes with them, into host
+ * tensors in the stacked nn.Linear orientation: W_GATE, W_UP [E,I,H],
+ * W_DOWN [E,H,I], and for a layer with biases B_GATE, B_UP [E,I], B_DOWN
+ * [E,H]; any subset (fp32/bf16/fp16 destinations, any strides). Weights are
+ * stored as bf16, so a bf16 destination gets them exactly; experts never
+ * loaded read as zeros. For state_dict-style saving and copies of a layer.
+ * Tensors written by the call (nothing is written when it fails); serialised
+ * with the layer's compute calls. */
+KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args);
+
 #ifdef __cplusplus
 }
 #endif

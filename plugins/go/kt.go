@@ -28,15 +28,8 @@ typedef struct ktgo_arg {
 	int64_t shape[KTGO_MAX_DIMS];
 } ktgo_arg;
 
-static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** saved,
-                           const kt_backward_options* backward_options, int n, const ktgo_arg* meta,
-                           void* d0, void* d1, void* d2, void* d3, void* d4, void* d5, void* d6,
-                           void* d7, void* d8, void* d9, void* d10, void* d11, void* d12,
-                           void* d13, void* d14, void* d15) {
-	void* data[KTGO_MAX_ARGS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
-	DLTensor tensors[KTGO_MAX_ARGS];
-	int64_t shapes[KTGO_MAX_ARGS][KTGO_MAX_DIMS];
-	kt_arg args[KTGO_MAX_ARGS];
+static void ktgo_fill(int n, const ktgo_arg* meta, void* const* data, DLTensor* tensors,
+                      int64_t (*shapes)[KTGO_MAX_DIMS], kt_arg* args) {
 	for (int i = 0; i < n; ++i) {
 		memset(&tensors[i], 0, sizeof(tensors[i]));
 		memcpy(shapes[i], meta[i].shape, sizeof(shapes[i]));
@@ -50,6 +43,18 @@ static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** sa
 		args[i].id = meta[i].id;
 		args[i].tensor = &tensors[i];
 	}
+}
+
+static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** saved,
+                           const kt_backward_options* backward_options, int n, const ktgo_arg* meta,
+                           void* d0, void* d1, void* d2, void* d3, void* d4, void* d5, void* d6,
+                           void* d7, void* d8, void* d9, void* d10, void* d11, void* d12,
+                           void* d13, void* d14, void* d15) {
+	void* data[KTGO_MAX_ARGS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+	DLTensor tensors[KTGO_MAX_ARGS];
+	int64_t shapes[KTGO_MAX_ARGS][KTGO_MAX_DIMS];
+	kt_arg args[KTGO_MAX_ARGS];
+	ktgo_fill(n, meta, data, tensors, shapes, args);
 	switch (op) {
 	case KTGO_LOAD: return kt_moe_load_weights(moe, NULL, args, (size_t)n);
 	case KTGO_FORWARD: return kt_moe_forward(moe, args, (size_t)n, saved);
@@ -57,6 +62,52 @@ static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** sa
 	case KTGO_BIND: return kt_moe_bind(moe, args, (size_t)n);
 	}
 	return KT_ERR_INVALID_ARGUMENT;
+}
+
+enum { KTGO_READ_LAYER = 0, KTGO_READ_ADAPTER = 1 };
+
+// Readers write into Go memory: its pointers cross as direct arguments.
+static kt_status ktgo_read(int op, const kt_ckpt* ckpt, const char* dir, int64_t layer, int n,
+                           const ktgo_arg* meta, void* d0, void* d1, void* d2, void* d3, void* d4,
+                           void* d5, void* d6, void* d7, void* d8, void* d9, void* d10, void* d11,
+                           void* d12, void* d13, void* d14, void* d15) {
+	void* data[KTGO_MAX_ARGS] = {d0, d1, d2, d3, d4, d5, d6, d7, d8, d9, d10, d11, d12, d13, d14, d15};
+	DLTensor tensors[KTGO_MAX_ARGS];
+	int64_t shapes[KTGO_MAX_ARGS][KTGO_MAX_DIMS];
+	kt_arg args[KTGO_MAX_ARGS];
+	ktgo_fill(n, meta, data, tensors, shapes, args);
+	if (op == KTGO_READ_LAYER) return kt_ckpt_read_layer(ckpt, layer, args, (size_t)n);
+	return kt_ckpt_adapter_read(dir, layer, args, (size_t)n);
+}
+
+// Writers take any number of tensors, so their data are copies in C memory
+// (data is a C array of C pointers); counts[l] tensors belong to layers[l].
+static kt_status ktgo_write(const char* dir, const kt_ckpt_write_options* options,
+                            const kt_ckpt_adapter_config* config, int num_layers,
+                            const int64_t* layers, const int* counts, int n, const ktgo_arg* meta,
+                            void* const* data) {
+	DLTensor* tensors = calloc((size_t)(n > 0 ? n : 1), sizeof(DLTensor));
+	int64_t (*shapes)[KTGO_MAX_DIMS] = calloc((size_t)(n > 0 ? n : 1), sizeof(*shapes));
+	kt_arg* args = calloc((size_t)(n > 0 ? n : 1), sizeof(kt_arg));
+	kt_ckpt_layer_args* la = calloc((size_t)(num_layers > 0 ? num_layers : 1), sizeof(kt_ckpt_layer_args));
+	kt_status st = KT_ERR_OUT_OF_MEMORY;
+	if (tensors && shapes && args && la) {
+		ktgo_fill(n, meta, data, tensors, shapes, args);
+		int at = 0;
+		for (int l = 0; l < num_layers; ++l) {
+			la[l].layer = layers[l];
+			la[l].args = args + at;
+			la[l].num_args = (size_t)counts[l];
+			at += counts[l];
+		}
+		st = config ? kt_ckpt_adapter_write(dir, config, la, (size_t)num_layers)
+		            : kt_ckpt_write_experts(dir, options, la, (size_t)num_layers);
+	}
+	free(tensors);
+	free(shapes);
+	free(args);
+	free(la);
+	return st;
 }
 */
 import "C"
@@ -400,6 +451,21 @@ func (m *MoE) run(op C.int, ctx *C.kt_context, saved **C.kt_context,
 	}
 	var meta [C.KTGO_MAX_ARGS]C.ktgo_arg
 	var data [C.KTGO_MAX_ARGS]unsafe.Pointer
+	if err := describe(args, meta[:], data[:]); err != nil {
+		return err
+	}
+	err := call(func() C.kt_status {
+		return C.ktgo_call(op, m.handle, ctx, saved, bo, C.int(len(args)), &meta[0],
+			data[0], data[1], data[2], data[3], data[4], data[5], data[6], data[7],
+			data[8], data[9], data[10], data[11], data[12], data[13], data[14], data[15])
+	})
+	runtime.KeepAlive(args)
+	return err
+}
+
+// describe fills meta (no pointers) and data for args, checking each shape
+// against its slice.
+func describe(args []Arg, meta []C.ktgo_arg, data []unsafe.Pointer) error {
 	for i, a := range args {
 		t := a.Tensor
 		if len(t.shape) > C.KTGO_MAX_DIMS {
@@ -421,13 +487,7 @@ func (m *MoE) run(op C.int, ctx *C.kt_context, saved **C.kt_context,
 		meta[i].ndim = C.int(len(t.shape))
 		data[i] = t.data
 	}
-	err := call(func() C.kt_status {
-		return C.ktgo_call(op, m.handle, ctx, saved, bo, C.int(len(args)), &meta[0],
-			data[0], data[1], data[2], data[3], data[4], data[5], data[6], data[7],
-			data[8], data[9], data[10], data[11], data[12], data[13], data[14], data[15])
-	})
-	runtime.KeepAlive(args)
-	return err
+	return nil
 }
 
 // LoadWeights loads stacked expert weights: ArgWGate, ArgWUp [E,I,H] and
@@ -498,4 +558,337 @@ func (c *Context) Close() {
 		C.kt_context_release(c.handle)
 		c.handle = nil
 	}
+}
+
+// ------------------------------------------------ packed caches, checkpoints
+
+// CkptLayout is a routed-expert layout of a checkpoint (kt_ckpt_layout).
+type CkptLayout int
+
+// Layouts (pinned values of kt_ckpt_layout).
+const (
+	LayoutNone       CkptLayout = C.KT_CKPT_LAYOUT_NONE
+	LayoutPerExpert  CkptLayout = C.KT_CKPT_LAYOUT_PER_EXPERT
+	LayoutMixtral    CkptLayout = C.KT_CKPT_LAYOUT_MIXTRAL
+	LayoutFused      CkptLayout = C.KT_CKPT_LAYOUT_FUSED
+	LayoutFusedInOut CkptLayout = C.KT_CKPT_LAYOUT_FUSED_IN_OUT
+	LayoutGptOss     CkptLayout = C.KT_CKPT_LAYOUT_GPT_OSS
+)
+
+// CkptDType is a stored element type (kt_ckpt_dtype) of kt's writers.
+type CkptDType int
+
+// Stored dtypes kt's writers accept.
+const (
+	DTypeF32  CkptDType = C.KT_CKPT_DTYPE_F32
+	DTypeF16  CkptDType = C.KT_CKPT_DTYPE_F16
+	DTypeBF16 CkptDType = C.KT_CKPT_DTYPE_BF16
+)
+
+// Projection bits (KT_PROJ_*) of LoRA targets.
+const (
+	ProjGate uint32 = C.KT_PROJ_GATE
+	ProjUp   uint32 = C.KT_PROJ_UP
+	ProjDown uint32 = C.KT_PROJ_DOWN
+)
+
+// SavePacked writes the layer's packed weights to one file (atomically replaced).
+func (m *MoE) SavePacked(path string) error {
+	if m.handle == nil {
+		return closedError("moe")
+	}
+	p := C.CString(path)
+	defer C.free(unsafe.Pointer(p))
+	return call(func() C.kt_status { return C.kt_moe_save_packed(m.handle, p) })
+}
+
+// LoadPacked replaces the layer's weights with a packed cache's (inference and
+// LoRA mode read them from a read-only mapping of the file); verifyChecksums
+// false checks the header only.
+func (m *MoE) LoadPacked(path string, verifyChecksums bool) error {
+	if m.handle == nil {
+		return closedError("moe")
+	}
+	p := C.CString(path)
+	defer C.free(unsafe.Pointer(p))
+	flags := C.uint(0)
+	if !verifyChecksums {
+		flags = C.KT_PACKED_SKIP_CHECKSUMS
+	}
+	return call(func() C.kt_status { return C.kt_moe_load_packed(m.handle, p, flags) })
+}
+
+// Checkpoint is an open Hugging Face checkpoint directory (memory-mapped and
+// validated, read-only). Close it after use.
+type Checkpoint struct {
+	handle *C.kt_ckpt
+}
+
+// CheckpointInfo describes a checkpoint directory.
+type CheckpointInfo struct {
+	Architecture, ModelType                              string
+	Layout                                               CkptLayout
+	NumMoELayers, NumTensors, NumFiles, TotalBytes, TopK int64
+}
+
+// LayerInfo describes one MoE layer of a checkpoint.
+type LayerInfo struct {
+	Layer, NumExperts, Hidden, Intermediate int64
+	HasBias                                 bool
+	Layout                                  CkptLayout
+	Format, WeightDType                     string // "dense", "BF16", ...
+	Loadable                                bool
+	Bytes                                   int64
+}
+
+// OpenCheckpoint opens the checkpoint in dir.
+func OpenCheckpoint(dir string) (*Checkpoint, error) {
+	d := C.CString(dir)
+	defer C.free(unsafe.Pointer(d))
+	c := &Checkpoint{}
+	if err := call(func() C.kt_status { return C.kt_ckpt_open(d, &c.handle) }); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// Close unmaps the files. Closing twice is a no-op.
+func (c *Checkpoint) Close() {
+	if c.handle != nil {
+		C.kt_ckpt_close(c.handle)
+		c.handle = nil
+	}
+}
+
+// Info summarises the checkpoint.
+func (c *Checkpoint) Info() (CheckpointInfo, error) {
+	if c.handle == nil {
+		return CheckpointInfo{}, closedError("checkpoint")
+	}
+	var i C.kt_ckpt_info
+	i.struct_size = C.size_t(unsafe.Sizeof(i))
+	if err := call(func() C.kt_status { return C.kt_ckpt_get_info(c.handle, &i) }); err != nil {
+		return CheckpointInfo{}, err
+	}
+	return CheckpointInfo{C.GoString(i.architecture), C.GoString(i.model_type), CkptLayout(i.layout),
+		int64(i.num_moe_layers), int64(i.num_tensors), int64(i.num_files), int64(i.total_bytes),
+		int64(i.top_k)}, nil
+}
+
+// Layers describes the MoE layers, ordered by layer number.
+func (c *Checkpoint) Layers() ([]LayerInfo, error) {
+	info, err := c.Info()
+	if err != nil {
+		return nil, err
+	}
+	out := make([]LayerInfo, 0, info.NumMoELayers)
+	for index := int64(0); index < info.NumMoELayers; index++ {
+		var l C.kt_ckpt_layer_info
+		l.struct_size = C.size_t(unsafe.Sizeof(l))
+		if err := call(func() C.kt_status { return C.kt_ckpt_get_layer_info(c.handle, C.int64_t(index), &l) }); err != nil {
+			return nil, err
+		}
+		out = append(out, LayerInfo{int64(l.layer), int64(l.num_experts), int64(l.hidden),
+			int64(l.intermediate), l.has_bias != 0, CkptLayout(l.layout),
+			C.GoString(C.kt_ckpt_format_name(l.format)), C.GoString(C.kt_ckpt_dtype_name(l.weight_dtype)),
+			l.loadable != 0, int64(l.bytes)})
+	}
+	return out, nil
+}
+
+// MoEOptions are the layer options for layer L (shapes, bias, activation,
+// top_k); set Mode and LoRA fields before NewMoE.
+func (c *Checkpoint) MoEOptions(layer int64) (MoEOptions, error) {
+	if c.handle == nil {
+		return MoEOptions{}, closedError("checkpoint")
+	}
+	var o C.kt_moe_options
+	C.kt_moe_options_init(&o)
+	if err := call(func() C.kt_status { return C.kt_ckpt_moe_options(c.handle, C.int64_t(layer), &o) }); err != nil {
+		return MoEOptions{}, err
+	}
+	return MoEOptions{NumExperts: int64(o.num_experts), TopK: int64(o.top_k), Hidden: int64(o.hidden),
+		Intermediate: int64(o.intermediate), MaxTokens: int64(o.max_tokens),
+		Activation: Activation(o.activation), ActAlpha: float32(o.act_alpha),
+		ActLimit: float32(o.act_limit), HasBias: o.has_bias != 0}, nil
+}
+
+// LoadLayer loads layer L's routed experts into m straight from the mapped files.
+func (c *Checkpoint) LoadLayer(layer int64, m *MoE) error {
+	if c.handle == nil {
+		return closedError("checkpoint")
+	}
+	if m.handle == nil {
+		return closedError("moe")
+	}
+	return call(func() C.kt_status {
+		return C.kt_ckpt_load_layer(c.handle, C.int64_t(layer), m.handle, nil, nil)
+	})
+}
+
+func read(op C.int, ckpt *C.kt_ckpt, dir *C.char, layer int64, args []Arg) error {
+	if len(args) > C.KTGO_MAX_ARGS {
+		return &Error{Status: ErrInvalidArgument, Message: fmt.Sprintf("%d args; at most %d per call", len(args), C.KTGO_MAX_ARGS)}
+	}
+	var meta [C.KTGO_MAX_ARGS]C.ktgo_arg
+	var data [C.KTGO_MAX_ARGS]unsafe.Pointer
+	if err := describe(args, meta[:], data[:]); err != nil {
+		return err
+	}
+	err := call(func() C.kt_status {
+		return C.ktgo_read(op, ckpt, dir, C.int64_t(layer), C.int(len(args)), &meta[0],
+			data[0], data[1], data[2], data[3], data[4], data[5], data[6], data[7],
+			data[8], data[9], data[10], data[11], data[12], data[13], data[14], data[15])
+	})
+	runtime.KeepAlive(args)
+	return err
+}
+
+// ReadLayer copies layer L's weights into tensors: ArgWGate, ArgWUp [E,I,H],
+// ArgWDown [E,H,I], ArgBGate, ArgBUp [E,I], ArgBDown [E,H] (float32 or bf16).
+func (c *Checkpoint) ReadLayer(layer int64, args ...Arg) error {
+	if c.handle == nil {
+		return closedError("checkpoint")
+	}
+	return read(C.KTGO_READ_LAYER, c.handle, nil, layer, args)
+}
+
+// LayerArgs are one layer's tensors for a writer.
+type LayerArgs struct {
+	Layer int64
+	Args  []Arg
+}
+
+// write copies every tensor into C memory (a writer takes any number of
+// them, and cgo lets C hold no Go pointers) and calls the writer.
+func write(dir string, options *C.kt_ckpt_write_options, config *C.kt_ckpt_adapter_config, layers []LayerArgs) error {
+	var all []Arg
+	layerNumbers := make([]C.int64_t, len(layers)+1)
+	counts := make([]C.int, len(layers)+1)
+	for i, l := range layers {
+		layerNumbers[i] = C.int64_t(l.Layer)
+		counts[i] = C.int(len(l.Args))
+		all = append(all, l.Args...)
+	}
+	meta := make([]C.ktgo_arg, len(all)+1)
+	data := make([]unsafe.Pointer, len(all)+1)
+	if err := describe(all, meta, data); err != nil {
+		return err
+	}
+	copies := (*[1 << 28]unsafe.Pointer)(C.calloc(C.size_t(len(all)+1), C.size_t(unsafe.Sizeof(unsafe.Pointer(nil)))))
+	defer func() {
+		for i := range all {
+			C.free(copies[i])
+		}
+		C.free(unsafe.Pointer(copies))
+	}()
+	for i, a := range all {
+		n := C.size_t(a.Tensor.count * int64(a.Tensor.bits/8))
+		copies[i] = C.malloc(n + 1)
+		if copies[i] == nil {
+			return &Error{Status: ErrOutOfMemory, Message: fmt.Sprintf("cannot copy arg %d (%d bytes)", a.ID, n)}
+		}
+		if n > 0 {
+			C.memcpy(copies[i], data[i], n)
+		}
+	}
+	runtime.KeepAlive(all)
+	d := C.CString(dir)
+	defer C.free(unsafe.Pointer(d))
+	return call(func() C.kt_status {
+		return C.ktgo_write(d, options, config, C.int(len(layers)), &layerNumbers[0], &counts[0],
+			C.int(len(all)), &meta[0], &copies[0])
+	})
+}
+
+// WriteOptions are the settings of WriteExperts; zero values keep kt's
+// defaults (per-expert names, bf16, 4 GiB shards, no config.json).
+type WriteOptions struct {
+	Layout        CkptLayout
+	DType         CkptDType
+	MaxShardBytes int64
+	ConfigJSON    string
+}
+
+// WriteExperts writes a full-expert checkpoint with HF key names into dir
+// (published atomically). Each layer: ArgWGate, ArgWUp [E,I,H], ArgWDown
+// [E,H,I], optional biases. The tensors are copied to C memory first.
+func WriteExperts(dir string, opts *WriteOptions, layers ...LayerArgs) error {
+	var o C.kt_ckpt_write_options
+	C.kt_ckpt_write_options_init(&o)
+	if opts != nil {
+		if opts.Layout != 0 {
+			o.layout = C.kt_ckpt_layout(opts.Layout)
+		}
+		if opts.DType != 0 {
+			o.dtype = C.kt_ckpt_dtype(opts.DType)
+		}
+		if opts.MaxShardBytes != 0 {
+			o.max_shard_bytes = C.int64_t(opts.MaxShardBytes)
+		}
+		if opts.ConfigJSON != "" {
+			o.config_json = C.CString(opts.ConfigJSON)
+			defer C.free(unsafe.Pointer(o.config_json))
+		}
+	}
+	return write(dir, &o, nil, layers)
+}
+
+// AdapterConfig are a PEFT LoRA adapter's settings; zero Targets, Layout and
+// DType keep kt's defaults (all projections, per-expert names, float32).
+type AdapterConfig struct {
+	Rank      int64
+	Alpha     float32
+	UseRSLoRA bool
+	Targets   uint32 // ProjGate | ProjUp | ProjDown
+	Layout    CkptLayout
+	DType     CkptDType
+	BaseModel string
+}
+
+// WriteAdapter writes a PEFT adapter into dir from each layer's ArgLoRAA*
+// [E,r,in] and ArgLoRAB* [E,out,r] (published atomically).
+func WriteAdapter(dir string, cfg AdapterConfig, layers ...LayerArgs) error {
+	var c C.kt_ckpt_adapter_config
+	C.kt_ckpt_adapter_config_init(&c)
+	c.rank = C.int64_t(cfg.Rank)
+	c.alpha = C.float(cfg.Alpha)
+	if cfg.UseRSLoRA {
+		c.use_rslora = 1
+	}
+	if cfg.Targets != 0 {
+		c.targets = C.uint(cfg.Targets)
+	}
+	if cfg.Layout != 0 {
+		c.layout = C.kt_ckpt_layout(cfg.Layout)
+	}
+	if cfg.DType != 0 {
+		c.dtype = C.kt_ckpt_dtype(cfg.DType)
+	}
+	if cfg.BaseModel != "" {
+		c.base_model = C.CString(cfg.BaseModel)
+		defer C.free(unsafe.Pointer(c.base_model))
+	}
+	return write(dir, nil, &c, layers)
+}
+
+// ReadAdapterConfig reads an adapter's adapter_config.json.
+func ReadAdapterConfig(dir string) (AdapterConfig, error) {
+	d := C.CString(dir)
+	defer C.free(unsafe.Pointer(d))
+	var c C.kt_ckpt_adapter_config
+	C.kt_ckpt_adapter_config_init(&c)
+	if err := call(func() C.kt_status { return C.kt_ckpt_adapter_read_config(d, &c) }); err != nil {
+		return AdapterConfig{}, err
+	}
+	return AdapterConfig{Rank: int64(c.rank), Alpha: float32(c.alpha), UseRSLoRA: c.use_rslora != 0,
+		Targets: uint32(c.targets), Layout: CkptLayout(c.layout), DType: CkptDType(c.dtype)}, nil
+}
+
+// ReadAdapter copies layer L's LoRA factors of the adapter in dir into
+// ArgLoRAA* [E,r,in] and ArgLoRAB* [E,out,r] tensors (float32 or bf16).
+func ReadAdapter(dir string, layer int64, args ...Arg) error {
+	d := C.CString(dir)
+	defer C.free(unsafe.Pointer(d))
+	return read(C.KTGO_READ_ADAPTER, nil, d, layer, args)
 }

@@ -496,6 +496,64 @@ kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
   });
 }
 
+kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_read_weights";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    kt::check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": args is NULL");
+    struct Dest {
+      kt::View v;
+      int proj;
+      bool bias;
+      const char* name;
+    };
+    static const char* const kNames[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_DOWN",
+                                         "KT_ARG_B_GATE", "KT_ARG_B_UP", "KT_ARG_B_DOWN"};
+    static const int kIds[] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
+    const std::initializer_list<kt::DType> kOut = {kt::DType::kF32, kt::DType::kBF16, kt::DType::kF16};
+    std::vector<Dest> dests;
+    for (size_t i = 0; i < num_args; ++i) {
+      int which = -1;
+      for (int j = 0; j < 6; ++j)
+        if (args[i].id == kIds[j]) which = j;
+      kt::check(which >= 0, KT_ERR_INVALID_ARGUMENT,
+                std::string(w) + ": argument id " + std::to_string(args[i].id) +
+                    " is not W_GATE/W_UP/W_DOWN/B_GATE/B_UP/B_DOWN");
+      for (const Dest& d : dests)
+        kt::check(d.name != kNames[which], KT_ERR_INVALID_ARGUMENT,
+                  std::string(w) + ": " + kNames[which] + " given twice");
+      const int proj = which % 3;
+      const bool bias = which >= 3;
+      kt::check(!bias || layer->opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+                std::string(w) + ": " + kNames[which] + ": the layer has no biases");
+      const int64_t out = proj == 2 ? layer->H : layer->I, in = proj == 2 ? layer->I : layer->H;
+      kt::View v = bias ? kt::check_tensor(args[i].tensor, {kNames[which], kOut, {layer->E, out}}, w)
+                        : kt::check_tensor(args[i].tensor, {kNames[which], kOut, {layer->E, out, in}}, w);
+      kt::check_writable(v, w, kNames[which]);
+      for (const Dest& d : dests) kt::check_disjoint(v, kNames[which], d.v, d.name, w);
+      dests.push_back(Dest{v, proj, bias, kNames[which]});
+    }
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    const std::vector<uint8_t>& loaded = layer->loaded_mask();
+    for (const Dest& d : dests) {
+      const kt::PanelShape& shape = d.proj == 2 ? layer->down_shape : layer->gate_shape;
+      const int64_t out = shape.n, in = shape.k;
+      for (int64_t e = 0; e < layer->E; ++e) {
+        const bool have = loaded[static_cast<size_t>(e)] != 0;
+        if (d.bias) {
+          const float* b = layer->biases(d.proj) + e * out;
+          for (int64_t o = 0; o < out; ++o) kt::store_f32(d.v.at(e, o), d.v.dtype, have ? b[o] : 0.f);
+          continue;
+        }
+        const kt::bf16_t* p = layer->packed_weights(d.proj) + e * shape.elements();
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t c = 0; c < in; ++c)
+            kt::store_f32(d.v.at(e, o, c), d.v.dtype, have ? kt::packed_get(p, shape, o, c) : 0.f);
+      }
+    }
+  });
+}
+
 kt_status kt_moe_bind(kt_moe* moe, const kt_arg* args, size_t num_args) {
   const char* w = "kt_moe_bind";
   return guarded(w, [&] {

@@ -588,6 +588,12 @@ void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progres
       }
     }
     load_chunk(moe, lo, args, std::move(map), where);
+    // The run is packed: its source pages need not stay resident.
+    for (int64_t i = k0; i < k0 + n; ++i)
+      for (const ProjTensors& pt : L.experts[static_cast<size_t>(order[static_cast<size_t>(i)])]) {
+        release_mapped_pages(pt.weight->data, static_cast<size_t>(pt.weight->entry->nbytes()));
+        if (pt.bias) release_mapped_pages(pt.bias->data, static_cast<size_t>(pt.bias->entry->nbytes()));
+      }
     k0 += n;
     done += n;
     if (progress) progress(done, L.E, user);
@@ -606,6 +612,7 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
     const int64_t n = std::min(kChunk, L.E - e0);
     std::vector<kt::Buffer<char>> copies;
     std::vector<kt_arg> args;
+    std::vector<std::pair<const uint8_t*, size_t>> consumed;
     Tensor3 t[4];
     auto stacked = [&](const TensorRef* r, int id, Tensor3* dst) {
       const auto& s = r->entry->shape;
@@ -613,6 +620,7 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
       for (size_t i = 1; i < s.size(); ++i) per *= s[i];
       const size_t es = st_dtype_info(r->entry->dtype).size;
       const uint8_t* p = r->data + static_cast<size_t>(e0 * per) * es;
+      consumed.emplace_back(p, static_cast<size_t>(n * per) * es);
       const void* data = p;
       if (!aligned_for(p, r->entry->dtype)) {
         copies.emplace_back(static_cast<size_t>(n * per) * es);
@@ -633,6 +641,7 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
     std::vector<int64_t> map(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
     load_chunk(moe, lo, args, std::move(map), where);
+    for (const auto& range : consumed) release_mapped_pages(range.first, range.second);
     if (progress) progress(e0 + n, L.E, user);
   }
 }

@@ -81,6 +81,12 @@ class DirHandle {
 
 // A read-only private mapping of a whole regular file. Anything else (a FIFO,
 // a device, a directory) is refused without blocking on it.
+// Drops the resident pages that lie wholly inside [data, data + bytes) of a
+// read-only file mapping from the process (they stay in the page cache and
+// are read again on the next access), so a loader that has consumed them
+// does not keep a second copy of the checkpoint resident.
+void release_mapped_pages(const void* data, size_t bytes);
+
 class MappedFile {
  public:
   explicit MappedFile(const std::string& path);

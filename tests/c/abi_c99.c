@@ -45,6 +45,7 @@ static const any_fn core_abi[] = {
     (any_fn)kt_moe_forward_submit, (any_fn)kt_moe_backward_submit, (any_fn)kt_job_run,
     (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy, (any_fn)kt_stage_name,
     (any_fn)kt_engine_set_profiling, (any_fn)kt_engine_profile_stage, (any_fn)kt_engine_reset_profile,
+    (any_fn)kt_moe_read_weights,
 };
 
 static int failures = 0;
@@ -197,6 +198,16 @@ int main(void) {
   CHECK(kt_moe_load_expert(moe, 0, NULL, load, 3) == KT_ERR_SHAPE); /* 3-D given to a 2-D call */
   int64_t n = 0;
   CHECK(kt_moe_num_loaded(moe, &n) == KT_OK && n == 1);
+  /* The packed weights read back exactly (1 is exact in bf16); a layer
+   * without biases refuses a bias destination. */
+  float back[2] = {0, 0};
+  DLTensor tback = tensor(back, kDLFloat, 32, 3, sd);
+  kt_arg readback[1];
+  readback[0].id = KT_ARG_W_DOWN; readback[0].tensor = &tback;
+  CHECK(kt_moe_read_weights(moe, readback, 1) == KT_OK && back[0] == 1.f && back[1] == 1.f);
+  readback[0].id = KT_ARG_B_DOWN;
+  CHECK(kt_moe_read_weights(moe, readback, 1) == KT_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(kt_last_error(), "kt_moe_read_weights") != NULL);
   unsigned char mask[1] = {0};
   int64_t smask[1] = {1};
   DLTensor tmask = tensor(mask, kDLUInt, 8, 1, smask);

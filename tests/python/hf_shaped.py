@@ -6,11 +6,11 @@ import torch.nn.functional as F
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, H, I, bias=False):
+    def __init__(self, H, I, bias=False, device=None):
         super().__init__()
-        self.gate_proj = nn.Linear(H, I, bias=bias)
-        self.up_proj = nn.Linear(H, I, bias=bias)
-        self.down_proj = nn.Linear(I, H, bias=bias)
+        self.gate_proj = nn.Linear(H, I, bias=bias, device=device)
+        self.up_proj = nn.Linear(H, I, bias=bias, device=device)
+        self.down_proj = nn.Linear(I, H, bias=bias, device=device)
         self.act_fn = nn.SiLU()
 
     def forward(self, x):
@@ -18,11 +18,11 @@ class QwenMLP(nn.Module):
 
 
 class MixtralExpert(nn.Module):
-    def __init__(self, H, I):
+    def __init__(self, H, I, device=None):
         super().__init__()
-        self.w1 = nn.Linear(H, I, bias=False)
-        self.w2 = nn.Linear(I, H, bias=False)
-        self.w3 = nn.Linear(H, I, bias=False)
+        self.w1 = nn.Linear(H, I, bias=False, device=device)
+        self.w2 = nn.Linear(I, H, bias=False, device=device)
+        self.w3 = nn.Linear(H, I, bias=False, device=device)
         self.act_fn = nn.SiLU()
 
     def forward(self, x):
@@ -68,11 +68,14 @@ class Qwen2MoeSparseMoeBlock(nn.Module):
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
-    def __init__(self, H, I, E, k, norm_topk_prob=True):
+    """expert_device="meta" builds the routed experts without memory, as a
+    host does before loading them from a checkpoint."""
+
+    def __init__(self, H, I, E, k, norm_topk_prob=True, expert_device=None):
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk_prob = E, k, norm_topk_prob
         self.gate = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList([QwenMLP(H, I) for _ in range(E)])
+        self.experts = nn.ModuleList([QwenMLP(H, I, device=expert_device) for _ in range(E)])
 
     def forward(self, hidden_states):
         B, S, H = hidden_states.shape
@@ -87,11 +90,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 class MixtralSparseMoeBlock(nn.Module):
-    def __init__(self, H, I, E, k):
+    def __init__(self, H, I, E, k, expert_device=None):
         super().__init__()
         self.num_experts, self.top_k, self.jitter_noise = E, k, 0.0
         self.gate = nn.Linear(H, E, bias=False)
-        self.experts = nn.ModuleList([MixtralExpert(H, I) for _ in range(E)])
+        self.experts = nn.ModuleList([MixtralExpert(H, I, device=expert_device) for _ in range(E)])
 
     def forward(self, hidden_states):
         B, S, H = hidden_states.shape

@@ -78,3 +78,71 @@ def test_lora_dropout_is_refused():
     model = Wrapper(Qwen3MoeSparseMoeBlock(H, I, E, K))
     with pytest.raises(ValueError, match="lora_dropout"):
         kt.hf.replace_moe_experts(model, mode="lora", lora_dropout=0.1)
+
+
+class FcExpert(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(H, I, bias=False)
+        self.fc2 = torch.nn.Linear(I, H, bias=False)
+
+
+class FcMoeBlock(torch.nn.Module):
+    """An MoE block kt.hf does not know: experts named fc1/fc2."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(H, E, bias=False)
+        self.experts = torch.nn.ModuleList([FcExpert() for _ in range(E)])
+
+
+def test_unrecognised_moe_block_is_reported():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Wrapper(FcMoeBlock()), Wrapper(Qwen3MoeSparseMoeBlock(H, I, E, K))])
+    with pytest.warns(kt.hf.UnrecognisedMoEWarning,
+                      match=r"layers\.0\.mlp: experts\[0\] has fc1, fc2, not gate_proj"):
+        replaced = kt.hf.replace_moe_experts(model)
+    assert replaced == ["layers.1.mlp"]
+
+
+def test_strict_makes_an_unrecognised_block_an_error():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([Wrapper(FcMoeBlock())])
+    with pytest.raises(ValueError, match=r"(?s)1 MoE-looking block\(s\) not replaced.*fc1, fc2"):
+        kt.hf.replace_moe_experts(model, strict=True)
+    fused = Wrapper(FusedMoeBlock(H, I, E, K))
+    fused.mlp.experts.gate_up_proj = torch.nn.Parameter(torch.randn(E, 3 * I, H))  # fits no layout
+    with pytest.raises(ValueError, match="do not fit together"):
+        kt.hf.replace_moe_experts(fused, strict=True)
+
+
+def test_recognised_models_raise_no_report(recwarn):
+    kt.hf.replace_moe_experts(Wrapper(MixtralSparseMoeBlock(H, I, E, K)), strict=True)
+    assert not [w for w in recwarn if issubclass(w.category, kt.hf.UnrecognisedMoEWarning)]
+
+
+def test_gpt_oss_lora_targets_gate_up_proj_and_down_proj():
+    torch.manual_seed(0)
+    model = Wrapper(GptOssMLP(H, I, E, K))
+    kt.hf.replace_moe_experts(model, mode="lora", lora_rank=4, lora_alpha=8,
+                              target_modules=["gate_up_proj", "down_proj"])
+    experts = kt.hf.kt_experts_modules(model)[0]
+    assert experts.lora_targets == ("gate", "up", "down")
+    model2 = Wrapper(GptOssMLP(H, I, E, K))
+    # PEFT's target_parameters spelling names the parameter's path.
+    kt.hf.replace_moe_experts(model2, mode="lora", lora_rank=4,
+                              target_modules=["mlp.experts.down_proj"])
+    assert kt.hf.kt_experts_modules(model2)[0].lora_targets == ("down",)
+
+
+def test_lora_bias_training_is_refused_with_the_alternative():
+    model = Wrapper(GptOssMLP(H, I, E, K))
+    for bias in ("all", "lora_only"):
+        with pytest.raises(ValueError, match="not supported in LoRA mode.*mode='full'.*bias='none'"):
+            kt.hf.replace_moe_experts(model, mode="lora", bias=bias)
+    # mode="full" trains the gpt-oss expert biases.
+    kt.hf.replace_moe_experts(model, mode="full", bias="all")
+    experts = kt.hf.kt_experts_modules(model)[0]
+    out = model(torch.randn(1, 3, H))[0]
+    out.square().sum().backward()
+    assert experts.b_gate.grad is not None and experts.b_gate.grad.abs().sum() > 0

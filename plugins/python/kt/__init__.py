@@ -11,6 +11,8 @@ from .core import Context, Engine, MoE, check, default_engine, lib, library_path
 from ._tensor import DLView, RawTensor
 from .errors import *  # noqa: F401,F403  (the exception classes are public)
 from .errors import KtError
+from . import checkpoint  # noqa: E402  (kt.checkpoint: checkpoints, packed caches, adapters)
+from .checkpoint import Checkpoint
 
 ABI_VERSION = _capi.ABI_VERSION
 
@@ -34,5 +36,5 @@ def cpu_isa():
     return lib().kt_isa_name(lib().kt_cpu_isa()).decode()
 
 
-__all__ = ["ABI_VERSION", "Context", "DLView", "Engine", "KtError", "MoE", "RawTensor",
+__all__ = ["ABI_VERSION", "Checkpoint", "Context", "DLView", "Engine", "KtError", "MoE", "RawTensor",
            "build_info", "check", "cpu_isa", "default_engine", "library_path", "version"]

@@ -186,6 +186,85 @@ class OptimizerParam(ctypes.Structure):
     _fields_ = [("param", ctypes.POINTER(DLTensor)), ("grad", ctypes.POINTER(DLTensor))]
 
 
+# kt_ckpt_dtype / kt_ckpt_layout / kt_ckpt_format
+CKPT_DTYPES = {"F32": 1, "F16": 2, "BF16": 3}
+CKPT_LAYOUT_NONE, CKPT_LAYOUT_PER_EXPERT, CKPT_LAYOUT_MIXTRAL = 0, 1, 2
+CKPT_LAYOUT_FUSED, CKPT_LAYOUT_FUSED_IN_OUT, CKPT_LAYOUT_GPT_OSS = 3, 4, 5
+PACKED_SKIP_CHECKSUMS = 1
+
+
+class CkptInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("architecture", ctypes.c_char_p),
+        ("model_type", ctypes.c_char_p),
+        ("layout", ctypes.c_int),
+        ("num_moe_layers", ctypes.c_int64),
+        ("num_tensors", ctypes.c_int64),
+        ("num_files", ctypes.c_int64),
+        ("total_bytes", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+    ]
+
+
+class CkptLayerInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("layer", ctypes.c_int64),
+        ("num_experts", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("has_bias", ctypes.c_int),
+        ("layout", ctypes.c_int),
+        ("format", ctypes.c_int),
+        ("weight_dtype", ctypes.c_int),
+        ("loadable", ctypes.c_int),
+        ("bytes", ctypes.c_int64),
+    ]
+
+
+class CkptTensor(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("name", ctypes.c_char_p),
+        ("file", ctypes.c_char_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int),
+        ("shape", ctypes.c_int64 * 8),
+        ("nbytes", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+    ]
+
+
+class CkptWriteOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("layout", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("max_shard_bytes", ctypes.c_int64),
+        ("config_json", ctypes.c_char_p),
+    ]
+
+
+class CkptLayerArgs(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_int64), ("args", ctypes.POINTER(Arg)), ("num_args", ctypes.c_size_t)]
+
+
+class CkptAdapterConfig(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("rank", ctypes.c_int64),
+        ("alpha", ctypes.c_float),
+        ("use_rslora", ctypes.c_int),
+        ("targets", ctypes.c_uint),
+        ("layout", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("base_model", ctypes.c_char_p),
+    ]
+
+
+CKPT_PROGRESS_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int  # kt_status
 _PROTOTYPES = {
@@ -236,6 +315,29 @@ _PROTOTYPES = {
     "kt_optimizer_state": (_S, [_P, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(DLTensor)]),
     "kt_optimizer_save": (_S, [_P, ctypes.c_char_p]),
     "kt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
+    "kt_moe_save_packed": (_S, [_P, ctypes.c_char_p]),
+    "kt_moe_read_weights": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_moe_load_packed": (_S, [_P, ctypes.c_char_p, ctypes.c_uint]),
+    "kt_ckpt_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_ckpt_layout_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_ckpt_format_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_ckpt_open": (_S, [ctypes.c_char_p, ctypes.POINTER(_P)]),
+    "kt_ckpt_close": (None, [_P]),
+    "kt_ckpt_get_info": (_S, [_P, ctypes.POINTER(CkptInfo)]),
+    "kt_ckpt_get_layer_info": (_S, [_P, ctypes.c_int64, ctypes.POINTER(CkptLayerInfo)]),
+    "kt_ckpt_moe_options": (_S, [_P, ctypes.c_int64, ctypes.POINTER(MoeOptions)]),
+    "kt_ckpt_load_layer": (_S, [_P, ctypes.c_int64, _P, CKPT_PROGRESS_FN, ctypes.c_void_p]),
+    "kt_ckpt_read_layer": (_S, [_P, ctypes.c_int64, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_ckpt_tensor_at": (_S, [_P, ctypes.c_int64, ctypes.POINTER(CkptTensor)]),
+    "kt_ckpt_find_tensor": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(CkptTensor)]),
+    "kt_ckpt_write_options_defaults": (None, [ctypes.POINTER(CkptWriteOptions), ctypes.c_size_t]),
+    "kt_ckpt_write_experts": (_S, [ctypes.c_char_p, ctypes.POINTER(CkptWriteOptions),
+                                   ctypes.POINTER(CkptLayerArgs), ctypes.c_size_t]),
+    "kt_ckpt_adapter_config_defaults": (None, [ctypes.POINTER(CkptAdapterConfig), ctypes.c_size_t]),
+    "kt_ckpt_adapter_write": (_S, [ctypes.c_char_p, ctypes.POINTER(CkptAdapterConfig),
+                                   ctypes.POINTER(CkptLayerArgs), ctypes.c_size_t]),
+    "kt_ckpt_adapter_read_config": (_S, [ctypes.c_char_p, ctypes.POINTER(CkptAdapterConfig)]),
+    "kt_ckpt_adapter_read": (_S, [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(Arg), ctypes.c_size_t]),
 }
 
 

@@ -4,6 +4,7 @@ Tensors are numpy arrays, torch tensors, kt.RawTensor descriptions or plain
 buffers; all are borrowed for the call unless a call says it retains them.
 """
 import ctypes
+import os
 import threading
 
 from . import _capi
@@ -215,6 +216,9 @@ class MoE(_Handle):
         self.bias = bool(bias)
         self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
         self._bound = {}  # id name -> DLView kt retains
+        # Where the base weights came from when they were not passed as
+        # tensors: ("packed", path) or ("checkpoint", directory, layer).
+        self.weights_source = None
 
     @property
     def handle(self):
@@ -251,6 +255,7 @@ class MoE(_Handle):
         check(lib().kt_moe_load_weights(self.handle, ctypes.byref(self._load_options(
             orientation, interleaved)), arr, len(pairs)))
         del views
+        self.weights_source = None
 
     def load_expert(self, expert, *, gate=None, up=None, down=None, gate_up=None,
                     bias_gate=None, bias_up=None, bias_down=None, bias_gate_up=None,
@@ -263,6 +268,7 @@ class MoE(_Handle):
         check(lib().kt_moe_load_expert(self.handle, int(expert), ctypes.byref(self._load_options(
             orientation, interleaved)), arr, len(pairs)))
         del views
+        self.weights_source = None
 
     @staticmethod
     def _load_options(orientation, interleaved):
@@ -273,6 +279,30 @@ class MoE(_Handle):
         lo.orientation = _capi.ORIENT_IN_OUT if orientation == "in_out" else _capi.ORIENT_OUT_IN
         lo.gate_up_order = _capi.GATE_UP_INTERLEAVED if interleaved else _capi.GATE_UP_CONCAT
         return lo
+
+    def read_weights(self, *, gate=None, up=None, down=None, bias_gate=None, bias_up=None,
+                     bias_down=None):
+        """Copies the base weights as kt computes with them into host tensors:
+        gate, up [E,I,H], down [E,H,I], bias_* [E,out] (fp32/bf16/fp16); a
+        bf16 destination gets the stored bits exactly."""
+        pairs = [(n, t) for n, t in (("W_GATE", gate), ("W_UP", up), ("W_DOWN", down),
+                                     ("B_GATE", bias_gate), ("B_UP", bias_up),
+                                     ("B_DOWN", bias_down)) if t is not None]
+        arr, views = _args(pairs)
+        check(lib().kt_moe_read_weights(self.handle, arr, len(pairs)))
+        del views
+
+    def save_packed(self, path):
+        """Writes the packed weights to one file (atomically replaced)."""
+        check(lib().kt_moe_save_packed(self.handle, os.fsencode(path)))
+
+    def load_packed(self, path, verify_checksums=True):
+        """Replaces the weights with a packed cache's. In inference and LoRA
+        mode the layer reads them from a read-only mapping of the file (no
+        copy); in full mode they are copied."""
+        flags = 0 if verify_checksums else _capi.PACKED_SKIP_CHECKSUMS
+        check(lib().kt_moe_load_packed(self.handle, os.fsencode(path), flags))
+        self.weights_source = ("packed", os.path.abspath(os.fspath(path)))
 
     def set_skipped(self, mask):
         view = DLView(mask)

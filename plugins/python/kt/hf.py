@@ -19,10 +19,18 @@ transformers:
 
 Routers, shared experts, attention and everything else stay in torch.
 """
+import json
+import math
+import os
+import re
+import warnings
+
 import torch
 from torch import nn
 import torch.nn.functional as F
 
+from . import _hf_names, _safetensors
+from .checkpoint import Checkpoint, read_packed_manifest
 from .torch import MoEExperts
 
 _PER_EXPERT_NAMES = {
@@ -30,9 +38,10 @@ _PER_EXPERT_NAMES = {
     "mixtral": ("w1", "w3", "w2"),
 }
 # PEFT target_modules names -> kt projections
-_TARGET_ALIASES = {"gate_proj": "gate", "w1": "gate", "gate": "gate",
-                   "up_proj": "up", "w3": "up", "up": "up",
-                   "down_proj": "down", "w2": "down", "down": "down"}
+_TARGET_ALIASES = {"gate_proj": ("gate",), "w1": ("gate",), "gate": ("gate",),
+                   "up_proj": ("up",), "w3": ("up",), "up": ("up",),
+                   "down_proj": ("down",), "w2": ("down",), "down": ("down",),
+                   "gate_up_proj": ("gate", "up")}
 
 
 def _is_silu(act):
@@ -54,13 +63,19 @@ def _top_k(block):
 def _lora_targets(target_modules):
     if target_modules is None:
         return ("gate", "up", "down")
+    if isinstance(target_modules, str):
+        target_modules = [target_modules]
     out = []
     for name in target_modules:
-        if name not in _TARGET_ALIASES:
+        # PEFT's target_parameters form names a path ("mlp.experts.gate_up_proj").
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in _TARGET_ALIASES:
             raise ValueError("kt.hf: unknown target module %r; use gate_proj/up_proj/down_proj, "
-                             "w1/w3/w2 or gate/up/down" % (name,))
-        if _TARGET_ALIASES[name] not in out:
-            out.append(_TARGET_ALIASES[name])
+                             "w1/w3/w2, gate_up_proj/down_proj (fused, gpt-oss) or gate/up/down"
+                             % (name,))
+        for p in _TARGET_ALIASES[leaf]:
+            if p not in out:
+                out.append(p)
     return tuple(p for p in ("gate", "up", "down") if p in out)
 
 
@@ -123,13 +138,10 @@ class KtSparseMoeBlock(nn.Module):
         return (y, logits) if logits is not None else y
 
 
-class KtFusedExperts(nn.Module):
+class KtFusedExperts(MoEExperts):
     """Stands in for a fused experts module: experts(hidden [N,H], top_k_index
-    [N,k], top_k_weights [N,k] or dense [N,E]) -> [N,H]."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
+    [N,k], top_k_weights [N,k] or dense [N,E]) -> [N,H]. Its state_dict keeps
+    the fused module's names (gate_up_proj, down_proj)."""
 
     def forward(self, hidden_states, top_k_index=None, top_k_weights=None, **kwargs):
         ids = top_k_index if top_k_index is not None else kwargs.get("router_indices")
@@ -142,16 +154,76 @@ class KtFusedExperts(nn.Module):
             weights = weights.gather(1, ids.long())
         if weights.dtype not in (torch.float32, torch.bfloat16):
             weights = weights.float()
-        return self.experts(h, ids, weights).reshape(shape)
+        return super().forward(h, ids, weights).reshape(shape)
 
 
-def _make_experts(E, k, H, I, options, **layer_kw):
+def _make_experts(E, k, H, I, options, cls=MoEExperts, **layer_kw):
     kw = dict(options)
     kw.update(layer_kw)
-    return MoEExperts(E, k, H, I, **kw)
+    return cls(E, k, H, I, **kw)
 
 
-def _replace_per_expert(block, naming, options, norm_default):
+class _WeightSource:
+    """Where replaced blocks get their expert weights when the model holds
+    none (built on the meta device): a checkpoint directory (or an open
+    kt.Checkpoint) or a packed cache written by `kt convert`."""
+
+    def __init__(self, checkpoint, packed):
+        if checkpoint is not None and packed is not None:
+            raise ValueError("kt.hf: give checkpoint= or packed=, not both")
+        self.ckpt, self.owned, self.packed = None, False, None
+        if isinstance(checkpoint, Checkpoint):
+            self.ckpt = checkpoint
+        elif checkpoint is not None:
+            self.ckpt, self.owned = Checkpoint(checkpoint), True
+        if packed is not None:
+            self.packed = read_packed_manifest(packed)
+            self.packed_dir = os.fspath(packed)
+
+    def __bool__(self):
+        return self.ckpt is not None or self.packed is not None
+
+    def close(self):
+        if self.owned:
+            self.ckpt.close()
+
+    def fill(self, experts, layer, block_name):
+        if layer is None:
+            raise ValueError("kt.hf: %s: no layer number in the module name (layers.<L>.), so "
+                             "its checkpoint tensors are unknown" % block_name)
+        if self.packed is not None:
+            if layer not in self.packed:
+                raise ValueError("kt.hf: %s: the packed cache %s has no layer %d" %
+                                 (block_name, self.packed_dir, layer))
+            if experts.mode == "full":
+                raise ValueError("kt.hf: full mode trains torch copies of the weights; load them "
+                                 "from the checkpoint directory (checkpoint=) instead of packed=")
+            experts.kt_layer.load_packed(self.packed[layer])
+            return
+        if layer not in self.ckpt.layers:
+            raise ValueError("kt.hf: %s: checkpoint %s has no MoE layer %d (it has %s)" % (
+                block_name, self.ckpt.directory, layer, sorted(self.ckpt.layers)))
+        if experts.mode == "full":
+            with torch.no_grad():
+                kw = dict(gate=experts.w_gate, up=experts.w_up, down=experts.w_down)
+                if experts.has_bias:
+                    kw.update(bias_gate=experts.b_gate, bias_up=experts.b_up, bias_down=experts.b_down)
+                self.ckpt.read_layer(layer, **{k: v.data for k, v in kw.items()})
+            experts._needs_reload = True
+        else:
+            self.ckpt.load_layer(layer, experts.kt_layer)
+
+
+def _layer_number(name):
+    found = re.findall(r"(?:^|\.)layers\.(\d+)(?=\.|$)", name)
+    return int(found[-1]) if found else None
+
+
+def _on_meta(*tensors):
+    return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
+def _replace_per_expert(block, naming, options, norm_default, source=None, block_name=""):
     names = _PER_EXPERT_NAMES[naming]
     experts = block.experts
     first = experts[0]
@@ -165,6 +237,13 @@ def _replace_per_expert(block, naming, options, norm_default):
         raise ValueError("kt.hf: cannot find the block's top_k")
     bias = gate0.bias is not None
     kt_experts = _make_experts(len(experts), k, H, I, options, bias=bias)
+    kt_experts.hf_naming = naming
+    if source:
+        source.fill(kt_experts, _layer_number(block_name), block_name)
+        return KtSparseMoeBlock(block, kt_experts, bool(getattr(block, "norm_topk_prob", norm_default)), k)
+    if _on_meta(gate0.weight):
+        raise ValueError("kt.hf: %s: the experts are on the meta device; pass checkpoint= or "
+                         "packed= to load them" % block_name)
     for e, expert in enumerate(experts):
         g, u, d = (getattr(expert, n) for n in names)
         kw = dict(gate=g.weight, up=u.weight, down=d.weight)
@@ -175,7 +254,7 @@ def _replace_per_expert(block, naming, options, norm_default):
     return KtSparseMoeBlock(block, kt_experts, bool(norm), k)
 
 
-def _replace_fused(block, options, orientation):
+def _replace_fused(block, options, orientation, source=None, block_name=""):
     ex = block.experts
     gu, down = ex.gate_up_proj, ex.down_proj
     E = gu.shape[0]
@@ -205,43 +284,113 @@ def _replace_fused(block, options, orientation):
         act = getattr(ex, "act_fn", None)
         if act is not None and not _is_silu(act):
             raise ValueError("kt.hf: expert activation %s is not SiLU" % type(act).__name__)
-    kt_experts = _make_experts(E, k, H, I, options, **layer_kw)
+    kt_experts = _make_experts(E, k, H, I, options, cls=KtFusedExperts, **layer_kw)
+    kt_experts.hf_naming = ("gpt_oss" if oss else "fused") + ("_in_out" if orientation == "in_out" else "")
+    if source:
+        source.fill(kt_experts, _layer_number(block_name), block_name)
+        return kt_experts
+    if _on_meta(gu, down):
+        raise ValueError("kt.hf: %s: the experts are on the meta device; pass checkpoint= or "
+                         "packed= to load them" % block_name)
     kw = dict(gate_up=gu.detach(), down=down.detach(), orientation=orientation, interleaved=oss)
     if layer_kw.get("bias"):
         kw.update(bias_gate_up=ex.gate_up_proj_bias.detach(), bias_down=ex.down_proj_bias.detach())
     kt_experts.load_weights(**kw)
-    return KtFusedExperts(kt_experts)
+    return kt_experts
 
 
 def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.0,
                         lora_dropout=0.0, use_rslora=False, target_modules=None,
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
-                        fused_orientation=None):
+                        fused_orientation=None, checkpoint=None, packed=None, strict=False,
+                        bias="none"):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
     "full". Returns the qualified names of the replaced modules. The original
-    expert weights are dropped once kt holds them."""
+    expert weights are dropped once kt holds them.
+
+    With ``checkpoint`` (a checkpoint directory or a kt.Checkpoint) or
+    ``packed`` (a directory written by `kt convert`), each block's weights
+    come from layer L of that source, L being the number in the block's name
+    (``...layers.<L>...``), and never pass through torch: build the model
+    with its routed experts on the meta device (``with torch.device("meta")``
+    or accelerate's ``init_empty_weights``). Full mode reads them into its
+    torch Parameters, so it needs the checkpoint directory.
+
+    A module that looks like an MoE block (it has ``experts``) but is not
+    recognised is reported with a warning, or raises ValueError with
+    ``strict=True``.
+
+    ``bias`` is PEFT's LoRA bias setting; kt's LoRA mode keeps expert biases
+    frozen, so only "none" is accepted there."""
+    if bias not in ("none", "all", "lora_only"):
+        raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
+    if bias != "none" and mode == "lora":
+        raise ValueError("kt.hf: bias=%r (training the expert biases) is not supported in LoRA mode: "
+                         "kt keeps base weights and biases frozen there. Use mode='full' to train the "
+                         "expert biases (with the weights), or bias='none'" % (bias,))
     options = dict(mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                    lora_dropout=lora_dropout, use_rslora=use_rslora,
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
                    max_tokens=max_tokens, engine=engine)
-    replaced = []
-    for name, module in list(model.named_modules()):
-        if any(name.startswith(r + ".") for r in replaced):
-            continue
-        experts = getattr(module, "experts", None)
-        if experts is None or isinstance(module, (KtSparseMoeBlock, KtFusedExperts)):
-            continue
-        naming = _per_expert_naming(experts)
-        if naming is not None and isinstance(getattr(module, "gate", None), nn.Module):
-            new = _replace_per_expert(module, naming, options, norm_default=(naming == "mixtral"))
-            _set_child(model, name, new)
-            replaced.append(name)
-        elif _is_fused(experts):
-            module.experts = _replace_fused(module, options, fused_orientation)
-            replaced.append(name + ".experts" if name else "experts")
+    source = _WeightSource(checkpoint, packed)
+    replaced, unrecognised = [], []
+    try:
+        for name, module in list(model.named_modules()):
+            if any(name.startswith(r + ".") or name == r for r in replaced):
+                continue
+            experts = getattr(module, "experts", None)
+            if experts is None or isinstance(module, (KtSparseMoeBlock, MoEExperts)) \
+                    or isinstance(experts, MoEExperts):
+                continue
+            naming = _per_expert_naming(experts)
+            if naming is not None and isinstance(getattr(module, "gate", None), nn.Module):
+                new = _replace_per_expert(module, naming, options, norm_default=(naming == "mixtral"),
+                                          source=source, block_name=name)
+                _set_child(model, name, new)
+                replaced.append(name)
+            elif _is_fused(experts):
+                module.experts = _replace_fused(module, options, fused_orientation, source=source,
+                                                block_name=name)
+                replaced.append(name + ".experts" if name else "experts")
+            else:
+                reason = _why_not_recognised(module, experts)
+                if reason:
+                    unrecognised.append("%s: %s" % (name or type(module).__name__, reason))
+    finally:
+        source.close()
+    if unrecognised:
+        text = ("kt.hf: %d MoE-looking block(s) not replaced (their experts stay in torch):\n  %s"
+                % (len(unrecognised), "\n  ".join(unrecognised)))
+        if strict:
+            raise ValueError(text)
+        warnings.warn(text, UnrecognisedMoEWarning, stacklevel=2)
     return replaced
+
+
+class UnrecognisedMoEWarning(UserWarning):
+    """A module with routed experts that kt.hf does not know how to replace."""
+
+
+def _why_not_recognised(module, experts):
+    """Why a module with an ``experts`` attribute was not replaced, or None
+    when it does not look like an MoE block at all."""
+    if isinstance(experts, nn.ModuleList):
+        if len(experts) == 0:
+            return None
+        children = sorted(n for n, _ in experts[0].named_children())
+        if _per_expert_naming(experts) is not None:
+            return "experts match %s but the block has no gate module" % (
+                "/".join(_PER_EXPERT_NAMES[_per_expert_naming(experts)]))
+        return ("experts[0] has %s, not gate_proj/up_proj/down_proj or w1/w3/w2 (nn.Linear)"
+                % (", ".join(children) or "no submodules"))
+    if isinstance(experts, nn.Module):
+        stacked = sorted(n for n, p in experts.named_parameters(recurse=False) if p.dim() == 3)
+        if stacked:
+            return ("experts hold stacked %s, not gate_up_proj [E,2I,H] + down_proj [E,H,I]"
+                    % ", ".join(stacked))
+    return None
 
 
 def kt_experts_modules(model):
@@ -255,3 +404,102 @@ def _set_child(model, qualified, new):
     parent_name, _, child = qualified.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
+
+
+def _lora_layers(model):
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, MoEExperts) and m.mode == "lora"]
+    if not layers:
+        raise ValueError("kt.hf: the model has no kt experts in LoRA mode")
+    first = layers[0][1]
+    for name, m in layers:
+        if (m.lora_rank, m._init_kwargs["lora_alpha"], m._init_kwargs["use_rslora"], m.lora_targets) != (
+                first.lora_rank, first._init_kwargs["lora_alpha"], first._init_kwargs["use_rslora"],
+                first.lora_targets):
+            raise ValueError("kt.hf: %s has other LoRA settings than %s; one adapter has one r, alpha "
+                             "and target set" % (name, layers[0][0]))
+    if len({_hf_names.is_fused(m.hf_naming) for _, m in layers}) > 1:
+        raise ValueError("kt.hf: the model mixes per-expert and fused expert blocks; PEFT's config "
+                         "gives them one rank, which kt's factors of the two do not share")
+    return layers
+
+
+def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
+    """Writes the LoRA factors of every kt block of ``model`` as a PEFT adapter
+    (adapter_config.json + adapter_model.safetensors) that PEFT and vLLM load:
+    per-expert blocks as PEFT's LoRA on each expert's modules
+    (``...experts.<e>.gate_proj.lora_A.weight``), fused blocks (transformers
+    v5, gpt-oss) in PEFT's parameter-targeting form (``target_parameters``;
+    kt's separate gate and up factors become one factor pair of gate_up_proj
+    with twice the rank, see kt._hf_names). Keys are
+    ``base_model.model.<module path>``, as PeftModel.save_pretrained writes."""
+    layers = _lora_layers(model)
+    first = layers[0][1]
+    tensors, target_modules, target_parameters, multiplier = {}, set(), [], 1
+    fused = _hf_names.is_fused(first.hf_naming)
+    for name, m in layers:
+        lora = {attr: getattr(m, attr).detach().to(dtype) for _, attr in m._arg_names}
+        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets)
+        multiplier = max([multiplier] + list(mult.values()))
+        for k, t in rel.items():
+            tensors["base_model.model.%s.%s" % (name, k)] = t
+        parent = name.rsplit(".", 1)[0].rsplit(".", 1)[-1] if "." in name else ""
+        if fused:
+            for p in mult:
+                key = "%s.experts.%s" % (parent, p) if parent else "experts." + p
+                if key not in target_parameters:
+                    target_parameters.append(key)
+        else:
+            names = _hf_names.PER_EXPERT.get(m.hf_naming, _hf_names.PER_EXPERT["qwen"])
+            wanted = [n for p, n in zip(_hf_names.PROJ, names) if p in m.lora_targets]
+            target_modules.add(r".*\.%s\.experts\.\d+\.(%s)" % (re.escape(parent), "|".join(wanted)))
+    # gate_up_proj first: PEFT nests the first listed parameter innermost.
+    target_parameters.sort(key=lambda k: not k.endswith("gate_up_proj"))
+    r = first.lora_rank * multiplier
+    alpha = float(first._init_kwargs["lora_alpha"])
+    use_rslora = bool(first._init_kwargs["use_rslora"])
+    alpha *= (multiplier ** 0.5 if use_rslora else multiplier)
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
+              "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "inference_mode": True, "base_model_name_or_path": base_model or "",
+              "modules_to_save": None,
+              "target_modules": ("|".join(sorted(target_modules)) if target_modules else None)}
+    if fused:
+        config["target_parameters"] = target_parameters
+    os.makedirs(directory, exist_ok=True)
+    _safetensors.save(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
+    _safetensors.write_atomic(os.path.join(directory, "adapter_config.json"),
+                              [(json.dumps(config, indent=2) + "\n").encode()])
+    return config
+
+
+def load_adapter(model, directory):
+    """Loads a PEFT adapter written by save_adapter (or by PEFT for the same
+    layouts) into the LoRA factors of the model's kt blocks. The adapter's
+    r and lora_alpha must give the blocks' rank and scale."""
+    layers = _lora_layers(model)
+    with open(os.path.join(directory, "adapter_config.json")) as f:
+        config = json.load(f)
+    tensors = _safetensors.load(os.path.join(directory, "adapter_model.safetensors"))
+    first = layers[0][1]
+    if config.get("peft_type") != "LORA":
+        raise ValueError("kt.hf: %s is not a LoRA adapter" % directory)
+    if not math.isclose(config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"]),
+                        first.lora_scale, rel_tol=1e-6):
+        raise ValueError("kt.hf: the adapter's scale (lora_alpha %g, r %d) differs from the model's %g"
+                         % (config["lora_alpha"], config["r"], first.lora_scale))
+    with torch.no_grad():
+        for name, m in layers:
+            prefix = "base_model.model.%s." % name
+            rel = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+            if not rel:
+                raise ValueError("kt.hf: %s holds no LoRA tensors of %s" % (directory, name))
+            try:
+                lora = _hf_names.lora_from_peft(m.hf_naming, rel, m.lora_targets, m.num_experts, m.lora_rank)
+            except KeyError as e:
+                raise ValueError("kt.hf: %s: tensor %s%s is missing" % (directory, prefix, e.args[0])) from None
+            for attr, t in lora.items():
+                target = getattr(m, attr)
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ValueError("kt.hf: %s: %s has shape %s, the model's %s" % (
+                        name, attr, tuple(t.shape), tuple(target.shape)))
+                target.copy_(t)

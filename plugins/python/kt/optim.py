@@ -234,8 +234,10 @@ class _KtOptimizer(torch.optim.Optimizer):
                 steps = ctypes.c_int64()
                 check(lib().kt_optimizer_get_step(entry.handle, ctypes.byref(steps)))
                 self.state[p] = self._public_state(group, entry.views, steps.value)
-                if module is not None:
-                    module._params_written_outside()
+                # kt wrote p in place; move its version counter as torch's
+                # in-place step would, so readers of p (a MoEExperts layer)
+                # see the change.
+                p.view(-1)[:0].zero_()
         return loss
 
     def state_dict(self):

@@ -18,13 +18,16 @@ in place (the optimizer step) or they were replaced.
 Inputs on an accelerator are copied to the CPU for kt and the result copied
 back; the parameters stay on the CPU even when the model is moved.
 """
+import copy
 import math
+import os
+import tempfile
 import weakref
 
 import torch
 from torch import nn
 
-from . import core
+from . import _hf_names, core
 
 _PROJ_NAMES = ("gate", "up", "down")
 
@@ -94,6 +97,15 @@ class MoEExperts(nn.Module):
                  lora_dropout=0.0, param_dtype=torch.float32, max_tokens=1024, engine=None,
                  grad_scale=1.0):
         super().__init__()
+        self._init_kwargs = dict(
+            num_experts=num_experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
+            activation=activation, act_alpha=act_alpha, act_limit=act_limit, bias=bias, mode=mode,
+            lora_rank=lora_rank, lora_alpha=lora_alpha, use_rslora=use_rslora,
+            lora_targets=lora_targets, lora_dropout=lora_dropout, param_dtype=param_dtype,
+            max_tokens=max_tokens, engine=engine, grad_scale=grad_scale)
+        # Key names of state_dict (see _hf_names); kt.hf sets the original
+        # module's, otherwise kt's own (w_gate, b_gate, lora_A_gate, ...).
+        self.hf_naming = None
         if lora_dropout:
             raise ValueError("kt: lora_dropout must be 0: kt feeds the LoRA path the same input "
                              "as the base projection")
@@ -135,9 +147,7 @@ class MoEExperts(nn.Module):
                 self.b_up = nn.Parameter(torch.zeros(E, I, dtype=param_dtype))
                 self.b_down = nn.Parameter(torch.zeros(E, H, dtype=param_dtype))
                 self._arg_names += [("B_GATE", "b_gate"), ("B_UP", "b_up"), ("B_DOWN", "b_down")]
-        for _, attr in self._arg_names:
-            # kt.optim finds the layer of a parameter through this.
-            getattr(self, attr)._kt_owner = weakref.ref(self)
+        self._claim_parameters()
         self._bound_keys = {}      # kt arg name -> (data_ptr, shape, strides, dtype) bound
         self._bound_versions = {}  # parameter attribute -> version counter kt has read
         self._grad_buffers = {}    # parameter attribute -> tensor kt writes when .grad is None
@@ -156,11 +166,10 @@ class MoEExperts(nn.Module):
         """(kt argument name, Parameter) of every tensor kt trains."""
         return [(arg, getattr(self, attr)) for arg, attr in self._arg_names]
 
-    def _params_written_outside(self):
-        """Parameters were changed without torch's version counter moving
-        (kt.optim stepped one of them on its own): the next forward re-reads
-        them all."""
-        self._needs_reload = True
+    def _claim_parameters(self):
+        # kt.optim finds the layer of a parameter through this.
+        for _, attr in self._arg_names:
+            getattr(self, attr)._kt_owner = weakref.ref(self)
 
     def _bind_grads_for_step(self):
         """Binds every parameter's current ``.grad`` as the gradient kt's
@@ -312,6 +321,126 @@ class MoEExperts(nn.Module):
             for a, (_, key) in binds.items():
                 self._bound_keys[a] = key
         return accumulate, install
+
+    # ------------------------------------------------- copies and state_dict
+
+    def read_weights(self, dtype=torch.bfloat16):
+        """The base weights as kt computes with them (stored as bf16, so a
+        bf16 copy is exact): gate, up [E,I,H], down [E,H,I], and fp32 bias_*
+        [E,out] for a layer with biases."""
+        if self.mode == "full":
+            w = {"gate": self.w_gate, "up": self.w_up, "down": self.w_down}
+            if self.has_bias:
+                w.update(bias_gate=self.b_gate, bias_up=self.b_up, bias_down=self.b_down)
+            return {k: v.detach().to(dtype if not k.startswith("bias") else torch.float32).clone()
+                    for k, v in w.items()}
+        E, H, I = self.num_experts, self.hidden, self.intermediate
+        w = {"gate": torch.empty(E, I, H, dtype=dtype), "up": torch.empty(E, I, H, dtype=dtype),
+             "down": torch.empty(E, H, I, dtype=dtype)}
+        if self.has_bias:
+            w.update(bias_gate=torch.empty(E, I), bias_up=torch.empty(E, I), bias_down=torch.empty(E, H))
+        self.kt_layer.read_weights(**w)
+        return w
+
+    def _state_tensors(self, keep_vars):
+        """{relative key: tensor} this module contributes to a state_dict."""
+        naming = self.hf_naming
+        if self.mode == "lora":
+            lora = {attr: (p if keep_vars else p.detach()) for _, attr in self._arg_names
+                    for p in (getattr(self, attr),)}
+            if naming is None:
+                return lora
+            return _hf_names.lora_to_peft(naming, lora, self.lora_targets)[0]
+        if self.mode == "full":
+            w = {"gate": self.w_gate, "up": self.w_up, "down": self.w_down}
+            if self.has_bias:
+                w.update(bias_gate=self.b_gate, bias_up=self.b_up, bias_down=self.b_down)
+            w = {k: (v if keep_vars else v.detach()) for k, v in w.items()}
+        else:
+            w = self.read_weights()
+        return _hf_names.weights_to_hf(naming, w)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, t in self._state_tensors(keep_vars).items():
+            destination[prefix + key] = t
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.mode == "lora":
+            wanted = list(self._state_tensors(keep_vars=False).keys())
+        else:
+            wanted = _hf_names.hf_weight_keys(self.hf_naming, self.num_experts, self.has_bias)
+        found = {k: state_dict[prefix + k] for k in wanted if prefix + k in state_dict}
+        missing = [prefix + k for k in wanted if k not in found]
+        missing_keys.extend(missing)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k[len(prefix):] not in wanted)
+        if missing:
+            return
+        try:
+            self._load_state_tensors(found)
+        except (ValueError, RuntimeError, KeyError) as e:
+            error_msgs.append("%s: %s" % (prefix.rstrip(".") or type(self).__name__, e))
+
+    def _load_state_tensors(self, tensors):
+        naming = self.hf_naming
+        with torch.no_grad():
+            if self.mode == "lora":
+                if naming is None:
+                    lora = tensors
+                else:
+                    lora = _hf_names.lora_from_peft(naming, tensors, self.lora_targets, self.num_experts,
+                                                    self.lora_rank)
+                for attr, t in lora.items():
+                    getattr(self, attr).copy_(t)
+                return
+            w = _hf_names.weights_from_hf(naming, tensors, self.num_experts, self.has_bias)
+            if self.mode == "full":
+                for k, attr in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down"), ("bias_gate", "b_gate"),
+                                ("bias_up", "b_up"), ("bias_down", "b_down")):
+                    if k in w:
+                        getattr(self, attr).copy_(w[k])
+                self._needs_reload = True
+                return
+            self.load_weights(**w)
+
+    def __deepcopy__(self, memo):
+        """A new kt layer with the same options and engine (the engine, a
+        worker pool, is shared). Trainable tensors (LoRA factors; full-mode
+        weights) are deep-copied like any Parameter. Frozen base weights of
+        inference and LoRA mode are shared read-only: the copy maps the packed
+        cache its source was loaded from, or a packed snapshot written to a
+        temporary file (removed at once; the mapping keeps it), so a copy does
+        not add the experts to the process's private memory a second time."""
+        new = type(self)(**self._init_kwargs)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name in ("_parameters", "_buffers", "_modules", "kt_layer", "_init_kwargs", "_bound_keys",
+                        "_bound_versions", "_grad_buffers", "_needs_reload"):
+                continue
+            new.__dict__[name] = copy.deepcopy(value, memo)
+        for name, p in self._parameters.items():
+            new._parameters[name] = copy.deepcopy(p, memo)
+        for name, b in self._buffers.items():
+            new._buffers[name] = copy.deepcopy(b, memo)
+        for name, m in self._modules.items():
+            new._modules[name] = copy.deepcopy(m, memo)
+        new._claim_parameters()
+        new._needs_reload = self.mode == "full"
+        if self.mode != "full" and self.kt_layer.num_loaded():
+            source = self.kt_layer.weights_source
+            if source is not None and source[0] == "packed":
+                new.kt_layer.load_packed(source[1], verify_checksums=False)
+            else:
+                fd, path = tempfile.mkstemp(prefix="kt-copy-", suffix=".ktpack")
+                os.close(fd)
+                try:
+                    self.kt_layer.save_packed(path)
+                    new.kt_layer.load_packed(path, verify_checksums=False)
+                finally:
+                    os.unlink(path)
+                new.kt_layer.weights_source = source
+        return new
 
     # ---------------------------------------------------------------- forward
 

@@ -336,6 +336,7 @@ kt_constants! {
         KT_PROJ_DOWN = 4,
         KT_PROJ_ALL = 7,
         KT_SUBMIT_DEFERRED = 1,
+        KT_PACKED_SKIP_CHECKSUMS = 1,
     }
     kt_weight_format {
         KT_FORMAT_BF16 = 0,
@@ -485,6 +486,9 @@ kt_functions! {
     pub fn kt_engine_set_profiling(engine: *mut kt_engine, enabled: c_int) -> kt_status;
     pub fn kt_engine_profile_stage(engine: *const kt_engine, stage: c_int, calls: *mut i64, seconds: *mut f64) -> kt_status;
     pub fn kt_engine_reset_profile(engine: *mut kt_engine) -> kt_status;
+
+    pub fn kt_moe_save_packed(moe: *mut kt_moe, path: *const c_char) -> kt_status;
+    pub fn kt_moe_load_packed(moe: *mut kt_moe, path: *const c_char, flags: c_uint) -> kt_status;
 
     pub fn kt_ckpt_dtype_name(dtype: kt_ckpt_dtype) -> *const c_char;
     pub fn kt_ckpt_layout_name(layout: kt_ckpt_layout) -> *const c_char;

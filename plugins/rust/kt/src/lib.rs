@@ -539,3 +539,318 @@ impl Drop for Context<'_> {
         unsafe { sys::kt_context_release(self.raw) };
     }
 }
+
+// ------------------------------------------------------ packed caches, checkpoints
+
+fn c_path(path: &std::path::Path, what: &str) -> Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| Error {
+        status: Status::INVALID_ARGUMENT,
+        message: format!("{} contains a NUL byte", what),
+    })
+}
+
+fn c_text(text: &str, what: &str) -> Result<std::ffi::CString> {
+    std::ffi::CString::new(text).map_err(|_| Error {
+        status: Status::INVALID_ARGUMENT,
+        message: format!("{} contains a NUL byte", what),
+    })
+}
+
+fn owned_str(s: *const std::os::raw::c_char) -> String {
+    if s.is_null() {
+        String::new()
+    } else {
+        unsafe { CStr::from_ptr(s) }.to_string_lossy().into_owned()
+    }
+}
+
+impl<'e> Moe<'e> {
+    /// Writes the packed weights to one file (atomically replaced).
+    pub fn save_packed(&self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        let p = c_path(path.as_ref(), "path")?;
+        check(unsafe { sys::kt_moe_save_packed(self.raw, p.as_ptr()) })
+    }
+
+    /// Replaces the weights with a packed cache's (inference and LoRA mode
+    /// read them from a read-only mapping of the file). `verify_checksums`
+    /// false checks the header only.
+    pub fn load_packed(&self, path: impl AsRef<std::path::Path>, verify_checksums: bool) -> Result<()> {
+        let p = c_path(path.as_ref(), "path")?;
+        let flags = if verify_checksums { 0 } else { sys::KT_PACKED_SKIP_CHECKSUMS };
+        check(unsafe { sys::kt_moe_load_packed(self.raw, p.as_ptr(), flags) })
+    }
+}
+
+/// Element types of checkpoint tensors (kt_ckpt_dtype) kt's writers store.
+pub mod ckpt_dtype {
+    pub use kt_sys::{KT_CKPT_DTYPE_BF16 as BF16, KT_CKPT_DTYPE_F16 as F16, KT_CKPT_DTYPE_F32 as F32};
+}
+/// Routed-expert layouts (kt_ckpt_layout).
+pub mod ckpt_layout {
+    pub use kt_sys::{
+        KT_CKPT_LAYOUT_FUSED as FUSED, KT_CKPT_LAYOUT_FUSED_IN_OUT as FUSED_IN_OUT,
+        KT_CKPT_LAYOUT_GPT_OSS as GPT_OSS, KT_CKPT_LAYOUT_MIXTRAL as MIXTRAL, KT_CKPT_LAYOUT_NONE as NONE,
+        KT_CKPT_LAYOUT_PER_EXPERT as PER_EXPERT,
+    };
+}
+
+/// What a checkpoint directory holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CheckpointInfo {
+    pub architecture: String,
+    pub model_type: String,
+    /// A [`ckpt_layout`] value.
+    pub layout: i32,
+    pub num_moe_layers: i64,
+    pub num_tensors: i64,
+    pub num_files: i64,
+    pub total_bytes: i64,
+    pub top_k: i64,
+}
+
+/// One MoE layer of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerInfo {
+    pub layer: i64,
+    pub num_experts: i64,
+    pub hidden: i64,
+    pub intermediate: i64,
+    pub has_bias: bool,
+    pub layout: i32,
+    /// kt_ckpt_format_name: "dense", "fp8_block", ...
+    pub format: String,
+    /// kt_ckpt_dtype_name of the weights: "BF16", ...
+    pub weight_dtype: String,
+    pub loadable: bool,
+    pub bytes: i64,
+}
+
+/// An open Hugging Face checkpoint directory (memory-mapped, validated);
+/// read-only, usable from any thread.
+pub struct Checkpoint {
+    raw: *mut sys::kt_ckpt,
+}
+
+unsafe impl Send for Checkpoint {}
+unsafe impl Sync for Checkpoint {}
+
+impl Checkpoint {
+    pub fn open(dir: impl AsRef<std::path::Path>) -> Result<Checkpoint> {
+        let d = c_path(dir.as_ref(), "dir")?;
+        let mut raw = ptr::null_mut();
+        check(unsafe { sys::kt_ckpt_open(d.as_ptr(), &mut raw) })?;
+        Ok(Checkpoint { raw })
+    }
+
+    pub fn info(&self) -> Result<CheckpointInfo> {
+        let mut i = std::mem::MaybeUninit::<sys::kt_ckpt_info>::zeroed();
+        let i = unsafe {
+            (*i.as_mut_ptr()).struct_size = std::mem::size_of::<sys::kt_ckpt_info>();
+            check(sys::kt_ckpt_get_info(self.raw, i.as_mut_ptr()))?;
+            i.assume_init()
+        };
+        Ok(CheckpointInfo {
+            architecture: owned_str(i.architecture),
+            model_type: owned_str(i.model_type),
+            layout: i.layout,
+            num_moe_layers: i.num_moe_layers,
+            num_tensors: i.num_tensors,
+            num_files: i.num_files,
+            total_bytes: i.total_bytes,
+            top_k: i.top_k,
+        })
+    }
+
+    /// The MoE layers, ordered by layer number.
+    pub fn layers(&self) -> Result<Vec<LayerInfo>> {
+        let n = self.info()?.num_moe_layers;
+        (0..n)
+            .map(|index| {
+                let mut l = std::mem::MaybeUninit::<sys::kt_ckpt_layer_info>::zeroed();
+                let l = unsafe {
+                    (*l.as_mut_ptr()).struct_size = std::mem::size_of::<sys::kt_ckpt_layer_info>();
+                    check(sys::kt_ckpt_get_layer_info(self.raw, index, l.as_mut_ptr()))?;
+                    l.assume_init()
+                };
+                Ok(LayerInfo {
+                    layer: l.layer,
+                    num_experts: l.num_experts,
+                    hidden: l.hidden,
+                    intermediate: l.intermediate,
+                    has_bias: l.has_bias != 0,
+                    layout: l.layout,
+                    format: static_str(unsafe { sys::kt_ckpt_format_name(l.format) }).to_string(),
+                    weight_dtype: static_str(unsafe { sys::kt_ckpt_dtype_name(l.weight_dtype) }).to_string(),
+                    loadable: l.loadable != 0,
+                    bytes: l.bytes,
+                })
+            })
+            .collect()
+    }
+
+    /// Layer options for layer L (shapes, bias, activation, top_k); change
+    /// mode or LoRA settings with the builder methods before creating it.
+    pub fn moe_options(&self, layer: i64) -> Result<MoeOptions> {
+        let mut o = MoeOptions::new(0, 0, 0, 0);
+        check(unsafe { sys::kt_ckpt_moe_options(self.raw, layer, &mut o.raw) })?;
+        Ok(o)
+    }
+
+    /// Loads layer L's routed experts into moe straight from the mapped files.
+    pub fn load_layer(&self, layer: i64, moe: &Moe<'_>) -> Result<()> {
+        check(unsafe { sys::kt_ckpt_load_layer(self.raw, layer, moe.raw, None, ptr::null_mut()) })
+    }
+
+    /// Copies layer L's weights into host tensors: `Arg::Out` with arg::W_GATE,
+    /// arg::W_UP [E,I,H], arg::W_DOWN [E,H,I], arg::B_* (fp32/bf16).
+    pub fn read_layer(&self, layer: i64, args: &[Arg<'_, '_>]) -> Result<()> {
+        let raw = raw_args(args);
+        check(unsafe { sys::kt_ckpt_read_layer(self.raw, layer, raw.as_ptr(), raw.len()) })
+    }
+}
+
+impl Drop for Checkpoint {
+    fn drop(&mut self) {
+        unsafe { sys::kt_ckpt_close(self.raw) };
+    }
+}
+
+/// One layer's tensors for a writer: its layer number and named arguments.
+pub struct LayerArgs<'t, 'a> {
+    pub layer: i64,
+    pub args: &'t [Arg<'t, 'a>],
+}
+
+fn raw_layers(layers: &[LayerArgs<'_, '_>]) -> (Vec<Vec<sys::kt_arg>>, Vec<sys::kt_ckpt_layer_args>) {
+    let args: Vec<Vec<sys::kt_arg>> = layers.iter().map(|l| raw_args(l.args)).collect();
+    let raw = layers
+        .iter()
+        .zip(&args)
+        .map(|(l, a)| sys::kt_ckpt_layer_args { layer: l.layer, args: a.as_ptr(), num_args: a.len() })
+        .collect();
+    (args, raw)
+}
+
+/// Settings of [`write_experts`].
+#[derive(Clone, Debug)]
+pub struct WriteOptions {
+    /// Key names: ckpt_layout::PER_EXPERT or ckpt_layout::MIXTRAL.
+    pub layout: i32,
+    /// Stored dtype: ckpt_dtype::BF16, F16 or F32.
+    pub dtype: i32,
+    pub max_shard_bytes: i64,
+    /// config.json text to write.
+    pub config_json: Option<String>,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        let mut o = std::mem::MaybeUninit::<sys::kt_ckpt_write_options>::uninit();
+        let o = unsafe {
+            sys::kt_ckpt_write_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_ckpt_write_options>());
+            o.assume_init()
+        };
+        WriteOptions { layout: o.layout, dtype: o.dtype, max_shard_bytes: o.max_shard_bytes, config_json: None }
+    }
+}
+
+/// Writes a full-expert checkpoint with HF key names into dir (published
+/// atomically). Each layer: arg::W_GATE, arg::W_UP [E,I,H], arg::W_DOWN
+/// [E,H,I], optional arg::B_*.
+pub fn write_experts(dir: impl AsRef<std::path::Path>, options: &WriteOptions, layers: &[LayerArgs<'_, '_>]) -> Result<()> {
+    let d = c_path(dir.as_ref(), "dir")?;
+    let config = options.config_json.as_deref().map(|c| c_text(c, "config_json")).transpose()?;
+    let mut o = std::mem::MaybeUninit::<sys::kt_ckpt_write_options>::uninit();
+    let mut o = unsafe {
+        sys::kt_ckpt_write_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_ckpt_write_options>());
+        o.assume_init()
+    };
+    o.layout = options.layout;
+    o.dtype = options.dtype;
+    o.max_shard_bytes = options.max_shard_bytes;
+    o.config_json = config.as_ref().map_or(ptr::null(), |c| c.as_ptr());
+    let (_args, raw) = raw_layers(layers);
+    check(unsafe { sys::kt_ckpt_write_experts(d.as_ptr(), &o, raw.as_ptr(), raw.len()) })
+}
+
+/// A PEFT LoRA adapter's settings (adapter_config.json).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterConfig {
+    pub rank: i64,
+    pub alpha: f32,
+    pub use_rslora: bool,
+    /// sys::KT_PROJ_* bits.
+    pub targets: u32,
+    /// Key names: ckpt_layout::PER_EXPERT or ckpt_layout::MIXTRAL.
+    pub layout: i32,
+    /// Stored dtype: ckpt_dtype::F32 or BF16.
+    pub dtype: i32,
+    /// base_model_name_or_path (written only).
+    pub base_model: Option<String>,
+}
+
+impl AdapterConfig {
+    fn raw_defaults() -> sys::kt_ckpt_adapter_config {
+        let mut c = std::mem::MaybeUninit::<sys::kt_ckpt_adapter_config>::uninit();
+        unsafe {
+            sys::kt_ckpt_adapter_config_defaults(c.as_mut_ptr(), std::mem::size_of::<sys::kt_ckpt_adapter_config>());
+            c.assume_init()
+        }
+    }
+
+    /// kt's defaults (all projections, per-expert names, fp32) with rank and alpha.
+    pub fn new(rank: i64, alpha: f32) -> AdapterConfig {
+        let c = Self::raw_defaults();
+        AdapterConfig {
+            rank,
+            alpha,
+            use_rslora: false,
+            targets: c.targets,
+            layout: c.layout,
+            dtype: c.dtype,
+            base_model: None,
+        }
+    }
+}
+
+/// Writes a PEFT adapter into dir from each layer's arg::LORA_A_* [E,r,in]
+/// and arg::LORA_B_* [E,out,r] (published atomically).
+pub fn write_adapter(dir: impl AsRef<std::path::Path>, config: &AdapterConfig, layers: &[LayerArgs<'_, '_>]) -> Result<()> {
+    let d = c_path(dir.as_ref(), "dir")?;
+    let base = config.base_model.as_deref().map(|b| c_text(b, "base_model")).transpose()?;
+    let mut c = AdapterConfig::raw_defaults();
+    c.rank = config.rank;
+    c.alpha = config.alpha;
+    c.use_rslora = config.use_rslora as c_int;
+    c.targets = config.targets;
+    c.layout = config.layout;
+    c.dtype = config.dtype;
+    c.base_model = base.as_ref().map_or(ptr::null(), |b| b.as_ptr());
+    let (_args, raw) = raw_layers(layers);
+    check(unsafe { sys::kt_ckpt_adapter_write(d.as_ptr(), &c, raw.as_ptr(), raw.len()) })
+}
+
+/// Reads an adapter's adapter_config.json.
+pub fn read_adapter_config(dir: impl AsRef<std::path::Path>) -> Result<AdapterConfig> {
+    let d = c_path(dir.as_ref(), "dir")?;
+    let mut c = AdapterConfig::raw_defaults();
+    check(unsafe { sys::kt_ckpt_adapter_read_config(d.as_ptr(), &mut c) })?;
+    Ok(AdapterConfig {
+        rank: c.rank,
+        alpha: c.alpha,
+        use_rslora: c.use_rslora != 0,
+        targets: c.targets,
+        layout: c.layout,
+        dtype: c.dtype,
+        base_model: None,
+    })
+}
+
+/// Copies layer L's LoRA factors of the adapter in dir into `Arg::Out`
+/// tensors arg::LORA_A_* [E,r,in], arg::LORA_B_* [E,out,r].
+pub fn read_adapter(dir: impl AsRef<std::path::Path>, layer: i64, args: &[Arg<'_, '_>]) -> Result<()> {
+    let d = c_path(dir.as_ref(), "dir")?;
+    let raw = raw_args(args);
+    check(unsafe { sys::kt_ckpt_adapter_read(d.as_ptr(), layer, raw.as_ptr(), raw.len()) })
+}
