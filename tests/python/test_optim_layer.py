@@ -166,3 +166,14 @@ def test_state_dict_resume_is_bit_identical(fp32_engine, dtype):
     assert got == expected
     for pa, pb in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(pa, pb)
+
+
+def test_a_deep_copy_is_stepped_as_its_own_layer(fp32_engine):
+    import copy
+    a = make_layer("full", torch.bfloat16, fp32_engine)
+    b = copy.deepcopy(a)
+    opt_a, opt_b = kt.optim.AdamW(a.parameters(), lr=1e-2), kt.optim.AdamW(b.parameters(), lr=1e-2)
+    assert train(a, opt_a, STEPS) == train(b, opt_b, STEPS)
+    assert len(opt_b._layers) == 1 and not opt_b._kt  # bf16 parameters: only a layer optimizer takes them
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
