@@ -681,6 +681,7 @@ Problem scenario(const std::string& name, int world) {
     pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
     pb.mode = KT_MODE_LORA;
     pb.E = 7;
+    pb.K = 4;  // fp32 sums of up to 4 routes: the summation order shows in the bits
     pb.ids64 = true;
     pb.minus_one_every = 4;
     pb.tokens[1] = 0;
