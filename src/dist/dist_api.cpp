@@ -87,6 +87,23 @@ kt::dist::Transport& transport_for(kt_comm& c, const DLTensor* t, const char* wh
   return *c.cuda;
 }
 
+// The agreement step of kt_comm_broadcast and kt_comm_allgather: outcomes,
+// and values every rank must pass alike (on the CPU backend; a CUDA-only
+// communicator has none, and each rank answers for itself).
+void agree_on(kt_comm& c, const char* where, const kt::dist::Outcome& mine, const int64_t* values, size_t n,
+              const char* what) {
+  if (!c.cpu) {
+    if (!mine.ok()) kt::fail(mine.status, mine.message);
+    return;
+  }
+  const size_t bytes = n * sizeof(int64_t);
+  const std::vector<char> all = kt::dist::agree(c, where, mine, values, bytes);
+  for (int r = 1; r < c.world; ++r)
+    check(std::memcmp(all.data() + static_cast<size_t>(r) * bytes, all.data(), bytes) == 0, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": the ranks disagree on " + what + " (rank " + std::to_string(r) +
+              " differs from rank 0)");
+}
+
 char* data_of(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
 
 }  // namespace
@@ -256,17 +273,8 @@ kt_status kt_comm_broadcast(kt_comm* comm, DLTensor* tensor, int root) {
       check(root >= 0 && root < c->world, KT_ERR_INVALID_ARGUMENT,
             std::string(w) + ": root = " + std::to_string(root) + " is outside [0, " + std::to_string(c->world) + ")");
     });
-    if (c->cpu) {
-      const int64_t mine_bytes[2] = {static_cast<int64_t>(bytes), root};
-      const std::vector<char> all = kt::dist::agree(*c, w, mine, mine_bytes, sizeof(mine_bytes));
-      for (int r = 0; r < c->world; ++r)
-        check(std::memcmp(all.data() + static_cast<size_t>(r) * sizeof(mine_bytes), mine_bytes, sizeof(mine_bytes)) == 0,
-              KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": the ranks disagree on the tensor's byte size or the root (rank " + std::to_string(r) +
-                  " differs from rank " + std::to_string(c->rank) + ")");
-    } else if (!mine.ok()) {
-      kt::fail(mine.status, mine.message);
-    }
+    const int64_t agreed[2] = {static_cast<int64_t>(bytes), root};
+    agree_on(*c, w, mine, agreed, 2, "the tensor's byte size or the root");
     if (bytes) c->run(w, [&] { t->broadcast(data_of(tensor), bytes, root); });
   });
 }
@@ -294,17 +302,8 @@ kt_status kt_comm_allgather(kt_comm* comm, const DLTensor* in, DLTensor* out) {
         check(out->shape[i + 1] == in->shape[i], KT_ERR_SHAPE,
               std::string(w) + ": out must be [world_size, ...in's shape]");
     });
-    if (c->cpu) {
-      const int64_t mine_bytes = static_cast<int64_t>(bytes);
-      const std::vector<char> all = kt::dist::agree(*c, w, mine, &mine_bytes, sizeof(mine_bytes));
-      for (int r = 0; r < c->world; ++r)
-        check(std::memcmp(all.data() + static_cast<size_t>(r) * sizeof(int64_t), &mine_bytes, sizeof(int64_t)) == 0,
-              KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": the ranks disagree on in's byte size (rank " + std::to_string(r) + " differs from rank " +
-                  std::to_string(c->rank) + ")");
-    } else if (!mine.ok()) {
-      kt::fail(mine.status, mine.message);
-    }
+    const int64_t agreed = static_cast<int64_t>(bytes);
+    agree_on(*c, w, mine, &agreed, 1, "in's byte size");
     if (bytes) c->run(w, [&] { t->allgather(data_of(in), data_of(out), bytes); });
   });
 }

@@ -701,6 +701,23 @@ GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const Vie
 
 }  // namespace
 
+namespace {
+
+// The local layer's backward over the rows it computed; parameter gradients
+// follow the host's averaging convention.
+void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_options& given, const Dl& dy,
+                    const Dl* dx, const Dl* dw) {
+  kt_arg a[3] = {{KT_ARG_DY, &dy.t}};
+  size_t n = 1;
+  if (dx) a[n++] = kt_arg{KT_ARG_DX, &dx->t};
+  if (dw) a[n++] = kt_arg{KT_ARG_DROUTE_WEIGHTS, &dw->t};
+  kt_backward_options o = given;
+  if (kt::enum_bits(d.options.grad_average) == KT_DIST_GRAD_MEAN) o.grad_scale /= static_cast<float>(d.comm->world);
+  ok(kt_moe_backward(d.local, ctx, &o, a, n));
+}
+
+}  // namespace
+
 void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
@@ -737,13 +754,7 @@ void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_conte
       char* dx = bytes_of(dx_, usize(any_dx ? total * xrow : 0));
       float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? total * K * 4 : 0)));
       Dl DY(in, dyd, total, H), DX(dx, xd, total, H), DW(dw, DType::kF32, total, K);
-      kt_arg a[3] = {{KT_ARG_DY, &DY.t}};
-      size_t na = 1;
-      if (any_dx) a[na++] = kt_arg{KT_ARG_DX, &DX.t};
-      if (any_dw) a[na++] = kt_arg{KT_ARG_DROUTE_WEIGHTS, &DW.t};
-      kt_backward_options o = b.opt;
-      if (kt::enum_bits(options.grad_average) == KT_DIST_GRAD_MEAN) o.grad_scale /= static_cast<float>(W);
-      ok(kt_moe_backward(local, ctx->local, &o, a, na));
+      local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
     });
   }
 
@@ -825,13 +836,7 @@ void kt_dist_moe::backward_experts(Backward& b, const Outcome& mine, kt_dist_con
     float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
     float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
     Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
-    kt_arg a[3] = {{KT_ARG_DY, &DY.t}};
-    size_t na = 1;
-    if (any_dx) a[na++] = kt_arg{KT_ARG_DX, &DX.t};
-    if (any_dw) a[na++] = kt_arg{KT_ARG_DROUTE_WEIGHTS, &DW.t};
-    kt_backward_options o = b.opt;
-    if (kt::enum_bits(options.grad_average) == KT_DIST_GRAD_MEAN) o.grad_scale /= static_cast<float>(W);
-    ok(kt_moe_backward(local, ctx->local, &o, a, na));
+    local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
   });
 
   // Combine: per route its dx row and routing-weight gradient go back.
