@@ -21,7 +21,8 @@
  * message naming the call and the argument. No C++ exception, abort or exit
  * crosses this boundary.
  *
- * Handles (kt_engine*, kt_moe*, kt_context*, kt_job*, kt_ckpt*) are opaque
+ * Handles (kt_engine*, kt_moe*, kt_context*, kt_job*, kt_ckpt*, kt_optimizer*,
+ * kt_comm*, kt_dist_moe*, kt_dist_context*) are opaque
  * values, not addresses: kt finds each in a process-wide table of live
  * handles and never reads memory through one, and it never gives the same
  * value out twice in a process. So a destroyed, released, closed or
