@@ -21,7 +21,8 @@
  * message naming the call and the argument. No C++ exception, abort or exit
  * crosses this boundary.
  *
- * Handles (kt_engine*, kt_moe*, kt_context*, kt_job*, kt_ckpt*) are opaque
+ * Handles (kt_engine*, kt_moe*, kt_context*, kt_job*, kt_ckpt*, kt_optimizer*,
+ * kt_comm*, kt_dist_moe*, kt_dist_context*) are opaque
  * values, not addresses: kt finds each in a process-wide table of live
  * handles and never reads memory through one, and it never gives the same
  * value out twice in a process. So a destroyed, released, closed or
@@ -121,7 +122,10 @@ typedef enum kt_status {
   KT_ERR_UNSUPPORTED = 14,     /* valid request this build or CPU cannot do */
   KT_ERR_OUT_OF_MEMORY = 15,
   KT_ERR_IO = 16,              /* file system or file format error */
-  KT_ERR_INTERNAL = 17         /* a bug in kt; the message says where */
+  KT_ERR_INTERNAL = 17,        /* a bug in kt; the message says where */
+  KT_ERR_COMM = 18             /* a collective failed: a peer died or closed its connection,
+                                  or the operation passed the communicator's timeout; the
+                                  communicator is unusable afterwards */
 } kt_status;
 
 /* Short English name of a status ("KT_ERR_SHAPE"); never NULL. */
@@ -1047,6 +1051,237 @@ KT_API kt_status kt_optimizer_load(kt_optimizer* opt, const char* path);
  * Tensors written by the call (nothing is written when it fails); serialised
  * with the layer's compute calls. */
 KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args);
+
+/* -------------------------------- distributed (kt_comm_*, kt_dist_*) */
+
+/* Several processes (ranks) share one set of experts. A kt_comm is the
+ * ranks' communicator; collectives run on existing engines, never on a
+ * transport of kt's own: Gloo (TCP) for CPU tensors, NCCL for CUDA tensors.
+ * A build finds each when its development files are there; kt_build_info()
+ * lists "gloo" and "nccl" among the optional parts it has, and a backend
+ * this build lacks is KT_ERR_UNSUPPORTED at kt_comm_create. NCCL is loaded
+ * at run time (libnccl.so.2, libcudart.so): libkt never needs CUDA to load.
+ *
+ * Collective calls (kt_comm_create, kt_comm_barrier, kt_comm_broadcast,
+ * kt_comm_allgather, kt_dist_moe_create, kt_dist_moe_forward,
+ * kt_dist_moe_backward) must be made by every rank of the communicator, in
+ * the same order; calls on one communicator are serialised. Each returns the
+ * same status on every rank: when one rank's part fails (bad arguments, a
+ * compute error), every rank returns that rank's status, with a message
+ * naming the call, the rank and its own message. A peer that dies or stops
+ * answering makes the others' calls return KT_ERR_COMM within
+ * options->timeout_ms; the communicator then stays unusable (every later
+ * call returns KT_ERR_COMM) and must be destroyed. */
+
+typedef struct kt_comm kt_comm;
+
+/* Collective engines. Values are pinned. */
+typedef enum kt_comm_backend {
+  KT_COMM_BACKEND_NONE = 0,
+  KT_COMM_BACKEND_GLOO = 1, /* CPU tensors (TCP) */
+  KT_COMM_BACKEND_NCCL = 2  /* CUDA tensors */
+} kt_comm_backend;
+
+/* What a backend string selects. "gloo" is cpu:gloo; "nccl" is cuda:nccl;
+ * a list of device:backend pairs, such as "cuda:nccl,cpu:gloo", names one
+ * backend per device (cpu or cuda, each at most once; cpu takes gloo, cuda
+ * takes nccl). The device is CUDA when a CUDA backend is named, else CPU
+ * (the combined string prefers CUDA); CPU tensors always go through the
+ * CPU backend. Lowercase, no spaces; anything else is refused with
+ * KT_ERR_INVALID_ARGUMENT and a message saying what is wrong. */
+typedef struct kt_comm_backends {
+  size_t struct_size;   /* set by the caller to sizeof(kt_comm_backends) */
+  kt_comm_backend cpu;  /* for CPU tensors, or NONE */
+  kt_comm_backend cuda; /* for CUDA tensors, or NONE */
+  DLDeviceType device;  /* the resolved device: kDLCUDA when cuda is set, else kDLCPU */
+} kt_comm_backends;
+
+/* Parses backend (borrowed) into *out (fields up to out->struct_size);
+ * creates nothing, needs neither backend in this build. */
+KT_API kt_status kt_comm_parse_backend(const char* backend, kt_comm_backends* out);
+
+/* A host's key-value store (torch.distributed's TCPStore, say) that the
+ * ranks rendezvous through. Called on the thread of kt_comm_create; kt
+ * prefixes every key with options->store_prefix. */
+typedef struct kt_comm_store {
+  /* Stores value (size bytes) under key; 0 on success. */
+  int (*set)(const char* key, const void* value, size_t size, void* user);
+  /* Reads key without waiting: returns 0 and writes *size (the value's
+   * size) when the key exists, copying min(size, capacity) bytes to buffer
+   * (kt calls again with a larger buffer when *size > capacity); 1 when it
+   * does not exist yet (kt calls again until the timeout); anything else is
+   * an error. */
+  int (*get)(const char* key, void* buffer, size_t capacity, size_t* size, void* user);
+  void* user;
+} kt_comm_store;
+
+#define KT_NCCL_UNIQUE_ID_BYTES 128
+
+typedef struct kt_comm_options {
+  size_t struct_size;       /* set by _init */
+  const char* backend;      /* default "gloo" (see kt_comm_backends) */
+  int rank;                 /* this process, in [0, world_size) */
+  int world_size;           /* >= 1 */
+  /* Rendezvous, for Gloo: a directory every rank can reach (Gloo's file store; one per
+   * communicator, or distinct prefixes), or the host's store. One of the
+   * two. */
+  const char* store_path;
+  const kt_comm_store* store;
+  const char* store_prefix; /* key prefix (default "kt") */
+  const char* hostname;     /* Gloo: the address this rank listens on (default "127.0.0.1") */
+  int64_t timeout_ms;       /* rendezvous and every collective (default 30000), >= 1 */
+  /* NCCL: the ranks' common id (KT_NCCL_UNIQUE_ID_BYTES, from
+   * kt_comm_nccl_unique_id on one rank), or the host's ncclComm_t
+   * (retained, never destroyed by kt; world_size and rank must be its
+   * own), or neither when the communicator also has a CPU backend: rank 0
+   * then makes an id and broadcasts it over that backend. */
+  const void* nccl_unique_id;
+  void* nccl_comm;
+  int cuda_device;          /* NCCL: CUDA device of this rank (default -1: the current one) */
+} kt_comm_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_comm_options_defaults(kt_comm_options* options, size_t struct_size);
+static inline void kt_comm_options_init(kt_comm_options* options) {
+  kt_comm_options_defaults(options, sizeof(*options));
+}
+
+/* Creates this rank's communicator (collective: every rank calls it with
+ * the same backend, world_size and store). Strings are borrowed for the
+ * call. *comm is written by the call. */
+KT_API kt_status kt_comm_create(const kt_comm_options* options, kt_comm** comm);
+/* Closes the connections and frees the handle; distributed layers created
+ * on it keep it alive until they are destroyed. NULL accepted. */
+KT_API void kt_comm_destroy(kt_comm* comm);
+
+typedef struct kt_comm_info {
+  size_t struct_size;        /* set by the caller to sizeof(kt_comm_info) */
+  int rank;
+  int world_size;
+  kt_comm_backends backends; /* as parsed from options->backend */
+  int64_t timeout_ms;
+  int usable;                /* 0 after a failed collective (KT_ERR_COMM) */
+} kt_comm_info;
+
+/* Writes the communicator's settings (fields up to info->struct_size). */
+KT_API kt_status kt_comm_get_info(const kt_comm* comm, kt_comm_info* info);
+
+/* Makes a new NCCL unique id (KT_NCCL_UNIQUE_ID_BYTES into id, size the
+ * caller's buffer). KT_ERR_UNSUPPORTED without NCCL in the build or the
+ * machine. */
+KT_API kt_status kt_comm_nccl_unique_id(void* id, size_t size);
+
+/* Collective. Returns when every rank reached it. */
+KT_API kt_status kt_comm_barrier(kt_comm* comm);
+/* Collective: root's tensor is copied into every rank's tensor (same
+ * dtype and shape on every rank, compact). A CPU tensor goes through the
+ * CPU backend, a CUDA tensor through the CUDA one. */
+KT_API kt_status kt_comm_broadcast(kt_comm* comm, DLTensor* tensor, int root);
+/* Collective: out [world_size, ...in's shape] (compact, in's dtype and
+ * device) receives every rank's in, rank by rank. */
+KT_API kt_status kt_comm_allgather(kt_comm* comm, const DLTensor* in, DLTensor* out);
+
+/* One MoE layer spread over a communicator's ranks. Two ways:
+ *
+ * KT_DIST_OWNER: one rank (the owner) holds the whole layer, creates it on
+ * its engine and loads its weights; the other ranks have no engine, no
+ * weights and never read a checkpoint. Each forward gathers every rank's
+ * token rows (x, ids, routing weights; T may differ per rank, 0 included)
+ * to the owner, computes them as one batched call (rank 0's rows first)
+ * and scatters y back; backward does the same with dy, and computes the
+ * parameter gradients once, for all ranks' tokens, into the owner's bound
+ * buffers.
+ *
+ * KT_DIST_EXPERT_PARALLEL: the experts are sharded over the ranks (an even
+ * contiguous split, or options->expert_ranks); each rank holds a layer of
+ * its experts only (kt_dist_moe_local_experts says which, in local order)
+ * and loads those. A forward exchanges per-rank route counts, sends each
+ * route's x row to the rank of its expert (all-to-all), computes there, and
+ * sends each route's weighted output back (all-to-all); the origin sums a
+ * token's routes in ascending expert order, so y, dx and the routing-weight
+ * gradients are the bits one process gives for the same tokens, and each
+ * rank's parameter gradients those of its experts.
+ *
+ * Both: every rank calls forward and backward (collectives); X, Y, DY, DX
+ * have one dtype on every rank; backward options must agree on every rank.
+ * Parameter gradients are multiplied by options->grad_scale, and with
+ * KT_DIST_GRAD_MEAN also by 1/world_size, matching a host whose
+ * data-parallel ranks average their gradients (DDP); KT_DIST_GRAD_SUM sums
+ * them. dx and routing-weight gradients are never scaled. */
+
+typedef struct kt_dist_moe kt_dist_moe;
+typedef struct kt_dist_context kt_dist_context;
+
+typedef enum kt_dist_mode {
+  KT_DIST_OWNER = 0,
+  KT_DIST_EXPERT_PARALLEL = 1
+} kt_dist_mode;
+
+typedef enum kt_dist_grad_average {
+  KT_DIST_GRAD_SUM = 0, /* gradients of all ranks' tokens, summed (times grad_scale) */
+  KT_DIST_GRAD_MEAN = 1 /* the same times 1/world_size (DDP's average) */
+} kt_dist_grad_average;
+
+typedef struct kt_dist_moe_options {
+  size_t struct_size;                /* set by _init */
+  kt_dist_mode mode;                 /* default KT_DIST_OWNER */
+  int owner_rank;                    /* KT_DIST_OWNER: the rank holding the layer (default 0) */
+  kt_dist_grad_average grad_average; /* default KT_DIST_GRAD_SUM */
+  /* KT_DIST_EXPERT_PARALLEL: [num_experts] rank of each expert (borrowed
+   * for the call; every rank passes the same map), or NULL for an even
+   * contiguous split (rank r holds experts [r*E/W, (r+1)*E/W)). */
+  const int32_t* expert_ranks;
+} kt_dist_moe_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_dist_moe_options_defaults(kt_dist_moe_options* options, size_t struct_size);
+static inline void kt_dist_moe_options_init(kt_dist_moe_options* options) {
+  kt_dist_moe_options_defaults(options, sizeof(*options));
+}
+
+/* Creates the distributed layer (collective). layer_options are the whole
+ * layer's (E, k, H, I, max_tokens per rank, activation, mode, LoRA); every
+ * rank passes the same, and the same dist options: a difference (E, k, H,
+ * I, activation, mode, weight format, ...) is found here and refused on
+ * every rank with KT_ERR_INVALID_ARGUMENT naming the field and the ranks.
+ * engine: the owner's engine (KT_DIST_OWNER; other ranks pass NULL), or
+ * every rank's (KT_DIST_EXPERT_PARALLEL). comm and engine are retained
+ * until kt_dist_moe_destroy. *dist is written by the call. */
+KT_API kt_status kt_dist_moe_create(kt_comm* comm, kt_engine* engine,
+                                    const kt_moe_options* layer_options,
+                                    const kt_dist_moe_options* options, kt_dist_moe** dist);
+/* Frees the layer and its contexts (not collective). NULL accepted. */
+KT_API void kt_dist_moe_destroy(kt_dist_moe* dist);
+
+/* The layer this rank computes with, owned by dist (never destroy it): load
+ * weights, bind parameters and gradient buffers, set hooks through it. The
+ * owner's has the whole layer (max_tokens = world_size x the per-rank
+ * max_tokens); an expert-parallel rank's holds its experts only, as local
+ * experts 0..n-1, with top_k 1 (each computed row is one route). NULL on
+ * ranks without one. */
+KT_API kt_status kt_dist_moe_layer(const kt_dist_moe* dist, kt_moe** layer);
+
+/* The global ids of this rank's experts in local order (ascending), up to
+ * capacity of them into experts (may be NULL with capacity 0); *count gets
+ * how many there are. Owner mode: all E on the owner, none elsewhere. */
+KT_API kt_status kt_dist_moe_local_experts(const kt_dist_moe* dist, int64_t* experts,
+                                           int64_t capacity, int64_t* count);
+
+/* Forward (collective). args: X, IDS, ROUTE_WEIGHTS, Y of this rank's T
+ * tokens (T <= layer_options->max_tokens), as kt_moe_forward. With saved !=
+ * NULL, *saved gets a context for kt_dist_moe_backward. */
+KT_API kt_status kt_dist_moe_forward(kt_dist_moe* dist, const kt_arg* args, size_t num_args,
+                                     kt_dist_context** saved);
+/* Backward (collective) of the forward that wrote ctx: every rank passes
+ * the context of the same forward (refused on every rank otherwise). args:
+ * DY (required), DX, DROUTE_WEIGHTS (optional), as kt_moe_backward. */
+KT_API kt_status kt_dist_moe_backward(kt_dist_moe* dist, kt_dist_context* ctx,
+                                      const kt_backward_options* options, const kt_arg* args,
+                                      size_t num_args);
+/* Frees a context (not collective). NULL accepted. */
+KT_API void kt_dist_context_release(kt_dist_context* ctx);
 
 #ifdef __cplusplus
 }

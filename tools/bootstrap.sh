@@ -31,7 +31,7 @@ esac
 # it; `file` is what cpack's Debian generator runs (the package test).
 packages="build-essential cmake ccache pkg-config file libdlpack-dev libgtest-dev libbenchmark-dev \
 nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-torch libtorch-dev \
-libdnnl-dev ocl-icd-opencl-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
+libdnnl-dev ocl-icd-opencl-dev libgloo-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
 
 missing=""
 for p in $packages; do

@@ -153,6 +153,7 @@ const (
 	ErrOutOfMemory     Status = C.KT_ERR_OUT_OF_MEMORY
 	ErrIO              Status = C.KT_ERR_IO
 	ErrInternal        Status = C.KT_ERR_INTERNAL
+	ErrComm            Status = C.KT_ERR_COMM
 )
 
 // String is the status's name ("KT_ERR_SHAPE").

@@ -232,6 +232,7 @@ const char* kt_status_string(kt_status status) {
     case KT_ERR_OUT_OF_MEMORY: return "KT_ERR_OUT_OF_MEMORY";
     case KT_ERR_IO: return "KT_ERR_IO";
     case KT_ERR_INTERNAL: return "KT_ERR_INTERNAL";
+    case KT_ERR_COMM: return "KT_ERR_COMM";
   }
   return "KT_ERR_UNKNOWN";
 }

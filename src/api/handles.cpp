@@ -64,13 +64,17 @@ const char* type_name(HandleKind kind) {
     case HandleKind::kJob: return "kt_job";
     case HandleKind::kCkpt: return "kt_ckpt";
     case HandleKind::kOptimizer: return "kt_optimizer";
+    case HandleKind::kComm: return "kt_comm";
+    case HandleKind::kDistMoe: return "kt_dist_moe";
+    case HandleKind::kDistContext: return "kt_dist_context";
   }
   return "kt handle";
 }
 
 const char* ended_word(HandleKind kind) {
   switch (kind) {
-    case HandleKind::kContext: return "released?";
+    case HandleKind::kContext:
+    case HandleKind::kDistContext: return "released?";
     case HandleKind::kCkpt: return "closed?";
     default: return "destroyed?";
   }

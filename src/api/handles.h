@@ -1,12 +1,12 @@
 // The handles kt gives hosts (engines, layers, contexts, jobs, checkpoints,
-// optimizers)
+// optimizers, communicators, distributed layers and their contexts)
 // are opaque numbers, not addresses. A process-wide table maps each live one
 // to its object; a value is never given out twice. So a destroyed, released
 // or never-issued handle is found missing in the table without reading the
 // memory it once named, and a stale handle can never reach a newer object
 // that happens to live at the same address (no ABA).
 //
-// The table owns engines, layers, jobs and checkpoints through shared
+// The table owns every object but a layer's contexts through shared
 // pointers; a call looks its handle up and keeps the object alive for the
 // call's duration, so destroying a handle while another thread's call on it
 // runs frees the object when that call ends. Contexts are owned by their
@@ -18,7 +18,7 @@
 
 namespace kt {
 
-enum class HandleKind { kEngine, kMoe, kContext, kJob, kCkpt, kOptimizer };
+enum class HandleKind { kEngine, kMoe, kContext, kJob, kCkpt, kOptimizer, kComm, kDistMoe, kDistContext };
 
 using HandleId = uintptr_t;
 

@@ -1617,12 +1617,13 @@ TEST(BadInputMatrix, CoversEveryCallThatCanFail) {
 // fallback names (read as integers: no undefined behaviour on the way).
 TEST(BadInputMatrix, EnumNamesOfOutOfRangeValues) {
   for (int v : {-1, 5, 8, 1000}) EXPECT_STREQ(raw_isa_name(v), "unknown") << v;
-  for (int v : {-1, 18, 32, 999}) EXPECT_STREQ(raw_status_string(v), "KT_ERR_UNKNOWN") << v;
+  for (int v : {-1, 19, 32, 999}) EXPECT_STREQ(raw_status_string(v), "KT_ERR_UNKNOWN") << v;
   for (int v : {-1, 0, 17, 1000}) EXPECT_STREQ(raw_ckpt_dtype_name(v), "unknown") << v;
   for (int v : {-1, 6, 1000}) EXPECT_STREQ(raw_ckpt_layout_name(v), "unknown") << v;
   for (int v : {-1, 5, 1000}) EXPECT_STREQ(raw_ckpt_format_name(v), "unknown") << v;
   EXPECT_STREQ(raw_isa_name(KT_ISA_AMX), "amx");
   EXPECT_STREQ(raw_status_string(KT_ERR_INTERNAL), "KT_ERR_INTERNAL");
+  EXPECT_STREQ(raw_status_string(KT_ERR_COMM), "KT_ERR_COMM");
   EXPECT_STREQ(raw_ckpt_layout_name(KT_CKPT_LAYOUT_GPT_OSS), "gpt_oss");
 }
 

@@ -30,6 +30,7 @@ STATUS_NAMES = {
     7: "KT_ERR_DEVICE", 8: "KT_ERR_EXPERT_ID", 9: "KT_ERR_TOO_MANY_TOKENS",
     10: "KT_ERR_CONTEXT", 11: "KT_ERR_NOT_BOUND", 12: "KT_ERR_NOT_LOADED", 13: "KT_ERR_MODE",
     14: "KT_ERR_UNSUPPORTED", 15: "KT_ERR_OUT_OF_MEMORY", 16: "KT_ERR_IO", 17: "KT_ERR_INTERNAL",
+    18: "KT_ERR_COMM",
 }
 
 # kt_precision
@@ -265,6 +266,68 @@ class CkptAdapterConfig(ctypes.Structure):
 
 CKPT_PROGRESS_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 
+# kt_comm_backend, kt_dist_mode, kt_dist_grad_average
+COMM_BACKEND_NONE, COMM_BACKEND_GLOO, COMM_BACKEND_NCCL = 0, 1, 2
+DIST_OWNER, DIST_EXPERT_PARALLEL = 0, 1
+DIST_GRAD_SUM, DIST_GRAD_MEAN = 0, 1
+
+
+class CommBackends(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("cpu", ctypes.c_int),
+        ("cuda", ctypes.c_int),
+        ("device", ctypes.c_int),
+    ]
+
+
+STORE_SET_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+STORE_GET_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
+                                ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p)
+
+
+class CommStore(ctypes.Structure):
+    _fields_ = [("set", STORE_SET_FN), ("get", STORE_GET_FN), ("user", ctypes.c_void_p)]
+
+
+class CommOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("backend", ctypes.c_char_p),
+        ("rank", ctypes.c_int),
+        ("world_size", ctypes.c_int),
+        ("store_path", ctypes.c_char_p),
+        ("store", ctypes.POINTER(CommStore)),
+        ("store_prefix", ctypes.c_char_p),
+        ("hostname", ctypes.c_char_p),
+        ("timeout_ms", ctypes.c_int64),
+        ("nccl_unique_id", ctypes.c_void_p),
+        ("nccl_comm", ctypes.c_void_p),
+        ("cuda_device", ctypes.c_int),
+    ]
+
+
+class CommInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("rank", ctypes.c_int),
+        ("world_size", ctypes.c_int),
+        ("backends", CommBackends),
+        ("timeout_ms", ctypes.c_int64),
+        ("usable", ctypes.c_int),
+    ]
+
+
+class DistMoeOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("mode", ctypes.c_int),
+        ("owner_rank", ctypes.c_int),
+        ("grad_average", ctypes.c_int),
+        ("expert_ranks", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int  # kt_status
 _PROTOTYPES = {
@@ -338,6 +401,22 @@ _PROTOTYPES = {
                                    ctypes.POINTER(CkptLayerArgs), ctypes.c_size_t]),
     "kt_ckpt_adapter_read_config": (_S, [ctypes.c_char_p, ctypes.POINTER(CkptAdapterConfig)]),
     "kt_ckpt_adapter_read": (_S, [ctypes.c_char_p, ctypes.c_int64, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_comm_parse_backend": (_S, [ctypes.c_char_p, ctypes.POINTER(CommBackends)]),
+    "kt_comm_options_defaults": (None, [ctypes.POINTER(CommOptions), ctypes.c_size_t]),
+    "kt_comm_create": (_S, [ctypes.POINTER(CommOptions), ctypes.POINTER(_P)]),
+    "kt_comm_destroy": (None, [_P]),
+    "kt_comm_get_info": (_S, [_P, ctypes.POINTER(CommInfo)]),
+    "kt_comm_barrier": (_S, [_P]),
+    "kt_dist_moe_options_defaults": (None, [ctypes.POINTER(DistMoeOptions), ctypes.c_size_t]),
+    "kt_dist_moe_create": (_S, [_P, _P, ctypes.POINTER(MoeOptions), ctypes.POINTER(DistMoeOptions),
+                                ctypes.POINTER(_P)]),
+    "kt_dist_moe_destroy": (None, [_P]),
+    "kt_dist_moe_layer": (_S, [_P, ctypes.POINTER(_P)]),
+    "kt_dist_moe_local_experts": (_S, [_P, ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                       ctypes.POINTER(ctypes.c_int64)]),
+    "kt_dist_moe_forward": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P)]),
+    "kt_dist_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_dist_context_release": (None, [_P]),
 }
 
 

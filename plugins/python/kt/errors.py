@@ -82,9 +82,14 @@ class InternalError(KtError):
     pass
 
 
+class CommError(KtError):
+    """A collective failed: a peer died, closed its connection or timed out."""
+
+
 ERROR_CLASSES = {
     1: InvalidArgumentError, 2: NullPointerError, 3: InvalidHandleError, 4: DTypeError,
     5: ShapeError, 6: StrideError, 7: DeviceError, 8: ExpertIdError, 9: TooManyTokensError,
     10: ContextError, 11: NotBoundError, 12: NotLoadedError, 13: ModeError,
     14: UnsupportedError, 15: OutOfMemoryError, 16: IOFailure, 17: InternalError,
+    18: CommError,
 }

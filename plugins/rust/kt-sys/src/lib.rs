@@ -304,6 +304,7 @@ kt_constants! {
         KT_ERR_OUT_OF_MEMORY = 15,
         KT_ERR_IO = 16,
         KT_ERR_INTERNAL = 17,
+        KT_ERR_COMM = 18,
     }
     kt_isa {
         KT_ISA_AUTO = 0,

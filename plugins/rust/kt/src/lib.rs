@@ -48,6 +48,7 @@ impl Status {
     pub const OUT_OF_MEMORY: Status = Status(sys::KT_ERR_OUT_OF_MEMORY);
     pub const IO: Status = Status(sys::KT_ERR_IO);
     pub const INTERNAL: Status = Status(sys::KT_ERR_INTERNAL);
+    pub const COMM: Status = Status(sys::KT_ERR_COMM);
 
     /// kt's name of the status ("KT_ERR_SHAPE").
     pub fn name(self) -> &'static str {

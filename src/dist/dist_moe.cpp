@@ -1,0 +1,883 @@
+#include "dist/dist_moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "core/checked.h"
+#include "core/sized_struct.h"
+#include "core/tensor.h"
+#include "moe/args.h"
+
+using kt::DType;
+using kt::View;
+using kt::check;
+using kt::fail;
+using kt::dist::agree;
+using kt::dist::attempt;
+using kt::dist::kOutcomeBytes;
+using kt::dist::Outcome;
+
+namespace {
+
+// A kt call on the local layer, its failure thrown as the error it returned.
+void ok(kt_status st) {
+  if (st != KT_OK) fail(st, kt_last_error());
+}
+
+DLDataType dl_type(DType d) {
+  switch (d) {
+    case DType::kBF16: return DLDataType{kDLBfloat, 16, 1};
+    case DType::kI32: return DLDataType{kDLInt, 32, 1};
+    default: return DLDataType{kDLFloat, 32, 1};
+  }
+}
+
+// A compact 2-D tensor over kt's own buffers, for the local layer's calls.
+struct Dl {
+  int64_t shape[2];
+  DLTensor t{};
+  Dl(const void* data, DType dtype, int64_t rows, int64_t cols) : shape{rows, cols} {
+    t.data = const_cast<void*>(data);
+    t.device = {kDLCPU, 0};
+    t.ndim = 2;
+    t.dtype = dl_type(dtype);
+    t.shape = shape;
+  }
+  Dl(const Dl&) = delete;
+  Dl& operator=(const Dl&) = delete;
+};
+
+// Buffers never hand out a null pointer (DLTensor data of empty tensors).
+char* bytes_of(std::vector<char>& v, size_t n) {
+  v.resize(std::max<size_t>(n, 1));
+  return v.data();
+}
+
+size_t usize(int64_t v) { return static_cast<size_t>(v); }
+
+// Copies row t of a [T, n] view (inner stride 1) to dst, and back.
+void copy_row_out(const View& v, int64_t t, void* dst) {
+  std::memcpy(dst, v.at(t, 0), usize(v.shape[1]) * v.elem_size());
+}
+void copy_row_in(const View& v, int64_t t, const void* src) {
+  std::memcpy(v.at(t, 0), src, usize(v.shape[1]) * v.elem_size());
+}
+
+// Converts a bf16|fp32 row of n elements (raw bytes) to fp32.
+void raw_to_f32(const char* src, DType d, int64_t n, float* dst) {
+  if (d == DType::kF32) {
+    std::memcpy(dst, src, usize(n) * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      kt::bf16_t b;
+      std::memcpy(&b, src + i * 2, 2);
+      dst[i] = kt::bf16_to_f32(b);
+    }
+  }
+}
+
+std::string dtype_word(int32_t d) { return kt::dtype_name(static_cast<DType>(d)); }
+
+// Refuses (on every rank: each sees every payload) a value that differs
+// between ranks.
+template <class Get>
+void check_same(const std::vector<char>& payloads, size_t stride, int world, const char* where, kt_status status,
+                const std::string& what, Get get, std::string (*show)(int64_t)) {
+  const int64_t first = get(payloads.data());
+  for (int r = 1; r < world; ++r) {
+    const int64_t v = get(payloads.data() + usize(r) * stride);
+    if (v != first)
+      fail(status, std::string(where) + ": the ranks disagree on " + what + ": rank 0 has " + show(first) + ", rank " +
+                       std::to_string(r) + " has " + show(v) + " (every rank must pass the same)");
+  }
+}
+
+std::string show_int(int64_t v) { return std::to_string(v); }
+std::string show_float_bits(int64_t v) {
+  float f;
+  const uint32_t bits = static_cast<uint32_t>(v);
+  std::memcpy(&f, &bits, sizeof(f));
+  return std::to_string(f);
+}
+std::string show_dtype(int64_t v) { return dtype_word(static_cast<int32_t>(v)); }
+std::string show_hash(int64_t v) { return "map #" + std::to_string(static_cast<uint64_t>(v) % 100000); }
+
+int64_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ create
+
+namespace {
+
+// What every rank must agree on at creation, with the names that errors use.
+constexpr int kConfigFields = 19;
+const char* const kConfigNames[kConfigFields] = {
+    "layer_options->num_experts (E)", "layer_options->top_k (k)", "layer_options->hidden (H)",
+    "layer_options->intermediate (I)", "layer_options->max_tokens", "layer_options->activation",
+    "layer_options->act_alpha", "layer_options->act_limit", "layer_options->has_bias", "layer_options->mode",
+    "layer_options->weight_format (the weights' dtype)", "layer_options->lora_rank", "layer_options->lora_alpha",
+    "layer_options->use_rslora", "layer_options->lora_targets", "options->mode", "options->owner_rank",
+    "options->grad_average", "options->expert_ranks"};
+
+struct Config {
+  int64_t v[kConfigFields];
+};
+
+Config config_of(const kt_moe_options& o, const kt_dist_moe_options& d, const std::vector<int32_t>& map) {
+  const bool lora = kt::enum_bits(o.mode) == KT_MODE_LORA;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a of the expert map
+  for (int32_t r : map) hash = (hash ^ static_cast<uint32_t>(r)) * 1099511628211ull;
+  return Config{{o.num_experts, o.top_k, o.hidden, o.intermediate, o.max_tokens, kt::enum_bits(o.activation),
+                 float_bits(o.act_alpha), float_bits(o.act_limit), o.has_bias, kt::enum_bits(o.mode),
+                 kt::enum_bits(o.weight_format), lora ? o.lora_rank : 0, lora ? float_bits(o.lora_alpha) : 0,
+                 lora ? o.use_rslora : 0, lora ? int64_t{o.lora_targets} : 0, kt::enum_bits(d.mode),
+                 d.owner_rank, kt::enum_bits(d.grad_average), static_cast<int64_t>(hash >> 1)}};
+}
+
+}  // namespace
+
+void kt_dist_moe::create(kt_engine* engine, const char* where) {
+  const int W = comm->world, me = comm->rank;
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  comm->check_usable(where);
+  const std::string w(where);
+  const kt_moe_options& o = layer_options;
+  const Outcome mine = attempt([&] {
+    const auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* name) {
+      check(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
+            w + ": layer_options->" + name + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
+                ", " + std::to_string(hi) + "]");
+    };
+    range(o.num_experts, 1, 1 << 20, "num_experts");
+    range(o.top_k, 1, o.num_experts, "top_k");
+    range(o.hidden, 1, 1 << 20, "hidden");
+    range(o.intermediate, 1, 1 << 20, "intermediate");
+    range(o.max_tokens, 1, (int64_t{1} << 31) / o.top_k / 64 / W, "max_tokens (per rank)");
+    kt::check_enum(options.mode, KT_DIST_OWNER, KT_DIST_EXPERT_PARALLEL, w + ": options->mode", "kt_dist_mode");
+    kt::check_enum(options.grad_average, KT_DIST_GRAD_SUM, KT_DIST_GRAD_MEAN, w + ": options->grad_average",
+                   "kt_dist_grad_average");
+    if (owner_mode()) {
+      check(options.owner_rank >= 0 && options.owner_rank < W, KT_ERR_INVALID_ARGUMENT,
+            w + ": options->owner_rank = " + std::to_string(options.owner_rank) + " is outside [0, " +
+                std::to_string(W) + ")");
+      check(options.expert_ranks == nullptr, KT_ERR_INVALID_ARGUMENT,
+            w + ": options->expert_ranks is for KT_DIST_EXPERT_PARALLEL; owner mode keeps every expert on the owner");
+    } else {
+      expert_rank.resize(usize(o.num_experts));
+      for (int64_t e = 0; e < o.num_experts; ++e) {
+        const int32_t r = options.expert_ranks ? options.expert_ranks[e] : static_cast<int32_t>(e * W / o.num_experts);
+        check(r >= 0 && r < W, KT_ERR_INVALID_ARGUMENT,
+              w + ": options->expert_ranks[" + std::to_string(e) + "] = " + std::to_string(r) + " is outside [0, " +
+                  std::to_string(W) + ")");
+        expert_rank[usize(e)] = r;
+      }
+    }
+    local_index.assign(usize(o.num_experts), -1);
+    for (int64_t e = 0; e < o.num_experts; ++e) {
+      if (owner_mode() ? me == options.owner_rank : expert_rank[usize(e)] == me) {
+        local_index[usize(e)] = static_cast<int32_t>(local_experts.size());
+        local_experts.push_back(e);
+      }
+    }
+    if (!local_experts.empty())
+      kt::live(engine, kt::HandleKind::kEngine, where,
+               owner_mode() ? "engine (the owner rank computes the layer)"
+                            : "engine (every expert-parallel rank holding experts computes them)");
+  });
+  const Config mine_config = config_of(o, options, expert_rank);
+  const std::vector<char> all = agree(*comm, where, mine, &mine_config, sizeof(Config));
+  for (int f = 0; f < kConfigFields; ++f) {
+    std::string (*show)(int64_t) = show_int;
+    if (f == 6 || f == 7 || f == 12) show = show_float_bits;
+    if (f == kConfigFields - 1) show = show_hash;
+    check_same(all, sizeof(Config), W, where, KT_ERR_INVALID_ARGUMENT, kConfigNames[f],
+               [f](const char* p) {
+                 Config c;
+                 std::memcpy(&c, p, sizeof(c));
+                 return c.v[f];
+               },
+               show);
+  }
+
+  // The local layer: the owner's whole layer for every rank's tokens, or an
+  // expert rank's experts with one route per computed row.
+  const Outcome made = attempt([&] {
+    if (local_experts.empty()) return;
+    kt_moe_options lo = o;
+    if (owner_mode()) {
+      lo.max_tokens = o.max_tokens * W;
+    } else {
+      lo.num_experts = static_cast<int64_t>(local_experts.size());
+      lo.top_k = 1;
+      lo.max_tokens = o.max_tokens * W * o.top_k;
+    }
+    ok(kt_moe_create(engine, &lo, &local));
+  });
+  try {
+    agree(*comm, where, made, nullptr, 0);
+  } catch (...) {
+    kt_moe_destroy(local);
+    local = nullptr;
+    throw;
+  }
+}
+
+kt_dist_moe::~kt_dist_moe() {
+  end_contexts();
+  kt_moe_destroy(local);
+}
+
+void kt_dist_moe::end_contexts() noexcept {
+  std::lock_guard<std::mutex> lock(contexts_mutex);
+  for (kt::HandleId id : contexts) kt::remove_handle(id, kt::HandleKind::kDistContext);
+  contexts.clear();
+}
+
+// ----------------------------------------------------------------- forward
+
+struct kt_dist_moe::Forward {
+  View x, ids, w, y;
+  int64_t T = 0;
+};
+
+kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, const char* where) {
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  comm->check_usable(where);
+  const int64_t E = layer_options.num_experts, K = layer_options.top_k, H = layer_options.hidden;
+  Forward f;
+  const Outcome mine = attempt([&] {
+    kt::ArgTable t(args, n, where, {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y});
+    for (int id : {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y})
+      check(t[id] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + kt::arg_name(id) + " is required");
+    f.x = kt::check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
+    f.T = f.x.shape[0];
+    check(f.T <= layer_options.max_tokens, KT_ERR_TOO_MANY_TOKENS,
+          std::string(where) + ": KT_ARG_X has " + std::to_string(f.T) + " tokens; the layer's max_tokens per rank is " +
+              std::to_string(layer_options.max_tokens));
+    f.ids = kt::check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {f.T, K}}, where);
+    f.w = kt::check_tensor(t[KT_ARG_ROUTE_WEIGHTS], {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {f.T, K}},
+                           where);
+    f.y = kt::check_tensor(t[KT_ARG_Y], {"KT_ARG_Y", {f.x.dtype}, {f.T, H}, true}, where);
+    kt::check_writable(f.y, where, "KT_ARG_Y");
+    kt::check_disjoint(f.y, "KT_ARG_Y", f.x, "KT_ARG_X", where);
+    kt::check_disjoint(f.y, "KT_ARG_Y", f.ids, "KT_ARG_IDS", where);
+    kt::check_disjoint(f.y, "KT_ARG_Y", f.w, "KT_ARG_ROUTE_WEIGHTS", where);
+    for (int64_t i = 0; i < f.T; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = f.ids.get_int(i, j);
+        check(e >= -1 && e < E, KT_ERR_EXPERT_ID,
+              std::string(where) + ": KT_ARG_IDS[" + std::to_string(i) + "," + std::to_string(j) + "] = " +
+                  std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
+      }
+  });
+  auto ctx = std::make_shared<kt_dist_context>();
+  ctx->layer = handle;
+  ctx->seq = ++forwards;
+  ctx->tokens = f.T;
+  ctx->x_dtype = static_cast<int32_t>(f.x.dtype);
+  try {
+    if (owner_mode()) {
+      forward_owner(f, mine, save ? ctx.get() : nullptr, where);
+    } else {
+      forward_experts(f, mine, save ? ctx.get() : nullptr, where);
+    }
+  } catch (...) {
+    if (ctx->local) kt_context_release(ctx->local);
+    throw;
+  }
+  if (!save) return nullptr;
+  std::lock_guard<std::mutex> l(contexts_mutex);
+  ctx->handle = kt::add_handle(kt::HandleKind::kDistContext, ctx);
+  contexts.insert(ctx->handle);
+  return kt::handle_value<kt_dist_context>(ctx->handle);
+}
+
+namespace {
+struct TokenHead {
+  int64_t tokens;
+  int32_t dtype;
+  int32_t unused;
+};
+}  // namespace
+
+void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
+  const int W = comm->world, me = comm->rank, owner = options.owner_rank;
+  const int64_t K = layer_options.top_k, H = layer_options.hidden;
+  const TokenHead head{f.T, static_cast<int32_t>(f.x.dtype), 0};
+  const std::vector<char> all = agree(*comm, where, mine, &head, sizeof(head));
+  std::vector<TokenHead> heads(usize(W));
+  std::memcpy(heads.data(), all.data(), all.size());
+  check_same(all, sizeof(TokenHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
+             [](const char* p) {
+               TokenHead h;
+               std::memcpy(&h, p, sizeof(h));
+               return int64_t{h.dtype};
+             },
+             show_dtype);
+  const DType xd = f.x.dtype;
+  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  const int64_t row = xrow + K * 8;  // x row, k int32 ids, k fp32 weights
+  kt::dist::Transport& t = comm->cpu_transport(where);
+
+  // Gather every rank's rows to the owner.
+  char* out = bytes_of(send_, usize(f.T * row));
+  for (int64_t i = 0; i < f.T; ++i) copy_row_out(f.x, i, out + i * xrow);
+  char* tail = out + f.T * xrow;
+  for (int64_t i = 0; i < f.T; ++i)
+    for (int64_t j = 0; j < K; ++j) {
+      const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
+      const float wt = f.w.get(i, j);
+      std::memcpy(tail + (i * K + j) * 4, &e, 4);
+      std::memcpy(tail + f.T * K * 4 + (i * K + j) * 4, &wt, 4);
+    }
+  std::vector<int64_t> send_bytes(usize(W), 0), recv_bytes(usize(W), 0);
+  send_bytes[usize(owner)] = f.T * row;
+  int64_t total = 0;
+  std::vector<int64_t> first(usize(W) + 1, 0);
+  for (int r = 0; r < W; ++r) {
+    first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+    if (me == owner) recv_bytes[usize(r)] = heads[usize(r)].tokens * row;
+  }
+  total = first[usize(W)];
+  char* in = bytes_of(recv_, usize(me == owner ? total * row : 0));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
+
+  // The owner computes them as one call, rank 0's rows first.
+  Outcome computed;
+  if (me == owner) {
+    computed = attempt([&] {
+      char* x = bytes_of(x_, usize(total * xrow));
+      char* ids = bytes_of(ids_, usize(total * K * 4));
+      char* wts = bytes_of(w_, usize(total * K * 4));
+      const char* src = in;
+      for (int r = 0; r < W; ++r) {
+        const int64_t T = heads[usize(r)].tokens, t0 = first[usize(r)];
+        std::memcpy(x + t0 * xrow, src, usize(T * xrow));
+        std::memcpy(ids + t0 * K * 4, src + T * xrow, usize(T * K * 4));
+        std::memcpy(wts + t0 * K * 4, src + T * xrow + T * K * 4, usize(T * K * 4));
+        src += T * row;
+      }
+      char* y = bytes_of(y_, usize(total * xrow));
+      Dl X(x, xd, total, H), I(ids, DType::kI32, total, K), Wt(wts, DType::kF32, total, K), Y(y, xd, total, H);
+      const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
+      ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
+    });
+  }
+
+  // Scatter y back, each rank's part behind the owner's outcome.
+  const int64_t ybytes = f.T * xrow;
+  std::fill(send_bytes.begin(), send_bytes.end(), 0);
+  std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
+  recv_bytes[usize(owner)] = int64_t{kOutcomeBytes} + ybytes;
+  if (me == owner) {
+    char* s = bytes_of(send_, usize(int64_t{kOutcomeBytes} * W + total * xrow));
+    for (int r = 0; r < W; ++r) {
+      const int64_t T = heads[usize(r)].tokens;
+      kt::dist::write_outcome(computed, s);
+      if (computed.ok()) std::memcpy(s + kOutcomeBytes, y_.data() + first[usize(r)] * xrow, usize(T * xrow));
+      s += int64_t{kOutcomeBytes} + T * xrow;
+      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + T * xrow;
+    }
+  }
+  char* back = bytes_of(recv_, usize(recv_bytes[usize(owner)]));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, back, recv_bytes); });
+  kt::dist::raise_outcome(back, owner, where);
+  for (int64_t i = 0; i < f.T; ++i) copy_row_in(f.y, i, back + kOutcomeBytes + i * xrow);
+  if (ctx && me == owner) {
+    ctx->rank_tokens.resize(usize(W));
+    for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].tokens;
+  }
+}
+
+namespace {
+
+// The routes of a rank's tokens in the order the origin sums them: for
+// token t, route_order[begin[t], begin[t+1]) are its slots t*k+j with an
+// expert, ascending by (expert, j), as one process's combine adds them.
+void token_order(const View& ids, int64_t T, int64_t K, std::vector<int64_t>* begin, std::vector<int64_t>* order) {
+  begin->assign(usize(T) + 1, 0);
+  order->clear();
+  std::vector<std::pair<int64_t, int64_t>> routes;
+  for (int64_t t = 0; t < T; ++t) {
+    routes.clear();
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = ids.get_int(t, j);
+      if (e >= 0) routes.emplace_back(e, j);
+    }
+    std::sort(routes.begin(), routes.end());
+    for (const auto& r : routes) order->push_back(t * K + r.second);
+    (*begin)[usize(t) + 1] = static_cast<int64_t>(order->size());
+  }
+}
+
+// Stores an fp32 row into row t of out (fp32, or bf16 rounded to nearest
+// even, as one process's combine stores its sums).
+void store_row(const float* a, int64_t n, const View& out, int64_t t) {
+  if (out.dtype == DType::kF32) {
+    std::memcpy(out.at(t, 0), a, usize(n) * sizeof(float));
+  } else {
+    kt::bf16_t* d = reinterpret_cast<kt::bf16_t*>(out.at(t, 0));
+    for (int64_t h = 0; h < n; ++h) d[h] = kt::f32_to_bf16(a[h]);
+  }
+}
+
+// Sums the fp32 rows (n wide) of each token's routes in its order, from
+// zero, and stores the sums into out's rows.
+void combine_rows(const std::vector<int64_t>& begin, const std::vector<int64_t>& order,
+                  const std::vector<int64_t>& route_row, const char* rows, int64_t row_stride, int64_t n,
+                  const View& out) {
+  std::vector<float> acc(usize(std::max<int64_t>(n, 1)));
+  const int64_t T = static_cast<int64_t>(begin.size()) - 1;
+  for (int64_t t = 0; t < T; ++t) {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    float* a = acc.data();
+    for (int64_t q = begin[usize(t)]; q < begin[usize(t) + 1]; ++q) {
+      const float* r = reinterpret_cast<const float*>(rows + route_row[usize(order[usize(q)])] * row_stride);
+      for (int64_t h = 0; h < n; ++h) a[h] += r[h];
+    }
+    store_row(a, n, out, t);
+  }
+}
+
+struct RouteHead {
+  int64_t tokens;
+  int32_t dtype;
+  int32_t unused;
+};
+
+}  // namespace
+
+void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
+  const int W = comm->world, me = comm->rank;
+  const int64_t K = layer_options.top_k, H = layer_options.hidden;
+  kt::dist::Transport& t = comm->cpu_transport(where);
+
+  // This rank's routes by destination, each in (token, slot) order.
+  std::vector<std::vector<int64_t>> to(usize(W));
+  std::vector<int64_t> route_row(usize(f.T * K), -1);
+  if (mine.ok())
+    for (int64_t i = 0; i < f.T; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = f.ids.get_int(i, j);
+        if (e >= 0) to[usize(expert_rank[usize(e)])].push_back(i * K + j);
+      }
+  std::vector<int64_t> sent(usize(W)), received(usize(W));
+  int64_t nsent = 0;
+  for (int r = 0; r < W; ++r) {
+    sent[usize(r)] = static_cast<int64_t>(to[usize(r)].size());
+    for (int64_t s : to[usize(r)]) route_row[usize(s)] = nsent++;
+  }
+  // Counts are exchanged with the outcomes: [tokens, dtype, sent to each rank].
+  const size_t payload = sizeof(RouteHead) + usize(W) * 8;
+  std::vector<char> mine_payload(payload);
+  const RouteHead head{f.T, static_cast<int32_t>(f.x.dtype), 0};
+  std::memcpy(mine_payload.data(), &head, sizeof(head));
+  std::memcpy(mine_payload.data() + sizeof(head), sent.data(), usize(W) * 8);
+  const std::vector<char> all = agree(*comm, where, mine, mine_payload.data(), payload);
+  check_same(all, payload, W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
+             [](const char* p) {
+               RouteHead h;
+               std::memcpy(&h, p, sizeof(h));
+               return int64_t{h.dtype};
+             },
+             show_dtype);
+  int64_t nrecv = 0;
+  for (int r = 0; r < W; ++r) {
+    std::memcpy(&received[usize(r)], all.data() + usize(r) * payload + sizeof(RouteHead) + usize(me) * 8, 8);
+    nrecv += received[usize(r)];
+  }
+
+  // Dispatch: per route its token's x row (X's dtype), global expert, weight.
+  const DType xd = f.x.dtype;
+  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  const int64_t row = xrow + 8;
+  char* out = bytes_of(send_, usize(nsent * row));
+  for (int r = 0; r < W; ++r)
+    for (int64_t s : to[usize(r)]) {
+      const int64_t i = s / K, j = s % K;
+      char* p = out + route_row[usize(s)] * row;
+      copy_row_out(f.x, i, p);
+      const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
+      const float wt = f.w.get(i, j);
+      std::memcpy(p + xrow, &e, 4);
+      std::memcpy(p + xrow + 4, &wt, 4);
+    }
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
+  for (int r = 0; r < W; ++r) {
+    send_bytes[usize(r)] = sent[usize(r)] * row;
+    recv_bytes[usize(r)] = received[usize(r)] * row;
+  }
+  char* in = bytes_of(recv_, usize(nrecv * row));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
+
+  // Local compute: one route per row, in fp32 (bf16 rows convert exactly),
+  // so each row's output is w * o unrounded.
+  const Outcome computed = attempt([&] {
+    check(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
+          std::string(where) + ": routes arrived at a rank that holds no experts");
+    if (!local) return;
+    float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
+    int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
+    float* wts = reinterpret_cast<float*>(bytes_of(w_, usize(nrecv * 4)));
+    for (int64_t p = 0; p < nrecv; ++p) {
+      const char* src = in + p * row;
+      raw_to_f32(src, xd, H, x + p * H);
+      int32_t e;
+      std::memcpy(&e, src + xrow, 4);
+      check(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0, KT_ERR_INTERNAL,
+            std::string(where) + ": a route to expert " + std::to_string(e) + " arrived at rank " +
+                std::to_string(me) + ", which does not hold it");
+      ids[p] = local_index[usize(e)];
+      std::memcpy(&wts[p], src + xrow + 4, 4);
+    }
+    float* y = reinterpret_cast<float*>(bytes_of(y_, usize(nrecv * H * 4)));
+    Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
+        Y(y, DType::kF32, nrecv, H);
+    const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
+    ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
+  });
+
+  // Combine: each rank's outcome and its routes' weighted outputs go back.
+  const int64_t yrow = H * 4;
+  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * yrow));
+  {
+    char* s = reply.data();
+    int64_t p0 = 0;
+    for (int r = 0; r < W; ++r) {
+      kt::dist::write_outcome(computed, s);
+      const int64_t n = received[usize(r)];
+      if (computed.ok() && n) std::memcpy(s + kOutcomeBytes, y_.data() + p0 * yrow, usize(n * yrow));
+      s += int64_t{kOutcomeBytes} + n * yrow;
+      p0 += n;
+      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + n * yrow;
+      recv_bytes[usize(r)] = int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
+    }
+  }
+  char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * yrow));
+  comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
+  // Outputs packed without the headers, in route_row order.
+  std::vector<char> rows(usize(std::max<int64_t>(nsent * yrow, 1)));
+  {
+    const char* s = back;
+    int64_t p0 = 0;
+    for (int r = 0; r < W; ++r) {
+      kt::dist::raise_outcome(s, r, where);
+      std::memcpy(rows.data() + p0 * yrow, s + kOutcomeBytes, usize(sent[usize(r)] * yrow));
+      s += int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
+      p0 += sent[usize(r)];
+    }
+  }
+  std::vector<int64_t> begin, order;
+  token_order(f.ids, f.T, K, &begin, &order);
+  combine_rows(begin, order, route_row, rows.data(), yrow, H, f.y);
+  if (ctx) {
+    ctx->sent = std::move(sent);
+    ctx->received = std::move(received);
+    ctx->route_row = std::move(route_row);
+    ctx->token_begin = std::move(begin);
+    ctx->route_order = std::move(order);
+  }
+}
+
+// ---------------------------------------------------------------- backward
+
+struct kt_dist_moe::Backward {
+  View dy, dx, dw;
+  bool has_dx = false, has_dw = false;
+  kt_backward_options opt;
+};
+
+namespace {
+
+struct GradHead {
+  uint64_t seq;
+  int64_t tokens;
+  int32_t dy_dtype;
+  int32_t has_dx;
+  int32_t has_dw;
+  int32_t accumulate;
+  int32_t param_grads;
+  uint32_t grad_scale_bits;
+};
+
+GradHead grad_head_at(const char* p) {
+  GradHead h;
+  std::memcpy(&h, p, sizeof(h));
+  return h;
+}
+
+void set_backward_defaults(kt_backward_options& o) { kt_backward_options_defaults(&o, sizeof(o)); }
+
+}  // namespace
+
+void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* options_in, const kt_arg* args,
+                           size_t n, const char* where) {
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  comm->check_usable(where);
+  const int64_t K = layer_options.top_k, H = layer_options.hidden;
+  Backward b;
+  const Outcome mine = attempt([&] {
+    b.opt = kt::read_sized(options_in, set_backward_defaults, where, "options");
+    check(std::isfinite(b.opt.grad_scale), KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": options->grad_scale is not finite");
+    kt::check_enum(b.opt.accumulate, KT_GRAD_OVERWRITE, KT_GRAD_ACCUMULATE, std::string(where) + ": options->accumulate",
+                   "kt_grad_accumulate");
+    check(b.opt.param_grads == 0 || b.opt.param_grads == 1, KT_ERR_INVALID_ARGUMENT,
+          std::string(where) + ": options->param_grads = " + std::to_string(b.opt.param_grads) + " must be 0 or 1");
+    check(ctx != nullptr, KT_ERR_CONTEXT,
+          std::string(where) + ": ctx is not a live kt_dist_context (NULL, released, or never issued)");
+    check(ctx->layer == handle, KT_ERR_CONTEXT, std::string(where) + ": ctx belongs to another kt_dist_moe");
+    check(!ctx->spent, KT_ERR_CONTEXT, std::string(where) + ": ctx is spent: a backward already consumed it");
+    kt::ArgTable t(args, n, where, {KT_ARG_DY, KT_ARG_DX, KT_ARG_DROUTE_WEIGHTS});
+    check(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": KT_ARG_DY is required");
+    const int64_t T = ctx->tokens;
+    b.dy = kt::check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
+    if (t[KT_ARG_DX]) {
+      b.dx = kt::check_tensor(t[KT_ARG_DX], {"KT_ARG_DX", {static_cast<DType>(ctx->x_dtype)}, {T, H}, true}, where);
+      b.has_dx = true;
+      kt::check_writable(b.dx, where, "KT_ARG_DX");
+      kt::check_disjoint(b.dx, "KT_ARG_DX", b.dy, "KT_ARG_DY", where);
+    }
+    if (t[KT_ARG_DROUTE_WEIGHTS]) {
+      b.dw = kt::check_tensor(t[KT_ARG_DROUTE_WEIGHTS],
+                              {"KT_ARG_DROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {T, K}}, where);
+      b.has_dw = true;
+      kt::check_writable(b.dw, where, "KT_ARG_DROUTE_WEIGHTS");
+      kt::check_disjoint(b.dw, "KT_ARG_DROUTE_WEIGHTS", b.dy, "KT_ARG_DY", where);
+      if (b.has_dx) kt::check_disjoint(b.dw, "KT_ARG_DROUTE_WEIGHTS", b.dx, "KT_ARG_DX", where);
+    }
+  });
+  if (owner_mode()) {
+    backward_owner(b, mine, ctx, where);
+  } else {
+    backward_experts(b, mine, ctx, where);
+  }
+  ctx->spent = true;
+}
+
+namespace {
+
+// The agreement step of a backward: outcomes, then what every rank must
+// pass alike. Returns every rank's head.
+std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Outcome& mine, const GradHead& head) {
+  const int W = comm.world;
+  const std::vector<char> all = agree(comm, where, mine, &head, sizeof(head));
+  check_same(all, sizeof(GradHead), W, where, KT_ERR_CONTEXT, "the forward whose context backward consumes (its number)",
+             [](const char* p) { return static_cast<int64_t>(grad_head_at(p).seq); }, show_int);
+  check_same(all, sizeof(GradHead), W, where, KT_ERR_DTYPE, "KT_ARG_DY's dtype",
+             [](const char* p) { return int64_t{grad_head_at(p).dy_dtype}; }, show_dtype);
+  check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->grad_scale",
+             [](const char* p) { return int64_t{grad_head_at(p).grad_scale_bits}; }, show_float_bits);
+  check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->accumulate",
+             [](const char* p) { return int64_t{grad_head_at(p).accumulate}; }, show_int);
+  check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->param_grads",
+             [](const char* p) { return int64_t{grad_head_at(p).param_grads}; }, show_int);
+  std::vector<GradHead> heads(usize(W));
+  for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
+  return heads;
+}
+
+GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const View& dy, bool has_dx, bool has_dw,
+                      const kt_backward_options& o) {
+  GradHead h{};
+  if (!mine.ok()) return h;
+  h.seq = ctx->seq;
+  h.tokens = ctx->tokens;
+  h.dy_dtype = static_cast<int32_t>(dy.dtype);
+  h.has_dx = has_dx;
+  h.has_dw = has_dw;
+  h.accumulate = static_cast<int32_t>(kt::enum_bits(o.accumulate));
+  h.param_grads = o.param_grads;
+  h.grad_scale_bits = static_cast<uint32_t>(float_bits(o.grad_scale));
+  return h;
+}
+
+}  // namespace
+
+namespace {
+
+// The local layer's backward over the rows it computed; parameter gradients
+// follow the host's averaging convention.
+void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_options& given, const Dl& dy,
+                    const Dl* dx, const Dl* dw) {
+  kt_arg a[3] = {{KT_ARG_DY, &dy.t}};
+  size_t n = 1;
+  if (dx) a[n++] = kt_arg{KT_ARG_DX, &dx->t};
+  if (dw) a[n++] = kt_arg{KT_ARG_DROUTE_WEIGHTS, &dw->t};
+  kt_backward_options o = given;
+  if (kt::enum_bits(d.options.grad_average) == KT_DIST_GRAD_MEAN) o.grad_scale /= static_cast<float>(d.comm->world);
+  ok(kt_moe_backward(d.local, ctx, &o, a, n));
+}
+
+}  // namespace
+
+void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
+  const int W = comm->world, me = comm->rank, owner = options.owner_rank;
+  const int64_t K = layer_options.top_k, H = layer_options.hidden;
+  const std::vector<GradHead> heads =
+      agree_backward(*comm, where, mine, grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt));
+  const DType dyd = b.dy.dtype, xd = static_cast<DType>(ctx->x_dtype);
+  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  bool any_dx = false, any_dw = false;
+  std::vector<int64_t> first(usize(W) + 1, 0);
+  for (int r = 0; r < W; ++r) {
+    any_dx = any_dx || heads[usize(r)].has_dx;
+    any_dw = any_dw || heads[usize(r)].has_dw;
+    first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+  }
+  const int64_t total = first[usize(W)];
+  kt::dist::Transport& t = comm->cpu_transport(where);
+
+  // Gather dy to the owner.
+  char* out = bytes_of(send_, usize(ctx->tokens * dyrow));
+  for (int64_t i = 0; i < ctx->tokens; ++i) copy_row_out(b.dy, i, out + i * dyrow);
+  std::vector<int64_t> send_bytes(usize(W), 0), recv_bytes(usize(W), 0);
+  send_bytes[usize(owner)] = ctx->tokens * dyrow;
+  if (me == owner)
+    for (int r = 0; r < W; ++r) recv_bytes[usize(r)] = heads[usize(r)].tokens * dyrow;
+  char* in = bytes_of(recv_, usize(me == owner ? total * dyrow : 0));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
+
+  // The owner's one backward over every rank's rows; parameter gradients
+  // once, scaled by the host's convention.
+  Outcome computed;
+  if (me == owner) {
+    computed = attempt([&] {
+      char* dx = bytes_of(dx_, usize(any_dx ? total * xrow : 0));
+      float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? total * K * 4 : 0)));
+      Dl DY(in, dyd, total, H), DX(dx, xd, total, H), DW(dw, DType::kF32, total, K);
+      local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
+    });
+  }
+
+  // Scatter each rank's dx rows and routing-weight gradients.
+  const auto part_bytes = [&](int r) {
+    const GradHead& h = heads[usize(r)];
+    return int64_t{kOutcomeBytes} + (h.has_dx ? h.tokens * xrow : 0) + (h.has_dw ? h.tokens * K * 4 : 0);
+  };
+  std::fill(send_bytes.begin(), send_bytes.end(), 0);
+  std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
+  recv_bytes[usize(owner)] = part_bytes(me);
+  if (me == owner) {
+    int64_t sum = 0;
+    for (int r = 0; r < W; ++r) sum += part_bytes(r);
+    char* s = bytes_of(send_, usize(sum));
+    for (int r = 0; r < W; ++r) {
+      const GradHead& h = heads[usize(r)];
+      kt::dist::write_outcome(computed, s);
+      char* p = s + kOutcomeBytes;
+      if (computed.ok() && h.has_dx) std::memcpy(p, dx_.data() + first[usize(r)] * xrow, usize(h.tokens * xrow));
+      if (h.has_dx) p += h.tokens * xrow;
+      if (computed.ok() && h.has_dw) std::memcpy(p, dw_.data() + first[usize(r)] * K * 4, usize(h.tokens * K * 4));
+      send_bytes[usize(r)] = part_bytes(r);
+      s += part_bytes(r);
+    }
+  }
+  char* back = bytes_of(recv_, usize(part_bytes(me)));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, back, recv_bytes); });
+  kt::dist::raise_outcome(back, owner, where);
+  const char* p = back + kOutcomeBytes;
+  if (b.has_dx) {
+    for (int64_t i = 0; i < ctx->tokens; ++i) copy_row_in(b.dx, i, p + i * xrow);
+    p += ctx->tokens * xrow;
+  }
+  if (b.has_dw)
+    for (int64_t i = 0; i < ctx->tokens; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        float v;
+        std::memcpy(&v, p + (i * K + j) * 4, 4);
+        kt::store_f32(b.dw.at(i, j), b.dw.dtype, v);
+      }
+}
+
+void kt_dist_moe::backward_experts(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
+  const int W = comm->world;
+  const int64_t K = layer_options.top_k, H = layer_options.hidden;
+  const std::vector<GradHead> heads =
+      agree_backward(*comm, where, mine, grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt));
+  bool any_dx = false, any_dw = false;
+  for (const GradHead& h : heads) {
+    any_dx = any_dx || h.has_dx;
+    any_dw = any_dw || h.has_dw;
+  }
+  const DType dyd = b.dy.dtype;
+  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  int64_t nsent = 0, nrecv = 0;
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
+  for (int r = 0; r < W; ++r) {
+    nsent += ctx->sent[usize(r)];
+    nrecv += ctx->received[usize(r)];
+    send_bytes[usize(r)] = ctx->sent[usize(r)] * dyrow;
+    recv_bytes[usize(r)] = ctx->received[usize(r)] * dyrow;
+  }
+  kt::dist::Transport& t = comm->cpu_transport(where);
+
+  // Dispatch dy rows to the routes' ranks, in the forward's order.
+  char* out = bytes_of(send_, usize(nsent * dyrow));
+  const int64_t slots = ctx->tokens * K;
+  for (int64_t s = 0; s < slots; ++s)
+    if (ctx->route_row[usize(s)] >= 0) copy_row_out(b.dy, s / K, out + ctx->route_row[usize(s)] * dyrow);
+  char* in = bytes_of(recv_, usize(nrecv * dyrow));
+  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
+
+  const int64_t back_row = (any_dx ? H * 4 : 0) + (any_dw ? 4 : 0);
+  const Outcome computed = attempt([&] {
+    if (!local) return;
+    float* dy = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
+    for (int64_t p = 0; p < nrecv; ++p) raw_to_f32(in + p * dyrow, dyd, H, dy + p * H);
+    float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
+    float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
+    Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
+    local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
+  });
+
+  // Combine: per route its dx row and routing-weight gradient go back.
+  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * back_row));
+  {
+    char* s = reply.data();
+    int64_t p0 = 0;
+    for (int r = 0; r < W; ++r) {
+      kt::dist::write_outcome(computed, s);
+      const int64_t n = ctx->received[usize(r)];
+      if (computed.ok())
+        for (int64_t i = 0; i < n; ++i) {
+          char* q = s + kOutcomeBytes + i * back_row;
+          if (any_dx) std::memcpy(q, dx_.data() + (p0 + i) * H * 4, usize(H * 4));
+          if (any_dw) std::memcpy(q + (any_dx ? H * 4 : 0), dw_.data() + (p0 + i) * 4, 4);
+        }
+      s += int64_t{kOutcomeBytes} + n * back_row;
+      p0 += n;
+      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + n * back_row;
+      recv_bytes[usize(r)] = int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
+    }
+  }
+  char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * back_row));
+  comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
+  std::vector<char> rows(usize(std::max<int64_t>(nsent * back_row, 1)));
+  {
+    const char* s = back;
+    int64_t p0 = 0;
+    for (int r = 0; r < W; ++r) {
+      kt::dist::raise_outcome(s, r, where);
+      std::memcpy(rows.data() + p0 * back_row, s + kOutcomeBytes, usize(ctx->sent[usize(r)] * back_row));
+      s += int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
+      p0 += ctx->sent[usize(r)];
+    }
+  }
+  if (b.has_dx) combine_rows(ctx->token_begin, ctx->route_order, ctx->route_row, rows.data(), back_row, H, b.dx);
+  if (b.has_dw)
+    for (int64_t s = 0; s < slots; ++s) {
+      float v = 0.f;
+      const int64_t r = ctx->route_row[usize(s)];
+      if (r >= 0) std::memcpy(&v, rows.data() + r * back_row + (any_dx ? H * 4 : 0), 4);
+      kt::store_f32(b.dw.at(s / K, s % K), b.dw.dtype, v);
+    }
+}
