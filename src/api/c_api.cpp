@@ -78,9 +78,14 @@ void validate_moe_options(const kt_moe_options& o) {
   kt::check_enum(o.activation, KT_ACT_SILU, KT_ACT_SWIGLU_OAI, std::string(w) + ": options->activation",
                  "kt_activation");
   kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
-  check(kt::enum_bits(o.weight_format) == KT_FORMAT_BF16, KT_ERR_UNSUPPORTED,
-        std::string(w) + ": options->weight_format = " + std::to_string(kt::enum_bits(o.weight_format)) +
-            ": this kt stores bf16 weights only");
+  const int64_t format = kt::enum_bits(o.weight_format);
+  check(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G32, KT_ERR_UNSUPPORTED,
+        std::string(w) + ": options->weight_format = " + std::to_string(format) +
+            " is not a storage format of this kt (bf16, int8_channel, int4_g32)");
+  check(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
+        std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
+            " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs KT_FORMAT_BF16 "
+            "(train LoRA on the quantized base with KT_MODE_LORA)");
   check(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
         std::string(w) + ": options->act_alpha must be finite and > 0");
   check(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
@@ -438,6 +443,49 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt::check(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
     *scale = layer->lora_scale;
+  });
+}
+
+const char* kt_weight_format_name(kt_weight_format format) {
+  switch (kt::enum_bits(format)) {
+    case KT_FORMAT_BF16: return "bf16";
+    case KT_FORMAT_INT8_CHANNEL: return "int8_channel";
+    case KT_FORMAT_INT4_G32: return "int4_g32";
+    default: return "unknown";
+  }
+}
+
+kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
+  const char* w = "kt_moe_get_info";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    kt_moe_info full;
+    std::memset(&full, 0, sizeof(full));
+    full.struct_size = sizeof(full);
+    const kt_moe_options& o = layer->opt;
+    full.num_experts = o.num_experts;
+    full.top_k = o.top_k;
+    full.hidden = o.hidden;
+    full.intermediate = o.intermediate;
+    full.max_tokens = o.max_tokens;
+    full.mode = o.mode;
+    full.weight_format = o.weight_format;
+    full.weight_bytes = kt_moe::weight_bytes(o).value();
+    full.num_weights = 3 * o.num_experts * o.hidden * o.intermediate;
+    {
+      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      full.num_loaded = layer->num_loaded();
+    }
+    kt::write_sized(info, full, w, "info");
+  });
+}
+
+kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_read_weights";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->read_weights(args, num_args);
   });
 }
 
