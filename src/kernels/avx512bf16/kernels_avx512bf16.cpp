@@ -234,8 +234,11 @@ static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, i
       const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 32));
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-      if (scales && (2 * g) % group == 0)
-        expand_scales(scales + p * scale_stride + (2 * g / group) * kPanelRows, &slo, &shi);
+      if (!scales) {  // small integers: exact in bf16 as they are
+        _mm512_storeu_si512(out + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        continue;
+      }
+      if ((2 * g) % group == 0) expand_scales(scales + p * scale_stride + (2 * g / group) * kPanelRows, &slo, &shi);
       _mm512_storeu_si512(out + g * 32, scaled_pair_group(lo, hi, slo, shi));
     }
   }
