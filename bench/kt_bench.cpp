@@ -5,6 +5,7 @@
 //            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
 //            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
 //            [--optim-params LIST]
+//            [--format LIST]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
 #include <unistd.h>
@@ -72,6 +73,8 @@ struct Options {
   bool torch = true;
   std::string python = "/usr/bin/python3";
   std::string torch_script = default_torch_script();
+  // Storage formats compared side by side with bf16 (kt only).
+  std::vector<kt_weight_format> formats;
 };
 
 const char* kUsage =
@@ -93,7 +96,9 @@ const char* kUsage =
     "  --no-onednn          skip the oneDNN baseline\n"
     "  --no-torch           skip the torch baseline\n"
     "  --python PATH        interpreter for the torch baseline (default /usr/bin/python3)\n"
-    "  --torch-script PATH  torch_baseline.py to run\n";
+    "  --torch-script PATH  torch_baseline.py to run\n"
+    "  --format LIST        also run kt with these weight storage formats (int8_channel,int4_g32),\n"
+    "                       side by side with bf16 on the same layer and workloads\n";
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
@@ -176,6 +181,17 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
         *error = "unknown GEMM backend " + v + " (native, onednn)";
         return false;
       }
+    } else if (a == "--format") {
+      for (const std::string& name : split(v)) {
+        const kt_weight_format all[] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32};
+        const kt_weight_format* f =
+            std::find_if(std::begin(all), std::end(all), [&](kt_weight_format x) { return name == kt_weight_format_name(x); });
+        if (f == std::end(all)) {
+          *error = "unknown weight format " + name;
+          return false;
+        }
+        if (*f != KT_FORMAT_BF16) o->formats.push_back(*f);
+      }
     } else if (a == "--isa") {
       const kt_isa all[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
       const kt_isa* found = std::find_if(std::begin(all), std::end(all), [&](kt_isa x) { return v == kt_isa_name(x); });
@@ -248,6 +264,16 @@ struct Row {
   return got.size() != ref.size() ? NAN : den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// kt with another storage format of the base weights, on a bf16 row's
+// workload: bytes are those the format stores for the touched experts.
+struct FormatRow {
+  kt_weight_format format = KT_FORMAT_BF16;
+  Case which = Case::kForward;
+  int64_t tokens = 0;
+  double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
+  std::string error;
+};
+
 struct TouchedRow {
   int64_t touched = 0, tokens = 0;
   double bytes = 0;
@@ -268,6 +294,7 @@ struct ModelReport {
   std::vector<std::pair<std::string, double>> loads;  // (layer mode, seconds kt took to pack it)
   std::vector<Row> rows;
   std::vector<TouchedRow> sweep;
+  std::vector<FormatRow> formats;  // --format
   std::map<Case, LinearFit> fits;
   std::string onednn_reason;  // empty when it ran
   TorchRun torch;
@@ -377,6 +404,31 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
       }
     }
     rep.loads = kt.loads();
+  }
+  // The same workloads with the base stored in each other format, one layer
+  // at a time, right after the bf16 ones.
+  const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
+  for (kt_weight_format f : o.formats) {
+    KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16), f);
+    for (Case c : o.cases) {
+      for (const Workload& w : work) {
+        if (!o.json)
+          std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name, kt_weight_format_name(f), case_label(c),
+                       static_cast<long long>(w.tokens));
+        FormatRow fr;
+        fr.format = f;
+        fr.which = c;
+        fr.tokens = w.tokens;
+        const double s = kt.time_case(c, w, o.warmup, o.reps, &fr.error);
+        if (s >= 0) fr.kt_s = s;
+        const Row& base = row_of(c, w.tokens);
+        // case_bytes counts bf16 weights: the same reads in this format's bytes.
+        fr.bytes_per_weight = kt.expert_weight_bytes() / weights_per_expert;
+        fr.bytes = base.bytes * kt.expert_weight_bytes() / layer.bytes_per_expert();
+        rep.formats.push_back(fr);
+      }
+    }
+    for (const auto& l : kt.loads()) rep.loads.emplace_back(std::string(kt_weight_format_name(f)) + " " + l.first, l.second);
   }
   for (Case c : o.cases) rep.fits[c] = fit_cost(rep.rows, c);
 
@@ -568,6 +620,25 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                   fmt("%.3f", f.ms_per_expert).c_str(), fmt("%.2f", f.us_per_route).c_str(),
                   fmt("%.1f", 100 * f.max_rel_residual).c_str());
     }
+    if (!mr.formats.empty()) {
+      std::printf("weight storage formats, side by side with bf16 in this run (kt only):\n");
+      std::printf("   %-19s %6s %-13s %7s %10s %8s %6s %9s\n", "case", "T", "format", "B/wt", "ms", "GB/s", "%bw",
+                  "t/t_bf16");
+      for (const Row& r : mr.rows) {
+        std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s\n", case_label(r.which), static_cast<long long>(r.tokens),
+                    "bf16", 2.0, fmt("%.3f", r.kt_s * 1e3).c_str(), fmt("%.1f", r.bytes / r.kt_s / 1e9).c_str(),
+                    fmt("%.0f", 100 * r.bytes / r.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(), "1.00");
+        for (const FormatRow& f : mr.formats) {
+          if (f.which != r.which || f.tokens != r.tokens) continue;
+          std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s\n", "", static_cast<long long>(f.tokens),
+                      kt_weight_format_name(f.format), f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
+                      fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
+                      fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
+                      fmt("%.2f", f.kt_s / r.kt_s).c_str());
+          if (!f.error.empty()) std::printf("      %s\n", f.error.c_str());
+        }
+      }
+    }
     if (!mr.sweep.empty()) {
       std::printf("   forward at T=%lld vs touched experts:", static_cast<long long>(mr.sweep.front().tokens));
       for (const TouchedRow& t : mr.sweep)
@@ -752,6 +823,23 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     }
     j.end_array();
     j.end_object();
+    j.key("weight_formats").begin_array();
+    for (const FormatRow& f : mr.formats) {
+      const Row& base = *std::find_if(mr.rows.begin(), mr.rows.end(),
+                                      [&](const Row& r) { return r.which == f.which && r.tokens == f.tokens; });
+      j.begin_object();
+      j.key("format").value(kt_weight_format_name(f.format));
+      j.key("case").value(case_key(f.which));
+      j.key("tokens").value(f.tokens);
+      j.key("bytes_per_weight").value(f.bytes_per_weight);
+      j.key("ms").value(f.kt_s * 1e3);
+      j.key("gbs").value(f.bytes / f.kt_s / 1e9);
+      j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
+      j.key("time_vs_bf16").value(f.kt_s / base.kt_s);
+      if (!f.error.empty()) j.key("error").value(f.error);
+      j.end_object();
+    }
+    j.end_array();
     j.end_object();
   }
   j.end_array();
@@ -838,6 +926,8 @@ int main(int argc, char** argv) {
   for (const ModelReport& mr : models)
     for (const Row& r : mr.rows) kt_failed = kt_failed || !r.kt_error.empty();
   for (const OptimizerRow& r : optimizer.rows) kt_failed = kt_failed || !r.error.empty();
+  for (const ModelReport& mr : models)
+    for (const FormatRow& f : mr.formats) kt_failed = kt_failed || !f.error.empty();
   st = kt_engine_destroy(engine);
   if (st != KT_OK) {
     std::fprintf(stderr, "kt_bench: %s\n", kt_error("kt_engine_destroy", st).c_str());

@@ -8,8 +8,8 @@ std::string kt_error(const char* call, kt_status status) {
   return std::string(call) + " failed: " + kt_status_string(status) + ": " + kt_last_error();
 }
 
-KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens)
-    : engine_(engine), layer_(layer), max_tokens_(max_tokens) {}
+KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens, kt_weight_format format)
+    : engine_(engine), layer_(layer), max_tokens_(max_tokens), format_(format) {}
 
 KtRunner::~KtRunner() { release_layer(); }
 
@@ -33,6 +33,7 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
   options.intermediate = s.intermediate;
   options.max_tokens = max_tokens_;
   options.mode = mode;
+  options.weight_format = format_;
   if (mode == KT_MODE_LORA) {
     options.lora_rank = kLoraRank;
     options.lora_alpha = 2.f * kLoraRank;
@@ -53,6 +54,10 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
     release_layer();
     return false;
   }
+  kt_moe_info info;
+  info.struct_size = sizeof(info);
+  if (kt_moe_get_info(moe_, &info) == KT_OK)
+    expert_weight_bytes_ = static_cast<double>(info.weight_bytes) / static_cast<double>(layer_.experts);
 
   std::vector<kt_arg> bind;
   const int64_t E = layer_.experts, r = kLoraRank;

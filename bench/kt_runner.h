@@ -14,7 +14,9 @@ namespace kt_bench {
 
 class KtRunner {
  public:
-  KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens);
+  // format: how the layer stores the base weights (kt_moe_options.weight_format).
+  KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens,
+           kt_weight_format format = KT_FORMAT_BF16);
   ~KtRunner();
   KtRunner(const KtRunner&) = delete;
   KtRunner& operator=(const KtRunner&) = delete;
@@ -31,6 +33,9 @@ class KtRunner {
   bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);
   // (mode, seconds) of every layer loaded so far: how long kt took to pack it.
   const std::vector<std::pair<std::string, double>>& loads() const { return loads_; }
+  // Bytes per expert of the stored base weights (kt_moe_get_info) of the
+  // last layer prepared; 0 before.
+  double expert_weight_bytes() const { return expert_weight_bytes_; }
 
  private:
   bool prepare(kt_mode mode, std::string* error);
@@ -41,6 +46,8 @@ class KtRunner {
   kt_engine* engine_;
   const LayerWeights& layer_;
   int64_t max_tokens_;
+  kt_weight_format format_;
+  double expert_weight_bytes_ = 0;
   kt_moe* moe_ = nullptr;
   kt_mode mode_ = KT_MODE_INFERENCE;
   std::vector<std::pair<std::string, double>> loads_;

@@ -78,9 +78,14 @@ void validate_moe_options(const kt_moe_options& o) {
   kt::check_enum(o.activation, KT_ACT_SILU, KT_ACT_SWIGLU_OAI, std::string(w) + ": options->activation",
                  "kt_activation");
   kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
-  check(kt::enum_bits(o.weight_format) == KT_FORMAT_BF16, KT_ERR_UNSUPPORTED,
-        std::string(w) + ": options->weight_format = " + std::to_string(kt::enum_bits(o.weight_format)) +
-            ": this kt stores bf16 weights only");
+  const int64_t format = kt::enum_bits(o.weight_format);
+  check(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G32, KT_ERR_UNSUPPORTED,
+        std::string(w) + ": options->weight_format = " + std::to_string(format) +
+            " is not a storage format of this kt (bf16, int8_channel, int4_g32)");
+  check(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
+        std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
+            " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs KT_FORMAT_BF16 "
+            "(train LoRA on the quantized base with KT_MODE_LORA)");
   check(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
         std::string(w) + ": options->act_alpha must be finite and > 0");
   check(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
@@ -442,6 +447,49 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   });
 }
 
+const char* kt_weight_format_name(kt_weight_format format) {
+  switch (kt::enum_bits(format)) {
+    case KT_FORMAT_BF16: return "bf16";
+    case KT_FORMAT_INT8_CHANNEL: return "int8_channel";
+    case KT_FORMAT_INT4_G32: return "int4_g32";
+    default: return "unknown";
+  }
+}
+
+kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
+  const char* w = "kt_moe_get_info";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    kt_moe_info full;
+    std::memset(&full, 0, sizeof(full));
+    full.struct_size = sizeof(full);
+    const kt_moe_options& o = layer->opt;
+    full.num_experts = o.num_experts;
+    full.top_k = o.top_k;
+    full.hidden = o.hidden;
+    full.intermediate = o.intermediate;
+    full.max_tokens = o.max_tokens;
+    full.mode = o.mode;
+    full.weight_format = o.weight_format;
+    full.weight_bytes = kt_moe::weight_bytes(o).value();
+    full.num_weights = 3 * o.num_experts * o.hidden * o.intermediate;
+    {
+      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      full.num_loaded = layer->num_loaded();
+    }
+    kt::write_sized(info, full, w, "info");
+  });
+}
+
+kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args) {
+  const char* w = "kt_moe_read_weights";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
+    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    layer->read_weights(args, num_args);
+  });
+}
+
 namespace {
 void set_load_options_defaults(kt_load_options& o) {
   o.orientation = KT_ORIENT_OUT_IN;
@@ -494,64 +542,6 @@ kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
     kt::check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     *count = layer->num_loaded();
-  });
-}
-
-kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args) {
-  const char* w = "kt_moe_read_weights";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": args is NULL");
-    struct Dest {
-      kt::View v;
-      int proj;
-      bool bias;
-      const char* name;
-    };
-    static const char* const kNames[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_DOWN",
-                                         "KT_ARG_B_GATE", "KT_ARG_B_UP", "KT_ARG_B_DOWN"};
-    static const int kIds[] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
-    const std::initializer_list<kt::DType> kOut = {kt::DType::kF32, kt::DType::kBF16, kt::DType::kF16};
-    std::vector<Dest> dests;
-    for (size_t i = 0; i < num_args; ++i) {
-      int which = -1;
-      for (int j = 0; j < 6; ++j)
-        if (args[i].id == kIds[j]) which = j;
-      kt::check(which >= 0, KT_ERR_INVALID_ARGUMENT,
-                std::string(w) + ": argument id " + std::to_string(args[i].id) +
-                    " is not W_GATE/W_UP/W_DOWN/B_GATE/B_UP/B_DOWN");
-      for (const Dest& d : dests)
-        kt::check(d.name != kNames[which], KT_ERR_INVALID_ARGUMENT,
-                  std::string(w) + ": " + kNames[which] + " given twice");
-      const int proj = which % 3;
-      const bool bias = which >= 3;
-      kt::check(!bias || layer->opt.has_bias, KT_ERR_INVALID_ARGUMENT,
-                std::string(w) + ": " + kNames[which] + ": the layer has no biases");
-      const int64_t out = proj == 2 ? layer->H : layer->I, in = proj == 2 ? layer->I : layer->H;
-      kt::View v = bias ? kt::check_tensor(args[i].tensor, {kNames[which], kOut, {layer->E, out}}, w)
-                        : kt::check_tensor(args[i].tensor, {kNames[which], kOut, {layer->E, out, in}}, w);
-      kt::check_writable(v, w, kNames[which]);
-      for (const Dest& d : dests) kt::check_disjoint(v, kNames[which], d.v, d.name, w);
-      dests.push_back(Dest{v, proj, bias, kNames[which]});
-    }
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
-    const std::vector<uint8_t>& loaded = layer->loaded_mask();
-    for (const Dest& d : dests) {
-      const kt::PanelShape& shape = d.proj == 2 ? layer->down_shape : layer->gate_shape;
-      const int64_t out = shape.n, in = shape.k;
-      for (int64_t e = 0; e < layer->E; ++e) {
-        const bool have = loaded[static_cast<size_t>(e)] != 0;
-        if (d.bias) {
-          const float* b = layer->biases(d.proj) + e * out;
-          for (int64_t o = 0; o < out; ++o) kt::store_f32(d.v.at(e, o), d.v.dtype, have ? b[o] : 0.f);
-          continue;
-        }
-        const kt::bf16_t* p = layer->packed_weights(d.proj) + e * shape.elements();
-        for (int64_t o = 0; o < out; ++o)
-          for (int64_t c = 0; c < in; ++c)
-            kt::store_f32(d.v.at(e, o, c), d.v.dtype, have ? kt::packed_get(p, shape, o, c) : 0.f);
-      }
-    }
   });
 }
 

@@ -168,7 +168,16 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
   return h;
 }
 
+// Packed caches hold bf16 panels; quantized layers are refused until the
+// cache format holds their codes and scales.
+static void check_cacheable(const kt_moe& moe, const char* where) {
+  check(!moe.quantized, KT_ERR_UNSUPPORTED,
+        std::string(where) + ": the layer stores " + kt_weight_format_name(moe.opt.weight_format) +
+            " weights; packed caches hold bf16 layers only");
+}
+
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
+  check_cacheable(*moe, where);
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   const std::vector<uint8_t>& loaded = moe->loaded_mask();
   check(std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
@@ -255,6 +264,7 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
 }
 
 void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
+  check_cacheable(*moe, where);
   const std::string w = std::string(where) + ": " + path;
   auto map = std::make_shared<MappedFile>(path);
   const uint64_t size = map->size();

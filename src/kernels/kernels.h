@@ -125,6 +125,25 @@ struct Kernels {
   // clamped), a_out = a when not NULL; returns sum_j da'[j] * a[j].
   float (*act_backward)(const ActParams& p, const float* g, const float* u, const float* da, float w,
                         float* dg, float* du, float* a_out, int64_t n);
+
+  // ---- quantized frozen bases (formats/packed_quant.h).
+  // Codes of np panels (code_panel_bytes apart), columns [k0, k0 + kc) (both
+  // multiples of 32), to bf16 packed panels of kc columns at dst (panel
+  // stride 16 * kc). scales NULL: the code values, exact in bf16. Otherwise
+  // each value times its fp32 scale scales[p * scale_stride + ((k - k0) /
+  // group) * 16 + lane] (group a multiple of 32), rounded to bf16 once.
+  void (*dequant_i8)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+  void (*dequant_i4)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+  // gemm_bf16w with a scale per column and group of K: C[r, 16p + c] (=|+=)
+  // sum over groups j of scales[p * scale_stride + 16 j + c] * (sum over k
+  // in [j * group, (j + 1) * group) of A[r][k] * W_p[c][k]): the scale is
+  // applied in fp32 to each group's partial sum. group is a multiple of 32
+  // that divides kp.
+  void (*gemm_bf16w_grouped)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                             int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
+                             int64_t group, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next);
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

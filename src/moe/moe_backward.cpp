@@ -204,7 +204,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   // What the W^T panels of an item are built from.
   const auto down_source = [&](int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    return transpose_source(wp_[kDown] + e * ds.elements(), ds, col0, std::min(kBlockCols, I - col0));
+    return transpose_block(kDown, e, col0, std::min(kBlockCols, I - col0));
   };
   const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
   // One item: da' for a block of I over all of the expert's rows; `next` is
@@ -215,7 +215,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     const int64_t col0 = ib * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    K_.transpose_panels(wp_[kDown] + e * ds.elements(), ds.np, ds.panel_stride(), col0, ncols, s.panels[0].data());
+    transposed_panels(s, kDown, e, col0, ncols, s.panels[0].data());
     float* cda = s.c[0].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
@@ -276,12 +276,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       // The gate (q = 0) or up (q = 1) source of the block after (e, sc0):
       // the next block of the expert, or the next expert's first.
       const auto next_source = [&](int q, size_t ai, int64_t sc0) {
-        const bf16_t* w = wp_[q == 0 ? kGate : kUp];
+        const int proj = q == 0 ? kGate : kUp;
         if (sc0 + kBlockCols < col0 + ncols)
-          return transpose_source(w + R.active[ai] * gs.elements(), gs, sc0 + kBlockCols,
-                                  std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
+          return transpose_block(proj, R.active[ai], sc0 + kBlockCols,
+                                 std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
         if (ai + 1 < R.active.size())
-          return transpose_source(w + R.active[ai + 1] * gs.elements(), gs, col0, std::min(kBlockCols, ncols));
+          return transpose_block(proj, R.active[ai + 1], col0, std::min(kBlockCols, ncols));
         return PrefetchRegion{};
       };
       for (size_t ai = 0; ai < R.active.size(); ++ai) {
@@ -295,8 +295,8 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
           const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
           const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-          K_.transpose_panels(wp_[kGate] + e * gs.elements(), gs.np, gs.panel_stride(), sc0, sn, s.panels[0].data());
-          K_.transpose_panels(wp_[kUp] + e * gs.elements(), gs.np, gs.panel_stride(), sc0, sn, s.panels[1].data());
+          transposed_panels(s, kGate, e, sc0, sn, s.panels[0].data());
+          transposed_panels(s, kUp, e, sc0, sn, s.panels[1].data());
           for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
             const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
             for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;

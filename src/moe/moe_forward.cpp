@@ -191,12 +191,11 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   // Stage 2: gate + up + activation, items (expert, block of I).
   clock.enter(KT_STAGE_GATE_UP);
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  const PanelShape gs = gate_shape;
   block_items(R, I);
   // The gate (q = kGate) or up panels of an item's block of I.
   const auto block_of = [&](int q, int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    return panel_block(wp_[q] + e * gs.elements(), gs, col0, std::min(kBlockCols, I - col0));
+    return weight_block(q, e, col0, std::min(kBlockCols, I - col0));
   };
   // One item: gate and up panels of a block of I for all of the expert's rows;
   // `next` is the gate block the worker takes next.
@@ -205,9 +204,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t col0 = (item & 0xffffffff) * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    const PrefetchRegion gate = block_of(kGate, item), up = block_of(kUp, item);
-    const bf16_t* wg = static_cast<const bf16_t*>(gate.base);
-    const bf16_t* wu = static_cast<const bf16_t*>(up.base);
+    const PrefetchRegion up = block_of(kUp, item);
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
@@ -216,9 +213,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int i = 0; i < m; ++i)
         s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
       const bool last = p0 + kRowChunk >= pend;
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wg, gs.panel_stride(), np, cg, kBlockCols, false, up);
-      K_.gemm_bf16w(s.rows.data(), m, kpH, wu, gs.panel_stride(), np, cu, kBlockCols, false,
-                    last ? next : PrefetchRegion{});
+      base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, up);
+      base_gemm(s, kUp, e, col0 / kPanelRows, np, s.rows.data(), m, cu, last ? next : PrefetchRegion{});
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
@@ -263,7 +259,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   // Stage 4: down + bias + LoRA + routing weight + combine; items own a block
   // of H columns for a range of tokens.
   clock.enter(KT_STAGE_DOWN);
-  const PanelShape ds = down_shape;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
   const CombineSplit split = CombineSplit::plan(T, H, pool.size());
@@ -280,7 +275,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     // The down panels of expert e for the columns [sc0, sc0 + kBlockCols)
     // of the item.
     const auto block_of_down = [&](int64_t e, int64_t sc0) {
-      return panel_block(wp_[kDown] + e * ds.elements(), ds, sc0, std::min(kBlockCols, col0 + ncols - sc0));
+      return weight_block(kDown, e, sc0, std::min(kBlockCols, col0 + ncols - sc0));
     };
     for (size_t ai = 0; ai < R.active.size(); ++ai) {
       const int32_t e = R.active[ai];
@@ -290,7 +285,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
         const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
         const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-        const bf16_t* wd = static_cast<const bf16_t*>(block_of_down(e, sc0).base);
         // The next panels (next block, or the next expert's first) come in
         // while these run.
         const PrefetchRegion next = sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
@@ -300,8 +294,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
           for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
-          K_.gemm_bf16w(s.rows.data(), m, kpI, wd, ds.panel_stride(), np, co, kBlockCols, false,
-                        p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co,
+                    p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
             K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),

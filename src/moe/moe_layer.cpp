@@ -20,6 +20,27 @@ void Routing::reserve(int64_t max_tokens, int64_t k, int64_t experts) {
   weight.reserve(static_cast<size_t>(max_tokens * k));
 }
 
+// The panel shapes of a layer: a quantized base pads the A rows (and its
+// panels) to kq.
+struct LayerShapes {
+  bool quantized;
+  PanelShape gate, down;
+  QuantShape gate_q, down_q;
+  explicit LayerShapes(const kt_moe_options& o)
+      : quantized(is_quantized(o.weight_format)), gate(PanelShape::of(o.intermediate, o.hidden)),
+        down(PanelShape::of(o.hidden, o.intermediate)) {
+    if (!quantized) return;
+    gate_q = QuantShape::of(o.weight_format, o.intermediate, o.hidden);
+    down_q = QuantShape::of(o.weight_format, o.hidden, o.intermediate);
+    gate.kp = gate_q.kq;
+    down.kp = down_q.kq;
+  }
+};
+
+// K columns a quantized base dequantizes per GEMM call: 4 panels of 256
+// columns are 32 KiB of bf16, which stay in L1/L2 while the row tiles pass.
+constexpr int64_t kQuantChunk = 256;
+
 }  // namespace kt
 
 using namespace kt;
@@ -34,11 +55,21 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
   if (o.mode == KT_MODE_LORA)
     lora_scale = o.use_rslora ? o.lora_alpha / std::sqrt(static_cast<float>(r))
                               : o.lora_alpha / static_cast<float>(r);
-  gate_shape = PanelShape::of(I, H);
-  down_shape = PanelShape::of(H, I);
-  w_[kGate].resize(static_cast<size_t>(E * gate_shape.elements()));
-  w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
-  w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
+  const LayerShapes shapes(o);
+  quantized = shapes.quantized;
+  gate_shape = shapes.gate;
+  down_shape = shapes.down;
+  gate_q = shapes.gate_q;
+  down_q = shapes.down_q;
+  if (quantized) {
+    q_[kGate].resize(static_cast<size_t>(E * gate_q.expert_bytes));
+    q_[kUp].resize(static_cast<size_t>(E * gate_q.expert_bytes));
+    q_[kDown].resize(static_cast<size_t>(E * down_q.expert_bytes));
+  } else {
+    w_[kGate].resize(static_cast<size_t>(E * gate_shape.elements()));
+    w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
+    w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
+  }
   for (int p = 0; p < 3; ++p) wp_[p] = w_[p].data();
   if (o.has_bias) {
     b_[kGate].resize(static_cast<size_t>(E * I));
@@ -66,6 +97,11 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.grad.resize(static_cast<size_t>(std::max<int64_t>(kRowChunk, r) * wide));
     s.rows.resize(static_cast<size_t>(kRowChunk));
     s.frows.resize(static_cast<size_t>(kRowChunk));
+    if (quantized) {
+      s.deq.resize(static_cast<size_t>(std::max(kBlockPanels * kPanelRows * kQuantChunk, kBlockCols * kpad)));
+      s.qscale.resize(static_cast<size_t>(std::max(kBlockPanels * kQuantChunk, 2 * kpad)));
+      s.qrows.resize(static_cast<size_t>(kRowChunk));
+    }
   }
   engine->num_layers.fetch_add(1);
   counted_ = true;
@@ -77,12 +113,20 @@ void kt_moe::leave_engine() {
   engine->num_layers.fetch_sub(1);
 }
 
+CheckedSize kt_moe::weight_bytes(const kt_moe_options& o) {
+  const LayerShapes sh(o);
+  if (sh.quantized) return CheckedSize(o.num_experts) * (CheckedSize(sh.gate_q.expert_bytes) * 2 + sh.down_q.expert_bytes);
+  return CheckedSize(o.num_experts) * (CheckedSize(sh.gate.elements()) * 2 + sh.down.elements()) *
+         static_cast<int64_t>(sizeof(bf16_t));
+}
+
 CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a) {
   const int64_t E = o.num_experts, K = o.top_k, H = o.hidden, I = o.intermediate, T = o.max_tokens;
   const int64_t r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
-  const PanelShape gs = PanelShape::of(I, H), ds = PanelShape::of(H, I);
+  const LayerShapes sh(o);
+  const PanelShape gs = sh.gate, ds = sh.down;
   const int64_t f32 = sizeof(float), b16 = sizeof(bf16_t), idx = sizeof(int64_t);
-  CheckedSize bytes = CheckedSize(E) * (CheckedSize(gs.elements()) * 2 + ds.elements()) * b16;
+  CheckedSize bytes = weight_bytes(o);
   if (o.has_bias) bytes += CheckedSize(E) * (CheckedSize(I) * 2 + H) * f32;
   int64_t targets = 0;
   for (int p = 0; p < 3; ++p) targets += o.mode == KT_MODE_LORA && ((o.lora_targets >> p) & 1u);
@@ -93,6 +137,10 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   bytes += CheckedSize(threads) * (CheckedSize(2) * kBlockCols * kpad * b16 +
                                    CheckedSize(3) * kRowChunk * kBlockCols * f32 +
                                    CheckedSize(std::max<int64_t>(kRowChunk, r)) * wide * f32);
+  if (sh.quantized)
+    bytes += CheckedSize(threads) *
+             (CheckedSize(std::max(kBlockPanels * kPanelRows * kQuantChunk, kBlockCols * kpad)) * b16 +
+              CheckedSize(std::max(kBlockPanels * kQuantChunk, 2 * kpad)) * f32);
   const CheckedSize routes = CheckedSize(T) * K;
   const CheckedSize tokens_h = CheckedSize(T) * H;
   // forward: x in fp32 and A format, g and u, LoRA projections, a, a in A
@@ -203,8 +251,38 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
   return ws;
 }
 
+// A quantized base cannot hold inf or NaN (its scales would be): such a
+// weight is refused before anything is stored.
+static void check_finite_weights(kt_moe& m, const WeightSet& ws, int64_t single, const char* where) {
+  const bool stacked = single < 0;
+  const View* views[] = {&ws.gate, &ws.up, &ws.gate_up, &ws.down};
+  const char* names[] = {"KT_ARG_W_GATE", "KT_ARG_W_UP", "KT_ARG_W_GATE_UP", "KT_ARG_W_DOWN"};
+  const int slots[] = {sGate, sUp, sGateUp, sDown};
+  for (int i = 0; i < 4; ++i) {
+    if (!ws.has[slots[i]]) continue;
+    const View& v = *views[i];
+    const int64_t P = stacked ? v.shape[0] : 1;
+    std::vector<int64_t> bad(static_cast<size_t>(P), -1);
+    m.engine->pool->run(P, [&](int64_t p, int) {
+      const View x = stacked ? v.slice0(p) : v;
+      for (int64_t r = 0; r < x.shape[0] && bad[static_cast<size_t>(p)] < 0; ++r)
+        for (int64_t c = 0; c < x.shape[1]; ++c)
+          if (!std::isfinite(load_as_f32(x.at(r, c), x.dtype))) {
+            bad[static_cast<size_t>(p)] = r;
+            break;
+          }
+    });
+    for (int64_t p = 0; p < P; ++p)
+      check(bad[static_cast<size_t>(p)] < 0, KT_ERR_INVALID_ARGUMENT,
+            std::string(where) + ": " + names[i] + (stacked ? "[" + std::to_string(p) + "]" : std::string()) +
+                " holds inf or NaN (row " + std::to_string(bad[static_cast<size_t>(p)]) + "): the layer's " +
+                kt_weight_format_name(m.opt.weight_format) + " base cannot store it");
+  }
+}
+
 static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& lo, int64_t single,
-                         kt::Buffer<bf16_t>* w, kt::Buffer<float>* b, std::vector<uint8_t>& loaded) {
+                         kt::Buffer<bf16_t>* w, kt::Buffer<uint8_t>* q, kt::Buffer<float>* b,
+                         std::vector<uint8_t>& loaded) {
   const bool stacked = single < 0;
   const int64_t P = ws.has[sMap] ? ws.map.shape[0] : (stacked ? m.E : 1);
   const bool inter = lo.gate_up_order == KT_GATE_UP_INTERLEAVED;
@@ -220,18 +298,26 @@ static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& 
   const PanelShape gs = m.gate_shape, ds = m.down_shape;
   m.engine->pool->run(P, [&](int64_t p, int) {
     const int64_t e = logical(p);
-    bf16_t* wg = w[kGate].data() + e * gs.elements();
-    bf16_t* wu = w[kUp].data() + e * gs.elements();
-    bf16_t* wd = w[kDown].data() + e * ds.elements();
+    // Rows [row0, row0 + n * step) of a source into projection proj's
+    // storage of expert e.
+    const auto store = [&](int proj, const View& src, int64_t row0, int64_t step) {
+      if (m.quantized) {
+        const QuantShape& qs = proj == kDown ? m.down_q : m.gate_q;
+        quantize_panels(src, row0, step, qs, q[proj].data() + e * qs.expert_bytes);
+      } else {
+        const PanelShape& ps = proj == kDown ? ds : gs;
+        pack_bf16_panels(src, row0, step, ps, w[proj].data() + e * ps.elements());
+      }
+    };
     if (ws.has[sGateUp]) {
       const View gu = part(ws.gate_up, p);
-      pack_bf16_panels(gu, 0, inter ? 2 : 1, gs, wg);
-      pack_bf16_panels(gu, inter ? 1 : m.I, inter ? 2 : 1, gs, wu);
+      store(kGate, gu, 0, inter ? 2 : 1);
+      store(kUp, gu, inter ? 1 : m.I, inter ? 2 : 1);
     } else {
-      pack_bf16_panels(part(ws.gate, p), 0, 1, gs, wg);
-      pack_bf16_panels(part(ws.up, p), 0, 1, gs, wu);
+      store(kGate, part(ws.gate, p), 0, 1);
+      store(kUp, part(ws.up, p), 0, 1);
     }
-    pack_bf16_panels(part(ws.down, p), 0, 1, ds, wd);
+    store(kDown, part(ws.down, p), 0, 1);
     if (m.opt.has_bias) {
       float* bg = b[kGate].data() + e * m.I;
       float* bu = b[kUp].data() + e * m.I;
@@ -262,8 +348,9 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
   WeightSet ws = parse_weights(*this, lo, table, single, where);
+  if (quantized) check_finite_weights(*this, ws, single, where);
   own_weights();
-  pack_weights(*this, ws, lo, single, w_, b_, loaded_);
+  pack_weights(*this, ws, lo, single, w_, q_, b_, loaded_);
 }
 
 void kt_moe::own_weights() {
@@ -460,7 +547,7 @@ void kt_moe::params_changed() {
       ws.has[sBg] = ws.has[sBu] = ws.has[sBd] = true;
     }
     own_weights();
-    pack_weights(*this, ws, bound_load_options_, -1, w_, b_, loaded_);
+    pack_weights(*this, ws, bound_load_options_, -1, w_, q_, b_, loaded_);
   }
 }
 
@@ -554,5 +641,132 @@ void kt_moe::recycle_context(kt_context* c) {
     free_contexts_.push_back(c);
   } else {
     delete c;
+  }
+}
+
+// ------------------------------------------------------------ base weights
+
+PrefetchRegion kt_moe::weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const {
+  if (quantized) return quant_panel_block(qexpert(proj, e), qshape(proj), r0, rb);
+  const PanelShape& s = proj == kDown ? down_shape : gate_shape;
+  return panel_block(wp_[proj] + e * s.elements(), s, r0, rb);
+}
+
+PrefetchRegion kt_moe::transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const {
+  if (quantized) return quant_column_source(qexpert(proj, e), qshape(proj), c0, cb);
+  const PanelShape& s = proj == kDown ? down_shape : gate_shape;
+  return transpose_source(wp_[proj] + e * s.elements(), s, c0, cb);
+}
+
+void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows, int m,
+                       float* c, const PrefetchRegion& next) {
+  const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
+  if (!quantized) {
+    K_.gemm_bf16w(rows, m, ps.kp, wp_[proj] + e * ps.elements() + p0 * ps.panel_stride(), ps.panel_stride(), np,
+                  c, kBlockCols, false, next);
+    return;
+  }
+  const QuantShape& qs = qshape(proj);
+  const uint8_t* ex = qexpert(proj, e);
+  const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
+  const bool int4 = qs.bits == 4;
+  float* scales = s.qscale.data();
+  bf16_t* deq = s.deq.data();
+  // The next region comes in over the chunks, a share per chunk.
+  PrefetchCursor ahead(next);
+  const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
+  if (!int4) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
+  for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
+    const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
+    ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
+    for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
+    if (int4) {
+      // Each group's partial sum times its scale, in fp32.
+      K_.dequant_i4(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
+      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, (kc / qs.group) * kPanelRows,
+                            qs.group, c, kBlockCols, k0 > 0, PrefetchRegion{});
+    } else {
+      K_.dequant_i8(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
+    }
+  }
+  if (!int4)  // one scale per output row: applied to the whole sum
+    for (int r = 0; r < m; ++r) {
+      float* cr = c + r * kBlockCols;
+      for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
+    }
+}
+
+void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, bf16_t* dst) {
+  if (!quantized) {
+    const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
+    K_.transpose_panels(wp_[proj] + e * ps.elements(), ps.np, ps.panel_stride(), c0, cb, dst);
+    return;
+  }
+  // Columns [c0, c0 + kc) of every panel, scaled (one bf16 rounding), then
+  // transposed as bf16 panels are.
+  const QuantShape& qs = qshape(proj);
+  const uint8_t* ex = qexpert(proj, e);
+  const int64_t kc = round_up(cb, kQuantKAlign);
+  float* scales = s.qscale.data();
+  bf16_t* deq = s.deq.data();
+  const int np = static_cast<int>(qs.np);
+  if (qs.bits == 4) {
+    quant_scales_f32(ex, qs, 0, qs.np, c0 / qs.group, kc / qs.group, scales);
+    K_.dequant_i4(ex, qs.code_panel_bytes, np, c0, kc, scales, (kc / qs.group) * kPanelRows, qs.group, deq);
+  } else {
+    quant_scales_f32(ex, qs, 0, qs.np, 0, 1, scales);
+    K_.dequant_i8(ex, qs.code_panel_bytes, np, c0, kc, scales, kPanelRows, qs.kq, deq);
+  }
+  K_.transpose_panels(deq, qs.np, kPanelRows * kc, 0, cb, dst);
+}
+
+void kt_moe::read_weights(const kt_arg* args, size_t n) const {
+  const char* where = "kt_moe_read_weights";
+  ArgTable t(args, n, where, {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN});
+  const std::initializer_list<DType> kOut = {DType::kF32, DType::kBF16, DType::kF16};
+  std::vector<std::pair<int, View>> out;
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = p == kDown ? I : H, rows = p == kDown ? H : I;
+    if (t[KT_ARG_W_GATE + p])
+      out.emplace_back(KT_ARG_W_GATE + p,
+                       check_tensor(t[KT_ARG_W_GATE + p], {arg_name(KT_ARG_W_GATE + p), kOut, {E, rows, in}},
+                                    where));
+    if (t[KT_ARG_B_GATE + p]) {
+      check(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+            std::string(where) + ": " + arg_name(KT_ARG_B_GATE + p) + " given but the layer has no biases");
+      out.emplace_back(KT_ARG_B_GATE + p,
+                       check_tensor(t[KT_ARG_B_GATE + p], {arg_name(KT_ARG_B_GATE + p), kOut, {E, rows}},
+                                    where));
+    }
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    check_writable(out[i].second, where, arg_name(out[i].first));
+    for (size_t j = 0; j < i; ++j)
+      check_disjoint(out[i].second, arg_name(out[i].first), out[j].second, arg_name(out[j].first), where);
+  }
+  for (const auto& o : out) {
+    const View& v = o.second;
+    const bool bias = o.first >= KT_ARG_B_GATE;
+    const int p = o.first - (bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
+    const int64_t in = p == kDown ? I : H, rows = p == kDown ? H : I;
+    const PanelShape& ps = p == kDown ? down_shape : gate_shape;
+    engine->pool->run(E, [&](int64_t e, int) {
+      const bool live = loaded_[static_cast<size_t>(e)] != 0;
+      if (bias) {
+        for (int64_t r = 0; r < rows; ++r)
+          store_f32(v.at(e, r), v.dtype, live ? b_[p][static_cast<size_t>(e * rows + r)] : 0.f);
+        return;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < in; ++c) {
+          float w = 0.f;
+          if (live)
+            w = quantized ? quant_get(qexpert(p, e), qshape(p), r, c)
+                          : packed_get(wp_[p] + e * ps.elements(), ps, r, c);
+          store_f32(v.at(e, r, c), v.dtype, w);
+        }
+    });
   }
 }

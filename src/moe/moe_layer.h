@@ -18,6 +18,7 @@
 #include "core/checked.h"
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
+#include "formats/packed_quant.h"
 #include "kt_c_api.h"
 #include "runtime/engine.h"
 
@@ -75,6 +76,10 @@ struct kt_moe {
   int64_t E, K, H, I, r;
   float lora_scale = 0.f;
   kt::PanelShape gate_shape, down_shape;  // [I,H] (gate and up), [H,I]
+  // Quantized bases (opt.weight_format): the stored panels' shapes; the A
+  // rows are then padded to their kq (gate_shape.kp, down_shape.kp).
+  bool quantized = false;
+  kt::QuantShape gate_q, down_q;
 
   kt_moe(kt_engine* engine, const kt_moe_options& options);
   ~kt_moe();
@@ -86,6 +91,12 @@ struct kt_moe {
   // biases, LoRA factors, per-thread scratch, and forward and backward
   // workspaces for max_tokens tokens. Overflow is reported, not wrapped.
   static kt::CheckedSize memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a_elem_size);
+  // Bytes of the stored base weights (scales and padding included).
+  static kt::CheckedSize weight_bytes(const kt_moe_options& o);
+
+  // The layer's base weights W (dequantized) and biases into host tensors
+  // (kt_moe_read_weights); call under the compute lock.
+  void read_weights(const kt_arg* args, size_t n) const;
 
   void load(const kt_load_options& lo, const kt_arg* args, size_t n, int64_t single_expert,
             const char* where);
@@ -182,6 +193,23 @@ struct kt_moe {
 
  private:
   bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
+  struct ThreadScratch;
+  const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q : gate_q; }
+  const uint8_t* qexpert(int proj, int64_t e) const { return q_[proj].data() + e * qshape(proj).expert_bytes; }
+  // What the base GEMM of panels [r0, r0 + rb) of expert e reads (prefetch).
+  kt::PrefetchRegion weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const;
+  // What transposed_panels(proj, e, c0, cb) reads.
+  kt::PrefetchRegion transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const;
+  // C[m, 16 np] (ldc kBlockCols) = rows . W^T over packed rows [16 p0,
+  // 16 (p0 + np)) of projection proj of expert e, in any storage format
+  // (quantized: dequantized panel blocks in cache, scales applied per group
+  // in fp32); rows are A-format rows of the shape's kp.
+  void base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows, int m,
+                 float* c, const kt::PrefetchRegion& next);
+  // The packed W^T panels of columns [c0, c0 + cb) (c0 a multiple of 32) of
+  // projection proj of expert e, built in cache (transposed_panels contract
+  // of kernels.h); quantized weights are dequantized (one bf16 rounding).
+  void transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, kt::bf16_t* dst);
   void route(const ForwardCall& call, kt::Routing* out);
   void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
   void snapshot_lora();
@@ -214,6 +242,7 @@ struct kt_moe {
   // weights through wp_: w_ itself, or a packed-cache mapping held by
   // mapping_ (w_ is then released).
   kt::Buffer<kt::bf16_t> w_[3];
+  kt::Buffer<uint8_t> q_[3];  // quantized bases: [E][expert block] (formats/packed_quant.h)
   const kt::bf16_t* wp_[3] = {nullptr, nullptr, nullptr};
   std::shared_ptr<const void> mapping_;
   kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
@@ -240,6 +269,9 @@ struct kt_moe {
     kt::Buffer<float> c[3];
     kt::Buffer<float> grad;
     kt::Buffer<kt::bf16_t> zip[2];  // zipped operands of the weight gradients
+    kt::Buffer<kt::bf16_t> deq;     // dequantized panels of a quantized base
+    kt::Buffer<float> qscale;       // their fp32 scales
+    std::vector<const void*> qrows; // A rows shifted to a K chunk
     std::vector<const void*> rows;
     std::vector<const float*> frows;
   };

@@ -38,6 +38,7 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
   mo.lora_alpha = 2.f * static_cast<float>(mo.lora_rank);
   mo.use_rslora = c.rslora;
   mo.lora_targets = c.targets;
+  mo.weight_format = c.format;
   EXPECT_EQ(kt_moe_create(engine_, &mo, &moe_), KT_OK) << kt_last_error();
 
   spec.E = c.E;
@@ -83,6 +84,17 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
     load.push_back({KT_ARG_B_DOWN, B_[2]->dl()});
   }
   EXPECT_EQ(kt_moe_load_weights(moe_, nullptr, load.data(), load.size()), KT_OK) << kt_last_error();
+  if (c.format != KT_FORMAT_BF16) {
+    for (int p = 0; p < 3; ++p) {
+      TensorPtr deq = Tensor::make(kF32, W_[p]->shape);
+      kt_arg a{KT_ARG_W_GATE + p, deq->dl()};
+      EXPECT_EQ(kt_moe_read_weights(moe_, &a, 1), KT_OK) << kt_last_error();
+      std::vector<double> given(params.w[p].begin(), params.w[p].end());
+      const std::vector<double> held = deq->values();
+      quant_error[p] = rel_l2(held, given);
+      for (size_t i = 0; i < held.size(); ++i) params.w[p][i] = static_cast<float>(held[i]);
+    }
+  }
 
   if (!c.skipped.empty()) {
     TensorPtr mask = Tensor::make(kU8, {c.E});

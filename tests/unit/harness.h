@@ -111,6 +111,7 @@ struct Case {
   std::vector<int> skipped;   // experts marked skipped
   uint32_t seed = 1;
   kt_precision precision = KT_PRECISION_DEFAULT;  // of the engine
+  kt_weight_format format = KT_FORMAT_BF16;       // storage of the base weights
 };
 
 inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.name; }
@@ -147,7 +148,12 @@ class Runner {
   void perturb_lora(int p, bool b, double delta);
 
   kt::reference::Spec spec;
+  // The reference's weights: the bf16 tensors kt loaded, or for a quantized
+  // base the dequantized weights the layer reads back (kt_moe_read_weights).
   kt::reference::Params params;
+  // Quantized bases: relative L2 error of the layer's weights against the
+  // loaded ones, per projection (0 for bf16).
+  double quant_error[3] = {0, 0, 0};
   TensorPtr x_, ids_, w_, y_, dy_, dx_, dw_;
   TensorPtr la_[3], lb_[3], gla_[3], glb_[3], W_[3], B_[3], gW_[3], gb_[3];
 

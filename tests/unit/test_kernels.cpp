@@ -9,6 +9,7 @@
 
 #include "core/buffer.h"
 #include "formats/packed_bf16.h"
+#include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 #include "moe/reference.h"
 
@@ -305,6 +306,147 @@ TEST_P(GemmKernels, PackAFormatRoundsToNearestEven) {
     const float want = i < k ? (K.a_elem_size == 2 ? kt::bf16_to_f32(kt::f32_to_bf16(src[static_cast<size_t>(i)])) : src[static_cast<size_t>(i)]) : 0.f;
     EXPECT_EQ(got, want) << K.gemm_name << " element " << i;
   }
+}
+
+// ---- quantized panels (formats/packed_quant.h)
+
+// Element (lane, k) of a bf16 panel of kc columns, as float.
+float panel_value(const std::vector<bf16_t>& d, int64_t kc, int p, int lane, int64_t k) {
+  return kt::bf16_to_f32(d[static_cast<size_t>(p * 16 * kc + (k / 2) * 32 + lane * 2 + (k & 1))]);
+}
+
+// Hand-placed code bytes and the values they stand for: the nibble order
+// (low nibble: pair group 2h, high nibble: pair group 2h + 1) and u - 8.
+TEST_P(GemmKernels, Int4CodesDequantizeAsDocumented) {
+  const kt::Kernels& K = *GetParam();
+  const kt::QuantShape s = kt::QuantShape::of(KT_FORMAT_INT4_G32, 16, 32);
+  std::vector<uint8_t> codes(static_cast<size_t>(s.code_panel_bytes), 0x88);  // all zero
+  codes[0] = 0x9f;   // (lane 0, k 0) = 15 - 8 = 7; (lane 0, k 2) = 9 - 8 = 1
+  codes[1] = 0x08;   // (lane 0, k 1) = 0; (lane 0, k 3) = -8
+  codes[2] = 0x70;   // (lane 1, k 0) = -8; (lane 1, k 2) = -1
+  codes[31] = 0xa3;  // (lane 15, k 1) = -5; (lane 15, k 3) = 2
+  codes[32 * 7 + 5] = 0xc4;  // pair groups 14, 15; j 5 = lane 2, t 1: (2, 29) = -4, (2, 31) = 4
+  std::vector<bf16_t> d(static_cast<size_t>(16 * 32));
+  K.dequant_i4(codes.data(), s.code_panel_bytes, 1, 0, 32, nullptr, 0, 0, d.data());
+  const struct { int lane; int64_t k; float v; } want[] = {
+      {0, 0, 7}, {0, 2, 1}, {0, 1, 0}, {0, 3, -8}, {1, 0, -8}, {1, 2, -1}, {15, 1, -5}, {15, 3, 2},
+      {2, 29, -4}, {2, 31, 4}, {3, 0, 0}, {2, 28, 0}};
+  for (const auto& w : want) EXPECT_EQ(panel_value(d, 32, 0, w.lane, w.k), w.v) << K.gemm_name << " lane " << w.lane << " k " << w.k;
+  // Scaled: each value times its lane's scale of the group, rounded to bf16.
+  std::vector<float> scales(16, 0.5f);
+  scales[15] = 0.1f;
+  K.dequant_i4(codes.data(), s.code_panel_bytes, 1, 0, 32, scales.data(), 16, 32, d.data());
+  EXPECT_EQ(panel_value(d, 32, 0, 0, 0), 3.5f);
+  EXPECT_EQ(panel_value(d, 32, 0, 1, 0), -4.f);
+  EXPECT_EQ(panel_value(d, 32, 0, 15, 1), kt::bf16_to_f32(kt::f32_to_bf16(-0.5f)));
+  EXPECT_EQ(panel_value(d, 32, 0, 15, 3), kt::bf16_to_f32(kt::f32_to_bf16(0.2f)));
+}
+
+TEST_P(GemmKernels, Int8CodesDequantizeAsDocumented) {
+  const kt::Kernels& K = *GetParam();
+  const kt::QuantShape s = kt::QuantShape::of(KT_FORMAT_INT8_CHANNEL, 32, 64);
+  std::vector<uint8_t> codes(static_cast<size_t>(2 * s.code_panel_bytes), 0);
+  codes[0] = 0x81;   // (lane 0, k 0) = -127
+  codes[1] = 0x7f;   // (lane 0, k 1) = 127
+  codes[33] = 0xfe;  // pair group 1, j 1: (lane 0, k 3) = -2
+  codes[static_cast<size_t>(s.code_panel_bytes) + 32 * 31 + 31] = 0x05;  // panel 1: (lane 15, k 63) = 5
+  std::vector<bf16_t> d(static_cast<size_t>(2 * 16 * 64));
+  K.dequant_i8(codes.data(), s.code_panel_bytes, 2, 0, 64, nullptr, 0, 0, d.data());
+  EXPECT_EQ(panel_value(d, 64, 0, 0, 0), -127.f);
+  EXPECT_EQ(panel_value(d, 64, 0, 0, 1), 127.f);
+  EXPECT_EQ(panel_value(d, 64, 0, 0, 3), -2.f);
+  EXPECT_EQ(panel_value(d, 64, 1, 15, 63), 5.f);
+  EXPECT_EQ(panel_value(d, 64, 1, 15, 62), 0.f);
+  // From column 32 on: the second half of each panel.
+  std::vector<bf16_t> half(static_cast<size_t>(2 * 16 * 32));
+  std::vector<float> scales(32, 0.25f);
+  K.dequant_i8(codes.data(), s.code_panel_bytes, 2, 32, 32, scales.data(), 16, 64, half.data());
+  EXPECT_EQ(panel_value(half, 32, 1, 15, 31), 1.25f);
+}
+
+// Quantization at load: a row whose values are multiples of its group's
+// scale comes back exactly; other values round to the nearest step; the
+// scale is the smallest bf16 >= max|w| / qmax.
+TEST(QuantizedPanels, QuantizeAndReadBack) {
+  const int64_t n = 17, k = 40;  // partial panel, partial group
+  std::vector<float> w(static_cast<size_t>(n * k), 0.f);
+  for (int64_t c = 0; c < k; ++c) w[static_cast<size_t>(c)] = 0.5f * static_cast<float>(c % 15 - 7);
+  w[39] = 3.5f;  // row 0: each group's max is 3.5, scale 0.5
+  w[static_cast<size_t>(16 * k + 33)] = -0.7f;  // row 16, group 1 (columns 32-39): amax 0.7
+  w[static_cast<size_t>(16 * k + 34)] = 0.26f;
+  const kt::QuantShape s4 = kt::QuantShape::of(KT_FORMAT_INT4_G32, n, k);
+  EXPECT_EQ(s4.kq, 64);
+  EXPECT_EQ(s4.ngroups, 2);
+  std::vector<uint8_t> q4(static_cast<size_t>(s4.expert_bytes));
+  kt::quantize_panels(view2d(w.data(), n, k), 0, 1, s4, q4.data());
+  for (int64_t c = 0; c < k; ++c) EXPECT_EQ(kt::quant_get(q4.data(), s4, 0, c), w[static_cast<size_t>(c)]) << c;
+  const float s = kt::bf16_to_f32(kt::f32_to_bf16(0.1f)) < 0.1f ? kt::bf16_to_f32(kt::f32_to_bf16(0.1f) + 1)
+                                                                   : kt::bf16_to_f32(kt::f32_to_bf16(0.1f));
+  EXPECT_GE(s, 0.7f / 7.f);
+  EXPECT_EQ(kt::quant_get(q4.data(), s4, 16, 33), -7.f * s);
+  EXPECT_EQ(kt::quant_get(q4.data(), s4, 16, 34), std::nearbyint(0.26f / s) * s);
+  EXPECT_EQ(kt::quant_get(q4.data(), s4, 16, 0), 0.f);
+  const kt::QuantShape s8 = kt::QuantShape::of(KT_FORMAT_INT8_CHANNEL, n, k);
+  EXPECT_EQ(s8.ngroups, 1);
+  std::vector<uint8_t> q8(static_cast<size_t>(s8.expert_bytes));
+  kt::quantize_panels(view2d(w.data(), n, k), 0, 1, s8, q8.data());
+  // Row 16: amax 0.7, scale the smallest bf16 >= 0.7 / 127.
+  const float s16 = kt::quant_get(q8.data(), s8, 16, 33) / -127.f;
+  EXPECT_GE(s16, 0.7f / 127.f);
+  EXPECT_LT(s16, 0.7f / 127.f * (1.f + 1.f / 128.f));
+  EXPECT_EQ(kt::quant_get(q8.data(), s8, 16, 34), std::nearbyint(0.26f / s16) * s16);
+}
+
+// gemm_bf16w_grouped against plain loops in double: per group partial sums
+// times the group's scale.
+TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  for (int m : {1, 2, 5, 13, 40})
+    for (int np : {1, 3, 4, 5})
+      for (int64_t kp : {32, 96, 256})
+        for (int64_t group : {int64_t{32}, kp}) {
+          const kt::PanelShape s = kt::PanelShape::of(np * 16, kp);
+          std::vector<float> w(static_cast<size_t>(np * 16 * kp));
+          for (auto& v : w) v = static_cast<float>(static_cast<int>(nd(rng) * 3.f));  // small ints, as codes are
+          kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+          kt::pack_bf16_panels(view2d(w.data(), np * 16, kp), 0, 1, s, packed.data());
+          const int64_t ng = kp / group;
+          std::vector<float> scales(static_cast<size_t>(np * ng * 16));
+          for (auto& v : scales) v = std::fabs(nd(rng)) + 0.1f;
+          std::vector<float> a(static_cast<size_t>(m * kp));
+          for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+          std::vector<char> ak(static_cast<size_t>(m * kp * K.a_elem_size));
+          std::vector<const void*> rows(static_cast<size_t>(m));
+          for (int i = 0; i < m; ++i) {
+            K.pack_a_f32(&a[static_cast<size_t>(i * kp)], kp, kp, &ak[static_cast<size_t>(i * kp * K.a_elem_size)]);
+            rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * kp * K.a_elem_size)];
+          }
+          const int64_t ldc = np * 16 + 5;
+          for (bool acc : {false, true}) {
+            std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
+            K.gemm_bf16w_grouped(rows.data(), m, kp, packed.data(), s.panel_stride(), np, scales.data(), ng * 16,
+                                 group, c.data(), ldc, acc, kt::PrefetchRegion{});
+            for (int i = 0; i < m; ++i)
+              for (int64_t col = 0; col < np * 16; ++col) {
+                const int64_t p = col / 16, lane = col % 16;
+                double want = acc ? 0.5 : 0.0, mag = 0.0;
+                for (int64_t j = 0; j < ng; ++j) {
+                  double part = 0;
+                  for (int64_t kk = j * group; kk < (j + 1) * group; ++kk)
+                    part += static_cast<double>(a[static_cast<size_t>(i * kp + kk)]) * w[static_cast<size_t>(col * kp + kk)];
+                  const double sc = scales[static_cast<size_t>((p * ng + j) * 16 + lane)];
+                  want += sc * part;
+                  mag += sc * std::fabs(part);
+                }
+                ASSERT_NEAR(c[static_cast<size_t>(i * ldc + col)], want, 1e-5 * (1.0 + mag) * std::sqrt(static_cast<double>(kp)))
+                    << K.gemm_name << " m=" << m << " np=" << np << " kp=" << kp << " group=" << group << " acc=" << acc;
+              }
+            for (int i = 0; i < m; ++i)  // columns past the panels untouched
+              for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
+          }
+        }
 }
 
 INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()),

@@ -12,6 +12,7 @@ namespace avx2 {
 
 #include "kernels/sgemm_generic.inc"
 #include "kernels/activation_generic.inc"
+#include "kernels/quant_generic.inc"
 
 // MR rows x one 16-row panel. The even-K and odd-K products go to separate
 // accumulators (4*MR of them), so each accumulator takes one FMA per K pair
@@ -96,6 +97,7 @@ extern const Kernels kernels_avx2 = {
     KT_ISA_AVX2, "gemm_bf16w_f32_f32_3x16__avx2_fma", 4, avx2::gemm_bf16w, nullptr, nullptr, avx2::pack_a_f32_copy,
     avx2::sgemm_nn_generic, avx2::sgemm_nt_generic, avx2::sgemm_tn_generic,
     avx2::transpose_panels_generic, avx2::act_forward_generic, avx2::act_backward_generic,
+    avx2::dequant_i8_generic, avx2::dequant_i4_generic, avx2::gemm_bf16w_grouped_fp32a,
 };
 
 }  // namespace kt

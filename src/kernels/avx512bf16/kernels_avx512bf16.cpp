@@ -10,16 +10,28 @@ namespace avx512bf16 {
 
 #include "kernels/activation_generic.inc"
 #include "kernels/sgemm_generic.inc"
+#include "kernels/quant_generic.inc"
+
+// Per-group scales of a grouped GEMM (kernels.h, gemm_bf16w_grouped): the
+// scale vector of panel p and group j is at scales + p * stride + 16 j; a
+// group is `steps` K steps of the tile.
+struct GroupScales {
+  const float* scales = nullptr;
+  int64_t stride = 0;
+  int64_t steps = 0;
+};
 
 // MR rows x NP panels of 16: MR*NP accumulators (<= 24) + NP weight vectors.
 // Alongside, `quota` lines of the caller's next region are prefetched evenly
-// over the K loop.
-template <int MR, int NP>
+// over the K loop. Grouped: the products go to MR*NP partial sums, added to
+// the accumulators times their group's scale at the end of each group.
+template <int MR, int NP, bool Grouped>
 static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                        float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota) {
-  __m512 acc[MR][NP];
+                        float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
+                        const GroupScales& gs) {
+  __m512 acc[MR][NP], part[MR][NP];
   for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[r][p] = part[r][p] = _mm512_setzero_ps();
   // The K loop runs in steps of kStep groups; the prefetch lines of a step
   // are issued before it, so the inner loop keeps its registers for the
   // row pointers and accumulators.
@@ -37,7 +49,7 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
       for (int p = 0; p < NP; ++p) {
         // Few rows (decode): the weights stream from DRAM with little compute
         // to hide it; fetch ahead of the hardware prefetcher.
-        if (MR == 1)
+        if (MR == 1 && !Grouped)
           _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
         b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
       }
@@ -45,7 +57,25 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
         int32_t pair;
         __builtin_memcpy(&pair, a[r] + 2 * g, 4);
         const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
+        for (int p = 0; p < NP; ++p) {
+          if constexpr (Grouped) {
+            part[r][p] = _mm512_dpbf16_ps(part[r][p], av, b[p]);
+          } else {
+            acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
+          }
+        }
+      }
+    }
+    if constexpr (Grouped) {
+      if ((st + 1) % gs.steps == 0) {
+        const float* sj = gs.scales + (st / gs.steps) * kPanelRows;
+        for (int p = 0; p < NP; ++p) {
+          const __m512 sv = _mm512_loadu_ps(sj + p * gs.stride);
+          for (int r = 0; r < MR; ++r) {
+            acc[r][p] = _mm512_fmadd_ps(part[r][p], sv, acc[r][p]);
+            part[r][p] = _mm512_setzero_ps();
+          }
+        }
       }
     }
   }
@@ -59,14 +89,15 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
 }
 
 // One tile of h rows, 1 <= h <= R.
-template <int NP, int R>
+template <int NP, int R, bool Grouped>
 static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                           float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota) {
+                           float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
+                           const GroupScales& gs) {
   if constexpr (R > 0) {
     if (h == R) {
-      tile<R, NP>(a, kp, w, panel_stride, c, ldc, accumulate, next, quota);
+      tile<R, NP, Grouped>(a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
     } else {
-      tile_of_height<NP, R - 1>(h, a, kp, w, panel_stride, c, ldc, accumulate, next, quota);
+      tile_of_height<NP, R - 1, Grouped>(h, a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
     }
   }
 }
@@ -77,28 +108,32 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // With two tiles or more, the first streams the panels from memory and the
 // others find them in cache; all of them prefetch the caller's next region,
 // a share each. A single tile (decode) is bound by the stream itself and
-// prefetches nothing more.
-template <int NP>
+// prefetches nothing more. Grouped tiles hold twice the sums, so half the rows.
+template <int NP, bool Grouped>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
-                 float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines) {
-  constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
+                 float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines,
+                 const GroupScales& gs) {
+  constexpr int MR = Grouped ? (NP == 4 ? 3 : NP == 3 ? 4 : NP == 2 ? 6 : 12)
+                             : (NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16);
   const int tiles = (m + MR - 1) / MR;
   if (tiles < 2) lines = 0;
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int h = (m - r) / (tiles - t);
     const int64_t quota = lines * (t + 1) / tiles - lines * t / tiles;
     if (h == MR) {
-      tile<MR, NP>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota);
+      tile<MR, NP, Grouped>(a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota, gs);
     } else {
-      tile_of_height<NP, MR - 1>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota);
+      tile_of_height<NP, MR - 1, Grouped>(h, a + r, kp, w, panel_stride, c + r * ldc, ldc, accumulate, next, quota,
+                                          gs);
     }
     r += h;
   }
 }
 
-static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
-                       int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                       const PrefetchRegion& region) {
+template <bool Grouped>
+static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride,
+                        int np, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& region,
+                        const GroupScales& gs) {
   const bf16_t* const* a = reinterpret_cast<const bf16_t* const*>(a_rows);
   PrefetchCursor next(region);
   const int64_t lines = region.lines();
@@ -110,13 +145,102 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
     const int64_t share = lines * (gi + 1) / groups - lines * gi / groups;
     const bf16_t* w = panels + p * panel_stride;
     float* cp = c + p * kPanelRows;
+    GroupScales g = gs;
+    g.scales = gs.scales ? gs.scales + p * gs.stride : nullptr;
     switch (n) {
-      case 4: rows<4>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
-      case 3: rows<3>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
-      case 2: rows<2>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
-      default: rows<1>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share); break;
+      case 4: rows<4, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      case 3: rows<3, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      case 2: rows<2, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      default: rows<1, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
     }
     p += n;
+  }
+}
+
+static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                       int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
+                       const PrefetchRegion& region) {
+  gemm_panels<false>(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, region, GroupScales{});
+}
+
+static void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                               int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
+                               int64_t group, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& region) {
+  gemm_panels<true>(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, region,
+                    GroupScales{scales, scale_stride, group / 32});
+}
+
+// ---- quantized panels to bf16 panels (kernels.h, dequant_i8/_i4).
+
+// Expanded scale vectors of one group for 32 values (16 lanes x 2): element
+// 2l and 2l+1 take lane l's scale; lo covers lanes 0-7, hi lanes 8-15.
+static inline void expand_scales(const float* s16, __m512* lo, __m512* hi) {
+  const __m512 s = _mm512_loadu_ps(s16);
+  *lo = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), s);
+  *hi = _mm512_permutexvar_ps(_mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15), s);
+}
+
+// 32 values (one pair group, as int32 halves lo/hi in fp32) times the
+// expanded scales, rounded to bf16 in panel order.
+static inline __m512i scaled_pair_group(__m512 lo, __m512 hi, __m512 slo, __m512 shi) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, shi), _mm512_mul_ps(lo, slo));
+}
+
+static inline __m512 bf16_half_to_f32(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void dequant_i4(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  // Nibble u -> bf16(u - 8), by a 16-entry word permute.
+  alignas(64) bf16_t table[32];
+  for (int u = 0; u < 32; ++u) table[u] = f32_to_bf16(static_cast<float>((u & 15) - 8));
+  const __m512i tab = _mm512_load_si512(table);
+  const __m512i low4 = _mm512_set1_epi16(0x0f);
+  for (int p = 0; p < np; ++p) {
+    const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows / 2;
+    bf16_t* out = dst + p * kPanelRows * kc;
+    __m512 slo = _mm512_setzero_ps(), shi = slo;
+    for (int64_t h = 0; h < kc / 4; ++h) {  // pair groups 2h, 2h + 1: 32 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(src + h * 32 + 1024), _MM_HINT_T0);
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 32)));
+      const __m512i v0 = _mm512_permutexvar_epi16(_mm512_and_si512(w, low4), tab);
+      const __m512i v1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(w, 4), tab);
+      if (!scales) {
+        _mm512_storeu_si512(out + h * 64, v0);
+        _mm512_storeu_si512(out + h * 64 + 32, v1);
+        continue;
+      }
+      if ((4 * h) % group == 0)
+        expand_scales(scales + p * scale_stride + (4 * h / group) * kPanelRows, &slo, &shi);
+      for (int i = 0; i < 2; ++i) {
+        const __m512i v = i ? v1 : v0;
+        const __m512 lo = bf16_half_to_f32(_mm512_castsi512_si256(v));
+        const __m512 hi = bf16_half_to_f32(_mm512_extracti64x4_epi64(v, 1));
+        _mm512_storeu_si512(out + h * 64 + 32 * i, scaled_pair_group(lo, hi, slo, shi));
+      }
+    }
+  }
+}
+
+static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  for (int p = 0; p < np; ++p) {
+    const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows;
+    bf16_t* out = dst + p * kPanelRows * kc;
+    __m512 slo = _mm512_set1_ps(1.f), shi = slo;
+    for (int64_t g = 0; g < kc / 2; ++g) {  // one pair group: 32 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(src + g * 32 + 1024), _MM_HINT_T0);
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 32));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+      if (!scales) {  // small integers: exact in bf16 as they are
+        _mm512_storeu_si512(out + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        continue;
+      }
+      if ((2 * g) % group == 0) expand_scales(scales + p * scale_stride + (2 * g / group) * kPanelRows, &slo, &shi);
+      _mm512_storeu_si512(out + g * 32, scaled_pair_group(lo, hi, slo, shi));
+    }
   }
 }
 
@@ -444,6 +568,9 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::transpose_panels_avx512,
     avx512bf16::act_forward_generic,
     avx512bf16::act_backward_generic,
+    avx512bf16::dequant_i8,
+    avx512bf16::dequant_i4,
+    avx512bf16::gemm_bf16w_grouped,
 };
 
 }  // namespace kt
