@@ -230,6 +230,32 @@ kt_structs! {
         pub dtype: kt_ckpt_dtype,
         pub base_model: *const c_char,
     }
+    /// Optimizer hyperparameters; fill with kt_optimizer_options_defaults(&mut o, size_of::<kt_optimizer_options>()) (the header's inline kt_optimizer_options_init).
+    pub struct kt_optimizer_options {
+        pub struct_size: usize,
+        pub algorithm: kt_optim_algorithm,
+        pub amsgrad: c_int,
+        pub lr: f64,
+        pub weight_decay: f64,
+        pub beta1: f64,
+        pub beta2: f64,
+        pub eps: f64,
+        pub momentum: f64,
+        pub dampening: f64,
+        pub nesterov: c_int,
+    }
+    /// One host parameter and its gradient, for kt_optimizer_create.
+    pub struct kt_optimizer_param {
+        pub param: *const DLTensor,
+        pub grad: *const DLTensor,
+    }
+    /// Per-step factors; fill with kt_optimizer_step_options_defaults.
+    pub struct kt_optimizer_step_options {
+        pub struct_size: usize,
+        pub grad_unscale: f32,
+        pub clip_coef: f32,
+        pub found_nonfinite: *mut c_int,
+    }
 }
 
 // ------------------------------------------------------------- enum types
@@ -249,6 +275,8 @@ pub type kt_stage = c_int;
 pub type kt_ckpt_dtype = c_int;
 pub type kt_ckpt_layout = c_int;
 pub type kt_ckpt_format = c_int;
+pub type kt_optim_algorithm = c_int;
+pub type kt_optim_state = c_int;
 
 /// Log callback: level, message (valid for the call), user pointer.
 pub type kt_log_fn = Option<unsafe extern "C" fn(level: c_int, message: *const c_char, user: *mut c_void)>;
@@ -268,6 +296,8 @@ kt_opaque! {
     kt_job;
     /// An open checkpoint directory (safetensors files, memory-mapped).
     kt_ckpt;
+    /// A fused AdamW/SGD over a layer's parameters or host tensors.
+    kt_optimizer;
 }
 
 kt_constants! {
@@ -430,6 +460,17 @@ kt_constants! {
         KT_CKPT_LAYOUT_FUSED_IN_OUT = 4,
         KT_CKPT_LAYOUT_GPT_OSS = 5,
     }
+    kt_optim_algorithm {
+        KT_OPTIM_ADAMW = 0,
+        KT_OPTIM_SGD = 1,
+    }
+    kt_optim_state {
+        KT_OPTIM_STATE_MASTER = 0,
+        KT_OPTIM_STATE_EXP_AVG = 1,
+        KT_OPTIM_STATE_EXP_AVG_SQ = 2,
+        KT_OPTIM_STATE_MAX_EXP_AVG_SQ = 3,
+        KT_OPTIM_STATE_MOMENTUM = 4,
+    }
     kt_ckpt_format {
         KT_CKPT_FORMAT_DENSE = 0,
         KT_CKPT_FORMAT_FP8_BLOCK = 1,
@@ -509,4 +550,21 @@ kt_functions! {
     pub fn kt_ckpt_adapter_write(dir: *const c_char, config: *const kt_ckpt_adapter_config, layers: *const kt_ckpt_layer_args, num_layers: usize) -> kt_status;
     pub fn kt_ckpt_adapter_read_config(dir: *const c_char, config: *mut kt_ckpt_adapter_config) -> kt_status;
     pub fn kt_ckpt_adapter_read(dir: *const c_char, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_optimizer_options_defaults(options: *mut kt_optimizer_options, struct_size: usize);
+    pub fn kt_optimizer_step_options_defaults(options: *mut kt_optimizer_step_options, struct_size: usize);
+    pub fn kt_optimizer_create(engine: *mut kt_engine, options: *const kt_optimizer_options, params: *const kt_optimizer_param, num_params: usize, opt: *mut *mut kt_optimizer) -> kt_status;
+    pub fn kt_optimizer_create_for_layer(moe: *mut kt_moe, options: *const kt_optimizer_options, opt: *mut *mut kt_optimizer) -> kt_status;
+    pub fn kt_optimizer_destroy(opt: *mut kt_optimizer);
+    pub fn kt_optimizer_set_options(opt: *mut kt_optimizer, options: *const kt_optimizer_options) -> kt_status;
+    pub fn kt_optimizer_get_options(opt: *const kt_optimizer, options: *mut kt_optimizer_options) -> kt_status;
+    pub fn kt_optimizer_set_grad(opt: *mut kt_optimizer, index: usize, grad: *const DLTensor) -> kt_status;
+    pub fn kt_optimizer_step(opt: *mut kt_optimizer, options: *const kt_optimizer_step_options) -> kt_status;
+    pub fn kt_optimizer_step_submit(opt: *mut kt_optimizer, options: *const kt_optimizer_step_options, flags: c_uint, job: *mut *mut kt_job) -> kt_status;
+    pub fn kt_optimizer_grad_sq_norm(opt: *mut kt_optimizer, out: *mut f64) -> kt_status;
+    pub fn kt_optimizer_num_params(opt: *const kt_optimizer, count: *mut usize) -> kt_status;
+    pub fn kt_optimizer_get_step(opt: *const kt_optimizer, step: *mut i64) -> kt_status;
+    pub fn kt_optimizer_set_step(opt: *mut kt_optimizer, step: i64) -> kt_status;
+    pub fn kt_optimizer_state(opt: *mut kt_optimizer, index: usize, which: kt_optim_state, out: *mut DLTensor) -> kt_status;
+    pub fn kt_optimizer_save(opt: *mut kt_optimizer, path: *const c_char) -> kt_status;
+    pub fn kt_optimizer_load(opt: *mut kt_optimizer, path: *const c_char) -> kt_status;
 }

@@ -22,6 +22,9 @@ use std::ptr;
 
 use kt_sys as sys;
 
+mod optim;
+pub use optim::{Algorithm, Optimizer, OptimizerOptions};
+
 /// The ABI major this crate was written for; [`Engine::new`] refuses another.
 pub const ABI_VERSION: i32 = sys::KT_ABI_VERSION;
 
@@ -453,7 +456,8 @@ impl<'e> Moe<'e> {
     /// # Safety
     /// kt keeps the tensors' data pointers until the same id is bound again
     /// or the layer is dropped: that memory must stay alive and unmoved, and
-    /// not be accessed while a backward writes the gradients.
+    /// not be accessed while a backward writes the gradients or an
+    /// [`Optimizer`] step writes the parameters.
     pub unsafe fn bind(&self, args: &[Arg<'_, '_>]) -> Result<()> {
         let raw = raw_args(args);
         check(sys::kt_moe_bind(self.raw, raw.as_ptr(), raw.len()))
