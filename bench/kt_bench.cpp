@@ -565,8 +565,9 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
   const MachineLimits& m = lim.machine;
   std::printf("kt %s (abi %d), kernels %s (%s), %d threads\n", kt_version(), kt_abi_version(), kt_isa_name(info.isa),
               info.kernel_name ? info.kernel_name : "?", info.num_threads);
-  std::printf("machine, %d threads: bf16 dot %s GFLOP/s, fp32 FMA avx512 %s / avx2 %s GFLOP/s, DRAM read %s GB/s (%.0f MiB buffer)\n",
-              m.threads, fmt("%.0f", m.has_avx512bf16 ? m.bf16_dot_gflops : NAN).c_str(),
+  std::printf("machine, %d threads: AMX-BF16 %s, bf16 dot %s GFLOP/s, fp32 FMA avx512 %s / avx2 %s GFLOP/s, DRAM read %s GB/s (%.0f MiB buffer)\n",
+              m.threads, m.has_amx_bf16 ? (fmt("%.0f", m.amx_bf16_gflops) + " GFLOP/s").c_str() : "none",
+              fmt("%.0f", m.has_avx512bf16 ? m.bf16_dot_gflops : NAN).c_str(),
               fmt("%.0f", m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN).c_str(),
               fmt("%.0f", m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN).c_str(), fmt("%.1f", m.dram_read_gbs).c_str(),
               static_cast<double>(m.dram_buffer_bytes) / (1 << 20));
@@ -713,6 +714,8 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
   j.key("avx512f").value(m.has_avx512f);
   j.key("avx512_bf16").value(m.has_avx512bf16);
   j.key("bf16_dot_peak_gflops").value(m.has_avx512bf16 ? m.bf16_dot_gflops : NAN);
+  j.key("amx_bf16").value(m.has_amx_bf16);
+  j.key("amx_bf16_peak_gflops").value(m.has_amx_bf16 ? m.amx_bf16_gflops : NAN);
   j.key("fp32_fma_avx512_peak_gflops").value(m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN);
   j.key("fp32_fma_avx2_peak_gflops").value(m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN);
   j.key("peak_gflops").value(lim.peak_gflops);
@@ -888,7 +891,10 @@ int main(int argc, char** argv) {
   if (!o.json) std::fprintf(stderr, "kt_bench: measuring the machine on %d threads\n", info.num_threads);
   Limits lim;
   lim.machine = measure_machine_limits(info.num_threads, o.quick);
-  if (info.isa >= KT_ISA_AVX512BF16 && lim.machine.has_avx512bf16) {
+  if (info.isa >= KT_ISA_AMX && lim.machine.has_amx_bf16) {
+    lim.peak_gflops = lim.machine.amx_bf16_gflops;
+    lim.peak_kind = "AMX-BF16 tiles (tdpbf16ps)";
+  } else if (info.isa >= KT_ISA_AVX512BF16 && lim.machine.has_avx512bf16) {
     lim.peak_gflops = lim.machine.bf16_dot_gflops;
     lim.peak_kind = "bf16 dot (vdpbf16ps)";
   } else {

@@ -133,6 +133,12 @@ MachineLimits measure_machine_limits(int threads, bool quick) {
   const int64_t iterations = quick ? 2'000'000 : 20'000'000;
   const int tries = quick ? 1 : 3;
   if (m.has_avx512bf16) m.bf16_dot_gflops = peak_gflops(m.threads, iterations / 2, tries, run_bf16_dot_avx512bf16);
+#if KT_BENCH_HAVE_AMX
+  m.has_amx_bf16 = m.has_avx512bf16 && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
+                   request_amx_permission();
+  // A tdpbf16ps is 16384 FLOPs: far fewer iterations for the same time.
+  if (m.has_amx_bf16) m.amx_bf16_gflops = peak_gflops(m.threads, iterations / 64, tries, run_bf16_tile_amx);
+#endif
   if (m.has_avx512f) m.fp32_fma_avx512_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx512);
   if (m.has_avx2_fma) m.fp32_fma_avx2_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx2);
   // Far larger than the last-level cache, so every pass streams from DRAM.

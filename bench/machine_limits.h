@@ -14,7 +14,9 @@ struct MachineLimits {
   bool has_avx2_fma = false;
   bool has_avx512f = false;
   bool has_avx512bf16 = false;
+  bool has_amx_bf16 = false;        // CPU reports AMX-BF16 and the OS granted the tile state
   double bf16_dot_gflops = 0;       // vdpbf16ps, all threads; 0 when the CPU has no AVX512_BF16
+  double amx_bf16_gflops = 0;       // tdpbf16ps, all threads; 0 without AMX-BF16 (or a build without it)
   double fp32_fma_avx512_gflops = 0;  // 512-bit FMA, all threads; 0 without AVX-512F
   double fp32_fma_avx2_gflops = 0;    // 256-bit FMA, all threads (the AVX2 path's roof)
   double dram_read_gbs = 0;         // multi-threaded streaming read of a buffer >> L3
@@ -30,6 +32,8 @@ MachineLimits measure_machine_limits(int threads, bool quick);
 // caller reaches them only after checking the CPU. Each returns the FLOPs it
 // executed (or, for the read, a checksum that keeps the loads alive).
 double run_bf16_dot_avx512bf16(int64_t iterations);
+double run_bf16_tile_amx(int64_t iterations);
+bool request_amx_permission();  // the tile data state for this process (Linux arch_prctl)
 double run_fp32_fma_avx512(int64_t iterations);
 double run_fp32_fma_avx2(int64_t iterations);
 uint64_t stream_read_avx2(const void* data, size_t bytes);
