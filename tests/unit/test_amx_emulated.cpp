@@ -16,6 +16,7 @@
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
 #include "kernels/kernels.h"
+#include "views.h"
 
 namespace emulated {
 
@@ -87,17 +88,7 @@ void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* p
 
 namespace {
 
-kt::View view2d(float* data, int64_t rows, int64_t cols) {
-  kt::View v;
-  v.data = reinterpret_cast<char*>(data);
-  v.dtype = kt::DType::kF32;
-  v.ndim = 2;
-  v.shape[0] = rows;
-  v.shape[1] = cols;
-  v.strides[0] = cols;
-  v.strides[1] = 1;
-  return v;
-}
+using kt_test::view2d;
 
 TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
   std::mt19937 rng(11);

@@ -11,6 +11,7 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kernels/kernels.h"
+#include "views.h"
 #include "moe/reference.h"
 
 namespace {
@@ -27,17 +28,7 @@ std::vector<const kt::Kernels*> compiled_kernels() {
   return v;
 }
 
-kt::View view2d(float* data, int64_t rows, int64_t cols) {
-  kt::View v;
-  v.data = reinterpret_cast<char*>(data);
-  v.dtype = kt::DType::kF32;
-  v.ndim = 2;
-  v.shape[0] = rows;
-  v.shape[1] = cols;
-  v.strides[0] = cols;
-  v.strides[1] = 1;
-  return v;
-}
+using kt_test::view2d;
 
 TEST(PackedPanels, PackAndReadBackEveryElement) {
   for (auto dims : {std::pair<int64_t, int64_t>{1, 1}, {16, 2}, {17, 3}, {33, 64}, {5, 129}}) {

@@ -150,6 +150,8 @@ class Context(_Handle):
     """What a training forward saved for its backward. Released once: after
     the backward has run and this object is dropped, or by ``release()``."""
 
+    _RELEASE = "kt_context_release"  # the C call that frees the handle
+
     def __init__(self, layer, handle):
         self._layer = layer  # the layer must outlive its contexts
         self._handle = handle
@@ -162,7 +164,7 @@ class Context(_Handle):
 
     def release(self):
         if self._handle:
-            self._layer._lib.kt_context_release(self._handle)
+            getattr(self._layer._lib, self._RELEASE)(self._handle)
             self._handle = None
 
     def __del__(self):

@@ -14,7 +14,7 @@ import datetime
 import threading
 
 from . import _capi
-from .core import MoE, _args, _Handle, check, default_engine, lib
+from .core import Context, MoE, _args, _Handle, check, default_engine, lib
 
 DIST_MODES = {"owner": _capi.DIST_OWNER, "expert_parallel": _capi.DIST_EXPERT_PARALLEL}
 GRAD_AVERAGES = {"sum": _capi.DIST_GRAD_SUM, "mean": _capi.DIST_GRAD_MEAN}
@@ -163,27 +163,10 @@ class _LocalLayer(MoE):
         self._handle = None
 
 
-class DistContext(_Handle):
+class DistContext(Context):
     """What a DistMoE forward saved for its backward (kt_dist_context)."""
 
-    def __init__(self, layer, handle):
-        self._layer = layer
-        self._handle = handle
-
-    @property
-    def handle(self):
-        if not self._handle:
-            raise ValueError("kt: this context was released")
-        return self._handle
-
-    def release(self):
-        if self._handle:
-            self._layer._lib.kt_dist_context_release(self._handle)
-            self._handle = None
-
-    def __del__(self):
-        if getattr(self, "_handle", None) and self._layer._handle:
-            self.release()
+    _RELEASE = "kt_dist_context_release"
 
 
 class DistMoE(_Handle):

@@ -47,7 +47,22 @@ def _state_view(handle, which, shape, index=0):
     return torch.frombuffer(buf, dtype=torch.float32).view(shape)
 
 
-class _KtParamState(_Handle):
+class _OptimizerHandle(_Handle):
+    """Owns one kt_optimizer handle."""
+
+    def close(self):
+        if self.handle:
+            self._lib.kt_optimizer_destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class _KtParamState(_OptimizerHandle):
     """The kt optimizer of one parameter."""
 
     def __init__(self, param, options, engine):
@@ -70,19 +85,9 @@ class _KtParamState(_Handle):
         check(self._lib.kt_optimizer_set_grad(self.handle, 0, view.ptr))
         self.grad = grad  # retained by kt: keep it alive
 
-    def close(self):
-        if self.handle:
-            self._lib.kt_optimizer_destroy(self.handle)
-            self.handle = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
-class _KtLayerState(_Handle):
+class _KtLayerState(_OptimizerHandle):
     """The kt optimizer over one MoEExperts layer's trainable parameters."""
 
     def __init__(self, module, options):
@@ -105,16 +110,6 @@ class _KtLayerState(_Handle):
             if p._version != self.versions[i] and p.dtype != torch.float32:
                 _state_view(self.handle, _capi.OPTIM_STATE_MASTER, tuple(p.shape), i).copy_(p.detach())
 
-    def close(self):
-        if self.handle:
-            self._lib.kt_optimizer_destroy(self.handle)
-            self.handle = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def _layer_of(p):
