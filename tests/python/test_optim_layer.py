@@ -177,3 +177,58 @@ def test_a_deep_copy_is_stepped_as_its_own_layer(fp32_engine):
     assert len(opt_b._layers) == 1 and not opt_b._kt  # bf16 parameters: only a layer optimizer takes them
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def train_overlapped(m, opt, steps, start=0):
+    """train() with each backward inside opt.overlap(): the layer's step is
+    submitted as soon as its gradients are written."""
+    losses = []
+    for step in range(start, start + steps):
+        x, ids, w, dy = batch(step)
+        loss = (m(x, ids, w) * dy).sum()
+        opt.zero_grad(set_to_none=True)
+        with opt.overlap():
+            loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("mode,dtype", [("full", torch.float32), ("full", torch.bfloat16), ("lora", torch.float32)])
+def test_overlapped_steps_equal_plain_steps(fp32_engine, mode, dtype):
+    a, b = make_layer(mode, dtype, fp32_engine), make_layer(mode, dtype, fp32_engine)
+    opt_a, opt_b = kt.optim.AdamW(a.parameters(), lr=1e-2), kt.optim.AdamW(b.parameters(), lr=1e-2)
+    submitted = []
+    original = kt.optim._KtOptimizer._submitter
+
+    def counting(self, module, entry):
+        submit = original(self, module, entry)
+
+        def wrapped():
+            submitted.append(1)
+            submit()
+        return wrapped
+    kt.optim._KtOptimizer._submitter = counting
+    try:
+        got = train_overlapped(a, opt_a, STEPS)
+    finally:
+        kt.optim._KtOptimizer._submitter = original
+    assert got == train(b, opt_b, STEPS)
+    assert len(submitted) == STEPS - 1  # every step but the first (which makes the kt optimizer)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+    assert a._grads_ready is None  # the block disarms the layer
+
+
+def test_two_backwards_in_one_overlap_block_are_refused(fp32_engine):
+    m = make_layer("full", torch.float32, fp32_engine)
+    opt = kt.optim.AdamW(m.parameters(), lr=1e-2)
+    train(m, opt, 1)
+    x, ids, w, dy = batch(1)
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        with opt.overlap():
+            (m(x, ids, w) * dy).sum().backward()
+            (m(x, ids, w) * dy).sum().backward()
+    opt.step()  # the first submitted step completes
+    assert opt.state[m.w_gate]["step"].item() == 2

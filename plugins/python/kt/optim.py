@@ -24,6 +24,7 @@ kt owns the state; ``state[p]`` holds views of it, and ``state_dict()``
 returns copies. kt keeps the parameter's storage from its first step on:
 replacing ``p.data`` with another tensor afterwards is not followed.
 """
+import contextlib
 import ctypes
 import weakref
 
@@ -51,6 +52,9 @@ class _OptimizerHandle(_Handle):
     """Owns one kt_optimizer handle."""
 
     def close(self):
+        if getattr(self, "job", None):
+            self._lib.kt_job_destroy(self.job)  # waits for it
+            self.job = None
         if self.handle:
             self._lib.kt_optimizer_destroy(self.handle)
             self.handle = None
@@ -102,6 +106,8 @@ class _KtLayerState(_OptimizerHandle):
         self.module = weakref.ref(module)
         self.params = [p for _, p in module.trainable_parameters()]
         self.versions = [p._version for p in self.params]
+        self.job = None         # a step submitted by overlap(), until step() waits for it
+        self.job_grads = None   # the gradients that step reads, kept alive until it ends
 
     def take_host_writes(self):
         """A bf16 parameter the host changed in place since kt last wrote it
@@ -179,6 +185,7 @@ class _KtOptimizer(torch.optim.Optimizer):
         if entry is None or entry.module() is not module or any(
                 a is not b for a, b in zip(entry.params, params)):
             entry = _KtLayerState(module, self._options(group))
+            entry.group = group
             self._layers[id(module)] = entry
             entry.views = [self._attach_views(p, group, entry.handle, i) for i, p in enumerate(params)]
             step = self._kt_step_of(self.state.get(params[0], {}))
@@ -186,11 +193,18 @@ class _KtOptimizer(torch.optim.Optimizer):
         return entry
 
     def _step_layer(self, module, entry, group, options):
-        module.sync_parameters()
-        module._bind_grads_for_step()
-        entry.take_host_writes()
-        check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(options)))
-        check(lib().kt_optimizer_step(entry.handle, None))
+        if entry.job is not None:
+            # overlap() already submitted this step: wait for it.
+            job, entry.job, entry.job_grads = entry.job, None, None
+            status = lib().kt_job_wait(job)
+            lib().kt_job_destroy(job)
+            check(status)
+        else:
+            module.sync_parameters()
+            module._bind_grads_for_step()
+            entry.take_host_writes()
+            check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(options)))
+            check(lib().kt_optimizer_step(entry.handle, None))
         steps = ctypes.c_int64()
         check(lib().kt_optimizer_get_step(entry.handle, ctypes.byref(steps)))
         # kt wrote the parameters (and in full mode the layer's packed
@@ -234,6 +248,48 @@ class _KtOptimizer(torch.optim.Optimizer):
                 # see the change.
                 p.view(-1)[:0].zero_()
         return loss
+
+    @contextlib.contextmanager
+    def overlap(self):
+        """Steps each kt layer as soon as the backward run inside the block
+        has written its gradients: kt's job thread makes the step while the
+        backward goes on through the rest of the model; ``step()`` then waits
+        for those steps and makes the others. The results are those of a
+        plain ``step()`` after the backward.
+
+        Only layers this optimizer has already stepped once take part (their
+        kt optimizer exists; the first step is a plain one). Put only the
+        last backward of a gradient-accumulation window in the block, with
+        this step's learning rate set before it, and do not change the
+        gradients between that backward and ``step()`` (clipping or unscaling
+        them then would come too late: pass a fixed scale through the layer's
+        ``grad_scale`` instead)."""
+        armed = []
+        try:
+            for entry in self._layers.values():
+                module = entry.module()
+                if module is None or entry.job is not None:
+                    continue
+                module._grads_ready = self._submitter(module, entry)
+                armed.append(module)
+            yield self
+        finally:
+            for module in armed:
+                module._grads_ready = None
+
+    def _submitter(self, module, entry):
+        def submit():
+            if entry.job is not None:
+                raise RuntimeError("kt.optim.overlap(): a second backward of the same layer in one overlap() "
+                                   "block; put only the last backward of an accumulation window in it")
+            module._bind_grads_for_step()
+            entry.take_host_writes()
+            check(lib().kt_optimizer_set_options(entry.handle, ctypes.byref(self._options(entry.group))))
+            entry.job_grads = [p.grad for p in entry.params]
+            job = ctypes.c_void_p()
+            check(lib().kt_optimizer_step_submit(entry.handle, None, 0, ctypes.byref(job)))
+            entry.job = job
+        return submit
 
     def state_dict(self):
         sd = super().state_dict()

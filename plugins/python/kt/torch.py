@@ -75,6 +75,8 @@ class _MoEFunction(torch.autograd.Function):
         if plan:
             for p, buf in plan[1]:
                 p.grad = buf
+            if module._grads_ready is not None:
+                module._grads_ready()
         if dw is not None and dw.dtype != ctx.w_meta[1]:
             dw = dw.to(ctx.w_meta[1])
         return (None, dx, None, dw) + (None,) * (len(ctx.needs_input_grad) - 4)
@@ -148,6 +150,7 @@ class MoEExperts(nn.Module):
                 self.b_down = nn.Parameter(torch.zeros(E, H, dtype=param_dtype))
                 self._arg_names += [("B_GATE", "b_gate"), ("B_UP", "b_up"), ("B_DOWN", "b_down")]
         self._claim_parameters()
+        self._grads_ready = None  # kt.optim's overlap(): called once this layer's gradients are written
         self._bound_keys = {}      # kt arg name -> (data_ptr, shape, strides, dtype) bound
         self._bound_versions = {}  # parameter attribute -> version counter kt has read
         self._grad_buffers = {}    # parameter attribute -> tensor kt writes when .grad is None
@@ -416,7 +419,7 @@ class MoEExperts(nn.Module):
         memo[id(self)] = new
         for name, value in self.__dict__.items():
             if name in ("_parameters", "_buffers", "_modules", "kt_layer", "_init_kwargs", "_bound_keys",
-                        "_bound_versions", "_grad_buffers", "_needs_reload"):
+                        "_bound_versions", "_grad_buffers", "_needs_reload", "_grads_ready"):
                 continue
             new.__dict__[name] = copy.deepcopy(value, memo)
         for name, p in self._parameters.items():
