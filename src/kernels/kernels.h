@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
 #include "kt_c_api.h"
@@ -162,5 +163,14 @@ bool amx_kernels_verified();
 // oneDNN or base's A format is not bf16.
 const Kernels* onednn_kernels(const Kernels& base);
 bool onednn_compiled();
+
+// Best-of-reps seconds of one weight GEMM of m rows x kp x (16 * np) with
+// table k on the calling thread (synthetic operands).
+double time_weight_gemm(const Kernels& k, int m, int64_t kp, int np, int reps);
+// What KT_GEMM_AUTO runs for the native table: kt's own, except on the AMX
+// tables, where oneDNN's is taken when a prefill-sized GEMM measured (once
+// per process) at least 15 % faster with it. *note says what was measured
+// ("" when nothing was).
+const Kernels& auto_gemm_kernels(const Kernels& native, std::string* note);
 
 }  // namespace kt

@@ -109,8 +109,10 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   kt_isa cap = kt::effective_isa_cap(o.max_isa, "kt_engine_create");
   // fp32 operands: the highest table whose weight GEMM reads fp32 rows.
   if (precision == KT_PRECISION_FP32 && cap > KT_ISA_AVX2) cap = KT_ISA_AVX2;
-  kernels = &kt::select_kernels(cap);
-  native_kernels = kernels;
+  native_kernels = &kt::select_kernels(cap);
+  std::string auto_note;
+  kernels = &kt::auto_gemm_kernels(*native_kernels, &auto_note);
+  gemm_backend = kernels == native_kernels ? KT_GEMM_NATIVE : KT_GEMM_ONEDNN;
   std::vector<int> cpus = kt::allowed_cpus();
   int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
   pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
@@ -118,6 +120,7 @@ kt_engine::kt_engine(const kt_engine_options& o) {
              kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
              (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " + std::to_string(n) +
              " threads" + (o.pin_threads ? " pinned" : ""));
+  if (!auto_note.empty()) log(1, "engine: " + auto_note);
 }
 
 kt_engine::~kt_engine() = default;
@@ -136,6 +139,10 @@ void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
                                          : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
     kernels = dnnl;
     gemm_backend = KT_GEMM_ONEDNN;
+  } else if (backend == KT_GEMM_AUTO) {
+    std::string note;
+    kernels = &kt::auto_gemm_kernels(*native_kernels, &note);
+    gemm_backend = kernels == native_kernels ? KT_GEMM_NATIVE : KT_GEMM_ONEDNN;
   } else {
     kernels = native_kernels;
     gemm_backend = KT_GEMM_NATIVE;

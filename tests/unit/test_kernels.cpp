@@ -188,8 +188,32 @@ TEST(AmxKernels, RunWhereTheCpuHasAmx) {
     GTEST_SKIP() << "this CPU (or OS) has no AMX-BF16: the AMX kernels and their twin tests did not run";
   // The one-time self-test passed, so the automatic choice is the AMX table.
   EXPECT_TRUE(kt::amx_kernels_verified());
-  EXPECT_EQ(kt::select_kernels(KT_ISA_AUTO).isa, KT_ISA_AMX);
+  EXPECT_EQ(kt::select_kernels(KT_ISA_AMX).isa, KT_ISA_AMX);
   EXPECT_EQ(kt::select_kernels(KT_ISA_AVX512BF16).isa, KT_ISA_AVX512BF16);
+}
+
+// KT_GEMM_AUTO measures only the AMX tables; every other table is its own
+// choice, with nothing timed.
+TEST(AutoGemm, TimesOnlyTheAmxTables) {
+  std::string note;
+  for (const kt::Kernels* k : compiled_kernels()) {
+    if (k->isa == KT_ISA_AMX) continue;
+    EXPECT_EQ(&kt::auto_gemm_kernels(*k, &note), k) << k->gemm_name;
+    EXPECT_EQ(note, "") << k->gemm_name;
+  }
+  const kt::Kernels* amx = kt::kernels_for(KT_ISA_AMX);
+  if (!amx || kt::detect_cpu_isa() < KT_ISA_AMX) GTEST_SKIP() << "no AMX here: the measured choice did not run";
+  const kt::Kernels& chosen = kt::auto_gemm_kernels(*amx, &note);
+  EXPECT_NE(note.find("auto picks"), std::string::npos) << note;
+  EXPECT_TRUE(&chosen == amx || (kt::onednn_compiled() && &chosen == kt::onednn_kernels(*amx))) << chosen.gemm_name;
+}
+
+TEST(AutoGemm, TimesAWeightGemm) {
+  const kt::Kernels& k = kt::select_kernels(KT_ISA_AMX);  // the best table this CPU runs
+  if (k.a_elem_size != 2) GTEST_SKIP() << "the timed GEMM has bf16 operands; " << k.gemm_name << " takes fp32";
+  const double s = kt::time_weight_gemm(k, 16, 256, 4, 2);
+  EXPECT_GT(s, 0.0);
+  EXPECT_LT(s, 1.0);
 }
 
 TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
