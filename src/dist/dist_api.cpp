@@ -1,4 +1,7 @@
 // The ABI of communicators and distributed layers (kt_comm_*, kt_dist_*).
+#include <pthread.h>
+#include <signal.h>
+
 #include <cstring>
 #include <string>
 
@@ -12,10 +15,43 @@
 #include "kt_c_api.h"
 
 using kt::check;
-using kt::guarded;
 using kt::HandleKind;
 
 namespace {
+
+// Writing to a socket whose peer died raises SIGPIPE, whose default action
+// kills the process; the transport does not always write with MSG_NOSIGNAL.
+// Every call here runs with SIGPIPE blocked on the calling thread (threads
+// the transport starts inherit that), and a SIGPIPE it raised is taken
+// before the mask is restored: a dead peer becomes KT_ERR_COMM, and the
+// host's own handling of SIGPIPE is not changed.
+class SigpipeBlocked {
+ public:
+  SigpipeBlocked() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &saved_);
+  }
+  ~SigpipeBlocked() {
+    if (sigismember(&saved_, SIGPIPE)) return;  // it was blocked before: leave it pending
+    sigset_t pending;
+    const struct timespec now = {0, 0};
+    while (sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) && sigtimedwait(&pipe_, nullptr, &now) == SIGPIPE) {
+    }
+    pthread_sigmask(SIG_SETMASK, &saved_, nullptr);
+  }
+  SigpipeBlocked(const SigpipeBlocked&) = delete;
+  SigpipeBlocked& operator=(const SigpipeBlocked&) = delete;
+
+ private:
+  sigset_t pipe_, saved_;
+};
+
+template <class F>
+kt_status guarded(const char* where, F&& fn) {
+  SigpipeBlocked blocked;
+  return kt::guarded(where, std::forward<F>(fn));
+}
 
 void set_comm_options_defaults(kt_comm_options& o) {
   o.backend = "gloo";
