@@ -164,6 +164,8 @@ class Context(_Handle):
         if self._handle:
             self._layer._lib.kt_context_release(self._handle)
             self._handle = None
+            if self._layer._handle:
+                self._layer.live_contexts -= 1
 
     def __del__(self):
         if getattr(self, "_handle", None) and self._layer._handle:
@@ -216,6 +218,7 @@ class MoE(_Handle):
         self.bias = bool(bias)
         self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
         self._bound = {}  # id name -> DLView kt retains
+        self.live_contexts = 0  # Contexts of this layer not yet released
         # Where the base weights came from when they were not passed as
         # tensors: ("packed", path) or ("checkpoint", directory, layer).
         self.weights_source = None
@@ -231,6 +234,7 @@ class MoE(_Handle):
             self._lib.kt_moe_destroy(self._handle)
             self._handle = None
             self._bound.clear()
+            self.live_contexts = 0  # destroying the layer freed them
 
     def __del__(self):
         if getattr(self, "_handle", None):
@@ -333,7 +337,10 @@ class MoE(_Handle):
         saved = ctypes.c_void_p()
         check(lib().kt_moe_forward(self.handle, arr, 4, ctypes.byref(saved) if save else None))
         del views
-        return Context(self, saved) if save else None
+        if not save:
+            return None
+        self.live_contexts += 1
+        return Context(self, saved)
 
     def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0,
                  accumulate=False, param_grads=True):
