@@ -27,6 +27,7 @@ import weakref
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 from . import _hf_names, core
 
@@ -189,6 +190,19 @@ class MoEExperts(nn.Module):
     optimizer step) or by ``release_retained()``. A recompute is recognised
     by its inputs (routing exactly, x by shape, dtype and sums); one that
     matches nothing is computed.
+
+    Hybrid placement: ``set_torch_experts(ids, device)`` has torch compute
+    the routes to experts ``ids`` on ``device`` (the host's accelerator) and
+    kt the others (kt_moe_set_skipped); the two outputs are added. Gradients
+    reach x, the routing weights and the trainable parameters from both
+    parts: the torch experts use the same LoRA factors (rows ``ids``) or, in
+    full mode, the same weight Parameters, read in place on the CPU and
+    moved to ``device`` for each forward; their rows of ``.grad`` come from
+    torch's autograd (multiplied by grad_scale as kt's are), the others from
+    kt. The frozen base weights of the torch experts are copied to
+    ``device`` (non-persistent buffers, read from kt's stored weights);
+    kt keeps its own copy too, which state_dict, copies and packed caches
+    read.
     """
 
     def __init__(self, num_experts, top_k, hidden, intermediate, *, activation="silu",
@@ -220,6 +234,8 @@ class MoEExperts(nn.Module):
         self.activation_policy = activation_policy
         self.retain_limit = int(retain_limit)
         self._retained = []  # _Retained, oldest first
+        self.torch_expert_ids = ()  # experts torch computes (hybrid placement)
+        self._torch_base_stale = False
         self.num_experts, self.top_k = num_experts, top_k
         self.hidden, self.intermediate = hidden, intermediate
         self.activation, self.act_alpha, self.act_limit = activation, act_alpha, act_limit
@@ -365,6 +381,7 @@ class MoEExperts(nn.Module):
             cpu = _cpu_args(gate=gate, up=up, down=down, gate_up=gate_up, bias_gate=bias_gate,
                             bias_up=bias_up, bias_down=bias_down, bias_gate_up=bias_gate_up)
             self.kt_layer.load_weights(orientation=orientation, interleaved=interleaved, **cpu)
+            self._torch_base_stale = bool(self.torch_expert_ids)
 
     def load_expert(self, expert, *, gate=None, up=None, down=None, gate_up=None, bias_gate=None,
                     bias_up=None, bias_down=None, orientation="out_in", interleaved=False):
@@ -387,16 +404,115 @@ class MoEExperts(nn.Module):
             cpu = _cpu_args(gate=gate, up=up, down=down, gate_up=gate_up, bias_gate=bias_gate,
                             bias_up=bias_up, bias_down=bias_down)
             self.kt_layer.load_expert(expert, orientation=orientation, interleaved=interleaved, **cpu)
+            self._torch_base_stale = bool(self.torch_expert_ids)
 
     # ------------------------------------------------------------- parameters
 
     def _apply(self, fn, *args, **kwargs):
         # kt reads the parameters in place, so they stay in CPU memory even when
         # the rest of the model moves to an accelerator; dtype casts still apply.
+        # The torch experts' base weights go where the model goes.
         def keep_on_cpu(t):
             out = fn(t)
             return out if out.device.type == "cpu" else out.to("cpu")
-        return super()._apply(keep_on_cpu, *args, **kwargs)
+        torch_part = self._modules.pop("torch_experts", None)
+        try:
+            super()._apply(keep_on_cpu, *args, **kwargs)
+        finally:
+            if torch_part is not None:
+                self._modules["torch_experts"] = torch_part
+        if torch_part is not None:
+            torch_part._apply(fn, *args, **kwargs)
+        return self
+
+    # ------------------------------------------------------ hybrid placement
+
+    def set_torch_experts(self, ids, device=None, dtype=torch.float32):
+        """Has torch compute experts ``ids`` on ``device`` and kt the rest
+        (see the class doc); ``ids=()`` gives every expert back to kt. The
+        base weights of inference and LoRA mode are copied from kt's stored
+        ones as ``dtype`` at the next forward (load the weights first)."""
+        ids = tuple(sorted(set(int(e) for e in ids)))
+        if any(e < 0 or e >= self.num_experts for e in ids):
+            raise ValueError("kt: torch expert ids must be in [0, %d), got %s" % (self.num_experts, list(ids)))
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError("kt: the torch experts' dtype must be float32, bfloat16 or float16")
+        mask = torch.zeros(self.num_experts, dtype=torch.uint8)
+        mask[list(ids)] = 1
+        self.kt_layer.set_skipped(mask)
+        self.torch_expert_ids = ids
+        self.torch_experts = None
+        if ids:
+            part = nn.Module()
+            part.device = torch.device(device) if device is not None else torch.device("cpu")
+            part.dtype = dtype
+            part.register_buffer("ids", torch.tensor(ids, dtype=torch.long, device=part.device),
+                                 persistent=False)
+            self.torch_experts = part
+        self._torch_base_stale = self.mode != "full" and bool(ids)
+
+    def _skip_torch_experts_in_kt(self):
+        mask = torch.zeros(self.num_experts, dtype=torch.uint8)
+        mask[list(self.torch_expert_ids)] = 1
+        self.kt_layer.set_skipped(mask)
+
+    def _refresh_torch_base(self):
+        """Copies the torch experts' frozen base weights from kt."""
+        part = self.torch_experts
+        w = self.read_weights(dtype=part.dtype if part.dtype != torch.float16 else torch.float32)
+        idx = torch.tensor(self.torch_expert_ids, dtype=torch.long)
+        for name, t in w.items():
+            part.register_buffer(name, t.index_select(0, idx).to(device=part.ids.device, dtype=part.dtype),
+                                 persistent=False)
+        self._torch_base_stale = False
+
+    def _torch_experts_forward(self, x, ids, weights):
+        """The routes to the torch experts, computed by torch on their device
+        (x [T,H], ids/weights [T,k] on any device); returns [T,H] there."""
+        part = self.torch_experts
+        if self._torch_base_stale:
+            self._refresh_torch_base()
+        dev, dt = part.ids.device, x.dtype
+        xd, idsd, wd = x.to(dev), ids.to(dev), weights.to(dev)
+        out = torch.zeros(xd.shape, dtype=dt, device=dev)
+        scale_grads = self.grad_scale != 1.0
+
+        def param_rows(attr):
+            p = getattr(self, attr)
+            if scale_grads and p.requires_grad:
+                p = _ScaleGrad.apply(p, self.grad_scale)
+            return p.index_select(0, part.ids.to(p.device)).to(device=dev, dtype=dt)
+
+        if self.mode == "full":
+            base = {k: param_rows(a) for k, a in (("gate", "w_gate"), ("up", "w_up"), ("down", "w_down"))}
+            if self.has_bias:
+                base.update({k: param_rows(a) for k, a in (("bias_gate", "b_gate"), ("bias_up", "b_up"),
+                                                           ("bias_down", "b_down"))})
+        else:
+            base = {k: getattr(part, k).to(dt) for k in ("gate", "up", "down")}
+            if self.has_bias:
+                base.update({k: getattr(part, k).to(dt) for k in ("bias_gate", "bias_up", "bias_down")})
+        lora = {}
+        for p in self.lora_targets:
+            lora[p] = (param_rows("lora_A_" + p), param_rows("lora_B_" + p))
+
+        def project(p, j, h):
+            z = F.linear(h, base[p][j], base["bias_" + p][j] if self.has_bias else None)
+            if p in lora:
+                a, b = lora[p]
+                z = z + self.lora_scale * F.linear(F.linear(h, a[j]), b[j])
+            return z
+
+        for j, e in enumerate(self.torch_expert_ids):
+            tok, slot = torch.nonzero(idsd == e, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            h = xd.index_select(0, tok)
+            g, u = project("gate", j, h), project("up", j, h)
+            a = _activation(g, u, self.activation, self.act_alpha, self.act_limit)
+            o = project("down", j, a) * wd[tok, slot].to(dt).unsqueeze(1)
+            out = out.index_add(0, tok, o)
+        return out
 
     def sync_parameters(self):
         """Makes kt see the current parameter values: rebinds tensors that were
@@ -454,6 +570,9 @@ class MoEExperts(nn.Module):
                     self._grad_buffers[arg] = target
                 if accumulate:
                     target.zero_()
+                elif self.torch_expert_ids:
+                    # kt never writes the torch experts' rows; torch adds to them.
+                    target.index_fill_(0, torch.tensor(self.torch_expert_ids), 0)
                 if want:
                     install.append((p, target))
             grad_arg = "GRAD_" + arg
@@ -571,6 +690,8 @@ class MoEExperts(nn.Module):
             new._modules[name] = copy.deepcopy(m, memo)
         new._claim_parameters()
         new._needs_reload = self.mode == "full"
+        if self.torch_expert_ids:
+            new._skip_torch_experts_in_kt()
         if self.mode != "full" and self.kt_layer.num_loaded():
             source = self.kt_layer.weights_source
             if source is not None and source[0] == "packed":
@@ -593,6 +714,8 @@ class MoEExperts(nn.Module):
         x2 = x.reshape(-1, self.hidden)
         ids2 = ids.reshape(-1, self.top_k)
         w2 = weights.reshape(-1, self.top_k)
+        from_torch = (self._torch_experts_forward(x2, ids2, w2) if self.torch_expert_ids
+                      and device.type != "meta" else None)
         moved = device.type not in ("cpu", "meta")
         if moved:
             x2, ids2, w2 = x2.to("cpu"), ids2.to("cpu"), w2.to("cpu")
@@ -611,7 +734,35 @@ class MoEExperts(nn.Module):
             self._retain(call.computed, x2, ids2, w2, y)
         if moved:
             y = y.to(device)
+        if from_torch is not None:
+            y = y + from_torch.to(device)
         return y.reshape(shape)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient (grad_scale for the
+    torch experts' parameter rows, as kt scales its own)."""
+
+    @staticmethod
+    def forward(ctx, t, scale):
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def _activation(g, u, activation, alpha, limit):
+    """DESIGN.md section 2's activations, in torch."""
+    if activation == "swiglu_oai":
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+        return g * torch.sigmoid(alpha * g) * (u + 1)
+    if limit > 0:
+        g = g.clamp(max=limit)
+        u = u.clamp(min=-limit, max=limit)
+    return F.silu(g) * u
 
 
 def _split_gate_up(gate_up, orientation, interleaved):
