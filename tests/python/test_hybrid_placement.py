@@ -239,3 +239,20 @@ def test_bad_placements_are_refused():
     experts = kt.torch.MoEExperts(E, K, H, I)
     with pytest.raises(ValueError, match=r"torch expert ids must be in \[0, 8\), got \[-1\]"):
         experts.set_torch_experts([-1])
+
+
+def test_torch_experts_of_a_model_loaded_from_a_checkpoint(tmp_path, fp32_engine):
+    """Experts on the meta device, filled from a checkpoint: the torch
+    experts' weights come from what kt loaded."""
+    from test_checkpoint import _per_expert_ckpt, _twin_models
+    real, meta = _twin_models(lambda: Qwen3MoeSparseMoeBlock(H, I, E, K),
+                              lambda: Qwen3MoeSparseMoeBlock(H, I, E, K, expert_device="meta"))
+    _per_expert_ckpt(real, tmp_path / "ckpt", "per_expert")
+    kt.hf.replace_moe_experts(meta, checkpoint=tmp_path / "ckpt", engine=fp32_engine, torch_experts=[1, 4])
+    assert [m.torch_expert_ids for m in kt.hf.kt_experts_modules(meta)] == [(1, 4), (1, 4)]
+    x, dy = routed_inputs()
+    y0, dx0 = run(real, x, dy)
+    y, dx = run(meta, x, dy)
+    assert rel_l2(y, y0) <= tolerances.FP32 and rel_l2(dx, dx0) <= tolerances.FP32
+    part = kt.hf.kt_experts_modules(meta)[0].torch_experts
+    assert torch.equal(part.gate[1], real.layers[0].mlp.experts[4].gate_proj.weight.detach())
