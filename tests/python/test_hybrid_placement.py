@@ -25,7 +25,8 @@ BLOCKS = {
     "fused_v5": lambda: FusedMoeBlock(H, I, E, K),
     "gpt_oss": lambda: GptOssMLP(H, I, E, K),
 }
-COUNTS = torch.tensor([5, 90, 3, 40, 40, 7, 60, 1])  # hottest 3: experts 1, 6 and 3 (3 before 4: tie, lower id)
+# The hottest 3: experts 1, 6 and 3 (3 before 4: a tie goes to the lower id).
+COUNTS = torch.tensor([5, 90, 3, 40, 40, 7, 60, 1])
 PLACEMENTS = {"first_3": dict(torch_experts=3), "ids": dict(torch_experts=[7, 2, 5]),
               "hottest_3": dict(torch_experts=3, torch_expert_counts=COUNTS)}
 EXPECTED_IDS = {"first_3": (0, 1, 2), "ids": (2, 5, 7), "hottest_3": (1, 3, 6)}
@@ -229,7 +230,8 @@ def test_bad_placements_are_refused():
     with pytest.raises(ValueError, match="torch_experts=9 but the block has 8 experts"):
         kt.hf.replace_moe_experts(Wrapper(BLOCKS["qwen3_moe"]()), torch_experts=9)
     with pytest.raises(ValueError, match="give N as an int"):
-        kt.hf.replace_moe_experts(Wrapper(BLOCKS["qwen3_moe"]()), torch_experts=[1], torch_expert_counts=COUNTS)
+        kt.hf.replace_moe_experts(Wrapper(BLOCKS["qwen3_moe"]()), torch_experts=[1],
+                                  torch_expert_counts=COUNTS)
     with pytest.raises(ValueError, match=r"must be \[E=8\] or \[layers, E\], not \(5,\)"):
         kt.hf.replace_moe_experts(Wrapper(BLOCKS["qwen3_moe"]()), torch_experts=2,
                                   torch_expert_counts=torch.ones(5))

@@ -434,7 +434,8 @@ class MoEExperts(nn.Module):
         ones as ``dtype`` at the next forward (load the weights first)."""
         ids = tuple(sorted(set(int(e) for e in ids)))
         if any(e < 0 or e >= self.num_experts for e in ids):
-            raise ValueError("kt: torch expert ids must be in [0, %d), got %s" % (self.num_experts, list(ids)))
+            raise ValueError("kt: torch expert ids must be in [0, %d), got %s"
+                             % (self.num_experts, list(ids)))
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError("kt: the torch experts' dtype must be float32, bfloat16 or float16")
         mask = torch.zeros(self.num_experts, dtype=torch.uint8)
