@@ -1,8 +1,9 @@
 """Hybrid placement: kt.hf keeps chosen experts of each block in torch (on the
 host's device; CPU here, as this machine has no GPU) and the rest in kt
 (kt_moe_set_skipped). Outputs and gradients of both parts are checked in fp32
-against the unreplaced torch model (inference and full mode) and against the
-all-kt model (LoRA mode, whose kt path test_moe_autograd checks against torch)."""
+against the unreplaced torch model (inference and full mode; LoRA mode with
+PEFT-style LoRA added to its experts) and against the all-kt model (LoRA mode
+on every block family, and training with kt's optimizer)."""
 import copy
 
 import pytest
@@ -258,3 +259,45 @@ def test_torch_experts_of_a_model_loaded_from_a_checkpoint(tmp_path, fp32_engine
     assert rel_l2(y, y0) <= tolerances.FP32 and rel_l2(dx, dx0) <= tolerances.FP32
     part = kt.hf.kt_experts_modules(meta)[0].torch_experts
     assert torch.equal(part.gate[1], real.layers[0].mlp.experts[4].gate_proj.weight.detach())
+
+
+class LoraLinear(torch.nn.Module):
+    """PEFT's LoRA on one nn.Linear, in torch: base(x) + s * B(A(x))."""
+
+    def __init__(self, base, a, b, scale):
+        super().__init__()
+        self.base, self.scale = base, scale
+        self.a, self.b = torch.nn.Parameter(a.clone()), torch.nn.Parameter(b.clone())
+
+    def forward(self, x):
+        return self.base(x) + self.scale * F.linear(F.linear(x, self.a), self.b)
+
+
+def test_lora_mode_matches_torch_lora_on_the_unreplaced_model(fp32_engine):
+    """The hybrid LoRA layer against the torch model with PEFT-style LoRA on
+    each expert's projections: outputs, dx, router and every LoRA gradient."""
+    ref, model = model_pair("qwen3_moe")
+    kt.hf.replace_moe_experts(model, mode="lora", lora_rank=4, lora_alpha=8, engine=fp32_engine,
+                              torch_experts=[0, 2, 7])
+    experts = the_experts(model)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for _, p in experts.trainable_parameters():
+            p.normal_(0, 0.2)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    ref.mlp.gate.weight.requires_grad_(True)
+    for e, ex in enumerate(ref.mlp.experts):
+        for proj, name in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
+            setattr(ex, name, LoraLinear(getattr(ex, name), getattr(experts, "lora_A_" + proj)[e].detach(),
+                                         getattr(experts, "lora_B_" + proj)[e].detach(), experts.lora_scale))
+    x, dy = routed_inputs()
+    y0, dx0 = run(ref, x, dy)
+    y, dx = run(model, x, dy)
+    assert rel_l2(y, y0) <= tolerances.FP32 and rel_l2(dx, dx0) <= tolerances.FP32
+    assert rel_l2(model.mlp.gate.weight.grad, ref.mlp.gate.weight.grad) <= tolerances.FP32
+    for proj, name in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
+        for ab in ("a", "b"):
+            want = torch.stack([getattr(getattr(ex, name), ab).grad for ex in ref.mlp.experts])
+            got = getattr(experts, "lora_%s_%s" % (ab.upper(), proj)).grad
+            assert rel_l2(got, want) <= tolerances.FP32, (proj, ab)
