@@ -1,6 +1,9 @@
 """Small torch modules shaped like the MoE blocks of HF models (their
 attribute names and forward semantics), for kt.hf tests without transformers."""
+import functools
+
 import torch
+import torch.utils.checkpoint
 from torch import nn
 import torch.nn.functional as F
 
@@ -246,7 +249,8 @@ def round_params_to_bf16(model):
 
 
 class Decoder(nn.Module):
-    """A few pre-norm layers: causal attention (torch) + an MoE block."""
+    """A few pre-norm layers: causal attention (torch) + an MoE block.
+    gradient_checkpointing_enable() behaves as transformers' does."""
 
     def __init__(self, vocab, H, heads, layers, make_moe):
         super().__init__()
@@ -261,14 +265,31 @@ class Decoder(nn.Module):
             self.layers.append(layer)
         self.norm = nn.LayerNorm(H)
         self.lm_head = nn.Linear(H, vocab, bias=False)
+        self.gradient_checkpointing = False
+        self._gradient_checkpointing_func = None
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        """As PreTrainedModel.gradient_checkpointing_enable: each decoder
+        layer runs under torch.utils.checkpoint.checkpoint while training,
+        reentrant unless the kwargs say use_reentrant=False."""
+        kwargs = gradient_checkpointing_kwargs or {"use_reentrant": True}
+        self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, **kwargs)
+        self.gradient_checkpointing = True
+
+    @staticmethod
+    def _layer(layer, h, mask):
+        a = layer.input_layernorm(h)
+        h = h + layer.self_attn(a, a, a, attn_mask=mask, need_weights=False)[0]
+        m = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (m[0] if isinstance(m, tuple) else m)
 
     def forward(self, tokens):
         S = tokens.shape[1]
         mask = torch.triu(torch.ones(S, S, dtype=torch.bool), 1)
         h = self.embed_tokens(tokens)
         for layer in self.layers:
-            a = layer.input_layernorm(h)
-            h = h + layer.self_attn(a, a, a, attn_mask=mask, need_weights=False)[0]
-            m = layer.mlp(layer.post_attention_layernorm(h))
-            h = h + (m[0] if isinstance(m, tuple) else m)
+            if self.gradient_checkpointing and self.training:
+                h = self._gradient_checkpointing_func(functools.partial(self._layer, layer), h, mask)
+            else:
+                h = self._layer(layer, h, mask)
         return self.lm_head(self.norm(h))

@@ -1,4 +1,4 @@
-"""The examples run and train: the Python LoRA and full fine-tuning (kt's AdamW) and the libtorch C++ program."""
+"""The examples run: the Python LoRA and full fine-tuning (kt's AdamW), the serving loop and the libtorch C++ program."""
 import os
 import re
 import subprocess
@@ -38,3 +38,24 @@ def test_cpp_libtorch_example():
         assert "trained" in out.stdout and losses[-1] < losses[0]
         runs[optimizer] = losses
     assert runs["kt"] == runs["torch"]
+
+
+def test_serve_moe_example_generates_the_torch_experts_tokens():
+    """The serving loop with kt experts (async submit/wait beside torch's
+    shared expert) decodes greedily the same tokens as with torch experts."""
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "plugins", "python"))
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "python", "serve_moe.py"),
+                          "--batch", "3", "--prompt", "7", "--new-tokens", "10", "--precision", "fp32"],
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout + out.stderr
+    tokens = {}
+    for name, seq, values in re.findall(r"^tokens (kt|torch) (\d+): ([\d ]+)$", out.stdout, re.M):
+        tokens[(name, int(seq))] = [int(v) for v in values.split()]
+    assert sorted(tokens) == [(n, b) for n in ("kt", "torch") for b in range(3)], out.stdout
+    for b in range(3):
+        assert len(tokens[("kt", b)]) == 10
+        assert tokens[("kt", b)] == tokens[("torch", b)], out.stdout
+    assert len({t for b in range(3) for t in tokens[("kt", b)]}) > 5  # not one repeated token
+    for name in ("kt", "torch"):
+        assert re.search(r"^%s experts: prefill \d+ tokens/s, decode [\d.]+ tokens/s" % name, out.stdout, re.M)
+    assert "generated the same tokens: yes" in out.stdout

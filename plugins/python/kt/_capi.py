@@ -41,6 +41,7 @@ ISA_AUTO, ISA_REF, ISA_AVX2, ISA_AVX512BF16, ISA_AMX = 0, 1, 2, 3, 4
 ACT_SILU, ACT_SWIGLU_OAI = 0, 1
 # kt_mode
 MODE_INFERENCE, MODE_LORA, MODE_FULL = 0, 1, 2
+SUBMIT_DEFERRED = 1  # KT_SUBMIT_DEFERRED
 # projection bits
 PROJ_GATE, PROJ_UP, PROJ_DOWN = 1, 2, 4
 # kt_weight_orientation / kt_gate_up_order / kt_grad_accumulate
@@ -361,6 +362,12 @@ _PROTOTYPES = {
     "kt_backward_options_defaults": (None, [ctypes.POINTER(BackwardOptions), ctypes.c_size_t]),
     "kt_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_context_release": (None, [_P]),
+    "kt_moe_forward_submit": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P),
+                                   ctypes.c_uint, ctypes.POINTER(_P)]),
+    "kt_job_run": (None, [_P]),
+    "kt_job_wait": (_S, [_P]),
+    "kt_job_done": (ctypes.c_int, [_P]),
+    "kt_job_destroy": (None, [_P]),
     "kt_optimizer_options_defaults": (None, [ctypes.POINTER(OptimizerOptions), ctypes.c_size_t]),
     "kt_optimizer_step_options_defaults": (None, [ctypes.POINTER(OptimizerStepOptions), ctypes.c_size_t]),
     "kt_optimizer_create": (_S, [_P, ctypes.POINTER(OptimizerOptions), ctypes.POINTER(OptimizerParam),

@@ -166,10 +166,52 @@ class Context(_Handle):
         if self._handle:
             getattr(self._layer._lib, self._RELEASE)(self._handle)
             self._handle = None
+            if self._layer._handle:
+                self._layer.live_contexts -= 1
 
     def __del__(self):
         if getattr(self, "_handle", None) and self._layer._handle:
             self.release()
+
+
+class Job(_Handle):
+    """A submitted kt job (kt_job). ``wait()`` returns when it ended and
+    raises its error; dropping the Job waits for it and frees it."""
+
+    def __init__(self, layer, handle, borrowed):
+        self._layer = layer      # the layer must outlive its jobs
+        self._handle = handle
+        self._borrowed = borrowed  # what kt reads and writes until the job ends
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: this job was destroyed")
+        return self._handle
+
+    def run(self):
+        """Runs a deferred job on the calling thread."""
+        self._layer._lib.kt_job_run(self.handle)
+
+    def done(self):
+        return bool(self._layer._lib.kt_job_done(self.handle))
+
+    def wait(self):
+        status = self._layer._lib.kt_job_wait(self.handle)
+        try:
+            check(status)
+        finally:
+            self.close()
+
+    def close(self):
+        if self._handle:
+            self._layer._lib.kt_job_destroy(self._handle)
+            self._handle = None
+            self._borrowed = None
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self.close()
 
 
 class MoE(_Handle):
@@ -218,6 +260,7 @@ class MoE(_Handle):
         self.bias = bool(bias)
         self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
         self._bound = {}  # id name -> DLView kt retains
+        self.live_contexts = 0  # Contexts of this layer not yet released
         # Where the base weights came from when they were not passed as
         # tensors: ("packed", path) or ("checkpoint", directory, layer).
         self.weights_source = None
@@ -233,6 +276,7 @@ class MoE(_Handle):
             self._lib.kt_moe_destroy(self._handle)
             self._handle = None
             self._bound.clear()
+            self.live_contexts = 0  # destroying the layer freed them
 
     def __del__(self):
         if getattr(self, "_handle", None):
@@ -335,7 +379,22 @@ class MoE(_Handle):
         saved = ctypes.c_void_p()
         check(lib().kt_moe_forward(self.handle, arr, 4, ctypes.byref(saved) if save else None))
         del views
-        return Context(self, saved) if save else None
+        if not save:
+            return None
+        self.live_contexts += 1
+        return Context(self, saved)
+
+    def forward_submit(self, x, ids, weights, y, deferred=False):
+        """Starts y = experts(x) on the engine's job thread and returns at
+        once with a Job (inference: nothing saved). The tensors are borrowed
+        until the job ends: the Job keeps them alive; do not change x, ids or
+        weights, nor read y, before ``wait()``. ``deferred``: the job does
+        not start until ``run()`` or ``wait()`` (KT_SUBMIT_DEFERRED)."""
+        arr, views = _args([("X", x), ("IDS", ids), ("ROUTE_WEIGHTS", weights), ("Y", y)])
+        job = ctypes.c_void_p()
+        check(lib().kt_moe_forward_submit(self.handle, arr, 4, None,
+                                          _capi.SUBMIT_DEFERRED if deferred else 0, ctypes.byref(job)))
+        return Job(self, job, (arr, views, x, ids, weights, y))
 
     def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0,
                  accumulate=False, param_grads=True):

@@ -158,9 +158,85 @@ class KtFusedExperts(MoEExperts):
 
 
 def _make_experts(E, k, H, I, options, cls=MoEExperts, **layer_kw):
-    kw = dict(options)
+    kw = {k_: v for k_, v in options.items() if k_ != "placement"}
     kw.update(layer_kw)
     return cls(E, k, H, I, **kw)
+
+
+def hottest_experts(counts, n):
+    """The n experts with the largest routing counts (ties: lower id first),
+    in increasing id order."""
+    counts = torch.as_tensor(counts).detach().to("cpu", torch.float64).reshape(-1)
+    if not 0 <= n <= counts.numel():
+        raise ValueError("kt.hf: cannot pick %d of %d experts" % (n, counts.numel()))
+    order = sorted(range(counts.numel()), key=lambda e: (-float(counts[e]), e))
+    return tuple(sorted(order[:n]))
+
+
+class _Placement:
+    """Which experts of each block torch computes (hybrid placement)."""
+
+    def __init__(self, torch_experts, counts, device):
+        if counts is not None and not isinstance(torch_experts, int):
+            raise ValueError("kt.hf: torch_expert_counts picks the torch_experts=N hottest experts; "
+                             "give N as an int")
+        if torch_experts is not None and not isinstance(torch_experts, int):
+            torch_experts = tuple(int(e) for e in torch_experts)
+        elif isinstance(torch_experts, int) and torch_experts < 0:
+            raise ValueError("kt.hf: torch_experts must be >= 0")
+        self.spec, self.counts, self.device = torch_experts, counts, device
+
+    def ids(self, E, layer, block_name):
+        if not self.spec:
+            return ()
+        if not isinstance(self.spec, int):
+            if any(e < 0 or e >= E for e in self.spec):
+                raise ValueError("kt.hf: %s: torch_experts %s are not all in [0, %d)"
+                                 % (block_name, list(self.spec), E))
+            return self.spec
+        if self.spec > E:
+            raise ValueError("kt.hf: %s: torch_experts=%d but the block has %d experts"
+                             % (block_name, self.spec, E))
+        if self.counts is None:
+            return tuple(range(self.spec))
+        return hottest_experts(self._counts_of(E, layer, block_name), self.spec)
+
+    def _counts_of(self, E, layer, block_name):
+        counts = self.counts
+        if isinstance(counts, dict):
+            for key in (block_name, layer):
+                if key in counts:
+                    counts = counts[key]
+                    break
+            else:
+                raise ValueError("kt.hf: torch_expert_counts has no entry for %s (layer %s)"
+                                 % (block_name, layer))
+        counts = torch.as_tensor(counts)
+        if counts.dim() == 2:
+            if layer is None or layer >= counts.shape[0]:
+                raise ValueError("kt.hf: %s: torch_expert_counts [%d, %d] has no row for layer %s"
+                                 % (block_name, counts.shape[0], counts.shape[1], layer))
+            counts = counts[layer]
+        if counts.dim() != 1 or counts.shape[0] != E:
+            raise ValueError("kt.hf: %s: torch_expert_counts must be [E=%d] or [layers, E], not %s"
+                             % (block_name, E, tuple(counts.shape)))
+        return counts
+
+    def apply(self, experts, block, block_name, dtype):
+        ids = self.ids(experts.num_experts, _layer_number(block_name), block_name)
+        if ids:
+            device = self.device if self.device is not None else _router_device(block)
+            experts.set_torch_experts(ids, device=device,
+                                      dtype=dtype if dtype in (torch.float32, torch.bfloat16,
+                                                               torch.float16) else torch.float32)
+
+
+def _router_device(block):
+    """Where the block's own (non-expert) parameters live: the host's device."""
+    for name, p in block.named_parameters():
+        if not name.startswith("experts.") and p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
 
 
 class _WeightSource:
@@ -240,6 +316,7 @@ def _replace_per_expert(block, naming, options, norm_default, source=None, block
     kt_experts.hf_naming = naming
     if source:
         source.fill(kt_experts, _layer_number(block_name), block_name)
+        options["placement"].apply(kt_experts, block, block_name, gate0.weight.dtype)
         return KtSparseMoeBlock(block, kt_experts, bool(getattr(block, "norm_topk_prob", norm_default)), k)
     if _on_meta(gate0.weight):
         raise ValueError("kt.hf: %s: the experts are on the meta device; pass checkpoint= or "
@@ -250,6 +327,7 @@ def _replace_per_expert(block, naming, options, norm_default, source=None, block
         if bias:
             kw.update(bias_gate=g.bias, bias_up=u.bias, bias_down=d.bias)
         kt_experts.load_expert(e, **kw)
+    options["placement"].apply(kt_experts, block, block_name, gate0.weight.dtype)
     norm = getattr(block, "norm_topk_prob", norm_default)
     return KtSparseMoeBlock(block, kt_experts, bool(norm), k)
 
@@ -288,6 +366,7 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
     kt_experts.hf_naming = ("gpt_oss" if oss else "fused") + ("_in_out" if orientation == "in_out" else "")
     if source:
         source.fill(kt_experts, _layer_number(block_name), block_name)
+        options["placement"].apply(kt_experts, block, block_name, gu.dtype)
         return kt_experts
     if _on_meta(gu, down):
         raise ValueError("kt.hf: %s: the experts are on the meta device; pass checkpoint= or "
@@ -296,6 +375,7 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
     if layer_kw.get("bias"):
         kw.update(bias_gate_up=ex.gate_up_proj_bias.detach(), bias_down=ex.down_proj_bias.detach())
     kt_experts.load_weights(**kw)
+    options["placement"].apply(kt_experts, block, block_name, gu.dtype)
     return kt_experts
 
 
@@ -303,7 +383,8 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         lora_dropout=0.0, use_rslora=False, target_modules=None,
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
-                        bias="none"):
+                        bias="none", activation_policy="recompute", torch_experts=None,
+                        torch_expert_counts=None, torch_experts_device=None):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -323,7 +404,21 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     ``strict=True``.
 
     ``bias`` is PEFT's LoRA bias setting; kt's LoRA mode keeps expert biases
-    frozen, so only "none" is accepted there."""
+    frozen, so only "none" is accepted there.
+
+    ``activation_policy="retain"`` makes gradient checkpointing keep the
+    experts' activations of the first forward for the recompute instead of
+    computing the experts twice (see kt.torch.MoEExperts).
+
+    Hybrid placement (the leading engine's ``kt_num_gpu_experts``):
+    ``torch_experts`` keeps some experts of every block in torch on
+    ``torch_experts_device`` (default: where the block's router is, i.e. the
+    host's GPU) and the rest in kt: an int N takes the first N experts, or
+    with ``torch_expert_counts`` (routing counts [E], [layers, E] indexed by
+    the layer number, or a dict by layer number or block name) the N most
+    routed ones (see ``hottest_experts``); a sequence gives the ids. See
+    MoEExperts.set_torch_experts for how the two parts share parameters
+    and gradients."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -333,7 +428,8 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     options = dict(mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                    lora_dropout=lora_dropout, use_rslora=use_rslora,
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
-                   max_tokens=max_tokens, engine=engine)
+                   max_tokens=max_tokens, engine=engine, activation_policy=activation_policy,
+                   placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device))
     source = _WeightSource(checkpoint, packed)
     replaced, unrecognised = [], []
     try:

@@ -258,7 +258,9 @@ class _KtOptimizer(torch.optim.Optimizer):
         plain ``step()`` after the backward.
 
         Only layers this optimizer has already stepped once take part (their
-        kt optimizer exists; the first step is a plain one). Put only the
+        kt optimizer exists; the first step is a plain one), and not those
+        with experts in torch (hybrid placement), whose gradients torch
+        completes later in the backward. Put only the
         last backward of a gradient-accumulation window in the block, with
         this step's learning rate set before it, and do not change the
         gradients between that backward and ``step()`` (clipping or unscaling
@@ -268,7 +270,9 @@ class _KtOptimizer(torch.optim.Optimizer):
         try:
             for entry in self._layers.values():
                 module = entry.module()
-                if module is None or entry.job is not None:
+                # A layer with experts in torch (hybrid placement) gets part of
+                # its gradients from torch's autograd later on: stepped by step().
+                if module is None or entry.job is not None or module.torch_expert_ids:
                     continue
                 module._grads_ready = self._submitter(module, entry)
                 armed.append(module)
