@@ -180,33 +180,36 @@ static std::string hex_byte(uint8_t b) {
   return std::string("0x") + digits[b >> 4] + digits[b & 15];
 }
 
-std::string check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into) {
+SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into) {
   const std::string at = std::string(src.name);
+  auto io = [](std::string t) { return SourceProblem{KT_ERR_IO, std::move(t)}; };
+  auto unsupported = [](std::string t) { return SourceProblem{KT_ERR_UNSUPPORTED, std::move(t)}; };
   if (into && src.zeros)
-    return at + ": zero points (asymmetric int4) have no place in a " + kt_weight_format_name(into->format) +
-           " layer";
+    return unsupported(at + "': zero points (asymmetric int4) have no place in a " + kt_weight_format_name(into->format) +
+           " layer");
   const int64_t ngroups = (k + src.group - 1) / src.group;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t R = source_row(src, r);
     if (src.code == QuantCode::kE4M3)
       for (int64_t c = 0; c < k; ++c)
         if (e4m3_is_nan(source_code(src, R, c)))
-          return at + ": row " + std::to_string(r) + ", column " + std::to_string(c) + " holds the e4m3 NaN code " +
-                 hex_byte(source_code(src, R, c));
+          return io(at + "': row " + std::to_string(r) + ", column " + std::to_string(c) +
+                    " holds the e4m3 NaN code " + hex_byte(source_code(src, R, c)));
     for (int64_t g = 0; g < ngroups; ++g) {
       const uint8_t* p = scale_ptr(src, R, g);
-      const std::string where = at + ": the scale of row " + std::to_string(r) + ", columns " +
+      const std::string where = at + "': the scale of row " + std::to_string(r) + ", columns " +
                                 std::to_string(g * src.group) + "-" +
                                 std::to_string(std::min(k, (g + 1) * src.group) - 1);
-      if (e8m0_scales(src) && e8m0_is_nan(*p)) return where + " is the e8m0 NaN code 0xff";
+      if (e8m0_scales(src) && e8m0_is_nan(*p)) return io(where + " is the e8m0 NaN code 0xff");
       const float v = scale_value(src, p);
-      if (!std::isfinite(v)) return where + " is " + std::to_string(v) + ", not finite";
+      if (!std::isfinite(v)) return io(where + " is " + std::to_string(v) + ", not finite");
       if (into && into->scale_bytes == 2 && bf16_to_f32(f32_to_bf16(v)) != v)
-        return where + " is " + std::to_string(v) + " (" + kt_ckpt_dtype_name(src.scale_dtype) +
-               "), not exact in the bf16 scales of a " + kt_weight_format_name(into->format) + " layer";
+        return unsupported(where + " is " + std::to_string(v) + " (" + kt_ckpt_dtype_name(src.scale_dtype) +
+                           "), not exact in the bf16 scales of a " + kt_weight_format_name(into->format) +
+                           " layer; load it dequantized");
     }
   }
-  return std::string();
+  return SourceProblem{};
 }
 
 void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst) {

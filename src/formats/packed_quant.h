@@ -127,13 +127,17 @@ struct QuantSource {
   const char* name = "";
 };
 
-// Checks every code and scale of the [n, k] source: empty when they are
-// values, else what was found where (an e4m3 NaN code, an e8m0 scale 0xFF,
-// a non-finite scale). With `into` (a layer format's shape of the same
-// code kind, bits and group), also that the codes and scales go into its
-// storage as they are: a scale not exact in a bf16-scaled format, or zero
-// points, are reported.
-std::string check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into);
+// Checks every code and scale of the [n, k] source. status KT_OK when they
+// are values, else KT_ERR_IO and what was found where (an e4m3 NaN code, an
+// e8m0 scale 0xFF, a non-finite scale). With `into` (a layer format's shape
+// of the same code kind, bits and group), also that the codes and scales go
+// into its storage as they are: a scale not exact in a bf16-scaled format,
+// or zero points, are KT_ERR_UNSUPPORTED.
+struct SourceProblem {
+  kt_status status = KT_OK;
+  std::string text;
+};
+SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into);
 
 // Writes src (checked against s) into one expert's block of format s: the
 // same codes and scales, no rounding.

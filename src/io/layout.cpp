@@ -999,7 +999,7 @@ constexpr int64_t kQuantLoadChunk = 16;
 void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char* where) {
   for (int64_t e0 = 0; e0 < L.E; e0 += kQuantLoadChunk) {
     const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
-    std::vector<std::string> problems(static_cast<size_t>(n * 3));
+    std::vector<SourceProblem> problems(static_cast<size_t>(n * 3));
     {
       std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
       moe->engine->pool->run(n * 3, [&](int64_t i, int) {
@@ -1010,10 +1010,10 @@ void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char
             check_quant_source(quant_source(L, e, p), out, in, native ? &moe->quant_shape(p) : nullptr);
       });
     }
-    for (const std::string& problem : problems)
-      if (!problem.empty())
-        fail(KT_ERR_IO, std::string(where) + ": layer " + std::to_string(L.layer) + ": tensor '" + problem +
-                            "'; nothing was loaded");
+    for (const SourceProblem& problem : problems)
+      if (problem.status != KT_OK)
+        fail(problem.status, std::string(where) + ": layer " + std::to_string(L.layer) + ": tensor '" +
+                                 problem.text + "; nothing was loaded");
   }
 }
 
