@@ -264,7 +264,13 @@ typedef enum kt_mode {
 typedef enum kt_weight_format {
   KT_FORMAT_BF16 = 0,         /* bf16 packed panels (sources bf16/fp16/fp32 are rounded to bf16) */
   KT_FORMAT_INT8_CHANNEL = 1, /* int8 per output channel, symmetric, quantized by kt at load */
-  KT_FORMAT_INT4_G32 = 2      /* int4 in groups of 32 inputs, symmetric, quantized by kt at load */
+  KT_FORMAT_INT4_G32 = 2,     /* int4 in groups of 32 inputs, symmetric, quantized by kt at load */
+  /* Formats of quantized checkpoints (kt_ckpt_load_layer; see "Quantized
+   * checkpoint formats" below): */
+  KT_FORMAT_FP8_B128 = 3,     /* fp8 e4m3 with fp32 scales per 128x128 block (DeepSeek-V3, Kimi-K2) */
+  KT_FORMAT_MXFP4 = 4,        /* fp4 e2m1 with e8m0 scales per 32 inputs (gpt-oss, DeepSeek-V4) */
+  KT_FORMAT_INT4_G128 = 5     /* int4 in groups of 128 inputs, symmetric (compressed-tensors);
+                               * also quantized by kt at load from bf16/fp16/fp32 */
 } kt_weight_format;
 
 typedef struct kt_moe_options {
@@ -714,6 +720,10 @@ typedef struct kt_ckpt_layer_info {
   kt_ckpt_dtype weight_dtype; /* element type of the weight tensors */
   int loadable;               /* 1 = kt_ckpt_load_layer can load it in this build */
   int64_t bytes;              /* bytes of this layer's routed-expert tensors (scales included) */
+  kt_weight_format weight_format; /* the kt_moe format that holds the experts as stored
+                                   * (KT_FORMAT_BF16 for dense layers; see "Quantized
+                                   * checkpoint formats") */
+  int64_t group_size;         /* inputs per scale of a quantized layer (fp8: the block's 128), 0 if dense */
 } kt_ckpt_layer_info;
 
 /* Describes the index-th MoE layer, index in [0, num_moe_layers), ordered by
@@ -735,7 +745,8 @@ typedef void (*kt_ckpt_progress_fn)(int64_t done, int64_t total, void* user);
 
 /* Loads layer L's routed experts into moe (its E, H, I and bias setting must
  * match the layer) straight from the mapped files: bf16/fp16/fp32 sources,
- * any of the layouts above, quantized formats fail with KT_ERR_UNSUPPORTED.
+ * any of the layouts above; quantized layers into a kt_moe of their format
+ * (kt_ckpt_layer_info.weight_format; "Quantized checkpoint formats" below).
  * Every tensor is checked before the first expert is loaded, so a failing
  * call leaves moe as it was. Experts go in batches, each serialised with the
  * layer's other compute calls; a forward another thread runs between two
@@ -1300,8 +1311,9 @@ KT_API void kt_dist_context_release(kt_dist_context* ctx);
  * activations are), and never stores a second copy. Memory per weight:
  * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes. */
 
-/* Short name of a format ("bf16", "int8_channel", "int4_g32"); static
- * storage, never NULL ("unknown" outside the enum). */
+/* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
+ * "mxfp4", "int4_g128"); static storage, never NULL ("unknown" outside the
+ * enum). */
 KT_API const char* kt_weight_format_name(kt_weight_format format);
 
 typedef struct kt_moe_info {
@@ -1334,6 +1346,63 @@ KT_API kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info);
  * (nothing is written when it fails). Serialised with the layer's compute
  * calls. */
 KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args);
+
+/* ------------------------------------------- quantized checkpoint formats
+ *
+ * kt_ckpt_open reads each MoE layer's routed-expert tensors and, in
+ * config.json, quantization_config, and checks them against each other
+ * before anything is loaded (a contradiction fails the open with KT_ERR_IO
+ * naming what was found):
+ * - fp8 blocks (DeepSeek-V3/R1, Kimi-K2 base): `weight` F8_E4M3 [out, in]
+ *   and `weight_scale_inv` (float) [ceil(out/128), ceil(in/128)]; W = code
+ *   * scale_inv of its block. quantization_config: quant_method "fp8",
+ *   fmt "e4m3", weight_block_size [128, 128], activation_scheme "dynamic"
+ *   or "static" (activations stay bf16/fp32 in kt). Held as
+ *   KT_FORMAT_FP8_B128 (codes as stored, scales fp32: exact).
+ * - compressed-tensors int4 "pack-quantized" (Kimi-K2-Thinking):
+ *   `weight_packed` I32 [out, ceil(in/8)] (element c in bits 4(c%8).. of
+ *   word c/8, stored as q + 8), `weight_scale` [out, ceil(in/group)],
+ *   `weight_shape` [out, in], optional `weight_zero_point` (asymmetric,
+ *   packed along out). quantization_config: quant_method
+ *   "compressed-tensors", format "pack-quantized", config_groups weights
+ *   num_bits 4, type "int", strategy "group", group_size 32 or 128,
+ *   symmetric. W = q * scale. Symmetric groups of 32 with bf16 scales are
+ *   KT_FORMAT_INT4_G32 exactly (the same codes and scales), groups of 128
+ *   KT_FORMAT_INT4_G128. Asymmetric layers load only dequantized.
+ * - MXFP4: gpt-oss `{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16]
+ *   (two e2m1 values a byte, the even element in the low nibble),
+ *   `_scales` U8/E8M0 [E, out, in/32] (2^(s - 127)), `_bias` [E, out],
+ *   gate and up interleaved (even rows gate); DeepSeek-V4 style per-expert
+ *   `weight` U8/I8 [out, in/2] and `scale` [out, ceil(in/32)]. Held as
+ *   KT_FORMAT_MXFP4 (codes and scales as stored: exact).
+ * Every e4m3 NaN code, e8m0 scale 0xFF and non-finite scale is refused at
+ * load (KT_ERR_IO, naming the tensor, row and column). A checkpoint whose
+ * expert tensors are bf16/fp16/fp32 (e.g. a dequantized training checkpoint
+ * of a quantized base) is dense whatever its quantization_config says: the
+ * tensors decide. kt_ckpt_moe_options sets weight_format to the format that
+ * holds the layer as stored. Loading a quantized layer into a kt_moe of
+ * another format fails with KT_ERR_UNSUPPORTED, except into a
+ * KT_FORMAT_BF16 layer when the host asks for it with
+ * kt_ckpt_load_options.dequantize (W rounded to bf16 once); a quantized
+ * checkpoint is never re-quantized. */
+
+typedef struct kt_ckpt_load_options {
+  size_t struct_size; /* set by _init */
+  int dequantize;     /* 1 = a quantized layer may load into a KT_FORMAT_BF16 kt_moe,
+                       * dequantized (default 0: refused with KT_ERR_UNSUPPORTED) */
+} kt_ckpt_load_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_ckpt_load_options_defaults(kt_ckpt_load_options* options, size_t struct_size);
+static inline void kt_ckpt_load_options_init(kt_ckpt_load_options* options) {
+  kt_ckpt_load_options_defaults(options, sizeof(*options));
+}
+
+/* kt_ckpt_load_layer with options (NULL = defaults). */
+KT_API kt_status kt_ckpt_load_layer_with(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
+                                         const kt_ckpt_load_options* options, kt_ckpt_progress_fn progress,
+                                         void* user);
 
 #ifdef __cplusplus
 }

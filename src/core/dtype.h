@@ -56,6 +56,29 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
+// OCP 8-bit float E4M3 (bias 7, no infinities): the value of code b, exact
+// in bf16 (subnormals m * 2^-9; largest finite 448). S.1111.111 is NaN:
+// callers refuse it before asking for a value.
+inline bool e4m3_is_nan(uint8_t b) { return (b & 0x7fu) == 0x7fu; }
+inline float e4m3_to_f32(uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(static_cast<float>(8 + m), e - 10);
+  return (b & 0x80u) ? -mag : mag;
+}
+
+// OCP 4-bit float E2M1 (bias 1) in the low nibble of u: 0, 0.5, 1, 1.5, 2,
+// 3, 4, 6 and their negatives (bit 3 the sign); exact in bf16.
+inline float e2m1_to_f32(uint8_t u) {
+  static const float kMagnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  const float mag = kMagnitude[u & 7u];
+  return (u & 8u) ? -mag : mag;
+}
+
+// E8M0 scale 2^(b - 127), exact in bf16 and fp32; 0xFF is NaN (refused by
+// callers).
+inline bool e8m0_is_nan(uint8_t b) { return b == 0xffu; }
+inline float e8m0_to_f32(uint8_t b) { return std::ldexp(1.f, static_cast<int>(b) - 127); }
+
 // Reads element i (already offset) of a buffer of type t as float.
 inline float load_as_f32(const void* p, DType t) {
   switch (t) {

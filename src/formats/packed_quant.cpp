@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace kt {
@@ -14,15 +15,21 @@ QuantShape QuantShape::of(kt_weight_format f, int64_t n, int64_t k) {
   s.format = f;
   s.n = n;
   s.k = k;
-  s.kq = (k + kQuantKAlign - 1) / kQuantKAlign * kQuantKAlign;
   s.np = (n + kPanelRows - 1) / kPanelRows;
-  s.bits = f == KT_FORMAT_INT4_G32 ? 4 : 8;
-  s.group = f == KT_FORMAT_INT4_G32 ? 32 : s.kq;
+  s.bits = f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_MXFP4 ? 4 : 8;
+  s.code = f == KT_FORMAT_FP8_B128 ? QuantCode::kE4M3 : f == KT_FORMAT_MXFP4 ? QuantCode::kE2M1 : QuantCode::kInt;
+  s.scale_bytes = f == KT_FORMAT_FP8_B128 ? 4 : 2;
+  const int64_t wide_group = f == KT_FORMAT_FP8_B128 || f == KT_FORMAT_INT4_G128 ? 128 : 0;
+  // Groups wider than 32 pad K to whole groups, so every chunk of K the
+  // kernels take holds whole groups.
+  const int64_t align = wide_group ? wide_group : kQuantKAlign;
+  s.kq = (k + align - 1) / align * align;
+  s.group = wide_group ? wide_group : s.bits == 4 ? 32 : s.kq;
   s.ngroups = s.kq / s.group;
   s.code_panel_bytes = kPanelRows * s.kq * s.bits / 8;
   s.scale_panel = s.ngroups * kPanelRows;
   s.scales_offset = align64(s.np * s.code_panel_bytes);
-  s.expert_bytes = align64(s.scales_offset + s.np * s.scale_panel * static_cast<int64_t>(sizeof(bf16_t)));
+  s.expert_bytes = align64(s.scales_offset + s.np * s.scale_panel * s.scale_bytes);
   return s;
 }
 
@@ -79,30 +86,161 @@ void quantize_panels(const View& src, int64_t row0, int64_t row_step, const Quan
   }
 }
 
+// The raw code (a byte, or a nibble) at (lane, c) of a panel's codes.
+static inline uint8_t raw_code(const uint8_t* panel, int bits, int64_t lane, int64_t c) {
+  if (bits == 8) return panel[code_index(lane, c)];
+  const int64_t pg = c / 2;
+  const uint8_t b = panel[(pg / 2) * 32 + lane * 2 + (c & 1)];
+  return static_cast<uint8_t>(pg % 2 ? b >> 4 : b & 0x0f);
+}
+
+static inline void put_code(uint8_t* panel, int bits, int64_t lane, int64_t c, uint8_t raw) {
+  if (bits == 8) {
+    panel[code_index(lane, c)] = raw;
+    return;
+  }
+  const int64_t pg = c / 2;
+  uint8_t& b = panel[(pg / 2) * 32 + lane * 2 + (c & 1)];
+  b = static_cast<uint8_t>(pg % 2 ? (b & 0x0f) | (raw << 4) : (b & 0xf0) | (raw & 0x0f));
+}
+
 float quant_get(const uint8_t* expert, const QuantShape& s, int64_t r, int64_t c) {
   const int64_t P = r / kPanelRows, lane = r % kPanelRows;
-  const uint8_t* codes = expert + P * s.code_panel_bytes;
-  int q;
-  if (s.bits == 8) {
-    q = static_cast<int8_t>(codes[code_index(lane, c)]);
-  } else {
-    const int64_t pg = c / 2, j = lane * 2 + (c & 1);
-    const uint8_t b = codes[(pg / 2) * 32 + j];
-    q = (pg % 2 ? b >> 4 : b & 0x0f) - 8;
-  }
-  const float scale = bf16_to_f32(s.scales(expert)[P * s.scale_panel + (c / s.group) * kPanelRows + lane]);
-  return static_cast<float>(q) * scale;
+  const float q = quant_code_value(s.code, s.bits, raw_code(expert + P * s.code_panel_bytes, s.bits, lane, c));
+  return q * s.scale_at(expert, P * s.scale_panel + (c / s.group) * kPanelRows + lane);
 }
 
 void quant_scales_f32(const uint8_t* expert, const QuantShape& s, int64_t p0, int64_t np, int64_t g0, int64_t ng,
                       float* dst) {
-  const bf16_t* sc = s.scales(expert);
   for (int64_t p = 0; p < np; ++p)
     for (int64_t j = 0; j < ng; ++j) {
-      const bf16_t* from = sc + (p0 + p) * s.scale_panel + (g0 + j) * kPanelRows;
+      const int64_t from = (p0 + p) * s.scale_panel + (g0 + j) * kPanelRows;
       float* to = dst + (p * ng + j) * kPanelRows;
-      for (int l = 0; l < kPanelRows; ++l) to[l] = bf16_to_f32(from[l]);
+      for (int l = 0; l < kPanelRows; ++l) to[l] = s.scale_at(expert, from + l);
     }
+}
+
+void quant_scales_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, float* dst) {
+  const int64_t nj = kc / kQuantKAlign;
+  for (int64_t p = 0; p < s.np; ++p)
+    for (int64_t j = 0; j < nj; ++j) {
+      const int64_t from = p * s.scale_panel + ((c0 + j * kQuantKAlign) / s.group) * kPanelRows;
+      float* to = dst + (p * nj + j) * kPanelRows;
+      for (int l = 0; l < kPanelRows; ++l) to[l] = s.scale_at(expert, from + l);
+    }
+}
+
+// ---------------------------------------------------- checkpoint sources
+
+static inline uint8_t source_code(const QuantSource& src, int64_t R, int64_t c) {
+  const uint8_t* row = src.codes + R * src.code_row_bytes;
+  if (src.bits == 8) return row[c];
+  const uint8_t b = row[c / 2];
+  return static_cast<uint8_t>(c & 1 ? b >> 4 : b & 0x0f);
+}
+
+static inline int64_t source_row(const QuantSource& src, int64_t r) { return src.row0 + r * src.row_step; }
+
+static inline bool e8m0_scales(const QuantSource& src) {
+  return src.scale_dtype == KT_CKPT_DTYPE_E8M0 || src.scale_dtype == KT_CKPT_DTYPE_U8;
+}
+
+// The raw scale element of (source row R, group g) and its value.
+static inline const uint8_t* scale_ptr(const QuantSource& src, int64_t R, int64_t g) {
+  const int64_t i = (R / src.scale_row_div) * src.scale_row + g;
+  const int64_t size = e8m0_scales(src) ? 1 : src.scale_dtype == KT_CKPT_DTYPE_F32 ? 4 : 2;
+  return src.scales + i * size;
+}
+
+static inline float scale_value(const QuantSource& src, const uint8_t* p) {
+  switch (src.scale_dtype) {
+    case KT_CKPT_DTYPE_F32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case KT_CKPT_DTYPE_BF16:
+    case KT_CKPT_DTYPE_F16: {
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      return src.scale_dtype == KT_CKPT_DTYPE_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    }
+    default: return e8m0_to_f32(*p);
+  }
+}
+
+static inline int zero_point(const QuantSource& src, int64_t R, int64_t g) {
+  uint32_t w;
+  std::memcpy(&w, src.zeros + ((R / 8) * src.zero_row + g) * 4, 4);
+  return static_cast<int>((w >> (4 * (R % 8))) & 15u) - 8;
+}
+
+static std::string hex_byte(uint8_t b) {
+  static const char* digits = "0123456789abcdef";
+  return std::string("0x") + digits[b >> 4] + digits[b & 15];
+}
+
+SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into) {
+  const std::string at = std::string(src.name);
+  auto io = [](std::string t) { return SourceProblem{KT_ERR_IO, std::move(t)}; };
+  auto unsupported = [](std::string t) { return SourceProblem{KT_ERR_UNSUPPORTED, std::move(t)}; };
+  if (into && src.zeros)
+    return unsupported(at + "': zero points (asymmetric int4) have no place in a " + kt_weight_format_name(into->format) +
+           " layer");
+  const int64_t ngroups = (k + src.group - 1) / src.group;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t R = source_row(src, r);
+    if (src.code == QuantCode::kE4M3)
+      for (int64_t c = 0; c < k; ++c)
+        if (e4m3_is_nan(source_code(src, R, c)))
+          return io(at + "': row " + std::to_string(r) + ", column " + std::to_string(c) +
+                    " holds the e4m3 NaN code " + hex_byte(source_code(src, R, c)));
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const uint8_t* p = scale_ptr(src, R, g);
+      const std::string where = at + "': the scale of row " + std::to_string(r) + ", columns " +
+                                std::to_string(g * src.group) + "-" +
+                                std::to_string(std::min(k, (g + 1) * src.group) - 1);
+      if (e8m0_scales(src) && e8m0_is_nan(*p)) return io(where + " is the e8m0 NaN code 0xff");
+      const float v = scale_value(src, p);
+      if (!std::isfinite(v)) return io(where + " is " + std::to_string(v) + ", not finite");
+      if (into && into->scale_bytes == 2 && bf16_to_f32(f32_to_bf16(v)) != v)
+        return unsupported(where + " is " + std::to_string(v) + " (" + kt_ckpt_dtype_name(src.scale_dtype) +
+                           "), not exact in the bf16 scales of a " + kt_weight_format_name(into->format) +
+                           " layer; load it dequantized");
+    }
+  }
+  return SourceProblem{};
+}
+
+void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst) {
+  std::memset(dst, 0, static_cast<size_t>(s.expert_bytes));
+  // The code of value 0 in the padding columns (the A rows are zero there).
+  const uint8_t zero = s.code == QuantCode::kInt && s.bits == 4 ? 8 : 0;
+  const int64_t ngroups = (s.k + s.group - 1) / s.group;
+  uint8_t* scales = dst + s.scales_offset;
+  for (int64_t r = 0; r < s.n; ++r) {
+    const int64_t R = source_row(src, r), P = r / kPanelRows, lane = r % kPanelRows;
+    uint8_t* panel = dst + P * s.code_panel_bytes;
+    for (int64_t c = 0; c < s.k; ++c) put_code(panel, s.bits, lane, c, source_code(src, R, c));
+    for (int64_t c = s.k; c < s.kq; ++c) put_code(panel, s.bits, lane, c, zero);
+    for (int64_t g = 0; g < ngroups; ++g) {
+      const float v = scale_value(src, scale_ptr(src, R, g));
+      uint8_t* to = scales + (P * s.scale_panel + g * kPanelRows + lane) * s.scale_bytes;
+      if (s.scale_bytes == 4) {
+        std::memcpy(to, &v, 4);
+      } else {
+        const bf16_t b = f32_to_bf16(v);
+        std::memcpy(to, &b, 2);
+      }
+    }
+  }
+}
+
+float quant_source_value(const QuantSource& src, int64_t r, int64_t c) {
+  const int64_t R = source_row(src, r);
+  float q = quant_code_value(src.code, src.bits, source_code(src, R, c));
+  if (src.zeros) q -= static_cast<float>(zero_point(src, R, c / src.group));
+  return q * scale_value(src, scale_ptr(src, R, c / src.group));
 }
 
 }  // namespace kt

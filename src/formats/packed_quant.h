@@ -10,12 +10,18 @@
 //     4-bit codes (int4): K pair groups go in twos: the 32 bytes of pair
 //       groups (2h, 2h + 1) hold element j = lane * 2 + t of group 2h in the
 //       low nibble of byte j and that of group 2h + 1 in the high nibble.
-//       A nibble u stands for u - 8.
-//   scales: np panels of ngroups * 16 bf16, [group][lane] within a panel.
-// Padding (rows past n, columns past k) is code 0 with scale 0.
+//       A nibble u stands for u - 8 (int4) or is an e2m1 code (mxfp4).
+//     fp8 (e4m3) codes are bytes in the int8 order.
+//   scales: np panels of ngroups * 16 scales, [group][lane] within a panel:
+//     bf16, or fp32 for fp8 blocks (their fp32 scales are not exact in bf16;
+//     e8m0 scales are powers of two, exact in bf16).
+// K is padded to kq = round_up(k, 32), or to the group where groups are
+// wider. Padding (rows past n, columns past k) has scale 0.
 #pragma once
 
 #include <cstdint>
+#include <cstring>
+#include <string>
 
 #include "core/dtype.h"
 #include "core/tensor.h"
@@ -27,13 +33,34 @@ namespace kt {
 constexpr int64_t kQuantKAlign = 32;
 
 inline bool is_quantized(kt_weight_format f) { return f != KT_FORMAT_BF16; }
+// Formats kt quantizes to from bf16/fp16/fp32 sources (the others come
+// quantized from checkpoints).
+inline bool kt_quantizes_to(kt_weight_format f) {
+  return f == KT_FORMAT_INT8_CHANNEL || f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128;
+}
+
+// What a stored code stands for: a signed integer (int8, or int4 as u - 8),
+// an fp8 e4m3 or an fp4 e2m1 value.
+enum class QuantCode { kInt, kE4M3, kE2M1 };
+
+// The value of a raw code (a byte, or a nibble in the low 4 bits).
+inline float quant_code_value(QuantCode code, int bits, uint8_t raw) {
+  switch (code) {
+    case QuantCode::kE4M3: return e4m3_to_f32(raw);
+    case QuantCode::kE2M1: return e2m1_to_f32(raw);
+    case QuantCode::kInt: break;
+  }
+  return bits == 8 ? static_cast<float>(static_cast<int8_t>(raw)) : static_cast<float>(static_cast<int>(raw) - 8);
+}
 
 struct QuantShape {
   kt_weight_format format = KT_FORMAT_BF16;
   int64_t n = 0, k = 0;
-  int64_t kq = 0;       // k rounded up to 32: the A rows are padded to it
+  int64_t kq = 0;       // k padded (see above): the A rows are padded to it
   int64_t np = 0;       // panels of 16 rows
   int bits = 0;         // 8 or 4
+  QuantCode code = QuantCode::kInt;
+  int scale_bytes = 2;  // 2: bf16 scales, 4: fp32 scales
   int64_t group = 0;    // K elements per scale (kq: one scale per row)
   int64_t ngroups = 0;  // scales per row
   int64_t code_panel_bytes = 0;
@@ -42,14 +69,23 @@ struct QuantShape {
 
   static QuantShape of(kt_weight_format f, int64_t n, int64_t k);
   const uint8_t* codes(const uint8_t* expert) const { return expert; }
-  const bf16_t* scales(const uint8_t* expert) const {
-    return reinterpret_cast<const bf16_t*>(expert + scales_offset);
+  // The fp32 value of stored scale i (panel-major index).
+  float scale_at(const uint8_t* expert, int64_t i) const {
+    const uint8_t* p = expert + scales_offset + i * scale_bytes;
+    if (scale_bytes == 4) {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    bf16_t b;
+    std::memcpy(&b, p, 2);
+    return bf16_to_f32(b);
   }
 };
 
 // Quantizes rows [row0, row0 + n * row_step) (every row_step-th) of src, a
 // 2-D [rows, k] view of any float dtype and strides, into one expert's
-// block (s.expert_bytes).
+// block (s.expert_bytes). Integer formats only (kt_quantizes_to).
 void quantize_panels(const View& src, int64_t row0, int64_t row_step, const QuantShape& s, uint8_t* dst);
 
 // The value the layer computes with at (r, c): code * scale, exact in fp32.
@@ -58,6 +94,58 @@ float quant_get(const uint8_t* expert, const QuantShape& s, int64_t r, int64_t c
 // fp32 scales of panels [p0, p0 + np), groups [g0, g0 + ng): dst[p][j][16].
 void quant_scales_f32(const uint8_t* expert, const QuantShape& s, int64_t p0, int64_t np, int64_t g0, int64_t ng,
                       float* dst);
+
+// fp32 scales of every panel for columns [c0, c0 + kc) (both multiples of
+// 32) in steps of 32 columns: dst[p][j][16] is the scale of column c0 + 32 j
+// (any group size; for dequantizing with group 32).
+void quant_scales_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, float* dst);
+
+// A projection quantized as a checkpoint stores it (io/layout.cpp finds the
+// tensors), logical [n, k] (out x in), taking source rows row0 + r * row_step:
+// - codes: source row R at codes + R * code_row_bytes; 8-bit codes: byte c;
+//   4-bit codes: byte c / 2, the even column in the low nibble (int4 stored
+//   as q + 8, the compressed-tensors int32 words read as little-endian bytes,
+//   or e2m1);
+// - scale of (r, c): element (R / scale_row_div) * scale_row + c / group of
+//   scales, of scale_dtype (F32/BF16/F16, or E8M0/U8 as 2^(s - 127));
+// - zeros (asymmetric int4, optional): compressed-tensors zero points, int32
+//   words packing 8 rows ([ceil(n/8), groups], nibble R % 8 of word (R / 8,
+//   g), stored as z + 8); W = (q - z) * scale.
+struct QuantSource {
+  QuantCode code = QuantCode::kInt;
+  int bits = 8;
+  int64_t group = 0;  // inputs per scale along a row
+  const uint8_t* codes = nullptr;
+  int64_t code_row_bytes = 0;
+  const uint8_t* scales = nullptr;
+  kt_ckpt_dtype scale_dtype = KT_CKPT_DTYPE_F32;
+  int64_t scale_row = 0, scale_row_div = 1;
+  const uint8_t* zeros = nullptr;
+  int64_t zero_row = 0;  // int32 words per packed zero-point row (= groups)
+  int64_t row0 = 0, row_step = 1;
+  // Describes the source's tensors in messages ("...experts.3.gate_proj").
+  const char* name = "";
+};
+
+// Checks every code and scale of the [n, k] source. status KT_OK when they
+// are values, else KT_ERR_IO and what was found where (an e4m3 NaN code, an
+// e8m0 scale 0xFF, a non-finite scale). With `into` (a layer format's shape
+// of the same code kind, bits and group), also that the codes and scales go
+// into its storage as they are: a scale not exact in a bf16-scaled format,
+// or zero points, are KT_ERR_UNSUPPORTED.
+struct SourceProblem {
+  kt_status status = KT_OK;
+  std::string text;
+};
+SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into);
+
+// Writes src (checked against s) into one expert's block of format s: the
+// same codes and scales, no rounding.
+void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst);
+
+// The dequantized value W[r][c] of src in fp32 (exact: codes are exact in
+// bf16, scales are fp32 values and e8m0 powers of two).
+float quant_source_value(const QuantSource& src, int64_t r, int64_t c);
 
 // The codes of packed rows [r0, r0 + rb) (r0 a multiple of 16).
 inline PrefetchRegion quant_panel_block(const uint8_t* expert, const QuantShape& s, int64_t r0, int64_t rb) {

@@ -172,6 +172,8 @@ kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_lay
     full.weight_dtype = m.weight_dtype;
     full.loadable = m.loadable() ? 1 : 0;
     full.bytes = m.bytes;
+    full.weight_format = m.native_format;
+    full.group_size = m.group;
     kt::write_sized(info, full, w, "info");
   });
 }
@@ -192,17 +194,46 @@ kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options
     o.activation = c->model.activation;
     o.act_alpha = c->model.act_alpha;
     o.act_limit = c->model.act_limit;
+    // The format that holds the experts as stored (a quantized layer no kt
+    // format holds keeps bf16: it loads only dequantized, when asked).
+    if (m.loadable()) o.weight_format = m.native_format;
     kt::write_sized(options, o, w, "options");
   });
+}
+
+namespace {
+void set_ckpt_load_options_defaults(kt_ckpt_load_options& o) { o.dequantize = 0; }
+
+void load_layer_call(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe, const kt_ckpt_load_options& o,
+                     kt_ckpt_progress_fn progress, void* user, const char* w) {
+  const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+  const std::shared_ptr<kt_moe> m = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
+  check(o.dequantize == 0 || o.dequantize == 1, KT_ERR_INVALID_ARGUMENT,
+        std::string(w) + ": options->dequantize = " + std::to_string(o.dequantize) + " is not 0 or 1");
+  kt::io::load_layer(c->model.get(layer, w), m.get(), o, progress, user, w);
+}
+}  // namespace
+
+void kt_ckpt_load_options_defaults(kt_ckpt_load_options* o, size_t struct_size) {
+  kt::write_defaults(o, struct_size, set_ckpt_load_options_defaults);
 }
 
 kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe, kt_ckpt_progress_fn progress,
                              void* user) {
   const char* w = "kt_ckpt_load_layer";
   return guarded(w, [&] {
-    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
-    const std::shared_ptr<kt_moe> m = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
-    kt::io::load_layer(c->model.get(layer, w), m.get(), progress, user, w);
+    kt_ckpt_load_options o;
+    kt_ckpt_load_options_init(&o);
+    load_layer_call(ckpt, layer, moe, o, progress, user, w);
+  });
+}
+
+kt_status kt_ckpt_load_layer_with(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
+                                  const kt_ckpt_load_options* options, kt_ckpt_progress_fn progress, void* user) {
+  const char* w = "kt_ckpt_load_layer_with";
+  return guarded(w, [&] {
+    const kt_ckpt_load_options o = kt::read_sized(options, set_ckpt_load_options_defaults, w, "options");
+    load_layer_call(ckpt, layer, moe, o, progress, user, w);
   });
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <mutex>
 
 #include <nlohmann/json.hpp>
@@ -111,9 +112,23 @@ int64_t config_int(const json& c, std::initializer_list<const char*> keys) {
   return -1;
 }
 
+// An integer read from a small tensor (weight_shape): I32 or I64 element i.
+int64_t small_int(const TensorRef& t, int64_t i) {
+  if (t.entry->dtype == KT_CKPT_DTYPE_I32) {
+    int32_t v;
+    std::memcpy(&v, t.data + i * 4, 4);
+    return v;
+  }
+  int64_t v;
+  std::memcpy(&v, t.data + i * 8, 8);
+  return v;
+}
+
 // Logical [out, in] of a per-expert projection and its format.
+// values_per_word: int4 values per int32 of weight_packed (8; 32/num_bits
+// of quantization_config).
 void describe_proj(const std::map<std::string, const TensorRef*>& parts, const std::string& base,
-                   ProjTensors* pt, kt_ckpt_format* format, int64_t* out, int64_t* in) {
+                   int64_t values_per_word, ProjTensors* pt, kt_ckpt_format* format, int64_t* out, int64_t* in) {
   auto get = [&](const char* s) -> const TensorRef* {
     auto it = parts.find(s);
     return it == parts.end() ? nullptr : it->second;
@@ -126,10 +141,27 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
               st_dtype_info(t.dtype).st_name + " " + shape_text(t.shape));
     pt->weight = packed;
     pt->scale = get("weight_scale");
+    pt->zero = get("weight_zero_point");
     if (!pt->scale) io_fail(packed->file->path() + ": " + where + ".weight_scale' is missing");
     *format = KT_CKPT_FORMAT_INT4_GROUP;
     *out = t.shape[0];
-    *in = scaled_extent(t.shape[1], 8, *packed);
+    *in = scaled_extent(t.shape[1], values_per_word, *packed);
+    if (const TensorRef* ws = get("weight_shape")) {
+      const TensorEntry& st = *ws->entry;
+      if ((st.dtype != KT_CKPT_DTYPE_I32 && st.dtype != KT_CKPT_DTYPE_I64) || st.shape != std::vector<int64_t>{2})
+        io_fail(ws->file->path() + ": " + where + ".weight_shape': expected int32/int64 [2], got " +
+                st_dtype_info(st.dtype).st_name + " " + shape_text(st.shape));
+      const int64_t o = small_int(*ws, 0), i = small_int(*ws, 1);
+      if (o != t.shape[0] || i < 1 || (i + values_per_word - 1) / values_per_word != t.shape[1])
+        io_fail(packed->file->path() + ": " + where + ".weight_packed' is " + shape_text(t.shape) +
+                " but weight_shape [" + std::to_string(o) + "," + std::to_string(i) + "] needs [" +
+                std::to_string(o) + "," + std::to_string(i < 1 ? 0 : (i + values_per_word - 1) / values_per_word) +
+                "] (" + std::to_string(values_per_word) + " values an int32)" +
+                (o == t.shape[0] && i >= 1 && (i + values_per_word - 1) / values_per_word > t.shape[1]
+                     ? ": too short"
+                     : ""));
+      *in = i;
+    }
   } else if (const TensorRef* w = get("weight")) {
     const TensorEntry& t = *w->entry;
     if (t.shape.size() != 2)
@@ -156,7 +188,7 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
   pt->bias = get("bias");
 }
 
-MoeLayer build_per_expert(int64_t L, const Collected& c) {
+MoeLayer build_per_expert(int64_t L, const Collected& c, int64_t values_per_word) {
   MoeLayer m;
   m.layer = L;
   m.prefix = c.base;
@@ -182,7 +214,7 @@ MoeLayer build_per_expert(int64_t L, const Collected& c) {
       ProjTensors& pt = m.experts[static_cast<size_t>(e)][static_cast<size_t>(p)];
       kt_ckpt_format format;
       int64_t out = 0, in = 0;
-      describe_proj(parts, base, &pt, &format, &out, &in);
+      describe_proj(parts, base, values_per_word, &pt, &format, &out, &in);
       const std::string file = pt.weight->file->path();
       if (first) {
         m.format = format;
@@ -216,6 +248,11 @@ MoeLayer build_per_expert(int64_t L, const Collected& c) {
                   std::to_string(want_out) + "] bias, got " + kt_ckpt_dtype_name(b.dtype) + " " +
                   shape_text(b.shape));
       }
+      if ((pt.zero != nullptr) != m.asymmetric && !(e == 0 && p == 0))
+        io_fail("tensor '" + base + ".weight_zero_point' is " + (m.asymmetric ? "missing" : "present") +
+                " while expert 0's " + names[0] + (m.asymmetric ? " has one" : " has none") +
+                ": one layer mixes symmetric and asymmetric int4");
+      if (e == 0 && p == 0) m.asymmetric = pt.zero != nullptr;
       for (const auto& kv : parts) m.bytes += static_cast<int64_t>(kv.second->entry->nbytes());
     }
   }
@@ -248,8 +285,10 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
     // MXFP4: blocks [E, out, in/32, 16] u8, scales [E, out, in/32] e8m0 (out x in).
     const TensorRef* gb = need("gate_up_proj_blocks");
     const TensorRef* db = need("down_proj_blocks");
-    need("gate_up_proj_scales");
-    need("down_proj_scales");
+    m.gate_up = gb;
+    m.down = db;
+    m.gate_up_scales = need("gate_up_proj_scales");
+    m.down_scales = need("down_proj_scales");
     const auto& gs = gb->entry->shape;
     const auto& ds = db->entry->shape;
     if (gs.size() != 4 || gs[3] != 16 || gb->entry->dtype != KT_CKPT_DTYPE_U8) bad(gb, "U8 [E, 2I, H/32, 16]");
@@ -263,6 +302,16 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
     if (gs[1] % 2 != 0 || ds[0] != m.E || ds[1] != m.H || scaled_extent(ds[2], 32, *db) != m.I)
       bad(db, "U8 [" + std::to_string(m.E) + ", " + std::to_string(m.H) + ", " +
                   std::to_string(m.I / 32) + ", 16] to match " + gb->entry->name);
+    // e8m0 scales, one per 32 inputs: [E, out, in/32] beside the blocks.
+    auto check_scales = [&](const TensorRef* sc, const TensorRef* blocks) {
+      const auto& bs = blocks->entry->shape;
+      const std::vector<int64_t> want{bs[0], bs[1], bs[2]};
+      const kt_ckpt_dtype dt = sc->entry->dtype;
+      if ((dt != KT_CKPT_DTYPE_U8 && dt != KT_CKPT_DTYPE_E8M0) || sc->entry->shape != want)
+        bad(sc, "U8/E8M0 (e8m0 scales) " + shape_text(want) + " to match " + blocks->entry->name);
+    };
+    check_scales(m.gate_up_scales, gb);
+    check_scales(m.down_scales, db);
   } else {
     m.gate_up = need("gate_up_proj");
     m.down = need("down_proj");
@@ -301,9 +350,206 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
   return m;
 }
 
+// config.json's quantization_config (top level, or under text_config):
+// what the checkpoint says its quantized tensors are.
+struct QuantConfig {
+  const json* q = nullptr;  // the object, or nullptr when absent
+  std::string path;         // "<dir>/config.json: quantization_config"
+  std::string method;       // quant_method
+  // compressed-tensors: the weights of the config group for the experts.
+  const json* weights = nullptr;
+  std::string ct_format;  // "pack-quantized", ...
+};
+
+std::string json_text(const json& j) { return j.dump(); }
+
+QuantConfig read_quant_config(const json& config, const std::string& config_path) {
+  QuantConfig qc;
+  qc.path = config_path + ": quantization_config";
+  const json* q = nullptr;
+  if (config.contains("quantization_config")) q = &config["quantization_config"];
+  else if (config.contains("text_config") && config["text_config"].is_object() &&
+           config["text_config"].contains("quantization_config"))
+    q = &config["text_config"]["quantization_config"];
+  if (!q || q->is_null()) return qc;
+  if (!q->is_object()) io_fail(qc.path + " is not a JSON object");
+  qc.q = q;
+  if (q->contains("quant_method") && (*q)["quant_method"].is_string())
+    qc.method = (*q)["quant_method"].get<std::string>();
+  if (q->contains("format") && (*q)["format"].is_string()) qc.ct_format = (*q)["format"].get<std::string>();
+  if (qc.method == "compressed-tensors" && q->contains("config_groups") && (*q)["config_groups"].is_object()) {
+    // The group that quantizes the experts: one whose targets name Linear
+    // layers or experts, else the first with weights.
+    for (const auto& g : (*q)["config_groups"].items()) {
+      const json& grp = g.value();
+      if (!grp.is_object() || !grp.contains("weights") || !grp["weights"].is_object()) continue;
+      bool targets_experts = false;
+      if (grp.contains("targets") && grp["targets"].is_array())
+        for (const auto& t : grp["targets"])
+          if (t.is_string() && (t.get<std::string>() == "Linear" || t.get<std::string>().find("expert") != std::string::npos))
+            targets_experts = true;
+      if (!qc.weights || targets_experts) {
+        qc.weights = &grp["weights"];
+        if (grp.contains("format") && grp["format"].is_string()) qc.ct_format = grp["format"].get<std::string>();
+        if (targets_experts) break;
+      }
+    }
+  }
+  return qc;
+}
+
+// int4 values per int32 word of weight_packed, from the config (8 when it
+// does not say).
+int64_t packed_values_per_word(const QuantConfig& qc) {
+  if (qc.weights && qc.weights->contains("num_bits") && (*qc.weights)["num_bits"].is_number_integer()) {
+    const int64_t bits = (*qc.weights)["num_bits"].get<int64_t>();
+    if (bits >= 1 && bits <= 32 && 32 % bits == 0) return 32 / bits;
+  }
+  return 8;
+}
+
+// One projection's scale (and zero-point) tensors checked against the
+// weight and the group: [ceil(out / row_div), ceil(in / group)].
+void check_scale_tensor(const TensorRef* sc, const std::string& what, int64_t rows, int64_t cols,
+                        std::initializer_list<kt_ckpt_dtype> dtypes, const char* dtype_text, const std::string& why) {
+  const TensorEntry& t = *sc->entry;
+  const std::vector<int64_t> want{rows, cols};
+  const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
+  if (!dtype_ok || t.shape != want)
+    io_fail(sc->file->path() + ": tensor '" + t.name + "' (" + what + "): expected " + dtype_text + " " +
+            shape_text(want) + why + ", got " + kt_ckpt_dtype_name(t.dtype) + " " + shape_text(t.shape));
+}
+
+int64_t ceil_div64(int64_t a, int64_t b) { return a / b + (a % b != 0); }
+
+// Checks a quantized layer's scale tensors and quantization_config against
+// each other (a contradiction fails the open, KT_ERR_IO) and decides the
+// kt format that holds it (or why none does).
+void check_quantized_layer(MoeLayer& m, const QuantConfig& qc) {
+  const std::string layer = "layer " + std::to_string(m.layer) + " ('" + m.prefix + "')";
+  auto method_must_be = [&](const char* want, const std::string& found) {
+    if (qc.q && qc.method != want)
+      io_fail(qc.path + ".quant_method is '" + qc.method + "' but " + layer + " holds " + found +
+              " (quant_method '" + want + "')");
+  };
+  auto per_expert = [&](const std::function<void(const ProjTensors&, int64_t out, int64_t in)>& f) {
+    for (const auto& ex : m.experts)
+      for (int p = 0; p < 3; ++p) f(ex[static_cast<size_t>(p)], p == kProjDown ? m.H : m.I, p == kProjDown ? m.I : m.H);
+  };
+  const std::initializer_list<kt_ckpt_dtype> kFloat = {KT_CKPT_DTYPE_F32, KT_CKPT_DTYPE_BF16, KT_CKPT_DTYPE_F16};
+  if (m.format == KT_CKPT_FORMAT_FP8_BLOCK) {
+    method_must_be("fp8", "F8_E4M3 weights with weight_scale_inv (fp8 blocks)");
+    int64_t b0 = 128, b1 = 128;
+    std::string from = " (blocks of 128 x 128: config.json has no quantization_config)";
+    if (qc.q) {
+      const json& q = *qc.q;
+      if (q.contains("fmt") && !(q["fmt"].is_string() && q["fmt"].get<std::string>() == "e4m3"))
+        io_fail(qc.path + ".fmt is " + json_text(q["fmt"]) + " but " + layer + " holds F8_E4M3 weights");
+      if (!q.contains("weight_block_size") || !q["weight_block_size"].is_array() ||
+          q["weight_block_size"].size() != 2 || !q["weight_block_size"][0].is_number_integer() ||
+          !q["weight_block_size"][1].is_number_integer() || q["weight_block_size"][0].get<int64_t>() < 1 ||
+          q["weight_block_size"][1].get<int64_t>() < 1) {
+        m.unsupported = "quantization_config.weight_block_size is " +
+                        (q.contains("weight_block_size") ? json_text(q["weight_block_size"]) : std::string("absent")) +
+                        ": kt holds fp8 in 128 x 128 blocks";
+      } else {
+        b0 = q["weight_block_size"][0].get<int64_t>();
+        b1 = q["weight_block_size"][1].get<int64_t>();
+        from = " (weight_block_size " + json_text(q["weight_block_size"]) + ")";
+        if (b0 != 128 || b1 != 128)
+          m.unsupported = "quantization_config.weight_block_size is " + json_text(q["weight_block_size"]) +
+                          ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
+      }
+      if (q.contains("activation_scheme")) {
+        const json& a = q["activation_scheme"];
+        if (!a.is_string() || (a.get<std::string>() != "dynamic" && a.get<std::string>() != "static"))
+          m.unsupported = "quantization_config.activation_scheme is " + json_text(a) +
+                          " (kt knows 'dynamic' and 'static')";
+      }
+    }
+    per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+      check_scale_tensor(pt.scale, "fp8 block scales", ceil_div64(out, b0), ceil_div64(in, b1), kFloat,
+                         "float", from + " for weight " + shape_text(pt.weight->entry->shape));
+    });
+    m.group = b1;
+    m.block_rows = b0;
+    m.decodable = true;
+    m.native_format = KT_FORMAT_FP8_B128;
+  } else if (m.format == KT_CKPT_FORMAT_INT4_GROUP) {
+    method_must_be("compressed-tensors", "int4 weight_packed tensors (compressed-tensors pack-quantized)");
+    const ProjTensors& first = m.experts[0][kProjGate];
+    int64_t group = 0;
+    std::string from;
+    if (qc.weights) {
+      const json& w = *qc.weights;
+      auto field = [&](const char* k) { return w.contains(k) ? json_text(w[k]) : std::string("absent"); };
+      if (!qc.ct_format.empty() && qc.ct_format != "pack-quantized")
+        io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + layer +
+                " holds weight_packed tensors (format 'pack-quantized')");
+      if (w.contains("num_bits") && !(w["num_bits"].is_number_integer() && w["num_bits"].get<int64_t>() == 4))
+        m.unsupported = "config_groups weights num_bits is " + field("num_bits") + ": kt holds 4-bit integers";
+      else if (w.contains("type") && !(w["type"].is_string() && w["type"].get<std::string>() == "int"))
+        m.unsupported = "config_groups weights type is " + field("type") + ": kt holds 'int'";
+      else if (w.contains("strategy") && !(w["strategy"].is_string() && w["strategy"].get<std::string>() == "group"))
+        m.unsupported = "config_groups weights strategy is " + field("strategy") + ": kt holds 'group'";
+      if (w.contains("group_size") && w["group_size"].is_number_integer() && w["group_size"].get<int64_t>() > 0) {
+        group = w["group_size"].get<int64_t>();
+        from = " (config_groups group_size " + std::to_string(group) + ")";
+      }
+      if (w.contains("symmetric") && w["symmetric"].is_boolean()) {
+        const bool sym = w["symmetric"].get<bool>();
+        if (sym == m.asymmetric)
+          io_fail(qc.path + ": config_groups weights symmetric is " + (sym ? "true" : "false") + " but " + layer +
+                  (m.asymmetric ? " has weight_zero_point tensors" : " has no weight_zero_point tensors"));
+      }
+    }
+    if (group == 0) {
+      // No config: the scale columns of expert 0's gate give the group.
+      const auto& ss = first.scale->entry->shape;
+      const int64_t cols = ss.size() == 2 ? ss[1] : 0;
+      group = cols > 0 ? ceil_div64(m.H, cols) : 0;
+      if (group < 1 || ceil_div64(m.H, group) != cols)
+        io_fail(first.scale->file->path() + ": tensor '" + first.scale->entry->name + "' is " + shape_text(ss) +
+                ": no group size gives " + std::to_string(cols) + " scales for " + std::to_string(m.H) + " inputs");
+      from = " (group " + std::to_string(group) + " from expert 0's weight_scale)";
+    }
+    per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+      check_scale_tensor(pt.scale, "int4 group scales", out, ceil_div64(in, group), kFloat, "float", from);
+      if (pt.zero)
+        check_scale_tensor(pt.zero, "int4 zero points, 8 rows an int32", ceil_div64(out, 8), ceil_div64(in, group),
+                           {KT_CKPT_DTYPE_I32}, "I32", from);
+    });
+    m.group = group;
+    // Any group of 4-bit integers decodes; other widths do not.
+    m.decodable = m.unsupported.empty();
+    if (m.unsupported.empty()) {
+      if (group != 32 && group != 128)
+        m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of 32 or 128";
+      else if (m.asymmetric)
+        m.unsupported = "asymmetric int4 (weight_zero_point): kt holds symmetric int4; load it dequantized";
+    }
+    m.native_format = group == 128 ? KT_FORMAT_INT4_G128 : KT_FORMAT_INT4_G32;
+  } else if (m.format == KT_CKPT_FORMAT_MXFP4) {
+    method_must_be("mxfp4", "MXFP4 weights (e2m1 with e8m0 scales)");
+    if (m.layout != KT_CKPT_LAYOUT_GPT_OSS)
+      per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+        check_scale_tensor(pt.scale, "e8m0 scales, one per 32 inputs", out, ceil_div64(in, 32),
+                           {KT_CKPT_DTYPE_E8M0, KT_CKPT_DTYPE_U8}, "E8M0/U8", "");
+      });
+    m.group = 32;
+    m.decodable = true;
+    m.native_format = KT_FORMAT_MXFP4;
+  }
+}
+
 }  // namespace
 
-bool MoeLayer::loadable() const { return format == KT_CKPT_FORMAT_DENSE && is_float_dtype(weight_dtype); }
+bool MoeLayer::loadable() const {
+  if (format == KT_CKPT_FORMAT_DENSE) return is_float_dtype(weight_dtype);
+  return format != KT_CKPT_FORMAT_OTHER && unsupported.empty();
+}
+
+bool MoeLayer::dequantizable() const { return decodable; }
 
 const MoeLayer* ModelInfo::find(int64_t layer) const {
   for (const auto& l : layers)
@@ -356,6 +602,8 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
       info.act_limit = config["swiglu_limit"].get<float>();
   }
 
+  const QuantConfig quant_config = read_quant_config(config, config_path);
+
   std::map<int64_t, Collected> by_layer;
   for (const auto& kv : tensors.tensors()) {
     LayerName n;
@@ -398,7 +646,7 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
       // Only a model's own parts (adapters' lora_A/lora_B keys are not experts).
       const std::string part = r.substr(dot + 1);
       static const char* kParts[] = {"weight", "weight_scale_inv", "weight_packed", "weight_scale",
-                                     "weight_shape", "bias", "scale"};
+                                     "weight_shape", "weight_zero_point", "bias", "scale"};
       if (std::find_if(std::begin(kParts), std::end(kParts), [&](const char* k) { return part == k; }) ==
           std::end(kParts))
         continue;
@@ -420,7 +668,8 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
   for (auto& kv : by_layer) {
     Collected& c = kv.second;
     MoeLayer m = c.layout == KT_CKPT_LAYOUT_FUSED ? build_fused(kv.first, c, gpt_oss)
-                                                 : build_per_expert(kv.first, c);
+                                                 : build_per_expert(kv.first, c, packed_values_per_word(quant_config));
+    check_quantized_layer(m, quant_config);
     if (info.layout == KT_CKPT_LAYOUT_NONE) info.layout = m.layout;
     info.layers.push_back(std::move(m));
   }
@@ -471,9 +720,10 @@ bool aligned_for(const void* p, kt_ckpt_dtype dt) {
 
 void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) {
   check(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
-  check(L.loadable(), KT_ERR_UNSUPPORTED,
+  check(L.loadable() || L.dequantizable(), KT_ERR_UNSUPPORTED,
         std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
-            " " + kt_ckpt_dtype_name(L.weight_dtype) + " weights; this kt loads bf16/fp16/fp32 experts only");
+            " " + kt_ckpt_dtype_name(L.weight_dtype) + " weights" +
+            (L.unsupported.empty() ? std::string("; this kt cannot read them") : ": " + L.unsupported));
   auto same = [&](const char* what, int64_t layer_v, int64_t moe_v) {
     check(layer_v == moe_v, KT_ERR_SHAPE,
           std::string(where) + ": layer " + std::to_string(L.layer) + " has " + what + " = " +
@@ -646,12 +896,233 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
   }
 }
 
+// ------------------------------------------------- quantized checkpoints
+
+// How a quantized layer is stored, for messages.
+std::string stored_text(const MoeLayer& L) {
+  switch (L.format) {
+    case KT_CKPT_FORMAT_FP8_BLOCK:
+      return "fp8 e4m3 with weight_scale_inv per " + std::to_string(L.block_rows) + " x " + std::to_string(L.group) +
+             " block";
+    case KT_CKPT_FORMAT_INT4_GROUP:
+      return std::string("compressed-tensors int4 in groups of ") + std::to_string(L.group) +
+             (L.asymmetric ? ", asymmetric" : ", symmetric");
+    case KT_CKPT_FORMAT_MXFP4: return "mxfp4 (e2m1 with e8m0 scales per 32)";
+    default: return kt_ckpt_format_name(L.format);
+  }
+}
+
+// Projection p of expert e of a quantized layer as a QuantSource.
+QuantSource quant_source(const MoeLayer& L, int64_t e, int p) {
+  QuantSource src;
+  src.group = L.group;
+  const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
+  const int64_t groups = ceil_div64(in, L.group);
+  auto scales_from = [&](const TensorRef* t) {
+    src.scales = t->data;
+    src.scale_dtype = t->entry->dtype;
+  };
+  if (L.layout == KT_CKPT_LAYOUT_GPT_OSS) {
+    // Blocks [E, rows, in/32, 16] and scales [E, rows, in/32]; gate and up
+    // interleave in the rows of gate_up.
+    const TensorRef* blocks = p == kProjDown ? L.down : L.gate_up;
+    const TensorRef* scales = p == kProjDown ? L.down_scales : L.gate_up_scales;
+    const int64_t rows = p == kProjDown ? L.H : 2 * L.I;
+    src.code = QuantCode::kE2M1;
+    src.bits = 4;
+    src.code_row_bytes = in / 2;
+    src.codes = blocks->data + e * rows * src.code_row_bytes;
+    scales_from(scales);
+    src.scale_row = in / 32;
+    src.scales += e * rows * src.scale_row;
+    src.row0 = p == kProjUp ? 1 : 0;
+    src.row_step = p == kProjDown ? 1 : 2;
+    src.name = blocks->entry->name.c_str();
+    (void)out;
+    return src;
+  }
+  const ProjTensors& pt = L.experts[static_cast<size_t>(e)][static_cast<size_t>(p)];
+  src.codes = pt.weight->data;
+  src.name = pt.weight->entry->name.c_str();
+  scales_from(pt.scale);
+  src.scale_row = groups;
+  switch (L.format) {
+    case KT_CKPT_FORMAT_FP8_BLOCK:
+      src.code = QuantCode::kE4M3;
+      src.bits = 8;
+      src.code_row_bytes = in;
+      src.scale_row_div = L.block_rows;
+      break;
+    case KT_CKPT_FORMAT_INT4_GROUP:
+      src.code = QuantCode::kInt;
+      src.bits = 4;
+      src.code_row_bytes = pt.weight->entry->shape[1] * 4;
+      if (pt.zero) {
+        src.zeros = pt.zero->data;
+        src.zero_row = groups;
+      }
+      break;
+    default:  // MXFP4, per expert
+      src.code = QuantCode::kE2M1;
+      src.bits = 4;
+      src.code_row_bytes = pt.weight->entry->shape[1];
+      break;
+  }
+  return src;
+}
+
+// Biases of expert e, projection p, as fp32 (out values).
+void bias_rows(const MoeLayer& L, int64_t e, int p, float* dst) {
+  const int64_t out = p == kProjDown ? L.H : L.I;
+  if (L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL) {
+    const TensorRef* b = L.experts[static_cast<size_t>(e)][static_cast<size_t>(p)].bias;
+    convert_elements(b->data, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
+    return;
+  }
+  const TensorRef* b = p == kProjDown ? L.down_bias : L.gate_up_bias;
+  const size_t es = st_dtype_info(b->entry->dtype).size;
+  if (p == kProjDown) {
+    convert_elements(b->data + static_cast<size_t>(e * L.H) * es, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
+    return;
+  }
+  const bool inter = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t j = inter ? 2 * o + (p == kProjUp) : o + (p == kProjUp ? L.I : 0);
+    convert_elements(b->data + static_cast<size_t>(e * 2 * L.I + j) * es, b->entry->dtype, dst + o, KT_CKPT_DTYPE_F32, 1);
+  }
+}
+
+constexpr int64_t kQuantLoadChunk = 16;
+
+// Checks every expert's codes and scales (under the compute lock, a chunk
+// at a time, on the engine's threads) before anything is stored.
+void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char* where) {
+  for (int64_t e0 = 0; e0 < L.E; e0 += kQuantLoadChunk) {
+    const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
+    std::vector<SourceProblem> problems(static_cast<size_t>(n * 3));
+    {
+      std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+      moe->engine->pool->run(n * 3, [&](int64_t i, int) {
+        const int64_t e = e0 + i / 3;
+        const int p = static_cast<int>(i % 3);
+        const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
+        problems[static_cast<size_t>(i)] =
+            check_quant_source(quant_source(L, e, p), out, in, native ? &moe->quant_shape(p) : nullptr);
+      });
+    }
+    for (const SourceProblem& problem : problems)
+      if (problem.status != KT_OK)
+        fail(problem.status, std::string(where) + ": layer " + std::to_string(L.layer) + ": tensor '" +
+                                 problem.text + "; nothing was loaded");
+  }
+}
+
+void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                           const char* where) {
+  check_quant_sources(L, moe, true, where);
+  for (int64_t e0 = 0; e0 < L.E; e0 += kQuantLoadChunk) {
+    const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
+    std::vector<int64_t> map(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+    std::vector<float> biases[3];
+    if (L.has_bias)
+      for (int p = 0; p < 3; ++p) {
+        const int64_t out = p == kProjDown ? L.H : L.I;
+        biases[p].resize(static_cast<size_t>(n * out));
+        for (int64_t i = 0; i < n; ++i) bias_rows(L, e0 + i, p, biases[p].data() + i * out);
+      }
+    {
+      std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+      moe->store_quantized(
+          map,
+          [&](int64_t i, int p, uint8_t* dst) { pack_quant_source(quant_source(L, e0 + i, p), moe->quant_shape(p), dst); },
+          L.has_bias ? biases : nullptr);
+    }
+    if (progress) progress(e0 + n, L.E, user);
+  }
+}
+
+// A quantized layer into a bf16 layer: each expert dequantized to fp32
+// (exact) and loaded as any fp32 source is (rounded to bf16 once).
+void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                      const char* where) {
+  check_quant_sources(L, moe, false, where);
+  kt_load_options lo;
+  kt_load_options_init(&lo);
+  static const int kW[3] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
+  static const int kB[3] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
+  constexpr int64_t kChunk = 4;
+  for (int64_t e0 = 0; e0 < L.E; e0 += kChunk) {
+    const int64_t n = std::min(kChunk, L.E - e0);
+    std::vector<kt::Buffer<float>> values(3), biases(3);
+    Tensor3 w[3], b[3];
+    std::vector<kt_arg> args;
+    for (int p = 0; p < 3; ++p) {
+      const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
+      values[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out * in));
+      float* dst = values[static_cast<size_t>(p)].data();
+      {
+        std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+        moe->engine->pool->run(n * out, [&](int64_t row, int) {
+          const QuantSource src = quant_source(L, e0 + row / out, p);
+          const int64_t r = row % out;
+          for (int64_t c = 0; c < in; ++c) dst[row * in + c] = quant_source_value(src, r, c);
+        });
+      }
+      const int64_t shape[3] = {n, out, in};
+      const int64_t strides[3] = {out * in, in, 1};
+      w[p].set(dst, KT_CKPT_DTYPE_F32, 3, shape, strides);
+      args.push_back(kt_arg{kW[p], &w[p].t});
+      if (L.has_bias) {
+        biases[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out));
+        for (int64_t i = 0; i < n; ++i) bias_rows(L, e0 + i, p, biases[static_cast<size_t>(p)].data() + i * out);
+        const int64_t bshape[2] = {n, out};
+        const int64_t bstrides[2] = {out, 1};
+        b[p].set(biases[static_cast<size_t>(p)].data(), KT_CKPT_DTYPE_F32, 2, bshape, bstrides);
+        args.push_back(kt_arg{kB[p], &b[p].t});
+      }
+    }
+    std::vector<int64_t> map(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+    load_chunk(moe, lo, args, std::move(map), where);
+    if (progress) progress(e0 + n, L.E, user);
+  }
+}
+
+// Which way a quantized layer goes into moe, or why it cannot.
+void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& o, kt_ckpt_progress_fn progress,
+                    void* user, const char* where) {
+  const kt_weight_format have = moe->opt.weight_format;
+  const std::string head = std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + stored_text(L) +
+                           "; the kt_moe stores " + kt_weight_format_name(have);
+  if (have == L.native_format && L.loadable()) {
+    load_quantized_native(L, moe, progress, user, where);
+    return;
+  }
+  if (have == KT_FORMAT_BF16) {
+    check(o.dequantize != 0, KT_ERR_UNSUPPORTED,
+          head + ": create the kt_moe with weight_format " + kt_weight_format_name(L.native_format) +
+              (L.loadable() ? std::string(" (kt_ckpt_moe_options sets it)") : " (which cannot hold it: " + L.unsupported + ")") +
+              ", or ask for a dequantized load (kt_ckpt_load_options.dequantize = 1)");
+    load_dequantized(L, moe, progress, user, where);
+    return;
+  }
+  fail(KT_ERR_UNSUPPORTED,
+       head + (have == L.native_format ? ": " + L.unsupported
+                                         : std::string(": a quantized checkpoint is never re-quantized; create the "
+                                                       "kt_moe with weight_format ") +
+                                               kt_weight_format_name(L.native_format) +
+                                               ", or bf16 with kt_ckpt_load_options.dequantize = 1"));
+}
+
 }  // namespace
 
-void load_layer(const MoeLayer& layer, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
-                const char* where) {
+void load_layer(const MoeLayer& layer, kt_moe* moe, const kt_ckpt_load_options& options,
+                kt_ckpt_progress_fn progress, void* user, const char* where) {
   check_moe_matches(layer, moe, where);
-  if (layer.layout == KT_CKPT_LAYOUT_PER_EXPERT || layer.layout == KT_CKPT_LAYOUT_MIXTRAL)
+  if (layer.quantized())
+    load_quantized(layer, moe, options, progress, user, where);
+  else if (layer.layout == KT_CKPT_LAYOUT_PER_EXPERT || layer.layout == KT_CKPT_LAYOUT_MIXTRAL)
     load_per_expert(layer, moe, progress, user, where);
   else
     load_fused(layer, moe, progress, user, where);
@@ -659,9 +1130,9 @@ void load_layer(const MoeLayer& layer, kt_moe* moe, kt_ckpt_progress_fn progress
 
 void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const char* where) {
   check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": args is NULL");
-  check(L.loadable(), KT_ERR_UNSUPPORTED,
+  check(L.quantized() ? L.dequantizable() : L.loadable(), KT_ERR_UNSUPPORTED,
         std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
-            " weights; only bf16/fp16/fp32 layers can be read into tensors");
+            " weights; only bf16/fp16/fp32 layers and the quantized formats kt decodes can be read into tensors");
   struct Dest {
     int id;
     View v;
@@ -712,6 +1183,18 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
     if (d.v.numel() == 0) continue;
     const int64_t out = d.proj == kProjDown ? L.H : L.I, in = d.proj == kProjDown ? L.I : L.H;
     const kt_ckpt_dtype dst_dt = from_dtype(d.v.dtype);
+    if (L.quantized() && !d.bias) {
+      // Dequantized: code times scale, exact in fp32, then the destination's dtype.
+      for (int64_t e = 0; e < L.E; ++e) {
+        const QuantSource src = quant_source(L, e, d.proj);
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t i = 0; i < in; ++i) {
+            const float v = quant_source_value(src, o, i);
+            convert_elements(reinterpret_cast<const uint8_t*>(&v), KT_CKPT_DTYPE_F32, d.v.at(e, o, i), dst_dt, 1);
+          }
+      }
+      continue;
+    }
     for (int64_t e = 0; e < L.E; ++e) {
       // Source element (o, i) of expert e: base + o*so + i*si (elements).
       const TensorRef* src;

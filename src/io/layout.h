@@ -20,8 +20,9 @@ enum Proj3 { kProjGate = 0, kProjUp = 1, kProjDown = 2 };
 // One projection of one expert (per-expert layouts): the weight tensor plus
 // its scale and bias tensors where the format has them.
 struct ProjTensors {
-  const TensorRef* weight = nullptr;
-  const TensorRef* scale = nullptr;
+  const TensorRef* weight = nullptr;  // weight, or weight_packed
+  const TensorRef* scale = nullptr;   // weight_scale_inv, weight_scale or scale
+  const TensorRef* zero = nullptr;    // weight_zero_point (asymmetric int4)
   const TensorRef* bias = nullptr;
 };
 
@@ -41,7 +42,22 @@ struct MoeLayer {
   const TensorRef* down = nullptr;
   const TensorRef* gate_up_bias = nullptr;
   const TensorRef* down_bias = nullptr;
+  // gpt-oss MXFP4: gate_up and down are the _blocks, these the _scales.
+  const TensorRef* gate_up_scales = nullptr;
+  const TensorRef* down_scales = nullptr;
+  // Quantized layers: the kt_moe format that holds the experts as stored,
+  // the inputs per scale, and, when no format does (or a dequantizing load
+  // is the only way), why.
+  kt_weight_format native_format = KT_FORMAT_BF16;
+  int64_t group = 0;
+  int64_t block_rows = 1;  // rows per scale row (fp8 blocks: 128)
+  bool asymmetric = false;
+  bool decodable = false;  // kt can dequantize it (a format it decodes)
+  std::string unsupported;
+  bool quantized() const { return format != KT_CKPT_FORMAT_DENSE; }
   bool loadable() const;
+  // Whether a dequantizing load can read it (a quantized format kt decodes).
+  bool dequantizable() const;
 };
 
 struct ModelInfo {
@@ -61,9 +77,9 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
                         const std::string& dir);
 
 // Loads `layer` into moe (shapes and format checked first; see
-// kt_ckpt_load_layer).
-void load_layer(const MoeLayer& layer, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
-                const char* where);
+// kt_ckpt_load_layer and kt_ckpt_load_options).
+void load_layer(const MoeLayer& layer, kt_moe* moe, const kt_ckpt_load_options& options,
+                kt_ckpt_progress_fn progress, void* user, const char* where);
 
 // Copies a layer's weights into stacked host tensors (see kt_ckpt_read_layer).
 void read_layer(const MoeLayer& layer, const kt_arg* args, size_t num_args, const char* where);

@@ -137,6 +137,13 @@ struct Kernels {
                      const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
   void (*dequant_i4)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                      const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+  // The same for fp8 e4m3 codes (the int8 byte order) and fp4 e2m1 codes
+  // (the int4 nibble order); their values are exact in bf16 (e4m3 NaN codes
+  // never reach a kernel: loads refuse them).
+  void (*dequant_e4m3)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+  void (*dequant_e2m1)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
   // gemm_bf16w with a scale per column and group of K: C[r, 16p + c] (=|+=)
   // sum over groups j of scales[p * scale_stride + 16 j + c] * (sum over k
   // in [j * group, (j + 1) * group) of A[r][k] * W_p[c][k]): the scale is

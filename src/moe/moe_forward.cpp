@@ -239,7 +239,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         }
         float* ai = lora_on(kDown) ? act_.data() + p * I + col0 : s.c[2].data();
         K_.act_forward(act, gi, ui, ai, ncols);
-        K_.pack_a_f32(ai, ncols, std::min(kBlockCols, kpI - col0), aa_.data() + (p * kpI + col0) * a_size_);
+        // The last block also zero-pads the row to kpI (a quantized base
+        // with groups of 128 pads K past the next block).
+        const int64_t pad_to = col0 + ncols == I ? kpI - col0 : kBlockCols;
+        K_.pack_a_f32(ai, ncols, pad_to, aa_.data() + (p * kpI + col0) * a_size_);
       }
     }
   };

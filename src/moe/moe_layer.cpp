@@ -41,6 +41,17 @@ struct LayerShapes {
 // columns are 32 KiB of bf16, which stay in L1/L2 while the row tiles pass.
 constexpr int64_t kQuantChunk = 256;
 
+// The kernel that turns a format's codes into bf16 panels.
+using DequantKernel = decltype(Kernels::dequant_i8);
+static DequantKernel dequant_kernel(const Kernels& k, const QuantShape& qs) {
+  switch (qs.code) {
+    case QuantCode::kE4M3: return k.dequant_e4m3;
+    case QuantCode::kE2M1: return k.dequant_e2m1;
+    case QuantCode::kInt: break;
+  }
+  return qs.bits == 4 ? k.dequant_i4 : k.dequant_i8;
+}
+
 }  // namespace kt
 
 using namespace kt;
@@ -347,10 +358,30 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
   ArgTable table(args, n, where,
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
+  check(!quantized || kt_quantizes_to(opt.weight_format), KT_ERR_UNSUPPORTED,
+        std::string(where) + ": the layer stores " + kt_weight_format_name(opt.weight_format) +
+            ", which kt does not quantize to from bf16/fp16/fp32 weights: load it from a checkpoint stored in "
+            "that format (kt_ckpt_load_layer), or create the layer as bf16, int8_channel, int4_g32 or int4_g128");
   WeightSet ws = parse_weights(*this, lo, table, single, where);
   if (quantized) check_finite_weights(*this, ws, single, where);
   own_weights();
   pack_weights(*this, ws, lo, single, w_, q_, b_, loaded_);
+}
+
+void kt_moe::store_quantized(const std::vector<int64_t>& map,
+                             const std::function<void(int64_t, int, uint8_t*)>& fill,
+                             const std::vector<float>* biases) {
+  const int64_t n = static_cast<int64_t>(map.size());
+  engine->pool->run(n, [&](int64_t i, int) {
+    const int64_t e = map[static_cast<size_t>(i)];
+    for (int p = 0; p < 3; ++p) fill(i, p, q_[p].data() + e * qshape(p).expert_bytes);
+    if (opt.has_bias && biases)
+      for (int p = 0; p < 3; ++p) {
+        const int64_t out = p == kDown ? H : I;
+        std::memcpy(b_[p].data() + e * out, biases[p].data() + i * out, static_cast<size_t>(out) * sizeof(float));
+      }
+  });
+  for (int64_t e : map) loaded_[static_cast<size_t>(e)] = 1;
 }
 
 void kt_moe::own_weights() {
@@ -669,29 +700,30 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
-  const bool int4 = qs.bits == 4;
+  const auto dequant = dequant_kernel(K_, qs);
+  // One scale per row (int8 per channel, or one group spanning K): applied
+  // to the whole sum; otherwise each group's partial sum times its scale.
+  const bool per_row = qs.group == qs.kq;
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
   // The next region comes in over the chunks, a share per chunk.
   PrefetchCursor ahead(next);
   const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
-  if (!int4) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
+  if (per_row) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
   for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
     const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
     ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
     for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
-    if (int4) {
-      // Each group's partial sum times its scale, in fp32.
-      K_.dequant_i4(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+    dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+    if (per_row) {
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
+    } else {
       quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
       K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, (kc / qs.group) * kPanelRows,
                             qs.group, c, kBlockCols, k0 > 0, PrefetchRegion{});
-    } else {
-      K_.dequant_i8(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
     }
   }
-  if (!int4)  // one scale per output row: applied to the whole sum
+  if (per_row)
     for (int r = 0; r < m; ++r) {
       float* cr = c + r * kBlockCols;
       for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
@@ -705,20 +737,16 @@ void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0
     return;
   }
   // Columns [c0, c0 + kc) of every panel, scaled (one bf16 rounding), then
-  // transposed as bf16 panels are.
+  // transposed as bf16 panels are. Scales go per 32 columns, whatever the
+  // group (c0 need not start a group).
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
   const int64_t kc = round_up(cb, kQuantKAlign);
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
-  const int np = static_cast<int>(qs.np);
-  if (qs.bits == 4) {
-    quant_scales_f32(ex, qs, 0, qs.np, c0 / qs.group, kc / qs.group, scales);
-    K_.dequant_i4(ex, qs.code_panel_bytes, np, c0, kc, scales, (kc / qs.group) * kPanelRows, qs.group, deq);
-  } else {
-    quant_scales_f32(ex, qs, 0, qs.np, 0, 1, scales);
-    K_.dequant_i8(ex, qs.code_panel_bytes, np, c0, kc, scales, kPanelRows, qs.kq, deq);
-  }
+  quant_scales_cols(ex, qs, c0, kc, scales);
+  dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), c0, kc, scales,
+                         (kc / kQuantKAlign) * kPanelRows, kQuantKAlign, deq);
   K_.transpose_panels(deq, qs.np, kPanelRows * kc, 0, cb, dst);
 }
 

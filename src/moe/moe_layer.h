@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -177,6 +178,15 @@ struct kt_moe {
     return w_[proj].data();
   }
   float* writable_biases(int proj) { return b_[proj].data(); }
+  // Stores experts that come quantized in the layer's format (checkpoint
+  // loads): fill(i, proj, dst) writes projection proj of expert map[i] into
+  // its block of quant_shape(proj).expert_bytes; with biases (when the
+  // layer has them) biases[proj] holds map.size() rows of out fp32 values.
+  // Call under the compute lock, every source checked first.
+  void store_quantized(const std::vector<int64_t>& map, const std::function<void(int64_t, int, uint8_t*)>& fill,
+                       const std::vector<float>* biases);
+  const kt::QuantShape& quant_shape(int proj) const { return qshape(proj); }
+
   void weights_written() { std::fill(loaded_.begin(), loaded_.end(), uint8_t{1}); }
 
   // Optimizers created over this layer (under the engine's compute lock);

@@ -11,11 +11,13 @@
 
 #define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
 LAYOUT(ckpt_info_size, sizeof(kt_ckpt_info) == 72);
-LAYOUT(ckpt_layer_info_size, sizeof(kt_ckpt_layer_info) == 72);
+LAYOUT(ckpt_layer_info_size, sizeof(kt_ckpt_layer_info) == 88);
 LAYOUT(ckpt_tensor_size, sizeof(kt_ckpt_tensor) == 112);
 LAYOUT(ckpt_write_options_size, sizeof(kt_ckpt_write_options) == 32);
 LAYOUT(ckpt_adapter_config_size, sizeof(kt_ckpt_adapter_config) == 48);
 LAYOUT(ckpt_layer_args_size, sizeof(kt_ckpt_layer_args) == 24);
+LAYOUT(ckpt_load_options_size, sizeof(kt_ckpt_load_options) == 16);
+LAYOUT(weight_format_values, KT_FORMAT_FP8_B128 == 3 && KT_FORMAT_MXFP4 == 4 && KT_FORMAT_INT4_G128 == 5);
 LAYOUT(ckpt_values, KT_CKPT_DTYPE_BF16 == 3 && KT_CKPT_DTYPE_E8M0 == 7 && KT_CKPT_LAYOUT_GPT_OSS == 5 &&
                         KT_CKPT_FORMAT_MXFP4 == 3);
 LAYOUT(packed_flags, KT_PACKED_SKIP_CHECKSUMS == 1u);
@@ -133,6 +135,21 @@ int main(int argc, char** argv) {
   CHECK(kt_moe_create(engine, &mo, &moe) == KT_OK);
   CHECK(kt_ckpt_load_layer(ck, 0, moe, progress, last) == KT_OK);
   CHECK(last[0] == E && last[1] == E);
+  CHECK(li.weight_format == KT_FORMAT_BF16 && li.group_size == 0);
+  {
+    /* A dense layer loads the same way with options; a bad flag is refused. */
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_defaults(&lo, sizeof(lo)); /* what kt_ckpt_load_options_init does */
+    CHECK(lo.struct_size == sizeof(lo) && lo.dequantize == 0);
+    lo.dequantize = 1;
+    last[0] = 0;
+    CHECK(kt_ckpt_load_layer_with(ck, 0, moe, &lo, progress, last) == KT_OK);
+    CHECK(last[0] == E);
+    CHECK(kt_ckpt_load_layer_with(ck, 0, moe, NULL, NULL, NULL) == KT_OK);
+    lo.dequantize = 2;
+    CHECK(kt_ckpt_load_layer_with(ck, 0, moe, &lo, NULL, NULL) == KT_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(kt_last_error(), "options->dequantize") != NULL);
+  }
   for (r = 0; r < T; ++r) {
     for (c = 0; c < H; ++c) x[r][c] = (r == c) ? 1.0f : 0.0f;
     ids[r][0] = 0, ids[r][1] = 1;

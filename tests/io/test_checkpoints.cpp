@@ -382,7 +382,7 @@ TEST_F(Checkpoints, GptOssDequantizedWithBiases) {
   expect_same_as_tensors(d, 1, s, true);
 }
 
-TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
+TEST_F(Checkpoints, QuantizedFormatsAreDescribed) {
   const Shape s{2, 256, 128};
   const std::string d = sub("gpt_oss_mxfp4");
   const std::string p = "model.layers.0.mlp.experts.";
@@ -403,7 +403,9 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   EXPECT_EQ(li.hidden, s.H);
   EXPECT_EQ(li.intermediate, s.I);
   EXPECT_EQ(li.num_experts, s.E);
-  EXPECT_EQ(li.loadable, 0);
+  EXPECT_EQ(li.loadable, 1);
+  EXPECT_EQ(li.weight_format, KT_FORMAT_MXFP4);
+  EXPECT_EQ(li.group_size, 32);
   kt_ckpt_tensor t;
   t.struct_size = sizeof(t);
   ASSERT_EQ(kt_ckpt_find_tensor(ck, (p + "down_proj_scales").c_str(), &t), KT_OK);
@@ -412,9 +414,16 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   kt_moe_options_init(&o);
   ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK);
   kt_moe* moe = nullptr;
+  EXPECT_EQ(o.weight_format, KT_FORMAT_MXFP4);
+  ASSERT_EQ(kt_moe_create(engine_, &o, &moe), KT_OK) << kt_last_error();
+  EXPECT_EQ(kt_ckpt_load_layer(ck, 0, moe, nullptr, nullptr), KT_OK) << kt_last_error();
+  kt_moe_destroy(moe);
+  // Into a bf16 layer only when the host asks for dequantization.
+  o.weight_format = KT_FORMAT_BF16;
   ASSERT_EQ(kt_moe_create(engine_, &o, &moe), KT_OK) << kt_last_error();
   EXPECT_EQ(kt_ckpt_load_layer(ck, 0, moe, nullptr, nullptr), KT_ERR_UNSUPPORTED);
   EXPECT_NE(std::string(kt_last_error()).find("mxfp4"), std::string::npos) << kt_last_error();
+  EXPECT_NE(std::string(kt_last_error()).find("dequantize"), std::string::npos) << kt_last_error();
   kt_moe_destroy(moe);
   kt_ckpt_close(ck);
 
@@ -451,7 +460,10 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
       const std::string n = "model.layers.1.mlp.experts." + std::to_string(e) + "." + names[p];
       i4.push_back({n + ".weight_packed", "I32", {out, in / 8}, std::vector<uint8_t>(static_cast<size_t>(out * in / 2), 0x88)});
       i4.push_back({n + ".weight_scale", "BF16", {out, in / 32}, std::vector<uint8_t>(static_cast<size_t>(out * in / 16), 0)});
-      i4.push_back({n + ".weight_shape", "I64", {2}, std::vector<uint8_t>(16, 0)});
+      std::vector<uint8_t> shape_bytes(16, 0);
+      std::memcpy(shape_bytes.data(), &out, 8);
+      std::memcpy(shape_bytes.data() + 8, &in, 8);
+      i4.push_back({n + ".weight_shape", "I64", {2}, shape_bytes});
       const std::string m = "layers.4.ffn.experts." + std::to_string(e) + "." + ws[p];
       mx.push_back({m + ".weight", "U8", {out, in / 2}, std::vector<uint8_t>(static_cast<size_t>(out * in / 2), 0x11)});
       mx.push_back({m + ".scale", "F8_E8M0", {out, in / 32}, std::vector<uint8_t>(static_cast<size_t>(out * in / 32), 127)});
@@ -463,7 +475,8 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribedNotLoaded) {
   EXPECT_EQ(layer_info(ck, 0).hidden, 64);
   EXPECT_EQ(layer_info(ck, 0).intermediate, 32);
   EXPECT_EQ(layer_info(ck, 0).num_experts, 3);
-  EXPECT_EQ(layer_info(ck, 0).loadable, 0);
+  EXPECT_EQ(layer_info(ck, 0).loadable, 1);
+  EXPECT_EQ(layer_info(ck, 0).weight_format, KT_FORMAT_INT4_G32);
   kt_ckpt_close(ck);
   // A format kt does not know (per-tensor fp8 scales, as ModelOpt writes)
   // is described as "other", and the checkpoint still opens.

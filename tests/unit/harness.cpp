@@ -57,43 +57,10 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
 
   std::mt19937 rng(c.seed);
   std::normal_distribution<double> normal(0.0, 1.0);
-  // Weights: bf16 tensors for kt; the reference sees the same rounded values.
-  for (int p = 0; p < 3; ++p) {
-    const int64_t in = in_dim(c, p), out = out_dim(c, p);
-    W_[p] = Tensor::make(kBF16, {c.E, out, in});
-    params.w[p].resize(static_cast<size_t>(c.E * out * in));
-    const double sd = 1.0 / std::sqrt(static_cast<double>(in));
-    for (int64_t i = 0; i < W_[p]->numel(); ++i) {
-      W_[p]->set(i, sd * normal(rng));
-      params.w[p][static_cast<size_t>(i)] = static_cast<float>(W_[p]->get(i));
-    }
-    if (c.bias) {
-      B_[p] = Tensor::make(kF32, {c.E, out});
-      params.b[p].resize(static_cast<size_t>(c.E * out));
-      for (int64_t i = 0; i < B_[p]->numel(); ++i) {
-        B_[p]->set(i, 0.1 * normal(rng));
-        params.b[p][static_cast<size_t>(i)] = static_cast<float>(B_[p]->get(i));
-      }
-    }
-  }
-  std::vector<kt_arg> load = {{KT_ARG_W_GATE, W_[0]->dl()}, {KT_ARG_W_UP, W_[1]->dl()},
-                              {KT_ARG_W_DOWN, W_[2]->dl()}};
-  if (c.bias) {
-    load.push_back({KT_ARG_B_GATE, B_[0]->dl()});
-    load.push_back({KT_ARG_B_UP, B_[1]->dl()});
-    load.push_back({KT_ARG_B_DOWN, B_[2]->dl()});
-  }
-  EXPECT_EQ(kt_moe_load_weights(moe_, nullptr, load.data(), load.size()), KT_OK) << kt_last_error();
-  if (c.format != KT_FORMAT_BF16) {
-    for (int p = 0; p < 3; ++p) {
-      TensorPtr deq = Tensor::make(kF32, W_[p]->shape);
-      kt_arg a{KT_ARG_W_GATE + p, deq->dl()};
-      EXPECT_EQ(kt_moe_read_weights(moe_, &a, 1), KT_OK) << kt_last_error();
-      std::vector<double> given(params.w[p].begin(), params.w[p].end());
-      const std::vector<double> held = deq->values();
-      quant_error[p] = rel_l2(held, given);
-      for (size_t i = 0; i < held.size(); ++i) params.w[p][i] = static_cast<float>(held[i]);
-    }
+  if (!c.ckpt_dir.empty()) {
+    load_checkpoint();
+  } else {
+    load_random(rng);
   }
 
   if (!c.skipped.empty()) {
@@ -144,6 +111,75 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
   }
   if (!bind.empty()) EXPECT_EQ(kt_moe_bind(moe_, bind.data(), bind.size()), KT_OK) << kt_last_error();
   fill_inputs(c.seed + 1000);
+}
+
+void Runner::load_random(std::mt19937& rng) {
+  const Case& c = c_;
+  std::normal_distribution<double> normal(0.0, 1.0);
+  // Weights: bf16 tensors for kt; the reference sees the same rounded values.
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = in_dim(c, p), out = out_dim(c, p);
+    W_[p] = Tensor::make(kBF16, {c.E, out, in});
+    params.w[p].resize(static_cast<size_t>(c.E * out * in));
+    const double sd = 1.0 / std::sqrt(static_cast<double>(in));
+    for (int64_t i = 0; i < W_[p]->numel(); ++i) {
+      W_[p]->set(i, sd * normal(rng));
+      params.w[p][static_cast<size_t>(i)] = static_cast<float>(W_[p]->get(i));
+    }
+    if (c.bias) {
+      B_[p] = Tensor::make(kF32, {c.E, out});
+      params.b[p].resize(static_cast<size_t>(c.E * out));
+      for (int64_t i = 0; i < B_[p]->numel(); ++i) {
+        B_[p]->set(i, 0.1 * normal(rng));
+        params.b[p][static_cast<size_t>(i)] = static_cast<float>(B_[p]->get(i));
+      }
+    }
+  }
+  std::vector<kt_arg> load = {{KT_ARG_W_GATE, W_[0]->dl()}, {KT_ARG_W_UP, W_[1]->dl()},
+                              {KT_ARG_W_DOWN, W_[2]->dl()}};
+  if (c.bias) {
+    load.push_back({KT_ARG_B_GATE, B_[0]->dl()});
+    load.push_back({KT_ARG_B_UP, B_[1]->dl()});
+    load.push_back({KT_ARG_B_DOWN, B_[2]->dl()});
+  }
+  EXPECT_EQ(kt_moe_load_weights(moe_, nullptr, load.data(), load.size()), KT_OK) << kt_last_error();
+  if (c.format != KT_FORMAT_BF16) {
+    for (int p = 0; p < 3; ++p) {
+      TensorPtr deq = Tensor::make(kF32, W_[p]->shape);
+      kt_arg a{KT_ARG_W_GATE + p, deq->dl()};
+      EXPECT_EQ(kt_moe_read_weights(moe_, &a, 1), KT_OK) << kt_last_error();
+      std::vector<double> given(params.w[p].begin(), params.w[p].end());
+      const std::vector<double> held = deq->values();
+      quant_error[p] = rel_l2(held, given);
+      for (size_t i = 0; i < held.size(); ++i) params.w[p][i] = static_cast<float>(held[i]);
+    }
+  }
+
+}
+
+void Runner::load_checkpoint() {
+  const Case& c = c_;
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(c.ckpt_dir.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_ckpt_load_options lo;
+  kt_ckpt_load_options_init(&lo);
+  lo.dequantize = c.dequantize ? 1 : 0;
+  EXPECT_EQ(kt_ckpt_load_layer_with(ck, c.ckpt_layer, moe_, &lo, nullptr, nullptr), KT_OK) << kt_last_error();
+  kt_ckpt_close(ck);
+  for (int p = 0; p < 3; ++p) {
+    W_[p] = Tensor::make(kF32, {c.E, out_dim(c, p), in_dim(c, p)});
+    kt_arg a{KT_ARG_W_GATE + p, W_[p]->dl()};
+    EXPECT_EQ(kt_moe_read_weights(moe_, &a, 1), KT_OK) << kt_last_error();
+    const std::vector<double> held = W_[p]->values();
+    params.w[p].assign(held.begin(), held.end());
+    if (c.bias) {
+      B_[p] = Tensor::make(kF32, {c.E, out_dim(c, p)});
+      kt_arg b{KT_ARG_B_GATE + p, B_[p]->dl()};
+      EXPECT_EQ(kt_moe_read_weights(moe_, &b, 1), KT_OK) << kt_last_error();
+      const std::vector<double> bias = B_[p]->values();
+      params.b[p].assign(bias.begin(), bias.end());
+    }
+  }
 }
 
 Runner::~Runner() {

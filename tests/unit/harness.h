@@ -112,6 +112,12 @@ struct Case {
   uint32_t seed = 1;
   kt_precision precision = KT_PRECISION_DEFAULT;  // of the engine
   kt_weight_format format = KT_FORMAT_BF16;       // storage of the base weights
+  // Base weights (and biases) from layer ckpt_layer of the checkpoint in
+  // ckpt_dir (kt_ckpt_load_layer_with, dequantize as given) instead of
+  // random ones; the reference computes from what the layer reads back.
+  std::string ckpt_dir;
+  int64_t ckpt_layer = 0;
+  bool dequantize = false;
 };
 
 inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.name; }
@@ -158,6 +164,8 @@ class Runner {
   TensorPtr la_[3], lb_[3], gla_[3], glb_[3], W_[3], B_[3], gW_[3], gb_[3];
 
  private:
+  void load_random(std::mt19937& rng);
+  void load_checkpoint();
   Case c_;
   bool available_ = false;
   kt_engine* engine_ = nullptr;

@@ -745,10 +745,11 @@ void add_create_cases(const Adder& add) {
     for (int64_t v : {3, 7, -1})
       opt("mode_enum_" + std::to_string(v < 0 ? 1 : v) + (v < 0 ? "_negative" : ""), INV, "options->mode",
           [v](kt_moe_options& o) { set_raw(o.mode, v); });
-    for (int64_t v : {3, 1000, -1})
+    for (int64_t v : {6, 1000, -1})
       opt("weight_format_" + std::to_string(v < 0 ? 1 : v) + (v < 0 ? "_negative" : ""), KT_ERR_UNSUPPORTED,
           "options->weight_format", [v](kt_moe_options& o) { set_raw(o.weight_format, v); });
-    for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+    for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4,
+                               KT_FORMAT_INT4_G128})
       opt(std::string("full_mode_on_") + kt_weight_format_name(f), KT_ERR_MODE, "frozen quantized base",
           [f](kt_moe_options& o) {
             o.weight_format = f;

@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "formats/packed_bf16.h"
+#include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -190,11 +191,13 @@ static inline __m512 bf16_half_to_f32(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static void dequant_i4(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
-  // Nibble u -> bf16(u - 8), by a 16-entry word permute.
+// 4-bit codes: nibble u -> the bf16 of its value (int4 u - 8, or e2m1), by
+// a 16-entry word permute.
+template <QuantCode Code>
+static void dequant_nibbles(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                            const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
   alignas(64) bf16_t table[32];
-  for (int u = 0; u < 32; ++u) table[u] = f32_to_bf16(static_cast<float>((u & 15) - 8));
+  for (int u = 0; u < 32; ++u) table[u] = f32_to_bf16(quant_code_value(Code, 4, static_cast<uint8_t>(u & 15)));
   const __m512i tab = _mm512_load_si512(table);
   const __m512i low4 = _mm512_set1_epi16(0x0f);
   for (int p = 0; p < np; ++p) {
@@ -219,6 +222,51 @@ static void dequant_i4(const uint8_t* codes, int64_t code_panel_bytes, int np, i
         const __m512 hi = bf16_half_to_f32(_mm512_extracti64x4_epi64(v, 1));
         _mm512_storeu_si512(out + h * 64 + 32 * i, scaled_pair_group(lo, hi, slo, shi));
       }
+    }
+  }
+}
+
+static void dequant_i4(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  dequant_nibbles<QuantCode::kInt>(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group, dst);
+}
+
+static void dequant_e2m1(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                         const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  dequant_nibbles<QuantCode::kE2M1>(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group, dst);
+}
+
+// 32 e4m3 codes (one pair group) to their bf16 bits, exactly: a normal code
+// S.EEEE.MMM is bf16 S.(E + 120).MMM0000 (bias 7 -> 127), a subnormal one
+// (E = 0) m * 2^-9, from an 8-entry table.
+static inline __m512i e4m3_to_bf16(__m256i bytes) {
+  alignas(64) static const bf16_t kSub[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+  const __m512i w = _mm512_cvtepu8_epi16(bytes);
+  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  const __m512i sub = _mm512_permutexvar_epi16(mag, _mm512_load_si512(kSub));
+  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+  const __m512i v = _mm512_mask_blend_epi16(is_sub, normal, sub);
+  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
+static void dequant_e4m3(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                         const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  for (int p = 0; p < np; ++p) {
+    const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows;
+    bf16_t* out = dst + p * kPanelRows * kc;
+    __m512 slo = _mm512_set1_ps(1.f), shi = slo;
+    for (int64_t g = 0; g < kc / 2; ++g) {  // one pair group: 32 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(src + g * 32 + 1024), _MM_HINT_T0);
+      const __m512i v = e4m3_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 32)));
+      if (!scales) {
+        _mm512_storeu_si512(out + g * 32, v);
+        continue;
+      }
+      if ((2 * g) % group == 0) expand_scales(scales + p * scale_stride + (2 * g / group) * kPanelRows, &slo, &shi);
+      const __m512 lo = bf16_half_to_f32(_mm512_castsi512_si256(v));
+      const __m512 hi = bf16_half_to_f32(_mm512_extracti64x4_epi64(v, 1));
+      _mm512_storeu_si512(out + g * 32, scaled_pair_group(lo, hi, slo, shi));
     }
   }
 }
@@ -570,6 +618,8 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::act_backward_generic,
     avx512bf16::dequant_i8,
     avx512bf16::dequant_i4,
+    avx512bf16::dequant_e4m3,
+    avx512bf16::dequant_e2m1,
     avx512bf16::gemm_bf16w_grouped,
 };
 

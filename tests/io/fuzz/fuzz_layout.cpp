@@ -1,8 +1,9 @@
 // libFuzzer target: config.json layout detection and the layer readers
 // through the public ABI on a fuzzed checkpoint directory: kt_ckpt_open,
 // every info query, kt_ckpt_read_layer into fp32 tensors and
-// kt_ckpt_load_layer into a layer made from kt_ckpt_moe_options (small
-// layers only).
+// kt_ckpt_load_layer into a layer made from kt_ckpt_moe_options, and for
+// quantized layers kt_ckpt_load_layer_with(dequantize) into a bf16 layer
+// (small layers only).
 #include <cstdint>
 #include <cstdlib>
 #include <vector>
@@ -55,6 +56,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     kt_moe* moe = nullptr;
     if (checked(kt_moe_create(engine(), &mo, &moe), "kt_moe_create") != KT_OK) continue;
     checked(kt_ckpt_load_layer(ck, li.layer, moe, nullptr, nullptr), "kt_ckpt_load_layer");
+    kt_moe_destroy(moe);
+    if (li.format == KT_CKPT_FORMAT_DENSE) continue;
+    // A quantized layer also goes into a bf16 layer, dequantized when asked.
+    mo.weight_format = KT_FORMAT_BF16;
+    moe = nullptr;
+    if (checked(kt_moe_create(engine(), &mo, &moe), "kt_moe_create") != KT_OK) continue;
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.dequantize = 1;
+    checked(kt_ckpt_load_layer_with(ck, li.layer, moe, &lo, nullptr, nullptr), "kt_ckpt_load_layer_with");
     kt_moe_destroy(moe);
   }
   kt_ckpt_close(ck);

@@ -193,6 +193,8 @@ kt_structs! {
         pub weight_dtype: kt_ckpt_dtype,
         pub loadable: c_int,
         pub bytes: i64,
+        pub weight_format: kt_weight_format,
+        pub group_size: i64,
     }
     /// One tensor of a checkpoint (memory-mapped, owned by the handle).
     pub struct kt_ckpt_tensor {
