@@ -328,6 +328,23 @@ class DistMoeOptions(ctypes.Structure):
     ]
 
 
+# KT_DIST_CKPT_* parts
+DIST_CKPT_PARTS = {"weights": 1, "adapter": 2, "optimizer": 4}
+
+
+class DistCkptLayer(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_int64), ("dist", ctypes.c_void_p), ("optimizer", ctypes.c_void_p)]
+
+
+class DistCkptOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("parts", ctypes.c_uint),
+        ("progress", CKPT_PROGRESS_FN),
+        ("progress_user", ctypes.c_void_p),
+    ]
+
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int  # kt_status
 _PROTOTYPES = {
@@ -417,6 +434,11 @@ _PROTOTYPES = {
     "kt_dist_moe_forward": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P)]),
     "kt_dist_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_dist_context_release": (None, [_P]),
+    "kt_dist_ckpt_options_defaults": (None, [ctypes.POINTER(DistCkptOptions), ctypes.c_size_t]),
+    "kt_dist_ckpt_save": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(DistCkptLayer), ctypes.c_size_t,
+                               ctypes.POINTER(DistCkptOptions)]),
+    "kt_dist_ckpt_load": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(DistCkptLayer), ctypes.c_size_t,
+                               ctypes.POINTER(DistCkptOptions)]),
 }
 
 

@@ -8,6 +8,11 @@ holds the experts and computes every rank's tokens) or expert-parallel mode
 (experts sharded over the ranks). Every forward and backward is a collective:
 all ranks call it, in the same order; an error on any rank is raised on every
 rank with that rank's message.
+
+``LayerOptimizer`` is kt's AdamW/SGD over a rank's local layer, and
+``save_checkpoint`` / ``load_checkpoint`` write and read a distributed
+checkpoint: each rank's experts, LoRA factors and optimizer state in one
+directory published atomically, loadable by another world size or expert map.
 """
 import ctypes
 import datetime
@@ -295,3 +300,93 @@ class DistMoE(_Handle):
         if getattr(self, "_handle", None):
             self._lib.kt_dist_moe_destroy(self._handle)
             self._handle = None
+
+
+class LayerOptimizer(_Handle):
+    """kt's fused AdamW or SGD over a layer's bound trainable parameters
+    (kt_optimizer_create_for_layer): a DistMoE's ``.layer`` or a kt.MoE.
+    Options are kt_optimizer_options' fields (lr, weight_decay, betas,
+    eps, amsgrad, momentum, dampening, nesterov)."""
+
+    def __init__(self, layer, algorithm="adamw", *, lr=1e-3, weight_decay=None, betas=(0.9, 0.999), eps=1e-8,
+                 amsgrad=False, momentum=0.0, dampening=0.0, nesterov=False):
+        if algorithm not in ("adamw", "sgd"):
+            raise ValueError("kt: algorithm must be 'adamw' or 'sgd'")
+        o = _capi.OptimizerOptions()
+        lib().kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
+        o.algorithm = _capi.OPTIM_ADAMW if algorithm == "adamw" else _capi.OPTIM_SGD
+        o.lr, o.eps, o.momentum, o.dampening = lr, eps, momentum, dampening
+        o.beta1, o.beta2 = betas
+        o.amsgrad, o.nesterov = int(bool(amsgrad)), int(bool(nesterov))
+        if weight_decay is not None:
+            o.weight_decay = weight_decay
+        elif algorithm == "sgd":
+            o.weight_decay = 0.0
+        handle = ctypes.c_void_p()
+        check(lib().kt_optimizer_create_for_layer(layer.handle, ctypes.byref(o), ctypes.byref(handle)))
+        self._handle = handle
+        self._lib = lib()
+        self.layer = layer  # the layer must outlive its optimizer
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: the optimizer was closed")
+        return self._handle
+
+    def step(self):
+        check(lib().kt_optimizer_step(self.handle, None))
+
+    @property
+    def steps(self):
+        n = ctypes.c_int64()
+        check(lib().kt_optimizer_get_step(self.handle, ctypes.byref(n)))
+        return n.value
+
+    def close(self):
+        if self._handle:
+            self._lib.kt_optimizer_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self._lib.kt_optimizer_destroy(self._handle)
+            self._handle = None
+
+
+def _checkpoint_call(fn, comm, path, layers, parts, progress):
+    entries = []
+    for number, entry in sorted(layers.items()):
+        layer, opt = entry if isinstance(entry, tuple) else (entry, None)
+        entries.append(_capi.DistCkptLayer(int(number), layer.handle.value,
+                                           opt.handle.value if opt is not None else None))
+    arr = (_capi.DistCkptLayer * max(len(entries), 1))(*entries)
+    o = _capi.DistCkptOptions()
+    lib().kt_dist_ckpt_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
+    if parts is not None:
+        unknown = set(parts) - set(_capi.DIST_CKPT_PARTS)
+        if unknown or not parts:
+            raise ValueError("kt: parts must be a non-empty set of %s" % ", ".join(_capi.DIST_CKPT_PARTS))
+        o.parts = sum(_capi.DIST_CKPT_PARTS[p] for p in set(parts))
+    callback = None
+    if progress is not None:
+        callback = _capi.CKPT_PROGRESS_FN(lambda done, total, user: progress(done, total))
+        o.progress = callback
+    check(fn(comm.handle, str(path).encode(), arr, len(entries), ctypes.byref(o)))
+
+
+def save_checkpoint(comm, path, layers, *, parts=None, progress=None):
+    """Saves a distributed checkpoint (collective: every rank of comm calls
+    it with the same path and layer numbers). layers maps each layer number
+    to this rank's DistMoE, or to (DistMoE, LayerOptimizer or None). parts:
+    None (what the layers have) or a set of "weights", "adapter",
+    "optimizer". progress(done_bytes, total_bytes) is called on this rank."""
+    _checkpoint_call(lib().kt_dist_ckpt_save, comm, path, layers, parts, progress)
+
+
+def load_checkpoint(comm, path, layers, *, parts=None, progress=None):
+    """Loads a distributed checkpoint into layers (collective, as
+    save_checkpoint); the world size and expert map may differ from the
+    saving ranks'. LoRA factors go into the tensors bound to each local
+    layer; optimizer state into the given LayerOptimizers."""
+    _checkpoint_call(lib().kt_dist_ckpt_load, comm, path, layers, parts, progress)
