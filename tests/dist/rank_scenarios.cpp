@@ -666,9 +666,9 @@ int run_killed_rank(kt_dist_mode mode, int rank, int world, const std::string& d
 
 constexpr int kSavedStep = 2, kLastStep = 4, kCheckpointLayer = 3;
 
-Problem ckpt_problem(int world, kt_dist_mode mode) {
+Problem ckpt_problem(int world, kt_dist_mode mode, kt_mode layer_mode = KT_MODE_LORA) {
   Problem pb;
-  pb.mode = KT_MODE_LORA;
+  pb.mode = layer_mode;
   pb.dist_mode = mode;
   pb.owner = world - 1;
   pb.tokens.assign(static_cast<size_t>(world), 12 / world);
@@ -691,26 +691,36 @@ kt_optimizer* make_optimizer(kt_moe* layer) {
   return opt;
 }
 
-// A layer's LoRA factors (fp32, bound) and gradient buffers.
+// A layer's trainable parameters (fp32, bound) and gradient buffers: LoRA
+// A and B per projection, or in full mode the weights per projection.
 struct Lora {
-  TensorPtr f[6], g[6];  // A, B per projection
+  TensorPtr f[6], g[6];
 };
 
+// d: the values to start from, or null for zeros (a layer for a checkpoint
+// to fill; in full mode it then has no weights until the load).
 Lora bind_lora(kt_moe* layer, const Problem& pb, const Data* d, const std::vector<int64_t>& experts) {
   Lora l;
   std::vector<kt_arg> bind;
   const int64_t n = static_cast<int64_t>(experts.size());
+  const bool full = pb.mode == KT_MODE_FULL;
   for (int p = 0; p < 3; ++p)
-    for (int b = 0; b < 2; ++b) {
-      const int i = 2 * p + b;
-      const std::vector<int64_t> shape =
-          b ? std::vector<int64_t>{n, pb.out_dim(p), pb.lora_rank} : std::vector<int64_t>{n, pb.lora_rank, pb.in_dim(p)};
-      l.f[i] = d ? pick_experts(*(b ? d->lb[p] : d->la[p]), experts) : Tensor::make(kt_test::kF32, shape);
+    for (int b = 0; b < (full ? 1 : 2); ++b) {
+      const int i = full ? p : 2 * p + b;
+      std::vector<int64_t> shape = full ? std::vector<int64_t>{n, pb.out_dim(p), pb.in_dim(p)}
+                                   : b  ? std::vector<int64_t>{n, pb.out_dim(p), pb.lora_rank}
+                                        : std::vector<int64_t>{n, pb.lora_rank, pb.in_dim(p)};
+      l.f[i] = Tensor::make(kt_test::kF32, shape);
+      if (d) {
+        const TensorPtr src = pick_experts(*(full ? d->w[p] : b ? d->lb[p] : d->la[p]), experts);
+        for (int64_t k = 0; k < src->numel(); ++k) l.f[i]->set(k, src->get(k));
+      }
       l.g[i] = Tensor::make(kt_test::kF32, shape);
-      bind.push_back({KT_ARG_LORA_A_GATE + i, l.f[i]->dl()});
-      bind.push_back({KT_ARG_GRAD_LORA_A_GATE + i, l.g[i]->dl()});
+      bind.push_back({(full ? KT_ARG_W_GATE : KT_ARG_LORA_A_GATE) + i, l.f[i]->dl()});
+      bind.push_back({(full ? KT_ARG_GRAD_W_GATE : KT_ARG_GRAD_LORA_A_GATE) + i, l.g[i]->dl()});
     }
-  RCHECK(kt_moe_bind(layer, bind.data(), bind.size()) == KT_OK, "bind LoRA");
+  RCHECK(kt_moe_bind(layer, bind.data(), bind.size()) == KT_OK, "bind the trainable parameters");
+  if (full && d) RCHECK(kt_moe_params_changed(layer) == KT_OK, "params_changed");
   return l;
 }
 
@@ -826,8 +836,8 @@ kt_status save_or_load(TrainRank& t, bool save, const kt_dist_ckpt_options* o = 
 }
 
 // Steps 1-2, then the checkpoint.
-int run_ckpt_save(kt_dist_mode mode, int rank, int world, const std::string& dir) {
-  const Problem pb = ckpt_problem(world, mode);
+int run_ckpt_save(kt_dist_mode mode, kt_mode layer_mode, int rank, int world, const std::string& dir) {
+  const Problem pb = ckpt_problem(world, mode, layer_mode);
   const bool computes = mode == KT_DIST_EXPERT_PARALLEL || rank == pb.owner;
   kt_engine* engine = computes ? make_engine() : nullptr;
   TrainRank t = start_rank(pb, rank, world, dir, engine, false);
@@ -855,8 +865,9 @@ int run_ckpt_save(kt_dist_mode mode, int rank, int world, const std::string& dir
 
 // Loads the checkpoint into empty layers, runs steps 3-4, compares with
 // one process's uninterrupted run.
-int run_ckpt_resume(kt_dist_mode mode, bool explicit_map, int rank, int world, const std::string& dir) {
-  Problem pb = ckpt_problem(world, mode);
+int run_ckpt_resume(kt_dist_mode mode, bool explicit_map, kt_mode layer_mode, int rank, int world,
+                    const std::string& dir) {
+  Problem pb = ckpt_problem(world, mode, layer_mode);
   if (explicit_map)
     for (int64_t e = 0; e < pb.E; ++e) pb.expert_ranks.push_back(static_cast<int32_t>((e * 5 + 2) % world));
   const bool computes = mode == KT_DIST_EXPERT_PARALLEL || rank == pb.owner;
@@ -885,9 +896,10 @@ int run_ckpt_resume(kt_dist_mode mode, bool explicit_map, int rank, int world, c
                     static_cast<size_t>(T * pb.H) * 4),
          "y of the last step is the uninterrupted run's, bit for bit");
   for (int i = 0; t.local && i < 6; ++i) {
+    if (!t.lora.f[i]) continue;
     const TensorPtr expected = pick_experts(*ref.lora.f[i], t.mine);
     RCHECK(same_bytes(t.lora.f[i]->bytes.data(), expected->bytes.data(), static_cast<size_t>(expected->numel()) * 4),
-           "LoRA factor " + std::to_string(i) + " after the last step is the uninterrupted run's, bit for bit");
+           "trainable parameter " + std::to_string(i) + " after the last step is the uninterrupted run's, bit for bit");
   }
   end_rank(t);
   RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
@@ -1043,11 +1055,14 @@ int rank_main(const std::string& name, int rank, int world, const std::string& d
   if (name == "kill_owner") return run_killed_rank(KT_DIST_OWNER, rank, world, dir, false);
   if (name == "kill_expert_parallel") return run_killed_rank(KT_DIST_EXPERT_PARALLEL, rank, world, dir, false);
   if (name == "stall_owner") return run_killed_rank(KT_DIST_OWNER, rank, world, dir, true);
-  if (name == "ckpt_save_ep") return run_ckpt_save(KT_DIST_EXPERT_PARALLEL, rank, world, dir);
-  if (name == "ckpt_save_owner") return run_ckpt_save(KT_DIST_OWNER, rank, world, dir);
-  if (name == "ckpt_resume_ep") return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, false, rank, world, dir);
-  if (name == "ckpt_resume_ep_map") return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, true, rank, world, dir);
-  if (name == "ckpt_resume_owner") return run_ckpt_resume(KT_DIST_OWNER, false, rank, world, dir);
+  if (name == "ckpt_save_ep") return run_ckpt_save(KT_DIST_EXPERT_PARALLEL, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_save_owner") return run_ckpt_save(KT_DIST_OWNER, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_save_ep_full") return run_ckpt_save(KT_DIST_EXPERT_PARALLEL, KT_MODE_FULL, rank, world, dir);
+  if (name == "ckpt_resume_ep") return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, false, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_ep_map")
+    return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, true, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_owner") return run_ckpt_resume(KT_DIST_OWNER, false, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_owner_full") return run_ckpt_resume(KT_DIST_OWNER, false, KT_MODE_FULL, rank, world, dir);
   if (name == "ckpt_killed_mid_save") return run_ckpt_killed_mid_save(rank, world, dir);
   if (name == "ckpt_mismatch") return run_ckpt_mismatch(rank, world, dir);
   const Problem pb = scenario(name, world);

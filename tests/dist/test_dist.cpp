@@ -307,6 +307,16 @@ TEST(DistCheckpoint, TwoOwnerModeRanksSaveFourExpertParallelRanksResumeBitIdenti
   expect_ranks_pass("ckpt_resume_owner", 3);
 }
 
+TEST(DistCheckpoint, FullTrainingOfThreeExpertParallelRanksResumesOnTwoOwnerModeRanks) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_ep_full", 3);
+  const std::string m = ckpt.manifest();
+  EXPECT_NE(m.find("\"optim.W_DOWN.master\""), std::string::npos) << m;
+  EXPECT_NE(m.find("\"mode\": \"full\""), std::string::npos) << m;
+  expect_ranks_pass("ckpt_resume_owner_full", 2);
+}
+
 TEST(DistCheckpoint, RankKilledMidSaveLeavesThePreviousCheckpoint) {
   if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
   CheckpointDir ckpt;
