@@ -563,13 +563,18 @@ KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
  * convert` writes one per MoE layer of a checkpoint).
  *
  * The file carries a versioned header (magic, cache format version, kt ABI
- * version, panel layout id, E/H/I and bias flag, section offsets and byte
- * sizes) and a 64-bit checksum of the header and of each section (gate, up,
- * down panels; fp32 biases; per-expert loaded flags). The panel layout is the
- * same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on one
- * CPU loads on any; a cache of another format version, ABI version or panel
- * layout is refused (KT_ERR_IO), one of another E/H/I/bias setting too
- * (KT_ERR_SHAPE); messages name the file. */
+ * version, weight format and its panel layout id, E/H/I and bias flag,
+ * section offsets and byte sizes) and a 64-bit checksum of the header and of
+ * each section (gate, up, down panels; fp32 biases; per-expert loaded
+ * flags). A quantized layer's cache holds its weights as stored: the codes
+ * and bf16 scales in the kernels' panel layout, mapped back without
+ * re-quantizing (kt_moe_info.weight_bytes per layer). The panel layout is
+ * the same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on
+ * one CPU loads on any; a cache of another format version, ABI version or
+ * panel layout is refused (KT_ERR_IO), one of another E/H/I/bias setting too
+ * (KT_ERR_SHAPE), and one of another weight format than the layer's
+ * (options.weight_format) with KT_ERR_INVALID_ARGUMENT naming both formats;
+ * messages name the file. */
 
 /* kt_moe_load_packed flag: check the header only, not the section
  * checksums (which read the whole file once). */

@@ -84,8 +84,8 @@ struct Plan {
 Plan plan_for(const kt_moe& m) {
   Plan p{};
   const uint64_t E = static_cast<uint64_t>(m.E);
-  const uint64_t g = static_cast<uint64_t>(m.gate_shape.elements()) * sizeof(bf16_t);
-  const uint64_t d = static_cast<uint64_t>(m.down_shape.elements()) * sizeof(bf16_t);
+  const uint64_t g = static_cast<uint64_t>(m.stored_expert_bytes(kGate));
+  const uint64_t d = static_cast<uint64_t>(m.stored_expert_bytes(kDown));
   p.bytes[0] = E * g, p.block[0] = g;
   p.bytes[1] = E * g, p.block[1] = g;
   p.bytes[2] = E * d, p.block[2] = d;
@@ -168,16 +168,15 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
   return h;
 }
 
-// Packed caches hold bf16 panels; quantized layers are refused until the
-// cache format holds their codes and scales.
-static void check_cacheable(const kt_moe& moe, const char* where) {
-  check(!moe.quantized, KT_ERR_UNSUPPORTED,
-        std::string(where) + ": the layer stores " + kt_weight_format_name(moe.opt.weight_format) +
-            " weights; packed caches hold bf16 layers only");
+uint32_t panel_layout_of(kt_weight_format format) {
+  switch (format) {
+    case KT_FORMAT_INT8_CHANNEL: return kPanelLayoutInt8R16K32;
+    case KT_FORMAT_INT4_G32: return kPanelLayoutInt4R16G32;
+    default: return kPanelLayoutBf16R16K2;
+  }
 }
 
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
-  check_cacheable(*moe, where);
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   const std::vector<uint8_t>& loaded = moe->loaded_mask();
   check(std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
@@ -207,7 +206,7 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.format_version = kPackedFormatVersion;
   h.abi_version = KT_ABI_VERSION;
-  h.panel_layout = kPanelLayoutBf16R16K2;
+  h.panel_layout = panel_layout_of(moe->opt.weight_format);
   h.panel_rows = kPanelRows;
   h.weight_format = static_cast<uint32_t>(moe->opt.weight_format);
   h.has_bias = moe->opt.has_bias ? 1 : 0;
@@ -218,7 +217,7 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   auto weight_block = [&](int proj) {
     return [&, proj](uint64_t e) -> const uint8_t* {
       if (!loaded[e]) return nullptr;
-      return reinterpret_cast<const uint8_t*>(moe->packed_weights(proj)) + e * plan.block[proj];
+      return moe->stored_weights(proj) + e * plan.block[proj];
     };
   };
   for (int s = 0; s < kPackedSections; ++s) {
@@ -264,7 +263,6 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
 }
 
 void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
-  check_cacheable(*moe, where);
   const std::string w = std::string(where) + ": " + path;
   auto map = std::make_shared<MappedFile>(path);
   const uint64_t size = map->size();
@@ -286,13 +284,19 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
   check(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
         w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
             std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
-  check(h.panel_layout == kPanelLayoutBf16R16K2 && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
+  const kt_weight_format format = moe->opt.weight_format;
+  check(h.weight_format <= static_cast<uint32_t>(KT_FORMAT_INT4_G32), KT_ERR_IO,
+        w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
+  const kt_weight_format stored = static_cast<kt_weight_format>(h.weight_format);
+  check(stored == format, KT_ERR_INVALID_ARGUMENT,
+        w + ": the cache holds " + kt_weight_format_name(stored) + " weights, the layer stores " +
+            kt_weight_format_name(format) + " (create the layer with weight_format " + kt_weight_format_name(stored) +
+            ", or convert the checkpoint again for " + kt_weight_format_name(format) + ")");
+  check(h.panel_layout == panel_layout_of(format) && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
         w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" + std::to_string(h.panel_rows) +
-            "-row panels); this kt packs layout " + std::to_string(kPanelLayoutBf16R16K2) + " (" +
-            std::to_string(kPanelRows) + "-row panels) (rebuild it with kt convert)");
-  check(h.weight_format == static_cast<uint32_t>(moe->opt.weight_format), KT_ERR_IO,
-        w + ": holds weight format " + std::to_string(h.weight_format) + ", the layer uses " +
-            std::to_string(moe->opt.weight_format));
+            "-row panels); this kt packs " + kt_weight_format_name(format) + " weights in layout " +
+            std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
+            "-row panels) (rebuild it with kt convert)");
   check(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
             (h.has_bias != 0) == (moe->opt.has_bias != 0),
         KT_ERR_SHAPE,
@@ -334,8 +338,8 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
             w + ": checksum mismatch in section '" + kNames[s] + "' (the file is corrupted)");
     }
   }
-  const bf16_t* weights[3];
-  for (int s = 0; s < 3; ++s) weights[s] = reinterpret_cast<const bf16_t*>(base + h.sections[s].offset);
+  const uint8_t* weights[3];
+  for (int s = 0; s < 3; ++s) weights[s] = base + h.sections[s].offset;
   const float* biases[3] = {nullptr, nullptr, nullptr};
   if (moe->opt.has_bias) {
     const float* b = reinterpret_cast<const float*>(base + h.sections[3].offset);
