@@ -606,6 +606,31 @@ KT_API kt_status kt_moe_save_packed(kt_moe* moe, const char* path);
  * Serialised with the layer's compute calls. */
 KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags);
 
+/* ---------------------------------------------- packed cache description */
+
+/* What a packed cache holds, read from its header (for `kt info` and hosts
+ * choosing the layer to create for it). */
+typedef struct kt_packed_info {
+  size_t struct_size;             /* set by the caller to sizeof(kt_packed_info) */
+  int64_t num_experts;            /* E */
+  int64_t hidden;                 /* H */
+  int64_t intermediate;           /* I */
+  int has_bias;
+  kt_weight_format weight_format; /* the format of the stored weights: a layer
+                                   * loading the cache must store the same */
+  int64_t num_loaded;             /* experts flagged loaded */
+  int64_t weight_bytes;           /* bytes of the gate, up and down sections */
+  int64_t file_bytes;
+  int format_version;             /* the cache format version */
+} kt_packed_info;
+
+/* Reads the header of the packed cache at path (borrowed) and its loaded
+ * flags into *info (fields up to info->struct_size). The header is checked
+ * as kt_moe_load_packed checks it (magic, versions, header checksum, panel
+ * layout, section table, file size; KT_ERR_IO naming the file); the
+ * section checksums are not read. */
+KT_API kt_status kt_packed_read_info(const char* path, kt_packed_info* info);
+
 /* ------------------------------------------------ checkpoints (kt_ckpt_*) */
 
 /* Hugging Face checkpoint directories: config.json plus safetensors files

@@ -63,6 +63,9 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed = 0);
 // lock itself.
 void save_packed(kt_moe* moe, const std::string& path, const char* where);
 
+// Reads path's header and loaded flags into *info (kt_packed_read_info).
+void read_info(const std::string& path, kt_packed_info* info, const char* where);
+
 // Maps path, checks it in full against moe, and makes it moe's weights
 // (copied in KT_MODE_FULL). Nothing changes in moe when it fails.
 void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where);

@@ -105,7 +105,13 @@ int main(void) {
     {
       kt_moe* mapped = NULL;
       const char* cache = "quant_c99.ktpack";
+      kt_packed_info pinfo;
       CHECK(kt_moe_save_packed(moe, cache) == KT_OK);
+      pinfo.struct_size = sizeof(pinfo);
+      CHECK(kt_packed_read_info(cache, &pinfo) == KT_OK);
+      CHECK(pinfo.weight_format == KT_FORMAT_INT4_G32 && pinfo.num_experts == E && pinfo.num_loaded == 1);
+      CHECK(pinfo.weight_bytes == info.weight_bytes && pinfo.hidden == H && pinfo.intermediate == I);
+      CHECK(kt_packed_read_info("quant_c99_missing.ktpack", &pinfo) == KT_ERR_IO);
       CHECK(kt_moe_create(engine, &mo, &mapped) == KT_OK);
       CHECK(kt_moe_load_packed(mapped, cache, 0) == KT_OK);
       CHECK(kt_moe_read_weights(mapped, read, 1) == KT_OK);

@@ -560,9 +560,10 @@ TEST_F(PackedCache, CachesOfAnotherFormatAreRefusedClearly) {
   b[static_cast<size_t>(gate_offset) + 3] ^= 0x40;  // a code nibble
   bad.push_back({"flipped code", b, KT_ERR_IO, "checksum mismatch in section 'gate'"});
   b = bytes;
-  b[kOffFormat] = 1;  // says int8 while holding int4 blocks
+  b[kOffFormat] = 1;  // says int8 while its panel layout is int4's
   reseal(b);
-  bad.push_back({"format field changed", b, KT_ERR_INVALID_ARGUMENT, "the cache holds int8_channel weights"});
+  bad.push_back({"format field contradicting the layout", b, KT_ERR_IO,
+                 "this kt packs int8_channel weights in layout"});
   b = bytes;
   b[kOffFormat] = 9;
   reseal(b);
@@ -636,6 +637,66 @@ TEST_F(PackedCache, ConvertPacksEveryLayerOfACheckpoint) {
   const std::string out9 = path("packed9");
   EXPECT_NE(std::system((std::string(KT_CLI_PATH) + " convert " + ckpt + " " + out9 + " --layers 9 2> /dev/null").c_str()), 0);
   EXPECT_FALSE(std::filesystem::exists(out9 + "/manifest.json"));
+}
+TEST_F(PackedCache, ConvertQuantizesAndInfoReportsEachLayersFormat) {
+  kt_moe_options o = options(true);
+  const Weights w1(o, 81), w2(o, 82);
+  const std::vector<kt_arg> a1 = w1.args(true), a2 = w2.args(true);
+  kt_ckpt_layer_args layers[2] = {{0, a1.data(), a1.size()}, {2, a2.data(), a2.size()}};
+  const std::string ckpt = path("ckpt"), out = path("int8");
+  ASSERT_EQ(kt_ckpt_write_experts(ckpt.c_str(), nullptr, layers, 2), KT_OK) << kt_last_error();
+  const std::string cli = KT_CLI_PATH;
+  ASSERT_EQ(std::system((cli + " convert " + ckpt + " " + out + " --format int8_channel --json > " +
+                         path("convert.json")).c_str()),
+            0);
+  EXPECT_EQ(nlohmann::json::parse(read_bytes(path("convert.json")))["weight_format"], "int8_channel");
+  const nlohmann::json manifest = nlohmann::json::parse(read_bytes(out + "/manifest.json"));
+  for (const auto& entry : manifest["layers"]) EXPECT_EQ(entry["weight_format"], "int8_channel");
+
+  // kt info on the converted cache and on one of its files: each layer's format.
+  ASSERT_EQ(std::system((cli + " info " + out + " --json > " + path("info.json")).c_str()), 0);
+  const nlohmann::json info = nlohmann::json::parse(read_bytes(path("info.json")));
+  ASSERT_EQ(info["layers"].size(), 2u);
+  EXPECT_EQ(info["layers"][0]["file"], out + "/layer-0.ktpack");
+  EXPECT_EQ(info["layers"][1]["file"], out + "/layer-2.ktpack");
+  for (const auto& l : info["layers"]) {
+    EXPECT_EQ(l["weight_format"], "int8_channel");
+    EXPECT_EQ(l["experts"], o.num_experts);
+    EXPECT_EQ(l["loaded"], o.num_experts);
+    EXPECT_EQ(l["bias"], true);
+  }
+  ASSERT_EQ(std::system((cli + " info " + out + "/layer-2.ktpack > " + path("info.txt")).c_str()), 0);
+  const std::vector<uint8_t> text = read_bytes(path("info.txt"));
+  EXPECT_NE(std::string(text.begin(), text.end()).find("int8_channel"), std::string::npos);
+  // The checkpoint itself: what it holds (dense F32 here).
+  ASSERT_EQ(std::system((cli + " info " + ckpt + " --json > " + path("ckpt.json")).c_str()), 0);
+  const nlohmann::json held = nlohmann::json::parse(read_bytes(path("ckpt.json")));
+  EXPECT_EQ(held["layers"][0]["format"], "dense");
+  EXPECT_EQ(held["layers"][0]["dtype"], "BF16");
+
+  // The cache loads into an int8 layer as kt would quantize the checkpoint,
+  // and is refused by a bf16 one.
+  kt_engine* e = engine(KT_ISA_AUTO);
+  kt_moe_options q = o;
+  q.weight_format = KT_FORMAT_INT8_CHANNEL;
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(ckpt.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_moe* from_ckpt = layer(e, q);
+  ASSERT_EQ(kt_ckpt_load_layer(ck, 2, from_ckpt, nullptr, nullptr), KT_OK) << kt_last_error();
+  kt_ckpt_close(ck);
+  kt_moe* from_cache = layer(e, q);
+  ASSERT_EQ(kt_moe_load_packed(from_cache, (out + "/layer-2.ktpack").c_str(), 0), KT_OK) << kt_last_error();
+  expect_identical(run(from_ckpt, q), run(from_cache, q), "int8 layer 2");
+  EXPECT_EQ(kt_moe_load_packed(layer(e, o), (out + "/layer-2.ktpack").c_str(), 0), KT_ERR_INVALID_ARGUMENT);
+  kt_packed_info pi;
+  pi.struct_size = sizeof(pi);
+  ASSERT_EQ(kt_packed_read_info((out + "/layer-0.ktpack").c_str(), &pi), KT_OK) << kt_last_error();
+  EXPECT_EQ(pi.weight_format, KT_FORMAT_INT8_CHANNEL);
+  kt_moe_info mi;
+  mi.struct_size = sizeof(mi);
+  ASSERT_EQ(kt_moe_get_info(from_cache, &mi), KT_OK);
+  EXPECT_EQ(pi.weight_bytes, mi.weight_bytes);
+  EXPECT_NE(std::system((cli + " convert " + ckpt + " " + path("x") + " --format fp4 2> /dev/null").c_str()), 0);
 }
 #endif
 
