@@ -131,6 +131,41 @@ class MoeOptions(ctypes.Structure):
     ]
 
 
+# kt_weight_format
+WEIGHT_FORMATS = {"bf16": 0, "int8_channel": 1, "int4_g32": 2}
+
+
+class MoeInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("weight_format", ctypes.c_int),
+        ("weight_bytes", ctypes.c_int64),
+        ("num_weights", ctypes.c_int64),
+        ("num_loaded", ctypes.c_int64),
+    ]
+
+
+class PackedInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("has_bias", ctypes.c_int),
+        ("weight_format", ctypes.c_int),
+        ("num_loaded", ctypes.c_int64),
+        ("weight_bytes", ctypes.c_int64),
+        ("file_bytes", ctypes.c_int64),
+        ("format_version", ctypes.c_int),
+    ]
+
+
 class LoadOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -397,6 +432,9 @@ _PROTOTYPES = {
     "kt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
     "kt_moe_save_packed": (_S, [_P, ctypes.c_char_p]),
     "kt_moe_read_weights": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_weight_format_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_moe_get_info": (_S, [_P, ctypes.POINTER(MoeInfo)]),
+    "kt_packed_read_info": (_S, [ctypes.c_char_p, ctypes.POINTER(PackedInfo)]),
     "kt_moe_load_packed": (_S, [_P, ctypes.c_char_p, ctypes.c_uint]),
     "kt_ckpt_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
     "kt_ckpt_layout_name": (ctypes.c_char_p, [ctypes.c_int]),

@@ -303,7 +303,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         lora_dropout=0.0, use_rslora=False, target_modules=None,
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
-                        bias="none"):
+                        bias="none", weight_format="bf16"):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -323,7 +323,12 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     ``strict=True``.
 
     ``bias`` is PEFT's LoRA bias setting; kt's LoRA mode keeps expert biases
-    frozen, so only "none" is accepted there."""
+    frozen, so only "none" is accepted there.
+
+    ``weight_format`` is how kt stores the frozen base: "bf16", or quantized
+    at load, "int8_channel" or "int4_g32" (inference and LoRA mode; the
+    error is stated in kt_c_api.h). A ``packed`` cache must hold that
+    format (``kt convert --format``)."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -333,7 +338,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     options = dict(mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                    lora_dropout=lora_dropout, use_rslora=use_rslora,
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
-                   max_tokens=max_tokens, engine=engine)
+                   max_tokens=max_tokens, engine=engine, weight_format=weight_format)
     source = _WeightSource(checkpoint, packed)
     replaced, unrecognised = [], []
     try:
