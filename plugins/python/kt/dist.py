@@ -203,8 +203,8 @@ class DistMoE(_Handle):
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, *, max_tokens=1024, mode="owner",
                  owner_rank=0, grad_average="sum", expert_ranks=None, engine=None, activation="silu",
                  act_alpha=1.702, act_limit=0.0, bias=False, layer_mode="inference", lora_rank=16,
-                 lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down")):
-        from .core import ACTIVATIONS, MODES, PROJECTIONS
+                 lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down"), weight_format="bf16"):
+        from .core import ACTIVATIONS, MODES, PROJECTIONS, weight_format_code
         if mode not in DIST_MODES:
             raise ValueError("kt: mode must be one of %s" % ", ".join(DIST_MODES))
         if grad_average not in GRAD_AVERAGES:
@@ -219,6 +219,7 @@ class DistMoE(_Handle):
         lo.act_alpha, lo.act_limit = act_alpha, act_limit
         lo.has_bias = 1 if bias else 0
         lo.mode = MODES[layer_mode]
+        lo.weight_format = weight_format_code(weight_format)
         if layer_mode == "lora":
             lo.lora_rank, lo.lora_alpha, lo.use_rslora = lora_rank, lora_alpha, 1 if use_rslora else 0
             lo.lora_targets = sum(PROJECTIONS[p] for p in lora_targets)
