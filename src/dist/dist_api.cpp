@@ -109,6 +109,19 @@ void agree_on(kt_comm& c, const char* where, const kt::dist::Outcome& mine, cons
 
 char* data_of(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
 
+// kt_dist_ckpt_save / _load. Arguments a rank can check alone are checked
+// inside, where the ranks exchange their outcomes: a bad one fails every rank.
+template <class Run>
+kt_status checkpoint_call(const char* w, Run run, kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers,
+                          size_t num_layers, const kt_dist_ckpt_options* options) {
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_comm> c = live_comm(comm, w);
+    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
+          std::string(w) + ": a distributed checkpoint agrees over CPU messages: the communicator needs a CPU backend (gloo)");
+    run(*c, dir, layers, num_layers, options, w);
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -424,26 +437,12 @@ void kt_dist_ckpt_options_defaults(kt_dist_ckpt_options* options, size_t struct_
 
 kt_status kt_dist_ckpt_save(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t num_layers,
                             const kt_dist_ckpt_options* options) {
-  const char* w = "kt_dist_ckpt_save";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_comm> c = live_comm(comm, w);
-    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
-          std::string(w) + ": a distributed checkpoint agrees over CPU messages: the communicator needs a CPU backend (gloo)");
-    // Arguments a rank can check alone are checked inside, where the ranks
-    // exchange their outcomes: a bad one fails every rank.
-    kt::dist::save_checkpoint(*c, dir, layers, num_layers, options, w);
-  });
+  return checkpoint_call("kt_dist_ckpt_save", kt::dist::save_checkpoint, comm, dir, layers, num_layers, options);
 }
 
 kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t num_layers,
                             const kt_dist_ckpt_options* options) {
-  const char* w = "kt_dist_ckpt_load";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_comm> c = live_comm(comm, w);
-    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
-          std::string(w) + ": a distributed checkpoint agrees over CPU messages: the communicator needs a CPU backend (gloo)");
-    kt::dist::load_checkpoint(*c, dir, layers, num_layers, options, w);
-  });
+  return checkpoint_call("kt_dist_ckpt_load", kt::dist::load_checkpoint, comm, dir, layers, num_layers, options);
 }
 
 }  // extern "C"
