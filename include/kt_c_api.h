@@ -572,13 +572,18 @@ KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
  * convert` writes one per MoE layer of a checkpoint).
  *
  * The file carries a versioned header (magic, cache format version, kt ABI
- * version, panel layout id, E/H/I and bias flag, section offsets and byte
- * sizes) and a 64-bit checksum of the header and of each section (gate, up,
- * down panels; fp32 biases; per-expert loaded flags). The panel layout is the
- * same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on one
- * CPU loads on any; a cache of another format version, ABI version or panel
- * layout is refused (KT_ERR_IO), one of another E/H/I/bias setting too
- * (KT_ERR_SHAPE); messages name the file. */
+ * version, weight format and its panel layout id, E/H/I and bias flag,
+ * section offsets and byte sizes) and a 64-bit checksum of the header and of
+ * each section (gate, up, down panels; fp32 biases; per-expert loaded
+ * flags). A quantized layer's cache holds its weights as stored: the codes
+ * and bf16 scales in the kernels' panel layout, mapped back without
+ * re-quantizing (kt_moe_info.weight_bytes per layer). The panel layout is
+ * the same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on
+ * one CPU loads on any; a cache of another format version, ABI version or
+ * panel layout is refused (KT_ERR_IO), one of another E/H/I/bias setting too
+ * (KT_ERR_SHAPE), and one of another weight format than the layer's
+ * (options.weight_format) with KT_ERR_INVALID_ARGUMENT naming both formats;
+ * messages name the file. */
 
 /* kt_moe_load_packed flag: check the header only, not the section
  * checksums (which read the whole file once). */
@@ -609,6 +614,31 @@ KT_API kt_status kt_moe_save_packed(kt_moe* moe, const char* path);
  * are copied into the layer's own memory and the file is not kept open.
  * Serialised with the layer's compute calls. */
 KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags);
+
+/* ---------------------------------------------- packed cache description */
+
+/* What a packed cache holds, read from its header (for `kt info` and hosts
+ * choosing the layer to create for it). */
+typedef struct kt_packed_info {
+  size_t struct_size;             /* set by the caller to sizeof(kt_packed_info) */
+  int64_t num_experts;            /* E */
+  int64_t hidden;                 /* H */
+  int64_t intermediate;           /* I */
+  int has_bias;
+  kt_weight_format weight_format; /* the format of the stored weights: a layer
+                                   * loading the cache must store the same */
+  int64_t num_loaded;             /* experts flagged loaded */
+  int64_t weight_bytes;           /* bytes of the gate, up and down sections */
+  int64_t file_bytes;
+  int format_version;             /* the cache format version */
+} kt_packed_info;
+
+/* Reads the header of the packed cache at path (borrowed) and its loaded
+ * flags into *info (fields up to info->struct_size). The header is checked
+ * as kt_moe_load_packed checks it (magic, versions, header checksum, panel
+ * layout, section table, file size; KT_ERR_IO naming the file); the
+ * section checksums are not read. */
+KT_API kt_status kt_packed_read_info(const char* path, kt_packed_info* info);
 
 /* ------------------------------------------------ checkpoints (kt_ckpt_*) */
 
@@ -1290,6 +1320,114 @@ KT_API kt_status kt_dist_moe_backward(kt_dist_moe* dist, kt_dist_context* ctx,
                                       size_t num_args);
 /* Frees a context (not collective). NULL accepted. */
 KT_API void kt_dist_context_release(kt_dist_context* ctx);
+
+/* ------------------------------------ distributed checkpoints (kt_dist_ckpt_*)
+ *
+ * A training state spread over a communicator's ranks, saved into one
+ * checkpoint directory and loaded back by any number of ranks with any
+ * expert map. dir names the same directory on every rank (a shared file
+ * system past one machine). It holds:
+ * - kt_dist_checkpoint.json, the manifest: format and version, a
+ *   checkpoint id, the world size and files, and per layer its number, the
+ *   layer options (E, k, H, I, activation, bias, mode, weight format,
+ *   LoRA rank/alpha/targets), the distribution mode and expert map (the
+ *   rank that saved each expert), the parts saved, the per-expert shape and
+ *   dtype of every tensor, and the optimizer's algorithm, hyperparameters
+ *   and step count;
+ * - rank-<r>-of-<W>.safetensors, one per saving rank, with the experts that
+ *   rank held (expert parallel: its shard; owner mode: all, on the owner),
+ *   named by layer and global expert id:
+ *     layers.{L}.experts.{e}.{gate,up,down}_proj.weight / .bias   base weights
+ *     layers.{L}.experts.{e}.{gate,up,down}_proj.lora_A / .lora_B LoRA factors
+ *     layers.{L}.experts.{e}.optim.{PARAM}.{master,exp_avg,...}   optimizer state
+ *   (PARAM: W_GATE, B_DOWN, LORA_A_UP, ...; fp32).
+ * Weights are stored as the layer holds them: a bf16 layer's packed weights
+ * (bf16, exactly), or in KT_MODE_FULL the bound trainable tensors in their
+ * dtype; biases fp32; LoRA factors in their bound dtype. So a load gives
+ * back the same bits, and a training run resumed from a checkpoint on
+ * another world size makes the same steps as one never interrupted.
+ *
+ * Publishing: every rank writes its file into one staging directory next
+ * to dir (made by rank 0, as kt_ckpt_write_experts does, see "writers"
+ * above); the ranks then agree that every file is complete and fsync'ed,
+ * and only then rank 0 writes the manifest and swaps the staging directory
+ * in as dir. So dir holds the previous checkpoint or the whole new one:
+ * a rank that fails or dies mid-save (the others return its status, or
+ * KT_ERR_COMM within the communicator's timeout) leaves the previous one as
+ * it was; the staging directory is removed by rank 0, or by the next save
+ * of dir when rank 0 itself died. Entries of dir that the checkpoint does
+ * not own (the manifest, rank-*-of-*.safetensors) are carried over.
+ *
+ * Both calls are collective over comm: every rank calls them with the same
+ * dir and the same layers (numbers, in the same order), each passing its
+ * own kt_dist_moe of each layer (on comm) and its own optimizer. Each
+ * returns the same status on every rank (the lowest failing rank's, with
+ * its message). Serialised with the layers' compute calls. */
+
+/* Parts of a checkpoint (bits). */
+#define KT_DIST_CKPT_WEIGHTS 1u   /* base weights and biases */
+#define KT_DIST_CKPT_ADAPTER 2u   /* LoRA factors (KT_MODE_LORA) */
+#define KT_DIST_CKPT_OPTIMIZER 4u /* kt_optimizer state */
+
+typedef struct kt_dist_ckpt_layer {
+  int64_t layer;           /* L, the layer's number in the checkpoint (>= 0, distinct) */
+  kt_dist_moe* dist;       /* this rank's distributed layer, created on comm */
+  kt_optimizer* optimizer; /* NULL, or this rank's optimizer over the local layer
+                            * (kt_optimizer_create_for_layer of kt_dist_moe_layer) */
+} kt_dist_ckpt_layer;
+
+typedef struct kt_dist_ckpt_options {
+  size_t struct_size; /* set by _init */
+  /* KT_DIST_CKPT_* bits, or 0 (default) for what the layers have: saving,
+   * the weights of bf16 layers (a quantized base is frozen and reloaded from
+   * its source checkpoint), LoRA factors in KT_MODE_LORA, optimizer state
+   * where optimizers are given (every rank holding experts of a layer must
+   * pass one, or none); loading, every part the checkpoint holds that the
+   * layers can take (optimizer state only where an optimizer is given). A
+   * part named explicitly that a layer cannot give or take is refused
+   * (KT_ERR_UNSUPPORTED for the weights of a quantized layer, KT_ERR_MODE
+   * for LoRA outside KT_MODE_LORA, KT_ERR_NULL_POINTER for a missing
+   * optimizer, KT_ERR_INVALID_ARGUMENT for a part the checkpoint lacks). */
+  unsigned parts;
+  /* Called on each rank's calling thread with the bytes of its file written
+   * (save) or copied (load) so far and in all; may be NULL. */
+  kt_ckpt_progress_fn progress;
+  void* progress_user;
+} kt_dist_ckpt_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_dist_ckpt_options_defaults(kt_dist_ckpt_options* options, size_t struct_size);
+static inline void kt_dist_ckpt_options_init(kt_dist_ckpt_options* options) {
+  kt_dist_ckpt_options_defaults(options, sizeof(*options));
+}
+
+/* Saves the layers' state into dir (borrowed; created with its parents when
+ * missing), published atomically as described above. Reads the layers'
+ * weights, bound LoRA factors and the optimizers' state; changes nothing.
+ * LoRA factors must be bound (KT_ERR_NOT_BOUND). The ranks holding experts
+ * of a layer must agree on its optimizer's algorithm, hyperparameters and
+ * step count, and on the dtypes of its bound tensors
+ * (KT_ERR_INVALID_ARGUMENT naming the ranks). options may be NULL. */
+KT_API kt_status kt_dist_ckpt_save(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers,
+                                   size_t num_layers, const kt_dist_ckpt_options* options);
+
+/* Loads the checkpoint in dir (borrowed) into the layers, which may have
+ * another world size, distribution mode or expert map than the ranks that
+ * saved it: each rank reads its own experts from whichever files hold them.
+ * Weights go into the local layer (kt_moe_load_expert; in KT_MODE_FULL
+ * into the bound trainable tensors, then kt_moe_params_changed), LoRA
+ * factors into the bound tensors (converted to their dtype), optimizer
+ * state into the optimizer (masters, moments, step, hyperparameters). The
+ * manifest and every tensor are checked on every rank before anything
+ * changes: a layer the checkpoint lacks or one saved with another E, H, I,
+ * bias setting, LoRA rank or targets (KT_ERR_SHAPE or
+ * KT_ERR_INVALID_ARGUMENT, naming the layer, the field and both values), an
+ * optimizer of another algorithm, or a damaged file (KT_ERR_IO) fail the
+ * call on every rank with nothing changed; the ranks also check that they
+ * read one and the same checkpoint. options may be NULL. */
+KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers,
+                                   size_t num_layers, const kt_dist_ckpt_options* options);
 
 /* ------------------------------------------------- quantized frozen bases
  *

@@ -1,11 +1,14 @@
 // kt: the command-line tool. Uses only the public C ABI of libkt, plus the
 // POSIX publishing helper of src/io (io/publish.h) compiled in, for kt convert.
-//   kt info DIR [--json]        what a checkpoint holds: MoE layers, shapes, formats
+//   kt info PATH [--json]       what a checkpoint holds: MoE layers, shapes, formats;
+//                               or a packed cache (a .ktpack file, or a kt convert
+//                               output): each layer's storage format and bytes
 //   kt demo [--json] [--keep DIR]
 //                               writes a small synthetic checkpoint, loads a layer
 //                               from it through the ABI, runs a forward, checks it
-//   kt convert DIR OUT [--layers L,...] [--json]
-//                               packs each MoE layer of a checkpoint into
+//   kt convert DIR OUT [--layers L,...] [--format F] [--json]
+//                               packs each MoE layer of a checkpoint (in format
+//                               F: bf16, int8_channel or int4_g32) into
 //                               OUT/layer-<L>.ktpack (kt_moe_load_packed maps
 //                               them back) plus OUT/manifest.json
 //   kt version [--json]
@@ -81,15 +84,20 @@ int report_failure(const char* what, kt_status st, bool json) {
 int usage(FILE* to) {
   std::fprintf(to,
                "usage: kt <command> [options]\n"
-               "  info DIR [--json]          describe a checkpoint directory (layers, experts,\n"
-               "                             shapes, dtypes, formats, bytes)\n"
+               "  info PATH [--json]         describe a checkpoint directory (layers, experts,\n"
+               "                             shapes, dtypes, formats, bytes), or a packed cache\n"
+               "                             (a .ktpack file or a kt convert output: each layer's\n"
+               "                             storage format, experts and bytes)\n"
                "  demo [--json] [--keep DIR] write a synthetic checkpoint, load a layer from it,\n"
                "                             run a forward and check it against the same weights\n"
                "                             loaded from tensors\n"
-               "  convert DIR OUT [--layers L,...] [--json]\n"
+               "  convert DIR OUT [--layers L,...] [--format F] [--json]\n"
                "                             pack the MoE layers of checkpoint DIR into a packed\n"
                "                             cache: OUT/layer-<L>.ktpack (memory-mapped back by\n"
-               "                             kt_moe_load_packed) and OUT/manifest.json\n"
+               "                             kt_moe_load_packed) and OUT/manifest.json; F is the\n"
+               "                             storage format: bf16 (default), int8_channel or\n"
+               "                             int4_g32 (quantized by kt, the error is stated in\n"
+               "                             kt_c_api.h)\n"
                "  bench [options]            the benchmark: kt against this machine's limits,\n"
                "                             oneDNN and torch eager (kt bench --help lists options)\n"
                "  version [--json]           library version, ABI, build, CPU ISA\n");
@@ -98,7 +106,72 @@ int usage(FILE* to) {
 
 // -------------------------------------------------------------------- info
 
+// One packed cache file: its header (kt_packed_read_info).
+bool packed_info(const std::string& path, kt_packed_info* info) {
+  std::memset(info, 0, sizeof(*info));
+  info->struct_size = sizeof(*info);
+  return kt_packed_read_info(path.c_str(), info) == KT_OK;
+}
+
+bool is_regular_file(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+bool is_packed_cache_name(const std::string& name);
+
+// kt info on a packed cache: a .ktpack file, or a directory of them (kt
+// convert's output, whose manifest names the source).
+int cmd_info_packed(const std::string& path, bool json) {
+  std::vector<std::string> files;
+  if (is_regular_file(path)) {
+    files.push_back(path);
+  } else if (DIR* d = opendir(path.c_str())) {
+    while (const dirent* e = readdir(d)) {
+      const std::string n = e->d_name;
+      if (n != "manifest.json" && is_packed_cache_name(n)) files.push_back(path + "/" + n);
+    }
+    closedir(d);
+    // Layer files in layer order.
+    std::sort(files.begin(), files.end(), [](const std::string& a, const std::string& b) {
+      return a.size() != b.size() ? a.size() < b.size() : a < b;
+    });
+  }
+  std::vector<kt_packed_info> infos(files.size());
+  for (size_t i = 0; i < files.size(); ++i)
+    if (!packed_info(files[i], &infos[i])) return report_failure("info", KT_ERR_IO, json);
+  if (json) {
+    std::printf("{\n  \"ok\": true,\n  \"packed_cache\": %s,\n  \"layers\": [", json_string(path).c_str());
+    for (size_t i = 0; i < files.size(); ++i) {
+      const kt_packed_info& p = infos[i];
+      std::printf("%s\n    {\"file\": %s, \"weight_format\": %s, \"experts\": %lld, \"loaded\": %lld, "
+                  "\"hidden\": %lld, \"intermediate\": %lld, \"bias\": %s, \"weight_bytes\": %lld, "
+                  "\"bytes\": %lld, \"cache_version\": %d}",
+                  i ? "," : "", json_string(files[i]).c_str(), json_string(kt_weight_format_name(p.weight_format)).c_str(),
+                  static_cast<long long>(p.num_experts), static_cast<long long>(p.num_loaded),
+                  static_cast<long long>(p.hidden), static_cast<long long>(p.intermediate),
+                  p.has_bias ? "true" : "false", static_cast<long long>(p.weight_bytes),
+                  static_cast<long long>(p.file_bytes), p.format_version);
+    }
+    std::printf("%s]\n}\n", files.empty() ? "" : "\n  ");
+    return 0;
+  }
+  std::printf("packed cache  %s (%zu layer file%s)\n", path.c_str(), files.size(), files.size() == 1 ? "" : "s");
+  std::printf("%-24s %-13s %8s %7s %7s %12s %5s %10s\n", "file", "format", "experts", "loaded", "hidden",
+              "intermediate", "bias", "bytes");
+  for (size_t i = 0; i < files.size(); ++i) {
+    const kt_packed_info& p = infos[i];
+    const std::string name = files[i].substr(files[i].find_last_of('/') + 1);
+    std::printf("%-24s %-13s %8lld %7lld %7lld %12lld %5s %10s\n", name.c_str(), kt_weight_format_name(p.weight_format),
+                static_cast<long long>(p.num_experts), static_cast<long long>(p.num_loaded),
+                static_cast<long long>(p.hidden), static_cast<long long>(p.intermediate), p.has_bias ? "yes" : "no",
+                human_bytes(p.file_bytes).c_str());
+  }
+  return 0;
+}
+
 int cmd_info(const std::string& dir, bool json) {
+  if (is_regular_file(dir) || is_regular_file(dir + "/manifest.json")) return cmd_info_packed(dir, json);
   kt_ckpt* ck = nullptr;
   kt_status st = kt_ckpt_open(dir.c_str(), &ck);
   if (st != KT_OK) return report_failure("info", st, json);
@@ -443,7 +516,23 @@ int64_t file_size(const std::string& path) {
   return stat(path.c_str(), &st) == 0 ? static_cast<int64_t>(st.st_size) : -1;
 }
 
-int cmd_convert(const std::string& dir, const std::string& out, const std::string& layer_list, bool json) {
+// "int4_g32" -> KT_FORMAT_INT4_G32 (kt_weight_format_name's names).
+bool parse_format(const std::string& text, kt_weight_format* out) {
+  for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+    if (text == kt_weight_format_name(f)) {
+      *out = f;
+      return true;
+    }
+  return false;
+}
+
+int cmd_convert(const std::string& dir, const std::string& out, const std::string& layer_list,
+                const std::string& format_name, bool json) {
+  kt_weight_format format = KT_FORMAT_BF16;
+  if (!format_name.empty() && !parse_format(format_name, &format)) {
+    std::fprintf(stderr, "kt convert: --format takes bf16, int8_channel or int4_g32, got '%s'\n", format_name.c_str());
+    return 2;
+  }
   std::vector<int64_t> wanted;
   if (!layer_list.empty() && !parse_layer_list(layer_list, &wanted)) {
     std::fprintf(stderr, "kt convert: --layers takes layer numbers separated by commas, got '%s'\n",
@@ -520,6 +609,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     kt_moe_options_init(&mo);
     if ((st = kt_ckpt_moe_options(ck, li.layer, &mo)) == KT_OK) {
       mo.max_tokens = 1;  // the layer only packs and saves: keep its workspaces small
+      mo.weight_format = format;
       st = kt_moe_create(engine, &mo, &moe);
     }
     if (st == KT_OK) st = kt_ckpt_load_layer(ck, li.layer, moe, draw_progress, &progress);
@@ -532,14 +622,15 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     std::snprintf(entry, sizeof(entry),
                   "%s\n    {\"layer\": %lld, \"file\": %s, \"bytes\": %lld, \"experts\": %lld, \"hidden\": %lld, "
                   "\"intermediate\": %lld, \"bias\": %s, \"top_k\": %lld, \"activation\": %s, \"act_alpha\": %.9g, "
-                  "\"act_limit\": %.9g, \"source_dtype\": %s}",
+                  "\"act_limit\": %.9g, \"source_dtype\": %s, \"weight_format\": %s}",
                   i ? "," : "", static_cast<long long>(li.layer), json_string(name).c_str(),
                   static_cast<long long>(bytes), static_cast<long long>(li.num_experts),
                   static_cast<long long>(li.hidden), static_cast<long long>(li.intermediate),
                   li.has_bias ? "true" : "false", static_cast<long long>(mo.top_k),
                   json_string(mo.activation == KT_ACT_SWIGLU_OAI ? "swiglu_oai" : "silu").c_str(),
                   static_cast<double>(mo.act_alpha), static_cast<double>(mo.act_limit),
-                  json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str());
+                  json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str(),
+                  json_string(kt_weight_format_name(format)).c_str());
     entries += entry;
   }
   if (progress.draw && !layers.empty()) std::fprintf(stderr, "\n");
@@ -567,12 +658,13 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     return 1;
   }
   if (json) {
-    std::printf("{\"ok\": true, \"out\": %s, \"manifest\": %s, \"layers\": %zu, \"bytes\": %lld}\n",
+    std::printf("{\"ok\": true, \"out\": %s, \"manifest\": %s, \"layers\": %zu, \"bytes\": %lld, "
+                "\"weight_format\": %s}\n",
                 json_string(out).c_str(), json_string(out + "/manifest.json").c_str(), layers.size(),
-                static_cast<long long>(total_bytes));
+                static_cast<long long>(total_bytes), json_string(kt_weight_format_name(format)).c_str());
   } else {
-    std::printf("kt convert: packed %zu MoE layer(s) of %s into %s (%s), manifest.json written\n", layers.size(),
-                dir.c_str(), out.c_str(), human_bytes(total_bytes).c_str());
+    std::printf("kt convert: packed %zu MoE layer(s) of %s into %s as %s (%s), manifest.json written\n",
+                layers.size(), dir.c_str(), out.c_str(), kt_weight_format_name(format), human_bytes(total_bytes).c_str());
   }
   return 0;
 }
@@ -627,7 +719,7 @@ int main(int argc, char** argv) {
   const std::string cmd = argv[1];
   if (cmd == "bench") return cmd_bench(argc, argv);
   bool json = false;
-  std::string keep, layer_list;
+  std::string keep, layer_list, format_name;
   std::vector<std::string> positional;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -637,6 +729,8 @@ int main(int argc, char** argv) {
       keep = argv[++i];
     } else if (a == "--layers" && cmd == "convert" && i + 1 < argc) {
       layer_list = argv[++i];
+    } else if (a == "--format" && cmd == "convert" && i + 1 < argc) {
+      format_name = argv[++i];
     } else if (a == "-h" || a == "--help") {
       return usage(stdout);
     } else if (!a.empty() && a[0] == '-') {
@@ -648,7 +742,7 @@ int main(int argc, char** argv) {
   }
   if (cmd == "info" && positional.size() == 1) return cmd_info(positional[0], json);
   if (cmd == "demo" && positional.empty()) return cmd_demo(json, keep);
-  if (cmd == "convert" && positional.size() == 2) return cmd_convert(positional[0], positional[1], layer_list, json);
+  if (cmd == "convert" && positional.size() == 2) return cmd_convert(positional[0], positional[1], layer_list, format_name, json);
   if (cmd == "version" && positional.empty()) return cmd_version(json);
   if (cmd == "help" || cmd == "-h" || cmd == "--help") return usage(stdout);
   return usage(stderr);

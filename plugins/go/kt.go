@@ -18,7 +18,7 @@ package kt
 // plain descriptions (ktgo_arg) plus their data pointers as direct arguments;
 // the DLTensors and kt_args are built here, on the C stack, for the call.
 enum { KTGO_MAX_ARGS = 16, KTGO_MAX_DIMS = 4 };
-enum { KTGO_LOAD = 0, KTGO_FORWARD = 1, KTGO_BACKWARD = 2, KTGO_BIND = 3 };
+enum { KTGO_LOAD = 0, KTGO_FORWARD = 1, KTGO_BACKWARD = 2, KTGO_BIND = 3, KTGO_READ_WEIGHTS = 4 };
 
 typedef struct ktgo_arg {
 	int id;
@@ -60,6 +60,7 @@ static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** sa
 	case KTGO_FORWARD: return kt_moe_forward(moe, args, (size_t)n, saved);
 	case KTGO_BACKWARD: return kt_moe_backward(moe, ctx, backward_options, args, (size_t)n);
 	case KTGO_BIND: return kt_moe_bind(moe, args, (size_t)n);
+	case KTGO_READ_WEIGHTS: return kt_moe_read_weights(moe, args, (size_t)n);
 	}
 	return KT_ERR_INVALID_ARGUMENT;
 }
@@ -291,8 +292,25 @@ const (
 	ModeFull      Mode = C.KT_MODE_FULL
 )
 
+// WeightFormat is how a layer stores its frozen base weights
+// (kt_weight_format). The quantized formats are quantized by kt at load,
+// for inference and LoRA mode; kt_c_api.h states their error.
+type WeightFormat int
+
+// Formats of kt_weight_format.
+const (
+	FormatBF16        WeightFormat = C.KT_FORMAT_BF16
+	FormatInt8Channel WeightFormat = C.KT_FORMAT_INT8_CHANNEL // int8 per output channel
+	FormatInt4G32     WeightFormat = C.KT_FORMAT_INT4_G32     // int4 per group of 32 inputs
+)
+
+// String is kt's name of the format ("bf16", "int8_channel", "int4_g32").
+func (f WeightFormat) String() string {
+	return C.GoString(C.kt_weight_format_name(C.kt_weight_format(f)))
+}
+
 // MoEOptions are a layer's shapes and settings. Zero-valued optional fields
-// keep kt's defaults (MaxTokens 1024, SiLU, no clamp, inference mode).
+// keep kt's defaults (MaxTokens 1024, SiLU, no clamp, inference mode, bf16).
 type MoEOptions struct {
 	NumExperts, TopK, Hidden, Intermediate int64
 	MaxTokens                              int64
@@ -302,6 +320,16 @@ type MoEOptions struct {
 	Mode                                   Mode
 	LoRARank                               int64
 	LoRAAlpha                              float32
+	WeightFormat                           WeightFormat
+}
+
+// MoEInfo is what a layer reports of itself (kt_moe_get_info).
+type MoEInfo struct {
+	NumExperts, Hidden, Intermediate int64
+	WeightFormat                     WeightFormat
+	WeightBytes                      int64 // the stored base weights, scales and padding included
+	NumWeights                       int64 // E * 3 * H * I
+	NumLoaded                        int64
 }
 
 // MoE is one MoE layer's routed experts. Close it before its engine.
@@ -338,6 +366,7 @@ func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
 	if opts.LoRAAlpha != 0 {
 		o.lora_alpha = C.float(opts.LoRAAlpha)
 	}
+	o.weight_format = C.kt_weight_format(opts.WeightFormat)
 	m := &MoE{}
 	if err := call(func() C.kt_status { return C.kt_moe_create(e.handle, &o, &m.handle) }); err != nil {
 		return nil, err
@@ -494,6 +523,26 @@ func describe(args []Arg, meta []C.ktgo_arg, data []unsafe.Pointer) error {
 // LoadWeights loads stacked expert weights: ArgWGate, ArgWUp [E,I,H] and
 // ArgWDown [E,H,I] (or ArgWGateUp), biases when the layer has them.
 func (m *MoE) LoadWeights(args ...Arg) error { return m.run(C.KTGO_LOAD, nil, nil, nil, args) }
+
+// ReadWeights copies the base weights the layer computes with (dequantized
+// for a quantized base) into ArgWGate, ArgWUp [E,I,H], ArgWDown [E,H,I] and
+// biases (float32 or bfloat16 slices).
+func (m *MoE) ReadWeights(args ...Arg) error { return m.run(C.KTGO_READ_WEIGHTS, nil, nil, nil, args) }
+
+// Info reports the layer's storage format, bytes and loaded experts.
+func (m *MoE) Info() (MoEInfo, error) {
+	if m.handle == nil {
+		return MoEInfo{}, closedError("moe")
+	}
+	var i C.kt_moe_info
+	i.struct_size = C.size_t(unsafe.Sizeof(i))
+	if err := call(func() C.kt_status { return C.kt_moe_get_info(m.handle, &i) }); err != nil {
+		return MoEInfo{}, err
+	}
+	return MoEInfo{NumExperts: int64(i.num_experts), Hidden: int64(i.hidden), Intermediate: int64(i.intermediate),
+		WeightFormat: WeightFormat(i.weight_format), WeightBytes: int64(i.weight_bytes),
+		NumWeights: int64(i.num_weights), NumLoaded: int64(i.num_loaded)}, nil
+}
 
 // Bind binds trainable parameters and gradient buffers (LoRA or full mode).
 // kt retains the memory until the same id is bound again or the layer is

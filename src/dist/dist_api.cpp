@@ -11,6 +11,7 @@
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "dist/comm.h"
+#include "dist/dist_ckpt.h"
 #include "dist/dist_moe.h"
 #include "kt_c_api.h"
 
@@ -69,6 +70,8 @@ void set_dist_options_defaults(kt_dist_moe_options& o) {
 }
 
 void set_moe_defaults(kt_moe_options& o) { kt_moe_options_defaults(&o, sizeof(o)); }
+
+
 
 kt_comm_backends backends_struct(const kt::dist::Backends& b) {
   kt_comm_backends out{};
@@ -141,6 +144,19 @@ void agree_on(kt_comm& c, const char* where, const kt::dist::Outcome& mine, cons
 }
 
 char* data_of(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
+
+// kt_dist_ckpt_save / _load. Arguments a rank can check alone are checked
+// inside, where the ranks exchange their outcomes: a bad one fails every rank.
+template <class Run>
+kt_status checkpoint_call(const char* w, Run run, kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers,
+                          size_t num_layers, const kt_dist_ckpt_options* options) {
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_comm> c = live_comm(comm, w);
+    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
+          std::string(w) + ": a distributed checkpoint agrees over CPU messages: the communicator needs a CPU backend (gloo)");
+    run(*c, dir, layers, num_layers, options, w);
+  });
+}
 
 }  // namespace
 
@@ -449,6 +465,20 @@ void kt_dist_context_release(kt_dist_context* ctx) {
   } catch (...) {
     // Release cannot report; nothing here throws in practice.
   }
+}
+
+void kt_dist_ckpt_options_defaults(kt_dist_ckpt_options* options, size_t struct_size) {
+  kt::write_defaults(options, struct_size, kt::dist::set_checkpoint_options_defaults);
+}
+
+kt_status kt_dist_ckpt_save(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t num_layers,
+                            const kt_dist_ckpt_options* options) {
+  return checkpoint_call("kt_dist_ckpt_save", kt::dist::save_checkpoint, comm, dir, layers, num_layers, options);
+}
+
+kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t num_layers,
+                            const kt_dist_ckpt_options* options) {
+  return checkpoint_call("kt_dist_ckpt_load", kt::dist::load_checkpoint, comm, dir, layers, num_layers, options);
 }
 
 }  // extern "C"

@@ -24,29 +24,6 @@ namespace {
 
 const std::initializer_list<DType> kSourceDtypes = {DType::kBF16, DType::kF16, DType::kF32};
 
-// Writes slice e of v ([E, rows, cols], or [E, n] for biases) row-major
-// into dst as dtype dt; the source dtype is copied bit for bit.
-void fill_slice(const View& v, int64_t e, kt_ckpt_dtype dt, uint8_t* dst) {
-  const kt_ckpt_dtype src_dt = from_dtype(v.dtype);
-  const size_t ds = st_dtype_info(dt).size;
-  const int64_t es = static_cast<int64_t>(v.elem_size());
-  if (v.ndim == 2) {
-    for (int64_t i = 0; i < v.shape[1]; ++i) convert_elements(v.at(e, i), src_dt, dst + static_cast<size_t>(i) * ds, dt, 1);
-    return;
-  }
-  const int64_t rows = v.shape[1], cols = v.shape[2];
-  for (int64_t r = 0; r < rows; ++r) {
-    uint8_t* out = dst + static_cast<size_t>(r * cols) * ds;
-    const char* row = v.at(e, r, 0);
-    if (v.strides[2] == 1) {
-      convert_elements(row, src_dt, out, dt, cols);
-    } else {
-      for (int64_t c = 0; c < cols; ++c)
-        convert_elements(row + c * v.strides[2] * es, src_dt, out + static_cast<size_t>(c) * ds, dt, 1);
-    }
-  }
-}
-
 kt_ckpt_dtype checked_store_dtype(kt_ckpt_dtype dt, bool allow_f16, const char* where, const char* field) {
   const bool ok = dt == KT_CKPT_DTYPE_F32 || dt == KT_CKPT_DTYPE_BF16 || (allow_f16 && dt == KT_CKPT_DTYPE_F16);
   check(ok, KT_ERR_INVALID_ARGUMENT,
@@ -150,6 +127,49 @@ bool valid_utf8(const char* s) {
 
 }  // namespace
 
+void write_expert_slice(const View& v, int64_t e, kt_ckpt_dtype dt, uint8_t* dst) {
+  const kt_ckpt_dtype src_dt = from_dtype(v.dtype);
+  const size_t ds = st_dtype_info(dt).size;
+  const int64_t es = static_cast<int64_t>(v.elem_size());
+  if (v.ndim == 2) {
+    for (int64_t i = 0; i < v.shape[1]; ++i) convert_elements(v.at(e, i), src_dt, dst + static_cast<size_t>(i) * ds, dt, 1);
+    return;
+  }
+  const int64_t rows = v.shape[1], cols = v.shape[2];
+  for (int64_t r = 0; r < rows; ++r) {
+    uint8_t* out = dst + static_cast<size_t>(r * cols) * ds;
+    const char* row = v.at(e, r, 0);
+    if (v.strides[2] == 1) {
+      convert_elements(row, src_dt, out, dt, cols);
+    } else {
+      for (int64_t c = 0; c < cols; ++c)
+        convert_elements(row + c * v.strides[2] * es, src_dt, out + static_cast<size_t>(c) * ds, dt, 1);
+    }
+  }
+}
+
+
+void read_expert_slice(const uint8_t* src, kt_ckpt_dtype src_dt, const View& v, int64_t e) {
+  const size_t ss = st_dtype_info(src_dt).size;
+  const kt_ckpt_dtype dst_dt = from_dtype(v.dtype);
+  const int64_t es = static_cast<int64_t>(v.elem_size());
+  if (v.ndim == 2) {
+    for (int64_t i = 0; i < v.shape[1]; ++i) convert_elements(src + static_cast<size_t>(i) * ss, src_dt, v.at(e, i), dst_dt, 1);
+    return;
+  }
+  const int64_t rows = v.shape[1], cols = v.shape[2];
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* in = src + static_cast<size_t>(r * cols) * ss;
+    char* row = v.at(e, r, 0);
+    if (v.strides[2] == 1) {
+      convert_elements(in, src_dt, row, dst_dt, cols);
+    } else {
+      for (int64_t c = 0; c < cols; ++c)
+        convert_elements(in + static_cast<size_t>(c) * ss, src_dt, row + c * v.strides[2] * es, dst_dt, 1);
+    }
+  }
+}
+
 void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const kt_ckpt_layer_args* layers,
                    size_t num_layers, const char* where) {
   check(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": layers is NULL");
@@ -196,11 +216,11 @@ void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const
         const int64_t out = p == 2 ? H : I, in = p == 2 ? I : H;
         const View wv = *w[p];
         all.push_back(TensorToWrite{module + ".weight", dt, {out, in},
-                                    [wv, e, dt](uint8_t* dst) { fill_slice(wv, e, dt, dst); }});
+                                    [wv, e, dt](uint8_t* dst) { write_expert_slice(wv, e, dt, dst); }});
         if (bias) {
           const View bv = *b[p];
           all.push_back(TensorToWrite{module + ".bias", dt, {out},
-                                      [bv, e, dt](uint8_t* dst) { fill_slice(bv, e, dt, dst); }});
+                                      [bv, e, dt](uint8_t* dst) { write_expert_slice(bv, e, dt, dst); }});
         }
       }
   }
@@ -306,9 +326,9 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, cons
       const View av = *a, bv = *b;
       for (int64_t e = 0; e < E; ++e) {
         all.push_back(TensorToWrite{adapter_key(c.layout, L.layer, e, p, true), dt, {r, in},
-                                    [av, e, dt](uint8_t* dst) { fill_slice(av, e, dt, dst); }});
+                                    [av, e, dt](uint8_t* dst) { write_expert_slice(av, e, dt, dst); }});
         all.push_back(TensorToWrite{adapter_key(c.layout, L.layer, e, p, false), dt, {out, r},
-                                    [bv, e, dt](uint8_t* dst) { fill_slice(bv, e, dt, dst); }});
+                                    [bv, e, dt](uint8_t* dst) { write_expert_slice(bv, e, dt, dst); }});
       }
     }
   }
@@ -458,20 +478,7 @@ void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, siz
         copies.push_back(Copy{t, v, e});
       }
     }
-    for (const Copy& c : copies) {
-      const int64_t rows = c.dst.shape[1], cols = c.dst.shape[2];
-      const size_t ses = st_dtype_info(c.src->entry->dtype).size;
-      const kt_ckpt_dtype dd = from_dtype(c.dst.dtype);
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* src = c.src->data + static_cast<size_t>(r * cols) * ses;
-        if (c.dst.strides[2] == 1) {
-          convert_elements(src, c.src->entry->dtype, c.dst.at(c.e, r, 0), dd, cols);
-        } else {
-          for (int64_t k = 0; k < cols; ++k)
-            convert_elements(src + static_cast<size_t>(k) * ses, c.src->entry->dtype, c.dst.at(c.e, r, k), dd, 1);
-        }
-      }
-    }
+    for (const Copy& c : copies) read_expert_slice(c.src->data, c.src->entry->dtype, c.dst, c.e);
     return 0;
   });
 }

@@ -6,10 +6,18 @@
 #include <cstdint>
 #include <string>
 
+#include "core/tensor.h"
 #include "kt_c_api.h"
 
 namespace kt {
 namespace io {
+
+// Slice e of v ([E, rows, cols], or [E, n] for biases), row-major, into dst
+// as dtype dt; the source dtype is copied bit for bit.
+void write_expert_slice(const View& v, int64_t e, kt_ckpt_dtype dt, uint8_t* dst);
+// The reverse: row-major elements of src_dt at src into slice e of v
+// (converted to v's dtype; any strides).
+void read_expert_slice(const uint8_t* src, kt_ckpt_dtype src_dt, const View& v, int64_t e);
 
 void write_experts(const std::string& dir, const kt_ckpt_write_options& options,
                    const kt_ckpt_layer_args* layers, size_t num_layers, const char* where);

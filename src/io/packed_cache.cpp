@@ -9,6 +9,7 @@
 
 #include "api/handles.h"
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "io/io_guard.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
@@ -84,8 +85,8 @@ struct Plan {
 Plan plan_for(const kt_moe& m) {
   Plan p{};
   const uint64_t E = static_cast<uint64_t>(m.E);
-  const uint64_t g = static_cast<uint64_t>(m.gate_shape.elements()) * sizeof(bf16_t);
-  const uint64_t d = static_cast<uint64_t>(m.down_shape.elements()) * sizeof(bf16_t);
+  const uint64_t g = static_cast<uint64_t>(m.stored_expert_bytes(kGate));
+  const uint64_t d = static_cast<uint64_t>(m.stored_expert_bytes(kDown));
   p.bytes[0] = E * g, p.block[0] = g;
   p.bytes[1] = E * g, p.block[1] = g;
   p.bytes[2] = E * d, p.block[2] = d;
@@ -168,16 +169,15 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
   return h;
 }
 
-// Packed caches hold bf16 panels; quantized layers are refused until the
-// cache format holds their codes and scales.
-static void check_cacheable(const kt_moe& moe, const char* where) {
-  check(!moe.quantized, KT_ERR_UNSUPPORTED,
-        std::string(where) + ": the layer stores " + kt_weight_format_name(moe.opt.weight_format) +
-            " weights; packed caches hold bf16 layers only");
+uint32_t panel_layout_of(kt_weight_format format) {
+  switch (format) {
+    case KT_FORMAT_INT8_CHANNEL: return kPanelLayoutInt8R16K32;
+    case KT_FORMAT_INT4_G32: return kPanelLayoutInt4R16G32;
+    default: return kPanelLayoutBf16R16K2;
+  }
 }
 
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
-  check_cacheable(*moe, where);
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   const std::vector<uint8_t>& loaded = moe->loaded_mask();
   check(std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
@@ -207,7 +207,7 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.format_version = kPackedFormatVersion;
   h.abi_version = KT_ABI_VERSION;
-  h.panel_layout = kPanelLayoutBf16R16K2;
+  h.panel_layout = panel_layout_of(moe->opt.weight_format);
   h.panel_rows = kPanelRows;
   h.weight_format = static_cast<uint32_t>(moe->opt.weight_format);
   h.has_bias = moe->opt.has_bias ? 1 : 0;
@@ -218,7 +218,7 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   auto weight_block = [&](int proj) {
     return [&, proj](uint64_t e) -> const uint8_t* {
       if (!loaded[e]) return nullptr;
-      return reinterpret_cast<const uint8_t*>(moe->packed_weights(proj)) + e * plan.block[proj];
+      return moe->stored_weights(proj) + e * plan.block[proj];
     };
   };
   for (int s = 0; s < kPackedSections; ++s) {
@@ -263,12 +263,16 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   f.commit();
 }
 
-void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
-  check_cacheable(*moe, where);
-  const std::string w = std::string(where) + ": " + path;
-  auto map = std::make_shared<MappedFile>(path);
-  const uint64_t size = map->size();
-  const uint8_t* base = map->data();
+namespace {
+
+const char* const kSectionNames[kPackedSections] = {"gate", "up", "down", "bias", "loaded"};
+
+// Checks what the header says on its own (w names the call and the file):
+// magic, versions, checksum, format and its panel layout, file size,
+// section table. The layer's shape and format are checked by the caller.
+PackedHeader checked_header(const MappedFile& map, const std::string& w) {
+  const uint64_t size = map.size();
+  const uint8_t* base = map.data();
   check(size >= 16 && std::memcmp(base, kMagic, sizeof(kMagic)) == 0, KT_ERR_IO,
         w + ": not a kt packed cache (no KTPACK magic)");
   uint32_t version;
@@ -286,31 +290,24 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
   check(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
         w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
             std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
-  check(h.panel_layout == kPanelLayoutBf16R16K2 && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
+  check(h.weight_format <= static_cast<uint32_t>(KT_FORMAT_INT4_G32), KT_ERR_IO,
+        w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
+  const kt_weight_format format = static_cast<kt_weight_format>(h.weight_format);
+  check(h.panel_layout == panel_layout_of(format) && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
         w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" + std::to_string(h.panel_rows) +
-            "-row panels); this kt packs layout " + std::to_string(kPanelLayoutBf16R16K2) + " (" +
-            std::to_string(kPanelRows) + "-row panels) (rebuild it with kt convert)");
-  check(h.weight_format == static_cast<uint32_t>(moe->opt.weight_format), KT_ERR_IO,
-        w + ": holds weight format " + std::to_string(h.weight_format) + ", the layer uses " +
-            std::to_string(moe->opt.weight_format));
-  check(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
-            (h.has_bias != 0) == (moe->opt.has_bias != 0),
-        KT_ERR_SHAPE,
-        w + ": the cache holds a layer of " + shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
-            " but the kt_moe was created with " + shape_string(moe->E, moe->H, moe->I, moe->opt.has_bias != 0));
+            "-row panels); this kt packs " + kt_weight_format_name(format) + " weights in layout " +
+            std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
+            "-row panels) (rebuild it with kt convert)");
+  check(h.experts >= 1 && h.hidden >= 1 && h.intermediate >= 1, KT_ERR_IO, w + ": the header holds no layer shape");
   check(h.file_bytes == size, KT_ERR_IO,
         w + ": truncated or extended: the header says " + std::to_string(h.file_bytes) + " bytes, the file has " +
             std::to_string(size));
-  const Plan plan = plan_for(*moe);
   check(h.num_sections == kPackedSections, KT_ERR_IO, w + ": " + std::to_string(h.num_sections) + " sections, expected " +
                                                         std::to_string(kPackedSections));
-  static const char* kNames[kPackedSections] = {"gate", "up", "down", "bias", "loaded"};
   for (int s = 0; s < kPackedSections; ++s) {
     const SectionEntry& se = h.sections[s];
-    const std::string sec = w + ": section '" + kNames[s] + "'";
+    const std::string sec = w + ": section '" + kSectionNames[s] + "'";
     check(se.kind == static_cast<uint32_t>(kSectionGate + s), KT_ERR_IO, sec + " has kind " + std::to_string(se.kind));
-    check(se.bytes == plan.bytes[s], KT_ERR_IO,
-          sec + " holds " + std::to_string(se.bytes) + " bytes, the layer needs " + std::to_string(plan.bytes[s]));
     check(se.offset % 64 == 0 && se.offset >= kPackedHeaderBytes && se.offset <= size && se.bytes <= size - se.offset,
           KT_ERR_IO, sec + " at offset " + std::to_string(se.offset) + " is misaligned or outside the file");
     check(se.block_bytes > 0, KT_ERR_IO, sec + " has a zero checksum block size");
@@ -319,9 +316,57 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
       check(se.offset >= prev.offset + prev.bytes, KT_ERR_IO, sec + " overlaps the section before it");
     }
   }
+  check(h.sections[4].bytes == static_cast<uint64_t>(h.experts), KT_ERR_IO,
+        w + ": section 'loaded' holds " + std::to_string(h.sections[4].bytes) + " flags for " +
+            std::to_string(h.experts) + " experts");
   const uint8_t* loaded = base + h.sections[4].offset;
-  for (int64_t e = 0; e < moe->E; ++e)
+  for (int64_t e = 0; e < h.experts; ++e)
     if (loaded[e] > 1) fail(KT_ERR_IO, w + ": loaded flag of expert " + std::to_string(e) + " is not 0/1");
+  return h;
+}
+
+}  // namespace
+
+void read_info(const std::string& path, kt_packed_info* out, const char* where) {
+  const MappedFile map(path);
+  const PackedHeader h = checked_header(map, std::string(where) + ": " + path);
+  kt_packed_info info{};
+  info.struct_size = sizeof(info);
+  info.num_experts = h.experts;
+  info.hidden = h.hidden;
+  info.intermediate = h.intermediate;
+  info.has_bias = h.has_bias != 0;
+  info.weight_format = static_cast<kt_weight_format>(h.weight_format);
+  const uint8_t* loaded = map.data() + h.sections[4].offset;
+  info.num_loaded = std::count(loaded, loaded + h.experts, uint8_t{1});
+  info.weight_bytes = static_cast<int64_t>(h.sections[0].bytes + h.sections[1].bytes + h.sections[2].bytes);
+  info.file_bytes = static_cast<int64_t>(h.file_bytes);
+  info.format_version = static_cast<int>(h.format_version);
+  write_sized(out, info, where, "info");
+}
+
+void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
+  const std::string w = std::string(where) + ": " + path;
+  auto map = std::make_shared<MappedFile>(path);
+  const uint8_t* base = map->data();
+  const PackedHeader h = checked_header(*map, w);
+  const kt_weight_format format = moe->opt.weight_format;
+  const kt_weight_format stored = static_cast<kt_weight_format>(h.weight_format);
+  check(stored == format, KT_ERR_INVALID_ARGUMENT,
+        w + ": the cache holds " + kt_weight_format_name(stored) + " weights, the layer stores " +
+            kt_weight_format_name(format) + " (create the layer with weight_format " + kt_weight_format_name(stored) +
+            ", or convert the checkpoint again for " + kt_weight_format_name(format) + ")");
+  check(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
+            (h.has_bias != 0) == (moe->opt.has_bias != 0),
+        KT_ERR_SHAPE,
+        w + ": the cache holds a layer of " + shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
+            " but the kt_moe was created with " + shape_string(moe->E, moe->H, moe->I, moe->opt.has_bias != 0));
+  const Plan plan = plan_for(*moe);
+  for (int s = 0; s < kPackedSections; ++s)
+    check(h.sections[s].bytes == plan.bytes[s], KT_ERR_IO,
+          w + ": section '" + kSectionNames[s] + "' holds " + std::to_string(h.sections[s].bytes) +
+              " bytes, the layer needs " + std::to_string(plan.bytes[s]));
+  const uint8_t* loaded = base + h.sections[4].offset;
 
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   if (!(flags & KT_PACKED_SKIP_CHECKSUMS)) {
@@ -331,11 +376,11 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
       const uint64_t got =
           section_checksum(moe->engine, se.bytes, se.block_bytes, [&](uint64_t i) { return sec + i * se.block_bytes; });
       check(got == se.checksum, KT_ERR_IO,
-            w + ": checksum mismatch in section '" + kNames[s] + "' (the file is corrupted)");
+            w + ": checksum mismatch in section '" + kSectionNames[s] + "' (the file is corrupted)");
     }
   }
-  const bf16_t* weights[3];
-  for (int s = 0; s < 3; ++s) weights[s] = reinterpret_cast<const bf16_t*>(base + h.sections[s].offset);
+  const uint8_t* weights[3];
+  for (int s = 0; s < 3; ++s) weights[s] = base + h.sections[s].offset;
   const float* biases[3] = {nullptr, nullptr, nullptr};
   if (moe->opt.has_bias) {
     const float* b = reinterpret_cast<const float*>(base + h.sections[3].offset);
@@ -369,6 +414,15 @@ kt_status kt_moe_save_packed(kt_moe* moe, const char* path) {
     const std::shared_ptr<kt_moe> m = live_moe(moe, w);
     check_path_arg(path, w);
     kt::io::save_packed(m.get(), path, w);
+  });
+}
+
+kt_status kt_packed_read_info(const char* path, kt_packed_info* info) {
+  const char* w = "kt_packed_read_info";
+  return kt::io::guarded(w, [&] {
+    check_path_arg(path, w);
+    kt::check(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
+    kt::io::read_info(path, info, w);
   });
 }
 

@@ -5,7 +5,9 @@
 // File layout (little-endian):
 //   [0, 512)   PackedHeader: magic, versions, panel layout id, shape, the
 //              section table (offset, bytes, checksum each), header checksum
-//   sections   gate panels [E][panels], up panels, down panels (bf16),
+//   sections   gate panels [E][panels], up panels, down panels (bf16, or
+//              a quantized layer's codes and bf16 scales: one block per
+//              expert as formats/packed_quant.h lays it out),
 //              biases (fp32 gate [E,I], up [E,I], down [E,H]; empty without
 //              biases), loaded flags [E] (0/1); each starts at a multiple of
 //              4096 so panels keep the kernels' 64-byte alignment in the map.
@@ -17,6 +19,7 @@
 #include <cstdint>
 #include <string>
 
+#include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 #include "kt_c_api.h"
 
@@ -30,7 +33,16 @@ constexpr uint32_t kPackedFormatVersion = 1;
 // read this one layout; a new layout gets a new id, and caches of the old
 // one are refused instead of being misread.
 constexpr uint32_t kPanelLayoutBf16R16K2 = 0x31363242u;  // "B216"
+// The quantized formats' layouts (formats/packed_quant.h: 16-row panels, K
+// padded to 32; int8 codes with one bf16 scale per row, int4 codes with a
+// bf16 scale per group of 32), one id per format.
+constexpr uint32_t kPanelLayoutInt8R16K32 = 0x36313851u;  // "Q816"
+constexpr uint32_t kPanelLayoutInt4R16G32 = 0x36313451u;  // "Q416"
 static_assert(kPanelRows == 16, "the panel layout changed: give it a new kPanelLayout id");
+static_assert(kQuantKAlign == 32, "the quantized layout changed: give it a new kPanelLayout id");
+
+// The panel layout id of a weight format.
+uint32_t panel_layout_of(kt_weight_format format);
 
 constexpr size_t kPackedHeaderBytes = 512;
 constexpr uint64_t kPackedSectionAlign = 4096;
@@ -50,6 +62,9 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed = 0);
 // Writes moe's packed layer to path atomically. Takes the engine's compute
 // lock itself.
 void save_packed(kt_moe* moe, const std::string& path, const char* where);
+
+// Reads path's header and loaded flags into *info (kt_packed_read_info).
+void read_info(const std::string& path, kt_packed_info* info, const char* where);
 
 // Maps path, checks it in full against moe, and makes it moe's weights
 // (copied in KT_MODE_FULL). Nothing changes in moe when it fails.

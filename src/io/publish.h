@@ -80,6 +80,9 @@ class StagedDir {
 
   // Path of a file to write in the new version (with AtomicFile::kCreate).
   std::string file(const std::string& name) const { return staging_ + "/" + name; }
+  // The staging directory (other processes may write files into it too,
+  // while this object lives).
+  const std::string& staging_path() const { return staging_; }
   // Carries the foreign entries over and makes the new version dir's.
   void publish();
 

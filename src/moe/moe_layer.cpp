@@ -81,7 +81,10 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
     w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
   }
-  for (int p = 0; p < 3; ++p) wp_[p] = w_[p].data();
+  for (int p = 0; p < 3; ++p) {
+    wp_[p] = w_[p].data();
+    qp_[p] = q_[p].data();
+  }
   if (o.has_bias) {
     b_[kGate].resize(static_cast<size_t>(E * I));
     b_[kUp].resize(static_cast<size_t>(E * I));
@@ -386,43 +389,57 @@ void kt_moe::store_quantized(const std::vector<int64_t>& map,
 
 void kt_moe::own_weights() {
   if (!mapping_) return;
-  const size_t counts[3] = {static_cast<size_t>(E * gate_shape.elements()),
-                            static_cast<size_t>(E * gate_shape.elements()),
-                            static_cast<size_t>(E * down_shape.elements())};
   // Allocate all three before changing anything, so running out of memory
   // leaves the mapped weights in use.
   kt::Buffer<bf16_t> owned[3];
-  for (int p = 0; p < 3; ++p) owned[p].resize(counts[p]);
+  kt::Buffer<uint8_t> owned_q[3];
   for (int p = 0; p < 3; ++p) {
-    const int64_t per_expert = static_cast<int64_t>(counts[p]) / E;
-    const bf16_t* src = wp_[p];
-    bf16_t* dst = owned[p].data();
+    const size_t bytes = static_cast<size_t>(E * stored_expert_bytes(p));
+    if (quantized)
+      owned_q[p].resize(bytes);
+    else
+      owned[p].resize(bytes / sizeof(bf16_t));
+  }
+  for (int p = 0; p < 3; ++p) {
+    const int64_t per_expert = stored_expert_bytes(p);
+    const uint8_t* src = stored_weights(p);
+    uint8_t* dst = quantized ? owned_q[p].data() : reinterpret_cast<uint8_t*>(owned[p].data());
     engine->pool->run(E, [&](int64_t e, int) {
-      std::memcpy(dst + e * per_expert, src + e * per_expert, static_cast<size_t>(per_expert) * sizeof(bf16_t));
+      std::memcpy(dst + e * per_expert, src + e * per_expert, static_cast<size_t>(per_expert));
     });
-    w_[p] = std::move(owned[p]);
-    wp_[p] = w_[p].data();
+    if (quantized) {
+      q_[p] = std::move(owned_q[p]);
+      qp_[p] = q_[p].data();
+    } else {
+      w_[p] = std::move(owned[p]);
+      wp_[p] = w_[p].data();
+    }
   }
   mapping_.reset();
 }
 
-void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const bf16_t* const weights[3],
+void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* const weights[3],
                           const float* const biases[3], const uint8_t* loaded) {
-  const int64_t per_expert[3] = {gate_shape.elements(), gate_shape.elements(), down_shape.elements()};
   if (opt.mode == KT_MODE_FULL) {
     // Never mapped in full mode, so w_ is allocated: copy, keep no mapping.
     for (int p = 0; p < 3; ++p) {
-      const bf16_t* src = weights[p];
-      bf16_t* dst = w_[p].data();
-      const int64_t n = per_expert[p];
+      const uint8_t* src = weights[p];
+      uint8_t* dst = reinterpret_cast<uint8_t*>(w_[p].data());
+      const int64_t n = stored_expert_bytes(p);
       engine->pool->run(E, [&](int64_t e, int) {
-        std::memcpy(dst + e * n, src + e * n, static_cast<size_t>(n) * sizeof(bf16_t));
+        std::memcpy(dst + e * n, src + e * n, static_cast<size_t>(n));
       });
     }
   } else {
+    // The owned copies are not read any more: give their memory back.
     for (int p = 0; p < 3; ++p) {
-      wp_[p] = weights[p];
-      w_[p].resize(0);  // the owned copy is not read any more: give its memory back
+      if (quantized) {
+        qp_[p] = weights[p];
+        q_[p].resize(0);
+      } else {
+        wp_[p] = reinterpret_cast<const bf16_t*>(weights[p]);
+        w_[p].resize(0);
+      }
     }
     mapping_ = std::move(mapping);
   }

@@ -138,6 +138,16 @@ struct kt_moe {
   // Packed weights as the kernels read them ([E][panels] per projection):
   // the layer's own buffers, or a read-only packed-cache mapping.
   const kt::bf16_t* packed_weights(int proj) const { return wp_[proj]; }
+  // The stored base weights of projection proj as bytes, whatever the
+  // format: [E][stored_expert_bytes] (bf16 panels, or a quantized layer's
+  // codes and scales, formats/packed_quant.h).
+  const uint8_t* stored_weights(int proj) const {
+    return quantized ? qp_[proj] : reinterpret_cast<const uint8_t*>(wp_[proj]);
+  }
+  int64_t stored_expert_bytes(int proj) const {
+    return quantized ? qshape(proj).expert_bytes
+                     : (proj == kt::kDown ? down_shape : gate_shape).elements() * static_cast<int64_t>(sizeof(kt::bf16_t));
+  }
   const float* biases(int proj) const { return b_[proj].data(); }
   const std::vector<uint8_t>& loaded_mask() const { return loaded_; }
   bool weights_mapped() const { return mapping_ != nullptr; }
@@ -146,8 +156,10 @@ struct kt_moe {
   // stay where they are, inside `mapping`, which the layer keeps alive until
   // it is destroyed or weights are loaded again; in KT_MODE_FULL they are
   // copied into the layer's buffers instead, since params_changed repacks
-  // into those. biases may be null when the layer has none.
-  void adopt_packed(std::shared_ptr<const void> mapping, const kt::bf16_t* const weights[3],
+  // into those (quantized layers are never in KT_MODE_FULL). weights[p]
+  // is laid out as stored_weights(p). biases may be null when the layer has
+  // none.
+  void adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* const weights[3],
                     const float* const biases[3], const uint8_t* loaded);
 
   // A new context with its handle and `holds` holds (1 for a submitted
@@ -205,7 +217,7 @@ struct kt_moe {
   bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
   struct ThreadScratch;
   const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q : gate_q; }
-  const uint8_t* qexpert(int proj, int64_t e) const { return q_[proj].data() + e * qshape(proj).expert_bytes; }
+  const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
   // What the base GEMM of panels [r0, r0 + rb) of expert e reads (prefetch).
   kt::PrefetchRegion weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const;
   // What transposed_panels(proj, e, c0, cb) reads.
@@ -249,11 +261,12 @@ struct kt_moe {
   const kt::Kernels& K_;
   int a_size_;  // bytes per A-format element
   // Packed base weights [E][panels] and fp32 biases. The kernels read the
-  // weights through wp_: w_ itself, or a packed-cache mapping held by
-  // mapping_ (w_ is then released).
+  // weights through wp_ (qp_ for a quantized base): w_ (q_) itself, or a
+  // packed-cache mapping held by mapping_ (w_, q_ are then released).
   kt::Buffer<kt::bf16_t> w_[3];
   kt::Buffer<uint8_t> q_[3];  // quantized bases: [E][expert block] (formats/packed_quant.h)
   const kt::bf16_t* wp_[3] = {nullptr, nullptr, nullptr};
+  const uint8_t* qp_[3] = {nullptr, nullptr, nullptr};
   std::shared_ptr<const void> mapping_;
   kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
   std::vector<uint8_t> loaded_, skipped_;

@@ -137,6 +137,10 @@ int main(void) {
   kt_moe* local = NULL;
   kt_dist_moe_options dopt;
   kt_dist_moe* dist = NULL;
+  kt_dist_moe* resumed = NULL;
+  kt_dist_ckpt_options copt;
+  kt_dist_ckpt_layer cl;
+  char ckpt[300];
   int64_t experts[E], count = -1;
   unsigned char id[KT_NCCL_UNIQUE_ID_BYTES];
   float value[4] = {1.f, 2.f, 3.f, 4.f}, gathered[4];
@@ -177,6 +181,9 @@ int main(void) {
   CHECK(co.struct_size == sizeof(co) && co.world_size == 1 && co.timeout_ms == 30000 && co.store == NULL);
   memset(&dopt, 0x5a, sizeof(dopt));
   kt_dist_moe_options_defaults(&dopt, sizeof(dopt));
+  memset(&copt, 0x5a, sizeof(copt));
+  kt_dist_ckpt_options_defaults(&copt, sizeof(copt));
+  CHECK(copt.struct_size == sizeof(copt) && copt.parts == 0 && copt.progress == NULL);
   CHECK(dopt.struct_size == sizeof(dopt) && dopt.mode == KT_DIST_OWNER && dopt.expert_ranks == NULL);
 
   /* NCCL ids need NCCL and a machine with CUDA. */
@@ -206,6 +213,8 @@ int main(void) {
     CHECK(kt_dist_moe_local_experts(NULL, experts, E, &count) == KT_ERR_INVALID_HANDLE);
     CHECK(kt_dist_moe_forward(NULL, NULL, 0, NULL) == KT_ERR_INVALID_HANDLE);
     CHECK(kt_dist_moe_backward(NULL, NULL, NULL, NULL, 0) == KT_ERR_INVALID_HANDLE);
+    CHECK(kt_dist_ckpt_save(NULL, dir, NULL, 0, NULL) == KT_ERR_INVALID_HANDLE);
+    CHECK(kt_dist_ckpt_load(NULL, dir, NULL, 0, NULL) == KT_ERR_INVALID_HANDLE);
     rmdir(dir);
     return failures ? 1 : 0;
   }
@@ -260,6 +269,26 @@ int main(void) {
     run(NULL, dist, y_dist, dx_dist);
     CHECK(memcmp(y_dist, y_plain, sizeof(y_plain)) == 0);
     CHECK(memcmp(dx_dist, dx_plain, sizeof(dx_plain)) == 0);
+    /* A checkpoint of the layer, loaded into a new (empty) one. */
+    snprintf(ckpt, sizeof(ckpt), "%s/ckpt", dir);
+    cl.layer = 0;
+    cl.dist = dist;
+    cl.optimizer = NULL;
+    kt_dist_ckpt_options_init(&copt);
+    CHECK(kt_dist_ckpt_save(comm, ckpt, &cl, 1, &copt) == KT_OK);
+    copt.parts = KT_DIST_CKPT_ADAPTER;
+    CHECK(kt_dist_ckpt_save(comm, ckpt, &cl, 1, &copt) == KT_ERR_MODE);
+    CHECK(kt_dist_moe_create(comm, engine, &mo, &dopt, &resumed) == KT_OK);
+    cl.dist = resumed;
+    copt.parts = KT_DIST_CKPT_WEIGHTS;
+    CHECK(kt_dist_ckpt_load(comm, ckpt, &cl, 1, &copt) == KT_OK);
+    memset(y_dist, 0, sizeof(y_dist));
+    run(NULL, resumed, y_dist, dx_dist);
+    CHECK(memcmp(y_dist, y_plain, sizeof(y_plain)) == 0);
+    cl.layer = 1;
+    CHECK(kt_dist_ckpt_load(comm, ckpt, &cl, 1, NULL) == KT_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(kt_last_error(), "holds no layer 1") != NULL);
+    kt_dist_moe_destroy(resumed);
     kt_dist_moe_destroy(dist);
     CHECK(kt_dist_moe_layer(dist, &local) == KT_ERR_INVALID_HANDLE);
   }

@@ -100,8 +100,31 @@ int main(void) {
     CHECK(back[5] == -7.f * 0.10009765625f);
     CHECK(back[0] == 3.f * 0.10009765625f);
     memcpy(deq, back, sizeof(deq));
-    /* A packed cache cannot hold it (yet): refused, nothing written. */
-    CHECK(kt_moe_save_packed(moe, "quant_c99_never_written.ktpk") == KT_ERR_UNSUPPORTED);
+    /* A packed cache holds the codes and scales: mapped back into a layer
+     * of the same format it gives the same weights; a bf16 layer refuses it. */
+    {
+      kt_moe* mapped = NULL;
+      const char* cache = "quant_c99.ktpack";
+      kt_packed_info pinfo;
+      CHECK(kt_moe_save_packed(moe, cache) == KT_OK);
+      pinfo.struct_size = sizeof(pinfo);
+      CHECK(kt_packed_read_info(cache, &pinfo) == KT_OK);
+      CHECK(pinfo.weight_format == KT_FORMAT_INT4_G32 && pinfo.num_experts == E && pinfo.num_loaded == 1);
+      CHECK(pinfo.weight_bytes == info.weight_bytes && pinfo.hidden == H && pinfo.intermediate == I);
+      CHECK(kt_packed_read_info("quant_c99_missing.ktpack", &pinfo) == KT_ERR_IO);
+      CHECK(kt_moe_create(engine, &mo, &mapped) == KT_OK);
+      CHECK(kt_moe_load_packed(mapped, cache, 0) == KT_OK);
+      CHECK(kt_moe_read_weights(mapped, read, 1) == KT_OK);
+      CHECK(back[5] == -7.f * 0.10009765625f && back[0] == 3.f * 0.10009765625f);
+      kt_moe_destroy(mapped);
+      mo.weight_format = KT_FORMAT_BF16;
+      CHECK(kt_moe_create(engine, &mo, &mapped) == KT_OK);
+      CHECK(kt_moe_load_packed(mapped, cache, 0) == KT_ERR_INVALID_ARGUMENT);
+      CHECK(strstr(kt_last_error(), "the cache holds int4_g32 weights, the layer stores bf16") != NULL);
+      kt_moe_destroy(mapped);
+      mo.weight_format = KT_FORMAT_INT4_G32;
+      CHECK(remove(cache) == 0);
+    }
     /* inf in a source is refused before anything changes. */
     wu[3] = INFINITY;
     CHECK(kt_moe_load_weights(moe, NULL, load, 3) == KT_ERR_INVALID_ARGUMENT);

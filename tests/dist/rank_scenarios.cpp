@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -654,6 +655,353 @@ int run_killed_rank(kt_dist_mode mode, int rank, int world, const std::string& d
   return g_failures ? 1 : 0;
 }
 
+// ------------------------------------------------- distributed checkpoints
+//
+// A LoRA training run with kt's AdamW over 4 steps of 12 tokens each,
+// saved after step 2 by one set of ranks and resumed by another (other
+// world size, mode or expert map). The oracle is one process running the
+// 4 steps uninterrupted: a resumed rank's LoRA factors after step 4 and
+// every rank's y at step 4 must be its bits. The checkpoint directory is
+// $KT_TEST_CKPT_DIR/ckpt, shared by the runs of one test.
+
+constexpr int kSavedStep = 2, kLastStep = 4, kCheckpointLayer = 3;
+
+Problem ckpt_problem(int world, kt_dist_mode mode, kt_mode layer_mode = KT_MODE_LORA) {
+  Problem pb;
+  pb.mode = layer_mode;
+  pb.dist_mode = mode;
+  pb.owner = world - 1;
+  pb.tokens.assign(static_cast<size_t>(world), 12 / world);
+  return pb;
+}
+
+// The tokens of training step s (every rank's, concatenated).
+Data step_data(const Problem& pb, int s) {
+  Problem p = pb;
+  p.seed = pb.seed + 1000 + static_cast<uint32_t>(s);
+  return make_data(p);
+}
+
+kt_optimizer* make_optimizer(kt_moe* layer) {
+  kt_optimizer_options oo;
+  kt_optimizer_options_init(&oo);
+  oo.lr = 1e-2;
+  kt_optimizer* opt = nullptr;
+  RCHECK(kt_optimizer_create_for_layer(layer, &oo, &opt) == KT_OK, "optimizer");
+  return opt;
+}
+
+// A layer's trainable parameters (fp32, bound) and gradient buffers: LoRA
+// A and B per projection, or in full mode the weights per projection.
+struct Lora {
+  TensorPtr f[6], g[6];
+};
+
+// d: the values to start from, or null for zeros (a layer for a checkpoint
+// to fill; in full mode it then has no weights until the load).
+Lora bind_lora(kt_moe* layer, const Problem& pb, const Data* d, const std::vector<int64_t>& experts) {
+  Lora l;
+  std::vector<kt_arg> bind;
+  const int64_t n = static_cast<int64_t>(experts.size());
+  const bool full = pb.mode == KT_MODE_FULL;
+  for (int p = 0; p < 3; ++p)
+    for (int b = 0; b < (full ? 1 : 2); ++b) {
+      const int i = full ? p : 2 * p + b;
+      std::vector<int64_t> shape = full ? std::vector<int64_t>{n, pb.out_dim(p), pb.in_dim(p)}
+                                   : b  ? std::vector<int64_t>{n, pb.out_dim(p), pb.lora_rank}
+                                        : std::vector<int64_t>{n, pb.lora_rank, pb.in_dim(p)};
+      l.f[i] = Tensor::make(kt_test::kF32, shape);
+      if (d) {
+        const TensorPtr src = pick_experts(*(full ? d->w[p] : b ? d->lb[p] : d->la[p]), experts);
+        for (int64_t k = 0; k < src->numel(); ++k) l.f[i]->set(k, src->get(k));
+      }
+      l.g[i] = Tensor::make(kt_test::kF32, shape);
+      bind.push_back({(full ? KT_ARG_W_GATE : KT_ARG_LORA_A_GATE) + i, l.f[i]->dl()});
+      bind.push_back({(full ? KT_ARG_GRAD_W_GATE : KT_ARG_GRAD_LORA_A_GATE) + i, l.g[i]->dl()});
+    }
+  RCHECK(kt_moe_bind(layer, bind.data(), bind.size()) == KT_OK, "bind the trainable parameters");
+  if (full && d) RCHECK(kt_moe_params_changed(layer) == KT_OK, "params_changed");
+  return l;
+}
+
+// One process, 4 steps: LoRA factors after the last, y of the last step.
+struct Uninterrupted {
+  Lora lora;
+  TensorPtr y_last;
+};
+
+Uninterrupted run_uninterrupted(const Problem& pb, kt_engine* engine) {
+  const Data d = make_data(pb);
+  kt_moe_options mo = layer_options(pb, pb.total());
+  kt_moe* one = nullptr;
+  RCHECK(kt_moe_create(engine, &mo, &one) == KT_OK, "one-process layer");
+  std::vector<int64_t> all(static_cast<size_t>(pb.E));
+  for (int64_t e = 0; e < pb.E; ++e) all[static_cast<size_t>(e)] = e;
+  std::vector<kt_arg> load;
+  for (int p = 0; p < 3; ++p) load.push_back({KT_ARG_W_GATE + p, d.w[p]->dl()});
+  RCHECK(kt_moe_load_weights(one, nullptr, load.data(), load.size()) == KT_OK, "load");
+  Uninterrupted u;
+  u.lora = bind_lora(one, pb, &d, all);
+  kt_optimizer* opt = make_optimizer(one);
+  for (int s = 1; s <= kLastStep; ++s) {
+    const Data sd = step_data(pb, s);
+    Outputs out = outputs_for(pb, pb.total());
+    kt_arg f[] = {{KT_ARG_X, sd.x->dl()}, {KT_ARG_IDS, sd.ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, sd.rw->dl()},
+                  {KT_ARG_Y, out.y->dl()}};
+    kt_context* ctx = nullptr;
+    RCHECK(kt_moe_forward(one, f, 4, &ctx) == KT_OK, "forward");
+    kt_arg b[] = {{KT_ARG_DY, sd.dy->dl()}};
+    RCHECK(kt_moe_backward(one, ctx, nullptr, b, 1) == KT_OK, "backward");
+    kt_context_release(ctx);
+    RCHECK(kt_optimizer_step(opt, nullptr) == KT_OK, "step");
+    u.y_last = std::move(out.y);
+  }
+  kt_optimizer_destroy(opt);
+  kt_moe_destroy(one);
+  return u;
+}
+
+// One rank of the distributed run.
+struct TrainRank {
+  kt_comm* comm = nullptr;
+  kt_dist_moe* dist = nullptr;
+  kt_moe* local = nullptr;
+  kt_optimizer* opt = nullptr;
+  std::vector<int64_t> mine;
+  Lora lora;
+  TensorPtr y;  // this rank's y of the last step run
+};
+
+// fresh: an empty layer with zero LoRA factors, for a checkpoint to fill.
+// comm: one to reuse, or null for a new one.
+TrainRank start_rank(const Problem& pb, int rank, int world, const std::string& dir, kt_engine* engine, bool fresh,
+                     kt_comm* comm = nullptr) {
+  TrainRank t;
+  t.comm = comm ? comm : make_comm(rank, world, dir, pb.timeout_ms);
+  if (!t.comm) return t;
+  kt_moe_options mo = layer_options(pb, pb.tokens[0]);
+  const kt_dist_moe_options dopt = dist_options(pb);
+  RCHECK(kt_dist_moe_create(t.comm, engine, &mo, &dopt, &t.dist) == KT_OK, "kt_dist_moe_create");
+  kt_dist_moe_layer(t.dist, &t.local);
+  int64_t n = 0;
+  t.mine.resize(static_cast<size_t>(pb.E));
+  kt_dist_moe_local_experts(t.dist, t.mine.data(), pb.E, &n);
+  t.mine.resize(static_cast<size_t>(n));
+  if (!t.local) return t;
+  const Data d = make_data(pb);
+  if (!fresh) {
+    std::vector<kt_arg> load;
+    TensorPtr w[3];
+    for (int p = 0; p < 3; ++p) {
+      w[p] = pick_experts(*d.w[p], t.mine);
+      load.push_back({KT_ARG_W_GATE + p, w[p]->dl()});
+    }
+    RCHECK(kt_moe_load_weights(t.local, nullptr, load.data(), load.size()) == KT_OK, "load");
+  }
+  t.lora = bind_lora(t.local, pb, fresh ? nullptr : &d, t.mine);
+  t.opt = make_optimizer(t.local);
+  return t;
+}
+
+void train_step(TrainRank& t, const Problem& pb, int rank, int s) {
+  const Data sd = step_data(pb, s);
+  const int64_t T = pb.tokens[static_cast<size_t>(rank)], t0 = pb.first(rank);
+  Rows x(*sd.x, t0, T), ids(*sd.ids, t0, T), rw(*sd.rw, t0, T), dy(*sd.dy, t0, T);
+  Outputs out = outputs_for(pb, T);
+  kt_arg f[] = {{KT_ARG_X, &x.t}, {KT_ARG_IDS, &ids.t}, {KT_ARG_ROUTE_WEIGHTS, &rw.t}, {KT_ARG_Y, out.y->dl()}};
+  kt_dist_context* ctx = nullptr;
+  RCHECK(kt_dist_moe_forward(t.dist, f, 4, &ctx) == KT_OK, "kt_dist_moe_forward");
+  kt_arg b[] = {{KT_ARG_DY, &dy.t}};
+  RCHECK(kt_dist_moe_backward(t.dist, ctx, nullptr, b, 1) == KT_OK, "kt_dist_moe_backward");
+  kt_dist_context_release(ctx);
+  if (t.opt) RCHECK(kt_optimizer_step(t.opt, nullptr) == KT_OK, "optimizer step");
+  t.y = std::move(out.y);
+}
+
+void end_rank(TrainRank& t, bool keep_comm = false) {
+  kt_optimizer_destroy(t.opt);
+  kt_dist_moe_destroy(t.dist);
+  if (!keep_comm) kt_comm_destroy(t.comm);
+}
+
+std::string checkpoint_dir() {
+  const char* d = std::getenv("KT_TEST_CKPT_DIR");
+  return std::string(d ? d : "/nonexistent") + "/ckpt";
+}
+
+kt_status save_or_load(TrainRank& t, bool save, const kt_dist_ckpt_options* o = nullptr) {
+  const kt_dist_ckpt_layer L = {kCheckpointLayer, t.dist, t.opt};
+  const std::string dir = checkpoint_dir();
+  return save ? kt_dist_ckpt_save(t.comm, dir.c_str(), &L, 1, o) : kt_dist_ckpt_load(t.comm, dir.c_str(), &L, 1, o);
+}
+
+// Steps 1-2, then the checkpoint.
+int run_ckpt_save(kt_dist_mode mode, kt_mode layer_mode, int rank, int world, const std::string& dir) {
+  const Problem pb = ckpt_problem(world, mode, layer_mode);
+  const bool computes = mode == KT_DIST_EXPERT_PARALLEL || rank == pb.owner;
+  kt_engine* engine = computes ? make_engine() : nullptr;
+  TrainRank t = start_rank(pb, rank, world, dir, engine, false);
+  if (!t.comm) return 1;
+  for (int s = 1; s <= kSavedStep; ++s) train_step(t, pb, rank, s);
+  int64_t calls = 0, last = 0, total = 0;
+  struct Count {
+    int64_t *calls, *last, *total;
+  } count{&calls, &last, &total};
+  kt_dist_ckpt_options o;
+  kt_dist_ckpt_options_init(&o);
+  o.progress = [](int64_t done, int64_t all, void* user) {
+    Count* c = static_cast<Count*>(user);
+    ++*c->calls;
+    *c->last = done;
+    *c->total = all;
+  };
+  o.progress_user = &count;
+  RCHECK(save_or_load(t, true, &o) == KT_OK, "kt_dist_ckpt_save");
+  RCHECK(t.local == nullptr || (calls > 0 && last == total && total > 0), "progress reached the whole file");
+  end_rank(t);
+  if (engine) RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
+  return g_failures ? 1 : 0;
+}
+
+// Loads the checkpoint into empty layers, runs steps 3-4, compares with
+// one process's uninterrupted run.
+int run_ckpt_resume(kt_dist_mode mode, bool explicit_map, kt_mode layer_mode, int rank, int world,
+                    const std::string& dir) {
+  Problem pb = ckpt_problem(world, mode, layer_mode);
+  if (explicit_map)
+    for (int64_t e = 0; e < pb.E; ++e) pb.expert_ranks.push_back(static_cast<int32_t>((e * 5 + 2) % world));
+  const bool computes = mode == KT_DIST_EXPERT_PARALLEL || rank == pb.owner;
+  kt_engine* engine = make_engine();
+  const Uninterrupted ref = run_uninterrupted(pb, engine);
+  TrainRank t = start_rank(pb, rank, world, dir, computes ? engine : nullptr, true);
+  if (!t.comm) return 1;
+  if (t.local) {
+    int64_t loaded = -1;
+    kt_moe_num_loaded(t.local, &loaded);
+    RCHECK(loaded == 0, "the layer starts empty");
+  }
+  RCHECK(save_or_load(t, false) == KT_OK, "kt_dist_ckpt_load");
+  if (t.opt) {
+    int64_t step = -1;
+    kt_optimizer_get_step(t.opt, &step);
+    RCHECK(step == kSavedStep, "the optimizer resumes at the saved step: " + std::to_string(step));
+    kt_optimizer_options oo;
+    oo.struct_size = sizeof(oo);
+    kt_optimizer_get_options(t.opt, &oo);
+    RCHECK(oo.lr == 1e-2, "the saved learning rate");
+  }
+  for (int s = kSavedStep + 1; s <= kLastStep; ++s) train_step(t, pb, rank, s);
+  const int64_t T = pb.tokens[static_cast<size_t>(rank)], t0 = pb.first(rank);
+  RCHECK(same_bytes(t.y->bytes.data(), ref.y_last->bytes.data() + static_cast<size_t>(t0 * pb.H) * 4,
+                    static_cast<size_t>(T * pb.H) * 4),
+         "y of the last step is the uninterrupted run's, bit for bit");
+  for (int i = 0; t.local && i < 6; ++i) {
+    if (!t.lora.f[i]) continue;
+    const TensorPtr expected = pick_experts(*ref.lora.f[i], t.mine);
+    RCHECK(same_bytes(t.lora.f[i]->bytes.data(), expected->bytes.data(), static_cast<size_t>(expected->numel()) * 4),
+           "trainable parameter " + std::to_string(i) + " after the last step is the uninterrupted run's, bit for bit");
+  }
+  end_rank(t);
+  RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
+  return g_failures ? 1 : 0;
+}
+
+// Resumes from the checkpoint, runs step 3, and saves again; rank 1 is
+// killed halfway through writing its file. The others return KT_ERR_COMM;
+// the checkpoint in place stays the one of step 2.
+int run_ckpt_killed_mid_save(int rank, int world, const std::string& dir) {
+  Problem pb = ckpt_problem(world, KT_DIST_EXPERT_PARALLEL);
+  pb.timeout_ms = 3000;
+  kt_engine* engine = make_engine();
+  TrainRank t = start_rank(pb, rank, world, dir, engine, true);
+  if (!t.comm) return 1;
+  RCHECK(save_or_load(t, false) == KT_OK, "kt_dist_ckpt_load");
+  train_step(t, pb, rank, kSavedStep + 1);
+  kt_dist_ckpt_options o;
+  kt_dist_ckpt_options_init(&o);
+  if (rank == 1)
+    o.progress = [](int64_t done, int64_t total, void*) {
+      if (2 * done >= total) kill(getpid(), SIGKILL);
+    };
+  const kt_status st = save_or_load(t, true, &o);
+  const std::string msg = kt_last_error();
+  RCHECK(st == KT_ERR_COMM, "a rank dying mid-save is KT_ERR_COMM on the others: " + msg);
+  RCHECK(contains(msg, "kt_dist_ckpt_save"), msg);
+  end_rank(t);
+  RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
+  return g_failures ? 1 : 0;
+}
+
+// Checkpoints that do not fit the layers are refused on every rank, with
+// the same message, and nothing changes.
+int run_ckpt_mismatch(int rank, int world, const std::string& dir) {
+  Problem pb = ckpt_problem(world, KT_DIST_EXPERT_PARALLEL);
+  kt_engine* engine = make_engine();
+  kt_comm* comm = make_comm(rank, world, dir, pb.timeout_ms);
+  if (!comm) return 1;
+  {
+    Problem other = pb;
+    other.H = 32;
+    TrainRank t = start_rank(other, rank, world, dir, engine, false, comm);
+    std::vector<int64_t> local_ids(t.mine.size());
+    for (size_t i = 0; i < local_ids.size(); ++i) local_ids[i] = static_cast<int64_t>(i);
+    const TensorPtr before = pick_experts(*t.lora.f[0], local_ids);
+    const kt_status st = save_or_load(t, false);
+    const std::string msg = kt_last_error();
+    RCHECK(st == KT_ERR_SHAPE && contains(msg, "kt_dist_ckpt_load: rank 0: ") &&
+               contains(msg, "layer 3: saved with hidden (H) = 48, this layer has 32"),
+           msg);
+    expect_same_message_everywhere(comm, msg);
+    RCHECK(same_bytes(t.lora.f[0]->bytes.data(), before->bytes.data(), static_cast<size_t>(before->numel()) * 4),
+           "nothing changed");
+    int64_t step = -1;
+    kt_optimizer_get_step(t.opt, &step);
+    RCHECK(step == 0, "the optimizer is as it was");
+    end_rank(t, true);
+  }
+  {
+    Problem other = pb;
+    other.lora_rank = 8;
+    TrainRank t = start_rank(other, rank, world, dir, engine, false, comm);
+    const kt_status st = save_or_load(t, false);
+    const std::string msg = kt_last_error();
+    RCHECK(st == KT_ERR_SHAPE && contains(msg, "saved with lora_rank = 4, this layer has 8"), msg);
+    expect_same_message_everywhere(comm, msg);
+    end_rank(t, true);
+  }
+  {
+    TrainRank t = start_rank(pb, rank, world, dir, engine, false, comm);
+    // A layer number the checkpoint lacks, on one rank only: the ranks disagree.
+    const kt_dist_ckpt_layer L = {rank == world - 1 ? 7 : kCheckpointLayer, t.dist, t.opt};
+    const std::string d = checkpoint_dir();
+    kt_status st = kt_dist_ckpt_load(comm, d.c_str(), &L, 1, nullptr);
+    std::string msg = kt_last_error();
+    RCHECK(st == KT_ERR_INVALID_ARGUMENT && contains(msg, "holds no layer 7"), msg);
+    expect_same_message_everywhere(comm, msg);
+    // One rank's optimizer is missing while options->parts asks for it.
+    kt_dist_ckpt_options o;
+    kt_dist_ckpt_options_init(&o);
+    o.parts = KT_DIST_CKPT_ADAPTER | KT_DIST_CKPT_OPTIMIZER;
+    const kt_dist_ckpt_layer L2 = {kCheckpointLayer, t.dist, rank == 0 ? nullptr : t.opt};
+    st = kt_dist_ckpt_save(comm, d.c_str(), &L2, 1, &o);
+    msg = kt_last_error();
+    RCHECK(st == KT_ERR_NULL_POINTER && contains(msg, "rank 0: ") && contains(msg, "layers[0].optimizer is NULL"), msg);
+    expect_same_message_everywhere(comm, msg);
+    o.parts = 8;
+    st = kt_dist_ckpt_save(comm, d.c_str(), &L2, 1, &o);
+    RCHECK(st == KT_ERR_INVALID_ARGUMENT && contains(kt_last_error(), "options->parts = 8"), kt_last_error());
+    // The communicator is still usable: the checkpoint loads.
+    RCHECK(save_or_load(t, false) == KT_OK, "a load after the refusals");
+    int64_t step = -1;
+    kt_optimizer_get_step(t.opt, &step);
+    RCHECK(step == kSavedStep, "the optimizer's step after the load");
+    end_rank(t, true);
+  }
+  kt_comm_destroy(comm);
+  RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
+  return g_failures ? 1 : 0;
+}
+
 Problem scenario(const std::string& name, int world) {
   Problem pb;
   for (int r = 0; r < world; ++r) pb.tokens.push_back(3 + 2 * r);
@@ -707,6 +1055,16 @@ int rank_main(const std::string& name, int rank, int world, const std::string& d
   if (name == "kill_owner") return run_killed_rank(KT_DIST_OWNER, rank, world, dir, false);
   if (name == "kill_expert_parallel") return run_killed_rank(KT_DIST_EXPERT_PARALLEL, rank, world, dir, false);
   if (name == "stall_owner") return run_killed_rank(KT_DIST_OWNER, rank, world, dir, true);
+  if (name == "ckpt_save_ep") return run_ckpt_save(KT_DIST_EXPERT_PARALLEL, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_save_owner") return run_ckpt_save(KT_DIST_OWNER, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_save_ep_full") return run_ckpt_save(KT_DIST_EXPERT_PARALLEL, KT_MODE_FULL, rank, world, dir);
+  if (name == "ckpt_resume_ep") return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, false, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_ep_map")
+    return run_ckpt_resume(KT_DIST_EXPERT_PARALLEL, true, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_owner") return run_ckpt_resume(KT_DIST_OWNER, false, KT_MODE_LORA, rank, world, dir);
+  if (name == "ckpt_resume_owner_full") return run_ckpt_resume(KT_DIST_OWNER, false, KT_MODE_FULL, rank, world, dir);
+  if (name == "ckpt_killed_mid_save") return run_ckpt_killed_mid_save(rank, world, dir);
+  if (name == "ckpt_mismatch") return run_ckpt_mismatch(rank, world, dir);
   const Problem pb = scenario(name, world);
   if (pb.tokens.empty()) {
     std::fprintf(stderr, "unknown scenario %s\n", name.c_str());

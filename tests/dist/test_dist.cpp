@@ -7,7 +7,11 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "kt_c_api.h"
 #include "ranks.h"
@@ -252,6 +256,89 @@ TEST(DistFailures, KilledRankEndsExpertParallelCallsOnEveryRank) {
   expect_victim_killed_others_pass("kill_expert_parallel", 3);
 }
 TEST(DistFailures, StalledRankMakesOthersTimeOut) { expect_ranks_pass("stall_owner", 2); }
+
+
+// ---------------------------------------------------- distributed checkpoints
+
+// A checkpoint directory shared by the runs of one test (the ranks find it
+// in KT_TEST_CKPT_DIR).
+struct CheckpointDir {
+  TempDir root;
+  CheckpointDir() { setenv("KT_TEST_CKPT_DIR", root.path.c_str(), 1); }
+  ~CheckpointDir() { unsetenv("KT_TEST_CKPT_DIR"); }
+  std::string manifest() const {
+    std::ifstream in(root.path + "/ckpt/kt_dist_checkpoint.json");
+    std::stringstream s;
+    s << in.rdbuf();
+    return s.str();
+  }
+  // Entries of the checkpoint's parent other than the checkpoint itself
+  // (staging directories left behind).
+  std::vector<std::string> strays() const {
+    std::vector<std::string> out;
+    for (const auto& e : std::filesystem::directory_iterator(root.path))
+      if (e.path().filename() != "ckpt") out.push_back(e.path().filename().string());
+    return out;
+  }
+};
+
+TEST(DistCheckpoint, FourExpertParallelRanksSaveTwoRanksResumeBitIdentical) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_ep", 4);
+  const std::string m = ckpt.manifest();
+  EXPECT_NE(m.find("\"world_size\": 4"), std::string::npos) << m;
+  EXPECT_NE(m.find("rank-00003-of-00004.safetensors"), std::string::npos) << m;
+  EXPECT_NE(m.find("\"expert_parallel\""), std::string::npos) << m;
+  EXPECT_NE(m.find("\"gate_proj.lora_A\""), std::string::npos) << m;
+  EXPECT_NE(m.find("\"optim.LORA_B_DOWN.exp_avg_sq\""), std::string::npos) << m;
+  EXPECT_NE(m.find("\"step\": 2"), std::string::npos) << m;
+  EXPECT_TRUE(ckpt.strays().empty());
+  expect_ranks_pass("ckpt_resume_ep_map", 2);
+}
+
+TEST(DistCheckpoint, TwoOwnerModeRanksSaveFourExpertParallelRanksResumeBitIdentical) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_owner", 2);
+  const std::string m = ckpt.manifest();
+  EXPECT_NE(m.find("\"owner\""), std::string::npos) << m;
+  expect_ranks_pass("ckpt_resume_ep", 4);
+  expect_ranks_pass("ckpt_resume_owner", 3);
+}
+
+TEST(DistCheckpoint, FullTrainingOfThreeExpertParallelRanksResumesOnTwoOwnerModeRanks) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_ep_full", 3);
+  const std::string m = ckpt.manifest();
+  EXPECT_NE(m.find("\"optim.W_DOWN.master\""), std::string::npos) << m;
+  EXPECT_NE(m.find("\"mode\": \"full\""), std::string::npos) << m;
+  expect_ranks_pass("ckpt_resume_owner_full", 2);
+}
+
+TEST(DistCheckpoint, RankKilledMidSaveLeavesThePreviousCheckpoint) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_ep", 2);
+  const std::string before = ckpt.manifest();
+  const std::vector<RankResult> results = kt_dist_test::run_ranks("ckpt_killed_mid_save", 3, 60.0);
+  EXPECT_EQ(results[1].signal, SIGKILL) << describe(results);
+  for (int r : {0, 2})
+    EXPECT_TRUE(!results[static_cast<size_t>(r)].killed_at_deadline && results[static_cast<size_t>(r)].exit_code == 0)
+        << describe(results);
+  EXPECT_EQ(ckpt.manifest(), before) << "the checkpoint in place is the previous one";
+  EXPECT_TRUE(ckpt.strays().empty()) << "rank 0 removed the staging directory: " << ckpt.strays().front();
+  // The previous checkpoint resumes as if nothing had happened.
+  expect_ranks_pass("ckpt_resume_ep_map", 2);
+}
+
+TEST(DistCheckpoint, CheckpointsThatDoNotFitAreRefusedOnEveryRank) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  CheckpointDir ckpt;
+  expect_ranks_pass("ckpt_save_ep", 2);
+  expect_ranks_pass("ckpt_mismatch", 3);
+}
 
 }  // namespace
 

@@ -504,7 +504,7 @@ TEST_F(CrashSafety, ReadersDuringRewritesSeeOneVersion) {
 struct Packed {
   kt_engine* engine = nullptr;
   kt_moe* moe = nullptr;
-  explicit Packed(int version) {
+  explicit Packed(int version, kt_weight_format format = KT_FORMAT_BF16) {
     kt_engine_options eo;
     kt_engine_options_init(&eo);
     eo.num_threads = 1;
@@ -513,6 +513,7 @@ struct Packed {
     kt_moe_options o;
     kt_moe_options_init(&o);
     o.num_experts = kE, o.hidden = kH, o.intermediate = kI, o.top_k = 1, o.max_tokens = 2;
+    o.weight_format = format;
     EXPECT_EQ(kt_moe_create(engine, &o, &moe), KT_OK);
     const Experts w(version, 1);
     EXPECT_EQ(kt_moe_load_weights(moe, nullptr, w.args.data(), w.args.size()), KT_OK) << kt_last_error();
@@ -525,8 +526,8 @@ struct Packed {
 
 // Each save makes its engine: a forked child has no worker threads of the
 // parent's engines.
-kt_status save_version(int version, const std::string& path) {
-  Packed p(version);
+kt_status save_version(int version, const std::string& path, kt_weight_format format = KT_FORMAT_BF16) {
+  Packed p(version, format);
   return kt_moe_save_packed(p.moe, path.c_str());
 }
 
@@ -540,6 +541,24 @@ TEST_F(CrashSafety, PackedCacheWriterNeverLeavesAMixAndCleansUp) {
   w.reader_sees = [&]() -> std::string {
     if (!std::filesystem::exists(w.target)) return "absent";
     Packed reader(1);
+    if (kt_moe_load_packed(reader.moe, w.target.c_str(), 0) != KT_OK) return std::string("error: ") + kt_last_error();
+    const Snapshot s = snapshot(w.target);
+    return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";
+  };
+  run_all(w);
+}
+
+// A quantized layer's cache (int4 codes and scales) under the same faults.
+TEST_F(CrashSafety, QuantizedPackedCacheWriterNeverLeavesAMixAndCleansUp) {
+  Writer w;
+  w.call = "kt_moe_save_packed";
+  w.target = dir_ + "/layer-0.int4.ktpack";
+  w.write_old = [&] { return save_version(1, w.target, KT_FORMAT_INT4_G32); };
+  w.write_new = [&] { return save_version(2, w.target, KT_FORMAT_INT4_G32); };
+  w.write_next = [&] { return save_version(3, w.target, KT_FORMAT_INT4_G32); };
+  w.reader_sees = [&]() -> std::string {
+    if (!std::filesystem::exists(w.target)) return "absent";
+    Packed reader(1, KT_FORMAT_INT4_G32);
     if (kt_moe_load_packed(reader.moe, w.target.c_str(), 0) != KT_OK) return std::string("error: ") + kt_last_error();
     const Snapshot s = snapshot(w.target);
     return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";

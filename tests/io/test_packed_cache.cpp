@@ -69,7 +69,7 @@ uint64_t xxh64(const uint8_t* p, size_t n) {
 }
 
 // Header fields the tests patch (the file layout of src/io/packed_cache.h).
-constexpr size_t kOffVersion = 8, kOffAbi = 12, kOffLayout = 16, kOffHeaderSum = 504, kHeader = 512;
+constexpr size_t kOffVersion = 8, kOffAbi = 12, kOffLayout = 16, kOffFormat = 24, kOffHeaderSum = 504, kHeader = 512;
 constexpr size_t kOffSections = 72, kSectionBytes = 40;
 
 void reseal(std::vector<uint8_t>& bytes) {
@@ -423,6 +423,167 @@ TEST_F(PackedCache, BadCachesAreRefusedAndTheLayerStaysAsItWas) {
   EXPECT_EQ(msg.find(".tmp."), std::string::npos) << msg;
 }
 
+
+// ------------------------------------------------------ quantized layers
+
+kt_moe_options quantized_options(kt_weight_format format, bool bias) {
+  kt_moe_options o;
+  kt_moe_options_init(&o);
+  o.num_experts = 5;
+  o.top_k = 2;
+  o.hidden = 40;  // not a multiple of the 32-column groups: padded codes are saved too
+  o.intermediate = 24;
+  o.max_tokens = 64;
+  o.has_bias = bias ? 1 : 0;
+  o.weight_format = format;
+  return o;
+}
+
+// The weights a layer computes with (dequantized), as fp32 [E,...] tensors.
+std::vector<float> read_back(kt_moe* m, const kt_moe_options& o) {
+  const int64_t E = o.num_experts, H = o.hidden, I = o.intermediate;
+  TensorPtr g = Tensor::make(kt_test::kF32, {E, I, H}), u = Tensor::make(kt_test::kF32, {E, I, H});
+  TensorPtr d = Tensor::make(kt_test::kF32, {E, H, I});
+  kt_arg a[3] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, u->dl()}, {KT_ARG_W_DOWN, d->dl()}};
+  EXPECT_EQ(kt_moe_read_weights(m, a, 3), KT_OK) << kt_last_error();
+  std::vector<float> all(g->f32(), g->f32() + g->numel());
+  all.insert(all.end(), u->f32(), u->f32() + u->numel());
+  all.insert(all.end(), d->f32(), d->f32() + d->numel());
+  return all;
+}
+
+TEST_F(PackedCache, QuantizedLayersRoundTripBitIdenticalOnEveryIsa) {
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  for (kt_weight_format format : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+    for (bool bias : {false, true}) {
+      const kt_moe_options o = quantized_options(format, bias);
+      const std::string what = std::string(kt_weight_format_name(format)) + (bias ? " with biases" : "");
+      const Weights w(o, bias ? 51 : 52);
+      kt_engine* ref = engine(KT_ISA_REF);
+      const std::string file = path(what + ".ktpack");
+      kt_moe* saved = loaded_layer(ref, o, w);
+      ASSERT_EQ(kt_moe_save_packed(saved, file.c_str()), KT_OK) << what << ": " << kt_last_error();
+      kt_moe_info info;
+      info.struct_size = sizeof(info);
+      ASSERT_EQ(kt_moe_get_info(saved, &info), KT_OK);
+      // The file holds the stored bytes (codes and scales), not bf16 panels.
+      EXPECT_LT(std::filesystem::file_size(file), static_cast<uintmax_t>(info.weight_bytes + 5 * 4096 + 4096))
+          << what;
+      EXPECT_GE(std::filesystem::file_size(file), static_cast<uintmax_t>(info.weight_bytes)) << what;
+      const std::vector<float> weights = read_back(saved, o);
+      int ran = 0;
+      for (kt_isa isa : isas) {
+        kt_engine* e = engine(isa);
+        if (!e) continue;
+        ++ran;
+        kt_moe* mapped = layer(e, o);
+        ASSERT_EQ(kt_moe_load_packed(mapped, file.c_str(), 0), KT_OK) << what << ": " << kt_last_error();
+        kt_moe_info mi;
+        mi.struct_size = sizeof(mi);
+        ASSERT_EQ(kt_moe_get_info(mapped, &mi), KT_OK);
+        EXPECT_EQ(mi.weight_format, format);
+        EXPECT_EQ(mi.weight_bytes, info.weight_bytes);
+        EXPECT_EQ(mi.num_loaded, o.num_experts);
+        EXPECT_EQ(read_back(mapped, o), weights) << what << ": the mapped weights are the saved ones";
+        expect_identical(run(loaded_layer(e, o, w), o), run(mapped, o), what + " on " + kt_isa_name(isa));
+        const std::string again = path("again.ktpack");
+        ASSERT_EQ(kt_moe_save_packed(mapped, again.c_str()), KT_OK) << kt_last_error();
+        EXPECT_EQ(read_bytes(again), read_bytes(file)) << what << ": a mapped layer saves the same file";
+      }
+      EXPECT_GE(ran, 1);
+    }
+}
+
+TEST_F(PackedCache, MappedQuantizedLayerTakesNewExperts) {
+  const kt_moe_options o = quantized_options(KT_FORMAT_INT4_G32, false);
+  const Weights w(o, 61), other(o, 62);
+  kt_engine* e = engine(KT_ISA_AUTO);
+  const std::string file = path("int4.ktpack");
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, o, w), file.c_str()), KT_OK) << kt_last_error();
+  kt_moe* mapped = layer(e, o);
+  ASSERT_EQ(kt_moe_load_packed(mapped, file.c_str(), 0), KT_OK) << kt_last_error();
+  ASSERT_EQ(std::remove(file.c_str()), 0);
+  const int64_t I = o.intermediate, H = o.hidden;
+  TensorPtr g = Tensor::make(kt_test::kF32, {I, H}), u = Tensor::make(kt_test::kF32, {I, H});
+  TensorPtr d = Tensor::make(kt_test::kF32, {H, I});
+  std::memcpy(g->f32(), other.gate->f32() + 3 * I * H, static_cast<size_t>(I * H) * 4);
+  std::memcpy(u->f32(), other.up->f32() + 3 * I * H, static_cast<size_t>(I * H) * 4);
+  std::memcpy(d->f32(), other.down->f32() + 3 * I * H, static_cast<size_t>(I * H) * 4);
+  kt_arg one[3] = {{KT_ARG_W_GATE, g->dl()}, {KT_ARG_W_UP, u->dl()}, {KT_ARG_W_DOWN, d->dl()}};
+  kt_moe* expected = loaded_layer(e, o, w);
+  ASSERT_EQ(kt_moe_load_expert(mapped, 3, nullptr, one, 3), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_moe_load_expert(expected, 3, nullptr, one, 3), KT_OK) << kt_last_error();
+  expect_identical(run(expected, o), run(mapped, o), "int4 after replacing expert 3 of a mapped layer");
+  EXPECT_EQ(read_back(mapped, o), read_back(expected, o));
+}
+
+TEST_F(PackedCache, CachesOfAnotherFormatAreRefusedClearly) {
+  kt_engine* e = engine(KT_ISA_AUTO);
+  const kt_moe_options o4 = quantized_options(KT_FORMAT_INT4_G32, true);
+  const Weights w(o4, 71);
+  const std::string int4 = path("int4.ktpack"), bf16 = path("bf16.ktpack");
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, o4, w), int4.c_str()), KT_OK) << kt_last_error();
+  kt_moe_options ob = o4;
+  ob.weight_format = KT_FORMAT_BF16;
+  ASSERT_EQ(kt_moe_save_packed(loaded_layer(e, ob, w), bf16.c_str()), KT_OK) << kt_last_error();
+  kt_moe_options o8 = o4;
+  o8.weight_format = KT_FORMAT_INT8_CHANNEL;
+  const struct {
+    kt_moe_options layer;
+    std::string file, held, stores;
+  } cases[] = {{ob, int4, "int4_g32", "bf16"}, {o8, int4, "int4_g32", "int8_channel"}, {o4, bf16, "bf16", "int4_g32"}};
+  for (const auto& c : cases) {
+    kt_moe* victim = loaded_layer(e, c.layer, w);
+    const Outputs before = run(victim, c.layer);
+    EXPECT_EQ(kt_moe_load_packed(victim, c.file.c_str(), 0), KT_ERR_INVALID_ARGUMENT) << c.stores;
+    const std::string msg = kt_last_error();
+    EXPECT_NE(msg.find("kt_moe_load_packed: " + c.file + ": the cache holds " + c.held + " weights, the layer stores " +
+                       c.stores),
+              std::string::npos)
+        << msg;
+    expect_identical(before, run(victim, c.layer), "after refusing a " + c.held + " cache");
+  }
+  // Damaged quantized caches: refused, naming the file and what is wrong.
+  const std::vector<uint8_t> bytes = read_bytes(int4);
+  kt_moe* victim = loaded_layer(e, o4, w);
+  const Outputs before = run(victim, o4);
+  uint64_t gate_offset;
+  std::memcpy(&gate_offset, bytes.data() + kOffSections + 8, 8);
+  struct Bad {
+    std::string name;
+    std::vector<uint8_t> bytes;
+    kt_status status;
+    std::string message;
+  };
+  std::vector<Bad> bad;
+  std::vector<uint8_t> b = bytes;
+  b[static_cast<size_t>(gate_offset) + 3] ^= 0x40;  // a code nibble
+  bad.push_back({"flipped code", b, KT_ERR_IO, "checksum mismatch in section 'gate'"});
+  b = bytes;
+  b[kOffFormat] = 1;  // says int8 while its panel layout is int4's
+  reseal(b);
+  bad.push_back({"format field contradicting the layout", b, KT_ERR_IO,
+                 "this kt packs int8_channel weights in layout"});
+  b = bytes;
+  b[kOffFormat] = 9;
+  reseal(b);
+  bad.push_back({"unknown format", b, KT_ERR_IO, "weight format 9, which this kt does not know"});
+  b = bytes;
+  b[kOffLayout] ^= 0x01;
+  reseal(b);
+  bad.push_back({"other panel layout", b, KT_ERR_IO, "panel layout"});
+  bad.push_back({"truncated", std::vector<uint8_t>(bytes.begin(), bytes.end() - 10), KT_ERR_IO, "truncated"});
+  for (const Bad& c : bad) {
+    const std::string file = path("bad.ktpack");
+    kt_io_test::write_file(file, c.bytes);
+    EXPECT_EQ(kt_moe_load_packed(victim, file.c_str(), 0), c.status) << c.name;
+    const std::string msg = kt_last_error();
+    EXPECT_NE(msg.find(file), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find(c.message), std::string::npos) << c.name << ": " << msg;
+    expect_identical(before, run(victim, o4), "after refusing: " + c.name);
+  }
+}
+
 #ifdef KT_CLI_PATH
 TEST_F(PackedCache, ConvertPacksEveryLayerOfACheckpoint) {
   // A two-layer checkpoint with kt's writer (fp32 weights, two shards).
@@ -476,6 +637,66 @@ TEST_F(PackedCache, ConvertPacksEveryLayerOfACheckpoint) {
   const std::string out9 = path("packed9");
   EXPECT_NE(std::system((std::string(KT_CLI_PATH) + " convert " + ckpt + " " + out9 + " --layers 9 2> /dev/null").c_str()), 0);
   EXPECT_FALSE(std::filesystem::exists(out9 + "/manifest.json"));
+}
+TEST_F(PackedCache, ConvertQuantizesAndInfoReportsEachLayersFormat) {
+  kt_moe_options o = options(true);
+  const Weights w1(o, 81), w2(o, 82);
+  const std::vector<kt_arg> a1 = w1.args(true), a2 = w2.args(true);
+  kt_ckpt_layer_args layers[2] = {{0, a1.data(), a1.size()}, {2, a2.data(), a2.size()}};
+  const std::string ckpt = path("ckpt"), out = path("int8");
+  ASSERT_EQ(kt_ckpt_write_experts(ckpt.c_str(), nullptr, layers, 2), KT_OK) << kt_last_error();
+  const std::string cli = KT_CLI_PATH;
+  ASSERT_EQ(std::system((cli + " convert " + ckpt + " " + out + " --format int8_channel --json > " +
+                         path("convert.json")).c_str()),
+            0);
+  EXPECT_EQ(nlohmann::json::parse(read_bytes(path("convert.json")))["weight_format"], "int8_channel");
+  const nlohmann::json manifest = nlohmann::json::parse(read_bytes(out + "/manifest.json"));
+  for (const auto& entry : manifest["layers"]) EXPECT_EQ(entry["weight_format"], "int8_channel");
+
+  // kt info on the converted cache and on one of its files: each layer's format.
+  ASSERT_EQ(std::system((cli + " info " + out + " --json > " + path("info.json")).c_str()), 0);
+  const nlohmann::json info = nlohmann::json::parse(read_bytes(path("info.json")));
+  ASSERT_EQ(info["layers"].size(), 2u);
+  EXPECT_EQ(info["layers"][0]["file"], out + "/layer-0.ktpack");
+  EXPECT_EQ(info["layers"][1]["file"], out + "/layer-2.ktpack");
+  for (const auto& l : info["layers"]) {
+    EXPECT_EQ(l["weight_format"], "int8_channel");
+    EXPECT_EQ(l["experts"], o.num_experts);
+    EXPECT_EQ(l["loaded"], o.num_experts);
+    EXPECT_EQ(l["bias"], true);
+  }
+  ASSERT_EQ(std::system((cli + " info " + out + "/layer-2.ktpack > " + path("info.txt")).c_str()), 0);
+  const std::vector<uint8_t> text = read_bytes(path("info.txt"));
+  EXPECT_NE(std::string(text.begin(), text.end()).find("int8_channel"), std::string::npos);
+  // The checkpoint itself: what it holds (dense F32 here).
+  ASSERT_EQ(std::system((cli + " info " + ckpt + " --json > " + path("ckpt.json")).c_str()), 0);
+  const nlohmann::json held = nlohmann::json::parse(read_bytes(path("ckpt.json")));
+  EXPECT_EQ(held["layers"][0]["format"], "dense");
+  EXPECT_EQ(held["layers"][0]["dtype"], "BF16");
+
+  // The cache loads into an int8 layer as kt would quantize the checkpoint,
+  // and is refused by a bf16 one.
+  kt_engine* e = engine(KT_ISA_AUTO);
+  kt_moe_options q = o;
+  q.weight_format = KT_FORMAT_INT8_CHANNEL;
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(ckpt.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_moe* from_ckpt = layer(e, q);
+  ASSERT_EQ(kt_ckpt_load_layer(ck, 2, from_ckpt, nullptr, nullptr), KT_OK) << kt_last_error();
+  kt_ckpt_close(ck);
+  kt_moe* from_cache = layer(e, q);
+  ASSERT_EQ(kt_moe_load_packed(from_cache, (out + "/layer-2.ktpack").c_str(), 0), KT_OK) << kt_last_error();
+  expect_identical(run(from_ckpt, q), run(from_cache, q), "int8 layer 2");
+  EXPECT_EQ(kt_moe_load_packed(layer(e, o), (out + "/layer-2.ktpack").c_str(), 0), KT_ERR_INVALID_ARGUMENT);
+  kt_packed_info pi;
+  pi.struct_size = sizeof(pi);
+  ASSERT_EQ(kt_packed_read_info((out + "/layer-0.ktpack").c_str(), &pi), KT_OK) << kt_last_error();
+  EXPECT_EQ(pi.weight_format, KT_FORMAT_INT8_CHANNEL);
+  kt_moe_info mi;
+  mi.struct_size = sizeof(mi);
+  ASSERT_EQ(kt_moe_get_info(from_cache, &mi), KT_OK);
+  EXPECT_EQ(pi.weight_bytes, mi.weight_bytes);
+  EXPECT_NE(std::system((cli + " convert " + ckpt + " " + path("x") + " --format fp4 2> /dev/null").c_str()), 0);
 }
 #endif
 

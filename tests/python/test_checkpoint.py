@@ -61,6 +61,7 @@ def test_checkpoint_describes_loads_and_reads_layers(expert_ckpt):
         li = ck.layers[3]
         assert (li["num_experts"], li["hidden"], li["intermediate"], li["bias"]) == (E, H, I, True)
         assert li["weight_dtype"] == "BF16" and li["loadable"]
+        assert li["weight_format"] == "bf16" and li["group_size"] == 0
         opts = ck.moe_options(3)
         assert (opts["num_experts"], opts["top_k"], opts["hidden"], opts["intermediate"]) == (E, K, H, I)
         seen = []

@@ -7,7 +7,7 @@ The library is found through $KT_LIBRARY, the build tree registered by
 install_dev.sh, a copy next to this package, or the system loader.
 """
 from . import _capi
-from .core import Context, Engine, Job, MoE, check, default_engine, lib, library_path
+from .core import WEIGHT_FORMATS, Context, Engine, Job, MoE, check, default_engine, lib, library_path, packed_info
 from ._tensor import DLView, RawTensor
 from .errors import *  # noqa: F401,F403  (the exception classes are public)
 from .errors import KtError
@@ -37,4 +37,4 @@ def cpu_isa():
 
 
 __all__ = ["ABI_VERSION", "Checkpoint", "Context", "DLView", "Engine", "Job", "KtError", "MoE", "RawTensor",
-           "build_info", "check", "cpu_isa", "default_engine", "library_path", "version"]
+           "WEIGHT_FORMATS", "build_info", "check", "cpu_isa", "default_engine", "library_path", "packed_info", "version"]

@@ -132,6 +132,41 @@ class MoeOptions(ctypes.Structure):
     ]
 
 
+# kt_weight_format
+WEIGHT_FORMATS = {"bf16": 0, "int8_channel": 1, "int4_g32": 2, "fp8_b128": 3, "mxfp4": 4, "int4_g128": 5}
+
+
+class MoeInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("max_tokens", ctypes.c_int64),
+        ("mode", ctypes.c_int),
+        ("weight_format", ctypes.c_int),
+        ("weight_bytes", ctypes.c_int64),
+        ("num_weights", ctypes.c_int64),
+        ("num_loaded", ctypes.c_int64),
+    ]
+
+
+class PackedInfo(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("num_experts", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("intermediate", ctypes.c_int64),
+        ("has_bias", ctypes.c_int),
+        ("weight_format", ctypes.c_int),
+        ("num_loaded", ctypes.c_int64),
+        ("weight_bytes", ctypes.c_int64),
+        ("file_bytes", ctypes.c_int64),
+        ("format_version", ctypes.c_int),
+    ]
+
+
 class LoadOptions(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -222,6 +257,8 @@ class CkptLayerInfo(ctypes.Structure):
         ("weight_dtype", ctypes.c_int),
         ("loadable", ctypes.c_int),
         ("bytes", ctypes.c_int64),
+        ("weight_format", ctypes.c_int),
+        ("group_size", ctypes.c_int64),
     ]
 
 
@@ -329,6 +366,23 @@ class DistMoeOptions(ctypes.Structure):
     ]
 
 
+# KT_DIST_CKPT_* parts
+DIST_CKPT_PARTS = {"weights": 1, "adapter": 2, "optimizer": 4}
+
+
+class DistCkptLayer(ctypes.Structure):
+    _fields_ = [("layer", ctypes.c_int64), ("dist", ctypes.c_void_p), ("optimizer", ctypes.c_void_p)]
+
+
+class DistCkptOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("parts", ctypes.c_uint),
+        ("progress", CKPT_PROGRESS_FN),
+        ("progress_user", ctypes.c_void_p),
+    ]
+
+
 _P = ctypes.c_void_p
 _S = ctypes.c_int  # kt_status
 _PROTOTYPES = {
@@ -390,6 +444,9 @@ _PROTOTYPES = {
     "kt_optimizer_load": (_S, [_P, ctypes.c_char_p]),
     "kt_moe_save_packed": (_S, [_P, ctypes.c_char_p]),
     "kt_moe_read_weights": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_weight_format_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "kt_moe_get_info": (_S, [_P, ctypes.POINTER(MoeInfo)]),
+    "kt_packed_read_info": (_S, [ctypes.c_char_p, ctypes.POINTER(PackedInfo)]),
     "kt_moe_load_packed": (_S, [_P, ctypes.c_char_p, ctypes.c_uint]),
     "kt_ckpt_dtype_name": (ctypes.c_char_p, [ctypes.c_int]),
     "kt_ckpt_layout_name": (ctypes.c_char_p, [ctypes.c_int]),
@@ -427,6 +484,11 @@ _PROTOTYPES = {
     "kt_dist_moe_forward": (_S, [_P, ctypes.POINTER(Arg), ctypes.c_size_t, ctypes.POINTER(_P)]),
     "kt_dist_moe_backward": (_S, [_P, _P, ctypes.POINTER(BackwardOptions), ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_dist_context_release": (None, [_P]),
+    "kt_dist_ckpt_options_defaults": (None, [ctypes.POINTER(DistCkptOptions), ctypes.c_size_t]),
+    "kt_dist_ckpt_save": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(DistCkptLayer), ctypes.c_size_t,
+                               ctypes.POINTER(DistCkptOptions)]),
+    "kt_dist_ckpt_load": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(DistCkptLayer), ctypes.c_size_t,
+                               ctypes.POINTER(DistCkptOptions)]),
 }
 
 

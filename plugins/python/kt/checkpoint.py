@@ -81,7 +81,9 @@ class Checkpoint(_Handle):
                 "layout": _LAYOUT_NAMES.get(li.layout, "unknown"),
                 "format": self._lib.kt_ckpt_format_name(li.format).decode(),
                 "weight_dtype": self._lib.kt_ckpt_dtype_name(li.weight_dtype).decode(),
-                "loadable": bool(li.loadable), "bytes": li.bytes}
+                "loadable": bool(li.loadable), "bytes": li.bytes,
+                "weight_format": self._lib.kt_weight_format_name(li.weight_format).decode(),
+                "group_size": li.group_size}
 
     @property
     def handle(self):

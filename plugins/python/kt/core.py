@@ -39,6 +39,29 @@ def check(status):
 ACTIVATIONS = {"silu": _capi.ACT_SILU, "swiglu_oai": _capi.ACT_SWIGLU_OAI}
 MODES = {"inference": _capi.MODE_INFERENCE, "lora": _capi.MODE_LORA, "full": _capi.MODE_FULL}
 PROJECTIONS = {"gate": _capi.PROJ_GATE, "up": _capi.PROJ_UP, "down": _capi.PROJ_DOWN}
+# Storage formats of the frozen base (kt_weight_format): "bf16", or
+# quantized by kt at load, "int8_channel" (int8 per output row) and
+# "int4_g32" (int4 per group of 32 inputs); kt_c_api.h states their error.
+WEIGHT_FORMATS = dict(_capi.WEIGHT_FORMATS)
+_FORMAT_NAMES = {v: k for k, v in WEIGHT_FORMATS.items()}
+
+
+def weight_format_code(name):
+    if name not in WEIGHT_FORMATS:
+        raise ValueError("kt: weight_format must be one of %s, got %r" % (", ".join(WEIGHT_FORMATS), name))
+    return WEIGHT_FORMATS[name]
+
+
+def packed_info(path):
+    """What the packed cache at path holds (kt_packed_read_info): its
+    weight_format, experts, loaded experts, shape, bias and bytes."""
+    i = _capi.PackedInfo()
+    i.struct_size = ctypes.sizeof(i)
+    check(lib().kt_packed_read_info(os.fsencode(path), ctypes.byref(i)))
+    return {"weight_format": _FORMAT_NAMES.get(i.weight_format, str(i.weight_format)),
+            "num_experts": i.num_experts, "num_loaded": i.num_loaded, "hidden": i.hidden,
+            "intermediate": i.intermediate, "bias": bool(i.has_bias), "weight_bytes": i.weight_bytes,
+            "file_bytes": i.file_bytes, "format_version": i.format_version}
 ISAS = {"auto": _capi.ISA_AUTO, "ref": _capi.ISA_REF, "avx2": _capi.ISA_AVX2,
         "avx512bf16": _capi.ISA_AVX512BF16, "amx": _capi.ISA_AMX}
 
@@ -155,6 +178,7 @@ class Context(_Handle):
     def __init__(self, layer, handle):
         self._layer = layer  # the layer must outlive its contexts
         self._handle = handle
+        layer.live_contexts += 1
 
     @property
     def handle(self):
@@ -221,7 +245,7 @@ class MoE(_Handle):
     def __init__(self, num_experts, top_k, hidden, intermediate, *, max_tokens=1024,
                  activation="silu", act_alpha=1.702, act_limit=0.0, bias=False,
                  mode="inference", lora_rank=16, lora_alpha=32.0, use_rslora=False,
-                 lora_targets=("gate", "up", "down"), engine=None):
+                 lora_targets=("gate", "up", "down"), weight_format="bf16", engine=None):
         if activation not in ACTIVATIONS:
             raise ValueError("kt: activation must be one of %s" % ", ".join(ACTIVATIONS))
         if mode not in MODES:
@@ -239,6 +263,7 @@ class MoE(_Handle):
         opts.act_limit = act_limit
         opts.has_bias = 1 if bias else 0
         opts.mode = MODES[mode]
+        opts.weight_format = weight_format_code(weight_format)
         if mode == "lora":
             opts.lora_rank = lora_rank
             opts.lora_alpha = lora_alpha
@@ -259,6 +284,7 @@ class MoE(_Handle):
         self.mode = mode
         self.bias = bool(bias)
         self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
+        self.weight_format = weight_format
         self._bound = {}  # id name -> DLView kt retains
         self.live_contexts = 0  # Contexts of this layer not yet released
         # Where the base weights came from when they were not passed as
@@ -282,6 +308,19 @@ class MoE(_Handle):
         if getattr(self, "_handle", None):
             self._lib.kt_moe_destroy(self._handle)
             self._handle = None
+
+    def info(self):
+        """The layer's settings as kt reports them (kt_moe_get_info):
+        weight_format, weight_bytes (the stored base, scales included),
+        num_weights, num_loaded, shapes and mode."""
+        i = _capi.MoeInfo()
+        i.struct_size = ctypes.sizeof(i)
+        check(lib().kt_moe_get_info(self.handle, ctypes.byref(i)))
+        return {"num_experts": i.num_experts, "top_k": i.top_k, "hidden": i.hidden,
+                "intermediate": i.intermediate, "max_tokens": i.max_tokens,
+                "mode": {v: k for k, v in MODES.items()}.get(i.mode, str(i.mode)),
+                "weight_format": _FORMAT_NAMES.get(i.weight_format, str(i.weight_format)),
+                "weight_bytes": i.weight_bytes, "num_weights": i.num_weights, "num_loaded": i.num_loaded}
 
     def lora_scale(self):
         s = ctypes.c_float()
@@ -381,7 +420,6 @@ class MoE(_Handle):
         del views
         if not save:
             return None
-        self.live_contexts += 1
         return Context(self, saved)
 
     def forward_submit(self, x, ids, weights, y, deferred=False):

@@ -8,6 +8,11 @@ holds the experts and computes every rank's tokens) or expert-parallel mode
 (experts sharded over the ranks). Every forward and backward is a collective:
 all ranks call it, in the same order; an error on any rank is raised on every
 rank with that rank's message.
+
+``LayerOptimizer`` is kt's AdamW/SGD over a rank's local layer, and
+``save_checkpoint`` / ``load_checkpoint`` write and read a distributed
+checkpoint: each rank's experts, LoRA factors and optimizer state in one
+directory published atomically, loadable by another world size or expert map.
 """
 import ctypes
 import datetime
@@ -181,8 +186,8 @@ class DistMoE(_Handle):
     def __init__(self, comm, num_experts, top_k, hidden, intermediate, *, max_tokens=1024, mode="owner",
                  owner_rank=0, grad_average="sum", expert_ranks=None, engine=None, activation="silu",
                  act_alpha=1.702, act_limit=0.0, bias=False, layer_mode="inference", lora_rank=16,
-                 lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down")):
-        from .core import ACTIVATIONS, MODES, PROJECTIONS
+                 lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down"), weight_format="bf16"):
+        from .core import ACTIVATIONS, MODES, PROJECTIONS, weight_format_code
         if mode not in DIST_MODES:
             raise ValueError("kt: mode must be one of %s" % ", ".join(DIST_MODES))
         if grad_average not in GRAD_AVERAGES:
@@ -197,6 +202,7 @@ class DistMoE(_Handle):
         lo.act_alpha, lo.act_limit = act_alpha, act_limit
         lo.has_bias = 1 if bias else 0
         lo.mode = MODES[layer_mode]
+        lo.weight_format = weight_format_code(weight_format)
         if layer_mode == "lora":
             lo.lora_rank, lo.lora_alpha, lo.use_rslora = lora_rank, lora_alpha, 1 if use_rslora else 0
             lo.lora_targets = sum(PROJECTIONS[p] for p in lora_targets)
@@ -216,6 +222,7 @@ class DistMoE(_Handle):
                                        ctypes.byref(lo), ctypes.byref(do), ctypes.byref(handle)))
         self._handle = handle
         self._lib = lib()
+        self.live_contexts = 0  # DistContexts not yet released
         self.comm = comm  # kt retains it too; this keeps the Python object
         self.mode = mode
         local = ctypes.c_void_p()
@@ -273,8 +280,99 @@ class DistMoE(_Handle):
                 self.layer.close()
             self._lib.kt_dist_moe_destroy(self._handle)
             self._handle = None
+            self.live_contexts = 0  # destroying the layer freed them
 
     def __del__(self):
         if getattr(self, "_handle", None):
             self._lib.kt_dist_moe_destroy(self._handle)
             self._handle = None
+
+
+class LayerOptimizer(_Handle):
+    """kt's fused AdamW or SGD over a layer's bound trainable parameters
+    (kt_optimizer_create_for_layer): a DistMoE's ``.layer`` or a kt.MoE.
+    Options are kt_optimizer_options' fields (lr, weight_decay, betas,
+    eps, amsgrad, momentum, dampening, nesterov)."""
+
+    def __init__(self, layer, algorithm="adamw", *, lr=1e-3, weight_decay=None, betas=(0.9, 0.999), eps=1e-8,
+                 amsgrad=False, momentum=0.0, dampening=0.0, nesterov=False):
+        if algorithm not in ("adamw", "sgd"):
+            raise ValueError("kt: algorithm must be 'adamw' or 'sgd'")
+        o = _capi.OptimizerOptions()
+        lib().kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
+        o.algorithm = _capi.OPTIM_ADAMW if algorithm == "adamw" else _capi.OPTIM_SGD
+        o.lr, o.eps, o.momentum, o.dampening = lr, eps, momentum, dampening
+        o.beta1, o.beta2 = betas
+        o.amsgrad, o.nesterov = int(bool(amsgrad)), int(bool(nesterov))
+        if weight_decay is not None:
+            o.weight_decay = weight_decay
+        elif algorithm == "sgd":
+            o.weight_decay = 0.0
+        handle = ctypes.c_void_p()
+        check(lib().kt_optimizer_create_for_layer(layer.handle, ctypes.byref(o), ctypes.byref(handle)))
+        self._handle = handle
+        self._lib = lib()
+        self.layer = layer  # the layer must outlive its optimizer
+
+    @property
+    def handle(self):
+        if not self._handle:
+            raise ValueError("kt: the optimizer was closed")
+        return self._handle
+
+    def step(self):
+        check(lib().kt_optimizer_step(self.handle, None))
+
+    @property
+    def steps(self):
+        n = ctypes.c_int64()
+        check(lib().kt_optimizer_get_step(self.handle, ctypes.byref(n)))
+        return n.value
+
+    def close(self):
+        if self._handle:
+            self._lib.kt_optimizer_destroy(self._handle)
+            self._handle = None
+
+    def __del__(self):
+        if getattr(self, "_handle", None):
+            self._lib.kt_optimizer_destroy(self._handle)
+            self._handle = None
+
+
+def _checkpoint_call(fn, comm, path, layers, parts, progress):
+    entries = []
+    for number, entry in sorted(layers.items()):
+        layer, opt = entry if isinstance(entry, tuple) else (entry, None)
+        entries.append(_capi.DistCkptLayer(int(number), layer.handle.value,
+                                           opt.handle.value if opt is not None else None))
+    arr = (_capi.DistCkptLayer * max(len(entries), 1))(*entries)
+    o = _capi.DistCkptOptions()
+    lib().kt_dist_ckpt_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
+    if parts is not None:
+        unknown = set(parts) - set(_capi.DIST_CKPT_PARTS)
+        if unknown or not parts:
+            raise ValueError("kt: parts must be a non-empty set of %s" % ", ".join(_capi.DIST_CKPT_PARTS))
+        o.parts = sum(_capi.DIST_CKPT_PARTS[p] for p in set(parts))
+    callback = None
+    if progress is not None:
+        callback = _capi.CKPT_PROGRESS_FN(lambda done, total, user: progress(done, total))
+        o.progress = callback
+    check(fn(comm.handle, str(path).encode(), arr, len(entries), ctypes.byref(o)))
+
+
+def save_checkpoint(comm, path, layers, *, parts=None, progress=None):
+    """Saves a distributed checkpoint (collective: every rank of comm calls
+    it with the same path and layer numbers). layers maps each layer number
+    to this rank's DistMoE, or to (DistMoE, LayerOptimizer or None). parts:
+    None (what the layers have) or a set of "weights", "adapter",
+    "optimizer". progress(done_bytes, total_bytes) is called on this rank."""
+    _checkpoint_call(lib().kt_dist_ckpt_save, comm, path, layers, parts, progress)
+
+
+def load_checkpoint(comm, path, layers, *, parts=None, progress=None):
+    """Loads a distributed checkpoint into layers (collective, as
+    save_checkpoint); the world size and expert map may differ from the
+    saving ranks'. LoRA factors go into the tensors bound to each local
+    layer; optimizer state into the given LayerOptimizers."""
+    _checkpoint_call(lib().kt_dist_ckpt_load, comm, path, layers, parts, progress)

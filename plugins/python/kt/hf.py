@@ -384,7 +384,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
                         bias="none", activation_policy="recompute", torch_experts=None,
-                        torch_expert_counts=None, torch_experts_device=None):
+                        torch_expert_counts=None, torch_experts_device=None, weight_format="bf16"):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -418,7 +418,12 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     the layer number, or a dict by layer number or block name) the N most
     routed ones (see ``hottest_experts``); a sequence gives the ids. See
     MoEExperts.set_torch_experts for how the two parts share parameters
-    and gradients."""
+    and gradients.
+
+    ``weight_format`` is how kt stores the frozen base: "bf16", or quantized
+    at load, "int8_channel" or "int4_g32" (inference and LoRA mode; the
+    error is stated in kt_c_api.h). A ``packed`` cache must hold that
+    format (``kt convert --format``)."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -429,7 +434,8 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                    lora_dropout=lora_dropout, use_rslora=use_rslora,
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
                    max_tokens=max_tokens, engine=engine, activation_policy=activation_policy,
-                   placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device))
+                   placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device),
+                   weight_format=weight_format)
     source = _WeightSource(checkpoint, packed)
     replaced, unrecognised = [], []
     try:

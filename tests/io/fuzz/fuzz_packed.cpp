@@ -1,5 +1,6 @@
 // libFuzzer target: the packed cache loader (kt_moe_load_packed) on a fuzzed
-// file, into layers of the seeds' shape with and without biases. Each input
+// file, into layers of the seeds' shape with and without biases, in each
+// weight format (bf16, int8 per channel, int4 groups of 32). Each input
 // is tried as is and, to reach past the header checksum, with that checksum
 // recomputed (and the section checksums skipped). A loaded layer must run a
 // forward; a refused load must leave the layer as it was.
@@ -22,11 +23,12 @@ using kt_fuzz::engine;
 
 constexpr int64_t kE = 2, kH = 32, kI = 32, kT = 2;
 
-kt_moe* layer(bool bias) {
+kt_moe* layer(bool bias, kt_weight_format format) {
   kt_moe_options o;
   kt_moe_options_init(&o);
   o.num_experts = kE, o.hidden = kH, o.intermediate = kI, o.top_k = 1, o.max_tokens = kT;
   o.has_bias = bias ? 1 : 0;
+  o.weight_format = format;
   kt_moe* m = nullptr;
   if (kt_moe_create(engine(), &o, &m) != KT_OK) std::abort();
   return m;
@@ -50,7 +52,9 @@ void forward(kt_moe* m) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static kt_fuzz::Scratch scratch;
-  static kt_moe* layers[2] = {layer(false), layer(true)};
+  static kt_moe* layers[6] = {layer(false, KT_FORMAT_BF16),        layer(true, KT_FORMAT_BF16),
+                              layer(false, KT_FORMAT_INT8_CHANNEL), layer(true, KT_FORMAT_INT8_CHANNEL),
+                              layer(false, KT_FORMAT_INT4_G32),     layer(true, KT_FORMAT_INT4_G32)};
   scratch.materialize({});
   const std::string path = scratch.dir() + "/layer.ktpack";
   std::string bytes(reinterpret_cast<const char*>(data), size);

@@ -3,7 +3,7 @@
 //   <out>/index    sharded and single-file checkpoints, as bundles (fuzz_bundle.h)
 //   <out>/layout   checkpoints with config.json, as bundles
 //   <out>/adapter  adapters, as bundles
-//   <out>/packed   packed caches (kt_moe_save_packed) of the fuzz_packed shapes
+//   <out>/packed   packed caches (kt_moe_save_packed) of the fuzz_packed shapes, in each weight format
 // Usage: kt_fuzz_seeds OUT_DIR
 #include <dirent.h>
 #include <sys/stat.h>
@@ -155,11 +155,14 @@ void packed_caches(const std::string& scratch) {
   eo.pin_threads = 0;
   kt_engine* engine = nullptr;
   must(kt_engine_create(&eo, &engine), "kt_engine_create");
+  const kt_weight_format formats[3] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32};
+  for (kt_weight_format format : formats)
   for (int bias = 0; bias < 2; ++bias)
     for (int partial = 0; partial < 2; ++partial) {
       kt_moe_options o;
       kt_moe_options_init(&o);
       o.num_experts = E, o.hidden = H, o.intermediate = I, o.top_k = 1, o.max_tokens = 2, o.has_bias = bias;
+      o.weight_format = format;
       kt_moe* m = nullptr;
       must(kt_moe_create(engine, &o, &m), "kt_moe_create");
       const int64_t n = partial ? 1 : E;
@@ -177,7 +180,8 @@ void packed_caches(const std::string& scratch) {
       must(kt_moe_load_weights(m, nullptr, args.data(), args.size()), "kt_moe_load_weights");
       const std::string path = scratch + "/layer.ktpack";
       must(kt_moe_save_packed(m, path.c_str()), "kt_moe_save_packed");
-      write_seed("packed", std::string(bias ? "bias" : "nobias") + (partial ? "_partial" : "") + ".ktpack",
+      write_seed("packed", std::string(kt_weight_format_name(format)) + (bias ? "_bias" : "_nobias") +
+                               (partial ? "_partial" : "") + ".ktpack",
                  read_file(path));
       kt_moe_destroy(m);
     }

@@ -149,6 +149,33 @@ kt_structs! {
         pub use_rslora: c_int,
         pub lora_targets: c_uint,
     }
+    /// What kt_moe_get_info reports.
+    pub struct kt_moe_info {
+        pub struct_size: usize,
+        pub num_experts: i64,
+        pub top_k: i64,
+        pub hidden: i64,
+        pub intermediate: i64,
+        pub max_tokens: i64,
+        pub mode: kt_mode,
+        pub weight_format: kt_weight_format,
+        pub weight_bytes: i64,
+        pub num_weights: i64,
+        pub num_loaded: i64,
+    }
+    /// What kt_packed_read_info reports of a packed cache.
+    pub struct kt_packed_info {
+        pub struct_size: usize,
+        pub num_experts: i64,
+        pub hidden: i64,
+        pub intermediate: i64,
+        pub has_bias: c_int,
+        pub weight_format: kt_weight_format,
+        pub num_loaded: i64,
+        pub weight_bytes: i64,
+        pub file_bytes: i64,
+        pub format_version: c_int,
+    }
     /// One named argument of a call.
     pub struct kt_arg {
         pub id: c_int,
@@ -373,6 +400,8 @@ kt_constants! {
     }
     kt_weight_format {
         KT_FORMAT_BF16 = 0,
+        KT_FORMAT_INT8_CHANNEL = 1,
+        KT_FORMAT_INT4_G32 = 2,
     }
     kt_arg_id {
         KT_ARG_X = 1,
@@ -533,6 +562,11 @@ kt_functions! {
 
     pub fn kt_moe_save_packed(moe: *mut kt_moe, path: *const c_char) -> kt_status;
     pub fn kt_moe_load_packed(moe: *mut kt_moe, path: *const c_char, flags: c_uint) -> kt_status;
+    pub fn kt_packed_read_info(path: *const c_char, info: *mut kt_packed_info) -> kt_status;
+
+    pub fn kt_weight_format_name(format: kt_weight_format) -> *const c_char;
+    pub fn kt_moe_get_info(moe: *const kt_moe, info: *mut kt_moe_info) -> kt_status;
+    pub fn kt_moe_read_weights(moe: *const kt_moe, args: *const kt_arg, num_args: usize) -> kt_status;
 
     pub fn kt_ckpt_dtype_name(dtype: kt_ckpt_dtype) -> *const c_char;
     pub fn kt_ckpt_layout_name(layout: kt_ckpt_layout) -> *const c_char;

@@ -401,6 +401,61 @@ impl MoeOptions {
         self.raw.mode = sys::KT_MODE_FULL;
         self
     }
+    /// Storage format of the frozen base (default bf16; the quantized ones
+    /// are quantized by kt at load, inference and LoRA mode only).
+    pub fn weight_format(mut self, format: WeightFormat) -> Self {
+        self.raw.weight_format = format.raw();
+        self
+    }
+}
+
+/// How a layer stores its frozen base weights (kt_weight_format). The
+/// quantization error of each is stated in kt_c_api.h.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// bf16 packed panels.
+    Bf16,
+    /// int8 per output channel (symmetric), bf16 scales.
+    Int8Channel,
+    /// int4 in groups of 32 inputs (symmetric), bf16 scales.
+    Int4G32,
+}
+
+impl WeightFormat {
+    fn raw(self) -> sys::kt_weight_format {
+        match self {
+            WeightFormat::Bf16 => sys::KT_FORMAT_BF16,
+            WeightFormat::Int8Channel => sys::KT_FORMAT_INT8_CHANNEL,
+            WeightFormat::Int4G32 => sys::KT_FORMAT_INT4_G32,
+        }
+    }
+    fn from_raw(v: sys::kt_weight_format) -> Option<WeightFormat> {
+        match v {
+            sys::KT_FORMAT_BF16 => Some(WeightFormat::Bf16),
+            sys::KT_FORMAT_INT8_CHANNEL => Some(WeightFormat::Int8Channel),
+            sys::KT_FORMAT_INT4_G32 => Some(WeightFormat::Int4G32),
+            _ => None,
+        }
+    }
+    /// kt's name of the format ("bf16", "int8_channel", "int4_g32").
+    pub fn name(self) -> &'static str {
+        unsafe { CStr::from_ptr(sys::kt_weight_format_name(self.raw())) }.to_str().unwrap_or("unknown")
+    }
+}
+
+/// What a layer reports of itself (kt_moe_get_info).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeInfo {
+    pub num_experts: i64,
+    pub hidden: i64,
+    pub intermediate: i64,
+    /// Storage format of the base weights.
+    pub weight_format: WeightFormat,
+    /// Bytes the stored base weights take (scales and padding included).
+    pub weight_bytes: i64,
+    /// E * 3 * H * I.
+    pub num_weights: i64,
+    pub num_loaded: i64,
 }
 
 /// Backward settings.
@@ -435,6 +490,36 @@ impl<'e> Moe<'e> {
     pub fn load_weights(&self, args: &[Arg<'_, '_>]) -> Result<()> {
         let raw = raw_args(args);
         check(unsafe { sys::kt_moe_load_weights(self.raw, ptr::null(), raw.as_ptr(), raw.len()) })
+    }
+
+    /// The layer's settings: storage format, bytes, experts loaded.
+    pub fn info(&self) -> Result<MoeInfo> {
+        let mut i = std::mem::MaybeUninit::<sys::kt_moe_info>::zeroed();
+        let i = unsafe {
+            (*i.as_mut_ptr()).struct_size = std::mem::size_of::<sys::kt_moe_info>();
+            check(sys::kt_moe_get_info(self.raw, i.as_mut_ptr()))?;
+            i.assume_init()
+        };
+        Ok(MoeInfo {
+            num_experts: i.num_experts,
+            hidden: i.hidden,
+            intermediate: i.intermediate,
+            weight_format: WeightFormat::from_raw(i.weight_format).ok_or_else(|| Error {
+                status: Status::INTERNAL,
+                message: format!("kt_moe_get_info: unknown weight format {}", i.weight_format),
+            })?,
+            weight_bytes: i.weight_bytes,
+            num_weights: i.num_weights,
+            num_loaded: i.num_loaded,
+        })
+    }
+
+    /// Copies the base weights the layer computes with (dequantized for a
+    /// quantized base) into outputs: arg::W_GATE, arg::W_UP [E,I,H],
+    /// arg::W_DOWN [E,H,I], and biases.
+    pub fn read_weights(&self, args: &[Arg<'_, '_>]) -> Result<()> {
+        let raw = raw_args(args);
+        check(unsafe { sys::kt_moe_read_weights(self.raw, raw.as_ptr(), raw.len()) })
     }
 
     /// Number of experts loaded.
