@@ -596,6 +596,122 @@ TEST_F(QuantCheckpoints, DequantizingIsAnExplicitChoiceAndBf16CheckpointsStayBf1
   kt_moe_destroy(moe);
 }
 
+// A full fine-tune seeded from an fp8 base: the host reads the dequantized
+// weights (kt_ckpt_read_layer) into fp32 tensors that are the optimizer's
+// masters, trains, and saves them as plain .weight keys with the base's
+// config.json (quantization_config and all). The resume reads those keys
+// (the tensors decide: dense, bf16), loads the optimizer state, and the next
+// steps are bit-identical to the uninterrupted run.
+class SeededFineTune {
+ public:
+  SeededFineTune(kt_engine* engine, const QuantCkpt& q) : q_(q) {
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    o.num_experts = q.E, o.top_k = 2, o.hidden = q.H, o.intermediate = q.I, o.max_tokens = kT;
+    o.mode = KT_MODE_FULL;
+    EXPECT_EQ(kt_moe_create(engine, &o, &moe_), KT_OK) << kt_last_error();
+    for (int p = 0; p < 3; ++p) {
+      w_[p] = Tensor::make(kt_test::kF32, {q.E, out_of(q, p), in_of(q, p)});
+      g_[p] = Tensor::make(kt_test::kF32, {q.E, out_of(q, p), in_of(q, p)});
+    }
+  }
+  ~SeededFineTune() {
+    kt_optimizer_destroy(opt_);
+    kt_moe_destroy(moe_);
+  }
+  std::vector<kt_arg> weights() {
+    return {{KT_ARG_W_GATE, w_[0]->dl()}, {KT_ARG_W_UP, w_[1]->dl()}, {KT_ARG_W_DOWN, w_[2]->dl()}};
+  }
+  // Binds the weights read from `dir` (dequantized) and makes the optimizer.
+  void start_from(const std::string& dir) {
+    kt_ckpt* ck = nullptr;
+    ASSERT_EQ(kt_ckpt_open(dir.c_str(), &ck), KT_OK) << kt_last_error();
+    std::vector<kt_arg> w = weights();
+    ASSERT_EQ(kt_ckpt_read_layer(ck, 0, w.data(), w.size()), KT_OK) << kt_last_error();
+    kt_ckpt_close(ck);
+    std::vector<kt_arg> bind = weights();
+    for (int p = 0; p < 3; ++p) bind.push_back({KT_ARG_GRAD_W_GATE + p, g_[p]->dl()});
+    ASSERT_EQ(kt_moe_bind(moe_, bind.data(), bind.size()), KT_OK) << kt_last_error();
+    ASSERT_EQ(kt_moe_params_changed(moe_), KT_OK) << kt_last_error();
+    kt_optimizer_options oo;
+    kt_optimizer_options_init(&oo);
+    oo.lr = 1e-2;
+    ASSERT_EQ(kt_optimizer_create_for_layer(moe_, &oo, &opt_), KT_OK) << kt_last_error();
+  }
+  // One forward, backward and AdamW step on batch `step`.
+  void train_step(int step) {
+    std::mt19937 rng(100 + static_cast<uint32_t>(step));
+    std::normal_distribution<float> nd;
+    TensorPtr x = Tensor::make(kt_test::kF32, {kT, q_.H}), dy = Tensor::make(kt_test::kF32, {kT, q_.H});
+    TensorPtr y = Tensor::make(kt_test::kF32, {kT, q_.H}), dx = Tensor::make(kt_test::kF32, {kT, q_.H});
+    TensorPtr ids = Tensor::make(kt_test::kI32, {kT, 2}), rw = Tensor::make(kt_test::kF32, {kT, 2});
+    for (int64_t i = 0; i < x->numel(); ++i) x->set(i, nd(rng)), dy->set(i, nd(rng));
+    for (int64_t t = 0; t < kT; ++t) {
+      ids->set(2 * t, static_cast<double>(t % q_.E)), ids->set(2 * t + 1, static_cast<double>((t + 1) % q_.E));
+      rw->set(2 * t, 0.75), rw->set(2 * t + 1, 0.25);
+    }
+    const kt_arg fwd[] = {{KT_ARG_X, x->dl()}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, rw->dl()}, {KT_ARG_Y, y->dl()}};
+    kt_context* ctx = nullptr;
+    ASSERT_EQ(kt_moe_forward(moe_, fwd, 4, &ctx), KT_OK) << kt_last_error();
+    const kt_arg bwd[] = {{KT_ARG_DY, dy->dl()}, {KT_ARG_DX, dx->dl()}};
+    ASSERT_EQ(kt_moe_backward(moe_, ctx, nullptr, bwd, 2), KT_OK) << kt_last_error();
+    kt_context_release(ctx);
+    ASSERT_EQ(kt_optimizer_step(opt_, nullptr), KT_OK) << kt_last_error();
+  }
+  // The trained masters as a dense fp32 checkpoint with the base's config, and the optimizer state.
+  void save(const std::string& dir) {
+    kt_ckpt_write_options wo;
+    kt_ckpt_write_options_init(&wo);
+    wo.dtype = KT_CKPT_DTYPE_F32;
+    wo.config_json = q_.config.c_str();
+    std::vector<kt_arg> w = weights();
+    kt_ckpt_layer_args layer{0, w.data(), w.size()};
+    ASSERT_EQ(kt_ckpt_write_experts(dir.c_str(), &wo, &layer, 1), KT_OK) << kt_last_error();
+    ASSERT_EQ(kt_optimizer_save(opt_, (dir + ".optimizer.safetensors").c_str()), KT_OK) << kt_last_error();
+  }
+  void load_optimizer(const std::string& dir) {
+    ASSERT_EQ(kt_optimizer_load(opt_, (dir + ".optimizer.safetensors").c_str()), KT_OK) << kt_last_error();
+  }
+  std::vector<double> master(int p) const { return w_[p]->values(); }
+
+ private:
+  static constexpr int64_t kT = 12;
+  const QuantCkpt& q_;
+  kt_moe* moe_ = nullptr;
+  kt_optimizer* opt_ = nullptr;
+  TensorPtr w_[3], g_[3];
+};
+
+TEST_F(QuantCheckpoints, FullFineTuneSeededFromAnFp8BaseSavesDequantizedAndResumes) {
+  const QuantCkpt q = fp8_ckpt(0, 3, 128, 64, 21);
+  const std::string base = write("fp8_base", q);
+  SeededFineTune run(engine_, q);
+  run.start_from(base);
+  // The masters start from the dequantized base, exactly (fp32 holds it).
+  for (int p = 0; p < 3; ++p) {
+    const std::vector<double> m = run.master(p);
+    for (size_t i = 0; i < m.size(); ++i) ASSERT_EQ(m[i], static_cast<double>(q.w[p][i])) << p << " " << i;
+  }
+  run.train_step(0);
+  run.train_step(1);
+  const std::string saved = dir_ + "/fine_tuned";
+  run.save(saved);
+  // The saved checkpoint holds plain weights: dense, loaded as bf16, even
+  // with the base's quantization_config beside them.
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(saved.c_str(), &ck), KT_OK) << kt_last_error();
+  EXPECT_EQ(layer_info(ck).format, KT_CKPT_FORMAT_DENSE);
+  EXPECT_EQ(layer_info(ck).weight_format, KT_FORMAT_BF16);
+  kt_ckpt_close(ck);
+
+  SeededFineTune resumed(engine_, q);
+  resumed.start_from(saved);
+  resumed.load_optimizer(saved);
+  run.train_step(2);
+  resumed.train_step(2);
+  for (int p = 0; p < 3; ++p) EXPECT_EQ(resumed.master(p), run.master(p)) << "projection " << p;
+}
+
 // ------------------------------------------------------------- bad input
 
 // Opening fails with KT_ERR_IO and a message holding every fragment.
