@@ -112,8 +112,10 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.rows.resize(static_cast<size_t>(kRowChunk));
     s.frows.resize(static_cast<size_t>(kRowChunk));
     if (quantized) {
-      s.deq.resize(static_cast<size_t>(std::max(kBlockPanels * kPanelRows * kQuantChunk, kBlockCols * kpad)));
-      s.qscale.resize(static_cast<size_t>(std::max(kBlockPanels * kQuantChunk, 2 * kpad)));
+      // W^T blocks dequantize up to kBlockCols + 32 columns (transposed_panels).
+      const int64_t deq_cols = kBlockCols + kQuantKAlign;
+      s.deq.resize(static_cast<size_t>(std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad)));
+      s.qscale.resize(static_cast<size_t>(std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad)));
       s.qrows.resize(static_cast<size_t>(kRowChunk));
     }
   }
@@ -753,18 +755,22 @@ void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0
     K_.transpose_panels(wp_[proj] + e * ps.elements(), ps.np, ps.panel_stride(), c0, cb, dst);
     return;
   }
-  // Columns [c0, c0 + kc) of every panel, scaled (one bf16 rounding), then
-  // transposed as bf16 panels are. Scales go per 32 columns, whatever the
-  // group (c0 need not start a group).
+  // Whole 32-column slices of every panel around [c0, c0 + cb), scaled (one
+  // bf16 rounding), then the wanted columns transposed as bf16 panels are.
+  // Scales go per 32 columns, whatever the group: the slices start on a
+  // multiple of 32 so that each column takes its own group's scale, and end
+  // inside the stored codes (kq is a multiple of 32; c0 may be a multiple of
+  // 16 only).
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
-  const int64_t kc = round_up(cb, kQuantKAlign);
+  const int64_t start = c0 / kQuantKAlign * kQuantKAlign;
+  const int64_t kc = round_up(c0 + cb - start, kQuantKAlign);
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
-  quant_scales_cols(ex, qs, c0, kc, scales);
-  dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), c0, kc, scales,
+  quant_scales_cols(ex, qs, start, kc, scales);
+  dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, scales,
                          (kc / kQuantKAlign) * kPanelRows, kQuantKAlign, deq);
-  K_.transpose_panels(deq, qs.np, kPanelRows * kc, 0, cb, dst);
+  K_.transpose_panels(deq, qs.np, kPanelRows * kc, c0 - start, cb, dst);
 }
 
 void kt_moe::read_weights(const kt_arg* args, size_t n) const {

@@ -53,7 +53,7 @@ static int store_set(const char* key, const void* value, size_t size, void* user
   (void)user;
   if (store_count == STORE_KEYS || strlen(key) >= 128 || size > 512) return -1;
   strcpy(store_keys[store_count], key);
-  memcpy(store_values[store_count], value, size);
+  if (size > 0) memcpy(store_values[store_count], value, size);
   store_sizes[store_count++] = size;
   return 0;
 }

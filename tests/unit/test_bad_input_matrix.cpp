@@ -1375,7 +1375,7 @@ void add_optimizer_cases(const Adder& add) {
   const kt_status INV = KT_ERR_INVALID_ARGUMENT, NUL = KT_ERR_NULL_POINTER, HANDLE = KT_ERR_INVALID_HANDLE;
   const char* create = "kt_optimizer_create";
   add("opt_out_null", L, NUL, create, "opt", [](World& w) {
-    kt_optimizer_param pair{w.r().W_[0]->dl(), w.r().gW_[0]->dl()};
+    kt_optimizer_param pair{w.host_param(0), w.host_grad(0)};
     return kt_optimizer_create(nullptr, nullptr, &pair, 1, nullptr);
   });
   add("params_null", L, NUL, create, "params", [](World&) {
@@ -1556,9 +1556,7 @@ void add_optimizer_cases(const Adder& add) {
   });
   add("state_unknown", L, INV, "kt_optimizer_state", "which", [](World& w) {
     DLTensor t;
-    kt_optim_state which;
-    set_raw(which, 99);
-    return kt_optimizer_state(w.host_opt(), 0, which, &t);
+    return raw_optimizer_state(w.host_opt(), 0, 99, &t);
   });
   add("path_null", L, NUL, "kt_optimizer_save", "path", [](World& w) { return kt_optimizer_save(w.host_opt(), nullptr); });
   add("directory_missing", L, KT_ERR_IO, "kt_optimizer_save", "no_such_dir",
