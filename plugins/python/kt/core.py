@@ -169,6 +169,23 @@ def _args(pairs):
     return arr, views
 
 
+def _backward_args(dy, dx, droute_weights, grad_scale, accumulate, param_grads):
+    """kt_backward_options and the kt_arg array of a backward call (plain
+    or distributed): (options, args, views to keep alive, pairs)."""
+    opts = _capi.BackwardOptions()
+    lib().kt_backward_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
+    opts.grad_scale = grad_scale
+    opts.accumulate = _capi.GRAD_ACCUMULATE if accumulate else _capi.GRAD_OVERWRITE
+    opts.param_grads = 1 if param_grads else 0
+    pairs = [("DY", dy)]
+    if dx is not None:
+        pairs.append(("DX", dx))
+    if droute_weights is not None:
+        pairs.append(("DROUTE_WEIGHTS", droute_weights))
+    arr, views = _args(pairs)
+    return opts, arr, views, pairs
+
+
 class Context(_Handle):
     """What a training forward saved for its backward. Released once: after
     the backward has run and this object is dropped, or by ``release()``."""
@@ -436,17 +453,7 @@ class MoE(_Handle):
 
     def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0,
                  accumulate=False, param_grads=True):
-        opts = _capi.BackwardOptions()
-        lib().kt_backward_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
-        opts.grad_scale = grad_scale
-        opts.accumulate = _capi.GRAD_ACCUMULATE if accumulate else _capi.GRAD_OVERWRITE
-        opts.param_grads = 1 if param_grads else 0
-        pairs = [("DY", dy)]
-        if dx is not None:
-            pairs.append(("DX", dx))
-        if droute_weights is not None:
-            pairs.append(("DROUTE_WEIGHTS", droute_weights))
-        arr, views = _args(pairs)
+        opts, arr, views, pairs = _backward_args(dy, dx, droute_weights, grad_scale, accumulate, param_grads)
         handle = ctx.handle if isinstance(ctx, Context) else ctx
         check(lib().kt_moe_backward(self.handle, handle, ctypes.byref(opts), arr, len(pairs)))
         del views

@@ -19,7 +19,7 @@ import datetime
 import threading
 
 from . import _capi
-from .core import Context, MoE, _args, _Handle, check, default_engine, lib
+from .core import Context, MoE, _args, _backward_args, _Handle, check, default_engine, lib
 
 DIST_MODES = {"owner": _capi.DIST_OWNER, "expert_parallel": _capi.DIST_EXPERT_PARALLEL}
 GRAD_AVERAGES = {"sum": _capi.DIST_GRAD_SUM, "mean": _capi.DIST_GRAD_MEAN}
@@ -260,17 +260,7 @@ class DistMoE(_Handle):
     def backward(self, ctx, dy, dx=None, droute_weights=None, *, grad_scale=1.0, accumulate=False,
                  param_grads=True):
         """Backward of ctx's forward (collective; every rank passes its context of the same forward)."""
-        opts = _capi.BackwardOptions()
-        lib().kt_backward_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
-        opts.grad_scale = grad_scale
-        opts.accumulate = _capi.GRAD_ACCUMULATE if accumulate else _capi.GRAD_OVERWRITE
-        opts.param_grads = 1 if param_grads else 0
-        pairs = [("DY", dy)]
-        if dx is not None:
-            pairs.append(("DX", dx))
-        if droute_weights is not None:
-            pairs.append(("DROUTE_WEIGHTS", droute_weights))
-        arr, views = _args(pairs)
+        opts, arr, views, pairs = _backward_args(dy, dx, droute_weights, grad_scale, accumulate, param_grads)
         check(lib().kt_dist_moe_backward(self.handle, ctx.handle, ctypes.byref(opts), arr, len(pairs)))
         del views
 
