@@ -39,10 +39,6 @@ inline bool kt_quantizes_to(kt_weight_format f) {
   return f == KT_FORMAT_INT8_CHANNEL || f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128;
 }
 
-// What a stored code stands for: a signed integer (int8, or int4 as u - 8),
-// an fp8 e4m3 or an fp4 e2m1 value.
-enum class QuantCode { kInt, kE4M3, kE2M1 };
-
 // The value of a raw code (a byte, or a nibble in the low 4 bits).
 inline float quant_code_value(QuantCode code, int bits, uint8_t raw) {
   switch (code) {
@@ -69,6 +65,20 @@ struct QuantShape {
 
   static QuantShape of(kt_weight_format f, int64_t n, int64_t k);
   const uint8_t* codes(const uint8_t* expert) const { return expert; }
+  // Panels [p0, ...) of one expert's block as a GEMM operand.
+  QuantPanels panels(const uint8_t* expert, int64_t p0) const {
+    QuantPanels w;
+    w.codes = expert + p0 * code_panel_bytes;
+    w.code_panel_bytes = code_panel_bytes;
+    w.scales = expert + scales_offset + p0 * scale_panel * scale_bytes;
+    w.scale_panel = scale_panel;
+    w.scale_bytes = scale_bytes;
+    w.bits = bits;
+    w.code = code;
+    w.kq = kq;
+    w.group = group;
+    return w;
+  }
   // The fp32 value of stored scale i (panel-major index).
   float scale_at(const uint8_t* expert, int64_t i) const {
     const uint8_t* p = expert + scales_offset + i * scale_bytes;

@@ -63,6 +63,26 @@ class PrefetchCursor {
   int64_t line_ = 0, per_chunk_, stride_, left_;
 };
 
+// What a stored code of a quantized base stands for (formats/packed_quant.h):
+// a signed integer (int8, or int4 as u - 8), an fp8 e4m3 or an fp4 e2m1 value.
+enum class QuantCode { kInt, kE4M3, kE2M1 };
+
+// Panels of a quantized base as a GEMM operand (formats/packed_quant.h): the
+// codes of panel p at codes + p * code_panel_bytes, the 16 scales of panel p
+// and group j at scales + (p * scale_panel + 16 j) * scale_bytes (bf16, or
+// fp32 when scale_bytes is 4).
+struct QuantPanels {
+  const uint8_t* codes = nullptr;
+  int64_t code_panel_bytes = 0;
+  const uint8_t* scales = nullptr;
+  int64_t scale_panel = 0;
+  int scale_bytes = 2;
+  int bits = 8;
+  QuantCode code = QuantCode::kInt;
+  int64_t kq = 0;     // K of the codes and of the A rows
+  int64_t group = 0;  // K per scale, a multiple of 32 dividing kq
+};
+
 struct Kernels {
   kt_isa isa;
   const char* gemm_name;  // the contract-naming name of the weight GEMM
@@ -152,6 +172,15 @@ struct Kernels {
   void (*gemm_bf16w_grouped)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                              int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
                              int64_t group, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next);
+  // C[r, 16p + c] (=|+=) sum over groups j of scale(p, j, c) * (sum over k in
+  // group j of A[r][k] * code(p, c, k)) for p < np, straight from the codes
+  // (QuantPanels): for few rows (decode), where dequantizing into panels in
+  // cache first would leave the code stream from memory waiting. A rows hold
+  // w.kq values. nullptr where the unit has none (dequant_* and
+  // gemm_bf16w_grouped then); used for m <= gemm_quant_rows.
+  void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
+                     bool accumulate);
+  int gemm_quant_rows;
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

@@ -718,6 +718,10 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   }
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
+  if (K_.gemm_quant && m <= K_.gemm_quant_rows) {
+    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false);
+    return;
+  }
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
   const auto dequant = dequant_kernel(K_, qs);
   // One scale per row (int8 per channel, or one group spanning K): applied

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -460,6 +461,89 @@ TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
               }
             for (int i = 0; i < m; ++i)  // columns past the panels untouched
               for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
+          }
+        }
+}
+
+// gemm_quant, straight from the codes, against plain loops in double over
+// the values quant_get reads: every code kind and scale type, one scale per
+// row and groups, row and panel tails. Tables without it skip visibly.
+TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  if (!K.gemm_quant) GTEST_SKIP() << K.gemm_name << " has no gemm_quant (dequant_* and gemm_bf16w_grouped serve)";
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,
+                             KT_FORMAT_MXFP4})
+    for (int64_t k : {128, 256})
+      for (int np : {1, 2, 3, 4, 5, 7})
+        for (int m : {1, 2, 3, 4, 6}) {
+          const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
+          ASSERT_EQ(s.kq, k);
+          std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
+          for (int64_t i = 0; i < s.scales_offset; ++i) {
+            uint8_t b = static_cast<uint8_t>(byte(rng));
+            if (s.code == kt::QuantCode::kE4M3 && (b & 0x7f) == 0x7f) b = 0;  // e4m3 NaN: loads refuse it
+            ex[static_cast<size_t>(i)] = b;
+          }
+          for (int64_t i = 0; i < np * s.scale_panel; ++i) {
+            // Powers of two for e8m0, any positive value otherwise.
+            const float v = s.code == kt::QuantCode::kE2M1 ? std::ldexp(1.f, static_cast<int>(nd(rng) * 3.f))
+                                                            : std::fabs(nd(rng)) * 0.05f + 0.001f;
+            uint8_t* to = ex.data() + s.scales_offset + i * s.scale_bytes;
+            if (s.scale_bytes == 4) {
+              std::memcpy(to, &v, 4);
+            } else {
+              const bf16_t b = kt::f32_to_bf16(v);
+              std::memcpy(to, &b, 2);
+            }
+          }
+          std::vector<float> a(static_cast<size_t>(m * k));
+          for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+          std::vector<char> ak(static_cast<size_t>(m * k * K.a_elem_size));
+          std::vector<const void*> rows(static_cast<size_t>(m));
+          for (int i = 0; i < m; ++i) {
+            K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, k, &ak[static_cast<size_t>(i * k * K.a_elem_size)]);
+            rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * k * K.a_elem_size)];
+          }
+          const int64_t ldc = np * 16 + 3;
+          for (bool acc : {false, true}) {
+            std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
+            K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc);
+            for (int i = 0; i < m; ++i)
+              for (int64_t col = 0; col < np * 16; ++col) {
+                double want = acc ? 0.5 : 0.0, mag = 0.0;
+                for (int64_t kk = 0; kk < k; ++kk) {
+                  const double t = static_cast<double>(a[static_cast<size_t>(i * k + kk)]) *
+                                   kt::quant_get(ex.data(), s, col, kk);
+                  want += t;
+                  mag += std::fabs(t);
+                }
+                ASSERT_NEAR(c[static_cast<size_t>(i * ldc + col)], want, 1e-5 * (1.0 + mag))
+                    << K.gemm_name << " " << kt_weight_format_name(f) << " k=" << k << " np=" << np << " m=" << m
+                    << " acc=" << acc << " col=" << col;
+              }
+            for (int i = 0; i < m; ++i)  // columns past the panels untouched
+              for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
+          }
+          // A row alone gives the bits it gives among others, and panels
+          // from p0 on (the operand of panels(expert, p0)) the bits they give
+          // among all: the summation order depends on neither split.
+          std::vector<float> all(static_cast<size_t>(m * ldc), 0.f);
+          K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, all.data(), ldc, false);
+          for (int i = 0; i < m; ++i) {
+            std::vector<float> one(static_cast<size_t>(ldc), 0.f);
+            K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), ldc, false);
+            for (int64_t col = 0; col < np * 16; ++col)
+              ASSERT_EQ(one[static_cast<size_t>(col)], all[static_cast<size_t>(i * ldc + col)]);
+          }
+          if (np > 1) {
+            std::vector<float> tail(static_cast<size_t>(m * ldc), 0.f);
+            K.gemm_quant(s.panels(ex.data(), 1), rows.data(), m, np - 1, tail.data(), ldc, false);
+            for (int i = 0; i < m; ++i)
+              for (int64_t col = 16; col < np * 16; ++col)
+                ASSERT_EQ(tail[static_cast<size_t>(i * ldc + col - 16)], all[static_cast<size_t>(i * ldc + col)]);
           }
         }
 }

@@ -292,6 +292,8 @@ static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, i
   }
 }
 
+#include "kernels/avx512bf16/gemm_quant.inc"
+
 // ---- fp32 GEMMs (LoRA projections and gradients): register tiles of fp32
 // FMAs; column tails by masks. Rows of C are independent of how many rows a
 // call gets, so results do not depend on the work split.
@@ -621,6 +623,8 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::dequant_e4m3,
     avx512bf16::dequant_e2m1,
     avx512bf16::gemm_bf16w_grouped,
+    avx512bf16::gemm_quant,
+    4,
 };
 
 }  // namespace kt
