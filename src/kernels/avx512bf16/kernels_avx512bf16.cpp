@@ -138,11 +138,14 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   const bf16_t* const* a = reinterpret_cast<const bf16_t* const*>(a_rows);
   PrefetchCursor next(region);
   const int64_t lines = region.lines();
-  // The calls over column groups each take a share of the prefetch.
-  const int groups = (np + 3) / 4;
+  // The calls over column groups each take a share of the prefetch. Grouped
+  // tiles go two panels wide: their partial sums leave room for 6 rows,
+  // which load the panels half as often as 3 rows under 4 panels.
+  constexpr int kMaxNP = Grouped ? 2 : 4;
+  const int groups = (np + kMaxNP - 1) / kMaxNP;
   int p = 0;
   for (int gi = 0; p < np; ++gi) {
-    const int n = np - p >= 4 ? 4 : np - p;
+    const int n = np - p >= kMaxNP ? kMaxNP : np - p;
     const int64_t share = lines * (gi + 1) / groups - lines * gi / groups;
     const bf16_t* w = panels + p * panel_stride;
     float* cp = c + p * kPanelRows;
