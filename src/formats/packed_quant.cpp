@@ -110,24 +110,35 @@ float quant_get(const uint8_t* expert, const QuantShape& s, int64_t r, int64_t c
   return q * s.scale_at(expert, P * s.scale_panel + (c / s.group) * kPanelRows + lane);
 }
 
+// 16 stored scales from index `from` (panel-major) as fp32: straight
+// loops per scale type, which the compiler vectorises.
+static inline void lane_scales(const uint8_t* expert, const QuantShape& s, int64_t from, float* to) {
+  const uint8_t* p = expert + s.scales_offset + from * s.scale_bytes;
+  if (s.scale_bytes == 4) {
+    std::memcpy(to, p, kPanelRows * sizeof(float));
+    return;
+  }
+  uint16_t b[kPanelRows];
+  std::memcpy(b, p, sizeof(b));
+  for (int l = 0; l < kPanelRows; ++l) {
+    const uint32_t bits = static_cast<uint32_t>(b[l]) << 16;
+    std::memcpy(to + l, &bits, 4);
+  }
+}
+
 void quant_scales_f32(const uint8_t* expert, const QuantShape& s, int64_t p0, int64_t np, int64_t g0, int64_t ng,
                       float* dst) {
   for (int64_t p = 0; p < np; ++p)
-    for (int64_t j = 0; j < ng; ++j) {
-      const int64_t from = (p0 + p) * s.scale_panel + (g0 + j) * kPanelRows;
-      float* to = dst + (p * ng + j) * kPanelRows;
-      for (int l = 0; l < kPanelRows; ++l) to[l] = s.scale_at(expert, from + l);
-    }
+    for (int64_t j = 0; j < ng; ++j)
+      lane_scales(expert, s, (p0 + p) * s.scale_panel + (g0 + j) * kPanelRows, dst + (p * ng + j) * kPanelRows);
 }
 
 void quant_scales_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, float* dst) {
   const int64_t nj = kc / kQuantKAlign;
   for (int64_t p = 0; p < s.np; ++p)
-    for (int64_t j = 0; j < nj; ++j) {
-      const int64_t from = p * s.scale_panel + ((c0 + j * kQuantKAlign) / s.group) * kPanelRows;
-      float* to = dst + (p * nj + j) * kPanelRows;
-      for (int l = 0; l < kPanelRows; ++l) to[l] = s.scale_at(expert, from + l);
-    }
+    for (int64_t j = 0; j < nj; ++j)
+      lane_scales(expert, s, p * s.scale_panel + ((c0 + j * kQuantKAlign) / s.group) * kPanelRows,
+                  dst + (p * nj + j) * kPanelRows);
 }
 
 // ---------------------------------------------------- checkpoint sources

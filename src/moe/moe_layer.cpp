@@ -52,6 +52,20 @@ static DequantKernel dequant_kernel(const Kernels& k, const QuantShape& qs) {
   return qs.bits == 4 ? k.dequant_i4 : k.dequant_i8;
 }
 
+// Whether every e2m1 value (magnitudes 0.5 to 6) times each of these e8m0
+// scales is a normal fp32 number, so exact in bf16 (2 significant bits) and
+// kept by the bf16 conversion, which flushes subnormals: powers of two 2^e
+// with -125 <= e <= 125.
+static bool scaled_e2m1_exact(const float* scales, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, scales + i, 4);
+    const uint32_t exponent = (bits >> 23) & 0xff;
+    if ((bits & 0x807fffffu) != 0 || exponent < 2 || exponent > 252) return false;
+  }
+  return true;
+}
+
 }  // namespace kt
 
 using namespace kt;
@@ -737,13 +751,22 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
     ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
     for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
-    dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
     if (per_row) {
+      dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
+      continue;
+    }
+    const int64_t scale_stride = (kc / qs.group) * kPanelRows;
+    quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
+    if (qs.code == QuantCode::kE2M1 && scaled_e2m1_exact(scales, np * scale_stride)) {
+      // Scaled e2m1 values are exact in bf16: the plain GEMM on them adds
+      // no rounding and saves the per-group sums.
+      dequant(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
       K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
     } else {
-      quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
-      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, (kc / qs.group) * kPanelRows,
-                            qs.group, c, kBlockCols, k0 > 0, PrefetchRegion{});
+      dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride, qs.group, c,
+                            kBlockCols, k0 > 0, PrefetchRegion{});
     }
   }
   if (per_row)

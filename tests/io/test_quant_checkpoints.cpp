@@ -1025,6 +1025,10 @@ std::vector<QuantCase> small_cases() {
   c.layer = 1; c.dequantize = true; v.push_back(c);
   c = QuantCase{}; c.name = "mxfp4_gpt_oss_swiglu_bias_lora"; c.make = [] { return gpt_oss_ckpt(0, 4, 96, 64, 13); };
   c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; v.push_back(c);
+  // Many rows per expert: the dequantized panels with their e8m0 scales
+  // folded in (exact) under the plain bf16 GEMM.
+  c = QuantCase{}; c.name = "mxfp4_gpt_oss_many_tokens"; c.make = [] { return gpt_oss_ckpt(0, 4, 96, 64, 15); };
+  c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.T = 48; v.push_back(c);
   c = QuantCase{}; c.name = "mxfp4_v4_silu_limit"; c.make = [] { return dsv4_ckpt(2, 3, 80, 48, 14); };
   c.layer = 2; c.limit = 1.5f; v.push_back(c);
   return v;
