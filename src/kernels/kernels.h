@@ -177,10 +177,13 @@ struct Kernels {
   // (QuantPanels): for few rows (decode), where dequantizing into panels in
   // cache first would leave the code stream from memory waiting. A rows hold
   // w.kq values. nullptr where the unit has none (dequant_* and
-  // gemm_bf16w_grouped then); used for m <= gemm_quant_rows.
+  // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit (8-bit
+  // codes) or gemm_quant_rows_4bit rows: past them expanding the codes once
+  // per row tile costs more than dequantizing once into cache.
   void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                      bool accumulate);
-  int gemm_quant_rows;
+  int gemm_quant_rows_8bit;
+  int gemm_quant_rows_4bit;
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

@@ -478,7 +478,7 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
                              KT_FORMAT_MXFP4})
     for (int64_t k : {128, 256})
       for (int np : {1, 2, 3, 4, 5, 7})
-        for (int m : {1, 2, 3, 4, 6}) {
+        for (int m : {1, 2, 3, 4, 5, 6, 7, 13}) {
           const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
           ASSERT_EQ(s.kq, k);
           std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
@@ -527,16 +527,28 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
             for (int i = 0; i < m; ++i)  // columns past the panels untouched
               for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
           }
-          // A row alone gives the bits it gives among others, and panels
-          // from p0 on (the operand of panels(expert, p0)) the bits they give
-          // among all: the summation order depends on neither split.
+          // Up to 4 rows, a row alone gives the bits it gives among others;
+          // past 4, rows give the same bits under other tile heights (3 more
+          // rows); and panels from p0 on (the operand of panels(expert, p0))
+          // the bits they give among all: within each of the two row
+          // regimes, the summation order depends on no split.
           std::vector<float> all(static_cast<size_t>(m * ldc), 0.f);
           K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, all.data(), ldc, false);
-          for (int i = 0; i < m; ++i) {
-            std::vector<float> one(static_cast<size_t>(ldc), 0.f);
-            K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), ldc, false);
-            for (int64_t col = 0; col < np * 16; ++col)
-              ASSERT_EQ(one[static_cast<size_t>(col)], all[static_cast<size_t>(i * ldc + col)]);
+          if (m <= 4) {
+            for (int i = 0; i < m; ++i) {
+              std::vector<float> one(static_cast<size_t>(ldc), 0.f);
+              K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), ldc, false);
+              for (int64_t col = 0; col < np * 16; ++col)
+                ASSERT_EQ(one[static_cast<size_t>(col)], all[static_cast<size_t>(i * ldc + col)]);
+            }
+          } else {
+            std::vector<const void*> more(rows);
+            for (int i = 0; i < 3; ++i) more.push_back(rows[0]);
+            std::vector<float> wider(static_cast<size_t>((m + 3) * ldc), 0.f);
+            K.gemm_quant(s.panels(ex.data(), 0), more.data(), m + 3, np, wider.data(), ldc, false);
+            for (int i = 0; i < m; ++i)
+              for (int64_t col = 0; col < np * 16; ++col)
+                ASSERT_EQ(wider[static_cast<size_t>(i * ldc + col)], all[static_cast<size_t>(i * ldc + col)]);
           }
           if (np > 1) {
             std::vector<float> tail(static_cast<size_t>(m * ldc), 0.f);
