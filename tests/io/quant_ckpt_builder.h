@@ -3,9 +3,8 @@
 // block scales (DeepSeek-V3, Kimi-K2), compressed-tensors int4
 // pack-quantized (Kimi-K2-Thinking), MXFP4 (gpt-oss fused blocks, DeepSeek-V4
 // per-expert weight + scale), each with the weights its bits stand for.
+// Shared by the io tests and the fuzz seed writer (no test framework here).
 #pragma once
-
-#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -86,8 +86,7 @@ struct QuantCkpt {
   StTensor& find(const std::string& name) {
     for (auto& t : tensors)
       if (t.name == name) return t;
-    ADD_FAILURE() << "no tensor " << name;
-    return tensors.front();
+    throw std::out_of_range("no tensor " + name);
   }
   void write(const std::string& dir) const {
     std::filesystem::create_directories(dir);
