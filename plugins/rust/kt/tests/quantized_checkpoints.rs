@@ -100,15 +100,28 @@ fn mxfp4_checkpoint(dir: &std::path::Path) -> i64 {
         for (p, (name, (out, inp))) in ["w1", "w3", "w2"].iter().zip(SHAPES).enumerate() {
             let base = format!("layers.2.ffn.experts.{}.{}", e, name);
             let seed = 100 + (e * 3 + p) as u64;
-            tensors.push((base.clone() + ".weight", "U8", vec![out, inp / 2], bytes(out * inp / 2, seed, |b| b)));
+            tensors.push((
+                base.clone() + ".weight",
+                "U8",
+                vec![out, inp / 2],
+                bytes(out * inp / 2, seed, |b| b),
+            ));
             let groups = (inp + 31) / 32;
-            tensors.push((base + ".scale", "F8_E8M0", vec![out, groups], bytes(out * groups, seed + 50, |b| 121 + b % 5)));
+            tensors.push((
+                base + ".scale",
+                "F8_E8M0",
+                vec![out, groups],
+                bytes(out * groups, seed + 50, |b| 121 + b % 5),
+            ));
         }
     }
     write_safetensors(&dir.join("model.safetensors"), &tensors);
     std::fs::write(
         dir.join("config.json"),
-        format!("{{\"num_experts_per_tok\": {}, \"quantization_config\": {{\"quant_method\": \"mxfp4\"}}}}", K),
+        format!(
+            "{{\"num_experts_per_tok\": {}, \"quantization_config\": {{\"quant_method\": \"mxfp4\"}}}}",
+            K
+        ),
     )
     .unwrap();
     2
@@ -130,22 +143,36 @@ fn forward(moe: &Moe<'_>) -> Vec<f32> {
 }
 
 fn weights(moe: &Moe<'_>) -> Vec<f32> {
-    let (mut g, mut u, mut d) = (vec![0.0f32; E * I * H], vec![0.0f32; E * I * H], vec![0.0f32; E * H * I]);
+    let (mut g, mut u, mut d) = (
+        vec![0.0f32; E * I * H],
+        vec![0.0f32; E * I * H],
+        vec![0.0f32; E * H * I],
+    );
     {
         let mut gt = TensorMut::new(&mut g, &[E as i64, I as i64, H as i64]).unwrap();
         let mut ut = TensorMut::new(&mut u, &[E as i64, I as i64, H as i64]).unwrap();
         let mut dt = TensorMut::new(&mut d, &[E as i64, H as i64, I as i64]).unwrap();
-        moe.read_weights(&[Arg::Out(arg::W_GATE, &mut gt), Arg::Out(arg::W_UP, &mut ut), Arg::Out(arg::W_DOWN, &mut dt)])
-            .unwrap();
+        moe.read_weights(&[
+            Arg::Out(arg::W_GATE, &mut gt),
+            Arg::Out(arg::W_UP, &mut ut),
+            Arg::Out(arg::W_DOWN, &mut dt),
+        ])
+        .unwrap();
     }
     g.into_iter().chain(u).chain(d).collect()
 }
 
 #[test]
 fn quantized_checkpoints_make_packed_caches_of_their_format() {
-    let engine = Engine::new(&EngineOptions { num_threads: 2, ..Default::default() }).unwrap();
-    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat); 2] =
-        [("fp8", fp8_checkpoint, WeightFormat::Fp8B128), ("mxfp4", mxfp4_checkpoint, WeightFormat::Mxfp4)];
+    let engine = Engine::new(&EngineOptions {
+        num_threads: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat); 2] = [
+        ("fp8", fp8_checkpoint, WeightFormat::Fp8B128),
+        ("mxfp4", mxfp4_checkpoint, WeightFormat::Mxfp4),
+    ];
     for (name, write, format) in cases {
         let dir = scratch(name);
         let ckpt_dir = dir.join("ckpt");
@@ -155,7 +182,10 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         let layers = ck.layers().unwrap();
         assert_eq!(layers.len(), 1);
         assert_eq!(layers[0].weight_format, Some(format), "{}", name);
-        assert_eq!(layers[0].group_size, if format == WeightFormat::Fp8B128 { 128 } else { 32 });
+        assert_eq!(
+            layers[0].group_size,
+            if format == WeightFormat::Fp8B128 { 128 } else { 32 }
+        );
         let options = ck.moe_options(layer).unwrap().max_tokens(T as i64);
         let loaded = engine.moe(&options).unwrap();
         ck.load_layer(layer, &loaded).unwrap();
@@ -166,7 +196,10 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         loaded.save_packed(&cache).unwrap();
         let p = kt::packed_info(&cache).unwrap();
         assert_eq!(p.weight_format, format, "{}", name);
-        assert_eq!((p.num_experts, p.num_loaded, p.hidden, p.intermediate), (E as i64, E as i64, H as i64, I as i64));
+        assert_eq!(
+            (p.num_experts, p.num_loaded, p.hidden, p.intermediate),
+            (E as i64, E as i64, H as i64, I as i64)
+        );
         assert_eq!(p.weight_bytes, info.weight_bytes);
         assert_eq!(p.file_bytes, std::fs::metadata(&cache).unwrap().len() as i64);
         assert!(!p.has_bias);
@@ -174,7 +207,12 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         let mapped = engine.moe(&options).unwrap();
         mapped.load_packed(&cache, true).unwrap();
         assert_eq!(mapped.info().unwrap().weight_format, format);
-        assert_eq!(weights(&mapped), weights(&loaded), "{}: the cached weights are the checkpoint's", name);
+        assert_eq!(
+            weights(&mapped),
+            weights(&loaded),
+            "{}: the cached weights are the checkpoint's",
+            name
+        );
         assert_eq!(forward(&mapped), forward(&loaded), "{}", name);
 
         let bf16 = engine.moe(&options.weight_format(WeightFormat::Bf16)).unwrap();
