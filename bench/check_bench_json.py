@@ -8,6 +8,70 @@ import sys
 
 CASES = {"forward", "train_dx", "train_lora", "train_full"}
 
+# Per format: (code bits, inputs per scale or None for one per row, K
+# alignment, scale bytes), as kt_c_api.h and formats/packed_quant.h describe
+# the stored layout; and the largest relative L2 error of W' against the
+# benchmark's bf16 weights (Gaussian rows) each format may show.
+FORMATS = {
+    "int8_channel": ((8, None, 32, 2), 0.02),
+    "int4_g32": ((4, 32, 32, 2), 0.15),
+    "int4_g128": ((4, 128, 128, 2), 0.15),
+    "fp8_b128": ((8, 128, 128, 4), 0.05),
+    "mxfp4": ((4, 32, 32, 2), 0.15),
+}
+
+
+def align(v, a):
+    return (v + a - 1) // a * a
+
+
+def stored_bytes_per_weight(fmt, hidden, inter):
+    """Bytes kt stores per weight of one expert: 16-row panels of codes, K
+    padded, then the scales, each 64-byte aligned."""
+    bits, group, k_align, scale_bytes = FORMATS[fmt][0]
+    total = 0
+    for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
+        rows, kq = align(n, 16), align(k, k_align)
+        groups = 1 if group is None else kq // group
+        total += align(align(rows * kq * bits // 8, 64) + rows * groups * scale_bytes, 64)
+    return total / (3 * hidden * inter)
+
+
+def check_formats(model, formats, where):
+    """--format: every listed format has a row per (case, T) of the bf16
+    results but train_full, with the stored bytes per weight, a time, GB/s
+    and %bw that agree with each other, and a plausible quantization error."""
+    require(model, ["weight_formats", "format_weight_error", "format_checkpoints"], where)
+    rows = {(r["format"], r["case"], r["tokens"]): r for r in model["weight_formats"]}
+    expected = {(f, r["case"], r["tokens"]) for f in formats for r in model["results"] if r["case"] != "train_full"}
+    if set(rows) != expected:
+        fail(f"{where}: weight_formats rows {sorted(rows)}, expected {sorted(expected)}")
+    for key, r in rows.items():
+        fmt, case, tokens = key
+        what = f"{where} {fmt} {case} T={tokens}"
+        require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16"], what)
+        if "error" in r:
+            fail(f"{what}: kt failed: {r['error']}")
+        want = stored_bytes_per_weight(fmt, model["hidden"], model["intermediate"])
+        if abs(r["bytes_per_weight"] - want) > 1e-4 * want:
+            fail(f"{what}: bytes_per_weight {r['bytes_per_weight']}, the layout stores {want:.6f}")
+        if not r["ms"] or r["ms"] <= 0:
+            fail(f"{what}: no time")
+        base = next(b for b in model["results"] if b["case"] == case and b["tokens"] == tokens)
+        bytes_read = base["bytes"] * r["bytes_per_weight"] / 2.0
+        if abs(r["gbs"] - bytes_read / r["ms"] / 1e6) > 1e-3 * r["gbs"]:
+            fail(f"{what}: gbs {r['gbs']} is not the format's {bytes_read:.0f} bytes in {r['ms']} ms")
+        want_source = "checkpoint" if fmt in ("fp8_b128", "mxfp4") else "quantized_at_load"
+        if r["source"] != want_source:
+            fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
+    for fmt in formats:
+        err = model["format_weight_error"].get(fmt)
+        if err is None or not 0 < err <= FORMATS[fmt][1]:
+            fail(f"{where} {fmt}: W' against the bf16 weights has relative L2 {err}, expected in (0, {FORMATS[fmt][1]}]")
+    written = {c["format"] for c in model["format_checkpoints"]}
+    if written != {f for f in formats if f in ("fp8_b128", "mxfp4")}:
+        fail(f"{where}: synthetic checkpoints written for {sorted(written)}")
+
 
 def fail(message):
     print("check_bench_json: " + message, file=sys.stderr)
@@ -23,6 +87,11 @@ def require(obj, keys, where):
 def main():
     if len(sys.argv) < 2:
         fail("usage: check_bench_json.py KT_BENCH [ARGS...]")
+    args = sys.argv[1:]
+    formats = [f for f in args[args.index("--format") + 1].split(",") if f != "bf16"] if "--format" in args else []
+    unknown = [f for f in formats if f not in FORMATS]
+    if unknown:
+        fail(f"no expected layout for format(s) {unknown}")
     proc = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)
     if proc.returncode != 0:
         fail(f"kt_bench exited with {proc.returncode}\n{proc.stderr}")
@@ -65,6 +134,8 @@ def main():
         if seen != CASES:
             fail(f"{where}: cases {sorted(seen)}, expected {sorted(CASES)}")
         require(model["linearity"], ["touched_experts_sweep"] + sorted(CASES), where + " linearity")
+        if formats:
+            check_formats(model, formats, where)
     require(doc, ["optimizer"], "the document (the optimizer case runs by default)")
     optimizer = doc["optimizer"]
     require(optimizer, ["model", "algorithm", "bytes_per_param", "torch", "results"], "optimizer")

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -26,6 +27,7 @@
 #include "machine_limits.h"
 #include "model_shapes.h"
 #include "optimizer_bench.h"
+#include "quant_checkpoint.h"
 #include "torch_runner.h"
 #include "workload.h"
 #if KT_BENCH_HAVE_ONEDNN
@@ -97,8 +99,11 @@ const char* kUsage =
     "  --no-torch           skip the torch baseline\n"
     "  --python PATH        interpreter for the torch baseline (default /usr/bin/python3)\n"
     "  --torch-script PATH  torch_baseline.py to run\n"
-    "  --format LIST        also run kt with these weight storage formats (int8_channel,int4_g32),\n"
-    "                       side by side with bf16 on the same layer and workloads\n";
+    "  --format LIST        also run kt with these weight storage formats, side by side with bf16\n"
+    "                       on the same layer and workloads (not train_full: a quantized base is\n"
+    "                       frozen): int8_channel, int4_g32, int4_g128 (kt quantizes the bf16\n"
+    "                       weights at load), fp8_b128, mxfp4 (the bf16 weights quantized into a\n"
+    "                       synthetic checkpoint of that layout in $TMPDIR, loaded from it)\n";
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
@@ -183,7 +188,8 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
       }
     } else if (a == "--format") {
       for (const std::string& name : split(v)) {
-        const kt_weight_format all[] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32};
+        const kt_weight_format all[] = {KT_FORMAT_BF16,     KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
+                                        KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4};
         const kt_weight_format* f =
             std::find_if(std::begin(all), std::end(all), [&](kt_weight_format x) { return name == kt_weight_format_name(x); });
         if (f == std::end(all)) {
@@ -274,6 +280,19 @@ struct FormatRow {
   std::string error;
 };
 
+// The quantization error of a format on the benchmark's weights.
+struct FormatError {
+  kt_weight_format format;
+  double weight_rel_l2;  // of the layer's W' from the bf16 weights
+};
+
+// A synthetic quantized checkpoint written for a format kt does not
+// quantize to itself.
+struct CheckpointWritten {
+  kt_weight_format format;
+  double file_bytes, seconds;
+};
+
 struct TouchedRow {
   int64_t touched = 0, tokens = 0;
   double bytes = 0;
@@ -295,6 +314,8 @@ struct ModelReport {
   std::vector<Row> rows;
   std::vector<TouchedRow> sweep;
   std::vector<FormatRow> formats;  // --format
+  std::vector<CheckpointWritten> checkpoints;  // --format's checkpoint-only formats
+  std::vector<FormatError> format_errors;      // --format
   std::map<Case, LinearFit> fits;
   std::string onednn_reason;  // empty when it ran
   TorchRun torch;
@@ -409,8 +430,27 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   // at a time, right after the bf16 ones.
   const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
   for (kt_weight_format f : o.formats) {
-    KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16), f);
+    // fp8 and MXFP4 bases come from checkpoints: these weights quantized
+    // into one, loaded as a host loads it.
+    std::unique_ptr<QuantCheckpoint> source;
+    std::string source_error;
+    if (comes_from_checkpoint(f)) {
+      if (!o.json)
+        std::fprintf(stderr, "kt_bench: %s: writing the weights as a %s checkpoint\n", shape.name,
+                     kt_weight_format_name(f));
+      source = QuantCheckpoint::write(layer, f, threads, &source_error);
+      if (source) {
+        rep.checkpoints.push_back({f, source->file_bytes(), source->write_seconds()});
+        if (!o.json)
+          std::fprintf(stderr, "kt_bench: %s: %.2f GB written in %.1f s\n", shape.name, source->file_bytes() / 1e9,
+                       source->write_seconds());
+      }
+    }
+    KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16), f, source ? source->ckpt() : nullptr,
+                QuantCheckpoint::kLayer);
     for (Case c : o.cases) {
+      // A quantized base is frozen: full-weight training is bf16 only.
+      if (c == Case::kTrainFull) continue;
       for (const Workload& w : work) {
         if (!o.json)
           std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name, kt_weight_format_name(f), case_label(c),
@@ -419,13 +459,19 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         fr.format = f;
         fr.which = c;
         fr.tokens = w.tokens;
-        const double s = kt.time_case(c, w, o.warmup, o.reps, &fr.error);
+        const double s = source_error.empty() ? kt.time_case(c, w, o.warmup, o.reps, &fr.error) : -1;
+        if (!source_error.empty()) fr.error = source_error;
         if (s >= 0) fr.kt_s = s;
         const Row& base = row_of(c, w.tokens);
         // case_bytes counts bf16 weights: the same reads in this format's bytes.
         fr.bytes_per_weight = kt.expert_weight_bytes() / weights_per_expert;
         fr.bytes = base.bytes * kt.expert_weight_bytes() / layer.bytes_per_expert();
         rep.formats.push_back(fr);
+      }
+      if (c == Case::kForward && source_error.empty()) {
+        std::string error;
+        rep.format_errors.push_back({f, kt.weight_rel_l2(&error)});
+        if (!error.empty() && !o.json) std::fprintf(stderr, "kt_bench: %s\n", error.c_str());
       }
     }
     for (const auto& l : kt.loads()) rep.loads.emplace_back(std::string(kt_weight_format_name(f)) + " " + l.first, l.second);
@@ -622,7 +668,14 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                   fmt("%.1f", 100 * f.max_rel_residual).c_str());
     }
     if (!mr.formats.empty()) {
-      std::printf("weight storage formats, side by side with bf16 in this run (kt only):\n");
+      std::printf("weight storage formats, side by side with bf16 in this run (kt only; B/wt: bytes kt stores\n"
+                  "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that format):\n");
+      for (const FormatError& e : mr.format_errors)
+        std::printf("   %s: W' against the bf16 weights, relative L2 %s%%\n", kt_weight_format_name(e.format),
+                    fmt("%.2f", 100 * e.weight_rel_l2).c_str());
+      for (const CheckpointWritten& c : mr.checkpoints)
+        std::printf("   %s: loaded from a synthetic checkpoint of these weights (%.2f GB, written in %.1f s)\n",
+                    kt_weight_format_name(c.format), c.file_bytes / 1e9, c.seconds);
       std::printf("   %-19s %6s %-13s %7s %10s %8s %6s %9s\n", "case", "T", "format", "B/wt", "ms", "GB/s", "%bw",
                   "t/t_bf16");
       for (const Row& r : mr.rows) {
@@ -639,6 +692,8 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
           if (!f.error.empty()) std::printf("      %s\n", f.error.c_str());
         }
       }
+      if (std::find(o.cases.begin(), o.cases.end(), Case::kTrainFull) != o.cases.end())
+        std::printf("   fwd+bwd full grads: bf16 only (a quantized base is frozen)\n");
     }
     if (!mr.sweep.empty()) {
       std::printf("   forward at T=%lld vs touched experts:", static_cast<long long>(mr.sweep.front().tokens));
@@ -832,6 +887,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
                                       [&](const Row& r) { return r.which == f.which && r.tokens == f.tokens; });
       j.begin_object();
       j.key("format").value(kt_weight_format_name(f.format));
+      j.key("source").value(comes_from_checkpoint(f.format) ? "checkpoint" : "quantized_at_load");
       j.key("case").value(case_key(f.which));
       j.key("tokens").value(f.tokens);
       j.key("bytes_per_weight").value(f.bytes_per_weight);
@@ -840,6 +896,18 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
       j.key("time_vs_bf16").value(f.kt_s / base.kt_s);
       if (!f.error.empty()) j.key("error").value(f.error);
+      j.end_object();
+    }
+    j.end_array();
+    j.key("format_weight_error").begin_object();
+    for (const FormatError& e : mr.format_errors) j.key(kt_weight_format_name(e.format)).value(e.weight_rel_l2);
+    j.end_object();
+    j.key("format_checkpoints").begin_array();
+    for (const CheckpointWritten& c : mr.checkpoints) {
+      j.begin_object();
+      j.key("format").value(kt_weight_format_name(c.format));
+      j.key("file_bytes").value(c.file_bytes);
+      j.key("write_seconds").value(c.seconds);
       j.end_object();
     }
     j.end_array();

@@ -8,8 +8,14 @@ std::string kt_error(const char* call, kt_status status) {
   return std::string(call) + " failed: " + kt_status_string(status) + ": " + kt_last_error();
 }
 
-KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens, kt_weight_format format)
-    : engine_(engine), layer_(layer), max_tokens_(max_tokens), format_(format) {}
+KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens, kt_weight_format format,
+                   const kt_ckpt* source, int64_t source_layer)
+    : engine_(engine),
+      layer_(layer),
+      max_tokens_(max_tokens),
+      format_(format),
+      source_(source),
+      source_layer_(source_layer) {}
 
 KtRunner::~KtRunner() { release_layer(); }
 
@@ -47,10 +53,11 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
   mode_ = mode;
   const kt_arg load[] = {{KT_ARG_W_GATE, layer_.gate.dl()}, {KT_ARG_W_UP, layer_.up.dl()}, {KT_ARG_W_DOWN, layer_.down.dl()}};
   const double start = now_seconds();
-  st = kt_moe_load_weights(moe_, nullptr, load, 3);
+  st = source_ ? kt_ckpt_load_layer(source_, source_layer_, moe_, nullptr, nullptr)
+               : kt_moe_load_weights(moe_, nullptr, load, 3);
   loads_.emplace_back(mode == KT_MODE_LORA ? "lora" : mode == KT_MODE_FULL ? "full" : "inference", now_seconds() - start);
   if (st != KT_OK) {
-    *error = kt_error("kt_moe_load_weights", st);
+    *error = kt_error(source_ ? "kt_ckpt_load_layer" : "kt_moe_load_weights", st);
     release_layer();
     return false;
   }
@@ -100,6 +107,31 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
     }
   }
   return true;
+}
+
+double KtRunner::weight_rel_l2(std::string* error) const {
+  if (!moe_) {
+    *error = "weight_rel_l2: no layer prepared";
+    return NAN;
+  }
+  double num = 0, den = 0;
+  const HostTensor* host[3] = {&layer_.gate, &layer_.up, &layer_.down};
+  for (int p = 0; p < 3; ++p) {
+    // One projection at a time: fp32 copies of a full layer are large.
+    HostTensor got(kDLFloat, 32, {host[p]->dim(0), host[p]->dim(1), host[p]->dim(2)});
+    const kt_arg arg = {KT_ARG_W_GATE + p, got.dl()};
+    const kt_status st = kt_moe_read_weights(moe_, &arg, 1);
+    if (st != KT_OK) {
+      *error = kt_error("kt_moe_read_weights", st);
+      return NAN;
+    }
+    for (int64_t i = 0; i < got.numel(); ++i) {
+      const double ref = from_bf16(host[p]->u16()[i]), d = got.f32()[i] - ref;
+      num += d * d;
+      den += ref * ref;
+    }
+  }
+  return std::sqrt(num / den);
 }
 
 namespace {

@@ -14,9 +14,11 @@ namespace kt_bench {
 
 class KtRunner {
  public:
-  // format: how the layer stores the base weights (kt_moe_options.weight_format).
+  // format: how the layer stores the base weights (kt_moe_options.weight_format);
+  // kt quantizes the host's bf16 weights into it, or, with source, the layer
+  // is loaded from layer source_layer of that checkpoint (kt_ckpt_load_layer).
   KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens,
-           kt_weight_format format = KT_FORMAT_BF16);
+           kt_weight_format format = KT_FORMAT_BF16, const kt_ckpt* source = nullptr, int64_t source_layer = 0);
   ~KtRunner();
   KtRunner(const KtRunner&) = delete;
   KtRunner& operator=(const KtRunner&) = delete;
@@ -33,6 +35,11 @@ class KtRunner {
   bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);
   // (mode, seconds) of every layer loaded so far: how long kt took to pack it.
   const std::vector<std::pair<std::string, double>>& loads() const { return loads_; }
+  // Relative L2 distance of the weights the layer computes with
+  // (kt_moe_read_weights, fp32) from the host's bf16 weights, over the three
+  // projections: the quantization error of the format. NaN with *error set
+  // when kt fails or no layer was prepared.
+  double weight_rel_l2(std::string* error) const;
   // Bytes per expert of the stored base weights (kt_moe_get_info) of the
   // last layer prepared; 0 before.
   double expert_weight_bytes() const { return expert_weight_bytes_; }
@@ -47,6 +54,8 @@ class KtRunner {
   const LayerWeights& layer_;
   int64_t max_tokens_;
   kt_weight_format format_;
+  const kt_ckpt* source_;
+  int64_t source_layer_;
   double expert_weight_bytes_ = 0;
   kt_moe* moe_ = nullptr;
   kt_mode mode_ = KT_MODE_INFERENCE;

@@ -576,7 +576,8 @@ KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
  * section offsets and byte sizes) and a 64-bit checksum of the header and of
  * each section (gate, up, down panels; fp32 biases; per-expert loaded
  * flags). A quantized layer's cache holds its weights as stored: the codes
- * and bf16 scales in the kernels' panel layout, mapped back without
+ * and scales in the kernels' panel layout (those of a checkpoint's fp8,
+ * MXFP4 or int4 layer as the checkpoint gave them), mapped back without
  * re-quantizing (kt_moe_info.weight_bytes per layer). The panel layout is
  * the same for every ISA (ref, avx2, avx512bf16, amx), so a cache written on
  * one CPU loads on any; a cache of another format version, ABI version or

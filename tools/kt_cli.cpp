@@ -7,10 +7,10 @@
 //                               writes a small synthetic checkpoint, loads a layer
 //                               from it through the ABI, runs a forward, checks it
 //   kt convert DIR OUT [--layers L,...] [--format F] [--json]
-//                               packs each MoE layer of a checkpoint (in format
-//                               F: bf16, int8_channel or int4_g32) into
-//                               OUT/layer-<L>.ktpack (kt_moe_load_packed maps
-//                               them back) plus OUT/manifest.json
+//                               packs each MoE layer of a checkpoint (as stored,
+//                               or in format F) into OUT/layer-<L>.ktpack
+//                               (kt_moe_load_packed maps them back) plus
+//                               OUT/manifest.json
 //   kt version [--json]
 #include <dirent.h>
 #include <fcntl.h>
@@ -94,10 +94,13 @@ int usage(FILE* to) {
                "  convert DIR OUT [--layers L,...] [--format F] [--json]\n"
                "                             pack the MoE layers of checkpoint DIR into a packed\n"
                "                             cache: OUT/layer-<L>.ktpack (memory-mapped back by\n"
-               "                             kt_moe_load_packed) and OUT/manifest.json; F is the\n"
-               "                             storage format: bf16 (default), int8_channel or\n"
-               "                             int4_g32 (quantized by kt, the error is stated in\n"
-               "                             kt_c_api.h)\n"
+               "                             kt_moe_load_packed) and OUT/manifest.json. Each layer\n"
+               "                             is kept as stored (bf16 for bf16/fp16/fp32 layers,\n"
+               "                             fp8_b128, mxfp4, int4_g32 or int4_g128 for quantized\n"
+               "                             checkpoints: codes and scales as they are), or F:\n"
+               "                             int8_channel, int4_g32 or int4_g128 quantize a dense\n"
+               "                             layer (the error is stated in kt_c_api.h), bf16\n"
+               "                             dequantizes a quantized one\n"
                "  bench [options]            the benchmark: kt against this machine's limits,\n"
                "                             oneDNN and torch eager (kt bench --help lists options)\n"
                "  version [--json]           library version, ABI, build, CPU ISA\n");
@@ -518,7 +521,8 @@ int64_t file_size(const std::string& path) {
 
 // "int4_g32" -> KT_FORMAT_INT4_G32 (kt_weight_format_name's names).
 bool parse_format(const std::string& text, kt_weight_format* out) {
-  for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+  for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
+                             KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4})
     if (text == kt_weight_format_name(f)) {
       *out = f;
       return true;
@@ -528,9 +532,13 @@ bool parse_format(const std::string& text, kt_weight_format* out) {
 
 int cmd_convert(const std::string& dir, const std::string& out, const std::string& layer_list,
                 const std::string& format_name, bool json) {
+  // Without --format every layer keeps the format that holds it as stored.
   kt_weight_format format = KT_FORMAT_BF16;
-  if (!format_name.empty() && !parse_format(format_name, &format)) {
-    std::fprintf(stderr, "kt convert: --format takes bf16, int8_channel or int4_g32, got '%s'\n", format_name.c_str());
+  const bool format_given = !format_name.empty();
+  if (format_given && !parse_format(format_name, &format)) {
+    std::fprintf(stderr,
+                 "kt convert: --format takes bf16, int8_channel, int4_g32, int4_g128, fp8_b128 or mxfp4, got '%s'\n",
+                 format_name.c_str());
     return 2;
   }
   std::vector<int64_t> wanted;
@@ -570,10 +578,15 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
       return 1;
     }
   }
+  // A layer kt cannot hold as stored can still be dequantized when the host
+  // asks for bf16 (the load says so when it cannot).
+  const bool dequantize = format_given && format == KT_FORMAT_BF16;
   for (const auto& li : layers) {
-    if (li.loadable) continue;
+    if (li.loadable || dequantize) continue;
     kt_ckpt_close(ck);
-    std::fprintf(stderr, "kt convert: layer %lld stores %s %s weights; kt packs bf16/fp16/fp32 layers only\n",
+    std::fprintf(stderr,
+                 "kt convert: layer %lld stores %s %s weights, which kt cannot hold as stored (kt info says why); "
+                 "--format bf16 dequantizes a quantized layer\n",
                  static_cast<long long>(li.layer), kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype));
     return 1;
   }
@@ -598,6 +611,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
   progress.count = layers.size();
   std::string entries;
   int64_t total_bytes = 0;
+  std::vector<kt_weight_format> written;  // per layer
   for (size_t i = 0; i < layers.size() && st == KT_OK; ++i) {
     const kt_ckpt_layer_info& li = layers[i];
     progress.index = i;
@@ -609,10 +623,13 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     kt_moe_options_init(&mo);
     if ((st = kt_ckpt_moe_options(ck, li.layer, &mo)) == KT_OK) {
       mo.max_tokens = 1;  // the layer only packs and saves: keep its workspaces small
-      mo.weight_format = format;
+      if (format_given) mo.weight_format = format;
       st = kt_moe_create(engine, &mo, &moe);
     }
-    if (st == KT_OK) st = kt_ckpt_load_layer(ck, li.layer, moe, draw_progress, &progress);
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.dequantize = dequantize ? 1 : 0;
+    if (st == KT_OK) st = kt_ckpt_load_layer_with(ck, li.layer, moe, &lo, draw_progress, &progress);
     if (st == KT_OK) st = kt_moe_save_packed(moe, path.c_str());
     kt_moe_destroy(moe);
     if (st != KT_OK) break;
@@ -630,8 +647,9 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
                   json_string(mo.activation == KT_ACT_SWIGLU_OAI ? "swiglu_oai" : "silu").c_str(),
                   static_cast<double>(mo.act_alpha), static_cast<double>(mo.act_limit),
                   json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str(),
-                  json_string(kt_weight_format_name(format)).c_str());
+                  json_string(kt_weight_format_name(mo.weight_format)).c_str());
     entries += entry;
+    written.push_back(mo.weight_format);
   }
   if (progress.draw && !layers.empty()) std::fprintf(stderr, "\n");
   kt_engine_destroy(engine);
@@ -657,14 +675,18 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     std::fprintf(stderr, "kt convert: %s\n", e.what());
     return 1;
   }
+  // The layers' format, or "mixed" when they differ (manifest.json has each).
+  std::string formats = written.empty() ? kt_weight_format_name(format) : kt_weight_format_name(written[0]);
+  for (kt_weight_format f : written)
+    if (f != written[0]) formats = "mixed";
   if (json) {
     std::printf("{\"ok\": true, \"out\": %s, \"manifest\": %s, \"layers\": %zu, \"bytes\": %lld, "
                 "\"weight_format\": %s}\n",
                 json_string(out).c_str(), json_string(out + "/manifest.json").c_str(), layers.size(),
-                static_cast<long long>(total_bytes), json_string(kt_weight_format_name(format)).c_str());
+                static_cast<long long>(total_bytes), json_string(formats).c_str());
   } else {
     std::printf("kt convert: packed %zu MoE layer(s) of %s into %s as %s (%s), manifest.json written\n",
-                layers.size(), dir.c_str(), out.c_str(), kt_weight_format_name(format), human_bytes(total_bytes).c_str());
+                layers.size(), dir.c_str(), out.c_str(), formats.c_str(), human_bytes(total_bytes).c_str());
   }
   return 0;
 }

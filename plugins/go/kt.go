@@ -293,8 +293,10 @@ const (
 )
 
 // WeightFormat is how a layer stores its frozen base weights
-// (kt_weight_format). The quantized formats are quantized by kt at load,
-// for inference and LoRA mode; kt_c_api.h states their error.
+// (kt_weight_format), for inference and LoRA mode. int8_channel, int4_g32
+// and int4_g128 are quantized by kt at load (kt_c_api.h states their error);
+// fp8_b128, mxfp4 and int4 groups come quantized from checkpoints, held as
+// stored.
 type WeightFormat int
 
 // Formats of kt_weight_format.
@@ -302,9 +304,13 @@ const (
 	FormatBF16        WeightFormat = C.KT_FORMAT_BF16
 	FormatInt8Channel WeightFormat = C.KT_FORMAT_INT8_CHANNEL // int8 per output channel
 	FormatInt4G32     WeightFormat = C.KT_FORMAT_INT4_G32     // int4 per group of 32 inputs
+	FormatFP8B128     WeightFormat = C.KT_FORMAT_FP8_B128     // fp8 e4m3, fp32 scale per 128x128 block
+	FormatMXFP4       WeightFormat = C.KT_FORMAT_MXFP4        // fp4 e2m1, e8m0 scale per 32 inputs
+	FormatInt4G128    WeightFormat = C.KT_FORMAT_INT4_G128    // int4 per group of 128 inputs
 )
 
-// String is kt's name of the format ("bf16", "int8_channel", "int4_g32").
+// String is kt's name of the format ("bf16", "int8_channel", "int4_g32",
+// "fp8_b128", "mxfp4", "int4_g128").
 func (f WeightFormat) String() string {
 	return C.GoString(C.kt_weight_format_name(C.kt_weight_format(f)))
 }
@@ -668,6 +674,31 @@ func (m *MoE) LoadPacked(path string, verifyChecksums bool) error {
 	return call(func() C.kt_status { return C.kt_moe_load_packed(m.handle, p, flags) })
 }
 
+// PackedInfo is what a packed cache file holds (kt_packed_read_info).
+type PackedInfo struct {
+	NumExperts, Hidden, Intermediate int64
+	HasBias                          bool
+	WeightFormat                     WeightFormat
+	NumLoaded                        int64
+	WeightBytes                      int64 // the stored weights: codes, scales and padding
+	FileBytes                        int64
+	FormatVersion                    int
+}
+
+// ReadPackedInfo reads a packed cache's header and loaded flags.
+func ReadPackedInfo(path string) (PackedInfo, error) {
+	p := C.CString(path)
+	defer C.free(unsafe.Pointer(p))
+	var i C.kt_packed_info
+	i.struct_size = C.size_t(unsafe.Sizeof(i))
+	if err := call(func() C.kt_status { return C.kt_packed_read_info(p, &i) }); err != nil {
+		return PackedInfo{}, err
+	}
+	return PackedInfo{int64(i.num_experts), int64(i.hidden), int64(i.intermediate), i.has_bias != 0,
+		WeightFormat(i.weight_format), int64(i.num_loaded), int64(i.weight_bytes), int64(i.file_bytes),
+		int(i.format_version)}, nil
+}
+
 // Checkpoint is an open Hugging Face checkpoint directory (memory-mapped and
 // validated, read-only). Close it after use.
 type Checkpoint struct {
@@ -689,6 +720,8 @@ type LayerInfo struct {
 	Format, WeightDType                     string // "dense", "BF16", ...
 	Loadable                                bool
 	Bytes                                   int64
+	WeightFormat                            WeightFormat // the layer format that holds it as stored
+	GroupSize                               int64        // inputs per scale (fp8: 128), 0 if dense
 }
 
 // OpenCheckpoint opens the checkpoint in dir.
@@ -741,13 +774,14 @@ func (c *Checkpoint) Layers() ([]LayerInfo, error) {
 		out = append(out, LayerInfo{int64(l.layer), int64(l.num_experts), int64(l.hidden),
 			int64(l.intermediate), l.has_bias != 0, CkptLayout(l.layout),
 			C.GoString(C.kt_ckpt_format_name(l.format)), C.GoString(C.kt_ckpt_dtype_name(l.weight_dtype)),
-			l.loadable != 0, int64(l.bytes)})
+			l.loadable != 0, int64(l.bytes), WeightFormat(l.weight_format), int64(l.group_size)})
 	}
 	return out, nil
 }
 
 // MoEOptions are the layer options for layer L (shapes, bias, activation,
-// top_k); set Mode and LoRA fields before NewMoE.
+// top_k, the weight format that holds it as stored); set Mode and LoRA
+// fields before NewMoE.
 func (c *Checkpoint) MoEOptions(layer int64) (MoEOptions, error) {
 	if c.handle == nil {
 		return MoEOptions{}, closedError("checkpoint")
@@ -760,7 +794,8 @@ func (c *Checkpoint) MoEOptions(layer int64) (MoEOptions, error) {
 	return MoEOptions{NumExperts: int64(o.num_experts), TopK: int64(o.top_k), Hidden: int64(o.hidden),
 		Intermediate: int64(o.intermediate), MaxTokens: int64(o.max_tokens),
 		Activation: Activation(o.activation), ActAlpha: float32(o.act_alpha),
-		ActLimit: float32(o.act_limit), HasBias: o.has_bias != 0}, nil
+		ActLimit: float32(o.act_limit), HasBias: o.has_bias != 0,
+		WeightFormat: WeightFormat(o.weight_format)}, nil
 }
 
 // LoadLayer loads layer L's routed experts into m straight from the mapped files.

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -171,10 +172,14 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
 
 uint32_t panel_layout_of(kt_weight_format format) {
   switch (format) {
+    case KT_FORMAT_BF16: return kPanelLayoutBf16R16K2;
     case KT_FORMAT_INT8_CHANNEL: return kPanelLayoutInt8R16K32;
     case KT_FORMAT_INT4_G32: return kPanelLayoutInt4R16G32;
-    default: return kPanelLayoutBf16R16K2;
+    case KT_FORMAT_INT4_G128: return kPanelLayoutInt4R16G128;
+    case KT_FORMAT_FP8_B128: return kPanelLayoutFp8R16B128;
+    case KT_FORMAT_MXFP4: return kPanelLayoutMxfp4R16G32;
   }
+  return 0;
 }
 
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
@@ -290,8 +295,12 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
   check(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
         w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
             std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
-  check(h.weight_format <= static_cast<uint32_t>(KT_FORMAT_INT4_G32), KT_ERR_IO,
-        w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
+  // Compared as numbers: a value outside the enum is never converted to it.
+  const kt_weight_format kKnown[] = {KT_FORMAT_BF16,     KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
+                                     KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4};
+  check(std::any_of(std::begin(kKnown), std::end(kKnown),
+                    [&](kt_weight_format f) { return static_cast<uint32_t>(f) == h.weight_format; }),
+        KT_ERR_IO, w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
   const kt_weight_format format = static_cast<kt_weight_format>(h.weight_format);
   check(h.panel_layout == panel_layout_of(format) && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
         w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" + std::to_string(h.panel_rows) +

@@ -6,8 +6,9 @@
 //   [0, 512)   PackedHeader: magic, versions, panel layout id, shape, the
 //              section table (offset, bytes, checksum each), header checksum
 //   sections   gate panels [E][panels], up panels, down panels (bf16, or
-//              a quantized layer's codes and bf16 scales: one block per
-//              expert as formats/packed_quant.h lays it out),
+//              a quantized layer's codes and scales as the layer holds
+//              them, never re-quantized: one block per expert as
+//              formats/packed_quant.h lays it out),
 //              biases (fp32 gate [E,I], up [E,I], down [E,H]; empty without
 //              biases), loaded flags [E] (0/1); each starts at a multiple of
 //              4096 so panels keep the kernels' 64-byte alignment in the map.
@@ -33,15 +34,22 @@ constexpr uint32_t kPackedFormatVersion = 1;
 // read this one layout; a new layout gets a new id, and caches of the old
 // one are refused instead of being misread.
 constexpr uint32_t kPanelLayoutBf16R16K2 = 0x31363242u;  // "B216"
-// The quantized formats' layouts (formats/packed_quant.h: 16-row panels, K
-// padded to 32; int8 codes with one bf16 scale per row, int4 codes with a
-// bf16 scale per group of 32), one id per format.
-constexpr uint32_t kPanelLayoutInt8R16K32 = 0x36313851u;  // "Q816"
-constexpr uint32_t kPanelLayoutInt4R16G32 = 0x36313451u;  // "Q416"
+// The quantized formats' layouts (formats/packed_quant.h: 16-row panels of
+// codes as the checkpoint or kt's quantizer gave them, then the scales; K
+// padded to 32, or to 128 for 128-wide groups), one id per format:
+// int8 codes with one bf16 scale per row; int4 codes with a bf16 scale per
+// group of 32 or 128; fp8 e4m3 codes with the fp32 scale of their 128x128
+// block per (row, 128 inputs); e2m1 codes with the e8m0 scale of their 32
+// inputs as bf16 (exact: a power of two).
+constexpr uint32_t kPanelLayoutInt8R16K32 = 0x36313851u;    // "Q816"
+constexpr uint32_t kPanelLayoutInt4R16G32 = 0x36313451u;    // "Q416"
+constexpr uint32_t kPanelLayoutInt4R16G128 = 0x36573451u;   // "Q4W6"
+constexpr uint32_t kPanelLayoutFp8R16B128 = 0x36313846u;    // "F816"
+constexpr uint32_t kPanelLayoutMxfp4R16G32 = 0x3631344Du;   // "M416"
 static_assert(kPanelRows == 16, "the panel layout changed: give it a new kPanelLayout id");
 static_assert(kQuantKAlign == 32, "the quantized layout changed: give it a new kPanelLayout id");
 
-// The panel layout id of a weight format.
+// The panel layout id of a weight format; 0 for a value outside the enum.
 uint32_t panel_layout_of(kt_weight_format format);
 
 constexpr size_t kPackedHeaderBytes = 512;

@@ -36,6 +36,7 @@
 
 #include "harness.h"
 #include "kt_c_api.h"
+#include "quant_ckpt_builder.h"
 
 extern "C" void kt_faultfs_arm(int kind, long step);
 extern "C" long kt_faultfs_steps(void);
@@ -504,7 +505,9 @@ TEST_F(CrashSafety, ReadersDuringRewritesSeeOneVersion) {
 struct Packed {
   kt_engine* engine = nullptr;
   kt_moe* moe = nullptr;
-  explicit Packed(int version, kt_weight_format format = KT_FORMAT_BF16) {
+  // The layer of that version: kt's weights quantized into format, or with
+  // source, layer 0 of that checkpoint as stored (fp8, mxfp4).
+  explicit Packed(int version, kt_weight_format format = KT_FORMAT_BF16, const std::string& source = "") {
     kt_engine_options eo;
     kt_engine_options_init(&eo);
     eo.num_threads = 1;
@@ -515,6 +518,13 @@ struct Packed {
     o.num_experts = kE, o.hidden = kH, o.intermediate = kI, o.top_k = 1, o.max_tokens = 2;
     o.weight_format = format;
     EXPECT_EQ(kt_moe_create(engine, &o, &moe), KT_OK);
+    if (!source.empty()) {
+      kt_ckpt* ck = nullptr;
+      EXPECT_EQ(kt_ckpt_open(source.c_str(), &ck), KT_OK) << kt_last_error();
+      EXPECT_EQ(kt_ckpt_load_layer(ck, 0, moe, nullptr, nullptr), KT_OK) << kt_last_error();
+      kt_ckpt_close(ck);
+      return;
+    }
     const Experts w(version, 1);
     EXPECT_EQ(kt_moe_load_weights(moe, nullptr, w.args.data(), w.args.size()), KT_OK) << kt_last_error();
   }
@@ -526,8 +536,9 @@ struct Packed {
 
 // Each save makes its engine: a forked child has no worker threads of the
 // parent's engines.
-kt_status save_version(int version, const std::string& path, kt_weight_format format = KT_FORMAT_BF16) {
-  Packed p(version, format);
+kt_status save_version(int version, const std::string& path, kt_weight_format format = KT_FORMAT_BF16,
+                       const std::string& source = "") {
+  Packed p(version, format, source);
   return kt_moe_save_packed(p.moe, path.c_str());
 }
 
@@ -548,22 +559,38 @@ TEST_F(CrashSafety, PackedCacheWriterNeverLeavesAMixAndCleansUp) {
   run_all(w);
 }
 
-// A quantized layer's cache (int4 codes and scales) under the same faults.
+// Quantized layers' caches (codes and scales, in every format) under the
+// same faults. fp8 and mxfp4 layers come from checkpoints written here
+// first, before any fault is armed (reading them is not a step).
 TEST_F(CrashSafety, QuantizedPackedCacheWriterNeverLeavesAMixAndCleansUp) {
-  Writer w;
-  w.call = "kt_moe_save_packed";
-  w.target = dir_ + "/layer-0.int4.ktpack";
-  w.write_old = [&] { return save_version(1, w.target, KT_FORMAT_INT4_G32); };
-  w.write_new = [&] { return save_version(2, w.target, KT_FORMAT_INT4_G32); };
-  w.write_next = [&] { return save_version(3, w.target, KT_FORMAT_INT4_G32); };
-  w.reader_sees = [&]() -> std::string {
-    if (!std::filesystem::exists(w.target)) return "absent";
-    Packed reader(1, KT_FORMAT_INT4_G32);
-    if (kt_moe_load_packed(reader.moe, w.target.c_str(), 0) != KT_OK) return std::string("error: ") + kt_last_error();
-    const Snapshot s = snapshot(w.target);
-    return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";
-  };
-  run_all(w);
+  using namespace kt_io_test::quant;
+  for (kt_weight_format format :
+       {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4}) {
+    const std::string name = kt_weight_format_name(format);
+    std::string sources[4];
+    if (format == KT_FORMAT_FP8_B128 || format == KT_FORMAT_MXFP4)
+      for (int v = 1; v <= 3; ++v) {
+        sources[v] = dir_ + "/" + name + "_source_" + std::to_string(v);
+        (format == KT_FORMAT_FP8_B128 ? fp8_ckpt(0, kE, kH, kI, static_cast<uint32_t>(v))
+                                      : dsv4_ckpt(0, kE, kH, kI, static_cast<uint32_t>(v)))
+            .write(sources[v]);
+      }
+    SCOPED_TRACE(name);
+    Writer w;
+    w.call = "kt_moe_save_packed";
+    w.target = dir_ + "/layer-0." + name + ".ktpack";
+    w.write_old = [&] { return save_version(1, w.target, format, sources[1]); };
+    w.write_new = [&] { return save_version(2, w.target, format, sources[2]); };
+    w.write_next = [&] { return save_version(3, w.target, format, sources[3]); };
+    w.reader_sees = [&]() -> std::string {
+      if (!std::filesystem::exists(w.target)) return "absent";
+      Packed reader(1, format, sources[1]);
+      if (kt_moe_load_packed(reader.moe, w.target.c_str(), 0) != KT_OK) return std::string("error: ") + kt_last_error();
+      const Snapshot s = snapshot(w.target);
+      return s == w.old_ref ? "old" : s == w.new_ref ? "new" : s == w.next_ref ? "next" : "unknown";
+    };
+    run_all(w);
+  }
 }
 
 // ------------------------------------------------------- optimizer state

@@ -2,7 +2,9 @@
 // with kt_moe_load_packed computes bit-identically on every ISA the CPU
 // runs; broken, foreign or mismatched caches are refused with a message
 // naming the file, and the layer stays as it was; kt convert packs every
-// MoE layer of a checkpoint into caches that load back.
+// MoE layer of a checkpoint into caches that load back. Quantized layers are
+// saved as they are held (kt's int8/int4 codes, or a checkpoint's fp8, int4
+// and MXFP4 codes and scales as stored).
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -19,6 +21,7 @@
 
 #include "harness.h"
 #include "kt_c_api.h"
+#include "quant_ckpt_builder.h"
 #include "st_builder.h"
 
 using kt_test::Tensor;
@@ -454,7 +457,7 @@ std::vector<float> read_back(kt_moe* m, const kt_moe_options& o) {
 
 TEST_F(PackedCache, QuantizedLayersRoundTripBitIdenticalOnEveryIsa) {
   const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
-  for (kt_weight_format format : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+  for (kt_weight_format format : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128})
     for (bool bias : {false, true}) {
       const kt_moe_options o = quantized_options(format, bias);
       const std::string what = std::string(kt_weight_format_name(format)) + (bias ? " with biases" : "");
@@ -583,6 +586,229 @@ TEST_F(PackedCache, CachesOfAnotherFormatAreRefusedClearly) {
     expect_identical(before, run(victim, o4), "after refusing: " + c.name);
   }
 }
+
+// ------------------------------------- quantized checkpoints, as stored
+
+// A checkpoint in each quantized layout kt holds as stored, with the layer
+// number its tensors carry.
+struct StoredCase {
+  std::string name;
+  kt_io_test::quant::QuantCkpt q;
+  int64_t layer;
+  kt_weight_format format;
+};
+
+std::vector<StoredCase> stored_cases() {
+  using namespace kt_io_test::quant;
+  // Odd sizes against the 128-blocks and groups: partial blocks and padded
+  // codes are saved too.
+  return {{"fp8_b128 DeepSeek-V3 blocks", fp8_ckpt(3, 3, 136, 200, 5), 3, KT_FORMAT_FP8_B128},
+          {"int4_g128 compressed-tensors", int4_ckpt(1, 3, 160, 96, 128, true, 6), 1, KT_FORMAT_INT4_G128},
+          {"int4_g32 compressed-tensors", int4_ckpt(1, 3, 84, 40, 32, true, 7), 1, KT_FORMAT_INT4_G32},
+          {"mxfp4 gpt-oss with biases", gpt_oss_ckpt(0, 3, 64, 32, 8), 0, KT_FORMAT_MXFP4},
+          {"mxfp4 DeepSeek-V4", dsv4_ckpt(2, 3, 80, 48, 9), 2, KT_FORMAT_MXFP4}};
+}
+
+// The checkpoint's weights as read_back gives them: gate, up, down [E][out][in].
+std::vector<float> decoded(const kt_io_test::quant::QuantCkpt& q, bool bf16) {
+  std::vector<float> all;
+  for (int p = 0; p < 3; ++p)
+    for (float v : q.w[p]) all.push_back(bf16 ? kt::bf16_to_f32(kt::f32_to_bf16(v)) : v);
+  return all;
+}
+
+class PackedStored : public PackedCache {
+ protected:
+  // The layer options the checkpoint gives (its native format).
+  kt_moe_options options_of(const std::string& dir, int64_t L) {
+    kt_ckpt* ck = nullptr;
+    EXPECT_EQ(kt_ckpt_open(dir.c_str(), &ck), KT_OK) << kt_last_error();
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    EXPECT_EQ(kt_ckpt_moe_options(ck, L, &o), KT_OK) << kt_last_error();
+    kt_ckpt_close(ck);
+    o.max_tokens = 64;
+    return o;
+  }
+  // Layer L of dir loaded into a layer of o's format (dequantized into bf16).
+  kt_moe* from_ckpt(kt_engine* e, const std::string& dir, int64_t L, const kt_moe_options& o) {
+    kt_moe* m = layer(e, o);
+    kt_ckpt* ck = nullptr;
+    EXPECT_EQ(kt_ckpt_open(dir.c_str(), &ck), KT_OK) << kt_last_error();
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.dequantize = o.weight_format == KT_FORMAT_BF16;
+    EXPECT_EQ(kt_ckpt_load_layer_with(ck, L, m, &lo, nullptr, nullptr), KT_OK) << kt_last_error();
+    kt_ckpt_close(ck);
+    return m;
+  }
+};
+
+TEST_F(PackedStored, CheckpointFormatsRoundTripAsStoredBitIdenticalOnEveryIsa) {
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  for (const StoredCase& c : stored_cases()) {
+    const std::string ckpt = path(std::to_string(c.layer) + "_" + kt_weight_format_name(c.format) + "_" +
+                                  std::to_string(c.q.H));
+    c.q.write(ckpt);
+    const kt_moe_options o = options_of(ckpt, c.layer);
+    ASSERT_EQ(o.weight_format, c.format) << c.name;
+    const std::string file = path("stored.ktpack");
+    kt_moe* saved = from_ckpt(engine(KT_ISA_AUTO), ckpt, c.layer, o);
+    ASSERT_EQ(kt_moe_save_packed(saved, file.c_str()), KT_OK) << c.name << ": " << kt_last_error();
+    kt_moe_info info;
+    info.struct_size = sizeof(info);
+    ASSERT_EQ(kt_moe_get_info(saved, &info), KT_OK);
+    kt_packed_info pi;
+    pi.struct_size = sizeof(pi);
+    ASSERT_EQ(kt_packed_read_info(file.c_str(), &pi), KT_OK) << kt_last_error();
+    EXPECT_EQ(pi.weight_format, c.format) << c.name;
+    EXPECT_EQ(pi.weight_bytes, info.weight_bytes) << c.name;
+    EXPECT_EQ(pi.num_experts, c.q.E);
+    EXPECT_EQ(pi.num_loaded, c.q.E);
+    EXPECT_EQ(pi.has_bias, o.has_bias);
+    // Codes and scales as the layer holds them, not bf16 panels.
+    EXPECT_GE(std::filesystem::file_size(file), static_cast<uintmax_t>(info.weight_bytes)) << c.name;
+    EXPECT_LT(std::filesystem::file_size(file), static_cast<uintmax_t>(info.weight_bytes + 6 * 4096 + 4096)) << c.name;
+    int ran = 0;
+    for (kt_isa isa : isas) {
+      kt_engine* e = engine(isa);
+      if (!e) continue;
+      ++ran;
+      const std::string what = c.name + " on " + kt_isa_name(isa);
+      kt_moe* mapped = layer(e, o);
+      ASSERT_EQ(kt_moe_load_packed(mapped, file.c_str(), 0), KT_OK) << what << ": " << kt_last_error();
+      kt_moe_info mi;
+      mi.struct_size = sizeof(mi);
+      ASSERT_EQ(kt_moe_get_info(mapped, &mi), KT_OK);
+      EXPECT_EQ(mi.weight_format, c.format) << what;
+      EXPECT_EQ(mi.weight_bytes, info.weight_bytes) << what;
+      EXPECT_EQ(read_back(mapped, o), decoded(c.q, false)) << what << ": the checkpoint's values, exactly";
+      expect_identical(run(from_ckpt(e, ckpt, c.layer, o), o), run(mapped, o), what);
+      const std::string again = path("again.ktpack");
+      ASSERT_EQ(kt_moe_save_packed(mapped, again.c_str()), KT_OK) << kt_last_error();
+      EXPECT_EQ(read_bytes(again), read_bytes(file)) << what << ": a mapped layer saves the same file";
+    }
+    EXPECT_GE(ran, 1);
+  }
+}
+
+TEST_F(PackedStored, CachesOfAnotherFormatAreRefusedNamingBoth) {
+  kt_engine* e = engine(KT_ISA_AUTO);
+  for (const StoredCase& c : stored_cases()) {
+    const std::string ckpt = path("ckpt_" + std::to_string(c.q.H));
+    c.q.write(ckpt);
+    const kt_moe_options o = options_of(ckpt, c.layer);
+    kt_moe_options ob = o;
+    ob.weight_format = KT_FORMAT_BF16;
+    // Another quantized format of the same shape: int4_g32 (or int8 for an int4_g32 checkpoint).
+    kt_moe_options oq = o;
+    oq.weight_format = c.format == KT_FORMAT_INT4_G32 ? KT_FORMAT_INT8_CHANNEL : KT_FORMAT_INT4_G32;
+    const std::string stored = path("stored.ktpack"), bf16 = path("bf16.ktpack");
+    ASSERT_EQ(kt_moe_save_packed(from_ckpt(e, ckpt, c.layer, o), stored.c_str()), KT_OK) << kt_last_error();
+    ASSERT_EQ(kt_moe_save_packed(from_ckpt(e, ckpt, c.layer, ob), bf16.c_str()), KT_OK) << kt_last_error();
+    kt_moe* quantized_other = layer(e, oq);
+    struct Refusal {
+      kt_moe* victim;
+      kt_moe_options options;
+      std::string file, held, stores;
+    } refusals[] = {
+        {from_ckpt(e, ckpt, c.layer, ob), ob, stored, kt_weight_format_name(c.format), "bf16"},
+        {from_ckpt(e, ckpt, c.layer, o), o, bf16, "bf16", kt_weight_format_name(c.format)},
+        {quantized_other, oq, stored, kt_weight_format_name(c.format), kt_weight_format_name(oq.weight_format)},
+    };
+    for (const Refusal& r : refusals) {
+      const std::string what = c.name + ": a " + r.held + " cache into a " + r.stores + " layer";
+      const bool loaded = r.victim != quantized_other;
+      const Outputs before = loaded ? run(r.victim, r.options) : Outputs{};
+      EXPECT_EQ(kt_moe_load_packed(r.victim, r.file.c_str(), 0), KT_ERR_INVALID_ARGUMENT) << what;
+      const std::string msg = kt_last_error();
+      EXPECT_NE(msg.find("kt_moe_load_packed: " + r.file + ": the cache holds " + r.held +
+                         " weights, the layer stores " + r.stores),
+                std::string::npos)
+          << what << ": " << msg;
+      if (loaded) {
+        expect_identical(before, run(r.victim, r.options), what + ": the layer is as it was");
+      } else {
+        kt_moe_info mi;
+        mi.struct_size = sizeof(mi);
+        ASSERT_EQ(kt_moe_get_info(r.victim, &mi), KT_OK);
+        EXPECT_EQ(mi.num_loaded, 0) << what << ": nothing was loaded";
+      }
+    }
+    // A damaged header: the format field says another quantized format than
+    // the panel layout it records.
+    std::vector<uint8_t> b = read_bytes(stored);
+    b[kOffFormat] = static_cast<uint8_t>(oq.weight_format);
+    reseal(b);
+    const std::string bad = path("bad.ktpack");
+    kt_io_test::write_file(bad, b);
+    kt_packed_info pi;
+    pi.struct_size = sizeof(pi);
+    EXPECT_EQ(kt_packed_read_info(bad.c_str(), &pi), KT_ERR_IO) << c.name;
+    EXPECT_NE(std::string(kt_last_error()).find(std::string("this kt packs ") + kt_weight_format_name(oq.weight_format) +
+                                                " weights in layout"),
+              std::string::npos)
+        << c.name << ": " << kt_last_error();
+  }
+}
+
+#ifdef KT_CLI_PATH
+// `kt convert` keeps a quantized checkpoint's layers as stored, dequantizes
+// them on request (--format bf16), never re-quantizes them; `kt info`
+// reports each cache's format.
+TEST_F(PackedStored, ConvertKeepsQuantizedCheckpointsAsStored) {
+  const std::string cli = KT_CLI_PATH;
+  kt_engine* e = engine(KT_ISA_AUTO);
+  for (const StoredCase& c : stored_cases()) {
+    const std::string ckpt = path("ckpt_" + std::to_string(c.q.H)), out = path("out_" + std::to_string(c.q.H));
+    const std::string name = kt_weight_format_name(c.format), file = "layer-" + std::to_string(c.layer) + ".ktpack";
+    c.q.write(ckpt);
+    ASSERT_EQ(std::system((cli + " convert " + ckpt + " " + out + " --json > " + path("convert.json")).c_str()), 0)
+        << c.name;
+    EXPECT_EQ(nlohmann::json::parse(read_bytes(path("convert.json")))["weight_format"], name) << c.name;
+    const nlohmann::json manifest = nlohmann::json::parse(read_bytes(out + "/manifest.json"));
+    ASSERT_EQ(manifest["layers"].size(), 1u);
+    EXPECT_EQ(manifest["layers"][0]["weight_format"], name) << c.name;
+    EXPECT_EQ(manifest["layers"][0]["file"], file);
+    const kt_moe_options o = options_of(ckpt, c.layer);
+    kt_moe* reference = from_ckpt(e, ckpt, c.layer, o);
+    const std::string saved = path("saved.ktpack");
+    ASSERT_EQ(kt_moe_save_packed(reference, saved.c_str()), KT_OK) << kt_last_error();
+    EXPECT_EQ(read_bytes(out + "/" + file), read_bytes(saved)) << c.name << ": convert writes what the layer holds";
+    kt_moe* mapped = layer(e, o);
+    ASSERT_EQ(kt_moe_load_packed(mapped, (out + "/" + file).c_str(), 0), KT_OK) << kt_last_error();
+    expect_identical(run(reference, o), run(mapped, o), c.name + " converted");
+
+    ASSERT_EQ(std::system((cli + " info " + out + " --json > " + path("info.json")).c_str()), 0);
+    const nlohmann::json info = nlohmann::json::parse(read_bytes(path("info.json")));
+    ASSERT_EQ(info["layers"].size(), 1u);
+    EXPECT_EQ(info["layers"][0]["weight_format"], name) << c.name;
+    EXPECT_EQ(info["layers"][0]["experts"], c.q.E);
+
+    // Asked for another quantized format: refused, naming both, nothing written.
+    const std::string requant = path("requant_" + std::to_string(c.q.H));
+    const std::string other = c.format == KT_FORMAT_INT8_CHANNEL ? "int4_g32" : "int8_channel";
+    EXPECT_NE(std::system((cli + " convert " + ckpt + " " + requant + " --format " + other + " 2> " + path("err.txt"))
+                              .c_str()),
+              0)
+        << c.name;
+    const std::vector<uint8_t> err = read_bytes(path("err.txt"));
+    const std::string err_text(err.begin(), err.end());
+    EXPECT_NE(err_text.find("the kt_moe stores " + other), std::string::npos) << err_text;
+    EXPECT_NE(err_text.find("never re-quantized"), std::string::npos) << err_text;
+    EXPECT_FALSE(std::filesystem::exists(requant)) << c.name;
+
+    // --format bf16: dequantized on request, each weight rounded to bf16 once.
+    const std::string dense = path("dense_" + std::to_string(c.q.H));
+    ASSERT_EQ(std::system((cli + " convert " + ckpt + " " + dense + " --format bf16 > /dev/null").c_str()), 0) << c.name;
+    kt_moe_options ob = o;
+    ob.weight_format = KT_FORMAT_BF16;
+    kt_moe* dequantized = layer(e, ob);
+    ASSERT_EQ(kt_moe_load_packed(dequantized, (dense + "/" + file).c_str(), 0), KT_OK) << kt_last_error();
+    EXPECT_EQ(read_back(dequantized, ob), decoded(c.q, true)) << c.name;
+  }
+}
+#endif
 
 #ifdef KT_CLI_PATH
 TEST_F(PackedCache, ConvertPacksEveryLayerOfACheckpoint) {

@@ -8,16 +8,22 @@ import struct
 
 import torch
 
-_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
+           torch.int32: "I32", torch.uint8: "U8"}
 _TORCH = {v: k for k, v in _DTYPES.items()}
 
 
 def write(path, tensors, metadata=None):
+    """tensors: {name: tensor}, or {name: (dtype name, uint8 tensor)} for a
+    stored type torch does not name (F8_E4M3, F8_E8M0), one byte an element."""
     header, blobs, offset = {}, [], 0
     for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
+        t, dtype = tensors[name], None
+        if isinstance(t, tuple):
+            dtype, t = t
+        t = t.detach().contiguous().cpu()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": dtype or _DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)

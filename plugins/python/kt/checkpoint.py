@@ -108,14 +108,16 @@ class Checkpoint(_Handle):
         self.close()
 
     def moe_options(self, layer):
-        """kt.MoE keyword arguments for layer L (shapes, bias, activation, top_k)."""
+        """kt.MoE keyword arguments for layer L (shapes, bias, activation, top_k,
+        and the weight_format that holds the experts as stored)."""
         o = _capi.MoeOptions()
         self._lib.kt_moe_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         check(self._lib.kt_ckpt_moe_options(self.handle, int(layer), ctypes.byref(o)))
         return dict(num_experts=o.num_experts, top_k=o.top_k, hidden=o.hidden,
                     intermediate=o.intermediate, bias=bool(o.has_bias),
                     activation="swiglu_oai" if o.activation == _capi.ACT_SWIGLU_OAI else "silu",
-                    act_alpha=o.act_alpha, act_limit=o.act_limit)
+                    act_alpha=o.act_alpha, act_limit=o.act_limit,
+                    weight_format=self._lib.kt_weight_format_name(o.weight_format).decode())
 
     def load_layer(self, layer, moe, progress=None):
         """Loads layer L's routed experts into moe (a kt.MoE) from the mapped

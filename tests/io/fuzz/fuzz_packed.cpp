@@ -1,9 +1,10 @@
 // libFuzzer target: the packed cache loader (kt_moe_load_packed) on a fuzzed
 // file, into layers of the seeds' shape with and without biases, in each
-// weight format (bf16, int8 per channel, int4 groups of 32). Each input
-// is tried as is and, to reach past the header checksum, with that checksum
-// recomputed (and the section checksums skipped). A loaded layer must run a
-// forward; a refused load must leave the layer as it was.
+// weight format (bf16, int8 per channel, int4 groups of 32 and 128, fp8
+// 128-blocks, mxfp4). Each input is tried as is and, to reach past the
+// header checksum, with that checksum recomputed (and the section checksums
+// skipped). A loaded layer must run a forward; a refused load must leave the
+// layer as it was.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -52,9 +53,13 @@ void forward(kt_moe* m) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static kt_fuzz::Scratch scratch;
-  static kt_moe* layers[6] = {layer(false, KT_FORMAT_BF16),        layer(true, KT_FORMAT_BF16),
-                              layer(false, KT_FORMAT_INT8_CHANNEL), layer(true, KT_FORMAT_INT8_CHANNEL),
-                              layer(false, KT_FORMAT_INT4_G32),     layer(true, KT_FORMAT_INT4_G32)};
+  static const std::vector<kt_moe*> layers = [] {
+    std::vector<kt_moe*> all;
+    for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
+                               KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4})
+      for (bool bias : {false, true}) all.push_back(layer(bias, f));
+    return all;
+  }();
   scratch.materialize({});
   const std::string path = scratch.dir() + "/layer.ktpack";
   std::string bytes(reinterpret_cast<const char*>(data), size);

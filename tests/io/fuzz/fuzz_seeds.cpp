@@ -4,6 +4,7 @@
 //   <out>/layout   checkpoints with config.json, as bundles
 //   <out>/adapter  adapters, as bundles
 //   <out>/packed   packed caches (kt_moe_save_packed) of the fuzz_packed shapes, in each weight format
+//                  (fp8 and mxfp4 layers from synthetic checkpoints of tests/io/quant_ckpt_builder.h)
 // Usage: kt_fuzz_seeds OUT_DIR
 #include <dirent.h>
 #include <sys/stat.h>
@@ -19,6 +20,7 @@
 
 #include "fuzz_bundle.h"
 #include "kt_c_api.h"
+#include "quant_ckpt_builder.h"
 
 namespace {
 
@@ -155,7 +157,9 @@ void packed_caches(const std::string& scratch) {
   eo.pin_threads = 0;
   kt_engine* engine = nullptr;
   must(kt_engine_create(&eo, &engine), "kt_engine_create");
-  const kt_weight_format formats[3] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32};
+  // Formats kt quantizes to from the weights below.
+  const kt_weight_format formats[4] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
+                                       KT_FORMAT_INT4_G128};
   for (kt_weight_format format : formats)
   for (int bias = 0; bias < 2; ++bias)
     for (int partial = 0; partial < 2; ++partial) {
@@ -185,6 +189,33 @@ void packed_caches(const std::string& scratch) {
                  read_file(path));
       kt_moe_destroy(m);
     }
+  // fp8 and mxfp4 layers as checkpoints store them (DeepSeek-V3 blocks,
+  // gpt-oss with biases, DeepSeek-V4), loaded and saved as they are.
+  using namespace kt_io_test::quant;
+  const struct {
+    const char* name;
+    QuantCkpt ckpt;
+  } stored[] = {{"fp8_b128_nobias", fp8_ckpt(0, E, H, I, 1)},
+                {"mxfp4_bias", gpt_oss_ckpt(0, E, H, I, 2)},
+                {"mxfp4_nobias", dsv4_ckpt(0, E, H, I, 3)}};
+  for (const auto& c : stored) {
+    const std::string dir = scratch + "/" + c.name;
+    c.ckpt.write(dir);
+    kt_ckpt* ck = nullptr;
+    must(kt_ckpt_open(dir.c_str(), &ck), "kt_ckpt_open");
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    must(kt_ckpt_moe_options(ck, 0, &o), "kt_ckpt_moe_options");
+    o.max_tokens = 2;
+    kt_moe* m = nullptr;
+    must(kt_moe_create(engine, &o, &m), "kt_moe_create");
+    must(kt_ckpt_load_layer(ck, 0, m, nullptr, nullptr), "kt_ckpt_load_layer");
+    kt_ckpt_close(ck);
+    const std::string path = scratch + "/layer.ktpack";
+    must(kt_moe_save_packed(m, path.c_str()), "kt_moe_save_packed");
+    write_seed("packed", std::string(c.name) + ".ktpack", read_file(path));
+    kt_moe_destroy(m);
+  }
   kt_engine_destroy(engine);
 }
 

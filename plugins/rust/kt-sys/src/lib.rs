@@ -402,6 +402,9 @@ kt_constants! {
         KT_FORMAT_BF16 = 0,
         KT_FORMAT_INT8_CHANNEL = 1,
         KT_FORMAT_INT4_G32 = 2,
+        KT_FORMAT_FP8_B128 = 3,
+        KT_FORMAT_MXFP4 = 4,
+        KT_FORMAT_INT4_G128 = 5,
     }
     kt_arg_id {
         KT_ARG_X = 1,

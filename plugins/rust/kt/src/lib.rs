@@ -419,6 +419,15 @@ pub enum WeightFormat {
     Int8Channel,
     /// int4 in groups of 32 inputs (symmetric), bf16 scales.
     Int4G32,
+    /// fp8 e4m3 with fp32 scales per 128x128 block, as fp8 checkpoints
+    /// store them (DeepSeek-V3, Kimi-K2); loaded from checkpoints.
+    Fp8B128,
+    /// fp4 e2m1 with e8m0 scales per 32 inputs (gpt-oss, DeepSeek-V4);
+    /// loaded from checkpoints.
+    Mxfp4,
+    /// int4 in groups of 128 inputs (symmetric), bf16 scales: compressed-tensors
+    /// checkpoints, or quantized by kt at load.
+    Int4G128,
 }
 
 impl WeightFormat {
@@ -427,6 +436,9 @@ impl WeightFormat {
             WeightFormat::Bf16 => sys::KT_FORMAT_BF16,
             WeightFormat::Int8Channel => sys::KT_FORMAT_INT8_CHANNEL,
             WeightFormat::Int4G32 => sys::KT_FORMAT_INT4_G32,
+            WeightFormat::Fp8B128 => sys::KT_FORMAT_FP8_B128,
+            WeightFormat::Mxfp4 => sys::KT_FORMAT_MXFP4,
+            WeightFormat::Int4G128 => sys::KT_FORMAT_INT4_G128,
         }
     }
     fn from_raw(v: sys::kt_weight_format) -> Option<WeightFormat> {
@@ -434,10 +446,14 @@ impl WeightFormat {
             sys::KT_FORMAT_BF16 => Some(WeightFormat::Bf16),
             sys::KT_FORMAT_INT8_CHANNEL => Some(WeightFormat::Int8Channel),
             sys::KT_FORMAT_INT4_G32 => Some(WeightFormat::Int4G32),
+            sys::KT_FORMAT_FP8_B128 => Some(WeightFormat::Fp8B128),
+            sys::KT_FORMAT_MXFP4 => Some(WeightFormat::Mxfp4),
+            sys::KT_FORMAT_INT4_G128 => Some(WeightFormat::Int4G128),
             _ => None,
         }
     }
-    /// kt's name of the format ("bf16", "int8_channel", "int4_g32").
+    /// kt's name of the format ("bf16", "int8_channel", "int4_g32",
+    /// "fp8_b128", "mxfp4", "int4_g128").
     pub fn name(self) -> &'static str {
         unsafe { CStr::from_ptr(sys::kt_weight_format_name(self.raw())) }.to_str().unwrap_or("unknown")
     }
@@ -672,6 +688,46 @@ impl<'e> Moe<'e> {
     }
 }
 
+/// What a packed cache file holds (kt_packed_read_info).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackedInfo {
+    pub num_experts: i64,
+    pub hidden: i64,
+    pub intermediate: i64,
+    pub has_bias: bool,
+    pub weight_format: WeightFormat,
+    pub num_loaded: i64,
+    /// Bytes of the stored weights (codes, scales and padding).
+    pub weight_bytes: i64,
+    pub file_bytes: i64,
+    pub format_version: i32,
+}
+
+/// Reads a packed cache's header and loaded flags (kt_packed_read_info).
+pub fn packed_info(path: impl AsRef<std::path::Path>) -> Result<PackedInfo> {
+    let p = c_path(path.as_ref(), "path")?;
+    let mut i = std::mem::MaybeUninit::<sys::kt_packed_info>::zeroed();
+    let i = unsafe {
+        (*i.as_mut_ptr()).struct_size = std::mem::size_of::<sys::kt_packed_info>();
+        check(sys::kt_packed_read_info(p.as_ptr(), i.as_mut_ptr()))?;
+        i.assume_init()
+    };
+    Ok(PackedInfo {
+        num_experts: i.num_experts,
+        hidden: i.hidden,
+        intermediate: i.intermediate,
+        has_bias: i.has_bias != 0,
+        weight_format: WeightFormat::from_raw(i.weight_format).ok_or_else(|| Error {
+            status: Status::INTERNAL,
+            message: format!("kt_packed_read_info: unknown weight format {}", i.weight_format),
+        })?,
+        num_loaded: i.num_loaded,
+        weight_bytes: i.weight_bytes,
+        file_bytes: i.file_bytes,
+        format_version: i.format_version,
+    })
+}
+
 /// Element types of checkpoint tensors (kt_ckpt_dtype) kt's writers store.
 pub mod ckpt_dtype {
     pub use kt_sys::{KT_CKPT_DTYPE_BF16 as BF16, KT_CKPT_DTYPE_F16 as F16, KT_CKPT_DTYPE_F32 as F32};
@@ -714,6 +770,11 @@ pub struct LayerInfo {
     pub weight_dtype: String,
     pub loadable: bool,
     pub bytes: i64,
+    /// The layer format that holds the experts as stored (None for a value
+    /// this binding does not know).
+    pub weight_format: Option<WeightFormat>,
+    /// Inputs per scale of a quantized layer (fp8: the block's 128), 0 if dense.
+    pub group_size: i64,
 }
 
 /// An open Hugging Face checkpoint directory (memory-mapped, validated);
@@ -774,12 +835,15 @@ impl Checkpoint {
                     weight_dtype: static_str(unsafe { sys::kt_ckpt_dtype_name(l.weight_dtype) }).to_string(),
                     loadable: l.loadable != 0,
                     bytes: l.bytes,
+                    weight_format: WeightFormat::from_raw(l.weight_format),
+                    group_size: l.group_size,
                 })
             })
             .collect()
     }
 
-    /// Layer options for layer L (shapes, bias, activation, top_k); change
+    /// Layer options for layer L (shapes, bias, activation, top_k, and the
+    /// weight format that holds the experts as stored); change
     /// mode or LoRA settings with the builder methods before creating it.
     pub fn moe_options(&self, layer: i64) -> Result<MoeOptions> {
         let mut o = MoeOptions::new(0, 0, 0, 0);

@@ -1,0 +1,240 @@
+package kt
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand"
+	"os"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+)
+
+// Quantized checkpoints through the binding: an fp8 checkpoint (128x128
+// blocks) and a DeepSeek-V4 style MXFP4 one, written here as their models
+// store them, report the format that holds each layer as stored; the layer
+// loaded in that format saves a packed cache that ReadPackedInfo reports in
+// the same format, maps back with the same weights and output, and is
+// refused (naming both formats) by a bf16 layer.
+const (
+	ckE, ckK, ckH, ckI, ckT = 3, 2, 160, 96, 5
+)
+
+type stTensor struct {
+	name, dtype string
+	shape       []int
+	data        []byte
+}
+
+// writeSafetensors writes u64 header length, the JSON header, the data.
+func writeSafetensors(t *testing.T, path string, tensors []stTensor) {
+	t.Helper()
+	parts := make([]string, 0, len(tensors))
+	offset := 0
+	for _, x := range tensors {
+		dims := make([]string, len(x.shape))
+		for i, d := range x.shape {
+			dims[i] = fmt.Sprint(d)
+		}
+		parts = append(parts, fmt.Sprintf(`"%s":{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}`,
+			x.name, x.dtype, strings.Join(dims, ","), offset, offset+len(x.data)))
+		offset += len(x.data)
+	}
+	header := "{" + strings.Join(parts, ",") + "}"
+	for len(header)%8 != 0 {
+		header += " "
+	}
+	out := make([]byte, 8, 8+len(header)+offset)
+	binary.LittleEndian.PutUint64(out, uint64(len(header)))
+	out = append(out, header...)
+	for _, x := range tensors {
+		out = append(out, x.data...)
+	}
+	if err := os.WriteFile(path, out, 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// (out, in) of gate, up, down.
+var ckShapes = [3][2]int{{ckI, ckH}, {ckI, ckH}, {ckH, ckI}}
+
+// fp8Checkpoint: DeepSeek-V3's weight F8_E4M3 [out, in] (exponent fields
+// <= 9: no NaN) and weight_scale_inv F32 [ceil(out/128), ceil(in/128)]; layer 1.
+func fp8Checkpoint(t *testing.T, dir string, r *rand.Rand) int64 {
+	var tensors []stTensor
+	for e := 0; e < ckE; e++ {
+		for p, name := range []string{"gate_proj", "up_proj", "down_proj"} {
+			out, in := ckShapes[p][0], ckShapes[p][1]
+			base := fmt.Sprintf("model.layers.1.mlp.experts.%d.%s", e, name)
+			codes := make([]byte, out*in)
+			for i := range codes {
+				codes[i] = byte(r.Intn(2)<<7 | r.Intn(10)<<3 | r.Intn(8))
+			}
+			rows, cols := (out+127)/128, (in+127)/128
+			scales := make([]byte, 4*rows*cols)
+			for i := 0; i < rows*cols; i++ {
+				s := float32((1 + r.Float64()) / (8 * math.Sqrt(float64(in))))
+				binary.LittleEndian.PutUint32(scales[4*i:], math.Float32bits(s))
+			}
+			tensors = append(tensors, stTensor{base + ".weight", "F8_E4M3", []int{out, in}, codes},
+				stTensor{base + ".weight_scale_inv", "F32", []int{rows, cols}, scales})
+		}
+	}
+	writeSafetensors(t, filepath.Join(dir, "model.safetensors"), tensors)
+	config := fmt.Sprintf(`{"num_experts_per_tok": %d, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", `+
+		`"activation_scheme": "dynamic", "weight_block_size": [128, 128]}}`, ckK)
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return 1
+}
+
+// mxfp4Checkpoint: DeepSeek-V4 style weight U8 [out, in/2] (two e2m1 codes
+// a byte) and scale F8_E8M0 [out, ceil(in/32)] near 2^-4; layer 2.
+func mxfp4Checkpoint(t *testing.T, dir string, r *rand.Rand) int64 {
+	var tensors []stTensor
+	for e := 0; e < ckE; e++ {
+		for p, name := range []string{"w1", "w3", "w2"} {
+			out, in := ckShapes[p][0], ckShapes[p][1]
+			base := fmt.Sprintf("layers.2.ffn.experts.%d.%s", e, name)
+			codes := make([]byte, out*in/2)
+			r.Read(codes)
+			groups := (in + 31) / 32
+			scales := make([]byte, out*groups)
+			for i := range scales {
+				scales[i] = byte(121 + r.Intn(5))
+			}
+			tensors = append(tensors, stTensor{base + ".weight", "U8", []int{out, in / 2}, codes},
+				stTensor{base + ".scale", "F8_E8M0", []int{out, groups}, scales})
+		}
+	}
+	writeSafetensors(t, filepath.Join(dir, "model.safetensors"), tensors)
+	config := fmt.Sprintf(`{"num_experts_per_tok": %d, "quantization_config": {"quant_method": "mxfp4"}}`, ckK)
+	if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(config), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return 2
+}
+
+func ckForward(t *testing.T, m *MoE) []float32 {
+	t.Helper()
+	x := make([]float32, ckT*ckH)
+	for i := range x {
+		x[i] = float32(i%13)/8 - 0.7
+	}
+	ids, rw := make([]int32, ckT*ckK), make([]float32, ckT*ckK)
+	for i := range ids {
+		ids[i] = int32((i*2 + i/ckK) % ckE)
+		rw[i] = 0.25
+		if i%ckK == 0 {
+			rw[i] = 0.75
+		}
+	}
+	y := make([]float32, ckT*ckH)
+	if err := m.Forward(Float32(x, ckT, ckH), Int32(ids, ckT, ckK), Float32(rw, ckT, ckK), Float32(y, ckT, ckH)); err != nil {
+		t.Fatal(err)
+	}
+	return y
+}
+
+func ckWeights(t *testing.T, m *MoE) [3][]float32 {
+	t.Helper()
+	w := [3][]float32{make([]float32, ckE*ckI*ckH), make([]float32, ckE*ckI*ckH), make([]float32, ckE*ckH*ckI)}
+	if err := m.ReadWeights(Arg{ArgWGate, Float32(w[0], ckE, ckI, ckH)}, Arg{ArgWUp, Float32(w[1], ckE, ckI, ckH)},
+		Arg{ArgWDown, Float32(w[2], ckE, ckH, ckI)}); err != nil {
+		t.Fatal(err)
+	}
+	return w
+}
+
+func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
+	engine, err := NewEngine(&EngineOptions{NumThreads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	cases := []struct {
+		name   string
+		write  func(*testing.T, string, *rand.Rand) int64
+		format WeightFormat
+		group  int64
+	}{{"fp8", fp8Checkpoint, FormatFP8B128, 128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4, 32}}
+	for _, c := range cases {
+		dir := filepath.Join(t.TempDir(), "ckpt")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		layer := c.write(t, dir, rand.New(rand.NewSource(7)))
+		ck, err := OpenCheckpoint(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		layers, err := ck.Layers()
+		if err != nil || len(layers) != 1 || layers[0].WeightFormat != c.format || layers[0].GroupSize != c.group {
+			t.Fatalf("%s: layers %+v, %v", c.name, layers, err)
+		}
+		opts, err := ck.MoEOptions(layer)
+		if err != nil || opts.WeightFormat != c.format {
+			t.Fatalf("%s: options %+v, %v", c.name, opts, err)
+		}
+		opts.MaxTokens = ckT
+		loaded, err := engine.NewMoE(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ck.LoadLayer(layer, loaded); err != nil {
+			t.Fatal(err)
+		}
+		ck.Close()
+		info, err := loaded.Info()
+		if err != nil || info.WeightFormat != c.format {
+			t.Fatalf("%s: info %+v, %v", c.name, info, err)
+		}
+		cache := filepath.Join(t.TempDir(), "layer.ktpack")
+		if err := loaded.SavePacked(cache); err != nil {
+			t.Fatal(err)
+		}
+		p, err := ReadPackedInfo(cache)
+		if err != nil {
+			t.Fatal(err)
+		}
+		st, _ := os.Stat(cache)
+		want := PackedInfo{ckE, ckH, ckI, false, c.format, ckE, info.WeightBytes, st.Size(), p.FormatVersion}
+		if p != want || p.FormatVersion < 1 {
+			t.Fatalf("%s: packed info %+v, want %+v", c.name, p, want)
+		}
+		if p.WeightFormat.String() != c.format.String() || c.format.String() == "unknown" {
+			t.Fatalf("%s: format name %q", c.name, p.WeightFormat.String())
+		}
+		mapped, err := engine.NewMoE(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := mapped.LoadPacked(cache, true); err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(ckWeights(t, mapped), ckWeights(t, loaded)) {
+			t.Fatalf("%s: the cached weights differ from the checkpoint's", c.name)
+		}
+		if !reflect.DeepEqual(ckForward(t, mapped), ckForward(t, loaded)) {
+			t.Fatalf("%s: the cached layer's output differs", c.name)
+		}
+		bf16Opts := opts
+		bf16Opts.WeightFormat = FormatBF16
+		bf16, err := engine.NewMoE(bf16Opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = bf16.LoadPacked(cache, true)
+		msg := fmt.Sprintf("the cache holds %s weights, the layer stores bf16", c.format)
+		if !errors.Is(err, &Error{Status: ErrInvalidArgument}) || !strings.Contains(err.Error(), msg) {
+			t.Fatalf("%s: loading into a bf16 layer: %v", c.name, err)
+		}
+		for _, m := range []*MoE{loaded, mapped, bf16} {
+			m.Close()
+		}
+	}
+}

@@ -1,0 +1,227 @@
+//! Quantized checkpoints through the safe binding: an fp8 checkpoint
+//! (128x128 blocks) and a DeepSeek-V4 style MXFP4 one, written here as
+//! their models store them, report the format that holds each layer as
+//! stored; the layer loaded in that format saves a packed cache that
+//! `packed_info` reports in the same format, maps back with the same
+//! weights and output, and is refused (naming both formats) by a bf16 layer.
+use kt::{arg, Arg, Checkpoint, Engine, EngineOptions, Moe, Status, TensorMut, TensorRef, WeightFormat};
+
+const E: usize = 3;
+const K: usize = 2;
+const H: usize = 160;
+const I: usize = 96;
+const T: usize = 5;
+
+fn scratch(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kt-rust-quant-{}-{}", name, std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Deterministic bytes (an LCG).
+fn bytes(n: usize, seed: u64, f: impl Fn(u8) -> u8) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            f((s >> 33) as u8)
+        })
+        .collect()
+}
+
+/// A safetensors file: u64 header length, JSON header, the tensors' bytes.
+fn write_safetensors(path: &std::path::Path, tensors: &[(String, &str, Vec<usize>, Vec<u8>)]) {
+    let mut header = String::from("{");
+    let mut offset = 0;
+    for (i, (name, dtype, shape, data)) in tensors.iter().enumerate() {
+        let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
+        header += &format!(
+            "{}\"{}\":{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+            if i > 0 { "," } else { "" },
+            name,
+            dtype,
+            dims.join(","),
+            offset,
+            offset + data.len()
+        );
+        offset += data.len();
+    }
+    header += "}";
+    while header.len() % 8 != 0 {
+        header.push(' ');
+    }
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    for t in tensors {
+        out.extend_from_slice(&t.3);
+    }
+    std::fs::write(path, out).unwrap();
+}
+
+/// (out, in) of gate, up, down.
+const SHAPES: [(usize, usize); 3] = [(I, H), (I, H), (H, I)];
+
+/// DeepSeek-V3: weight F8_E4M3 [out, in] (exponent fields <= 9: no NaN),
+/// weight_scale_inv F32 [ceil(out/128), ceil(in/128)]. Layer 1.
+fn fp8_checkpoint(dir: &std::path::Path) -> i64 {
+    let mut tensors = Vec::new();
+    for e in 0..E {
+        for (p, (name, (out, inp))) in ["gate_proj", "up_proj", "down_proj"].iter().zip(SHAPES).enumerate() {
+            let base = format!("model.layers.1.mlp.experts.{}.{}", e, name);
+            let seed = (e * 3 + p) as u64;
+            let codes = bytes(out * inp, seed, |b| (b & 0x87) | ((b >> 3) % 10) << 3);
+            let (rows, cols) = ((out + 127) / 128, (inp + 127) / 128);
+            let scales: Vec<u8> = (0..rows * cols)
+                .flat_map(|i| ((1.0 + i as f32 / 8.0) / (8.0 * (inp as f32).sqrt())).to_le_bytes())
+                .collect();
+            tensors.push((base.clone() + ".weight", "F8_E4M3", vec![out, inp], codes));
+            tensors.push((base + ".weight_scale_inv", "F32", vec![rows, cols], scales));
+        }
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+    std::fs::write(
+        dir.join("config.json"),
+        format!(
+            "{{\"num_experts_per_tok\": {}, \"quantization_config\": {{\"quant_method\": \"fp8\", \"fmt\": \
+             \"e4m3\", \"activation_scheme\": \"dynamic\", \"weight_block_size\": [128, 128]}}}}",
+            K
+        ),
+    )
+    .unwrap();
+    1
+}
+
+/// DeepSeek-V4 style: weight U8 [out, in/2] (two e2m1 codes a byte),
+/// scale F8_E8M0 [out, ceil(in/32)] near 2^-4. Layer 2.
+fn mxfp4_checkpoint(dir: &std::path::Path) -> i64 {
+    let mut tensors = Vec::new();
+    for e in 0..E {
+        for (p, (name, (out, inp))) in ["w1", "w3", "w2"].iter().zip(SHAPES).enumerate() {
+            let base = format!("layers.2.ffn.experts.{}.{}", e, name);
+            let seed = 100 + (e * 3 + p) as u64;
+            tensors.push((
+                base.clone() + ".weight",
+                "U8",
+                vec![out, inp / 2],
+                bytes(out * inp / 2, seed, |b| b),
+            ));
+            let groups = (inp + 31) / 32;
+            tensors.push((
+                base + ".scale",
+                "F8_E8M0",
+                vec![out, groups],
+                bytes(out * groups, seed + 50, |b| 121 + b % 5),
+            ));
+        }
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+    std::fs::write(
+        dir.join("config.json"),
+        format!(
+            "{{\"num_experts_per_tok\": {}, \"quantization_config\": {{\"quant_method\": \"mxfp4\"}}}}",
+            K
+        ),
+    )
+    .unwrap();
+    2
+}
+
+fn forward(moe: &Moe<'_>) -> Vec<f32> {
+    let x: Vec<f32> = (0..T * H).map(|i| (i % 13) as f32 / 8.0 - 0.7).collect();
+    let ids: Vec<i32> = (0..T * K).map(|i| ((i * 2 + i / K) % E) as i32).collect();
+    let rw: Vec<f32> = (0..T * K).map(|i| if i % K == 0 { 0.75 } else { 0.25 }).collect();
+    let mut y = vec![0.0f32; T * H];
+    let (xt, it, wt) = (
+        TensorRef::new(&x, &[T as i64, H as i64]).unwrap(),
+        TensorRef::new(&ids, &[T as i64, K as i64]).unwrap(),
+        TensorRef::new(&rw, &[T as i64, K as i64]).unwrap(),
+    );
+    let mut yt = TensorMut::new(&mut y, &[T as i64, H as i64]).unwrap();
+    moe.forward(&xt, &it, &wt, &mut yt).unwrap();
+    y
+}
+
+fn weights(moe: &Moe<'_>) -> Vec<f32> {
+    let (mut g, mut u, mut d) = (
+        vec![0.0f32; E * I * H],
+        vec![0.0f32; E * I * H],
+        vec![0.0f32; E * H * I],
+    );
+    {
+        let mut gt = TensorMut::new(&mut g, &[E as i64, I as i64, H as i64]).unwrap();
+        let mut ut = TensorMut::new(&mut u, &[E as i64, I as i64, H as i64]).unwrap();
+        let mut dt = TensorMut::new(&mut d, &[E as i64, H as i64, I as i64]).unwrap();
+        moe.read_weights(&[
+            Arg::Out(arg::W_GATE, &mut gt),
+            Arg::Out(arg::W_UP, &mut ut),
+            Arg::Out(arg::W_DOWN, &mut dt),
+        ])
+        .unwrap();
+    }
+    g.into_iter().chain(u).chain(d).collect()
+}
+
+#[test]
+fn quantized_checkpoints_make_packed_caches_of_their_format() {
+    let engine = Engine::new(&EngineOptions {
+        num_threads: 2,
+        ..Default::default()
+    })
+    .unwrap();
+    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat); 2] = [
+        ("fp8", fp8_checkpoint, WeightFormat::Fp8B128),
+        ("mxfp4", mxfp4_checkpoint, WeightFormat::Mxfp4),
+    ];
+    for (name, write, format) in cases {
+        let dir = scratch(name);
+        let ckpt_dir = dir.join("ckpt");
+        std::fs::create_dir_all(&ckpt_dir).unwrap();
+        let layer = write(&ckpt_dir);
+        let ck = Checkpoint::open(&ckpt_dir).unwrap();
+        let layers = ck.layers().unwrap();
+        assert_eq!(layers.len(), 1);
+        assert_eq!(layers[0].weight_format, Some(format), "{}", name);
+        assert_eq!(
+            layers[0].group_size,
+            if format == WeightFormat::Fp8B128 { 128 } else { 32 }
+        );
+        let options = ck.moe_options(layer).unwrap().max_tokens(T as i64);
+        let loaded = engine.moe(&options).unwrap();
+        ck.load_layer(layer, &loaded).unwrap();
+        let info = loaded.info().unwrap();
+        assert_eq!(info.weight_format, format);
+
+        let cache = dir.join("layer.ktpack");
+        loaded.save_packed(&cache).unwrap();
+        let p = kt::packed_info(&cache).unwrap();
+        assert_eq!(p.weight_format, format, "{}", name);
+        assert_eq!(
+            (p.num_experts, p.num_loaded, p.hidden, p.intermediate),
+            (E as i64, E as i64, H as i64, I as i64)
+        );
+        assert_eq!(p.weight_bytes, info.weight_bytes);
+        assert_eq!(p.file_bytes, std::fs::metadata(&cache).unwrap().len() as i64);
+        assert!(!p.has_bias);
+
+        let mapped = engine.moe(&options).unwrap();
+        mapped.load_packed(&cache, true).unwrap();
+        assert_eq!(mapped.info().unwrap().weight_format, format);
+        assert_eq!(
+            weights(&mapped),
+            weights(&loaded),
+            "{}: the cached weights are the checkpoint's",
+            name
+        );
+        assert_eq!(forward(&mapped), forward(&loaded), "{}", name);
+
+        let bf16 = engine.moe(&options.weight_format(WeightFormat::Bf16)).unwrap();
+        let err = bf16.load_packed(&cache, true).unwrap_err();
+        assert_eq!(err.status, Status::INVALID_ARGUMENT);
+        let want = format!("the cache holds {} weights, the layer stores bf16", format.name());
+        assert!(err.message.contains(&want), "{}", err.message);
+        assert_eq!(bf16.num_loaded().unwrap(), 0);
+        drop(ck);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

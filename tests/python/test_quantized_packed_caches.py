@@ -1,0 +1,139 @@
+"""Quantized checkpoints through the Python bindings: each layout kt holds as
+stored (fp8 128x128 blocks, compressed-tensors int4 in groups of 128,
+DeepSeek-V4 MXFP4) opens with its format in kt.Checkpoint.layers and
+moe_options; a layer loaded from it saves a packed cache that kt.packed_info
+reports in that format with the layer's bytes, maps back into a layer of
+that format with the same weights and bit-identical outputs, and is refused
+by a layer of another format, naming both."""
+import json
+import os
+
+import pytest
+import torch
+
+import kt
+import st_files
+
+E, K, H, I, T = 4, 2, 160, 96, 12
+PROJ = ("gate_proj", "up_proj", "down_proj")
+V4_PROJ = ("w1", "w3", "w2")
+
+
+def shapes():
+    """(out, in) of gate, up, down."""
+    return ((I, H), (I, H), (H, I))
+
+
+def fp8_ckpt(d, gen):
+    """DeepSeek-V3: weight F8_E4M3 [out, in] (codes of exponent <= 9: |v| <= 7.5,
+    no NaN), weight_scale_inv F32 [ceil(out/128), ceil(in/128)]."""
+    tensors = {}
+    for e in range(E):
+        for p, (out, inp) in zip(PROJ, shapes()):
+            sign = torch.randint(0, 2, (out, inp), generator=gen, dtype=torch.uint8) << 7
+            exp = torch.randint(0, 10, (out, inp), generator=gen, dtype=torch.uint8) << 3
+            man = torch.randint(0, 8, (out, inp), generator=gen, dtype=torch.uint8)
+            name = "model.layers.1.mlp.experts.%d.%s" % (e, p)
+            tensors[name + ".weight"] = ("F8_E4M3", sign | exp | man)
+            rows, cols = -(-out // 128), -(-inp // 128)
+            tensors[name + ".weight_scale_inv"] = (torch.rand(rows, cols, generator=gen) + 1) / (8 * inp ** 0.5)
+    config = {"model_type": "deepseek_v3", "num_experts_per_tok": K,
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}}
+    return tensors, config, 1
+
+
+def int4_g128_ckpt(d, gen):
+    """compressed-tensors pack-quantized: weight_packed I32 [out, in/8] (any
+    nibble: q + 8), weight_scale BF16 [out, ceil(in/128)], weight_shape."""
+    tensors = {}
+    for e in range(E):
+        for p, (out, inp) in zip(PROJ, shapes()):
+            name = "model.layers.2.mlp.experts.%d.%s" % (e, p)
+            words = torch.randint(0, 2 ** 16, (out, -(-inp // 8), 2), generator=gen, dtype=torch.int32)
+            tensors[name + ".weight_packed"] = words[..., 0] | (words[..., 1] << 16)
+            scales = (torch.rand(out, -(-inp // 128), generator=gen) + 1) / (4 * inp ** 0.5)
+            tensors[name + ".weight_scale"] = scales.to(torch.bfloat16)
+            tensors[name + ".weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
+    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
+                                                "group_size": 128, "symmetric": True, "dynamic": False}}
+    config = {"model_type": "kimi_k2", "num_experts_per_tok": K,
+              "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": group}}}
+    return tensors, config, 2
+
+
+def mxfp4_ckpt(d, gen):
+    """DeepSeek-V4 style: weight U8 [out, in/2] (two e2m1 codes a byte),
+    scale F8_E8M0 [out, ceil(in/32)] near 2^-4."""
+    tensors = {}
+    for e in range(E):
+        for p, (out, inp) in zip(V4_PROJ, shapes()):
+            name = "layers.3.ffn.experts.%d.%s" % (e, p)
+            tensors[name + ".weight"] = torch.randint(0, 256, (out, inp // 2), generator=gen, dtype=torch.uint8)
+            scales = torch.randint(121, 126, (out, -(-inp // 32)), generator=gen, dtype=torch.uint8)
+            tensors[name + ".scale"] = ("F8_E8M0", scales)
+    return tensors, {"num_experts_per_tok": K, "quantization_config": {"quant_method": "mxfp4"}}, 3
+
+
+CHECKPOINTS = {"fp8_b128": fp8_ckpt, "int4_g128": int4_g128_ckpt, "mxfp4": mxfp4_ckpt}
+
+
+def write_ckpt(d, fmt):
+    gen = torch.Generator().manual_seed(7)
+    tensors, config, layer = CHECKPOINTS[fmt](d, gen)
+    d.mkdir()
+    st_files.write(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(config))
+    return layer
+
+
+def weights(layer):
+    w = {"gate": torch.empty(E, I, H), "up": torch.empty(E, I, H), "down": torch.empty(E, H, I)}
+    layer.read_weights(**w)
+    return w
+
+
+def forward(layer):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+    rw = torch.rand(T, K, generator=gen)
+    y = torch.empty(T, H)
+    layer.forward(x, ids, rw, y)
+    return y
+
+
+@pytest.mark.parametrize("fmt", sorted(CHECKPOINTS))
+def test_packed_cache_of_a_quantized_checkpoint(fmt, tmp_path):
+    layer_number = write_ckpt(tmp_path / "ckpt", fmt)
+    with kt.Checkpoint(tmp_path / "ckpt") as ck:
+        assert ck.layers[layer_number]["weight_format"] == fmt
+        opts = ck.moe_options(layer_number)
+        assert opts["weight_format"] == fmt
+        loaded = kt.MoE(**opts, max_tokens=T)
+        ck.load_layer(layer_number, loaded)
+    info = loaded.info()
+    assert info["weight_format"] == fmt and info["num_loaded"] == E
+    path = os.fspath(tmp_path / "layer.ktpack")
+    loaded.save_packed(path)
+    p = kt.packed_info(path)
+    assert (p["weight_format"], p["num_experts"], p["num_loaded"], p["hidden"], p["intermediate"]) == \
+        (fmt, E, E, H, I)
+    assert p["weight_bytes"] == info["weight_bytes"] and p["bias"] is False
+    assert p["file_bytes"] == os.path.getsize(path)
+
+    mapped = kt.MoE(**opts, max_tokens=T)
+    mapped.load_packed(path)
+    assert mapped.info()["weight_format"] == fmt
+    w_loaded, w_mapped = weights(loaded), weights(mapped)
+    assert all(torch.equal(w_loaded[k], w_mapped[k]) for k in w_loaded)
+    assert torch.equal(forward(mapped), forward(loaded))
+
+    other = "int4_g32" if fmt != "int4_g32" else "int8_channel"
+    for stores in ("bf16", other):
+        refusing = kt.MoE(**dict(opts, weight_format=stores), max_tokens=T)
+        with pytest.raises(kt.InvalidArgumentError,
+                           match="the cache holds %s weights, the layer stores %s" % (fmt, stores)):
+            refusing.load_packed(path)
+        assert refusing.num_loaded() == 0
