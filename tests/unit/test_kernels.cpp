@@ -358,6 +358,43 @@ TEST_P(GemmKernels, Int4CodesDequantizeAsDocumented) {
   EXPECT_EQ(panel_value(d, 32, 0, 15, 3), kt::bf16_to_f32(kt::f32_to_bf16(0.2f)));
 }
 
+// Every e4m3 code but the two NaNs (normal, subnormal, zero, both signs,
+// the largest finite 448) against the scalar decoding, through dequant_e4m3
+// and, where the unit has it, gemm_quant on a one-hot row.
+TEST_P(GemmKernels, E4m3EveryCodeDequantizesExactly) {
+  const kt::Kernels& K = *GetParam();
+  const kt::QuantShape s = kt::QuantShape::of(KT_FORMAT_FP8_B128, 16, 128);
+  std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes), 0);
+  std::vector<uint8_t> code(16 * 128);
+  for (int i = 0; i < 16 * 128; ++i) {
+    const uint8_t b = static_cast<uint8_t>(i % 256);
+    code[static_cast<size_t>(i)] = (b & 0x7f) == 0x7f ? 0 : b;  // lane i / 128, column i % 128
+  }
+  for (int lane = 0; lane < 16; ++lane)
+    for (int c = 0; c < 128; ++c) ex[static_cast<size_t>((c / 2) * 32 + lane * 2 + (c & 1))] = code[static_cast<size_t>(lane * 128 + c)];
+  const float one = 1.f;
+  for (int i = 0; i < 16; ++i) std::memcpy(ex.data() + s.scales_offset + i * 4, &one, 4);
+  std::vector<bf16_t> d(16 * 128);
+  K.dequant_e4m3(ex.data(), s.code_panel_bytes, 1, 0, 128, nullptr, 0, 0, d.data());
+  for (int lane = 0; lane < 16; ++lane)
+    for (int c = 0; c < 128; ++c)
+      ASSERT_EQ(panel_value(d, 128, 0, lane, c), kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)]))
+          << K.gemm_name << " code 0x" << std::hex << int(code[static_cast<size_t>(lane * 128 + c)]);
+  if (!K.gemm_quant) return;
+  std::vector<float> a(128, 0.f);
+  std::vector<char> ak(static_cast<size_t>(128 * K.a_elem_size));
+  for (int c = 0; c < 128; ++c) {
+    std::fill(a.begin(), a.end(), 0.f);
+    a[static_cast<size_t>(c)] = 1.f;
+    K.pack_a_f32(a.data(), 128, 128, ak.data());
+    const void* row = ak.data();
+    std::vector<float> out(16, 0.f);
+    K.gemm_quant(s.panels(ex.data(), 0), &row, 1, 1, out.data(), 16, false);
+    for (int lane = 0; lane < 16; ++lane)
+      ASSERT_EQ(out[static_cast<size_t>(lane)], kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)])) << c;
+  }
+}
+
 TEST_P(GemmKernels, Int8CodesDequantizeAsDocumented) {
   const kt::Kernels& K = *GetParam();
   const kt::QuantShape s = kt::QuantShape::of(KT_FORMAT_INT8_CHANNEL, 32, 64);

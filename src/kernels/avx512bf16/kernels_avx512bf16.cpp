@@ -239,29 +239,39 @@ static void dequant_e2m1(const uint8_t* codes, int64_t code_panel_bytes, int np,
   dequant_nibbles<QuantCode::kE2M1>(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group, dst);
 }
 
-// 32 e4m3 codes (one pair group) to their bf16 bits, exactly: a normal code
-// S.EEEE.MMM is bf16 S.(E + 120).MMM0000 (bias 7 -> 127), a subnormal one
-// (E = 0) m * 2^-9, from an 8-entry table.
-static inline __m512i e4m3_to_bf16(__m256i bytes) {
-  alignas(64) static const bf16_t kSub[32] = {0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+// 32 e4m3 codes (one pair group) to their bf16 bits, exactly: the 128
+// magnitudes (normal and subnormal alike) from a table in four registers,
+// two 64-entry word permutes and a blend on bit 6, then the sign.
+struct E4m3Table {
+  __m512i t[4];
+  E4m3Table() {
+    alignas(64) bf16_t v[128];
+    for (int u = 0; u < 128; ++u) v[u] = f32_to_bf16(e4m3_to_f32(static_cast<uint8_t>(u)));
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(v + 32 * i);
+  }
+};
+
+static inline __m512i e4m3_to_bf16(__m256i bytes, const E4m3Table& tab) {
   const __m512i w = _mm512_cvtepu8_epi16(bytes);
-  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7f));
-  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  const __m512i sub = _mm512_permutexvar_epi16(mag, _mm512_load_si512(kSub));
-  const __mmask32 is_sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
-  const __m512i v = _mm512_mask_blend_epi16(is_sub, normal, sub);
-  return _mm512_or_si512(v, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+  // The permutes read the low 6 bits of each index; bit 6 picks the half.
+  const __m512i lo = _mm512_permutex2var_epi16(tab.t[0], w, tab.t[1]);
+  const __m512i hi = _mm512_permutex2var_epi16(tab.t[2], w, tab.t[3]);
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+  // mag | (w << 8 & 0x8000): the code's sign bit on the bf16 sign.
+  return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(w, 8), _mm512_set1_epi16(static_cast<short>(0x8000)),
+                                   0xf8);
 }
 
 static void dequant_e4m3(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                          const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  static const E4m3Table tab;
   for (int p = 0; p < np; ++p) {
     const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows;
     bf16_t* out = dst + p * kPanelRows * kc;
     __m512 slo = _mm512_set1_ps(1.f), shi = slo;
     for (int64_t g = 0; g < kc / 2; ++g) {  // one pair group: 32 bytes
       _mm_prefetch(reinterpret_cast<const char*>(src + g * 32 + 1024), _MM_HINT_T0);
-      const __m512i v = e4m3_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 32)));
+      const __m512i v = e4m3_to_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + g * 32)), tab);
       if (!scales) {
         _mm512_storeu_si512(out + g * 32, v);
         continue;
