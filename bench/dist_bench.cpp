@@ -3,8 +3,8 @@
 // tokens each; the owner also runs one plain kt_moe_forward of the same W*T
 // tokens on the same engine, side by side in the same run. Reported per T:
 // both times, the overhead per call, the bytes the call moves over the
-// loopback (from the wire format: gather x/ids/weights rows, scatter y
-// rows, 1 KiB outcome headers) and those bytes divided by the loopback
+// loopback (from the wire format: x/ids/weights rows to the owner, y rows
+// back, 1 KiB outcome headers) and those bytes divided by the loopback
 // bandwidth measured in-run (a kt_comm_allgather of 16 MiB per rank).
 //   kt_dist_bench [--world W] [--tokens 1,32,512] [--iters N] [--threads n] [--hidden H]
 //                 [--intermediate I] [--experts E] [--top-k K]
@@ -189,9 +189,11 @@ int run_rank(const Options& o, int rank, const std::string& dir) {
     std::sort(owner.begin(), owner.end());
     const double a = one[one.size() / 2], b = owner[owner.size() / 2];
     const int64_t row = o.H * 2;
-    const double bytes = static_cast<double>((o.world - 1) * T * (row + o.K * 8) +   // gather
-                                             (o.world - 1) * (T * row + 1024) +      // scatter
-                                             2 * 1024 * o.world * (o.world - 1));    // agreement
+    // Per other rank: to the owner its outcome (1 KiB), head (16 B) and
+    // rows, the first message padded to 16 KiB of rows; back the relay (8 B
+    // + 1 KiB) and its y rows.
+    const int64_t to_owner = 1024 + 16 + std::max<int64_t>(T * (row + o.K * 8), 16384);
+    const double bytes = static_cast<double>((o.world - 1) * (to_owner + 8 + 1024 + T * row));
     std::printf("%6lld %12.3f %12.3f %12.3f %9.1f%% %14.0f %14.3f\n", static_cast<long long>(T), a * 1e3, b * 1e3,
                 (b - a) * 1e3, 100.0 * (b - a) / a, bytes, bytes / best_bw * 1e3);
   }

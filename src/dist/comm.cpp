@@ -10,6 +10,25 @@ struct OutcomeHeader {
   uint32_t length;
 };
 constexpr size_t kMessageBytes = kOutcomeBytes - sizeof(OutcomeHeader);
+
+// An outcome as write_outcome left it in a message.
+class OutcomeView {
+ public:
+  explicit OutcomeView(const char* p) : p_(p) { std::memcpy(&h_, p, sizeof(h_)); }
+  bool ok() const { return h_.status == KT_OK; }
+  Outcome outcome() const {
+    Outcome o;
+    // A status outside kt's set (a corrupt header) cannot be passed on as is.
+    o.status = h_.status > 0 && h_.status <= KT_ERR_COMM ? static_cast<kt_status>(h_.status) : KT_ERR_INTERNAL;
+    if (h_.status == KT_OK) o.status = KT_OK;
+    o.message.assign(p_ + sizeof(h_), std::min<size_t>(h_.length, kMessageBytes));
+    return o;
+  }
+
+ private:
+  const char* p_;
+  OutcomeHeader h_;
+};
 }  // namespace
 
 void write_outcome(const Outcome& o, void* dst) {
@@ -48,6 +67,123 @@ std::vector<char> agree(kt_comm& comm, const char* where, const Outcome& mine, c
       std::memcpy(payloads.data() + static_cast<size_t>(r) * payload_bytes,
                   all.data() + static_cast<size_t>(r) * record + kOutcomeBytes, payload_bytes);
   return payloads;
+}
+
+namespace {
+
+// A message's slot: kt's own prefix beside Gloo's collectives (0x01-0x08),
+// the owner call's number and the message's place in the call.
+uint64_t owner_slot(uint64_t call, unsigned phase) {
+  return (uint64_t{0x4b} << 56) | ((call & ((uint64_t{1} << 48) - 1)) << 4) | phase;
+}
+enum : unsigned { kFirstPart = 0, kRestPart = 1, kReply = 2 };
+
+// The first message to the owner has a fixed size, so that the owner can
+// receive it before it knows the body's: outcome, head and up to
+// kInlineBody bytes of body (a few rows at decode). A longer body sends its
+// rest in a second message.
+constexpr size_t kInlineBody = 16384;
+
+// A reply: the relay's rank (int32, then 4 bytes of padding), its outcome,
+// then the payload.
+constexpr size_t kRelayBytes = 8 + kOutcomeBytes;
+
+}  // namespace
+
+std::vector<std::vector<char>> to_owner(kt_comm& comm, const char* where, int owner, const Outcome& mine,
+                                        const void* head, size_t head_bytes, const void* body, size_t body_bytes,
+                                        const std::function<size_t(const char* head)>& body_bytes_of) {
+  const uint64_t call = comm.owner_calls;
+  const size_t first = kOutcomeBytes + head_bytes + kInlineBody;
+  if (!mine.ok()) body_bytes = 0;
+  std::vector<char> own(kOutcomeBytes + head_bytes + body_bytes);
+  write_outcome(mine, own.data());
+  std::memcpy(own.data() + kOutcomeBytes, head, head_bytes);
+  if (body_bytes) std::memcpy(own.data() + kOutcomeBytes + head_bytes, body, body_bytes);
+  Transport& t = comm.cpu_transport(where);
+  using Message = Transport::Message;
+  std::vector<std::vector<char>> all;
+  if (comm.rank != owner) {
+    own.resize(std::max(own.size(), first));  // the first message's padding
+    std::vector<Message> sends{{own.data(), first, owner, owner_slot(call, kFirstPart)}};
+    if (own.size() > first) sends.push_back({own.data() + first, own.size() - first, owner, owner_slot(call, kRestPart)});
+    comm.run(where, [&] { t.exchange(sends, {}); });
+    return all;
+  }
+  all.resize(static_cast<size_t>(comm.world));
+  std::vector<Message> firsts;
+  for (int r = 0; r < comm.world; ++r) {
+    if (r == owner) continue;
+    all[static_cast<size_t>(r)].resize(first);
+    firsts.push_back({all[static_cast<size_t>(r)].data(), first, r, owner_slot(call, kFirstPart)});
+  }
+  comm.run(where, [&] { t.exchange({}, firsts); });
+  std::vector<Message> rests;
+  for (int r = 0; r < comm.world; ++r) {
+    if (r == owner) continue;
+    std::vector<char>& m = all[static_cast<size_t>(r)];
+    const OutcomeView o(m.data());
+    const size_t body = o.ok() ? body_bytes_of(m.data() + kOutcomeBytes) : 0;
+    const size_t whole = kOutcomeBytes + head_bytes + body;
+    m.resize(std::max(whole, first));
+    if (whole > first) rests.push_back({m.data() + first, whole - first, r, owner_slot(call, kRestPart)});
+    m.resize(whole);
+  }
+  if (!rests.empty()) comm.run(where, [&] { t.exchange({}, rests); });
+  all[static_cast<size_t>(owner)] = std::move(own);
+  return all;
+}
+
+Relay first_failure(const std::vector<std::vector<char>>& messages) {
+  Relay relay;
+  for (size_t r = 0; r < messages.size(); ++r) {
+    const OutcomeView o(messages[r].data());
+    if (o.ok()) continue;
+    relay.rank = static_cast<int32_t>(r);
+    relay.outcome = o.outcome();
+    break;
+  }
+  return relay;
+}
+
+void from_owner(kt_comm& comm, const char* where, int owner, const Relay& relay,
+                const std::vector<std::pair<const char*, size_t>>& payloads, char* mine, size_t mine_bytes) {
+  const uint64_t call = comm.owner_calls;
+  Transport& t = comm.cpu_transport(where);
+  using Message = Transport::Message;
+  std::vector<char> head(kRelayBytes, 0);
+  std::memcpy(head.data(), &relay.rank, sizeof(relay.rank));
+  write_outcome(relay.outcome, head.data() + 8);
+  if (comm.rank == owner) {
+    std::vector<std::vector<char>> replies(static_cast<size_t>(comm.world));
+    std::vector<Message> sends;
+    for (int r = 0; r < comm.world; ++r) {
+      const auto& p = payloads[static_cast<size_t>(r)];
+      if (r == owner) {
+        if (relay.outcome.ok() && p.second) std::memcpy(mine, p.first, p.second);
+        continue;
+      }
+      std::vector<char>& m = replies[static_cast<size_t>(r)];
+      m.assign(kRelayBytes + p.second, 0);
+      std::memcpy(m.data(), head.data(), kRelayBytes);
+      if (relay.outcome.ok() && p.second) std::memcpy(m.data() + kRelayBytes, p.first, p.second);
+      sends.push_back({m.data(), m.size(), r, owner_slot(call, kReply)});
+    }
+    comm.run(where, [&] { t.exchange(sends, {}); });
+  } else {
+    std::vector<char> m(kRelayBytes + mine_bytes);
+    comm.run(where, [&] { t.exchange({}, {{m.data(), m.size(), owner, owner_slot(call, kReply)}}); });
+    std::memcpy(head.data(), m.data(), kRelayBytes);
+    if (mine_bytes) std::memcpy(mine, m.data() + kRelayBytes, mine_bytes);
+  }
+  int32_t rank;
+  std::memcpy(&rank, head.data(), sizeof(rank));
+  if (rank >= 0) raise_outcome(head.data() + 8, rank, where);
+  const OutcomeView o(head.data() + 8);
+  if (!o.ok()) {
+    const Outcome whole = o.outcome();
+    fail(whole.status, whole.message);
+  }
 }
 
 }  // namespace kt::dist

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -17,6 +19,9 @@
 
 struct kt_comm {
   int rank = 0, world = 1;
+  // Owner-rank calls made so far (every rank counts them alike): they tell
+  // the point-to-point messages of one call from another's.
+  uint64_t owner_calls = 0;
   kt::dist::Backends backends;
   std::chrono::milliseconds timeout{30000};
   std::unique_ptr<kt::dist::Transport> cpu;   // Gloo, when backends.cpu is set
@@ -98,5 +103,38 @@ constexpr size_t kOutcomeBytes = 1024;
 void write_outcome(const Outcome& o, void* dst);
 // Throws the outcome in dst when it is a failure, as agree does.
 void raise_outcome(const void* src, int from_rank, const char* where);
+
+// Owner-rank calls by point-to-point messages: one trip to the owner and one
+// back, where an agreement, a gather and a scatter would take three rounds.
+//
+// to_owner: every rank sends the owner its outcome, a head of head_bytes
+// (the same size on every rank) and a body. On the owner returns every
+// rank's message, rank by rank (its own included): kOutcomeBytes of outcome,
+// the head, then the body, whose size body_bytes_of(head) tells (0 for a rank
+// whose outcome is a failure: bodies go only with a good outcome). Elsewhere
+// returns nothing. The caller holds comm.mutex and counted the call in
+// comm.owner_calls.
+std::vector<std::vector<char>> to_owner(kt_comm& comm, const char* where, int owner, const Outcome& mine,
+                                        const void* head, size_t head_bytes, const void* body, size_t body_bytes,
+                                        const std::function<size_t(const char* head)>& body_bytes_of);
+
+// What the owner tells every rank: an error to raise, from a rank's outcome
+// (rank >= 0: "<where>: rank r: <its message>", as agree raises it) or whole
+// as the owner made it (rank -1), or nothing (outcome ok).
+struct Relay {
+  int32_t rank = -1;
+  Outcome outcome;
+};
+// The relay of the lowest rank whose outcome in messages (to_owner's) is a
+// failure, else an ok one.
+Relay first_failure(const std::vector<std::vector<char>>& messages);
+
+// from_owner: the owner sends rank r the relay and payloads[r] (its own
+// included, which lands in mine); every rank receives its payload into mine
+// (mine_bytes, which the rank knows) and then throws the relayed error, if
+// any. On the owner, payloads has a (data, bytes) per rank; the payloads are
+// not read when the relay is an error.
+void from_owner(kt_comm& comm, const char* where, int owner, const Relay& relay,
+                const std::vector<std::pair<const char*, size_t>>& payloads, char* mine, size_t mine_bytes);
 
 }  // namespace kt::dist

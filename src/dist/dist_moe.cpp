@@ -310,86 +310,93 @@ struct TokenHead {
 void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  const TokenHead head{f.T, static_cast<int32_t>(f.x.dtype), 0};
-  const std::vector<char> all = agree(*comm, where, mine, &head, sizeof(head));
-  std::vector<TokenHead> heads(usize(W));
-  std::memcpy(heads.data(), all.data(), all.size());
-  check_same(all, sizeof(TokenHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
-             [](const char* p) {
-               TokenHead h;
-               std::memcpy(&h, p, sizeof(h));
-               return int64_t{h.dtype};
-             },
-             show_dtype);
-  const DType xd = f.x.dtype;
-  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
-  const int64_t row = xrow + K * 8;  // x row, k int32 ids, k fp32 weights
-  kt::dist::Transport& t = comm->cpu_transport(where);
-
-  // Gather every rank's rows to the owner.
-  char* out = bytes_of(send_, usize(f.T * row));
-  for (int64_t i = 0; i < f.T; ++i) copy_row_out(f.x, i, out + i * xrow);
-  char* tail = out + f.T * xrow;
-  for (int64_t i = 0; i < f.T; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
-      const float wt = f.w.get(i, j);
-      std::memcpy(tail + (i * K + j) * 4, &e, 4);
-      std::memcpy(tail + f.T * K * 4 + (i * K + j) * 4, &wt, 4);
-    }
-  std::vector<int64_t> send_bytes(usize(W), 0), recv_bytes(usize(W), 0);
-  send_bytes[usize(owner)] = f.T * row;
-  int64_t total = 0;
-  std::vector<int64_t> first(usize(W) + 1, 0);
-  for (int r = 0; r < W; ++r) {
-    first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
-    if (me == owner) recv_bytes[usize(r)] = heads[usize(r)].tokens * row;
-  }
-  total = first[usize(W)];
-  char* in = bytes_of(recv_, usize(me == owner ? total * row : 0));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
-
-  // The owner computes them as one call, rank 0's rows first.
-  Outcome computed;
-  if (me == owner) {
-    computed = attempt([&] {
-      char* x = bytes_of(x_, usize(total * xrow));
-      char* ids = bytes_of(ids_, usize(total * K * 4));
-      char* wts = bytes_of(w_, usize(total * K * 4));
-      const char* src = in;
-      for (int r = 0; r < W; ++r) {
-        const int64_t T = heads[usize(r)].tokens, t0 = first[usize(r)];
-        std::memcpy(x + t0 * xrow, src, usize(T * xrow));
-        std::memcpy(ids + t0 * K * 4, src + T * xrow, usize(T * K * 4));
-        std::memcpy(wts + t0 * K * 4, src + T * xrow + T * K * 4, usize(T * K * 4));
-        src += T * row;
+  ++comm->owner_calls;
+  // A rank whose arguments failed sends its outcome and no rows.
+  const int64_t T = mine.ok() ? f.T : 0;
+  const TokenHead head{T, mine.ok() ? static_cast<int32_t>(f.x.dtype) : 0, 0};
+  const auto row_bytes = [&](const TokenHead& h) {
+    return H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.dtype))) + K * 8;
+  };
+  // The rows to the owner: T x rows, then T x k int32 ids, then T x k fp32
+  // weights.
+  const int64_t xrow = mine.ok() ? H * static_cast<int64_t>(kt::dtype_size(f.x.dtype)) : 0;
+  char* out = bytes_of(send_, usize(T * row_bytes(head)));
+  if (T > 0) {
+    for (int64_t i = 0; i < T; ++i) copy_row_out(f.x, i, out + i * xrow);
+    char* tail = out + T * xrow;
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
+        const float wt = f.w.get(i, j);
+        std::memcpy(tail + (i * K + j) * 4, &e, 4);
+        std::memcpy(tail + T * K * 4 + (i * K + j) * 4, &wt, 4);
       }
-      char* y = bytes_of(y_, usize(total * xrow));
-      Dl X(x, xd, total, H), I(ids, DType::kI32, total, K), Wt(wts, DType::kF32, total, K), Y(y, xd, total, H);
-      const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
-      ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
-    });
+  }
+  const std::vector<std::vector<char>> msgs =
+      kt::dist::to_owner(*comm, where, owner, mine, &head, sizeof(head), out, usize(T * row_bytes(head)),
+                         [&](const char* h) {
+                           TokenHead t;
+                           std::memcpy(&t, h, sizeof(t));
+                           return usize(t.tokens * row_bytes(t));
+                         });
+
+  // The owner checks what every rank sent and computes every rank's rows as
+  // one call, rank 0's first.
+  kt::dist::Relay relay;
+  std::vector<std::pair<const char*, size_t>> replies;
+  std::vector<TokenHead> heads(usize(W));
+  if (me == owner) {
+    std::vector<char> all(usize(W) * sizeof(TokenHead));
+    for (int r = 0; r < W; ++r) {
+      std::memcpy(&heads[usize(r)], msgs[usize(r)].data() + kOutcomeBytes, sizeof(TokenHead));
+      std::memcpy(all.data() + usize(r) * sizeof(TokenHead), &heads[usize(r)], sizeof(TokenHead));
+    }
+    relay = kt::dist::first_failure(msgs);
+    if (relay.outcome.ok()) {
+      relay.outcome = attempt([&] {
+        check_same(all, sizeof(TokenHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
+                   [](const char* p) {
+                     TokenHead h;
+                     std::memcpy(&h, p, sizeof(h));
+                     return int64_t{h.dtype};
+                   },
+                   show_dtype);
+      });
+    }
+    std::vector<int64_t> first(usize(W) + 1, 0);
+    for (int r = 0; r < W; ++r) first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+    const int64_t total = first[usize(W)];
+    if (relay.outcome.ok()) {
+      relay.outcome = attempt([&] {
+        char* x = bytes_of(x_, usize(total * xrow));
+        char* ids = bytes_of(ids_, usize(total * K * 4));
+        char* wts = bytes_of(w_, usize(total * K * 4));
+        for (int r = 0; r < W; ++r) {
+          const int64_t n = heads[usize(r)].tokens, t0 = first[usize(r)];
+          const char* src = msgs[usize(r)].data() + kOutcomeBytes + sizeof(TokenHead);
+          std::memcpy(x + t0 * xrow, src, usize(n * xrow));
+          std::memcpy(ids + t0 * K * 4, src + n * xrow, usize(n * K * 4));
+          std::memcpy(wts + t0 * K * 4, src + n * xrow + n * K * 4, usize(n * K * 4));
+        }
+        char* y = bytes_of(y_, usize(total * xrow));
+        const DType xd = f.x.dtype;
+        Dl X(x, xd, total, H), I(ids, DType::kI32, total, K), Wt(wts, DType::kF32, total, K), Y(y, xd, total, H);
+        const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
+        ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
+      });
+      if (!relay.outcome.ok()) relay.rank = owner;
+    }
+    // Sizes from each rank's own head: what that rank expects back.
+    for (int r = 0; r < W; ++r)
+      replies.emplace_back(relay.outcome.ok() ? y_.data() + first[usize(r)] * xrow : nullptr,
+                           usize(heads[usize(r)].tokens * H *
+                                 static_cast<int64_t>(kt::dtype_size(static_cast<DType>(heads[usize(r)].dtype)))));
   }
 
-  // Scatter y back, each rank's part behind the owner's outcome.
-  const int64_t ybytes = f.T * xrow;
-  std::fill(send_bytes.begin(), send_bytes.end(), 0);
-  std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
-  recv_bytes[usize(owner)] = int64_t{kOutcomeBytes} + ybytes;
-  if (me == owner) {
-    char* s = bytes_of(send_, usize(int64_t{kOutcomeBytes} * W + total * xrow));
-    for (int r = 0; r < W; ++r) {
-      const int64_t T = heads[usize(r)].tokens;
-      kt::dist::write_outcome(computed, s);
-      if (computed.ok()) std::memcpy(s + kOutcomeBytes, y_.data() + first[usize(r)] * xrow, usize(T * xrow));
-      s += int64_t{kOutcomeBytes} + T * xrow;
-      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + T * xrow;
-    }
-  }
-  char* back = bytes_of(recv_, usize(recv_bytes[usize(owner)]));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, back, recv_bytes); });
-  kt::dist::raise_outcome(back, owner, where);
-  for (int64_t i = 0; i < f.T; ++i) copy_row_in(f.y, i, back + kOutcomeBytes + i * xrow);
+  // Each rank's y back, behind the relayed outcome.
+  char* back = bytes_of(recv_, usize(T * xrow));
+  kt::dist::from_owner(*comm, where, owner, relay, replies, back, usize(T * xrow));
+  for (int64_t i = 0; i < T; ++i) copy_row_in(f.y, i, back + i * xrow);
   if (ctx && me == owner) {
     ctx->rank_tokens.resize(usize(W));
     for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].tokens;
@@ -599,6 +606,7 @@ namespace {
 struct GradHead {
   uint64_t seq;
   int64_t tokens;
+  int32_t x_dtype;  // of the forward: dx comes back in it
   int32_t dy_dtype;
   int32_t has_dx;
   int32_t has_dw;
@@ -666,9 +674,9 @@ namespace {
 
 // The agreement step of a backward: outcomes, then what every rank must
 // pass alike. Returns every rank's head.
-std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Outcome& mine, const GradHead& head) {
-  const int W = comm.world;
-  const std::vector<char> all = agree(comm, where, mine, &head, sizeof(head));
+// Refuses heads (every rank's, one after another) whose forward or options
+// differ between ranks.
+void check_grad_heads(const std::vector<char>& all, int W, const char* where) {
   check_same(all, sizeof(GradHead), W, where, KT_ERR_CONTEXT, "the forward whose context backward consumes (its number)",
              [](const char* p) { return static_cast<int64_t>(grad_head_at(p).seq); }, show_int);
   check_same(all, sizeof(GradHead), W, where, KT_ERR_DTYPE, "KT_ARG_DY's dtype",
@@ -679,6 +687,14 @@ std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Out
              [](const char* p) { return int64_t{grad_head_at(p).accumulate}; }, show_int);
   check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->param_grads",
              [](const char* p) { return int64_t{grad_head_at(p).param_grads}; }, show_int);
+}
+
+// The agreement step of a backward: outcomes, then what every rank must
+// pass alike. Returns every rank's head.
+std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Outcome& mine, const GradHead& head) {
+  const int W = comm.world;
+  const std::vector<char> all = agree(comm, where, mine, &head, sizeof(head));
+  check_grad_heads(all, W, where);
   std::vector<GradHead> heads(usize(W));
   for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
   return heads;
@@ -690,6 +706,7 @@ GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const Vie
   if (!mine.ok()) return h;
   h.seq = ctx->seq;
   h.tokens = ctx->tokens;
+  h.x_dtype = ctx->x_dtype;
   h.dy_dtype = static_cast<int32_t>(dy.dtype);
   h.has_dx = has_dx;
   h.has_dw = has_dw;
@@ -721,76 +738,88 @@ void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_opt
 void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  const std::vector<GradHead> heads =
-      agree_backward(*comm, where, mine, grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt));
-  const DType dyd = b.dy.dtype, xd = static_cast<DType>(ctx->x_dtype);
-  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
-  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
-  bool any_dx = false, any_dw = false;
-  std::vector<int64_t> first(usize(W) + 1, 0);
-  for (int r = 0; r < W; ++r) {
-    any_dx = any_dx || heads[usize(r)].has_dx;
-    any_dw = any_dw || heads[usize(r)].has_dw;
-    first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
-  }
-  const int64_t total = first[usize(W)];
-  kt::dist::Transport& t = comm->cpu_transport(where);
-
-  // Gather dy to the owner.
-  char* out = bytes_of(send_, usize(ctx->tokens * dyrow));
-  for (int64_t i = 0; i < ctx->tokens; ++i) copy_row_out(b.dy, i, out + i * dyrow);
-  std::vector<int64_t> send_bytes(usize(W), 0), recv_bytes(usize(W), 0);
-  send_bytes[usize(owner)] = ctx->tokens * dyrow;
-  if (me == owner)
-    for (int r = 0; r < W; ++r) recv_bytes[usize(r)] = heads[usize(r)].tokens * dyrow;
-  char* in = bytes_of(recv_, usize(me == owner ? total * dyrow : 0));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
+  ++comm->owner_calls;
+  // A rank whose arguments failed sends a zero head and no rows.
+  const GradHead head = grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt);
+  const auto dy_bytes = [&](const GradHead& h) {
+    return h.tokens * H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.dy_dtype)));
+  };
+  const auto xrow_of = [&](const GradHead& h) {
+    return H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.x_dtype)));
+  };
+  // What comes back to a rank, sized from its head alone: its dx rows, then
+  // its routing-weight gradients, as it asked.
+  const auto part_bytes = [&](const GradHead& h) {
+    return (h.has_dx ? h.tokens * xrow_of(h) : 0) + (h.has_dw ? h.tokens * K * 4 : 0);
+  };
+  char* out = bytes_of(send_, usize(dy_bytes(head)));
+  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(head.dy_dtype)));
+  for (int64_t i = 0; i < head.tokens; ++i) copy_row_out(b.dy, i, out + i * dyrow);
+  const std::vector<std::vector<char>> msgs =
+      kt::dist::to_owner(*comm, where, owner, mine, &head, sizeof(head), out, usize(dy_bytes(head)),
+                         [&](const char* h) { return usize(dy_bytes(grad_head_at(h))); });
 
   // The owner's one backward over every rank's rows; parameter gradients
   // once, scaled by the host's convention.
-  Outcome computed;
+  kt::dist::Relay relay;
+  std::vector<std::pair<const char*, size_t>> replies;
   if (me == owner) {
-    computed = attempt([&] {
-      char* dx = bytes_of(dx_, usize(any_dx ? total * xrow : 0));
-      float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? total * K * 4 : 0)));
-      Dl DY(in, dyd, total, H), DX(dx, xd, total, H), DW(dw, DType::kF32, total, K);
-      local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
-    });
-  }
-
-  // Scatter each rank's dx rows and routing-weight gradients.
-  const auto part_bytes = [&](int r) {
-    const GradHead& h = heads[usize(r)];
-    return int64_t{kOutcomeBytes} + (h.has_dx ? h.tokens * xrow : 0) + (h.has_dw ? h.tokens * K * 4 : 0);
-  };
-  std::fill(send_bytes.begin(), send_bytes.end(), 0);
-  std::fill(recv_bytes.begin(), recv_bytes.end(), 0);
-  recv_bytes[usize(owner)] = part_bytes(me);
-  if (me == owner) {
+    std::vector<char> all(usize(W) * sizeof(GradHead));
+    std::vector<GradHead> heads(usize(W));
+    for (int r = 0; r < W; ++r) {
+      heads[usize(r)] = grad_head_at(msgs[usize(r)].data() + kOutcomeBytes);
+      std::memcpy(all.data() + usize(r) * sizeof(GradHead), &heads[usize(r)], sizeof(GradHead));
+    }
+    relay = kt::dist::first_failure(msgs);
+    if (relay.outcome.ok()) relay.outcome = attempt([&] { check_grad_heads(all, W, where); });
+    bool any_dx = false, any_dw = false;
+    std::vector<int64_t> first(usize(W) + 1, 0);
+    for (int r = 0; r < W; ++r) {
+      any_dx = any_dx || heads[usize(r)].has_dx;
+      any_dw = any_dw || heads[usize(r)].has_dw;
+      first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+    }
+    const int64_t total = first[usize(W)];
+    const int64_t xrow = xrow_of(head);
+    if (relay.outcome.ok()) {
+      relay.outcome = attempt([&] {
+        const DType dyd = b.dy.dtype, xd = static_cast<DType>(ctx->x_dtype);
+        char* dy = bytes_of(recv_, usize(total * dyrow));
+        for (int r = 0; r < W; ++r)
+          std::memcpy(dy + first[usize(r)] * dyrow, msgs[usize(r)].data() + kOutcomeBytes + sizeof(GradHead),
+                      usize(heads[usize(r)].tokens * dyrow));
+        char* dx = bytes_of(dx_, usize(any_dx ? total * xrow : 0));
+        float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? total * K * 4 : 0)));
+        Dl DY(dy, dyd, total, H), DX(dx, xd, total, H), DW(dw, DType::kF32, total, K);
+        local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
+      });
+      if (!relay.outcome.ok()) relay.rank = owner;
+    }
+    // Each rank's part, packed behind one another in send_.
     int64_t sum = 0;
-    for (int r = 0; r < W; ++r) sum += part_bytes(r);
+    for (int r = 0; r < W; ++r) sum += part_bytes(heads[usize(r)]);
     char* s = bytes_of(send_, usize(sum));
     for (int r = 0; r < W; ++r) {
       const GradHead& h = heads[usize(r)];
-      kt::dist::write_outcome(computed, s);
-      char* p = s + kOutcomeBytes;
-      if (computed.ok() && h.has_dx) std::memcpy(p, dx_.data() + first[usize(r)] * xrow, usize(h.tokens * xrow));
+      char* p = s;
+      if (relay.outcome.ok() && h.has_dx) std::memcpy(p, dx_.data() + first[usize(r)] * xrow, usize(h.tokens * xrow));
       if (h.has_dx) p += h.tokens * xrow;
-      if (computed.ok() && h.has_dw) std::memcpy(p, dw_.data() + first[usize(r)] * K * 4, usize(h.tokens * K * 4));
-      send_bytes[usize(r)] = part_bytes(r);
-      s += part_bytes(r);
+      if (relay.outcome.ok() && h.has_dw) std::memcpy(p, dw_.data() + first[usize(r)] * K * 4, usize(h.tokens * K * 4));
+      replies.emplace_back(s, usize(part_bytes(h)));
+      s += part_bytes(h);
     }
   }
-  char* back = bytes_of(recv_, usize(part_bytes(me)));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, back, recv_bytes); });
-  kt::dist::raise_outcome(back, owner, where);
-  const char* p = back + kOutcomeBytes;
+
+  char* back = bytes_of(recv_, usize(part_bytes(head)));
+  kt::dist::from_owner(*comm, where, owner, relay, replies, back, usize(part_bytes(head)));
+  const char* p = back;
   if (b.has_dx) {
-    for (int64_t i = 0; i < ctx->tokens; ++i) copy_row_in(b.dx, i, p + i * xrow);
-    p += ctx->tokens * xrow;
+    const int64_t xrow = xrow_of(head);
+    for (int64_t i = 0; i < head.tokens; ++i) copy_row_in(b.dx, i, p + i * xrow);
+    p += head.tokens * xrow;
   }
   if (b.has_dw)
-    for (int64_t i = 0; i < ctx->tokens; ++i)
+    for (int64_t i = 0; i < head.tokens; ++i)
       for (int64_t j = 0; j < K; ++j) {
         float v;
         std::memcpy(&v, p + (i * K + j) * 4, 4);

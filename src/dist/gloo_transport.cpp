@@ -149,6 +149,25 @@ class GlooTransport : public Transport {
     });
   }
 
+  void exchange(const std::vector<Message>& sends, const std::vector<Message>& receives) override {
+    gloo_call("point-to-point message", [&] {
+      std::vector<std::unique_ptr<gloo::transport::UnboundBuffer>> out, in;
+      for (const Message& m : sends) {
+        out.push_back(ctx_->createUnboundBuffer(m.data, m.bytes));
+        out.back()->send(m.peer, m.slot);
+      }
+      for (const Message& m : receives) {
+        in.push_back(ctx_->createUnboundBuffer(m.data, m.bytes));
+        in.back()->recv(m.peer, m.slot);
+      }
+      for (size_t i = 0; i < out.size(); ++i)
+        check(out[i]->waitSend(timeout_), KT_ERR_COMM, "the send to rank " + std::to_string(sends[i].peer) + " was aborted");
+      for (size_t i = 0; i < in.size(); ++i)
+        check(in[i]->waitRecv(timeout_), KT_ERR_COMM,
+              "the receive from rank " + std::to_string(receives[i].peer) + " was aborted");
+    });
+  }
+
   void abort() noexcept override {
     try {
       if (ctx_) ctx_->closeConnections();

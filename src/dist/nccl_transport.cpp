@@ -165,6 +165,18 @@ class NcclTransport : public Transport {
     wait_stream("alltoallv (ncclSend/ncclRecv)");
   }
 
+  // NCCL matches a pair's sends and receives in issue order: slots are not
+  // needed, the callers' order per peer is the same on both sides.
+  void exchange(const std::vector<Message>& sends, const std::vector<Message>& receives) override {
+    nccl_check(n_.ncclGroupStart(), "ncclGroupStart");
+    for (const Message& m : sends)
+      nccl_check(n_.ncclSend(m.data, m.bytes, ncclInt8, m.peer, comm_, stream_), "ncclSend");
+    for (const Message& m : receives)
+      nccl_check(n_.ncclRecv(m.data, m.bytes, ncclInt8, m.peer, comm_, stream_), "ncclRecv");
+    nccl_check(n_.ncclGroupEnd(), "ncclGroupEnd");
+    wait_stream("point-to-point messages (ncclSend/ncclRecv)");
+  }
+
   void broadcast(void* buf, size_t bytes, int root) override {
     nccl_check(n_.ncclBroadcast(buf, buf, bytes, ncclInt8, root, comm_, stream_), "ncclBroadcast");
     wait_stream("ncclBroadcast");

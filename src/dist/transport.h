@@ -26,6 +26,17 @@ class Transport {
                          const std::vector<int64_t>& recv_bytes) = 0;
   virtual void broadcast(void* buf, size_t bytes, int root) = 0;
   virtual void barrier() = 0;
+  // Point-to-point: posts every send and receive, then waits for all of
+  // them. A send to rank peer on a slot meets that rank's receive from this
+  // rank on the same slot, of the same size; ranks choose slots so that each
+  // send has one receive.
+  struct Message {
+    void* data;
+    size_t bytes;
+    int peer;
+    uint64_t slot;
+  };
+  virtual void exchange(const std::vector<Message>& sends, const std::vector<Message>& receives) = 0;
   // After a failure: closes the connections, so peers blocked on this rank
   // fail now instead of at their timeout. Never throws.
   virtual void abort() noexcept = 0;

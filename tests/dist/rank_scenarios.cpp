@@ -1019,6 +1019,13 @@ Problem scenario(const std::string& name, int world) {
     pb.owner = world - 1;
     pb.tokens[1] = 0;
     pb.grad_scale = 0.5f;
+  } else if (name == "owner_many_tokens") {
+    // Rows past the first message's 16 KiB (400 bytes a token): each rank
+    // sends the rest in a second one; the owner is a middle rank.
+    pb.mode = KT_MODE_LORA;
+    pb.H = 96;
+    pb.owner = 1;
+    for (int r = 0; r < world; ++r) pb.tokens[static_cast<size_t>(r)] = 70 + 9 * r;
   } else if (name == "ep_full_even") {
     pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
     pb.mode = KT_MODE_FULL;

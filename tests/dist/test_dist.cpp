@@ -224,6 +224,7 @@ TEST(Comm, CudaTensorsNeedACudaBackend) {
 TEST(DistOwner, LoraBf16TwoRanksMatchOneProcess) { expect_ranks_pass("owner_lora_bf16", 2); }
 TEST(DistOwner, LoraBf16ThreeRanksMatchOneProcess) { expect_ranks_pass("owner_lora_bf16", 3); }
 TEST(DistOwner, FullBiasWithARankOfNoTokensMatchesOneProcess) { expect_ranks_pass("owner_full_bias_zero_tokens", 3); }
+TEST(DistOwner, RowsPastTheFirstMessageMatchOneProcess) { expect_ranks_pass("owner_many_tokens", 3); }
 
 // ----------------------------------------------------------- expert parallel
 
