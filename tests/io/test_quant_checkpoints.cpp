@@ -251,6 +251,20 @@ TEST_F(QuantCheckpoints, SymmetricInt4IsRefusedByZeroPointLayers) {
   EXPECT_NE(msg.find("symmetric; the kt_moe stores int4_g32_zp"), std::string::npos) << msg;
   EXPECT_NE(msg.find("weight_format int4_g32,"), std::string::npos) << msg;
   kt_moe_destroy(moe);
+  // Nor does kt quantize bf16 weights to them.
+  QuantCkpt dense;
+  dense.E = 2, dense.H = 64, dense.I = 32;
+  for (int64_t e = 0; e < 2; ++e)
+    for (int p = 0; p < 3; ++p)
+      dense.tensors.push_back(kt_io_test::matrix("model.layers.1.mlp.experts." + std::to_string(e) + "." + kProj[p] +
+                                                     ".weight",
+                                                 "BF16", out_of(q, p), in_of(q, p),
+                                                 [](int64_t r, int64_t c) { return 0.125f * static_cast<float>(r - c); }));
+  moe = nullptr;
+  EXPECT_EQ(load(write("dense", dense), 1, &moe, KT_FORMAT_INT4_G128_ZP), KT_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(kt_last_error()).find("int4_g128_zp, which kt does not quantize to"), std::string::npos)
+      << kt_last_error();
+  kt_moe_destroy(moe);
 }
 
 TEST_F(QuantCheckpoints, Mxfp4GptOssKnownAnswersWithBiases) {
