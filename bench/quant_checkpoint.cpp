@@ -254,7 +254,8 @@ bool write_safetensors(const std::string& path, const std::vector<Projection>& p
     const int64_t shape_values[2] = {p.out, p.in};
     std::vector<uint8_t> shape(16);
     std::memcpy(shape.data(), shape_values, 16);  // little-endian I64 on the x86-64 hosts kt runs on
-    for (const std::vector<uint8_t>* bytes : {&p.codes, &p.scales, &p.zeros, &shape}) {
+    const std::vector<uint8_t>* parts[] = {&p.codes, &p.scales, &p.zeros, &shape};
+    for (const std::vector<uint8_t>* bytes : parts) {
       if (bytes == &shape && !asymmetric_int4(format)) continue;
       ok = ok && std::fwrite(bytes->data(), 1, bytes->size(), f) == bytes->size();
     }
