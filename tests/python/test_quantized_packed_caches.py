@@ -45,48 +45,41 @@ def fp8_ckpt(d, gen):
     return tensors, config, 1
 
 
-def int4_g128_ckpt(d, gen):
+def random_words(gen, *shape):
+    """int32 words of random bits (any nibble)."""
+    halves = torch.randint(0, 2 ** 16, shape + (2,), generator=gen, dtype=torch.int32)
+    return halves[..., 0] | (halves[..., 1] << 16)
+
+
+def int4_ckpt(gen, layer, group, symmetric):
     """compressed-tensors pack-quantized: weight_packed I32 [out, in/8] (any
-    nibble: q + 8), weight_scale BF16 [out, ceil(in/128)], weight_shape."""
+    nibble: q + 8), weight_scale BF16 [out, ceil(in/group)], weight_shape;
+    asymmetric: weight_zero_point I32 [ceil(out/8), ceil(in/group)] (eight
+    rows a word, row r in bits 4 (r % 8), stored as z + 8)."""
     tensors = {}
     for e in range(E):
         for p, (out, inp) in zip(PROJ, shapes()):
-            name = "model.layers.2.mlp.experts.%d.%s" % (e, p)
-            words = torch.randint(0, 2 ** 16, (out, -(-inp // 8), 2), generator=gen, dtype=torch.int32)
-            tensors[name + ".weight_packed"] = words[..., 0] | (words[..., 1] << 16)
-            scales = (torch.rand(out, -(-inp // 128), generator=gen) + 1) / (4 * inp ** 0.5)
+            name = "model.layers.%d.mlp.experts.%d.%s" % (layer, e, p)
+            tensors[name + ".weight_packed"] = random_words(gen, out, -(-inp // 8))
+            scales = (torch.rand(out, -(-inp // group), generator=gen) + 1) / (4 * inp ** 0.5)
             tensors[name + ".weight_scale"] = scales.to(torch.bfloat16)
             tensors[name + ".weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
-    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
-                                                "group_size": 128, "symmetric": True, "dynamic": False}}
+            if not symmetric:
+                tensors[name + ".weight_zero_point"] = random_words(gen, -(-out // 8), -(-inp // group))
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric,
+               "dynamic": False}
     config = {"model_type": "kimi_k2", "num_experts_per_tok": K,
               "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                      "config_groups": {"group_0": group}}}
-    return tensors, config, 2
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}
+    return tensors, config, layer
+
+
+def int4_g128_ckpt(d, gen):
+    return int4_ckpt(gen, 2, 128, True)
 
 
 def int4_g32_zp_ckpt(d, gen):
-    """compressed-tensors pack-quantized with zero points (symmetric false):
-    weight_packed as above, weight_scale BF16 [out, ceil(in/32)],
-    weight_zero_point I32 [ceil(out/8), ceil(in/32)] (eight rows a word, row r
-    in bits 4 (r % 8), stored as z + 8)."""
-    tensors = {}
-    for e in range(E):
-        for p, (out, inp) in zip(PROJ, shapes()):
-            name = "model.layers.4.mlp.experts.%d.%s" % (e, p)
-            words = torch.randint(0, 2 ** 16, (out, -(-inp // 8), 2), generator=gen, dtype=torch.int32)
-            tensors[name + ".weight_packed"] = words[..., 0] | (words[..., 1] << 16)
-            scales = (torch.rand(out, -(-inp // 32), generator=gen) + 1) / (4 * inp ** 0.5)
-            tensors[name + ".weight_scale"] = scales.to(torch.bfloat16)
-            tensors[name + ".weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
-            zwords = torch.randint(0, 2 ** 16, (-(-out // 8), -(-inp // 32), 2), generator=gen, dtype=torch.int32)
-            tensors[name + ".weight_zero_point"] = zwords[..., 0] | (zwords[..., 1] << 16)
-    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
-                                                "group_size": 32, "symmetric": False, "dynamic": False}}
-    config = {"model_type": "kimi_k2", "num_experts_per_tok": K,
-              "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                      "config_groups": {"group_0": group}}}
-    return tensors, config, 4
+    return int4_ckpt(gen, 4, 32, False)
 
 
 def nibbles(words, n):
@@ -136,13 +129,17 @@ def weights(layer):
     return w
 
 
-def forward(layer):
+def inputs():
+    """x [T, H], expert ids [T, K] and routing weights [T, K]."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
-    rw = torch.rand(T, K, generator=gen)
+    return x, ids, torch.rand(T, K, generator=gen)
+
+
+def forward(layer):
     y = torch.empty(T, H)
-    layer.forward(x, ids, rw, y)
+    layer.forward(*inputs(), y)
     return y
 
 
@@ -208,11 +205,7 @@ def test_asymmetric_int4_checkpoint_is_held_natively_and_runs(tmp_path, fp32_eng
     for key, p, (out, inp) in zip(("gate", "up", "down"), PROJ, shapes()):
         want = torch.stack([decode_int4_zp(tensors, e, p, out, inp) for e in range(E)])
         assert torch.equal(held[key].double(), want), key
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(T, H, generator=gen)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
-    rw = torch.rand(T, K, generator=gen)
-    y = torch.empty(T, H)
-    layer.forward(x, ids, rw, y)
+    x, ids, rw = inputs()
+    y = forward(layer)
     ref = moe_forward(x.double(), ids, rw.double(), {k: v.double() for k, v in held.items()})
     assert rel_l2(y, ref) <= tolerances.FP32
