@@ -1453,7 +1453,8 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * accuracy of the bf16 path against a reference computed from W'. Backward
  * builds the W'^T panels in cache, each element rounded to bf16 once (as
  * activations are), and never stores a second copy. Memory per weight:
- * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes. */
+ * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
+ * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
 
 /* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
  * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
