@@ -9,16 +9,21 @@ import sys
 CASES = {"forward", "train_dx", "train_lora", "train_full"}
 
 # Per format: (code bits, inputs per scale or None for one per row, K
-# alignment, scale bytes), as kt_c_api.h and formats/packed_quant.h describe
-# the stored layout; and the largest relative L2 error of W' against the
-# benchmark's bf16 weights (Gaussian rows) each format may show.
+# alignment, scale bytes, zero-point bytes), as kt_c_api.h and
+# formats/packed_quant.h describe the stored layout; and the largest
+# relative L2 error of W' against the benchmark's bf16 weights (Gaussian
+# rows) each format may show.
 FORMATS = {
-    "int8_channel": ((8, None, 32, 2), 0.02),
-    "int4_g32": ((4, 32, 32, 2), 0.15),
-    "int4_g128": ((4, 128, 128, 2), 0.15),
-    "fp8_b128": ((8, 128, 128, 4), 0.05),
-    "mxfp4": ((4, 32, 32, 2), 0.15),
+    "int8_channel": ((8, None, 32, 2, 0), 0.02),
+    "int4_g32": ((4, 32, 32, 2, 0), 0.15),
+    "int4_g128": ((4, 128, 128, 2, 0), 0.15),
+    "fp8_b128": ((8, 128, 128, 4, 0), 0.05),
+    "mxfp4": ((4, 32, 32, 2, 0), 0.15),
+    "int4_g32_zp": ((4, 32, 32, 2, 1), 0.15),
+    "int4_g128_zp": ((4, 128, 128, 2, 1), 0.15),
 }
+# The formats the benchmark loads from a synthetic checkpoint it writes.
+FROM_CHECKPOINT = ("fp8_b128", "mxfp4", "int4_g32_zp", "int4_g128_zp")
 
 
 def align(v, a):
@@ -27,13 +32,15 @@ def align(v, a):
 
 def stored_bytes_per_weight(fmt, hidden, inter):
     """Bytes kt stores per weight of one expert: 16-row panels of codes, K
-    padded, then the scales, each 64-byte aligned."""
-    bits, group, k_align, scale_bytes = FORMATS[fmt][0]
+    padded, then the scales, then the zero points where the format has them,
+    each 64-byte aligned."""
+    bits, group, k_align, scale_bytes, zero_bytes = FORMATS[fmt][0]
     total = 0
     for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)):
         rows, kq = align(n, 16), align(k, k_align)
         groups = 1 if group is None else kq // group
-        total += align(align(rows * kq * bits // 8, 64) + rows * groups * scale_bytes, 64)
+        total += align(align(align(rows * kq * bits // 8, 64) + rows * groups * scale_bytes, 64) +
+                       rows * groups * zero_bytes, 64)
     return total / (3 * hidden * inter)
 
 
@@ -61,7 +68,7 @@ def check_formats(model, formats, where):
         bytes_read = base["bytes"] * r["bytes_per_weight"] / 2.0
         if abs(r["gbs"] - bytes_read / r["ms"] / 1e6) > 1e-3 * r["gbs"]:
             fail(f"{what}: gbs {r['gbs']} is not the format's {bytes_read:.0f} bytes in {r['ms']} ms")
-        want_source = "checkpoint" if fmt in ("fp8_b128", "mxfp4") else "quantized_at_load"
+        want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
     for fmt in formats:
@@ -69,7 +76,7 @@ def check_formats(model, formats, where):
         if err is None or not 0 < err <= FORMATS[fmt][1]:
             fail(f"{where} {fmt}: W' against the bf16 weights has relative L2 {err}, expected in (0, {FORMATS[fmt][1]}]")
     written = {c["format"] for c in model["format_checkpoints"]}
-    if written != {f for f in formats if f in ("fp8_b128", "mxfp4")}:
+    if written != {f for f in formats if f in FROM_CHECKPOINT}:
         fail(f"{where}: synthetic checkpoints written for {sorted(written)}")
 
 

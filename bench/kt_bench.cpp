@@ -102,8 +102,9 @@ const char* kUsage =
     "  --format LIST        also run kt with these weight storage formats, side by side with bf16\n"
     "                       on the same layer and workloads (not train_full: a quantized base is\n"
     "                       frozen): int8_channel, int4_g32, int4_g128 (kt quantizes the bf16\n"
-    "                       weights at load), fp8_b128, mxfp4 (the bf16 weights quantized into a\n"
-    "                       synthetic checkpoint of that layout in $TMPDIR, loaded from it)\n";
+    "                       weights at load), fp8_b128, mxfp4, int4_g32_zp, int4_g128_zp (the\n"
+    "                       bf16 weights quantized into a synthetic checkpoint of that layout\n"
+    "                       in $TMPDIR, loaded from it; _zp: compressed-tensors with zero points)\n";
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
@@ -188,8 +189,9 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
       }
     } else if (a == "--format") {
       for (const std::string& name : split(v)) {
-        const kt_weight_format all[] = {KT_FORMAT_BF16,     KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
-                                        KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4};
+        const kt_weight_format all[] = {KT_FORMAT_BF16,      KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
+                                        KT_FORMAT_INT4_G128,  KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4,
+                                        KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP};
         const kt_weight_format* f =
             std::find_if(std::begin(all), std::end(all), [&](kt_weight_format x) { return name == kt_weight_format_name(x); });
         if (f == std::end(all)) {
@@ -430,7 +432,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   // at a time, right after the bf16 ones.
   const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
   for (kt_weight_format f : o.formats) {
-    // fp8 and MXFP4 bases come from checkpoints: these weights quantized
+    // fp8, MXFP4 and asymmetric int4 bases come from checkpoints: these weights quantized
     // into one, loaded as a host loads it.
     std::unique_ptr<QuantCheckpoint> source;
     std::string source_error;

@@ -16,7 +16,11 @@
 namespace kt_bench {
 
 bool comes_from_checkpoint(kt_weight_format format) {
-  return format == KT_FORMAT_FP8_B128 || format == KT_FORMAT_MXFP4;
+  return format == KT_FORMAT_FP8_B128 || format == KT_FORMAT_MXFP4 || asymmetric_int4(format);
+}
+
+bool asymmetric_int4(kt_weight_format format) {
+  return format == KT_FORMAT_INT4_G32_ZP || format == KT_FORMAT_INT4_G128_ZP;
 }
 
 namespace {
@@ -24,6 +28,8 @@ namespace {
 constexpr float kE4M3Max = 448.f;
 constexpr int64_t kFp8Block = 128;
 constexpr int64_t kMxGroup = 32;
+
+int64_t int4_group(kt_weight_format format) { return format == KT_FORMAT_INT4_G128_ZP ? 128 : 32; }
 
 // The e4m3 code nearest to v, ties to the even code (round to nearest even
 // in fp8), magnitudes at or above 448 saturated to 448.
@@ -58,6 +64,7 @@ struct Projection {
   int64_t out, in;
   std::string name;  // tensor name without the ".weight" / scale suffix
   std::vector<uint8_t> codes, scales;
+  std::vector<uint8_t> zeros;  // asymmetric int4: weight_zero_point
 };
 
 void quantize_fp8(Projection& p) {
@@ -105,6 +112,41 @@ void quantize_mxfp4(Projection& p) {
     }
 }
 
+// compressed-tensors asymmetric int4, groups of `group` inputs: per (row,
+// group) the bf16 scale s = (max - min) / 15 (|value| where all are equal)
+// and the zero point z + 8 = round(-min / s), codes q + 8 = round(v / s) +
+// z + 8 clamped to [0, 15]; W = (q - z) * s. weight_packed I32 [out,
+// ceil(in/8)] (element c in bits 4 (c % 8) of word c / 8), weight_scale BF16
+// [out, groups], weight_zero_point I32 [ceil(out/8), groups] (row r in bits
+// 4 (r % 8) of word (r / 8, g)).
+void quantize_int4_asymmetric(Projection& p, int64_t group) {
+  const int64_t words = (p.in + 7) / 8, groups = (p.in + group - 1) / group;
+  p.codes.assign(static_cast<size_t>(p.out * words * 4), 0);
+  p.scales.resize(static_cast<size_t>(p.out * groups * 2));
+  p.zeros.assign(static_cast<size_t>((p.out + 7) / 8 * groups * 4), 0);
+  for (int64_t r = 0; r < p.out; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t c0 = g * group, c1 = std::min(p.in, c0 + group);
+      float lo = from_bf16(p.w[r * p.in + c0]), hi = lo;
+      for (int64_t c = c0; c < c1; ++c) {
+        lo = std::min(lo, from_bf16(p.w[r * p.in + c]));
+        hi = std::max(hi, from_bf16(p.w[r * p.in + c]));
+      }
+      const float range = hi > lo ? (hi - lo) / 15.f : std::fabs(lo);
+      const uint16_t sb = to_bf16(range > 0 ? range : 1.f);
+      const float s = from_bf16(sb);
+      std::memcpy(&p.scales[static_cast<size_t>((r * groups + g) * 2)], &sb, 2);
+      const int zs = static_cast<int>(std::min(15.f, std::max(0.f, std::nearbyint(-lo / s))));
+      p.zeros[static_cast<size_t>(((r / 8) * groups + g) * 4 + (r % 8) / 2)] |=
+          static_cast<uint8_t>(zs << (4 * (r % 2)));
+      for (int64_t c = c0; c < c1; ++c) {
+        const float q = std::nearbyint(from_bf16(p.w[r * p.in + c]) / s) + static_cast<float>(zs);
+        const uint8_t u = static_cast<uint8_t>(std::min(15.f, std::max(0.f, q)));
+        p.codes[static_cast<size_t>((r * words + c / 8) * 4 + (c % 8) / 2)] |= static_cast<uint8_t>(u << (4 * (c % 2)));
+      }
+    }
+}
+
 std::string config_json(const LayerWeights& layer, kt_weight_format format) {
   const ModelShape& s = layer.shape;
   JsonWriter j;
@@ -122,6 +164,23 @@ std::string config_json(const LayerWeights& layer, kt_weight_format format) {
     j.value(kFp8Block);
     j.value(kFp8Block);
     j.end_array();
+  } else if (asymmetric_int4(format)) {
+    j.key("quant_method").value("compressed-tensors");
+    j.key("format").value("pack-quantized");
+    j.key("config_groups").begin_object();
+    j.key("group_0").begin_object();
+    j.key("targets").begin_array();
+    j.value("Linear");
+    j.end_array();
+    j.key("weights").begin_object();
+    j.key("num_bits").value(int64_t{4});
+    j.key("type").value("int");
+    j.key("strategy").value("group");
+    j.key("group_size").value(int4_group(format));
+    j.key("symmetric").value(false);
+    j.end_object();
+    j.end_object();
+    j.end_object();
   } else {
     j.key("quant_method").value("mxfp4");
   }
@@ -149,12 +208,13 @@ bool write_safetensors(const std::string& path, const std::vector<Projection>& p
   j.key("format").value("pt");
   j.end_object();
   int64_t offset = 0;
+  // cols < 0: a 1-D tensor of `rows` elements.
   auto tensor = [&](const std::string& name, const char* dtype, int64_t rows, int64_t cols, size_t bytes) {
     j.key(name).begin_object();
     j.key("dtype").value(dtype);
     j.key("shape").begin_array();
     j.value(rows);
-    j.value(cols);
+    if (cols >= 0) j.value(cols);
     j.end_array();
     j.key("data_offsets").begin_array();
     j.value(offset);
@@ -164,7 +224,13 @@ bool write_safetensors(const std::string& path, const std::vector<Projection>& p
     offset += static_cast<int64_t>(bytes);
   };
   for (const Projection& p : projections) {
-    if (fp8) {
+    if (asymmetric_int4(format)) {
+      const int64_t groups = (p.in + int4_group(format) - 1) / int4_group(format);
+      tensor(p.name + ".weight_packed", "I32", p.out, (p.in + 7) / 8, p.codes.size());
+      tensor(p.name + ".weight_scale", "BF16", p.out, groups, p.scales.size());
+      tensor(p.name + ".weight_zero_point", "I32", (p.out + 7) / 8, groups, p.zeros.size());
+      tensor(p.name + ".weight_shape", "I64", 2, -1, 16);
+    } else if (fp8) {
       tensor(p.name + ".weight", "F8_E4M3", p.out, p.in, p.codes.size());
       tensor(p.name + ".weight_scale_inv", "F32", (p.out + kFp8Block - 1) / kFp8Block, (p.in + kFp8Block - 1) / kFp8Block,
              p.scales.size());
@@ -184,9 +250,16 @@ bool write_safetensors(const std::string& path, const std::vector<Projection>& p
     return false;
   }
   bool ok = std::fwrite(length, 1, 8, f) == 8 && std::fwrite(header.data(), 1, header.size(), f) == header.size();
-  for (const Projection& p : projections)
-    for (const std::vector<uint8_t>* bytes : {&p.codes, &p.scales})
+  for (const Projection& p : projections) {
+    const int64_t shape_values[2] = {p.out, p.in};
+    std::vector<uint8_t> shape(16);
+    std::memcpy(shape.data(), shape_values, 16);  // little-endian I64 on the x86-64 hosts kt runs on
+    const std::vector<uint8_t>* parts[] = {&p.codes, &p.scales, &p.zeros, &shape};
+    for (const std::vector<uint8_t>* bytes : parts) {
+      if (bytes == &shape && !asymmetric_int4(format)) continue;
       ok = ok && std::fwrite(bytes->data(), 1, bytes->size(), f) == bytes->size();
+    }
+  }
   ok = std::fclose(f) == 0 && ok;
   if (!ok) *error = "cannot write " + path + " (disk full?)";
   return ok;
@@ -217,7 +290,7 @@ std::unique_ptr<QuantCheckpoint> QuantCheckpoint::write(const LayerWeights& laye
 
   // Per expert and projection, in checkpoint order; quantized on `threads` threads.
   std::vector<Projection> projections;
-  const char* fp8_names[3] = {"gate_proj", "up_proj", "down_proj"};
+  const char* hf_names[3] = {"gate_proj", "up_proj", "down_proj"};
   const char* v4_names[3] = {"w1", "w3", "w2"};
   for (int64_t e = 0; e < layer.experts; ++e)
     for (int p = 0; p < 3; ++p) {
@@ -226,15 +299,21 @@ std::unique_ptr<QuantCheckpoint> QuantCheckpoint::write(const LayerWeights& laye
       pr.out = p == 2 ? H : I;
       pr.in = p == 2 ? I : H;
       pr.w = t.u16() + e * H * I;
-      pr.name = format == KT_FORMAT_FP8_B128
-                    ? "model.layers." + std::to_string(kLayer) + ".mlp.experts." + std::to_string(e) + "." + fp8_names[p]
+      pr.name = format != KT_FORMAT_MXFP4
+                    ? "model.layers." + std::to_string(kLayer) + ".mlp.experts." + std::to_string(e) + "." + hf_names[p]
                     : "layers." + std::to_string(kLayer) + ".ffn.experts." + std::to_string(e) + "." + v4_names[p];
       projections.push_back(std::move(pr));
     }
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i; (i = next.fetch_add(1)) < projections.size();)
-      format == KT_FORMAT_FP8_B128 ? quantize_fp8(projections[i]) : quantize_mxfp4(projections[i]);
+      if (format == KT_FORMAT_FP8_B128) {
+        quantize_fp8(projections[i]);
+      } else if (asymmetric_int4(format)) {
+        quantize_int4_asymmetric(projections[i], int4_group(format));
+      } else {
+        quantize_mxfp4(projections[i]);
+      }
   };
   std::vector<std::thread> pool;
   for (int t = 1; t < std::max(1, threads); ++t) pool.emplace_back(work);

@@ -12,6 +12,11 @@
 //   codes a byte, the even element in the low nibble) and `scale` U8 (e8m0)
 //   [out, ceil(in/32)], scale 2^(floor(log2 max|W|) - 2) of its 32 inputs as
 //   the OCP MX rule sets it; quantization_config quant_method mxfp4.
+// - int4_g32_zp, int4_g128_zp (compressed-tensors asymmetric int4, as
+//   Kimi-K2-Thinking-style checkpoints with zero points store it):
+//   `weight_packed` I32, `weight_scale` BF16, `weight_zero_point` I32 and
+//   `weight_shape`, min/max per (row, group) mapped onto the 16 codes;
+//   quantization_config compressed-tensors pack-quantized, symmetric false.
 #ifndef KT_BENCH_QUANT_CHECKPOINT_H_
 #define KT_BENCH_QUANT_CHECKPOINT_H_
 
@@ -26,6 +31,8 @@ namespace kt_bench {
 
 // True for the formats kt holds only as a checkpoint stores them.
 bool comes_from_checkpoint(kt_weight_format format);
+// True for the asymmetric int4 formats (zero points).
+bool asymmetric_int4(kt_weight_format format);
 
 class QuantCheckpoint {
  public:

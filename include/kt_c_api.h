@@ -269,8 +269,13 @@ typedef enum kt_weight_format {
    * checkpoint formats" below): */
   KT_FORMAT_FP8_B128 = 3,     /* fp8 e4m3 with fp32 scales per 128x128 block (DeepSeek-V3, Kimi-K2) */
   KT_FORMAT_MXFP4 = 4,        /* fp4 e2m1 with e8m0 scales per 32 inputs (gpt-oss, DeepSeek-V4) */
-  KT_FORMAT_INT4_G128 = 5     /* int4 in groups of 128 inputs, symmetric (compressed-tensors);
+  KT_FORMAT_INT4_G128 = 5,    /* int4 in groups of 128 inputs, symmetric (compressed-tensors);
                                * also quantized by kt at load from bf16/fp16/fp32 */
+  /* Asymmetric int4 (compressed-tensors with zero points): int4 codes, a
+   * bf16 scale and an int4 zero point per (output row, group of inputs);
+   * W = (q - z) * s. Only from checkpoints (kt does not quantize to them). */
+  KT_FORMAT_INT4_G32_ZP = 6,  /* int4 with zero points, groups of 32 inputs */
+  KT_FORMAT_INT4_G128_ZP = 7  /* int4 with zero points, groups of 128 inputs */
 } kt_weight_format;
 
 typedef struct kt_moe_options {
@@ -1448,10 +1453,11 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * accuracy of the bf16 path against a reference computed from W'. Backward
  * builds the W'^T panels in cache, each element rounded to bf16 once (as
  * activations are), and never stores a second copy. Memory per weight:
- * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes. */
+ * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
+ * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
 
 /* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
- * "mxfp4", "int4_g128"); static storage, never NULL ("unknown" outside the
+ * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
  * enum). */
 KT_API const char* kt_weight_format_name(kt_weight_format format);
 
@@ -1507,7 +1513,14 @@ KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size
  *   num_bits 4, type "int", strategy "group", group_size 32 or 128,
  *   symmetric. W = q * scale. Symmetric groups of 32 with bf16 scales are
  *   KT_FORMAT_INT4_G32 exactly (the same codes and scales), groups of 128
- *   KT_FORMAT_INT4_G128. Asymmetric layers load only dequantized.
+ *   KT_FORMAT_INT4_G128. Asymmetric layers (symmetric false,
+ *   `weight_zero_point` I32 [ceil(out/8), ceil(in/group)], eight output
+ *   rows a word, row r in bits 4(r%8).., stored as z + 8): W = (q - z) *
+ *   scale, held as KT_FORMAT_INT4_G32_ZP / KT_FORMAT_INT4_G128_ZP (codes,
+ *   bf16 scales and zero points as stored: exact). The forward computes
+ *   with (q - z), an integer in [-15, 15] exact in bf16, and applies each
+ *   group's scale in fp32 to the group's partial sum, as for symmetric
+ *   int4. A layer mixing symmetric and asymmetric experts is refused.
  * - MXFP4: gpt-oss `{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16]
  *   (two e2m1 values a byte, the even element in the low nibble),
  *   `_scales` U8/E8M0 [E, out, in/32] (2^(s - 127)), `_bias` [E, out],

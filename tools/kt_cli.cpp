@@ -96,8 +96,9 @@ int usage(FILE* to) {
                "                             cache: OUT/layer-<L>.ktpack (memory-mapped back by\n"
                "                             kt_moe_load_packed) and OUT/manifest.json. Each layer\n"
                "                             is kept as stored (bf16 for bf16/fp16/fp32 layers,\n"
-               "                             fp8_b128, mxfp4, int4_g32 or int4_g128 for quantized\n"
-               "                             checkpoints: codes and scales as they are), or F:\n"
+               "                             fp8_b128, mxfp4, int4_g32, int4_g128, int4_g32_zp or\n"
+               "                             int4_g128_zp for quantized checkpoints: codes, scales\n"
+               "                             and zero points as they are), or F:\n"
                "                             int8_channel, int4_g32 or int4_g128 quantize a dense\n"
                "                             layer (the error is stated in kt_c_api.h), bf16\n"
                "                             dequantizes a quantized one\n"
@@ -522,7 +523,7 @@ int64_t file_size(const std::string& path) {
 // "int4_g32" -> KT_FORMAT_INT4_G32 (kt_weight_format_name's names).
 bool parse_format(const std::string& text, kt_weight_format* out) {
   for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
-                             KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4})
+                             KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
     if (text == kt_weight_format_name(f)) {
       *out = f;
       return true;
@@ -537,7 +538,8 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
   const bool format_given = !format_name.empty();
   if (format_given && !parse_format(format_name, &format)) {
     std::fprintf(stderr,
-                 "kt convert: --format takes bf16, int8_channel, int4_g32, int4_g128, fp8_b128 or mxfp4, got '%s'\n",
+                 "kt convert: --format takes bf16, int8_channel, int4_g32, int4_g128, fp8_b128, mxfp4, int4_g32_zp or "
+                 "int4_g128_zp, got '%s'\n",
                  format_name.c_str());
     return 2;
   }

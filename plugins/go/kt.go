@@ -295,8 +295,8 @@ const (
 // WeightFormat is how a layer stores its frozen base weights
 // (kt_weight_format), for inference and LoRA mode. int8_channel, int4_g32
 // and int4_g128 are quantized by kt at load (kt_c_api.h states their error);
-// fp8_b128, mxfp4 and int4 groups come quantized from checkpoints, held as
-// stored.
+// fp8_b128, mxfp4 and int4 groups (with zero points: int4_g32_zp,
+// int4_g128_zp) come quantized from checkpoints, held as stored.
 type WeightFormat int
 
 // Formats of kt_weight_format.
@@ -307,10 +307,12 @@ const (
 	FormatFP8B128     WeightFormat = C.KT_FORMAT_FP8_B128     // fp8 e4m3, fp32 scale per 128x128 block
 	FormatMXFP4       WeightFormat = C.KT_FORMAT_MXFP4        // fp4 e2m1, e8m0 scale per 32 inputs
 	FormatInt4G128    WeightFormat = C.KT_FORMAT_INT4_G128    // int4 per group of 128 inputs
+	FormatInt4G32ZP   WeightFormat = C.KT_FORMAT_INT4_G32_ZP  // int4 with zero points per group of 32 inputs
+	FormatInt4G128ZP  WeightFormat = C.KT_FORMAT_INT4_G128_ZP // int4 with zero points per group of 128 inputs
 )
 
 // String is kt's name of the format ("bf16", "int8_channel", "int4_g32",
-// "fp8_b128", "mxfp4", "int4_g128").
+// "fp8_b128", "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp").
 func (f WeightFormat) String() string {
 	return C.GoString(C.kt_weight_format_name(C.kt_weight_format(f)))
 }

@@ -14,8 +14,10 @@ import (
 )
 
 // Quantized checkpoints through the binding: an fp8 checkpoint (128x128
-// blocks) and a DeepSeek-V4 style MXFP4 one, written here as their models
-// store them, report the format that holds each layer as stored; the layer
+// blocks), a DeepSeek-V4 style MXFP4 one and an asymmetric
+// compressed-tensors int4 one (zero points), written here as their models
+// store them, report the format that holds each layer as stored (the int4
+// layer holds exactly (q - z) * scale of its bits); the layer
 // loaded in that format saves a packed cache that ReadPackedInfo reports in
 // the same format, maps back with the same weights and output, and is
 // refused (naming both formats) by a bf16 layer.
@@ -119,6 +121,56 @@ func mxfp4Checkpoint(t *testing.T, dir string, r *rand.Rand) int64 {
 	return 2
 }
 
+// int4ZPCheckpoint: compressed-tensors pack-quantized int4 with zero points
+// (symmetric false): weight_packed I32 [out, in/8] (element c in bits
+// 4 (c % 8) of word c / 8, q + 8), weight_scale BF16 [out, in/32],
+// weight_zero_point I32 [ceil(out/8), in/32] (row r in bits 4 (r % 8),
+// z + 8), weight_shape. Layer 3. want gets the weights decoded here:
+// (q - z) * scale, gate, up, down [E][out][in].
+func int4ZPCheckpoint(want *[3][]float32) func(*testing.T, string, *rand.Rand) int64 {
+	return func(t *testing.T, dir string, r *rand.Rand) int64 {
+		var tensors []stTensor
+		for e := 0; e < ckE; e++ {
+			for p, name := range []string{"gate_proj", "up_proj", "down_proj"} {
+				out, in := ckShapes[p][0], ckShapes[p][1]
+				groups, zrows := in/32, (out+7)/8
+				base := fmt.Sprintf("model.layers.3.mlp.experts.%d.%s", e, name)
+				codes, zeros := make([]byte, out*in/2), make([]byte, zrows*groups*4)
+				r.Read(codes)
+				r.Read(zeros)
+				scales := make([]byte, out*groups*2)
+				for i := 0; i < out*groups; i++ {
+					binary.LittleEndian.PutUint16(scales[2*i:], uint16(0x3c80+r.Intn(128))) // 2^-6 .. 2^-5
+				}
+				shape := make([]byte, 16)
+				binary.LittleEndian.PutUint64(shape, uint64(out))
+				binary.LittleEndian.PutUint64(shape[8:], uint64(in))
+				tensors = append(tensors, stTensor{base + ".weight_packed", "I32", []int{out, in / 8}, codes},
+					stTensor{base + ".weight_scale", "BF16", []int{out, groups}, scales},
+					stTensor{base + ".weight_zero_point", "I32", []int{zrows, groups}, zeros},
+					stTensor{base + ".weight_shape", "I64", []int{2}, shape})
+				nibble := func(b []byte, word, i int) int { return int(b[word*4+i/2]>>(4*(i%2))) & 15 }
+				for row := 0; row < out; row++ {
+					for c := 0; c < in; c++ {
+						q := nibble(codes, row*in/8+c/8, c%8)
+						z := nibble(zeros, (row/8)*groups+c/32, row%8)
+						s := math.Float32frombits(uint32(binary.LittleEndian.Uint16(scales[2*(row*groups+c/32):])) << 16)
+						want[p] = append(want[p], float32(q-z)*s)
+					}
+				}
+			}
+		}
+		writeSafetensors(t, filepath.Join(dir, "model.safetensors"), tensors)
+		config := fmt.Sprintf(`{"num_experts_per_tok": %d, "quantization_config": {"quant_method": "compressed-tensors", `+
+			`"format": "pack-quantized", "config_groups": {"group_0": {"targets": ["Linear"], "weights": `+
+			`{"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": false}}}}}`, ckK)
+		if err := os.WriteFile(filepath.Join(dir, "config.json"), []byte(config), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return 3
+	}
+}
+
 func ckForward(t *testing.T, m *MoE) []float32 {
 	t.Helper()
 	x := make([]float32, ckT*ckH)
@@ -156,12 +208,14 @@ func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer engine.Close()
+	var int4ZPWant [3][]float32
 	cases := []struct {
 		name   string
 		write  func(*testing.T, string, *rand.Rand) int64
 		format WeightFormat
 		group  int64
-	}{{"fp8", fp8Checkpoint, FormatFP8B128, 128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4, 32}}
+	}{{"fp8", fp8Checkpoint, FormatFP8B128, 128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4, 32},
+		{"int4_zp", int4ZPCheckpoint(&int4ZPWant), FormatInt4G32ZP, 32}}
 	for _, c := range cases {
 		dir := filepath.Join(t.TempDir(), "ckpt")
 		if err := os.MkdirAll(dir, 0o755); err != nil {
@@ -192,6 +246,19 @@ func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
 		info, err := loaded.Info()
 		if err != nil || info.WeightFormat != c.format {
 			t.Fatalf("%s: info %+v, %v", c.name, info, err)
+		}
+		if c.format == FormatInt4G32ZP {
+			if c.format.String() != "int4_g32_zp" || info.WeightBytes >= info.NumWeights {
+				t.Fatalf("%s: %q, %d bytes for %d weights", c.name, c.format.String(), info.WeightBytes, info.NumWeights)
+			}
+			if !reflect.DeepEqual(ckWeights(t, loaded), int4ZPWant) {
+				t.Fatalf("%s: the layer does not hold (q - z) * scale of the checkpoint's bits", c.name)
+			}
+			for _, v := range ckForward(t, loaded) {
+				if math.IsNaN(float64(v)) || math.IsInf(float64(v), 0) {
+					t.Fatalf("%s: forward gave %v", c.name, v)
+				}
+			}
 		}
 		cache := filepath.Join(t.TempDir(), "layer.ktpack")
 		if err := loaded.SavePacked(cache); err != nil {

@@ -79,9 +79,10 @@ void validate_moe_options(const kt_moe_options& o) {
                  "kt_activation");
   kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
   const int64_t format = kt::enum_bits(o.weight_format);
-  check(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G128, KT_ERR_UNSUPPORTED,
+  check(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G128_ZP, KT_ERR_UNSUPPORTED,
         std::string(w) + ": options->weight_format = " + std::to_string(format) +
-            " is not a storage format of this kt (bf16, int8_channel, int4_g32, fp8_b128, mxfp4, int4_g128)");
+            " is not a storage format of this kt (bf16, int8_channel, int4_g32, fp8_b128, mxfp4, int4_g128, "
+            "int4_g32_zp, int4_g128_zp)");
   check(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
         std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
             " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs KT_FORMAT_BF16 "
@@ -455,6 +456,8 @@ const char* kt_weight_format_name(kt_weight_format format) {
     case KT_FORMAT_FP8_B128: return "fp8_b128";
     case KT_FORMAT_MXFP4: return "mxfp4";
     case KT_FORMAT_INT4_G128: return "int4_g128";
+    case KT_FORMAT_INT4_G32_ZP: return "int4_g32_zp";
+    case KT_FORMAT_INT4_G128_ZP: return "int4_g128_zp";
     default: return "unknown";
   }
 }

@@ -16,10 +16,12 @@ QuantShape QuantShape::of(kt_weight_format f, int64_t n, int64_t k) {
   s.n = n;
   s.k = k;
   s.np = (n + kPanelRows - 1) / kPanelRows;
-  s.bits = f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_MXFP4 ? 4 : 8;
+  s.zero_points = has_zero_points(f);
+  s.bits = f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_MXFP4 || s.zero_points ? 4 : 8;
   s.code = f == KT_FORMAT_FP8_B128 ? QuantCode::kE4M3 : f == KT_FORMAT_MXFP4 ? QuantCode::kE2M1 : QuantCode::kInt;
   s.scale_bytes = f == KT_FORMAT_FP8_B128 ? 4 : 2;
-  const int64_t wide_group = f == KT_FORMAT_FP8_B128 || f == KT_FORMAT_INT4_G128 ? 128 : 0;
+  const int64_t wide_group =
+      f == KT_FORMAT_FP8_B128 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_INT4_G128_ZP ? 128 : 0;
   // Groups wider than 32 pad K to whole groups, so every chunk of K the
   // kernels take holds whole groups.
   const int64_t align = wide_group ? wide_group : kQuantKAlign;
@@ -29,7 +31,8 @@ QuantShape QuantShape::of(kt_weight_format f, int64_t n, int64_t k) {
   s.code_panel_bytes = kPanelRows * s.kq * s.bits / 8;
   s.scale_panel = s.ngroups * kPanelRows;
   s.scales_offset = align64(s.np * s.code_panel_bytes);
-  s.expert_bytes = align64(s.scales_offset + s.np * s.scale_panel * s.scale_bytes);
+  s.zeros_offset = align64(s.scales_offset + s.np * s.scale_panel * s.scale_bytes);
+  s.expert_bytes = s.zero_points ? align64(s.zeros_offset + s.np * s.scale_panel) : s.zeros_offset;
   return s;
 }
 
@@ -106,8 +109,11 @@ static inline void put_code(uint8_t* panel, int bits, int64_t lane, int64_t c, u
 
 float quant_get(const uint8_t* expert, const QuantShape& s, int64_t r, int64_t c) {
   const int64_t P = r / kPanelRows, lane = r % kPanelRows;
-  const float q = quant_code_value(s.code, s.bits, raw_code(expert + P * s.code_panel_bytes, s.bits, lane, c));
-  return q * s.scale_at(expert, P * s.scale_panel + (c / s.group) * kPanelRows + lane);
+  const int64_t i = P * s.scale_panel + (c / s.group) * kPanelRows + lane;
+  const uint8_t raw = raw_code(expert + P * s.code_panel_bytes, s.bits, lane, c);
+  const float q = s.zero_points ? static_cast<float>(static_cast<int>(raw) - s.zero_at(expert, i))
+                                : quant_code_value(s.code, s.bits, raw);
+  return q * s.scale_at(expert, i);
 }
 
 // 16 stored scales from index `from` (panel-major) as fp32: straight
@@ -139,6 +145,15 @@ void quant_scales_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, i
     for (int64_t j = 0; j < nj; ++j)
       lane_scales(expert, s, p * s.scale_panel + ((c0 + j * kQuantKAlign) / s.group) * kPanelRows,
                   dst + (p * nj + j) * kPanelRows);
+}
+
+void quant_zeros_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, uint8_t* dst) {
+  const int64_t nj = kc / kQuantKAlign;
+  for (int64_t p = 0; p < s.np; ++p)
+    for (int64_t j = 0; j < nj; ++j)
+      std::memcpy(dst + (p * nj + j) * kPanelRows,
+                  expert + s.zeros_offset + p * s.scale_panel + ((c0 + j * kQuantKAlign) / s.group) * kPanelRows,
+                  kPanelRows);
 }
 
 // ---------------------------------------------------- checkpoint sources
@@ -180,11 +195,14 @@ static inline float scale_value(const QuantSource& src, const uint8_t* p) {
   }
 }
 
-static inline int zero_point(const QuantSource& src, int64_t R, int64_t g) {
+// The stored zero-point nibble (z + 8) of (source row R, group g).
+static inline uint8_t zero_nibble(const QuantSource& src, int64_t R, int64_t g) {
   uint32_t w;
   std::memcpy(&w, src.zeros + ((R / 8) * src.zero_row + g) * 4, 4);
-  return static_cast<int>((w >> (4 * (R % 8))) & 15u) - 8;
+  return static_cast<uint8_t>((w >> (4 * (R % 8))) & 15u);
 }
+
+static inline int zero_point(const QuantSource& src, int64_t R, int64_t g) { return zero_nibble(src, R, g) - 8; }
 
 static std::string hex_byte(uint8_t b) {
   static const char* digits = "0123456789abcdef";
@@ -195,9 +213,12 @@ SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, c
   const std::string at = std::string(src.name);
   auto io = [](std::string t) { return SourceProblem{KT_ERR_IO, std::move(t)}; };
   auto unsupported = [](std::string t) { return SourceProblem{KT_ERR_UNSUPPORTED, std::move(t)}; };
-  if (into && src.zeros)
+  if (into && src.zeros && !into->zero_points)
     return unsupported(at + "': zero points (asymmetric int4) have no place in a " + kt_weight_format_name(into->format) +
            " layer");
+  if (into && !src.zeros && into->zero_points)
+    return unsupported(at + "': symmetric int4 (no zero points) goes into int4_g32 or int4_g128, not a " +
+                       kt_weight_format_name(into->format) + " layer");
   const int64_t ngroups = (k + src.group - 1) / src.group;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t R = source_row(src, r);
@@ -233,8 +254,12 @@ void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst
     const int64_t R = source_row(src, r), P = r / kPanelRows, lane = r % kPanelRows;
     uint8_t* panel = dst + P * s.code_panel_bytes;
     for (int64_t c = 0; c < s.k; ++c) put_code(panel, s.bits, lane, c, source_code(src, R, c));
-    for (int64_t c = s.k; c < s.kq; ++c) put_code(panel, s.bits, lane, c, zero);
+    // With zero points the padding columns (in the last group) take the
+    // code of that group's zero.
+    const uint8_t pad = s.zero_points ? zero_nibble(src, R, ngroups - 1) : zero;
+    for (int64_t c = s.k; c < s.kq; ++c) put_code(panel, s.bits, lane, c, pad);
     for (int64_t g = 0; g < ngroups; ++g) {
+      if (s.zero_points) dst[s.zeros_offset + P * s.scale_panel + g * kPanelRows + lane] = zero_nibble(src, R, g);
       const float v = scale_value(src, scale_ptr(src, R, g));
       uint8_t* to = scales + (P * s.scale_panel + g * kPanelRows + lane) * s.scale_bytes;
       if (s.scale_bytes == 4) {

@@ -15,8 +15,14 @@
 //   scales: np panels of ngroups * 16 scales, [group][lane] within a panel:
 //     bf16, or fp32 for fp8 blocks (their fp32 scales are not exact in bf16;
 //     e8m0 scales are powers of two, exact in bf16).
+//   zeros (asymmetric int4, the _ZP formats): np panels of ngroups * 16
+//     bytes, [group][lane] as the scales, each the zero point z + 8 (the
+//     nibble as compressed-tensors stores it); W = (u - zero byte) * scale
+//     for a code nibble u (= q + 8).
 // K is padded to kq = round_up(k, 32), or to the group where groups are
-// wider. Padding (rows past n, columns past k) has scale 0.
+// wider. Padding (rows past n, columns past k) has scale 0; in the _ZP
+// formats padding rows have codes and zeros 0 and padding columns the code
+// of their row's zero, so (u - zero) is 0 there as well.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +44,8 @@ inline bool is_quantized(kt_weight_format f) { return f != KT_FORMAT_BF16; }
 inline bool kt_quantizes_to(kt_weight_format f) {
   return f == KT_FORMAT_INT8_CHANNEL || f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128;
 }
+// Formats with a zero point per (row, group): asymmetric int4.
+inline bool has_zero_points(kt_weight_format f) { return f == KT_FORMAT_INT4_G32_ZP || f == KT_FORMAT_INT4_G128_ZP; }
 
 // The value of a raw code (a byte, or a nibble in the low 4 bits).
 inline float quant_code_value(QuantCode code, int bits, uint8_t raw) {
@@ -60,8 +68,9 @@ struct QuantShape {
   int64_t group = 0;    // K elements per scale (kq: one scale per row)
   int64_t ngroups = 0;  // scales per row
   int64_t code_panel_bytes = 0;
-  int64_t scale_panel = 0;  // scales per panel (ngroups * 16)
-  int64_t scales_offset = 0, expert_bytes = 0;
+  int64_t scale_panel = 0;  // scales per panel (ngroups * 16); zero points too
+  bool zero_points = false;
+  int64_t scales_offset = 0, zeros_offset = 0, expert_bytes = 0;
 
   static QuantShape of(kt_weight_format f, int64_t n, int64_t k);
   const uint8_t* codes(const uint8_t* expert) const { return expert; }
@@ -73,6 +82,7 @@ struct QuantShape {
     w.scales = expert + scales_offset + p0 * scale_panel * scale_bytes;
     w.scale_panel = scale_panel;
     w.scale_bytes = scale_bytes;
+    w.zeros = zero_points ? expert + zeros_offset + p0 * scale_panel : nullptr;
     w.bits = bits;
     w.code = code;
     w.kq = kq;
@@ -91,6 +101,8 @@ struct QuantShape {
     std::memcpy(&b, p, 2);
     return bf16_to_f32(b);
   }
+  // The stored zero byte (z + 8) of index i (panel-major, as the scales).
+  uint8_t zero_at(const uint8_t* expert, int64_t i) const { return expert[zeros_offset + i]; }
 };
 
 // Quantizes rows [row0, row0 + n * row_step) (every row_step-th) of src, a
@@ -98,7 +110,8 @@ struct QuantShape {
 // block (s.expert_bytes). Integer formats only (kt_quantizes_to).
 void quantize_panels(const View& src, int64_t row0, int64_t row_step, const QuantShape& s, uint8_t* dst);
 
-// The value the layer computes with at (r, c): code * scale, exact in fp32.
+// The value the layer computes with at (r, c): code * scale (with zero
+// points (u - zero) * scale), exact in fp32.
 float quant_get(const uint8_t* expert, const QuantShape& s, int64_t r, int64_t c);
 
 // fp32 scales of panels [p0, p0 + np), groups [g0, g0 + ng): dst[p][j][16].
@@ -109,6 +122,9 @@ void quant_scales_f32(const uint8_t* expert, const QuantShape& s, int64_t p0, in
 // 32) in steps of 32 columns: dst[p][j][16] is the scale of column c0 + 32 j
 // (any group size; for dequantizing with group 32).
 void quant_scales_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, float* dst);
+// The stored zero bytes laid out as quant_scales_cols lays out the scales
+// (formats with zero points).
+void quant_zeros_cols(const uint8_t* expert, const QuantShape& s, int64_t c0, int64_t kc, uint8_t* dst);
 
 // A projection quantized as a checkpoint stores it (io/layout.cpp finds the
 // tensors), logical [n, k] (out x in), taking source rows row0 + r * row_step:
@@ -142,7 +158,8 @@ struct QuantSource {
 // e8m0 scale 0xFF, a non-finite scale). With `into` (a layer format's shape
 // of the same code kind, bits and group), also that the codes and scales go
 // into its storage as they are: a scale not exact in a bf16-scaled format,
-// or zero points, are KT_ERR_UNSUPPORTED.
+// or zero points where the format has none (or none where it has them), are
+// KT_ERR_UNSUPPORTED.
 struct SourceProblem {
   kt_status status = KT_OK;
   std::string text;
@@ -150,7 +167,7 @@ struct SourceProblem {
 SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, const QuantShape* into);
 
 // Writes src (checked against s) into one expert's block of format s: the
-// same codes and scales, no rounding.
+// same codes, scales and zero points, no rounding.
 void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst);
 
 // The dequantized value W[r][c] of src in fp32 (exact: codes are exact in

@@ -525,10 +525,12 @@ void check_quantized_layer(MoeLayer& m, const QuantConfig& qc) {
     if (m.unsupported.empty()) {
       if (group != 32 && group != 128)
         m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of 32 or 128";
-      else if (m.asymmetric)
-        m.unsupported = "asymmetric int4 (weight_zero_point): kt holds symmetric int4; load it dequantized";
     }
-    m.native_format = group == 128 ? KT_FORMAT_INT4_G128 : KT_FORMAT_INT4_G32;
+    // Zero points (asymmetric) are held as stored, in the _ZP formats.
+    if (m.asymmetric)
+      m.native_format = group == 128 ? KT_FORMAT_INT4_G128_ZP : KT_FORMAT_INT4_G32_ZP;
+    else
+      m.native_format = group == 128 ? KT_FORMAT_INT4_G128 : KT_FORMAT_INT4_G32;
   } else if (m.format == KT_CKPT_FORMAT_MXFP4) {
     method_must_be("mxfp4", "MXFP4 weights (e2m1 with e8m0 scales)");
     if (m.layout != KT_CKPT_LAYOUT_GPT_OSS)

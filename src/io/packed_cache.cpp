@@ -178,6 +178,8 @@ uint32_t panel_layout_of(kt_weight_format format) {
     case KT_FORMAT_INT4_G128: return kPanelLayoutInt4R16G128;
     case KT_FORMAT_FP8_B128: return kPanelLayoutFp8R16B128;
     case KT_FORMAT_MXFP4: return kPanelLayoutMxfp4R16G32;
+    case KT_FORMAT_INT4_G32_ZP: return kPanelLayoutInt4ZpR16G32;
+    case KT_FORMAT_INT4_G128_ZP: return kPanelLayoutInt4ZpR16G128;
   }
   return 0;
 }
@@ -296,8 +298,9 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
         w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
             std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
   // Compared as numbers: a value outside the enum is never converted to it.
-  const kt_weight_format kKnown[] = {KT_FORMAT_BF16,     KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
-                                     KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4};
+  const kt_weight_format kKnown[] = {KT_FORMAT_BF16,      KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
+                                     KT_FORMAT_INT4_G128,  KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4,
+                                     KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP};
   check(std::any_of(std::begin(kKnown), std::end(kKnown),
                     [&](kt_weight_format f) { return static_cast<uint32_t>(f) == h.weight_format; }),
         KT_ERR_IO, w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");

@@ -46,6 +46,10 @@ constexpr uint32_t kPanelLayoutInt4R16G32 = 0x36313451u;    // "Q416"
 constexpr uint32_t kPanelLayoutInt4R16G128 = 0x36573451u;   // "Q4W6"
 constexpr uint32_t kPanelLayoutFp8R16B128 = 0x36313846u;    // "F816"
 constexpr uint32_t kPanelLayoutMxfp4R16G32 = 0x3631344Du;   // "M416"
+// Asymmetric int4: the int4 panels and scales, then a zero byte (z + 8)
+// per (row, group) laid out as the scales.
+constexpr uint32_t kPanelLayoutInt4ZpR16G32 = 0x36315A51u;   // "QZ16"
+constexpr uint32_t kPanelLayoutInt4ZpR16G128 = 0x36575A51u;  // "QZW6"
 static_assert(kPanelRows == 16, "the panel layout changed: give it a new kPanelLayout id");
 static_assert(kQuantKAlign == 32, "the quantized layout changed: give it a new kPanelLayout id");
 

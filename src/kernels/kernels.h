@@ -70,13 +70,16 @@ enum class QuantCode { kInt, kE4M3, kE2M1 };
 // Panels of a quantized base as a GEMM operand (formats/packed_quant.h): the
 // codes of panel p at codes + p * code_panel_bytes, the 16 scales of panel p
 // and group j at scales + (p * scale_panel + 16 j) * scale_bytes (bf16, or
-// fp32 when scale_bytes is 4).
+// fp32 when scale_bytes is 4). Asymmetric int4: the 16 zero bytes (z + 8)
+// of panel p and group j at zeros + p * scale_panel + 16 j, and a code
+// nibble u stands for u - zero byte; zeros is NULL for the other formats.
 struct QuantPanels {
   const uint8_t* codes = nullptr;
   int64_t code_panel_bytes = 0;
   const uint8_t* scales = nullptr;
   int64_t scale_panel = 0;
   int scale_bytes = 2;
+  const uint8_t* zeros = nullptr;
   int bits = 8;
   QuantCode code = QuantCode::kInt;
   int64_t kq = 0;     // K of the codes and of the A rows
@@ -164,6 +167,12 @@ struct Kernels {
                        const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
   void (*dequant_e2m1)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                        const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+  // dequant_i4 for asymmetric int4: a code nibble u stands for u - zero,
+  // zero the byte zeros[p * zero_stride + ((k - k0) / group) * 16 + lane]
+  // (z + 8); (u - zero) is an integer in [-15, 15], exact in bf16.
+  void (*dequant_i4_zero)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                          const uint8_t* zeros, int64_t zero_stride, const float* scales, int64_t scale_stride,
+                          int64_t group, bf16_t* dst);
   // gemm_bf16w with a scale per column and group of K: C[r, 16p + c] (=|+=)
   // sum over groups j of scales[p * scale_stride + 16 j + c] * (sum over k
   // in [j * group, (j + 1) * group) of A[r][k] * W_p[c][k]): the scale is

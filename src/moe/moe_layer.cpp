@@ -130,6 +130,7 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
       const int64_t deq_cols = kBlockCols + kQuantKAlign;
       s.deq.resize(static_cast<size_t>(std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad)));
       s.qscale.resize(static_cast<size_t>(std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad)));
+      if (gate_q.zero_points) s.qzero.resize(static_cast<size_t>(deq_cols / kQuantKAlign * kpad));
       s.qrows.resize(static_cast<size_t>(kRowChunk));
     }
   }
@@ -170,7 +171,8 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   if (sh.quantized)
     bytes += CheckedSize(threads) *
              (CheckedSize(std::max(kBlockPanels * kPanelRows * kQuantChunk, kBlockCols * kpad)) * b16 +
-              CheckedSize(std::max(kBlockPanels * kQuantChunk, 2 * kpad)) * f32);
+              CheckedSize(std::max(kBlockPanels * kQuantChunk, 2 * kpad)) * f32 +
+              (sh.gate_q.zero_points ? CheckedSize((kBlockCols + kQuantKAlign) / kQuantKAlign * kpad) : CheckedSize(0)));
   const CheckedSize routes = CheckedSize(T) * K;
   const CheckedSize tokens_h = CheckedSize(T) * H;
   // forward: x in fp32 and A format, g and u, LoRA projections, a, a in A
@@ -737,6 +739,10 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     return;
   }
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
+  if (qs.zero_points) {
+    base_gemm_zero_points(s, qs, ex, p0, np, rows, m, c, next);
+    return;
+  }
   const auto dequant = dequant_kernel(K_, qs);
   // One scale per row (int8 per channel, or one group spanning K): applied
   // to the whole sum; otherwise each group's partial sum times its scale.
@@ -776,6 +782,29 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     }
 }
 
+// base_gemm of asymmetric int4: (u - zero) dequantized into panels (exact
+// in bf16), each group's partial sum times its fp32 scale.
+void kt_moe::base_gemm_zero_points(ThreadScratch& s, const QuantShape& qs, const uint8_t* ex, int64_t p0, int np,
+                                   const void* const* rows, int m, float* c, const PrefetchRegion& next) {
+  const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
+  const uint8_t* zeros = ex + qs.zeros_offset + p0 * qs.scale_panel;
+  float* scales = s.qscale.data();
+  bf16_t* deq = s.deq.data();
+  PrefetchCursor ahead(next);
+  const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
+  for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
+    const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
+    ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
+    for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
+    quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
+    // Chunks hold whole groups (kQuantChunk is a multiple of 128).
+    K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows, qs.scale_panel,
+                       nullptr, 0, qs.group, deq);
+    K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, (kc / qs.group) * kPanelRows,
+                          qs.group, c, kBlockCols, k0 > 0, PrefetchRegion{});
+  }
+}
+
 void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, bf16_t* dst) {
   if (!quantized) {
     const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
@@ -795,8 +824,16 @@ void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
   quant_scales_cols(ex, qs, start, kc, scales);
-  dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, scales,
-                         (kc / kQuantKAlign) * kPanelRows, kQuantKAlign, deq);
+  const int64_t stride = (kc / kQuantKAlign) * kPanelRows;
+  if (qs.zero_points) {
+    uint8_t* zeros = s.qzero.data();
+    quant_zeros_cols(ex, qs, start, kc, zeros);
+    K_.dequant_i4_zero(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, zeros, stride, scales, stride,
+                       kQuantKAlign, deq);
+  } else {
+    dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, scales, stride, kQuantKAlign,
+                           deq);
+  }
   K_.transpose_panels(deq, qs.np, kPanelRows * kc, c0 - start, cb, dst);
 }
 

@@ -232,6 +232,10 @@ struct kt_moe {
   // projection proj of expert e, built in cache (transposed_panels contract
   // of kernels.h); quantized weights are dequantized (one bf16 rounding).
   void transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, kt::bf16_t* dst);
+  // base_gemm of a format with zero points, from the packed rows of
+  // panels [p0, p0 + np) of expert block ex.
+  void base_gemm_zero_points(ThreadScratch& s, const kt::QuantShape& qs, const uint8_t* ex, int64_t p0, int np,
+                             const void* const* rows, int m, float* c, const kt::PrefetchRegion& next);
   void route(const ForwardCall& call, kt::Routing* out);
   void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
   void snapshot_lora();
@@ -294,6 +298,7 @@ struct kt_moe {
     kt::Buffer<kt::bf16_t> zip[2];  // zipped operands of the weight gradients
     kt::Buffer<kt::bf16_t> deq;     // dequantized panels of a quantized base
     kt::Buffer<float> qscale;       // their fp32 scales
+    kt::Buffer<uint8_t> qzero;      // their zero bytes (formats with zero points, W^T panels)
     std::vector<const void*> qrows; // A rows shifted to a K chunk
     std::vector<const void*> rows;
     std::vector<const float*> frows;

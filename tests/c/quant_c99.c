@@ -43,7 +43,9 @@ int main(void) {
 
   CHECK(strcmp(kt_weight_format_name(KT_FORMAT_INT4_G32), "int4_g32") == 0);
   CHECK(strcmp(kt_weight_format_name(KT_FORMAT_INT8_CHANNEL), "int8_channel") == 0);
-  CHECK(strcmp(kt_weight_format_name((kt_weight_format)9), "unknown") == 0);
+  CHECK(strcmp(kt_weight_format_name((kt_weight_format)8), "unknown") == 0);
+  CHECK(strcmp(kt_weight_format_name(KT_FORMAT_INT4_G32_ZP), "int4_g32_zp") == 0);
+  CHECK(strcmp(kt_weight_format_name(KT_FORMAT_INT4_G128_ZP), "int4_g128_zp") == 0);
 
   kt_engine_options_init(&eo);
   eo.num_threads = 1;

@@ -171,13 +171,23 @@ inline QuantCkpt int4_ckpt(int64_t L, int64_t E, int64_t H, int64_t I, int64_t g
             static_cast<float>((1.0 + std::uniform_real_distribution<double>(0, 1)(rng)) / (4.0 * std::sqrt(in)))));
       std::vector<int> zeros(static_cast<size_t>(out * groups), 0);
       if (!symmetric)
-        for (auto& z : zeros) z = static_cast<int>(rng() % 7) - 3;
+        for (auto& z : zeros) z = static_cast<int>(rng() % 16) - 8;
       if (e == 0 && p == 0) {
         // Row 0, columns 0-7: -8 (nibble 0), 7 (nibble 15), 0, 1, -1, 3, -3, 5.
         const int special[8] = {-8, 7, 0, 1, -1, 3, -3, 5};
         for (int i = 0; i < 8; ++i) vals[static_cast<size_t>(i)] = special[i];
         scales[0] = 0.25f;
-        if (!symmetric) zeros[0] = 2;
+        if (!symmetric) {
+          // Zero point 2 in row 0; the extremes of q - z in rows 1 and 2,
+          // column 0: 7 - (-8) = 15 and -8 - 7 = -15, at scale 0.5.
+          zeros[0] = 2;
+          vals[static_cast<size_t>(in)] = 7;
+          zeros[static_cast<size_t>(groups)] = -8;
+          scales[static_cast<size_t>(groups)] = 0.5f;
+          vals[static_cast<size_t>(2 * in)] = -8;
+          zeros[static_cast<size_t>(2 * groups)] = 7;
+          scales[static_cast<size_t>(2 * groups)] = 0.5f;
+        }
       }
       std::vector<uint32_t> packed(static_cast<size_t>(out * words), 0);
       for (int64_t r = 0; r < out; ++r)

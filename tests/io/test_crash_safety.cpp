@@ -560,19 +560,23 @@ TEST_F(CrashSafety, PackedCacheWriterNeverLeavesAMixAndCleansUp) {
 }
 
 // Quantized layers' caches (codes and scales, in every format) under the
-// same faults. fp8 and mxfp4 layers come from checkpoints written here
+// same faults. fp8, mxfp4 and asymmetric int4 layers come from checkpoints written here
 // first, before any fault is armed (reading them is not a step).
 TEST_F(CrashSafety, QuantizedPackedCacheWriterNeverLeavesAMixAndCleansUp) {
   using namespace kt_io_test::quant;
   for (kt_weight_format format :
-       {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4}) {
+       {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4,
+        KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP}) {
     const std::string name = kt_weight_format_name(format);
     std::string sources[4];
-    if (format == KT_FORMAT_FP8_B128 || format == KT_FORMAT_MXFP4)
+    const bool zero_points = format == KT_FORMAT_INT4_G32_ZP || format == KT_FORMAT_INT4_G128_ZP;
+    if (format == KT_FORMAT_FP8_B128 || format == KT_FORMAT_MXFP4 || zero_points)
       for (int v = 1; v <= 3; ++v) {
         sources[v] = dir_ + "/" + name + "_source_" + std::to_string(v);
-        (format == KT_FORMAT_FP8_B128 ? fp8_ckpt(0, kE, kH, kI, static_cast<uint32_t>(v))
-                                      : dsv4_ckpt(0, kE, kH, kI, static_cast<uint32_t>(v)))
+        const uint32_t seed = static_cast<uint32_t>(v);
+        (format == KT_FORMAT_FP8_B128 ? fp8_ckpt(0, kE, kH, kI, seed)
+         : zero_points ? int4_ckpt(0, kE, kH, kI, format == KT_FORMAT_INT4_G32_ZP ? 32 : 128, false, seed)
+                       : dsv4_ckpt(0, kE, kH, kI, seed))
             .write(sources[v]);
       }
     SCOPED_TRACE(name);

@@ -606,7 +606,11 @@ std::vector<StoredCase> stored_cases() {
           {"int4_g128 compressed-tensors", int4_ckpt(1, 3, 160, 96, 128, true, 6), 1, KT_FORMAT_INT4_G128},
           {"int4_g32 compressed-tensors", int4_ckpt(1, 3, 84, 40, 32, true, 7), 1, KT_FORMAT_INT4_G32},
           {"mxfp4 gpt-oss with biases", gpt_oss_ckpt(0, 3, 64, 32, 8), 0, KT_FORMAT_MXFP4},
-          {"mxfp4 DeepSeek-V4", dsv4_ckpt(2, 3, 80, 48, 9), 2, KT_FORMAT_MXFP4}};
+          {"mxfp4 DeepSeek-V4", dsv4_ckpt(2, 3, 80, 48, 9), 2, KT_FORMAT_MXFP4},
+          {"int4_g32_zp compressed-tensors asymmetric", int4_ckpt(1, 3, 84, 40, 32, false, 10), 1,
+           KT_FORMAT_INT4_G32_ZP},
+          {"int4_g128_zp compressed-tensors asymmetric", int4_ckpt(1, 3, 160, 96, 128, false, 11), 1,
+           KT_FORMAT_INT4_G128_ZP}};
 }
 
 // The checkpoint's weights as read_back gives them: gate, up, down [E][out][in].

@@ -175,29 +175,95 @@ TEST_F(QuantCheckpoints, CompressedTensorsInt4KnownAnswers) {
   }
 }
 
-TEST_F(QuantCheckpoints, AsymmetricInt4LoadsOnlyDequantized) {
-  const QuantCkpt q = int4_ckpt(1, 2, 64, 32, 32, false, 9);
-  const std::string d = write("int4_asym", q);
+TEST_F(QuantCheckpoints, AsymmetricInt4KnownAnswersHeldNatively) {
+  for (int64_t group : {32, 128}) {
+    // in = 84 (gate, up) and 40 (down): partial groups, a partial int32
+    // word, and out = 40 / 84: partial 8-row zero-point words.
+    const QuantCkpt q = int4_ckpt(1, 3, 84, 40, group, false, 9);
+    const std::string d = write("int4_asym_g" + std::to_string(group), q);
+    const kt_weight_format want_format = group == 32 ? KT_FORMAT_INT4_G32_ZP : KT_FORMAT_INT4_G128_ZP;
+    kt_ckpt* ck = nullptr;
+    ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
+    const kt_ckpt_layer_info li = layer_info(ck);
+    EXPECT_EQ(li.format, KT_CKPT_FORMAT_INT4_GROUP);
+    EXPECT_EQ(li.loadable, 1);
+    EXPECT_EQ(li.weight_format, want_format);
+    EXPECT_EQ(li.group_size, group);
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    ASSERT_EQ(kt_ckpt_moe_options(ck, 1, &o), KT_OK) << kt_last_error();
+    EXPECT_EQ(o.weight_format, want_format);
+    kt_ckpt_close(ck);
+
+    kt_moe* moe = nullptr;
+    ASSERT_EQ(load(d, 1, &moe), KT_OK) << kt_last_error();
+    kt_moe_info mi;
+    mi.struct_size = sizeof(mi);
+    ASSERT_EQ(kt_moe_get_info(moe, &mi), KT_OK);
+    EXPECT_EQ(mi.weight_format, want_format);
+    EXPECT_STREQ(kt_weight_format_name(mi.weight_format), group == 32 ? "int4_g32_zp" : "int4_g128_zp");
+    // Quantized in memory: well under the 2 bytes a weight of bf16 even
+    // with these small shapes' padding to the 16-row, 32/128-column grid.
+    EXPECT_LT(mi.weight_bytes, mi.num_weights * (group == 32 ? 1 : 2));
+    const std::vector<float> gate = read(moe, 0, 3, 40, 84);
+    // Row 0, zero point 2, scale 0.25: (q - 2) * 0.25 for q = -8, 7, 0, 1,
+    // -1, 3, -3, 5.
+    const float want[8] = {-2.5f, 1.25f, -0.5f, -0.25f, -0.75f, 0.25f, -1.25f, 0.75f};
+    for (int i = 0; i < 8; ++i) EXPECT_EQ(gate[static_cast<size_t>(i)], want[i]) << "column " << i;
+    // Rows 1 and 2, column 0: (7 - -8) * 0.5 and (-8 - 7) * 0.5.
+    EXPECT_EQ(gate[84], 7.5f);
+    EXPECT_EQ(gate[2 * 84], -7.5f);
+    expect_holds(moe, q);
+    kt_moe_destroy(moe);
+
+    // Not into the symmetric format of the same group.
+    moe = nullptr;
+    EXPECT_EQ(load(d, 1, &moe, group == 32 ? KT_FORMAT_INT4_G32 : KT_FORMAT_INT4_G128), KT_ERR_UNSUPPORTED);
+    const std::string msg = kt_last_error();
+    EXPECT_NE(msg.find("asymmetric"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(std::string("weight_format ") + kt_weight_format_name(want_format) + ","), std::string::npos)
+        << msg;
+    kt_moe_destroy(moe);
+    // Dequantized into bf16 when asked: each value rounded to bf16 once.
+    moe = nullptr;
+    ASSERT_EQ(load(d, 1, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
+    for (int p = 0; p < 3; ++p) {
+      const std::vector<float> got = read(moe, p, 3, out_of(q, p), in_of(q, p));
+      for (size_t i = 0; i < got.size(); ++i)
+        ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i]))) << "projection " << p << " element " << i;
+    }
+    kt_moe_destroy(moe);
+  }
+}
+
+// A symmetric checkpoint never picks the zero-point formats, nor loads into
+// them.
+TEST_F(QuantCheckpoints, SymmetricInt4IsRefusedByZeroPointLayers) {
+  const QuantCkpt q = int4_ckpt(1, 2, 64, 32, 32, true, 9);
+  const std::string d = write("int4_sym", q);
   kt_ckpt* ck = nullptr;
   ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
-  EXPECT_EQ(layer_info(ck).loadable, 0);
+  EXPECT_EQ(layer_info(ck).weight_format, KT_FORMAT_INT4_G32);
   kt_ckpt_close(ck);
   kt_moe* moe = nullptr;
-  EXPECT_EQ(load(d, 1, &moe, KT_FORMAT_INT4_G32), KT_ERR_UNSUPPORTED);
-  EXPECT_NE(std::string(kt_last_error()).find("asymmetric"), std::string::npos) << kt_last_error();
+  EXPECT_EQ(load(d, 1, &moe, KT_FORMAT_INT4_G32_ZP), KT_ERR_UNSUPPORTED);
+  const std::string msg = kt_last_error();
+  EXPECT_NE(msg.find("symmetric; the kt_moe stores int4_g32_zp"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("weight_format int4_g32,"), std::string::npos) << msg;
   kt_moe_destroy(moe);
+  // Nor does kt quantize bf16 weights to them.
+  QuantCkpt dense;
+  dense.E = 2, dense.H = 64, dense.I = 32;
+  for (int64_t e = 0; e < 2; ++e)
+    for (int p = 0; p < 3; ++p)
+      dense.tensors.push_back(kt_io_test::matrix("model.layers.1.mlp.experts." + std::to_string(e) + "." + kProj[p] +
+                                                     ".weight",
+                                                 "BF16", out_of(q, p), in_of(q, p),
+                                                 [](int64_t r, int64_t c) { return 0.125f * static_cast<float>(r - c); }));
   moe = nullptr;
-  ASSERT_EQ(load(d, 1, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
-  // Zero point 2: (q - 2) * 0.25 for q = -8, 7, 0, 1: -2.5, 1.25, -0.5, -0.25
-  // (exact in bf16).
-  const std::vector<float> gate = read(moe, 0, 2, 32, 64);
-  const float want[4] = {-2.5f, 1.25f, -0.5f, -0.25f};
-  for (int i = 0; i < 4; ++i) EXPECT_EQ(gate[static_cast<size_t>(i)], want[i]) << "column " << i;
-  for (int p = 0; p < 3; ++p) {
-    const std::vector<float> got = read(moe, p, 2, out_of(q, p), in_of(q, p));
-    for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i]))) << "projection " << p << " element " << i;
-  }
+  EXPECT_EQ(load(write("dense", dense), 1, &moe, KT_FORMAT_INT4_G128_ZP), KT_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(kt_last_error()).find("int4_g128_zp, which kt does not quantize to"), std::string::npos)
+      << kt_last_error();
   kt_moe_destroy(moe);
 }
 
@@ -739,6 +805,19 @@ std::vector<QuantCase> small_cases() {
   c.layer = 1; v.push_back(c);
   c = QuantCase{}; c.name = "int4_g128_lora_many_tokens"; c.make = [] { return int4_ckpt(1, 4, 392, 136, 128, true, 11); };
   c.layer = 1; c.T = 40; v.push_back(c);
+  // Asymmetric int4 held natively: partial groups, partial zero-point
+  // words; many tokens take the dequantized panels under the grouped GEMM.
+  c = QuantCase{}; c.name = "int4_g32_zp_lora"; c.make = [] { return int4_ckpt(1, 4, 84, 40, 32, false, 16); };
+  c.layer = 1; v.push_back(c);
+  c = QuantCase{}; c.name = "int4_g32_zp_silu_limit_many_tokens";
+  c.make = [] { return int4_ckpt(1, 4, 96, 72, 32, false, 17); };
+  c.layer = 1; c.limit = 1.5f; c.T = 40; v.push_back(c);
+  c = QuantCase{}; c.name = "int4_g128_zp_lora_many_tokens";
+  c.make = [] { return int4_ckpt(1, 4, 392, 136, 128, false, 18); };
+  c.layer = 1; c.T = 40; v.push_back(c);
+  c = QuantCase{}; c.name = "int4_g128_zp_fp32_io";
+  c.make = [] { return int4_ckpt(1, 4, 200, 136, 128, false, 19); };
+  c.layer = 1; c.bf16_act = false; c.mode = KT_MODE_INFERENCE; v.push_back(c);
   c = QuantCase{}; c.name = "int4_asymmetric_dequantized"; c.make = [] { return int4_ckpt(1, 3, 64, 48, 32, false, 12); };
   c.layer = 1; c.dequantize = true; v.push_back(c);
   c = QuantCase{}; c.name = "mxfp4_gpt_oss_swiglu_bias_lora"; c.make = [] { return gpt_oss_ckpt(0, 4, 96, 64, 13); };
@@ -771,6 +850,9 @@ std::vector<QuantCase> real_cases() {
   c.layer = 3; c.rank = 16; c.T = 4; v.push_back(c);
   c = QuantCase{}; c.name = "kimi_k2_thinking_int4_2_experts_lora16";
   c.make = [] { return int4_ckpt(1, 2, 7168, 2048, 32, true, 22); };
+  c.layer = 1; c.rank = 16; c.T = 4; v.push_back(c);
+  c = QuantCase{}; c.name = "kimi_k2_int4_asymmetric_2_experts_lora16";
+  c.make = [] { return int4_ckpt(1, 2, 7168, 2048, 32, false, 24); };
   c.layer = 1; c.rank = 16; c.T = 4; v.push_back(c);
   c = QuantCase{}; c.name = "gpt_oss_mxfp4_2_experts_lora16"; c.make = [] { return gpt_oss_ckpt(0, 2, 2880, 2880, 23); };
   c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.rank = 16; c.T = 4; v.push_back(c);

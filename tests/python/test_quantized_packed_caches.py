@@ -1,6 +1,6 @@
 """Quantized checkpoints through the Python bindings: each layout kt holds as
 stored (fp8 128x128 blocks, compressed-tensors int4 in groups of 128,
-DeepSeek-V4 MXFP4) opens with its format in kt.Checkpoint.layers and
+asymmetric compressed-tensors int4 in groups of 32, DeepSeek-V4 MXFP4) opens with its format in kt.Checkpoint.layers and
 moe_options; a layer loaded from it saves a packed cache that kt.packed_info
 reports in that format with the layer's bytes, maps back into a layer of
 that format with the same weights and bit-identical outputs, and is refused
@@ -13,6 +13,8 @@ import torch
 
 import kt
 import st_files
+import tolerances
+from reference import moe_forward, rel_l2
 
 E, K, H, I, T = 4, 2, 160, 96, 12
 PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -43,24 +45,56 @@ def fp8_ckpt(d, gen):
     return tensors, config, 1
 
 
-def int4_g128_ckpt(d, gen):
+def random_words(gen, *shape):
+    """int32 words of random bits (any nibble)."""
+    halves = torch.randint(0, 2 ** 16, shape + (2,), generator=gen, dtype=torch.int32)
+    return halves[..., 0] | (halves[..., 1] << 16)
+
+
+def int4_ckpt(gen, layer, group, symmetric):
     """compressed-tensors pack-quantized: weight_packed I32 [out, in/8] (any
-    nibble: q + 8), weight_scale BF16 [out, ceil(in/128)], weight_shape."""
+    nibble: q + 8), weight_scale BF16 [out, ceil(in/group)], weight_shape;
+    asymmetric: weight_zero_point I32 [ceil(out/8), ceil(in/group)] (eight
+    rows a word, row r in bits 4 (r % 8), stored as z + 8)."""
     tensors = {}
     for e in range(E):
         for p, (out, inp) in zip(PROJ, shapes()):
-            name = "model.layers.2.mlp.experts.%d.%s" % (e, p)
-            words = torch.randint(0, 2 ** 16, (out, -(-inp // 8), 2), generator=gen, dtype=torch.int32)
-            tensors[name + ".weight_packed"] = words[..., 0] | (words[..., 1] << 16)
-            scales = (torch.rand(out, -(-inp // 128), generator=gen) + 1) / (4 * inp ** 0.5)
+            name = "model.layers.%d.mlp.experts.%d.%s" % (layer, e, p)
+            tensors[name + ".weight_packed"] = random_words(gen, out, -(-inp // 8))
+            scales = (torch.rand(out, -(-inp // group), generator=gen) + 1) / (4 * inp ** 0.5)
             tensors[name + ".weight_scale"] = scales.to(torch.bfloat16)
             tensors[name + ".weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
-    group = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group",
-                                                "group_size": 128, "symmetric": True, "dynamic": False}}
+            if not symmetric:
+                tensors[name + ".weight_zero_point"] = random_words(gen, -(-out // 8), -(-inp // group))
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric,
+               "dynamic": False}
     config = {"model_type": "kimi_k2", "num_experts_per_tok": K,
               "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                      "config_groups": {"group_0": group}}}
-    return tensors, config, 2
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}
+    return tensors, config, layer
+
+
+def int4_g128_ckpt(d, gen):
+    return int4_ckpt(gen, 2, 128, True)
+
+
+def int4_g32_zp_ckpt(d, gen):
+    return int4_ckpt(gen, 4, 32, False)
+
+
+def nibbles(words, n):
+    """The first n 4-bit fields of each int32 word row, low nibble first."""
+    shifts = torch.arange(8, dtype=torch.int32) * 4
+    return ((words.unsqueeze(-1) >> shifts) & 15).flatten(-2)[..., :n]
+
+
+def decode_int4_zp(tensors, e, p, out, inp):
+    """W = (q - z) * scale from the checkpoint's bits, in float64."""
+    name = "model.layers.4.mlp.experts.%d.%s" % (e, p)
+    q = nibbles(tensors[name + ".weight_packed"], inp).double()
+    z = nibbles(tensors[name + ".weight_zero_point"].t(), out).t().double()  # [out, groups]
+    s = tensors[name + ".weight_scale"].double()
+    return (q - z.repeat_interleave(32, dim=1)[:, :inp]) * s.repeat_interleave(32, dim=1)[:, :inp]
 
 
 def mxfp4_ckpt(d, gen):
@@ -76,7 +110,8 @@ def mxfp4_ckpt(d, gen):
     return tensors, {"num_experts_per_tok": K, "quantization_config": {"quant_method": "mxfp4"}}, 3
 
 
-CHECKPOINTS = {"fp8_b128": fp8_ckpt, "int4_g128": int4_g128_ckpt, "mxfp4": mxfp4_ckpt}
+CHECKPOINTS = {"fp8_b128": fp8_ckpt, "int4_g128": int4_g128_ckpt, "int4_g32_zp": int4_g32_zp_ckpt,
+               "mxfp4": mxfp4_ckpt}
 
 
 def write_ckpt(d, fmt):
@@ -94,13 +129,17 @@ def weights(layer):
     return w
 
 
-def forward(layer):
+def inputs():
+    """x [T, H], expert ids [T, K] and routing weights [T, K]."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(T, H, generator=gen)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
-    rw = torch.rand(T, K, generator=gen)
+    return x, ids, torch.rand(T, K, generator=gen)
+
+
+def forward(layer):
     y = torch.empty(T, H)
-    layer.forward(x, ids, rw, y)
+    layer.forward(*inputs(), y)
     return y
 
 
@@ -137,3 +176,36 @@ def test_packed_cache_of_a_quantized_checkpoint(fmt, tmp_path):
                            match="the cache holds %s weights, the layer stores %s" % (fmt, stores)):
             refusing.load_packed(path)
         assert refusing.num_loaded() == 0
+
+
+def test_asymmetric_int4_checkpoint_is_held_natively_and_runs(tmp_path, fp32_engine):
+    """Zero points stay in memory as stored: the layer reports int4_g32_zp
+    with about 0.6 bytes a weight, holds (q - z) * scale exactly as this
+    file decodes the bits, and its forward is the float64 reference of those
+    weights at the fp32 bound; a symmetric int4 layer refuses it."""
+    gen = torch.Generator().manual_seed(7)
+    tensors, config, layer_number = int4_g32_zp_ckpt(tmp_path, gen)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    st_files.write(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(config))
+    with kt.Checkpoint(d) as ck:
+        assert ck.layers[layer_number]["weight_format"] == "int4_g32_zp"
+        opts = ck.moe_options(layer_number)
+        assert opts["weight_format"] == "int4_g32_zp"
+        layer = kt.MoE(**opts, max_tokens=T, engine=fp32_engine)
+        ck.load_layer(layer_number, layer)
+        refusing = kt.MoE(**dict(opts, weight_format="int4_g32"), max_tokens=T, engine=fp32_engine)
+        with pytest.raises(kt.UnsupportedError, match="asymmetric"):
+            ck.load_layer(layer_number, refusing)
+    info = layer.info()
+    assert info["weight_format"] == "int4_g32_zp" and info["num_loaded"] == E
+    assert info["weight_bytes"] < 0.7 * info["num_weights"]
+    held = weights(layer)
+    for key, p, (out, inp) in zip(("gate", "up", "down"), PROJ, shapes()):
+        want = torch.stack([decode_int4_zp(tensors, e, p, out, inp) for e in range(E)])
+        assert torch.equal(held[key].double(), want), key
+    x, ids, rw = inputs()
+    y = forward(layer)
+    ref = moe_forward(x.double(), ids, rw.double(), {k: v.double() for k, v in held.items()})
+    assert rel_l2(y, ref) <= tolerances.FP32

@@ -14,6 +14,7 @@ const char* raw_isa_name(int isa);
 const char* raw_ckpt_dtype_name(int dtype);
 const char* raw_ckpt_layout_name(int layout);
 const char* raw_ckpt_format_name(int format);
+const char* raw_weight_format_name(int format);
 kt_status raw_optimizer_state(kt_optimizer* opt, size_t index, int which, DLTensor* out);
 
 #ifdef __cplusplus

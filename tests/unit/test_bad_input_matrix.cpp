@@ -745,11 +745,11 @@ void add_create_cases(const Adder& add) {
     for (int64_t v : {3, 7, -1})
       opt("mode_enum_" + std::to_string(v < 0 ? 1 : v) + (v < 0 ? "_negative" : ""), INV, "options->mode",
           [v](kt_moe_options& o) { set_raw(o.mode, v); });
-    for (int64_t v : {6, 1000, -1})
+    for (int64_t v : {8, 1000, -1})
       opt("weight_format_" + std::to_string(v < 0 ? 1 : v) + (v < 0 ? "_negative" : ""), KT_ERR_UNSUPPORTED,
           "options->weight_format", [v](kt_moe_options& o) { set_raw(o.weight_format, v); });
     for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4,
-                               KT_FORMAT_INT4_G128})
+                               KT_FORMAT_INT4_G128, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
       opt(std::string("full_mode_on_") + kt_weight_format_name(f), KT_ERR_MODE, "frozen quantized base",
           [f](kt_moe_options& o) {
             o.weight_format = f;
@@ -1627,6 +1627,9 @@ TEST(BadInputMatrix, EnumNamesOfOutOfRangeValues) {
   for (int v : {-1, 0, 17, 1000}) EXPECT_STREQ(raw_ckpt_dtype_name(v), "unknown") << v;
   for (int v : {-1, 6, 1000}) EXPECT_STREQ(raw_ckpt_layout_name(v), "unknown") << v;
   for (int v : {-1, 5, 1000}) EXPECT_STREQ(raw_ckpt_format_name(v), "unknown") << v;
+  for (int v : {-1, 8, 1000}) EXPECT_STREQ(raw_weight_format_name(v), "unknown") << v;
+  EXPECT_STREQ(raw_weight_format_name(KT_FORMAT_INT4_G32_ZP), "int4_g32_zp");
+  EXPECT_STREQ(raw_weight_format_name(KT_FORMAT_INT4_G128_ZP), "int4_g128_zp");
   EXPECT_STREQ(raw_isa_name(KT_ISA_AMX), "amx");
   EXPECT_STREQ(raw_status_string(KT_ERR_INTERNAL), "KT_ERR_INTERNAL");
   EXPECT_STREQ(raw_status_string(KT_ERR_COMM), "KT_ERR_COMM");

@@ -502,6 +502,41 @@ TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
         }
 }
 
+// Asymmetric int4: a nibble u stands for u - zero (the zero byte z + 8 of
+// its lane and group), the extremes -15 and 15 included; with scales each
+// (u - zero) * scale rounded to bf16 once. Columns [k0, k0 + kc) of a
+// two-group panel, zeros and scales relative to k0.
+TEST_P(GemmKernels, Int4ZeroPointCodesDequantizeAsDocumented) {
+  const kt::Kernels& K = *GetParam();
+  const kt::QuantShape s = kt::QuantShape::of(KT_FORMAT_INT4_G32_ZP, 16, 64);
+  std::vector<uint8_t> codes(static_cast<size_t>(s.code_panel_bytes), 0x88);
+  codes[0] = 0x0f;            // (lane 0, k 0) u = 15; (lane 0, k 2) u = 0
+  codes[2] = 0xf0;            // (lane 1, k 0) u = 0; (lane 1, k 2) u = 15
+  codes[8 * 32 + 31] = 0x3c;  // group 1: (lane 15, k 33) u = 12; (lane 15, k 35) u = 3
+  // zeros[group][lane]: group 0 lane 0 is 0 (z = -8), lane 1 is 15 (z = 7);
+  // group 1 lane 15 is 5 (z = -3); the others 8 (z = 0).
+  std::vector<uint8_t> zeros(32, 8);
+  zeros[0] = 0;
+  zeros[1] = 15;
+  zeros[16 + 15] = 5;
+  std::vector<bf16_t> d(static_cast<size_t>(16 * 64));
+  K.dequant_i4_zero(codes.data(), s.code_panel_bytes, 1, 0, 64, zeros.data(), 32, nullptr, 0, 32, d.data());
+  const struct { int lane; int64_t k; float v; } want[] = {
+      {0, 0, 15}, {0, 2, 0}, {0, 1, 8}, {1, 0, -15}, {1, 2, 0}, {1, 1, -7},
+      {15, 33, 7}, {15, 35, -2}, {15, 32, 3}, {14, 33, 0}, {2, 5, 0}};
+  for (const auto& w : want)
+    EXPECT_EQ(panel_value(d, 64, 0, w.lane, w.k), w.v) << K.gemm_name << " lane " << w.lane << " k " << w.k;
+  // The second group alone (k0 = 32): zeros and scales from its own start.
+  std::vector<float> scales(16, 0.5f);
+  scales[15] = 0.1f;
+  std::vector<bf16_t> half(static_cast<size_t>(16 * 32));
+  K.dequant_i4_zero(codes.data(), s.code_panel_bytes, 1, 32, 32, zeros.data() + 16, 32, scales.data(), 16, 32,
+                    half.data());
+  EXPECT_EQ(panel_value(half, 32, 0, 15, 1), kt::bf16_to_f32(kt::f32_to_bf16(7 * 0.1f)));
+  EXPECT_EQ(panel_value(half, 32, 0, 15, 3), kt::bf16_to_f32(kt::f32_to_bf16(-2 * 0.1f)));
+  EXPECT_EQ(panel_value(half, 32, 0, 0, 0), 0.f);
+}
+
 // gemm_quant, straight from the codes, against plain loops in double over
 // the values quant_get reads: every code kind and scale type, one scale per
 // row and groups, row and panel tails. Tables without it skip visibly.
@@ -512,7 +547,7 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> byte(0, 255);
   for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,
-                             KT_FORMAT_MXFP4})
+                             KT_FORMAT_MXFP4, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
     for (int64_t k : {128, 256})
       for (int np : {1, 2, 3, 4, 5, 7})
         for (int m : {1, 2, 3, 4, 5, 6, 7, 13}) {
@@ -536,6 +571,9 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
               std::memcpy(to, &b, 2);
             }
           }
+          if (s.zero_points)  // any stored zero point z + 8
+            for (int64_t i = 0; i < np * s.scale_panel; ++i)
+              ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
           std::vector<float> a(static_cast<size_t>(m * k));
           for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
           std::vector<char> ak(static_cast<size_t>(m * k * K.a_elem_size));

@@ -133,7 +133,8 @@ class MoeOptions(ctypes.Structure):
 
 
 # kt_weight_format
-WEIGHT_FORMATS = {"bf16": 0, "int8_channel": 1, "int4_g32": 2, "fp8_b128": 3, "mxfp4": 4, "int4_g128": 5}
+WEIGHT_FORMATS = {"bf16": 0, "int8_channel": 1, "int4_g32": 2, "fp8_b128": 3, "mxfp4": 4, "int4_g128": 5,
+                  "int4_g32_zp": 6, "int4_g128_zp": 7}
 
 
 class MoeInfo(ctypes.Structure):

@@ -40,8 +40,11 @@ ACTIVATIONS = {"silu": _capi.ACT_SILU, "swiglu_oai": _capi.ACT_SWIGLU_OAI}
 MODES = {"inference": _capi.MODE_INFERENCE, "lora": _capi.MODE_LORA, "full": _capi.MODE_FULL}
 PROJECTIONS = {"gate": _capi.PROJ_GATE, "up": _capi.PROJ_UP, "down": _capi.PROJ_DOWN}
 # Storage formats of the frozen base (kt_weight_format): "bf16", or
-# quantized by kt at load, "int8_channel" (int8 per output row) and
-# "int4_g32" (int4 per group of 32 inputs); kt_c_api.h states their error.
+# quantized by kt at load, "int8_channel" (int8 per output row), "int4_g32"
+# and "int4_g128" (int4 per group of 32 or 128 inputs); kt_c_api.h states
+# their error. Checkpoint formats, held as stored (kt.Checkpoint.moe_options
+# picks them): "fp8_b128", "mxfp4", "int4_g128", and asymmetric int4 with
+# zero points "int4_g32_zp" and "int4_g128_zp".
 WEIGHT_FORMATS = dict(_capi.WEIGHT_FORMATS)
 _FORMAT_NAMES = {v: k for k, v in WEIGHT_FORMATS.items()}
 

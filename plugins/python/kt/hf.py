@@ -421,9 +421,11 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     and gradients.
 
     ``weight_format`` is how kt stores the frozen base: "bf16", or quantized
-    at load, "int8_channel" or "int4_g32" (inference and LoRA mode; the
-    error is stated in kt_c_api.h). A ``packed`` cache must hold that
-    format (``kt convert --format``)."""
+    at load, "int8_channel", "int4_g32" or "int4_g128" (inference and LoRA
+    mode; the error is stated in kt_c_api.h). A ``packed`` cache must hold
+    that format (``kt convert --format``); the checkpoint formats
+    ("fp8_b128", "mxfp4", asymmetric "int4_g32_zp", "int4_g128_zp") come
+    only from such a cache of a quantized checkpoint."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":

@@ -99,7 +99,7 @@ extern const Kernels kernels_avx2 = {
     avx2::sgemm_nn_generic, avx2::sgemm_nt_generic, avx2::sgemm_tn_generic,
     avx2::transpose_panels_generic, avx2::act_forward_generic, avx2::act_backward_generic,
     avx2::dequant_i8_generic, avx2::dequant_i4_generic, avx2::dequant_e4m3_generic,
-    avx2::dequant_e2m1_generic, avx2::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    avx2::dequant_e2m1_generic, avx2::dequant_i4_zero_generic, avx2::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
 };
 
 }  // namespace kt

@@ -234,6 +234,56 @@ static void dequant_i4(const uint8_t* codes, int64_t code_panel_bytes, int np, i
   dequant_nibbles<QuantCode::kInt>(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group, dst);
 }
 
+// Asymmetric int4 (kernels.h, dequant_i4_zero): a word table of u - zero,
+// word i holding the bf16 of i - 16, indexed by u + zero_bias (16 - zero:
+// the index stays in [1, 31]).
+static inline __m512i zero_point_table() {
+  alignas(64) bf16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = f32_to_bf16(static_cast<float>(i - 16));
+  return _mm512_load_si512(t);
+}
+
+// 16 - zero for each word of a pair group (words 2l, 2l + 1: lane l) from
+// the 16 zero bytes of one panel and group.
+static inline __m512i zero_bias(const uint8_t* z16) {
+  const __m512i z = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z16)));
+  return _mm512_sub_epi16(_mm512_set1_epi16(16), _mm512_or_si512(z, _mm512_slli_epi32(z, 16)));
+}
+
+static void dequant_i4_zero(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                            const uint8_t* zeros, int64_t zero_stride, const float* scales, int64_t scale_stride,
+                            int64_t group, bf16_t* dst) {
+  const __m512i tab = zero_point_table();
+  const __m512i low4 = _mm512_set1_epi16(0x0f);
+  for (int p = 0; p < np; ++p) {
+    const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows / 2;
+    bf16_t* out = dst + p * kPanelRows * kc;
+    __m512 slo = _mm512_setzero_ps(), shi = slo;
+    __m512i bias = _mm512_setzero_si512();
+    for (int64_t h = 0; h < kc / 4; ++h) {  // pair groups 2h, 2h + 1: 32 bytes
+      _mm_prefetch(reinterpret_cast<const char*>(src + h * 32 + 1024), _MM_HINT_T0);
+      if ((4 * h) % group == 0) {
+        bias = zero_bias(zeros + p * zero_stride + (4 * h / group) * kPanelRows);
+        if (scales) expand_scales(scales + p * scale_stride + (4 * h / group) * kPanelRows, &slo, &shi);
+      }
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * 32)));
+      const __m512i v0 = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_and_si512(w, low4), bias), tab);
+      const __m512i v1 = _mm512_permutexvar_epi16(_mm512_add_epi16(_mm512_srli_epi16(w, 4), bias), tab);
+      if (!scales) {
+        _mm512_storeu_si512(out + h * 64, v0);
+        _mm512_storeu_si512(out + h * 64 + 32, v1);
+        continue;
+      }
+      for (int i = 0; i < 2; ++i) {
+        const __m512i v = i ? v1 : v0;
+        const __m512 lo = bf16_half_to_f32(_mm512_castsi512_si256(v));
+        const __m512 hi = bf16_half_to_f32(_mm512_extracti64x4_epi64(v, 1));
+        _mm512_storeu_si512(out + h * 64 + 32 * i, scaled_pair_group(lo, hi, slo, shi));
+      }
+    }
+  }
+}
+
 static void dequant_e2m1(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                          const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
   dequant_nibbles<QuantCode::kE2M1>(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group, dst);
@@ -635,6 +685,7 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::dequant_i4,
     avx512bf16::dequant_e4m3,
     avx512bf16::dequant_e2m1,
+    avx512bf16::dequant_i4_zero,
     avx512bf16::gemm_bf16w_grouped,
     avx512bf16::gemm_quant,
     // Measured against dequant_* + gemm_bf16w_grouped on one thread

@@ -40,7 +40,7 @@ extern const Kernels kernels_ref = {
     ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
     ref::transpose_panels_generic, ref::act_forward_generic, ref::act_backward_generic,
     ref::dequant_i8_generic, ref::dequant_i4_generic, ref::dequant_e4m3_generic,
-    ref::dequant_e2m1_generic, ref::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    ref::dequant_e2m1_generic, ref::dequant_i4_zero_generic, ref::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
 };
 
 }  // namespace kt

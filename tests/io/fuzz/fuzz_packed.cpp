@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::vector<kt_moe*> layers = [] {
     std::vector<kt_moe*> all;
     for (kt_weight_format f : {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
-                               KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4})
+                               KT_FORMAT_FP8_B128, KT_FORMAT_MXFP4, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
       for (bool bias : {false, true}) all.push_back(layer(bias, f));
     return all;
   }();

@@ -189,15 +189,18 @@ void packed_caches(const std::string& scratch) {
                  read_file(path));
       kt_moe_destroy(m);
     }
-  // fp8 and mxfp4 layers as checkpoints store them (DeepSeek-V3 blocks,
-  // gpt-oss with biases, DeepSeek-V4), loaded and saved as they are.
+  // fp8, mxfp4 and asymmetric int4 layers as checkpoints store them
+  // (DeepSeek-V3 blocks, gpt-oss with biases, DeepSeek-V4, compressed-tensors
+  // with zero points), loaded and saved as they are.
   using namespace kt_io_test::quant;
   const struct {
     const char* name;
     QuantCkpt ckpt;
   } stored[] = {{"fp8_b128_nobias", fp8_ckpt(0, E, H, I, 1)},
                 {"mxfp4_bias", gpt_oss_ckpt(0, E, H, I, 2)},
-                {"mxfp4_nobias", dsv4_ckpt(0, E, H, I, 3)}};
+                {"mxfp4_nobias", dsv4_ckpt(0, E, H, I, 3)},
+                {"int4_g32_zp_nobias", int4_ckpt(0, E, H, I, 32, false, 4)},
+                {"int4_g128_zp_nobias", int4_ckpt(0, E, H, I, 128, false, 5)}};
   for (const auto& c : stored) {
     const std::string dir = scratch + "/" + c.name;
     c.ckpt.write(dir);

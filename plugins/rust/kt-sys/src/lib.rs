@@ -405,6 +405,8 @@ kt_constants! {
         KT_FORMAT_FP8_B128 = 3,
         KT_FORMAT_MXFP4 = 4,
         KT_FORMAT_INT4_G128 = 5,
+        KT_FORMAT_INT4_G32_ZP = 6,
+        KT_FORMAT_INT4_G128_ZP = 7,
     }
     kt_arg_id {
         KT_ARG_X = 1,

@@ -428,6 +428,11 @@ pub enum WeightFormat {
     /// int4 in groups of 128 inputs (symmetric), bf16 scales: compressed-tensors
     /// checkpoints, or quantized by kt at load.
     Int4G128,
+    /// int4 in groups of 32 inputs with a bf16 scale and an int4 zero point
+    /// per group, W = (q - z) * s: asymmetric compressed-tensors checkpoints.
+    Int4G32Zp,
+    /// The same in groups of 128 inputs.
+    Int4G128Zp,
 }
 
 impl WeightFormat {
@@ -439,6 +444,8 @@ impl WeightFormat {
             WeightFormat::Fp8B128 => sys::KT_FORMAT_FP8_B128,
             WeightFormat::Mxfp4 => sys::KT_FORMAT_MXFP4,
             WeightFormat::Int4G128 => sys::KT_FORMAT_INT4_G128,
+            WeightFormat::Int4G32Zp => sys::KT_FORMAT_INT4_G32_ZP,
+            WeightFormat::Int4G128Zp => sys::KT_FORMAT_INT4_G128_ZP,
         }
     }
     fn from_raw(v: sys::kt_weight_format) -> Option<WeightFormat> {
@@ -449,11 +456,13 @@ impl WeightFormat {
             sys::KT_FORMAT_FP8_B128 => Some(WeightFormat::Fp8B128),
             sys::KT_FORMAT_MXFP4 => Some(WeightFormat::Mxfp4),
             sys::KT_FORMAT_INT4_G128 => Some(WeightFormat::Int4G128),
+            sys::KT_FORMAT_INT4_G32_ZP => Some(WeightFormat::Int4G32Zp),
+            sys::KT_FORMAT_INT4_G128_ZP => Some(WeightFormat::Int4G128Zp),
             _ => None,
         }
     }
     /// kt's name of the format ("bf16", "int8_channel", "int4_g32",
-    /// "fp8_b128", "mxfp4", "int4_g128").
+    /// "fp8_b128", "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp").
     pub fn name(self) -> &'static str {
         unsafe { CStr::from_ptr(sys::kt_weight_format_name(self.raw())) }.to_str().unwrap_or("unknown")
     }

@@ -1,9 +1,11 @@
 //! Quantized checkpoints through the safe binding: an fp8 checkpoint
-//! (128x128 blocks) and a DeepSeek-V4 style MXFP4 one, written here as
-//! their models store them, report the format that holds each layer as
-//! stored; the layer loaded in that format saves a packed cache that
-//! `packed_info` reports in the same format, maps back with the same
-//! weights and output, and is refused (naming both formats) by a bf16 layer.
+//! (128x128 blocks), a DeepSeek-V4 style MXFP4 one and an asymmetric
+//! compressed-tensors int4 one (zero points), written here as their models
+//! store them, report the format that holds each layer as stored (the int4
+//! layer holds exactly (q - z) * scale of its bits); the layer loaded in
+//! that format saves a packed cache that `packed_info` reports in the same
+//! format, maps back with the same weights and output, and is refused
+//! (naming both formats) by a bf16 layer.
 use kt::{arg, Arg, Checkpoint, Engine, EngineOptions, Moe, Status, TensorMut, TensorRef, WeightFormat};
 
 const E: usize = 3;
@@ -127,6 +129,75 @@ fn mxfp4_checkpoint(dir: &std::path::Path) -> i64 {
     2
 }
 
+/// compressed-tensors pack-quantized int4, asymmetric: weight_packed I32
+/// [out, in/8] (element c in bits 4 (c % 8) of word c / 8, q + 8),
+/// weight_scale BF16 [out, in/32], weight_zero_point I32 [ceil(out/8),
+/// in/32] (row r in bits 4 (r % 8), z + 8), weight_shape. Layer 3.
+fn int4_zp_checkpoint(dir: &std::path::Path) -> i64 {
+    let mut tensors = Vec::new();
+    for e in 0..E {
+        for (p, (name, (out, inp))) in ["gate_proj", "up_proj", "down_proj"].iter().zip(SHAPES).enumerate() {
+            let base = format!("model.layers.3.mlp.experts.{}.{}", e, name);
+            let seed = 200 + (e * 3 + p) as u64;
+            let groups = inp / 32;
+            // bf16 scales 2^-6 .. 2^-5 (bits 0x3c80 + m).
+            let scales: Vec<u8> = bytes(out * groups, seed + 50, |b| b & 0x7f)
+                .iter()
+                .flat_map(|&m| (0x3c80u16 + m as u16).to_le_bytes())
+                .collect();
+            let zero_words = (out + 7) / 8 * groups;
+            tensors.push((base.clone() + ".weight_packed", "I32", vec![out, inp / 8], bytes(out * inp / 2, seed, |b| b)));
+            tensors.push((base.clone() + ".weight_scale", "BF16", vec![out, groups], scales));
+            tensors.push((
+                base.clone() + ".weight_zero_point",
+                "I32",
+                vec![(out + 7) / 8, groups],
+                bytes(zero_words * 4, seed + 90, |b| b),
+            ));
+            let shape: Vec<u8> = [out as i64, inp as i64].iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((base + ".weight_shape", "I64", vec![2], shape));
+        }
+    }
+    write_safetensors(&dir.join("model.safetensors"), &tensors);
+    std::fs::write(
+        dir.join("config.json"),
+        format!(
+            "{{\"num_experts_per_tok\": {}, \"quantization_config\": {{\"quant_method\": \"compressed-tensors\", \
+             \"format\": \"pack-quantized\", \"config_groups\": {{\"group_0\": {{\"targets\": [\"Linear\"], \
+             \"weights\": {{\"num_bits\": 4, \"type\": \"int\", \"strategy\": \"group\", \"group_size\": 32, \
+             \"symmetric\": false}}}}}}}}}}",
+            K
+        ),
+    )
+    .unwrap();
+    3
+}
+
+/// The weights of int4_zp_checkpoint decoded here from its bytes, gate, up,
+/// down [E][out][in]: (q - z) * scale.
+fn int4_zp_weights() -> Vec<f32> {
+    let nibble = |b: &[u8], word: usize, i: usize| ((b[word * 4 + i / 2] >> (4 * (i % 2))) & 15) as i32;
+    let mut all = vec![Vec::new(), Vec::new(), Vec::new()];
+    for e in 0..E {
+        for (p, (out, inp)) in SHAPES.iter().copied().enumerate() {
+            let seed = 200 + (e * 3 + p) as u64;
+            let groups = inp / 32;
+            let codes = bytes(out * inp / 2, seed, |b| b);
+            let scale_bits = bytes(out * groups, seed + 50, |b| b & 0x7f);
+            let zeros = bytes((out + 7) / 8 * groups * 4, seed + 90, |b| b);
+            for r in 0..out {
+                for c in 0..inp {
+                    let q = nibble(&codes, r * inp / 8 + c / 8, c % 8);
+                    let z = nibble(&zeros, (r / 8) * groups + c / 32, r % 8);
+                    let s = f32::from_bits(((0x3c80u32 + scale_bits[r * groups + c / 32] as u32) << 16) as u32);
+                    all[p].push((q - z) as f32 * s);
+                }
+            }
+        }
+    }
+    all.concat()
+}
+
 fn forward(moe: &Moe<'_>) -> Vec<f32> {
     let x: Vec<f32> = (0..T * H).map(|i| (i % 13) as f32 / 8.0 - 0.7).collect();
     let ids: Vec<i32> = (0..T * K).map(|i| ((i * 2 + i / K) % E) as i32).collect();
@@ -169,9 +240,10 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         ..Default::default()
     })
     .unwrap();
-    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat); 2] = [
+    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat); 3] = [
         ("fp8", fp8_checkpoint, WeightFormat::Fp8B128),
         ("mxfp4", mxfp4_checkpoint, WeightFormat::Mxfp4),
+        ("int4_zp", int4_zp_checkpoint, WeightFormat::Int4G32Zp),
     ];
     for (name, write, format) in cases {
         let dir = scratch(name);
@@ -191,6 +263,12 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         ck.load_layer(layer, &loaded).unwrap();
         let info = loaded.info().unwrap();
         assert_eq!(info.weight_format, format);
+        if format == WeightFormat::Int4G32Zp {
+            assert_eq!(format.name(), "int4_g32_zp");
+            assert_eq!(weights(&loaded), int4_zp_weights(), "held natively: (q - z) * scale, exactly");
+            assert!(info.weight_bytes < info.num_weights, "quantized in memory: {} bytes", info.weight_bytes);
+            assert!(forward(&loaded).iter().all(|v| v.is_finite()));
+        }
 
         let cache = dir.join("layer.ktpack");
         loaded.save_packed(&cache).unwrap();
