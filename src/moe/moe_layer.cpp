@@ -52,6 +52,19 @@ static DequantKernel dequant_kernel(const Kernels& k, const QuantShape& qs) {
   return qs.bits == 4 ? k.dequant_i4 : k.dequant_i8;
 }
 
+// Per-thread scratch of a quantized base, in elements: dequantized panels
+// (a K chunk of a column block, or W'^T slices of up to kBlockCols + 32
+// columns for transposed_panels), their fp32 scales, and zero points.
+struct QuantScratchSizes {
+  int64_t deq, scales, zeros;
+  QuantScratchSizes(int64_t kpad, bool zero_points) {
+    const int64_t deq_cols = kBlockCols + kQuantKAlign;
+    deq = std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad);
+    scales = std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad);
+    zeros = zero_points ? deq_cols / kQuantKAlign * kpad : 0;
+  }
+};
+
 // Whether every e2m1 value (magnitudes 0.5 to 6) times each of these e8m0
 // scales is a normal fp32 number, so exact in bf16 (2 significant bits) and
 // kept by the bf16 conversion, which flushes subnormals: powers of two 2^e
@@ -126,11 +139,10 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.rows.resize(static_cast<size_t>(kRowChunk));
     s.frows.resize(static_cast<size_t>(kRowChunk));
     if (quantized) {
-      // W^T blocks dequantize up to kBlockCols + 32 columns (transposed_panels).
-      const int64_t deq_cols = kBlockCols + kQuantKAlign;
-      s.deq.resize(static_cast<size_t>(std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad)));
-      s.qscale.resize(static_cast<size_t>(std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad)));
-      if (gate_q.zero_points) s.qzero.resize(static_cast<size_t>(deq_cols / kQuantKAlign * kpad));
+      const QuantScratchSizes q(kpad, gate_q.zero_points);
+      s.deq.resize(static_cast<size_t>(q.deq));
+      s.qscale.resize(static_cast<size_t>(q.scales));
+      s.qzero.resize(static_cast<size_t>(q.zeros));
       s.qrows.resize(static_cast<size_t>(kRowChunk));
     }
   }
@@ -168,11 +180,10 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   bytes += CheckedSize(threads) * (CheckedSize(2) * kBlockCols * kpad * b16 +
                                    CheckedSize(3) * kRowChunk * kBlockCols * f32 +
                                    CheckedSize(std::max<int64_t>(kRowChunk, r)) * wide * f32);
-  if (sh.quantized)
-    bytes += CheckedSize(threads) *
-             (CheckedSize(std::max(kBlockPanels * kPanelRows * kQuantChunk, kBlockCols * kpad)) * b16 +
-              CheckedSize(std::max(kBlockPanels * kQuantChunk, 2 * kpad)) * f32 +
-              (sh.gate_q.zero_points ? CheckedSize((kBlockCols + kQuantKAlign) / kQuantKAlign * kpad) : CheckedSize(0)));
+  if (sh.quantized) {
+    const QuantScratchSizes q(kpad, sh.gate_q.zero_points);
+    bytes += CheckedSize(threads) * (CheckedSize(q.deq) * b16 + CheckedSize(q.scales) * f32 + CheckedSize(q.zeros));
+  }
   const CheckedSize routes = CheckedSize(T) * K;
   const CheckedSize tokens_h = CheckedSize(T) * H;
   // forward: x in fp32 and A format, g and u, LoRA projections, a, a in A
@@ -739,14 +750,13 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     return;
   }
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
-  if (qs.zero_points) {
-    base_gemm_zero_points(s, qs, ex, p0, np, rows, m, c, next);
-    return;
-  }
+  const uint8_t* zeros = qs.zero_points ? ex + qs.zeros_offset + p0 * qs.scale_panel : nullptr;
   const auto dequant = dequant_kernel(K_, qs);
   // One scale per row (int8 per channel, or one group spanning K): applied
   // to the whole sum; otherwise each group's partial sum times its scale.
-  const bool per_row = qs.group == qs.kq;
+  // Zero points go per group (chunks hold whole groups: kQuantChunk is a
+  // multiple of 128).
+  const bool per_row = qs.group == qs.kq && !zeros;
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
   // The next region comes in over the chunks, a share per chunk.
@@ -770,7 +780,12 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
       dequant(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
       K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
     } else {
-      dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      if (zeros) {
+        K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows,
+                           qs.scale_panel, nullptr, 0, qs.group, deq);
+      } else {
+        dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      }
       K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride, qs.group, c,
                             kBlockCols, k0 > 0, PrefetchRegion{});
     }
@@ -780,29 +795,6 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
       float* cr = c + r * kBlockCols;
       for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
     }
-}
-
-// base_gemm of asymmetric int4: (u - zero) dequantized into panels (exact
-// in bf16), each group's partial sum times its fp32 scale.
-void kt_moe::base_gemm_zero_points(ThreadScratch& s, const QuantShape& qs, const uint8_t* ex, int64_t p0, int np,
-                                   const void* const* rows, int m, float* c, const PrefetchRegion& next) {
-  const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
-  const uint8_t* zeros = ex + qs.zeros_offset + p0 * qs.scale_panel;
-  float* scales = s.qscale.data();
-  bf16_t* deq = s.deq.data();
-  PrefetchCursor ahead(next);
-  const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
-  for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
-    const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
-    ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
-    for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
-    quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
-    // Chunks hold whole groups (kQuantChunk is a multiple of 128).
-    K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows, qs.scale_panel,
-                       nullptr, 0, qs.group, deq);
-    K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, (kc / qs.group) * kPanelRows,
-                          qs.group, c, kBlockCols, k0 > 0, PrefetchRegion{});
-  }
 }
 
 void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, bf16_t* dst) {

@@ -228,14 +228,10 @@ struct kt_moe {
   // in fp32); rows are A-format rows of the shape's kp.
   void base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows, int m,
                  float* c, const kt::PrefetchRegion& next);
-  // The packed W^T panels of columns [c0, c0 + cb) (c0 a multiple of 32) of
+  // The packed W^T panels of columns [c0, c0 + cb) (c0 a multiple of 16) of
   // projection proj of expert e, built in cache (transposed_panels contract
   // of kernels.h); quantized weights are dequantized (one bf16 rounding).
   void transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, kt::bf16_t* dst);
-  // base_gemm of a format with zero points, from the packed rows of
-  // panels [p0, p0 + np) of expert block ex.
-  void base_gemm_zero_points(ThreadScratch& s, const kt::QuantShape& qs, const uint8_t* ex, int64_t p0, int np,
-                             const void* const* rows, int m, float* c, const kt::PrefetchRegion& next);
   void route(const ForwardCall& call, kt::Routing* out);
   void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
   void snapshot_lora();
