@@ -58,6 +58,13 @@ const Kernels* kernels_for(kt_isa isa) {
   return nullptr;
 }
 
+#if KT_HAVE_AVX512BF16
+extern const Kernels kernels_avx512bf16_no_vbmi;
+const Kernels* avx512bf16_without_vbmi() { return &kernels_avx512bf16_no_vbmi; }
+#else
+const Kernels* avx512bf16_without_vbmi() { return nullptr; }
+#endif
+
 #if KT_HAVE_AMX
 namespace amx {
 bool self_test();

@@ -73,6 +73,10 @@ enum class QuantCode { kInt, kE4M3, kE2M1 };
 // fp32 when scale_bytes is 4). Asymmetric int4: the 16 zero bytes (z + 8)
 // of panel p and group j at zeros + p * scale_panel + 16 j, and a code
 // nibble u stands for u - zero byte; zeros is NULL for the other formats.
+// The most rows any weight GEMM kernel takes in a single row tile
+// (AVX-512 BF16, one panel).
+constexpr int kGemmSingleTileRows = 16;
+
 struct QuantPanels {
   const uint8_t* codes = nullptr;
   int64_t code_panel_bytes = 0;
@@ -99,6 +103,8 @@ struct Kernels {
   // Any m >= 0 and np >= 1. next (base may be NULL) is what the caller reads
   // next (the next weight panels): a kernel may fetch it into cache while it
   // computes, so the next panels come from memory while these are in use.
+  // With up to kGemmSingleTileRows rows a kernel may ignore it: one row tile
+  // streams its own panels.
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                      int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
                      const PrefetchRegion& next);
@@ -201,6 +207,10 @@ kt_isa detect_cpu_isa();
 const Kernels& select_kernels(kt_isa cap);
 // Kernel table of exactly that ISA, or nullptr when not compiled in.
 const Kernels* kernels_for(kt_isa isa);
+// The AVX-512 BF16 table as a CPU without AVX512-VBMI (Cooper Lake) runs
+// it, where that differs from kernels_for(KT_ISA_AVX512BF16) on a CPU with
+// it; nullptr when not compiled in. For the tests, to run both paths.
+const Kernels* avx512bf16_without_vbmi();
 // Whether the AMX kernels, on this CPU, computed a known product right
 // (checked once; select_kernels uses AVX-512 BF16 instead when not). Only
 // call where detect_cpu_isa() is KT_ISA_AMX.

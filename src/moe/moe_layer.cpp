@@ -759,17 +759,28 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   const bool per_row = qs.group == qs.kq && !zeros;
   float* scales = s.qscale.data();
   bf16_t* deq = s.deq.data();
-  // The next region comes in over the chunks, a share per chunk.
+  // The next region comes in over the chunks, a share per chunk. With rows
+  // for several tiles the GEMM spreads the share over its K loop (from a
+  // contiguous region); otherwise (a single tile prefetches nothing) it is
+  // issued at the chunk's start. At once, a chunk's share of 8-bit codes
+  // (256 lines and more) stalled the dequantization behind it.
   PrefetchCursor ahead(next);
   const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
+  const bool spread = m > kGemmSingleTileRows && next.chunks == 1;
   if (per_row) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
   for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
     const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
-    ahead.issue(lines * (i + 1) / chunks - lines * i / chunks);
+    const int64_t l0 = lines * i / chunks, l1 = lines * (i + 1) / chunks;
+    PrefetchRegion share;
+    if (spread) {
+      share = PrefetchRegion::block(static_cast<const char*>(next.base) + l0 * 64, (l1 - l0) * 64);
+    } else {
+      ahead.issue(l1 - l0);
+    }
     for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
     if (per_row) {
       dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, share);
       continue;
     }
     const int64_t scale_stride = (kc / qs.group) * kPanelRows;
@@ -778,7 +789,7 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
       // Scaled e2m1 values are exact in bf16: the plain GEMM on them adds
       // no rounding and saves the per-group sums.
       dequant(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, PrefetchRegion{});
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, share);
     } else {
       if (zeros) {
         K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows,
@@ -787,7 +798,7 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
         dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
       }
       K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride, qs.group, c,
-                            kBlockCols, k0 > 0, PrefetchRegion{});
+                            kBlockCols, k0 > 0, share);
     }
   }
   if (per_row)

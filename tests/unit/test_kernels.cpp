@@ -29,6 +29,20 @@ std::vector<const kt::Kernels*> compiled_kernels() {
   return v;
 }
 
+// The GEMM and dequantization tests also run the AVX-512 BF16 table as a
+// CPU without AVX512-VBMI runs it.
+std::vector<const kt::Kernels*> compiled_kernel_variants() {
+  std::vector<const kt::Kernels*> v = compiled_kernels();
+  const kt::Kernels* no_vbmi = kt::avx512bf16_without_vbmi();
+  if (no_vbmi && kt::detect_cpu_isa() >= KT_ISA_AVX512BF16) v.push_back(no_vbmi);
+  return v;
+}
+
+std::string kernels_test_name(const ::testing::TestParamInfo<const kt::Kernels*>& i) {
+  if (i.param == kt::avx512bf16_without_vbmi()) return "avx512bf16_no_vbmi";
+  return kt_isa_name(i.param->isa);
+}
+
 using kt_test::view2d;
 
 TEST(PackedPanels, PackAndReadBackEveryElement) {
@@ -380,6 +394,18 @@ TEST_P(GemmKernels, E4m3EveryCodeDequantizesExactly) {
     for (int c = 0; c < 128; ++c)
       ASSERT_EQ(panel_value(d, 128, 0, lane, c), kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)]))
           << K.gemm_name << " code 0x" << std::hex << int(code[static_cast<size_t>(lane * 128 + c)]);
+  // With scales: each value times its lane's scale of its group (64
+  // columns), rounded to bf16 once.
+  std::vector<float> sc(2 * 16);
+  for (int j = 0; j < 2; ++j)
+    for (int lane = 0; lane < 16; ++lane) sc[static_cast<size_t>(j * 16 + lane)] = 0.75f + 0.5f * j + lane / 64.f;
+  K.dequant_e4m3(ex.data(), s.code_panel_bytes, 1, 0, 128, sc.data(), 32, 64, d.data());
+  for (int lane = 0; lane < 16; ++lane)
+    for (int c = 0; c < 128; ++c) {
+      const float v = kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)]) *
+                      sc[static_cast<size_t>((c / 64) * 16 + lane)];
+      ASSERT_EQ(panel_value(d, 128, 0, lane, c), kt::bf16_to_f32(kt::f32_to_bf16(v))) << K.gemm_name << " " << c;
+    }
   if (!K.gemm_quant) return;
   std::vector<float> a(128, 0.f);
   std::vector<char> ak(static_cast<size_t>(128 * K.a_elem_size));
@@ -635,15 +661,9 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
         }
 }
 
-INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()),
-                         [](const ::testing::TestParamInfo<const kt::Kernels*>& i) {
-                           return std::string(kt_isa_name(i.param->isa));
-                         });
+INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()), kernels_test_name);
 
-INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernels()),
-                         [](const ::testing::TestParamInfo<const kt::Kernels*>& i) {
-                           return std::string(kt_isa_name(i.param->isa));
-                         });
+INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernel_variants()), kernels_test_name);
 
 TEST(Bf16, RoundTripAndNearestEven) {
   EXPECT_EQ(kt::f32_to_bf16(1.0f), 0x3f80);

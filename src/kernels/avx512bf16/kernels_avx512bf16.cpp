@@ -24,15 +24,16 @@ struct GroupScales {
 
 // MR rows x NP panels of 16: MR*NP accumulators (<= 24) + NP weight vectors.
 // Alongside, `quota` lines of the caller's next region are prefetched evenly
-// over the K loop. Grouped: the products go to MR*NP partial sums, added to
-// the accumulators times their group's scale at the end of each group.
+// over the K loop. Grouped: the registers hold the group's partial sums, and
+// at the end of each group C (in L1) takes them times the group's scale, so
+// the tile stays as large as the plain one.
 template <int MR, int NP, bool Grouped>
 static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
                         float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
                         const GroupScales& gs) {
-  __m512 acc[MR][NP], part[MR][NP];
+  __m512 acc[MR][NP];
   for (int r = 0; r < MR; ++r)
-    for (int p = 0; p < NP; ++p) acc[r][p] = part[r][p] = _mm512_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_setzero_ps();
   // The K loop runs in steps of kStep groups; the prefetch lines of a step
   // are issued before it, so the inner loop keeps its registers for the
   // row pointers and accumulators.
@@ -58,28 +59,26 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
         int32_t pair;
         __builtin_memcpy(&pair, a[r] + 2 * g, 4);
         const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-        for (int p = 0; p < NP; ++p) {
-          if constexpr (Grouped) {
-            part[r][p] = _mm512_dpbf16_ps(part[r][p], av, b[p]);
-          } else {
-            acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
-          }
-        }
+        for (int p = 0; p < NP; ++p) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], av, b[p]);
       }
     }
     if constexpr (Grouped) {
       if ((st + 1) % gs.steps == 0) {
+        const bool first = st + 1 == gs.steps;
         const float* sj = gs.scales + (st / gs.steps) * kPanelRows;
         for (int p = 0; p < NP; ++p) {
           const __m512 sv = _mm512_loadu_ps(sj + p * gs.stride);
           for (int r = 0; r < MR; ++r) {
-            acc[r][p] = _mm512_fmadd_ps(part[r][p], sv, acc[r][p]);
-            part[r][p] = _mm512_setzero_ps();
+            float* cr = c + r * ldc + 16 * p;
+            const __m512 sum = first && !accumulate ? _mm512_setzero_ps() : _mm512_loadu_ps(cr);
+            _mm512_storeu_ps(cr, _mm512_fmadd_ps(acc[r][p], sv, sum));
+            acc[r][p] = _mm512_setzero_ps();
           }
         }
       }
     }
   }
+  if constexpr (Grouped) return;
   for (int r = 0; r < MR; ++r) {
     float* cr = c + r * ldc;
     for (int p = 0; p < NP; ++p) {
@@ -109,13 +108,13 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // With two tiles or more, the first streams the panels from memory and the
 // others find them in cache; all of them prefetch the caller's next region,
 // a share each. A single tile (decode) is bound by the stream itself and
-// prefetches nothing more. Grouped tiles hold twice the sums, so half the rows.
+// prefetches nothing more.
 template <int NP, bool Grouped>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines,
                  const GroupScales& gs) {
-  constexpr int MR = Grouped ? (NP == 4 ? 3 : NP == 3 ? 4 : NP == 2 ? 6 : 12)
-                             : (NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16);
+  constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
+  static_assert(MR <= kGemmSingleTileRows, "kernels.h: the most rows of one tile");
   const int tiles = (m + MR - 1) / MR;
   if (tiles < 2) lines = 0;
   for (int t = 0, r = 0; t < tiles; ++t) {
@@ -138,10 +137,8 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   const bf16_t* const* a = reinterpret_cast<const bf16_t* const*>(a_rows);
   PrefetchCursor next(region);
   const int64_t lines = region.lines();
-  // The calls over column groups each take a share of the prefetch. Grouped
-  // tiles go two panels wide: their partial sums leave room for 6 rows,
-  // which load the panels half as often as 3 rows under 4 panels.
-  constexpr int kMaxNP = Grouped ? 2 : 4;
+  // The calls over column groups each take a share of the prefetch.
+  constexpr int kMaxNP = 4;
   const int groups = (np + kMaxNP - 1) / kMaxNP;
   int p = 0;
   for (int gi = 0; p < np; ++gi) {
@@ -312,8 +309,8 @@ static inline __m512i e4m3_to_bf16(__m256i bytes, const E4m3Table& tab) {
                                    0xf8);
 }
 
-static void dequant_e4m3(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                         const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+static void dequant_e4m3_table(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                               const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
   static const E4m3Table tab;
   for (int p = 0; p < np; ++p) {
     const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows;
@@ -332,6 +329,84 @@ static void dequant_e4m3(const uint8_t* codes, int64_t code_panel_bytes, int np,
       _mm512_storeu_si512(out + g * 32, scaled_pair_group(lo, hi, slo, shi));
     }
   }
+}
+
+// With AVX512-VBMI (not on every AVX-512 BF16 CPU: Cooper Lake lacks it),
+// 64 codes at a time by byte lookups: the low and the high byte of each
+// magnitude's bf16 from two 128-entry tables (vpermi2b reads the 7 low
+// bits of each code), the sign onto the high byte, and the two bytes
+// interleaved into words. The codes are first reordered so that the
+// in-lane interleave leaves the words in code order. About half the work
+// of the word-table expansion on Zen4.
+struct E4m3ByteTables {
+  __m512i lo0, lo1, hi0, hi1, order;
+  E4m3ByteTables() {
+    alignas(64) uint8_t lo[128], hi[128], ord[64];
+    for (int u = 0; u < 128; ++u) {
+      const bf16_t b = f32_to_bf16(e4m3_to_f32(static_cast<uint8_t>(u)));
+      lo[u] = static_cast<uint8_t>(b & 0xff);
+      hi[u] = static_cast<uint8_t>(b >> 8);
+    }
+    // unpacklo/hi_epi8 take bytes 0-7 / 8-15 of each 128-bit lane L: lane L
+    // of the first result must hold codes 8L..8L+7, of the second 32+8L...
+    for (int l = 0; l < 4; ++l)
+      for (int i = 0; i < 8; ++i) {
+        ord[16 * l + i] = static_cast<uint8_t>(8 * l + i);
+        ord[16 * l + 8 + i] = static_cast<uint8_t>(32 + 8 * l + i);
+      }
+    lo0 = _mm512_load_si512(lo);
+    lo1 = _mm512_load_si512(lo + 64);
+    hi0 = _mm512_load_si512(hi);
+    hi1 = _mm512_load_si512(hi + 64);
+    order = _mm512_load_si512(ord);
+  }
+};
+
+__attribute__((target("avx512vbmi"))) static inline void e4m3_to_bf16_vbmi(const uint8_t* src,
+                                                                           const E4m3ByteTables& t, __m512i* first,
+                                                                           __m512i* second) {
+  const __m512i c = _mm512_permutexvar_epi8(t.order, _mm512_loadu_si512(src));
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo0, c, t.lo1);
+  // hi | (c & 0x80): the code's sign on the bf16 sign.
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi0, c, t.hi1), c,
+                                               _mm512_set1_epi8(static_cast<char>(0x80)), 0xf8);
+  *first = _mm512_unpacklo_epi8(lo, hi);
+  *second = _mm512_unpackhi_epi8(lo, hi);
+}
+
+__attribute__((target("avx512vbmi"))) static void dequant_e4m3_vbmi(const uint8_t* codes, int64_t code_panel_bytes,
+                                                                    int np, int64_t k0, int64_t kc,
+                                                                    const float* scales, int64_t scale_stride,
+                                                                    int64_t group, bf16_t* dst) {
+  static const E4m3ByteTables tab;
+  for (int p = 0; p < np; ++p) {
+    const uint8_t* src = codes + p * code_panel_bytes + k0 * kPanelRows;
+    bf16_t* out = dst + p * kPanelRows * kc;
+    __m512 slo = _mm512_set1_ps(1.f), shi = slo;
+    for (int64_t g = 0; g < kc / 2; g += 2) {  // two pair groups: 64 bytes, one scale group (kc % 32 == 0)
+      _mm_prefetch(reinterpret_cast<const char*>(src + g * 32 + 1024), _MM_HINT_T0);
+      __m512i v[2];
+      e4m3_to_bf16_vbmi(src + g * 32, tab, &v[0], &v[1]);
+      if (!scales) {
+        _mm512_storeu_si512(out + g * 32, v[0]);
+        _mm512_storeu_si512(out + g * 32 + 32, v[1]);
+        continue;
+      }
+      if ((2 * g) % group == 0) expand_scales(scales + p * scale_stride + (2 * g / group) * kPanelRows, &slo, &shi);
+      for (int i = 0; i < 2; ++i) {
+        const __m512 lo = bf16_half_to_f32(_mm512_castsi512_si256(v[i]));
+        const __m512 hi = bf16_half_to_f32(_mm512_extracti64x4_epi64(v[i], 1));
+        _mm512_storeu_si512(out + (g + i) * 32, scaled_pair_group(lo, hi, slo, shi));
+      }
+    }
+  }
+}
+
+static void dequant_e4m3(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
+                         const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  (vbmi ? dequant_e4m3_vbmi : dequant_e4m3_table)(codes, code_panel_bytes, np, k0, kc, scales, scale_stride, group,
+                                                  dst);
 }
 
 static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
@@ -694,5 +769,13 @@ extern const Kernels kernels_avx512bf16 = {
     24,
     1 << 30,
 };
+
+// The same kernels as a CPU without AVX512-VBMI runs them (the e4m3
+// expansion by word tables), for the tests to run wherever AVX-512 BF16 is.
+extern const Kernels kernels_avx512bf16_no_vbmi = [] {
+  Kernels k = kernels_avx512bf16;
+  k.dequant_e4m3 = avx512bf16::dequant_e4m3_table;
+  return k;
+}();
 
 }  // namespace kt
