@@ -195,8 +195,9 @@ struct Kernels {
   // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit (8-bit
   // codes) or gemm_quant_rows_4bit rows: past them expanding the codes once
   // per row tile costs more than dequantizing once into cache.
+  // next: as gemm_bf16w's.
   void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
-                     bool accumulate);
+                     bool accumulate, const PrefetchRegion& next);
   int gemm_quant_rows_8bit;
   int gemm_quant_rows_4bit;
 };

@@ -746,7 +746,7 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
   if (K_.gemm_quant && m <= (qs.bits == 4 ? K_.gemm_quant_rows_4bit : K_.gemm_quant_rows_8bit)) {
-    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false);
+    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false, next);
     return;
   }
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;

@@ -415,7 +415,7 @@ TEST_P(GemmKernels, E4m3EveryCodeDequantizesExactly) {
     K.pack_a_f32(a.data(), 128, 128, ak.data());
     const void* row = ak.data();
     std::vector<float> out(16, 0.f);
-    K.gemm_quant(s.panels(ex.data(), 0), &row, 1, 1, out.data(), 16, false);
+    K.gemm_quant(s.panels(ex.data(), 0), &row, 1, 1, out.data(), 16, false, kt::PrefetchRegion{});
     for (int lane = 0; lane < 16; ++lane)
       ASSERT_EQ(out[static_cast<size_t>(lane)], kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)])) << c;
   }
@@ -611,7 +611,10 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
           const int64_t ldc = np * 16 + 3;
           for (bool acc : {false, true}) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
-            K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc);
+            // The next region: the codes themselves (fetching has no effect on
+            // the results).
+            K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc,
+                         kt::PrefetchRegion::block(ex.data(), s.scales_offset));
             for (int i = 0; i < m; ++i)
               for (int64_t col = 0; col < np * 16; ++col) {
                 double want = acc ? 0.5 : 0.0, mag = 0.0;
@@ -634,11 +637,12 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
           // the bits they give among all: within each of the two row
           // regimes, the summation order depends on no split.
           std::vector<float> all(static_cast<size_t>(m * ldc), 0.f);
-          K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, all.data(), ldc, false);
+          K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, all.data(), ldc, false, kt::PrefetchRegion{});
           if (m <= 4) {
             for (int i = 0; i < m; ++i) {
               std::vector<float> one(static_cast<size_t>(ldc), 0.f);
-              K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), ldc, false);
+              K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), ldc, false,
+                           kt::PrefetchRegion{});
               for (int64_t col = 0; col < np * 16; ++col)
                 ASSERT_EQ(one[static_cast<size_t>(col)], all[static_cast<size_t>(i * ldc + col)]);
             }
@@ -646,14 +650,14 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
             std::vector<const void*> more(rows);
             for (int i = 0; i < 3; ++i) more.push_back(rows[0]);
             std::vector<float> wider(static_cast<size_t>((m + 3) * ldc), 0.f);
-            K.gemm_quant(s.panels(ex.data(), 0), more.data(), m + 3, np, wider.data(), ldc, false);
+            K.gemm_quant(s.panels(ex.data(), 0), more.data(), m + 3, np, wider.data(), ldc, false, kt::PrefetchRegion{});
             for (int i = 0; i < m; ++i)
               for (int64_t col = 0; col < np * 16; ++col)
                 ASSERT_EQ(wider[static_cast<size_t>(i * ldc + col)], all[static_cast<size_t>(i * ldc + col)]);
           }
           if (np > 1) {
             std::vector<float> tail(static_cast<size_t>(m * ldc), 0.f);
-            K.gemm_quant(s.panels(ex.data(), 1), rows.data(), m, np - 1, tail.data(), ldc, false);
+            K.gemm_quant(s.panels(ex.data(), 1), rows.data(), m, np - 1, tail.data(), ldc, false, kt::PrefetchRegion{});
             for (int i = 0; i < m; ++i)
               for (int64_t col = 16; col < np * 16; ++col)
                 ASSERT_EQ(tail[static_cast<size_t>(i * ldc + col - 16)], all[static_cast<size_t>(i * ldc + col)]);
