@@ -665,6 +665,62 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
         }
 }
 
+// A K longer than the group sums a few-row int4 call holds at once
+// (AVX-512 BF16: 256 groups, so K past 8192 at group 32 runs in slices)
+// against plain loops in double, with and without zero points; a row alone
+// gives the bits it gives among others.
+TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  if (!K.gemm_quant) GTEST_SKIP() << K.gemm_name << " has no gemm_quant (dequant_* and gemm_bf16w_grouped serve)";
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> byte(0, 255);
+  const int64_t k = 8192 + 3 * 128;
+  for (kt_weight_format f : {KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G32_ZP}) {
+    const kt::QuantShape s = kt::QuantShape::of(f, 16, k);
+    std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
+    for (int64_t i = 0; i < s.scales_offset; ++i) ex[static_cast<size_t>(i)] = static_cast<uint8_t>(byte(rng));
+    for (int64_t i = 0; i < s.scale_panel; ++i) {
+      const bf16_t b = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
+      if (s.scale_bytes == 4) {
+        const float v = kt::bf16_to_f32(b);
+        std::memcpy(ex.data() + s.scales_offset + i * 4, &v, 4);
+      } else {
+        std::memcpy(ex.data() + s.scales_offset + i * 2, &b, 2);
+      }
+    }
+    if (s.zero_points)
+      for (int64_t i = 0; i < s.scale_panel; ++i) ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
+    const int m = 4;
+    std::vector<float> a(static_cast<size_t>(m * k));
+    for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+    std::vector<char> ak(static_cast<size_t>(m * k * K.a_elem_size));
+    std::vector<const void*> rows(static_cast<size_t>(m));
+    for (int i = 0; i < m; ++i) {
+      K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, k, &ak[static_cast<size_t>(i * k * K.a_elem_size)]);
+      rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * k * K.a_elem_size)];
+    }
+    std::vector<float> c(static_cast<size_t>(m * 16), 0.f);
+    K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, 1, c.data(), 16, false, kt::PrefetchRegion{});
+    for (int i = 0; i < m; ++i) {
+      std::vector<float> one(16, 0.f);
+      K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, 1, one.data(), 16, false,
+                   kt::PrefetchRegion{});
+      for (int64_t col = 0; col < 16; ++col) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          const double t = static_cast<double>(a[static_cast<size_t>(i * k + kk)]) * kt::quant_get(ex.data(), s, col, kk);
+          want += t;
+          mag += std::fabs(t);
+        }
+        ASSERT_NEAR(c[static_cast<size_t>(i * 16 + col)], want, 1e-5 * (1.0 + mag))
+            << K.gemm_name << " " << kt_weight_format_name(f) << " row " << i << " col " << col;
+        ASSERT_EQ(one[static_cast<size_t>(col)], c[static_cast<size_t>(i * 16 + col)]) << kt_weight_format_name(f);
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()), kernels_test_name);
 
 INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernel_variants()), kernels_test_name);
