@@ -56,7 +56,7 @@ def check_formats(model, formats, where):
     for key, r in rows.items():
         fmt, case, tokens = key
         what = f"{where} {fmt} {case} T={tokens}"
-        require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16"], what)
+        require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16", "bf16_ms_alternating"], what)
         if "error" in r:
             fail(f"{what}: kt failed: {r['error']}")
         want = stored_bytes_per_weight(fmt, model["hidden"], model["intermediate"])
@@ -68,6 +68,10 @@ def check_formats(model, formats, where):
         bytes_read = base["bytes"] * r["bytes_per_weight"] / 2.0
         if abs(r["gbs"] - bytes_read / r["ms"] / 1e6) > 1e-3 * r["gbs"]:
             fail(f"{what}: gbs {r['gbs']} is not the format's {bytes_read:.0f} bytes in {r['ms']} ms")
+        if not r["bf16_ms_alternating"] or r["bf16_ms_alternating"] <= 0:
+            fail(f"{what}: no bf16 time taken in alternation")
+        if abs(r["time_vs_bf16"] - r["ms"] / r["bf16_ms_alternating"]) > 1e-4 * r["time_vs_bf16"]:
+            fail(f"{what}: time_vs_bf16 {r['time_vs_bf16']} is not ms / bf16_ms_alternating")
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")

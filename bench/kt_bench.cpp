@@ -279,6 +279,7 @@ struct FormatRow {
   Case which = Case::kForward;
   int64_t tokens = 0;
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
+  double bf16_s = NAN;  // the bf16 layer, timed in alternation with this one
   std::string error;
 };
 
@@ -395,6 +396,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   // kt: one layer per mode, released before the baselines allocate theirs.
   {
     KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16));
+    KtRunner& bf16 = kt;
     for (Case c : o.cases) {
       for (const Workload& w : work) {
         if (!o.json)
@@ -426,57 +428,65 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         rep.sweep.push_back(t);
       }
     }
-    rep.loads = kt.loads();
-  }
-  // The same workloads with the base stored in each other format, one layer
-  // at a time, right after the bf16 ones.
-  const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
-  for (kt_weight_format f : o.formats) {
-    // fp8, MXFP4 and asymmetric int4 bases come from checkpoints: these weights quantized
-    // into one, loaded as a host loads it.
-    std::unique_ptr<QuantCheckpoint> source;
-    std::string source_error;
-    if (comes_from_checkpoint(f)) {
-      if (!o.json)
-        std::fprintf(stderr, "kt_bench: %s: writing the weights as a %s checkpoint\n", shape.name,
-                     kt_weight_format_name(f));
-      source = QuantCheckpoint::write(layer, f, threads, &source_error);
-      if (source) {
-        rep.checkpoints.push_back({f, source->file_bytes(), source->write_seconds()});
+    // The same workloads with the base stored in each other format, one layer
+    // at a time, each timed in alternation with the bf16 layer: the machine's
+    // bandwidth and load drift over a run (seen here: 37-47 GB/s between runs
+    // minutes apart), and a ratio of times taken minutes apart carried it.
+    const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
+    for (kt_weight_format f : o.formats) {
+      // fp8, MXFP4 and asymmetric int4 bases come from checkpoints: these weights quantized
+      // into one, loaded as a host loads it.
+      std::unique_ptr<QuantCheckpoint> source;
+      std::string source_error;
+      if (comes_from_checkpoint(f)) {
         if (!o.json)
-          std::fprintf(stderr, "kt_bench: %s: %.2f GB written in %.1f s\n", shape.name, source->file_bytes() / 1e9,
-                       source->write_seconds());
+          std::fprintf(stderr, "kt_bench: %s: writing the weights as a %s checkpoint\n", shape.name,
+                       kt_weight_format_name(f));
+        source = QuantCheckpoint::write(layer, f, threads, &source_error);
+        if (source) {
+          rep.checkpoints.push_back({f, source->file_bytes(), source->write_seconds()});
+          if (!o.json)
+            std::fprintf(stderr, "kt_bench: %s: %.2f GB written in %.1f s\n", shape.name, source->file_bytes() / 1e9,
+                         source->write_seconds());
+        }
       }
+      KtRunner fmt_kt(engine, layer, std::max<int64_t>(max_tokens, 16), f, source ? source->ckpt() : nullptr,
+                      QuantCheckpoint::kLayer);
+      for (Case c : o.cases) {
+        // A quantized base is frozen: full-weight training is bf16 only.
+        if (c == Case::kTrainFull) continue;
+        for (const Workload& w : work) {
+          if (!o.json)
+            std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name, kt_weight_format_name(f), case_label(c),
+                         static_cast<long long>(w.tokens));
+          FormatRow fr;
+          fr.format = f;
+          fr.which = c;
+          fr.tokens = w.tokens;
+          const std::pair<double, double> s = source_error.empty()
+                                                  ? fmt_kt.time_alternating(bf16, c, w, o.warmup, o.reps, &fr.error)
+                                                  : std::pair<double, double>{-1, -1};
+          if (!source_error.empty()) fr.error = source_error;
+          if (s.first >= 0) {
+            fr.kt_s = s.first;
+            fr.bf16_s = s.second;
+          }
+          const Row& base = row_of(c, w.tokens);
+          // case_bytes counts bf16 weights: the same reads in this format's bytes.
+          fr.bytes_per_weight = fmt_kt.expert_weight_bytes() / weights_per_expert;
+          fr.bytes = base.bytes * fmt_kt.expert_weight_bytes() / layer.bytes_per_expert();
+          rep.formats.push_back(fr);
+        }
+        if (c == Case::kForward && source_error.empty()) {
+          std::string error;
+          rep.format_errors.push_back({f, fmt_kt.weight_rel_l2(&error)});
+          if (!error.empty() && !o.json) std::fprintf(stderr, "kt_bench: %s\n", error.c_str());
+        }
+      }
+      for (const auto& l : fmt_kt.loads())
+        rep.loads.emplace_back(std::string(kt_weight_format_name(f)) + " " + l.first, l.second);
     }
-    KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16), f, source ? source->ckpt() : nullptr,
-                QuantCheckpoint::kLayer);
-    for (Case c : o.cases) {
-      // A quantized base is frozen: full-weight training is bf16 only.
-      if (c == Case::kTrainFull) continue;
-      for (const Workload& w : work) {
-        if (!o.json)
-          std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name, kt_weight_format_name(f), case_label(c),
-                       static_cast<long long>(w.tokens));
-        FormatRow fr;
-        fr.format = f;
-        fr.which = c;
-        fr.tokens = w.tokens;
-        const double s = source_error.empty() ? kt.time_case(c, w, o.warmup, o.reps, &fr.error) : -1;
-        if (!source_error.empty()) fr.error = source_error;
-        if (s >= 0) fr.kt_s = s;
-        const Row& base = row_of(c, w.tokens);
-        // case_bytes counts bf16 weights: the same reads in this format's bytes.
-        fr.bytes_per_weight = kt.expert_weight_bytes() / weights_per_expert;
-        fr.bytes = base.bytes * kt.expert_weight_bytes() / layer.bytes_per_expert();
-        rep.formats.push_back(fr);
-      }
-      if (c == Case::kForward && source_error.empty()) {
-        std::string error;
-        rep.format_errors.push_back({f, kt.weight_rel_l2(&error)});
-        if (!error.empty() && !o.json) std::fprintf(stderr, "kt_bench: %s\n", error.c_str());
-      }
-    }
-    for (const auto& l : kt.loads()) rep.loads.emplace_back(std::string(kt_weight_format_name(f)) + " " + l.first, l.second);
+    rep.loads.insert(rep.loads.begin(), bf16.loads().begin(), bf16.loads().end());
   }
   for (Case c : o.cases) rep.fits[c] = fit_cost(rep.rows, c);
 
@@ -671,26 +681,28 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
     }
     if (!mr.formats.empty()) {
       std::printf("weight storage formats, side by side with bf16 in this run (kt only; B/wt: bytes kt stores\n"
-                  "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that format):\n");
+                  "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that format;\n"
+                  "t/t_bf16 against the bf16 layer timed in alternation with the format, call by call: its ms in\n"
+                  "the last column):\n");
       for (const FormatError& e : mr.format_errors)
         std::printf("   %s: W' against the bf16 weights, relative L2 %s%%\n", kt_weight_format_name(e.format),
                     fmt("%.2f", 100 * e.weight_rel_l2).c_str());
       for (const CheckpointWritten& c : mr.checkpoints)
         std::printf("   %s: loaded from a synthetic checkpoint of these weights (%.2f GB, written in %.1f s)\n",
                     kt_weight_format_name(c.format), c.file_bytes / 1e9, c.seconds);
-      std::printf("   %-19s %6s %-13s %7s %10s %8s %6s %9s\n", "case", "T", "format", "B/wt", "ms", "GB/s", "%bw",
-                  "t/t_bf16");
+      std::printf("   %-19s %6s %-13s %7s %10s %8s %6s %9s %10s\n", "case", "T", "format", "B/wt", "ms", "GB/s", "%bw",
+                  "t/t_bf16", "bf16 ms");
       for (const Row& r : mr.rows) {
         std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s\n", case_label(r.which), static_cast<long long>(r.tokens),
                     "bf16", 2.0, fmt("%.3f", r.kt_s * 1e3).c_str(), fmt("%.1f", r.bytes / r.kt_s / 1e9).c_str(),
                     fmt("%.0f", 100 * r.bytes / r.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(), "1.00");
         for (const FormatRow& f : mr.formats) {
           if (f.which != r.which || f.tokens != r.tokens) continue;
-          std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s\n", "", static_cast<long long>(f.tokens),
+          std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s %10s\n", "", static_cast<long long>(f.tokens),
                       kt_weight_format_name(f.format), f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
                       fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
-                      fmt("%.2f", f.kt_s / r.kt_s).c_str());
+                      fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str());
           if (!f.error.empty()) std::printf("      %s\n", f.error.c_str());
         }
       }
@@ -885,8 +897,6 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     j.end_object();
     j.key("weight_formats").begin_array();
     for (const FormatRow& f : mr.formats) {
-      const Row& base = *std::find_if(mr.rows.begin(), mr.rows.end(),
-                                      [&](const Row& r) { return r.which == f.which && r.tokens == f.tokens; });
       j.begin_object();
       j.key("format").value(kt_weight_format_name(f.format));
       j.key("source").value(comes_from_checkpoint(f.format) ? "checkpoint" : "quantized_at_load");
@@ -896,7 +906,8 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("ms").value(f.kt_s * 1e3);
       j.key("gbs").value(f.bytes / f.kt_s / 1e9);
       j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
-      j.key("time_vs_bf16").value(f.kt_s / base.kt_s);
+      j.key("time_vs_bf16").value(f.kt_s / f.bf16_s);
+      j.key("bf16_ms_alternating").value(f.bf16_s * 1e3);
       if (!f.error.empty()) j.key("error").value(f.error);
       j.end_object();
     }

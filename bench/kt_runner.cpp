@@ -1,5 +1,6 @@
 #include "kt_runner.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace kt_bench {
@@ -174,6 +175,35 @@ double KtRunner::time_case(Case which, const Workload& work, int warmup, int rep
   return median_seconds(warmup, reps, [&](int i) {
     return call(which, work.batches[static_cast<size_t>(i) % work.batches.size()], y, dx, droute, error);
   });
+}
+
+std::pair<double, double> KtRunner::time_alternating(KtRunner& other, Case which, const Workload& work, int warmup,
+                                                     int reps, std::string* error) {
+  const std::pair<double, double> failed{-1, -1};
+  if (!prepare(mode_of(which), error) || !other.prepare(mode_of(which), error)) return failed;
+  const ModelShape& s = layer_.shape;
+  const int64_t T = work.tokens;
+  HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
+  HostTensor droute(kDLFloat, 32, {T, s.top_k});
+  std::vector<double> mine, theirs;
+  for (int i = 0; i < warmup + reps; ++i) {
+    const Batch& b = work.batches[static_cast<size_t>(i) % work.batches.size()];
+    double start = now_seconds();
+    if (!call(which, b, y, dx, droute, error)) return failed;
+    const double t_mine = now_seconds() - start;
+    start = now_seconds();
+    if (!other.call(which, b, y, dx, droute, error)) return failed;
+    const double t_theirs = now_seconds() - start;
+    if (i < warmup) continue;
+    mine.push_back(t_mine);
+    theirs.push_back(t_theirs);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  };
+  return {median(mine), median(theirs)};
 }
 
 bool KtRunner::profile_case(Case which, const Workload& work, int calls,

@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kt_c_api.h"
@@ -26,6 +27,12 @@ class KtRunner {
   // Median seconds of one call of `which` over the workload's batches (cycled),
   // after `warmup` calls; negative with *error set when kt reports a failure.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  // Medians of this runner and `other` on the same case, timed in
+  // alternation (a call of each per round, after `warmup` untimed rounds),
+  // so that both see the machine in the same state: {this, other} seconds,
+  // or {-1, -1} with *error set.
+  std::pair<double, double> time_alternating(KtRunner& other, Case which, const Workload& work, int warmup, int reps,
+                                             std::string* error);
   // kt's per-stage profile over `calls` further calls (profiling is on only
   // for them, so the timed calls never pay for it): (stage, ms per call) of
   // every stage that ran.
