@@ -43,6 +43,22 @@ std::string kernels_test_name(const ::testing::TestParamInfo<const kt::Kernels*>
   return kt_isa_name(i.param->isa);
 }
 
+// m rows of k values (a, row-major) in table K's A format, and pointers to
+// them. The data lives in the returned object.
+struct PackedRows {
+  std::vector<char> data;
+  std::vector<const void*> rows;
+};
+PackedRows pack_rows(const kt::Kernels& K, const std::vector<float>& a, int m, int64_t k) {
+  PackedRows p;
+  p.data.resize(static_cast<size_t>(m * k * K.a_elem_size));
+  for (int i = 0; i < m; ++i) {
+    K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, k, &p.data[static_cast<size_t>(i * k * K.a_elem_size)]);
+    p.rows.push_back(&p.data[static_cast<size_t>(i * k * K.a_elem_size)]);
+  }
+  return p;
+}
+
 using kt_test::view2d;
 
 TEST(PackedPanels, PackAndReadBackEveryElement) {
@@ -496,12 +512,8 @@ TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
           for (auto& v : scales) v = std::fabs(nd(rng)) + 0.1f;
           std::vector<float> a(static_cast<size_t>(m * kp));
           for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
-          std::vector<char> ak(static_cast<size_t>(m * kp * K.a_elem_size));
-          std::vector<const void*> rows(static_cast<size_t>(m));
-          for (int i = 0; i < m; ++i) {
-            K.pack_a_f32(&a[static_cast<size_t>(i * kp)], kp, kp, &ak[static_cast<size_t>(i * kp * K.a_elem_size)]);
-            rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * kp * K.a_elem_size)];
-          }
+          const PackedRows packed_a = pack_rows(K, a, m, kp);
+          const std::vector<const void*>& rows = packed_a.rows;
           const int64_t ldc = np * 16 + 5;
           for (bool acc : {false, true}) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
@@ -602,12 +614,8 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
               ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
           std::vector<float> a(static_cast<size_t>(m * k));
           for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
-          std::vector<char> ak(static_cast<size_t>(m * k * K.a_elem_size));
-          std::vector<const void*> rows(static_cast<size_t>(m));
-          for (int i = 0; i < m; ++i) {
-            K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, k, &ak[static_cast<size_t>(i * k * K.a_elem_size)]);
-            rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * k * K.a_elem_size)];
-          }
+          const PackedRows packed_a = pack_rows(K, a, m, k);
+          const std::vector<const void*>& rows = packed_a.rows;
           const int64_t ldc = np * 16 + 3;
           for (bool acc : {false, true}) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
@@ -694,12 +702,8 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
     const int m = 4;
     std::vector<float> a(static_cast<size_t>(m * k));
     for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
-    std::vector<char> ak(static_cast<size_t>(m * k * K.a_elem_size));
-    std::vector<const void*> rows(static_cast<size_t>(m));
-    for (int i = 0; i < m; ++i) {
-      K.pack_a_f32(&a[static_cast<size_t>(i * k)], k, k, &ak[static_cast<size_t>(i * k * K.a_elem_size)]);
-      rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * k * K.a_elem_size)];
-    }
+    const PackedRows packed_a = pack_rows(K, a, m, k);
+    const std::vector<const void*>& rows = packed_a.rows;
     std::vector<float> c(static_cast<size_t>(m * 16), 0.f);
     K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, 1, c.data(), 16, false, kt::PrefetchRegion{});
     for (int i = 0; i < m; ++i) {
