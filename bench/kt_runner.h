@@ -28,7 +28,8 @@ class KtRunner {
   // after `warmup` calls; negative with *error set when kt reports a failure.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
   // Medians of this runner and `other` on the same case, timed in
-  // alternation (a call of each per round, after `warmup` untimed rounds),
+  // alternation (a call of each per round, after `warmup` untimed rounds
+  // and at least half a second of them),
   // so that both see the machine in the same state: {this, other} seconds,
   // or {-1, -1} with *error set.
   std::pair<double, double> time_alternating(KtRunner& other, Case which, const Workload& work, int warmup, int reps,
