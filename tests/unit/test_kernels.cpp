@@ -684,11 +684,13 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> byte(0, 255);
   const int64_t k = 8192 + 3 * 128;
+  const int np = 5;  // a tile of 4 panels and one of 1
+  const int64_t n = np * 16;
   for (kt_weight_format f : {KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G32_ZP}) {
-    const kt::QuantShape s = kt::QuantShape::of(f, 16, k);
+    const kt::QuantShape s = kt::QuantShape::of(f, n, k);
     std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
     for (int64_t i = 0; i < s.scales_offset; ++i) ex[static_cast<size_t>(i)] = static_cast<uint8_t>(byte(rng));
-    for (int64_t i = 0; i < s.scale_panel; ++i) {
+    for (int64_t i = 0; i < np * s.scale_panel; ++i) {
       const bf16_t b = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
       if (s.scale_bytes == 4) {
         const float v = kt::bf16_to_f32(b);
@@ -698,28 +700,34 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
       }
     }
     if (s.zero_points)
-      for (int64_t i = 0; i < s.scale_panel; ++i) ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
-    const int m = 4;
-    std::vector<float> a(static_cast<size_t>(m * k));
-    for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
-    const PackedRows packed_a = pack_rows(K, a, m, k);
-    const std::vector<const void*>& rows = packed_a.rows;
-    std::vector<float> c(static_cast<size_t>(m * 16), 0.f);
-    K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, 1, c.data(), 16, false, kt::PrefetchRegion{});
-    for (int i = 0; i < m; ++i) {
-      std::vector<float> one(16, 0.f);
-      K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, 1, one.data(), 16, false,
-                   kt::PrefetchRegion{});
-      for (int64_t col = 0; col < 16; ++col) {
-        double want = 0.0, mag = 0.0;
-        for (int64_t kk = 0; kk < k; ++kk) {
-          const double t = static_cast<double>(a[static_cast<size_t>(i * k + kk)]) * kt::quant_get(ex.data(), s, col, kk);
-          want += t;
-          mag += std::fabs(t);
+      for (int64_t i = 0; i < np * s.scale_panel; ++i) ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
+    // 4 rows: the few-row tiles (K spans two slices of group sums), each
+    // row's result as it is alone; 9 rows: the wide tiles (three of 3 rows).
+    for (int m : {4, 9}) {
+      std::vector<float> a(static_cast<size_t>(m * k));
+      for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+      const PackedRows packed_a = pack_rows(K, a, m, k);
+      const std::vector<const void*>& rows = packed_a.rows;
+      std::vector<float> c(static_cast<size_t>(m * n), 0.f);
+      K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), n, false, kt::PrefetchRegion{});
+      for (int i = 0; i < m; ++i) {
+        std::vector<float> one(static_cast<size_t>(n), 0.f);
+        K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), n, false,
+                     kt::PrefetchRegion{});
+        for (int64_t col = 0; col < n; ++col) {
+          double want = 0.0, mag = 0.0;
+          for (int64_t kk = 0; kk < k; ++kk) {
+            const double t = static_cast<double>(a[static_cast<size_t>(i * k + kk)]) * kt::quant_get(ex.data(), s, col, kk);
+            want += t;
+            mag += std::fabs(t);
+          }
+          const float got = c[static_cast<size_t>(i * n + col)];
+          ASSERT_NEAR(got, want, 1e-5 * (1.0 + mag))
+              << K.gemm_name << " " << kt_weight_format_name(f) << " m " << m << " row " << i << " col " << col;
+          if (m <= 4) {
+            ASSERT_EQ(one[static_cast<size_t>(col)], got) << kt_weight_format_name(f);
+          }
         }
-        ASSERT_NEAR(c[static_cast<size_t>(i * 16 + col)], want, 1e-5 * (1.0 + mag))
-            << K.gemm_name << " " << kt_weight_format_name(f) << " row " << i << " col " << col;
-        ASSERT_EQ(one[static_cast<size_t>(col)], c[static_cast<size_t>(i * 16 + col)]) << kt_weight_format_name(f);
       }
     }
   }
