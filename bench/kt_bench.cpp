@@ -280,6 +280,7 @@ struct FormatRow {
   int64_t tokens = 0;
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
   double bf16_s = NAN;  // the bf16 layer, timed in alternation with this one
+  std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile
   std::string error;
 };
 
@@ -470,6 +471,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
           if (s.first >= 0) {
             fr.kt_s = s.first;
             fr.bf16_s = s.second;
+            if (o.profile) fmt_kt.profile_case(c, w, o.reps, &fr.kt_stage_ms, &fr.error);
           }
           const Row& base = row_of(c, w.tokens);
           // case_bytes counts bf16 weights: the same reads in this format's bytes.
@@ -703,6 +705,11 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                       fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
                       fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str());
+          if (!f.kt_stage_ms.empty()) {
+            std::printf("      profile, ms per call:");
+            for (const auto& st : f.kt_stage_ms) std::printf(" %s %.3f", st.first.c_str(), st.second);
+            std::printf("\n");
+          }
           if (!f.error.empty()) std::printf("      %s\n", f.error.c_str());
         }
       }
@@ -908,6 +915,11 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
       j.key("time_vs_bf16").value(f.kt_s / f.bf16_s);
       j.key("bf16_ms_alternating").value(f.bf16_s * 1e3);
+      if (!f.kt_stage_ms.empty()) {
+        j.key("stage_ms").begin_object();
+        for (const auto& st : f.kt_stage_ms) j.key(st.first).value(st.second);
+        j.end_object();
+      }
       if (!f.error.empty()) j.key("error").value(f.error);
       j.end_object();
     }
