@@ -44,7 +44,19 @@ def stored_bytes_per_weight(fmt, hidden, inter):
     return total / (3 * hidden * inter)
 
 
-def check_formats(model, formats, where):
+def check_profile(row, what):
+    """--profile: the row's per-stage times, with the weight GEMMs' stages."""
+    stages = row.get("stage_ms")
+    if not stages:
+        fail(f"{what}: --profile given but no stage_ms")
+    for name in ("gate_up", "down"):
+        if not stages.get(name, 0) > 0:
+            fail(f"{what}: stage {name!r} has no time in {stages}")
+    if any(v < 0 for v in stages.values()):
+        fail(f"{what}: a negative stage time in {stages}")
+
+
+def check_formats(model, formats, where, profile):
     """--format: every listed format has a row per (case, T) of the bf16
     results but train_full, with the stored bytes per weight, a time, GB/s
     and %bw that agree with each other, and a plausible quantization error."""
@@ -72,6 +84,8 @@ def check_formats(model, formats, where):
             fail(f"{what}: no bf16 time taken in alternation")
         if abs(r["time_vs_bf16"] - r["ms"] / r["bf16_ms_alternating"]) > 1e-4 * r["time_vs_bf16"]:
             fail(f"{what}: time_vs_bf16 {r['time_vs_bf16']} is not ms / bf16_ms_alternating")
+        if profile:
+            check_profile(r, what)
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
@@ -141,12 +155,14 @@ def main():
                 fail(f"{where} {r['case']} T={r['tokens']}: kt has no time")
             for b in ("onednn", "torch"):
                 require(r[b], ["ms", "speedup_of_kt"], f"{where} {r['case']} {b}")
+            if "--profile" in args:
+                check_profile(r["kt"], f"{where} {r['case']} T={r['tokens']} kt")
             seen.add(r["case"])
         if seen != CASES:
             fail(f"{where}: cases {sorted(seen)}, expected {sorted(CASES)}")
         require(model["linearity"], ["touched_experts_sweep"] + sorted(CASES), where + " linearity")
         if formats:
-            check_formats(model, formats, where)
+            check_formats(model, formats, where, "--profile" in args)
     require(doc, ["optimizer"], "the document (the optimizer case runs by default)")
     optimizer = doc["optimizer"]
     require(optimizer, ["model", "algorithm", "bytes_per_param", "torch", "results"], "optimizer")
