@@ -174,10 +174,15 @@ void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst
 // bf16, scales are fp32 values and e8m0 powers of two).
 float quant_source_value(const QuantSource& src, int64_t r, int64_t c);
 
-// The codes of packed rows [r0, r0 + rb) (r0 a multiple of 16).
+// The codes of packed rows [r0, r0 + rb) (r0 a multiple of 16), with where
+// their scales and zero points begin.
 inline PrefetchRegion quant_panel_block(const uint8_t* expert, const QuantShape& s, int64_t r0, int64_t rb) {
-  return PrefetchRegion::block(expert + (r0 / kPanelRows) * s.code_panel_bytes,
-                               (rb + kPanelRows - 1) / kPanelRows * s.code_panel_bytes);
+  PrefetchRegion r = PrefetchRegion::block(expert + (r0 / kPanelRows) * s.code_panel_bytes,
+                                           (rb + kPanelRows - 1) / kPanelRows * s.code_panel_bytes);
+  const QuantPanels w = s.panels(expert, r0 / kPanelRows);
+  r.quant_scales = w.scales;
+  r.quant_zeros = w.zeros;
+  return r;
 }
 
 // The codes that columns [c0, c0 + cb) (c0 a multiple of 32) of every panel

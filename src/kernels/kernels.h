@@ -35,6 +35,11 @@ struct PrefetchRegion {
   int64_t chunk_bytes = 0;
   int64_t chunks = 0;
   int64_t stride = 0;
+  // A block of a quantized base's panels (formats/packed_quant.h): where
+  // their scales and zero points begin (QuantPanels' layout), of which a
+  // kernel may fetch the first with the codes'; nullptr where none.
+  const void* quant_scales = nullptr;
+  const void* quant_zeros = nullptr;
 
   static PrefetchRegion block(const void* p, int64_t bytes) { return {p, bytes, p ? 1 : 0, 0}; }
   int64_t lines_per_chunk() const { return (chunk_bytes + 63) / 64; }
@@ -198,7 +203,8 @@ struct Kernels {
   // next: as gemm_bf16w's; with few rows (decode), where the whole next
   // region on the way crowded this call's own stream, only the first lines
   // of each of its panels are fetched, as this call's streams end: a region
-  // of whole panels of the same code_panel_bytes (the next call's codes).
+  // of whole panels of the same code_panel_bytes and scale_panel (the next
+  // call's codes, with quant_scales and quant_zeros).
   void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                      bool accumulate, const PrefetchRegion& next);
   int gemm_quant_rows_8bit;
