@@ -619,10 +619,11 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
           const int64_t ldc = np * 16 + 3;
           for (bool acc : {false, true}) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
-            // The next region: the codes themselves (fetching has no effect on
+            // The next region: the same panels, with their scales and zero
+            // points, as the layer gives a block (fetching has no effect on
             // the results).
             K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc,
-                         kt::PrefetchRegion::block(ex.data(), s.scales_offset));
+                         kt::quant_panel_block(ex.data(), s, 0, np * 16));
             for (int i = 0; i < m; ++i)
               for (int64_t col = 0; col < np * 16; ++col) {
                 double want = acc ? 0.5 : 0.0, mag = 0.0;
@@ -709,7 +710,8 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
       const PackedRows packed_a = pack_rows(K, a, m, k);
       const std::vector<const void*>& rows = packed_a.rows;
       std::vector<float> c(static_cast<size_t>(m * n), 0.f);
-      K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), n, false, kt::PrefetchRegion{});
+      K.gemm_quant(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), n, false,
+                   kt::quant_panel_block(ex.data(), s, 0, n));
       for (int i = 0; i < m; ++i) {
         std::vector<float> one(static_cast<size_t>(n), 0.f);
         K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), n, false,
