@@ -1,6 +1,7 @@
 // AVX-512 BF16 kernels: vdpbf16ps on bf16 pairs along K. A format is bf16
 // (activations rounded to nearest even once, when packed); fp32 accumulate.
 #include <immintrin.h>
+#include <type_traits>
 
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
