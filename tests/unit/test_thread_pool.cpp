@@ -1,0 +1,122 @@
+// The worker pool: every item runs once, on the caller (index 0) and the
+// workers (1..n-1); a single item or a one-thread pool stays on the caller;
+// an item's exception reaches the caller after the other items ran.
+#include <gtest/gtest.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "runtime/thread_pool.h"
+
+using kt::ThreadPool;
+
+namespace {
+
+struct Seen {
+  std::mutex mutex;
+  std::set<int> indices;
+  std::set<std::thread::id> threads;
+  void add(int index) {
+    std::lock_guard<std::mutex> lock(mutex);
+    indices.insert(index);
+    threads.insert(std::this_thread::get_id());
+  }
+};
+
+}  // namespace
+
+TEST(ThreadPool, EveryItemRunsOnceWithIndicesBelowTheSize) {
+  for (int threads : {1, 2, 3, 5}) {
+    ThreadPool pool(threads, {});
+    ASSERT_EQ(pool.size(), threads);
+    for (int64_t n : {1, 2, 7, 1000}) {
+      std::vector<std::atomic<int>> count(static_cast<size_t>(n));
+      Seen seen;
+      pool.run(n, [&](int64_t item, int index) {
+        count[static_cast<size_t>(item)].fetch_add(1);
+        seen.add(index);
+      });
+      for (int64_t i = 0; i < n; ++i)
+        EXPECT_EQ(count[static_cast<size_t>(i)].load(), 1) << threads << " " << n;
+      for (int index : seen.indices) {
+        EXPECT_GE(index, 0);
+        EXPECT_LT(index, threads);
+      }
+    }
+  }
+}
+
+TEST(ThreadPool, TheCallerComputesAsIndexZero) {
+  ThreadPool pool(3, {});
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<int> on_caller{0}, wrong_index{0};
+  // Items that wait a little, so every participant takes some.
+  pool.run(300, [&](int64_t, int index) {
+    const bool here = std::this_thread::get_id() == caller;
+    if (here) on_caller.fetch_add(1);
+    if (here != (index == 0)) wrong_index.fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  });
+  EXPECT_GT(on_caller.load(), 0);
+  EXPECT_EQ(wrong_index.load(), 0);
+}
+
+TEST(ThreadPool, OneItemOrOneThreadStaysOnTheCaller) {
+  const std::thread::id caller = std::this_thread::get_id();
+  for (int threads : {1, 4}) {
+    ThreadPool pool(threads, {});
+    for (int64_t n : {int64_t{1}, threads == 1 ? int64_t{50} : int64_t{1}}) {
+      Seen seen;
+      pool.run(n, [&](int64_t, int index) { seen.add(index); });
+      EXPECT_EQ(seen.indices, std::set<int>{0});
+      EXPECT_EQ(seen.threads, std::set<std::thread::id>{caller});
+    }
+  }
+}
+
+TEST(ThreadPool, AnExceptionReachesTheCallerAfterTheOtherItems) {
+  for (int threads : {1, 2, 4}) {
+    ThreadPool pool(threads, {});
+    for (int64_t bad : {int64_t{0}, int64_t{57}}) {
+      std::atomic<int> ran{0};
+      try {
+        pool.run(100, [&](int64_t item, int) {
+          ran.fetch_add(1);
+          if (item == bad) throw std::runtime_error("item " + std::to_string(item));
+        });
+        ADD_FAILURE() << "no exception";
+      } catch (const std::runtime_error& e) {
+        EXPECT_EQ(std::string(e.what()), "item " + std::to_string(bad));
+      }
+      EXPECT_EQ(ran.load(), 100);
+      // The pool stays usable.
+      std::atomic<int> again{0};
+      pool.run(10, [&](int64_t, int) { again.fetch_add(1); });
+      EXPECT_EQ(again.load(), 10);
+    }
+  }
+}
+
+TEST(ThreadPool, PinnedWorkersLeaveTheFirstCpuToTheCaller) {
+  const std::vector<int> cpus = kt::allowed_cpus();
+  ASSERT_FALSE(cpus.empty());
+  ThreadPool pool(static_cast<int>(cpus.size()) + 1, cpus);
+  std::mutex mutex;
+  std::vector<std::pair<int, int>> where;  // (index, cpu)
+  pool.run(400, [&](int64_t, int index) {
+    if (index > 0) {
+      std::lock_guard<std::mutex> lock(mutex);
+      where.emplace_back(index, sched_getcpu());
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  });
+  ASSERT_FALSE(where.empty());
+  for (const auto& w : where)
+    EXPECT_EQ(w.second, cpus[static_cast<size_t>(w.first) % cpus.size()]) << "worker " << w.first;
+}
