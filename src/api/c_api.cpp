@@ -63,11 +63,10 @@ bool finite(float v) { return std::isfinite(v); }
 
 void validate_moe_options(const kt_moe_options& o) {
   const char* w = "kt_moe_create";
-  using kt::check;
   auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* name) {
-    check(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->" + name + " = " + std::to_string(v) + " is outside [" +
-              std::to_string(lo) + ", " + std::to_string(hi) + "]");
+    KT_CHECK(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->" + name + " = " + std::to_string(v) + " is outside [" +
+                 std::to_string(lo) + ", " + std::to_string(hi) + "]");
   };
   range(o.num_experts, 1, 1 << 20, "num_experts");
   range(o.top_k, 1, o.num_experts, "top_k");
@@ -79,26 +78,28 @@ void validate_moe_options(const kt_moe_options& o) {
                  "kt_activation");
   kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
   const int64_t format = kt::enum_bits(o.weight_format);
-  check(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G128_ZP, KT_ERR_UNSUPPORTED,
-        std::string(w) + ": options->weight_format = " + std::to_string(format) +
-            " is not a storage format of this kt (bf16, int8_channel, int4_g32, fp8_b128, mxfp4, int4_g128, "
-            "int4_g32_zp, int4_g128_zp)");
-  check(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
-        std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
-            " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs KT_FORMAT_BF16 "
-            "(train LoRA on the quantized base with KT_MODE_LORA)");
-  check(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
-        std::string(w) + ": options->act_alpha must be finite and > 0");
-  check(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
-        std::string(w) + ": options->act_limit must be finite (<= 0 for none)");
+  KT_CHECK(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G128_ZP, KT_ERR_UNSUPPORTED,
+           std::string(w) + ": options->weight_format = " + std::to_string(format) +
+               " is not a storage format of this kt (bf16, int8_channel, int4_g32, fp8_b128, "
+               "mxfp4, int4_g128, "
+               "int4_g32_zp, int4_g128_zp)");
+  KT_CHECK(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
+           std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
+               " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs "
+               "KT_FORMAT_BF16 "
+               "(train LoRA on the quantized base with KT_MODE_LORA)");
+  KT_CHECK(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options->act_alpha must be finite and > 0");
+  KT_CHECK(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options->act_limit must be finite (<= 0 for none)");
   range(o.has_bias, 0, 1, "has_bias");
   if (o.mode == KT_MODE_LORA) {
     range(o.lora_rank, 1, 1024, "lora_rank");
-    check(finite(o.lora_alpha), KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->lora_alpha must be finite");
+    KT_CHECK(finite(o.lora_alpha), KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->lora_alpha must be finite");
     range(o.use_rslora, 0, 1, "use_rslora");
-    check(o.lora_targets != 0 && (o.lora_targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->lora_targets must be a non-empty set of KT_PROJ_* bits");
+    KT_CHECK(o.lora_targets != 0 && (o.lora_targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->lora_targets must be a non-empty set of KT_PROJ_* bits");
   }
 }
 
@@ -111,15 +112,16 @@ void check_layer_fits(const kt_moe_options& o, const kt_engine& engine, const ch
   const std::string shape = "E=" + std::to_string(o.num_experts) + ", H=" + std::to_string(o.hidden) +
                             ", I=" + std::to_string(o.intermediate) +
                             ", max_tokens=" + std::to_string(o.max_tokens);
-  kt::check(!bytes.overflow(), KT_ERR_INVALID_ARGUMENT,
-            std::string(w) + ": options (" + shape + ") describe a layer of more than 2^63 bytes");
+  KT_CHECK(!bytes.overflow(), KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options (" + shape + ") describe a layer of more than 2^63 bytes");
   const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
   if (pages <= 0 || page <= 0) return;
   const kt::CheckedSize physical = kt::CheckedSize(pages) * page;
-  kt::check(physical.overflow() || bytes.value() <= physical.value(), KT_ERR_INVALID_ARGUMENT,
-            std::string(w) + ": options (" + shape + ") describe a layer of " + std::to_string(bytes.value()) +
-                " bytes (packed weights, biases, LoRA factors, workspaces), more than the " +
-                std::to_string(physical.value()) + " bytes of this machine's physical memory");
+  KT_CHECK(physical.overflow() || bytes.value() <= physical.value(), KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options (" + shape + ") describe a layer of " +
+               std::to_string(bytes.value()) +
+               " bytes (packed weights, biases, LoRA factors, workspaces), more than the " +
+               std::to_string(physical.value()) + " bytes of this machine's physical memory");
 }
 
 // Ends a submitted job's bookkeeping on its layer. The job's closure keeps
@@ -168,8 +170,8 @@ std::shared_ptr<kt_job> new_job(kt_moe* m, unsigned flags, const char* where) {
   auto job = std::make_shared<kt_job>();
   job->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
   std::lock_guard<std::mutex> lock(m->state_mutex);
-  kt::check(!m->destroyed, KT_ERR_INVALID_HANDLE,
-            std::string(where) + ": moe is being destroyed by another thread");
+  KT_CHECK(!m->destroyed, KT_ERR_INVALID_HANDLE,
+           std::string(where) + ": moe is being destroyed by another thread");
   m->jobs.emplace(job.get(), job);
   return job;
 }
@@ -283,20 +285,21 @@ void kt_engine_options_defaults(kt_engine_options* o, size_t struct_size) {
 kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine) {
   const char* w = "kt_engine_create";
   return guarded(w, [&] {
-    kt::check(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
+    KT_CHECK(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
     kt_engine_options o = kt::read_sized(options, set_engine_options_defaults, w, "options");
-    kt::check(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
-                  " is outside [0, 4096]");
+    KT_CHECK(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
+                 " is outside [0, 4096]");
     kt::check_enum(o.max_isa, KT_ISA_AUTO, KT_ISA_AMX, std::string(w) + ": options->max_isa", "kt_isa");
-    kt::check(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": options->pin_threads must be 0 or 1");
+    KT_CHECK(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->pin_threads must be 0 or 1");
     int precision;  // the raw value: a C caller may pass any int
     static_assert(sizeof(precision) == sizeof(o.precision), "kt_precision is int-sized");
     std::memcpy(&precision, &o.precision, sizeof(precision));
-    kt::check(precision == KT_PRECISION_DEFAULT || precision == KT_PRECISION_FP32, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": options->precision = " + std::to_string(precision) +
-                  " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
+    KT_CHECK(precision == KT_PRECISION_DEFAULT || precision == KT_PRECISION_FP32,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->precision = " + std::to_string(precision) +
+                 " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
     auto e = std::make_shared<kt_engine>(o);
     *engine = kt::handle_value<kt_engine>(kt::add_handle(HandleKind::kEngine, e));
   });
@@ -309,14 +312,14 @@ kt_status kt_engine_destroy(kt_engine* engine) {
     const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
     {
       std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
-      kt::check(eng->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-                std::string(w) + ": " + std::to_string(eng->num_layers.load()) +
-                    " layer(s) still use this engine; destroy them first");
-      kt::check(eng->num_optimizers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-                std::string(w) + ": " + std::to_string(eng->num_optimizers.load()) +
-                    " optimizer(s) still use this engine; destroy them first");
-      kt::check(!eng->destroyed, KT_ERR_INVALID_HANDLE,
-                std::string(w) + ": engine is being destroyed by another thread");
+      KT_CHECK(eng->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+               std::string(w) + ": " + std::to_string(eng->num_layers.load()) +
+                   " layer(s) still use this engine; destroy them first");
+      KT_CHECK(eng->num_optimizers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+               std::string(w) + ": " + std::to_string(eng->num_optimizers.load()) +
+                   " optimizer(s) still use this engine; destroy them first");
+      KT_CHECK(!eng->destroyed, KT_ERR_INVALID_HANDLE,
+               std::string(w) + ": engine is being destroyed by another thread");
       eng->destroyed = true;
     }
     kt::remove_handle(kt::handle_id(engine), HandleKind::kEngine);
@@ -373,17 +376,17 @@ kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe
   const char* w = "kt_moe_create";
   return guarded(w, [&] {
     const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    kt::check(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
-    kt::check(options != nullptr, KT_ERR_NULL_POINTER,
-              std::string(w) + ": options is NULL (the shapes are required)");
+    KT_CHECK(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
+    KT_CHECK(options != nullptr, KT_ERR_NULL_POINTER,
+             std::string(w) + ": options is NULL (the shapes are required)");
     kt_moe_options o = kt::read_sized(options, set_moe_options_defaults, w, "options");
     validate_moe_options(o);
     check_layer_fits(o, *eng, w);
     std::shared_ptr<kt_moe> m;
     {
       std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
-      kt::check(!eng->destroyed, KT_ERR_INVALID_HANDLE,
-                std::string(w) + ": engine is being destroyed by another thread");
+      KT_CHECK(!eng->destroyed, KT_ERR_INVALID_HANDLE,
+               std::string(w) + ": engine is being destroyed by another thread");
       m = std::make_shared<kt_moe>(eng.get(), o);
     }
     m->engine_ref = eng;
@@ -443,7 +446,7 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   const char* w = "kt_moe_lora_scale";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
+    KT_CHECK(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
     *scale = layer->lora_scale;
   });
 }
@@ -523,9 +526,9 @@ kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options*
   const char* w = "kt_moe_load_expert";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(expert >= 0 && expert < layer->E, KT_ERR_EXPERT_ID,
-              std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
-                  std::to_string(layer->E) + ")");
+    KT_CHECK(expert >= 0 && expert < layer->E, KT_ERR_EXPERT_ID,
+             std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
+                 std::to_string(layer->E) + ")");
     kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     layer->load(o, args, num_args, expert, w);
@@ -545,7 +548,7 @@ kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
   const char* w = "kt_moe_num_loaded";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
+    KT_CHECK(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     *count = layer->num_loaded();
   });
@@ -636,8 +639,8 @@ kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_option
     kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w);
     {
       std::lock_guard<std::mutex> l(layer->state_mutex);
-      kt::check(!c->backward_queued, KT_ERR_CONTEXT,
-                std::string(w) + ": ctx already has a backward submitted");
+      KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
+               std::string(w) + ": ctx already has a backward submitted");
     }
     if (layer->engine->verbosity >= 2)
       layer->engine->log(2, "backward: T=" + std::to_string(c->tokens) +
@@ -670,9 +673,9 @@ kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args
   const char* w = "kt_moe_forward_submit";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
-    kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": unknown flags");
+    KT_CHECK(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
+    KT_CHECK((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": unknown flags");
     kt_moe::ForwardCall call = layer->check_forward(args, num_args, w);
     std::shared_ptr<kt_job> j = new_job(layer.get(), flags, w);
     // The job holds the context until it ends.
@@ -713,9 +716,9 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
   const char* w = "kt_moe_backward_submit";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt::check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
-    kt::check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": unknown flags");
+    KT_CHECK(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
+    KT_CHECK((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": unknown flags");
     // The job holds the context until it ends (a release meanwhile frees it
     // then). A context whose forward job has not ended may be submitted
     // against: the backward job runs or waits for that forward first.
@@ -724,8 +727,8 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
     const kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w, true);
     {
       std::lock_guard<std::mutex> lock(layer->state_mutex);
-      kt::check(!c->backward_queued, KT_ERR_CONTEXT,
-                std::string(w) + ": ctx already has a backward submitted");
+      KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
+               std::string(w) + ": ctx already has a backward submitted");
       c->backward_queued = true;
       ++c->holds;  // the job's own
     }
@@ -789,9 +792,9 @@ kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* c
   const char* w = "kt_engine_profile_stage";
   return guarded(w, [&] {
     const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    kt::check(stage >= 0 && stage < kt_engine::kStages, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": stage " + std::to_string(stage) + " is outside [0, " +
-                  std::to_string(kt_engine::kStages) + ")");
+    KT_CHECK(stage >= 0 && stage < kt_engine::kStages, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": stage " + std::to_string(stage) + " is outside [0, " +
+                 std::to_string(kt_engine::kStages) + ")");
     if (calls) *calls = eng->stage_calls[stage].load();
     if (seconds) *seconds = static_cast<double>(eng->stage_ns[stage].load()) * 1e-9;
   });

@@ -119,11 +119,11 @@ bool remove_context_handle(HandleId context) {
 
 std::shared_ptr<void> live_handle(const void* handle, HandleKind kind, const char* where,
                                   const char* name) {
-  check(handle != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": " + name + " is NULL");
+  KT_CHECK(handle != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": " + name + " is NULL");
   std::shared_ptr<void> object = find_handle(handle_id(handle), kind);
-  check(object != nullptr, KT_ERR_INVALID_HANDLE,
-        std::string(where) + ": " + name + " is not a live " + type_name(kind) + " (" +
-            ended_word(kind) + ")");
+  KT_CHECK(object != nullptr, KT_ERR_INVALID_HANDLE,
+           std::string(where) + ": " + name + " is not a live " + type_name(kind) + " (" +
+               ended_word(kind) + ")");
   return object;
 }
 

@@ -67,8 +67,8 @@ int64_t enum_bits(const E& e) {
 template <class E>
 void check_enum(const E& value, int64_t lo, int64_t hi, const std::string& what, const char* type) {
   const int64_t v = enum_bits(value);
-  check(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
-        what + " = " + std::to_string(v) + " is not a " + type);
+  KT_CHECK(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
+           what + " = " + std::to_string(v) + " is not a " + type);
 }
 
 }  // namespace kt

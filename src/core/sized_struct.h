@@ -42,16 +42,18 @@ template <class T, class SetDefaults>
 T read_sized(const T* given, SetDefaults set, const char* where, const char* name) {
   T o = defaults_of<T>(set);
   if (!given) return o;
-  check(given->struct_size >= sizeof(size_t) + sizeof(int) && given->struct_size <= kMaxOptionsStructSize,
-        KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + name + "->struct_size (" + std::to_string(given->struct_size) +
-            ") is not the size of any version of the struct; call the _init function first");
+  KT_CHECK(given->struct_size >= sizeof(size_t) + sizeof(int) &&
+               given->struct_size <= kMaxOptionsStructSize,
+           KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + name + "->struct_size (" +
+               std::to_string(given->struct_size) +
+               ") is not the size of any version of the struct; call the _init function first");
   const size_t n = given->struct_size < sizeof(T) ? given->struct_size : sizeof(T);
   std::memcpy(static_cast<void*>(&o), given, n);
   const unsigned char* extra = reinterpret_cast<const unsigned char*>(given);
   for (size_t i = sizeof(T); i < given->struct_size; ++i)
-    check(extra[i] == 0, KT_ERR_UNSUPPORTED,
-          std::string(where) + ": " + name + " sets fields this kt version does not know");
+    KT_CHECK(extra[i] == 0, KT_ERR_UNSUPPORTED,
+             std::string(where) + ": " + name + " sets fields this kt version does not know");
   o.struct_size = sizeof(T);
   return o;
 }
@@ -59,9 +61,9 @@ T read_sized(const T* given, SetDefaults set, const char* where, const char* nam
 // Copies `full` into the caller's struct up to its struct_size (keeping it).
 template <class T>
 void write_sized(T* out, const T& full, const char* where, const char* name) {
-  check(out != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
-  check(out->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + name + "->struct_size is not set");
+  KT_CHECK(out != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  KT_CHECK(out->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + name + "->struct_size is not set");
   const size_t keep = out->struct_size;
   std::memcpy(static_cast<void*>(out), &full, keep < sizeof(T) ? keep : sizeof(T));
   out->struct_size = keep;

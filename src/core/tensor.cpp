@@ -98,32 +98,33 @@ static bool to_dtype(DLDataType d, DType* out) {
 }
 
 View check_tensor(const DLTensor* t, const TensorSpec& spec, const char* where) {
-  std::string who = std::string(where) + ": " + spec.name;
-  check(t != nullptr, KT_ERR_NULL_POINTER, who + " is NULL");
-  check(t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost,
-        KT_ERR_DEVICE,
-        who + " is on device type " + std::to_string(t->device.device_type) +
-            "; kt reads CPU memory only (kDLCPU or kDLCUDAHost)");
+  // Messages are built only on failure (this runs for every argument of
+  // every call).
+  const auto who = [&] { return std::string(where) + ": " + spec.name; };
+  KT_CHECK(t != nullptr, KT_ERR_NULL_POINTER, who() + " is NULL");
+  KT_CHECK(t->device.device_type == kDLCPU || t->device.device_type == kDLCUDAHost, KT_ERR_DEVICE,
+           who() + " is on device type " + std::to_string(t->device.device_type) +
+               "; kt reads CPU memory only (kDLCPU or kDLCUDAHost)");
   View v;
-  check(to_dtype(t->dtype, &v.dtype), KT_ERR_DTYPE,
-        who + " has an unsupported dtype (code " + std::to_string(t->dtype.code) + ", bits " +
-            std::to_string(t->dtype.bits) + ", lanes " + std::to_string(t->dtype.lanes) + ")");
+  KT_CHECK(to_dtype(t->dtype, &v.dtype), KT_ERR_DTYPE,
+           who() + " has an unsupported dtype (code " + std::to_string(t->dtype.code) + ", bits " +
+               std::to_string(t->dtype.bits) + ", lanes " + std::to_string(t->dtype.lanes) + ")");
   bool dtype_ok = false;
-  std::string accepted;
-  for (DType d : spec.dtypes) {
-    dtype_ok = dtype_ok || d == v.dtype;
-    accepted += std::string(accepted.empty() ? "" : "|") + dtype_name(d);
+  for (DType d : spec.dtypes) dtype_ok = dtype_ok || d == v.dtype;
+  if (!dtype_ok) {
+    std::string accepted;
+    for (DType d : spec.dtypes)
+      accepted += std::string(accepted.empty() ? "" : "|") + dtype_name(d);
+    fail(KT_ERR_DTYPE, who() + " has dtype " + dtype_name(v.dtype) + "; expected " + accepted);
   }
-  check(dtype_ok, KT_ERR_DTYPE,
-        who + " has dtype " + dtype_name(v.dtype) + "; expected " + accepted);
-  check(t->ndim >= 0 && t->ndim <= kMaxRank, KT_ERR_SHAPE,
-        who + " has rank " + std::to_string(t->ndim));
-  check(t->ndim == 0 || t->shape != nullptr, KT_ERR_NULL_POINTER, who + " has NULL shape");
+  KT_CHECK(t->ndim >= 0 && t->ndim <= kMaxRank, KT_ERR_SHAPE,
+           who() + " has rank " + std::to_string(t->ndim));
+  KT_CHECK(t->ndim == 0 || t->shape != nullptr, KT_ERR_NULL_POINTER, who() + " has NULL shape");
   v.ndim = t->ndim;
   bool empty = false;
   for (int i = 0; i < v.ndim; ++i) {
     v.shape[i] = t->shape[i];
-    check(v.shape[i] >= 0, KT_ERR_SHAPE, who + " has a negative extent");
+    KT_CHECK(v.shape[i] >= 0, KT_ERR_SHAPE, who() + " has a negative extent");
     empty = empty || v.shape[i] == 0;
   }
   // Element and byte counts must fit in int64_t before anything uses them
@@ -131,35 +132,33 @@ View check_tensor(const DLTensor* t, const TensorSpec& spec, const char* where) 
   const int64_t es = static_cast<int64_t>(dtype_size(v.dtype));
   CheckedSize bytes = es;
   for (int i = 0; i < v.ndim && !empty; ++i) bytes *= v.shape[i];
-  check(!bytes.overflow(), KT_ERR_SHAPE,
-        who + " has shape " + shape_string(v) + ": its size in bytes overflows a 64-bit count");
+  KT_CHECK(
+      !bytes.overflow(), KT_ERR_SHAPE,
+      who() + " has shape " + shape_string(v) + ": its size in bytes overflows a 64-bit count");
   int64_t compact = 1;
   for (int i = v.ndim - 1; i >= 0; --i) {
     v.strides[i] = t->strides ? t->strides[i] : compact;
     if (!empty) compact *= v.shape[i];  // cannot overflow: bounded by `bytes`
   }
-  std::string got = shape_string(v);
-  int rank = static_cast<int>(spec.shape.size());
-  std::ostringstream want;
-  want << "[";
-  int i = 0;
-  bool shape_ok = rank == v.ndim;
-  for (int64_t s : spec.shape) {
-    want << (i ? "," : "") << (s < 0 ? std::string("*") : std::to_string(s));
-    if (shape_ok && s >= 0 && v.shape[i] != s) shape_ok = false;
-    ++i;
+  const int64_t* expected = spec.shape.begin();
+  bool shape_ok = static_cast<int>(spec.shape.size()) == v.ndim;
+  for (int i = 0; shape_ok && i < v.ndim; ++i)
+    shape_ok = expected[i] < 0 || v.shape[i] == expected[i];
+  if (!shape_ok) {
+    std::string want = "[";
+    for (size_t i = 0; i < spec.shape.size(); ++i)
+      want += (i ? "," : "") + (expected[i] < 0 ? std::string("*") : std::to_string(expected[i]));
+    fail(KT_ERR_SHAPE, who() + " has shape " + shape_string(v) + "; expected " + want + "]");
   }
-  want << "]";
-  check(shape_ok, KT_ERR_SHAPE, who + " has shape " + got + "; expected " + want.str());
   for (int d = 0; d < v.ndim; ++d) {
-    check(v.strides[d] >= 0 || v.shape[d] <= 1, KT_ERR_STRIDE,
-          who + " has a negative stride in dim " + std::to_string(d));
+    KT_CHECK(v.strides[d] >= 0 || v.shape[d] <= 1, KT_ERR_STRIDE,
+             who() + " has a negative stride in dim " + std::to_string(d));
     if (v.shape[d] <= 1 || empty) v.strides[d] = 0;  // irrelevant; normalise
   }
   if (spec.inner_contiguous && v.ndim > 0 && v.shape[v.ndim - 1] > 1 && !empty) {
-    check(v.strides[v.ndim - 1] == 1, KT_ERR_STRIDE,
-          who + " must have unit stride in its last dimension (got " +
-              std::to_string(v.strides[v.ndim - 1]) + ")");
+    KT_CHECK(v.strides[v.ndim - 1] == 1, KT_ERR_STRIDE,
+             who() + " must have unit stride in its last dimension (got " +
+                 std::to_string(v.strides[v.ndim - 1]) + ")");
   }
   if (empty) {
     v.data = t->data ? static_cast<char*>(t->data) + t->byte_offset : nullptr;
@@ -169,14 +168,15 @@ View check_tensor(const DLTensor* t, const TensorSpec& spec, const char* where) 
   // dims) must fit, and so must the address of the last one.
   CheckedSize span = es;  // bytes from the first element to past the last
   for (int d = 0; d < v.ndim; ++d) span += CheckedSize(v.shape[d] - 1) * v.strides[d] * es;
-  check(!span.overflow(), KT_ERR_STRIDE,
-        who + " has strides whose byte offsets overflow a 64-bit count");
-  check(t->data != nullptr, KT_ERR_NULL_POINTER, who + " has NULL data");
+  KT_CHECK(!span.overflow(), KT_ERR_STRIDE,
+           who() + " has strides whose byte offsets overflow a 64-bit count");
+  KT_CHECK(t->data != nullptr, KT_ERR_NULL_POINTER, who() + " has NULL data");
   const uintptr_t base = reinterpret_cast<uintptr_t>(t->data);
   uintptr_t end = 0;
-  check(!__builtin_add_overflow(base, t->byte_offset, &end) &&
-            !__builtin_add_overflow(end, static_cast<uint64_t>(span.value()), &end),
-        KT_ERR_STRIDE, who + ": byte_offset and strides run past the end of the address space");
+  KT_CHECK(!__builtin_add_overflow(base, t->byte_offset, &end) &&
+               !__builtin_add_overflow(end, static_cast<uint64_t>(span.value()), &end),
+           KT_ERR_STRIDE,
+           who() + ": byte_offset and strides run past the end of the address space");
   v.data = static_cast<char*>(t->data) + t->byte_offset;
   return v;
 }
@@ -275,9 +275,9 @@ void check_writable(const View& v, const char* where, const char* name) {
   // it reach, so no two indices share an element.
   int64_t reach = 0;  // bytes spanned by the dims inside, minus one element
   for (int d = r.nd - 1; d >= 0; --d) {
-    check(r.stride[d] > reach + r.es - 1, KT_ERR_STRIDE,
-          std::string(where) + ": " + name + " is written by this call but its strides make " +
-              "elements overlap (a stride of 0, or dims that interleave)");
+    KT_CHECK(r.stride[d] > reach + r.es - 1, KT_ERR_STRIDE,
+             std::string(where) + ": " + name + " is written by this call but its strides make " +
+                 "elements overlap (a stride of 0, or dims that interleave)");
     reach += (r.shape[d] - 1) * r.stride[d];
   }
 }
@@ -285,11 +285,11 @@ void check_writable(const View& v, const char* where, const char* name) {
 void check_disjoint(const View& a, const char* a_name, const View& b, const char* b_name,
                     const char* where) {
   const Overlap o = views_overlap(a, b);
-  check(o == Overlap::kNo, KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + a_name + " and " + b_name +
-            (o == Overlap::kYes ? " share memory"
-                                : " may share memory (kt could not show their elements apart)") +
-            "; " + a_name + " is written by kt, so they must not overlap");
+  KT_CHECK(o == Overlap::kNo, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + a_name + " and " + b_name +
+               (o == Overlap::kYes ? " share memory"
+                                   : " may share memory (kt could not show their elements apart)") +
+               "; " + a_name + " is written by kt, so they must not overlap");
 }
 
 }  // namespace kt

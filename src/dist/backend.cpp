@@ -39,7 +39,7 @@ const char* backend_name(kt_comm_backend b) {
 }
 
 Backends parse_backends(const char* text, const std::string& what) {
-  check(text != nullptr, KT_ERR_NULL_POINTER, what + " is NULL");
+  KT_CHECK(text != nullptr, KT_ERR_NULL_POINTER, what + " is NULL");
   const std::string s(text);
   const std::string head = what + " \"" + s + "\": ";
   const auto refuse = [&](const std::string& why) {

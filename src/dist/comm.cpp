@@ -194,14 +194,15 @@ kt_comm::~kt_comm() {
 }
 
 void kt_comm::check_usable(const char* where) const {
-  kt::check(!broken, KT_ERR_COMM,
-            std::string(where) + ": the communicator is unusable since a collective failed (" + broken_why +
-                "); destroy it");
+  KT_CHECK(!broken, KT_ERR_COMM,
+           std::string(where) + ": the communicator is unusable since a collective failed (" +
+               broken_why + "); destroy it");
 }
 
 kt::dist::Transport& kt_comm::cpu_transport(const char* where) const {
-  kt::check(cpu != nullptr, KT_ERR_UNSUPPORTED,
-            std::string(where) + ": the communicator has no CPU backend (its backend string names none)");
+  KT_CHECK(
+      cpu != nullptr, KT_ERR_UNSUPPORTED,
+      std::string(where) + ": the communicator has no CPU backend (its backend string names none)");
   return *cpu;
 }
 

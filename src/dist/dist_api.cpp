@@ -15,7 +15,6 @@
 #include "dist/dist_moe.h"
 #include "kt_c_api.h"
 
-using kt::check;
 using kt::HandleKind;
 
 namespace {
@@ -95,23 +94,29 @@ std::string text_of(const char* s) { return s ? std::string(s) : std::string(); 
 // The tensor of a kt_comm collective: compact, on the CPU (CPU backend) or
 // a CUDA device (CUDA backend). Returns its byte count.
 size_t collective_bytes(const DLTensor* t, const char* where, const char* name) {
-  check(t != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
-  check(t->ndim >= 0 && t->ndim <= 8, KT_ERR_SHAPE, std::string(where) + ": " + name + " has rank " + std::to_string(t->ndim));
-  check(t->ndim == 0 || t->shape != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " has NULL shape");
-  check(t->dtype.lanes == 1 && t->dtype.bits % 8 == 0 && t->dtype.bits > 0, KT_ERR_DTYPE,
-        std::string(where) + ": " + name + " has an element type of " + std::to_string(t->dtype.bits) + " bits x " +
-            std::to_string(t->dtype.lanes) + " lanes (whole bytes, one lane)");
+  KT_CHECK(t != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  KT_CHECK(t->ndim >= 0 && t->ndim <= 8, KT_ERR_SHAPE,
+           std::string(where) + ": " + name + " has rank " + std::to_string(t->ndim));
+  KT_CHECK(t->ndim == 0 || t->shape != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": " + name + " has NULL shape");
+  KT_CHECK(t->dtype.lanes == 1 && t->dtype.bits % 8 == 0 && t->dtype.bits > 0, KT_ERR_DTYPE,
+           std::string(where) + ": " + name + " has an element type of " +
+               std::to_string(t->dtype.bits) + " bits x " + std::to_string(t->dtype.lanes) +
+               " lanes (whole bytes, one lane)");
   kt::CheckedSize bytes = int64_t{t->dtype.bits / 8};
   int64_t compact = 1;
   for (int i = t->ndim - 1; i >= 0; --i) {
-    check(t->shape[i] >= 0, KT_ERR_SHAPE, std::string(where) + ": " + name + " has a negative extent");
-    check(!t->strides || t->shape[i] <= 1 || t->strides[i] == compact, KT_ERR_STRIDE,
-          std::string(where) + ": " + name + " must be compact (row-major)");
+    KT_CHECK(t->shape[i] >= 0, KT_ERR_SHAPE,
+             std::string(where) + ": " + name + " has a negative extent");
+    KT_CHECK(!t->strides || t->shape[i] <= 1 || t->strides[i] == compact, KT_ERR_STRIDE,
+             std::string(where) + ": " + name + " must be compact (row-major)");
     bytes *= t->shape[i];
     compact = bytes.overflow() ? 0 : bytes.value() / (t->dtype.bits / 8);
   }
-  check(!bytes.overflow(), KT_ERR_SHAPE, std::string(where) + ": " + name + "'s size overflows 64 bits");
-  check(bytes.value() == 0 || t->data != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + "->data is NULL");
+  KT_CHECK(!bytes.overflow(), KT_ERR_SHAPE,
+           std::string(where) + ": " + name + "'s size overflows 64 bits");
+  KT_CHECK(bytes.value() == 0 || t->data != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": " + name + "->data is NULL");
   return static_cast<size_t>(bytes.value());
 }
 
@@ -119,10 +124,12 @@ size_t collective_bytes(const DLTensor* t, const char* where, const char* name) 
 kt::dist::Transport& transport_for(kt_comm& c, const DLTensor* t, const char* where, const char* name) {
   const int dev = t->device.device_type;
   if (dev == kDLCPU || dev == kDLCUDAHost) return c.cpu_transport(where);
-  check(dev == kDLCUDA, KT_ERR_DEVICE,
-        std::string(where) + ": " + name + " is on device type " + std::to_string(dev) + " (CPU or CUDA only)");
-  check(c.cuda != nullptr, KT_ERR_UNSUPPORTED,
-        std::string(where) + ": " + name + " is a CUDA tensor but the communicator has no CUDA backend");
+  KT_CHECK(dev == kDLCUDA, KT_ERR_DEVICE,
+           std::string(where) + ": " + name + " is on device type " + std::to_string(dev) +
+               " (CPU or CUDA only)");
+  KT_CHECK(c.cuda != nullptr, KT_ERR_UNSUPPORTED,
+           std::string(where) + ": " + name +
+               " is a CUDA tensor but the communicator has no CUDA backend");
   return *c.cuda;
 }
 
@@ -138,9 +145,10 @@ void agree_on(kt_comm& c, const char* where, const kt::dist::Outcome& mine, cons
   const size_t bytes = n * sizeof(int64_t);
   const std::vector<char> all = kt::dist::agree(c, where, mine, values, bytes);
   for (int r = 1; r < c.world; ++r)
-    check(std::memcmp(all.data() + static_cast<size_t>(r) * bytes, all.data(), bytes) == 0, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": the ranks disagree on " + what + " (rank " + std::to_string(r) +
-              " differs from rank 0)");
+    KT_CHECK(std::memcmp(all.data() + static_cast<size_t>(r) * bytes, all.data(), bytes) == 0,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": the ranks disagree on " + what + " (rank " +
+                 std::to_string(r) + " differs from rank 0)");
 }
 
 char* data_of(const DLTensor* t) { return static_cast<char*>(t->data) + t->byte_offset; }
@@ -152,8 +160,10 @@ kt_status checkpoint_call(const char* w, Run run, kt_comm* comm, const char* dir
                           size_t num_layers, const kt_dist_ckpt_options* options) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_comm> c = live_comm(comm, w);
-    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
-          std::string(w) + ": a distributed checkpoint agrees over CPU messages: the communicator needs a CPU backend (gloo)");
+    KT_CHECK(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
+             std::string(w) +
+                 ": a distributed checkpoint agrees over CPU messages: the communicator needs a "
+                 "CPU backend (gloo)");
     run(*c, dir, layers, num_layers, options, w);
   });
 }
@@ -165,7 +175,7 @@ extern "C" {
 kt_status kt_comm_parse_backend(const char* backend, kt_comm_backends* out) {
   const char* w = "kt_comm_parse_backend";
   return guarded(w, [&] {
-    check(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
+    KT_CHECK(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
     const kt::dist::Backends b = kt::dist::parse_backends(backend, std::string(w) + ": backend");
     kt::write_sized(out, backends_struct(b), w, "out");
   });
@@ -178,17 +188,19 @@ void kt_comm_options_defaults(kt_comm_options* options, size_t struct_size) {
 kt_status kt_comm_create(const kt_comm_options* options, kt_comm** comm) {
   const char* w = "kt_comm_create";
   return guarded(w, [&] {
-    check(comm != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": comm is NULL");
+    KT_CHECK(comm != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": comm is NULL");
     const kt_comm_options o = kt::read_sized(options, set_comm_options_defaults, w, "options");
     auto c = std::make_shared<kt_comm>();
     c->backends = kt::dist::parse_backends(o.backend, std::string(w) + ": options->backend");
-    check(o.world_size >= 1 && o.world_size <= 65536, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->world_size = " + std::to_string(o.world_size) + " is outside [1, 65536]");
-    check(o.rank >= 0 && o.rank < o.world_size, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->rank = " + std::to_string(o.rank) + " is outside [0, world_size = " +
-              std::to_string(o.world_size) + ")");
-    check(o.timeout_ms >= 1, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->timeout_ms = " + std::to_string(o.timeout_ms) + " must be >= 1");
+    KT_CHECK(o.world_size >= 1 && o.world_size <= 65536, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->world_size = " + std::to_string(o.world_size) +
+                 " is outside [1, 65536]");
+    KT_CHECK(o.rank >= 0 && o.rank < o.world_size, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->rank = " + std::to_string(o.rank) +
+                 " is outside [0, world_size = " + std::to_string(o.world_size) + ")");
+    KT_CHECK(o.timeout_ms >= 1, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->timeout_ms = " + std::to_string(o.timeout_ms) +
+                 " must be >= 1");
     c->rank = o.rank;
     c->world = o.world_size;
     c->timeout = std::chrono::milliseconds(o.timeout_ms);
@@ -202,16 +214,19 @@ kt_status kt_comm_create(const kt_comm_options* options, kt_comm** comm) {
     t.nccl_comm = o.nccl_comm;
     t.cuda_device = o.cuda_device;
     if (c->backends.cpu == KT_COMM_BACKEND_GLOO) {
-      check((o.store_path != nullptr) != (o.store != nullptr), KT_ERR_INVALID_ARGUMENT,
-            std::string(w) + ": Gloo meets its peers through options->store_path or options->store: give exactly one");
+      KT_CHECK((o.store_path != nullptr) != (o.store != nullptr), KT_ERR_INVALID_ARGUMENT,
+               std::string(w) +
+                   ": Gloo meets its peers through options->store_path or options->store: give "
+                   "exactly one");
       if (o.store) {
-        check(o.store->set != nullptr && o.store->get != nullptr, KT_ERR_NULL_POINTER,
-              std::string(w) + ": options->store->set and ->get are required");
+        KT_CHECK(o.store->set != nullptr && o.store->get != nullptr, KT_ERR_NULL_POINTER,
+                 std::string(w) + ": options->store->set and ->get are required");
         t.rendezvous.store = o.store;
         t.rendezvous.store_copy = *o.store;
       } else {
         t.rendezvous.path = o.store_path;
-        check(!t.rendezvous.path.empty(), KT_ERR_INVALID_ARGUMENT, std::string(w) + ": options->store_path is empty");
+        KT_CHECK(!t.rendezvous.path.empty(), KT_ERR_INVALID_ARGUMENT,
+                 std::string(w) + ": options->store_path is empty");
       }
       c->cpu = kt::dist::make_gloo_transport(t);
       // The ranks agree on what they were given before anything else runs.
@@ -224,19 +239,23 @@ kt_status kt_comm_create(const kt_comm_options* options, kt_comm** comm) {
       for (int r = 0; r < c->world; ++r) {
         Setup s;
         std::memcpy(&s, all.data() + static_cast<size_t>(r) * sizeof(s), sizeof(s));
-        check(std::memcmp(&s, &mine, sizeof(s)) == 0, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": rank " + std::to_string(r) + " was given another world_size or backend string (" +
-                  std::to_string(s.world) + " ranks, cpu " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cpu)) +
-                  ", cuda " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cuda)) + ") than rank " +
-                  std::to_string(c->rank) + " (" + std::to_string(mine.world) + " ranks, cpu " +
-                  kt::dist::backend_name(c->backends.cpu) + ", cuda " + kt::dist::backend_name(c->backends.cuda) + ")");
+        KT_CHECK(std::memcmp(&s, &mine, sizeof(s)) == 0, KT_ERR_INVALID_ARGUMENT,
+                 std::string(w) + ": rank " + std::to_string(r) +
+                     " was given another world_size or backend string (" + std::to_string(s.world) +
+                     " ranks, cpu " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cpu)) +
+                     ", cuda " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cuda)) +
+                     ") than rank " + std::to_string(c->rank) + " (" + std::to_string(mine.world) +
+                     " ranks, cpu " + kt::dist::backend_name(c->backends.cpu) + ", cuda " +
+                     kt::dist::backend_name(c->backends.cuda) + ")");
       }
     }
     if (c->backends.cuda == KT_COMM_BACKEND_NCCL) {
       unsigned char id[KT_NCCL_UNIQUE_ID_BYTES] = {};
       if (!o.nccl_unique_id && !o.nccl_comm) {
-        check(c->cpu != nullptr, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": NCCL without a CPU backend needs options->nccl_unique_id or options->nccl_comm");
+        KT_CHECK(
+            c->cpu != nullptr, KT_ERR_INVALID_ARGUMENT,
+            std::string(w) +
+                ": NCCL without a CPU backend needs options->nccl_unique_id or options->nccl_comm");
         // Rank 0 makes the id; its outcome reaches every rank first.
         std::lock_guard<std::mutex> lock(c->mutex);
         const kt::dist::Outcome made = kt::dist::attempt([&] {
@@ -291,10 +310,11 @@ kt_status kt_comm_get_info(const kt_comm* comm, kt_comm_info* info) {
 kt_status kt_comm_nccl_unique_id(void* id, size_t size) {
   const char* w = "kt_comm_nccl_unique_id";
   return guarded(w, [&] {
-    check(id != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": id is NULL");
-    check(size >= KT_NCCL_UNIQUE_ID_BYTES, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": size = " + std::to_string(size) + " is below KT_NCCL_UNIQUE_ID_BYTES (" +
-              std::to_string(KT_NCCL_UNIQUE_ID_BYTES) + ")");
+    KT_CHECK(id != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": id is NULL");
+    KT_CHECK(size >= KT_NCCL_UNIQUE_ID_BYTES, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": size = " + std::to_string(size) +
+                 " is below KT_NCCL_UNIQUE_ID_BYTES (" + std::to_string(KT_NCCL_UNIQUE_ID_BYTES) +
+                 ")");
     kt::dist::nccl_unique_id(id);
   });
 }
@@ -322,8 +342,9 @@ kt_status kt_comm_broadcast(kt_comm* comm, DLTensor* tensor, int root) {
     const kt::dist::Outcome mine = kt::dist::attempt([&] {
       bytes = collective_bytes(tensor, w, "tensor");
       t = &transport_for(*c, tensor, w, "tensor");
-      check(root >= 0 && root < c->world, KT_ERR_INVALID_ARGUMENT,
-            std::string(w) + ": root = " + std::to_string(root) + " is outside [0, " + std::to_string(c->world) + ")");
+      KT_CHECK(root >= 0 && root < c->world, KT_ERR_INVALID_ARGUMENT,
+               std::string(w) + ": root = " + std::to_string(root) + " is outside [0, " +
+                   std::to_string(c->world) + ")");
     });
     const int64_t agreed[2] = {static_cast<int64_t>(bytes), root};
     agree_on(*c, w, mine, agreed, 2, "the tensor's byte size or the root");
@@ -343,16 +364,19 @@ kt_status kt_comm_allgather(kt_comm* comm, const DLTensor* in, DLTensor* out) {
       bytes = collective_bytes(in, w, "in");
       const size_t out_bytes = collective_bytes(out, w, "out");
       t = &transport_for(*c, in, w, "in");
-      check(out->device.device_type == in->device.device_type && out->device.device_id == in->device.device_id,
-            KT_ERR_DEVICE, std::string(w) + ": out is not on in's device");
-      check(out->dtype.code == in->dtype.code && out->dtype.bits == in->dtype.bits, KT_ERR_DTYPE,
-            std::string(w) + ": out's dtype differs from in's");
-      check(out_bytes == bytes * static_cast<size_t>(c->world) && out->ndim == in->ndim + 1 &&
-                out->shape[0] == c->world,
-            KT_ERR_SHAPE, std::string(w) + ": out must be [world_size = " + std::to_string(c->world) + ", ...in's shape]");
+      KT_CHECK(out->device.device_type == in->device.device_type &&
+                   out->device.device_id == in->device.device_id,
+               KT_ERR_DEVICE, std::string(w) + ": out is not on in's device");
+      KT_CHECK(out->dtype.code == in->dtype.code && out->dtype.bits == in->dtype.bits, KT_ERR_DTYPE,
+               std::string(w) + ": out's dtype differs from in's");
+      KT_CHECK(out_bytes == bytes * static_cast<size_t>(c->world) && out->ndim == in->ndim + 1 &&
+                   out->shape[0] == c->world,
+               KT_ERR_SHAPE,
+               std::string(w) + ": out must be [world_size = " + std::to_string(c->world) +
+                   ", ...in's shape]");
       for (int i = 0; i < in->ndim; ++i)
-        check(out->shape[i + 1] == in->shape[i], KT_ERR_SHAPE,
-              std::string(w) + ": out must be [world_size, ...in's shape]");
+        KT_CHECK(out->shape[i + 1] == in->shape[i], KT_ERR_SHAPE,
+                 std::string(w) + ": out must be [world_size, ...in's shape]");
     });
     const int64_t agreed = static_cast<int64_t>(bytes);
     agree_on(*c, w, mine, &agreed, 1, "in's byte size");
@@ -369,11 +393,13 @@ kt_status kt_dist_moe_create(kt_comm* comm, kt_engine* engine, const kt_moe_opti
   const char* w = "kt_dist_moe_create";
   return guarded(w, [&] {
     const std::shared_ptr<kt_comm> c = live_comm(comm, w);
-    check(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
-          std::string(w) + ": a distributed layer exchanges CPU rows: the communicator needs a CPU backend (gloo)");
-    check(dist != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": dist is NULL");
-    check(layer_options != nullptr, KT_ERR_NULL_POINTER,
-          std::string(w) + ": layer_options is NULL (the shapes are required)");
+    KT_CHECK(c->cpu != nullptr, KT_ERR_UNSUPPORTED,
+             std::string(w) +
+                 ": a distributed layer exchanges CPU rows: the communicator needs a CPU backend "
+                 "(gloo)");
+    KT_CHECK(dist != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": dist is NULL");
+    KT_CHECK(layer_options != nullptr, KT_ERR_NULL_POINTER,
+             std::string(w) + ": layer_options is NULL (the shapes are required)");
     auto d = std::make_shared<kt_dist_moe>();
     d->comm = c;
     d->layer_options = kt::read_sized(layer_options, set_moe_defaults, w, "layer_options");
@@ -408,7 +434,7 @@ kt_status kt_dist_moe_layer(const kt_dist_moe* dist, kt_moe** layer) {
   const char* w = "kt_dist_moe_layer";
   return guarded(w, [&] {
     const std::shared_ptr<kt_dist_moe> d = live_dist(dist, w);
-    check(layer != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": layer is NULL");
+    KT_CHECK(layer != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": layer is NULL");
     *layer = d->local;
   });
 }
@@ -417,9 +443,10 @@ kt_status kt_dist_moe_local_experts(const kt_dist_moe* dist, int64_t* experts, i
   const char* w = "kt_dist_moe_local_experts";
   return guarded(w, [&] {
     const std::shared_ptr<kt_dist_moe> d = live_dist(dist, w);
-    check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
-    check(capacity >= 0, KT_ERR_INVALID_ARGUMENT, std::string(w) + ": capacity is negative");
-    check(capacity == 0 || experts != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": experts is NULL");
+    KT_CHECK(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
+    KT_CHECK(capacity >= 0, KT_ERR_INVALID_ARGUMENT, std::string(w) + ": capacity is negative");
+    KT_CHECK(capacity == 0 || experts != nullptr, KT_ERR_NULL_POINTER,
+             std::string(w) + ": experts is NULL");
     const int64_t n = static_cast<int64_t>(d->local_experts.size());
     for (int64_t i = 0; i < std::min(n, capacity); ++i) experts[i] = d->local_experts[static_cast<size_t>(i)];
     *count = n;

@@ -113,39 +113,43 @@ struct Local {
 std::vector<Local> resolve(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t n,
                            unsigned parts, const char* where) {
   const std::string w = where;
-  check(dir != nullptr, KT_ERR_NULL_POINTER, w + ": dir is NULL");
-  check(*dir != '\0', KT_ERR_INVALID_ARGUMENT, w + ": dir is empty");
-  check((parts & ~kAllParts) == 0, KT_ERR_INVALID_ARGUMENT,
-        w + ": options->parts = " + str(parts) + " has bits outside KT_DIST_CKPT_WEIGHTS | _ADAPTER | _OPTIMIZER");
-  check(n >= 1, KT_ERR_INVALID_ARGUMENT, w + ": num_layers is 0");
-  check(layers != nullptr, KT_ERR_NULL_POINTER, w + ": layers is NULL");
+  KT_CHECK(dir != nullptr, KT_ERR_NULL_POINTER, w + ": dir is NULL");
+  KT_CHECK(*dir != '\0', KT_ERR_INVALID_ARGUMENT, w + ": dir is empty");
+  KT_CHECK((parts & ~kAllParts) == 0, KT_ERR_INVALID_ARGUMENT,
+           w + ": options->parts = " + str(parts) +
+               " has bits outside KT_DIST_CKPT_WEIGHTS | _ADAPTER | _OPTIMIZER");
+  KT_CHECK(n >= 1, KT_ERR_INVALID_ARGUMENT, w + ": num_layers is 0");
+  KT_CHECK(layers != nullptr, KT_ERR_NULL_POINTER, w + ": layers is NULL");
   std::vector<Local> out(n);
   for (size_t i = 0; i < n; ++i) {
     const std::string name = "layers[" + std::to_string(i) + "]";
     const kt_dist_ckpt_layer& L = layers[i];
-    check(L.layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": " + name + ".layer = " + str(L.layer) + " must be >= 0");
+    KT_CHECK(L.layer >= 0, KT_ERR_INVALID_ARGUMENT,
+             w + ": " + name + ".layer = " + str(L.layer) + " must be >= 0");
     for (size_t j = 0; j < i; ++j)
-      check(layers[j].layer != L.layer, KT_ERR_INVALID_ARGUMENT, w + ": layer " + str(L.layer) + " is given twice");
+      KT_CHECK(layers[j].layer != L.layer, KT_ERR_INVALID_ARGUMENT,
+               w + ": layer " + str(L.layer) + " is given twice");
     Local& l = out[i];
     l.number = L.layer;
     const std::string dist_name = name + ".dist", opt_name = name + ".optimizer";
     l.dist = live(L.dist, HandleKind::kDistMoe, where, dist_name.c_str());
-    check(l.dist->comm.get() == &comm, KT_ERR_INVALID_ARGUMENT,
-          w + ": " + dist_name + " was created on another communicator than comm");
+    KT_CHECK(l.dist->comm.get() == &comm, KT_ERR_INVALID_ARGUMENT,
+             w + ": " + dist_name + " was created on another communicator than comm");
     l.experts = &l.dist->local_experts;
     if (l.dist->local) l.moe = live(l.dist->local, HandleKind::kMoe, where, "the local layer");
     if (L.optimizer) {
       l.opt = live(L.optimizer, HandleKind::kOptimizer, where, opt_name.c_str());
-      check(l.holds(), KT_ERR_INVALID_ARGUMENT,
-            w + ": rank " + str(comm.rank) + " holds no experts of layer " + str(L.layer) + ": " + opt_name +
-                " must be NULL");
-      check(l.opt->layer_mode && l.opt->moe == l.moe.get(), KT_ERR_INVALID_ARGUMENT,
-            w + ": " + opt_name + " is not an optimizer over this rank's layer of layer " + str(L.layer) +
-                " (kt_optimizer_create_for_layer of kt_dist_moe_layer)");
+      KT_CHECK(l.holds(), KT_ERR_INVALID_ARGUMENT,
+               w + ": rank " + str(comm.rank) + " holds no experts of layer " + str(L.layer) +
+                   ": " + opt_name + " must be NULL");
+      KT_CHECK(l.opt->layer_mode && l.opt->moe == l.moe.get(), KT_ERR_INVALID_ARGUMENT,
+               w + ": " + opt_name + " is not an optimizer over this rank's layer of layer " +
+                   str(L.layer) + " (kt_optimizer_create_for_layer of kt_dist_moe_layer)");
     } else {
-      check(!(parts & KT_DIST_CKPT_OPTIMIZER) || !l.holds(), KT_ERR_NULL_POINTER,
-            w + ": options->parts names KT_DIST_CKPT_OPTIMIZER but " + opt_name + " is NULL on rank " +
-                str(comm.rank) + ", which holds experts of layer " + str(L.layer));
+      KT_CHECK(!(parts & KT_DIST_CKPT_OPTIMIZER) || !l.holds(), KT_ERR_NULL_POINTER,
+               w + ": options->parts names KT_DIST_CKPT_OPTIMIZER but " + opt_name +
+                   " is NULL on rank " + str(comm.rank) + ", which holds experts of layer " +
+                   str(L.layer));
     }
   }
   return out;
@@ -177,15 +181,18 @@ void check_heads(const std::vector<char>& all, int world, const char* where) {
     CallHead h;
     std::memcpy(&h, all.data() + usize(r) * sizeof(h), sizeof(h));
     const std::string rank = "rank " + str(r);
-    check(h.num_layers == first.num_layers && h.layers_hash == first.layers_hash, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": the ranks disagree on the layers: rank 0 passes " + str(first.num_layers) + ", " +
-              rank + " " + str(h.num_layers) + " (every rank must pass the same layer numbers, in one order)");
-    check(h.parts == first.parts, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": the ranks disagree on options->parts: rank 0 has " + str(first.parts) + ", " + rank +
-              " has " + str(h.parts));
-    check(h.checkpoint == first.checkpoint, KT_ERR_IO,
-          std::string(where) + ": the ranks read different checkpoints (rank 0 and " + rank +
-              "): the directory was replaced while they opened it, or it is not on one shared file system");
+    KT_CHECK(h.num_layers == first.num_layers && h.layers_hash == first.layers_hash,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": the ranks disagree on the layers: rank 0 passes " +
+                 str(first.num_layers) + ", " + rank + " " + str(h.num_layers) +
+                 " (every rank must pass the same layer numbers, in one order)");
+    KT_CHECK(h.parts == first.parts, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": the ranks disagree on options->parts: rank 0 has " +
+                 str(first.parts) + ", " + rank + " has " + str(h.parts));
+    KT_CHECK(h.checkpoint == first.checkpoint, KT_ERR_IO,
+             std::string(where) + ": the ranks read different checkpoints (rank 0 and " + rank +
+                 "): the directory was replaced while they opened it, or it is not on one shared "
+                 "file system");
   }
 }
 
@@ -195,12 +202,14 @@ unsigned save_parts(const kt_moe_options& o, unsigned requested, int64_t number,
   const std::string lname = std::string(where) + ": layer " + str(number);
   const bool bf16 = o.weight_format == KT_FORMAT_BF16, lora = o.mode == KT_MODE_LORA;
   if (requested == 0) return (bf16 ? KT_DIST_CKPT_WEIGHTS : 0u) | (lora ? KT_DIST_CKPT_ADAPTER : 0u) | KT_DIST_CKPT_OPTIMIZER;
-  check(!(requested & KT_DIST_CKPT_WEIGHTS) || bf16, KT_ERR_UNSUPPORTED,
-        lname + " stores its base as " + kt_weight_format_name(o.weight_format) +
-            ": a quantized base is frozen and is not saved (reload it from its source checkpoint); leave "
-            "KT_DIST_CKPT_WEIGHTS out of options->parts");
-  check(!(requested & KT_DIST_CKPT_ADAPTER) || lora, KT_ERR_MODE,
-        lname + ": options->parts names KT_DIST_CKPT_ADAPTER but the layer is not in KT_MODE_LORA");
+  KT_CHECK(!(requested & KT_DIST_CKPT_WEIGHTS) || bf16, KT_ERR_UNSUPPORTED,
+           lname + " stores its base as " + kt_weight_format_name(o.weight_format) +
+               ": a quantized base is frozen and is not saved (reload it from its source "
+               "checkpoint); leave "
+               "KT_DIST_CKPT_WEIGHTS out of options->parts");
+  KT_CHECK(
+      !(requested & KT_DIST_CKPT_ADAPTER) || lora, KT_ERR_MODE,
+      lname + ": options->parts names KT_DIST_CKPT_ADAPTER but the layer is not in KT_MODE_LORA");
   return requested;
 }
 
@@ -359,9 +368,9 @@ void plan_layer(SavePlan& plan, const Local& l, unsigned parts, const char* wher
     for (int i = 0; i < 6; ++i) {
       if (!((o.lora_targets >> (i / 2)) & 1u)) continue;
       const View* v = m.bound_view(kLoraId[i]);
-      check(v != nullptr, KT_ERR_NOT_BOUND,
-            lname + ": " + arg_name(kLoraId[i]) + " is not bound on rank " + str(l.dist->comm->rank) +
-                " (the adapter saves the bound LoRA factors)");
+      KT_CHECK(v != nullptr, KT_ERR_NOT_BOUND,
+               lname + ": " + arg_name(kLoraId[i]) + " is not bound on rank " +
+                   str(l.dist->comm->rank) + " (the adapter saves the bound LoRA factors)");
       rec.lora_dtype[i] = io::from_dtype(v->dtype);
       add_slices(plan, l, *v, io::from_dtype(v->dtype), lora_suffix(i));
     }
@@ -422,25 +431,30 @@ LayerRecord agreed_record(const std::vector<char>& all, size_t stride, int world
       continue;
     }
     const std::string pair = "rank " + str(first) + " and rank " + str(r);
-    check(rec.has_opt == ref.has_opt, KT_ERR_INVALID_ARGUMENT,
-          lname + ": " + pair + " disagree on whether an optimizer is given (every rank holding experts passes one, "
-                                "or none)");
-    check(rec.weight_dtype == ref.weight_dtype, KT_ERR_INVALID_ARGUMENT,
-          lname + ": " + pair + " hold their trainable weights in different dtypes");
+    KT_CHECK(
+        rec.has_opt == ref.has_opt, KT_ERR_INVALID_ARGUMENT,
+        lname + ": " + pair +
+            " disagree on whether an optimizer is given (every rank holding experts passes one, "
+            "or none)");
+    KT_CHECK(rec.weight_dtype == ref.weight_dtype, KT_ERR_INVALID_ARGUMENT,
+             lname + ": " + pair + " hold their trainable weights in different dtypes");
     for (int i = 0; i < 6; ++i)
-      check(rec.lora_dtype[i] == ref.lora_dtype[i], KT_ERR_INVALID_ARGUMENT,
-            lname + ": " + pair + " bind " + arg_name(kLoraId[i]) + " in different dtypes");
+      KT_CHECK(rec.lora_dtype[i] == ref.lora_dtype[i], KT_ERR_INVALID_ARGUMENT,
+               lname + ": " + pair + " bind " + arg_name(kLoraId[i]) + " in different dtypes");
     if (!ref.has_opt) continue;
-    check(rec.algorithm == ref.algorithm && rec.amsgrad == ref.amsgrad && rec.nesterov == ref.nesterov,
-          KT_ERR_INVALID_ARGUMENT, lname + ": " + pair + " have optimizers of different algorithms or settings");
-    check(rec.step == ref.step && rec.momentum_started == ref.momentum_started, KT_ERR_INVALID_ARGUMENT,
-          lname + ": " + pair + " have optimizers at different step counts (" + str(ref.step) + " and " +
-              str(rec.step) + ")");
+    KT_CHECK(rec.algorithm == ref.algorithm && rec.amsgrad == ref.amsgrad &&
+                 rec.nesterov == ref.nesterov,
+             KT_ERR_INVALID_ARGUMENT,
+             lname + ": " + pair + " have optimizers of different algorithms or settings");
+    KT_CHECK(rec.step == ref.step && rec.momentum_started == ref.momentum_started,
+             KT_ERR_INVALID_ARGUMENT,
+             lname + ": " + pair + " have optimizers at different step counts (" + str(ref.step) +
+                 " and " + str(rec.step) + ")");
     for (int h = 0; h < 7; ++h)
-      check(rec.hyper[h] == ref.hyper[h], KT_ERR_INVALID_ARGUMENT,
-            lname + ": " + pair + " have optimizers with different " + kHyperNames[h]);
+      KT_CHECK(rec.hyper[h] == ref.hyper[h], KT_ERR_INVALID_ARGUMENT,
+               lname + ": " + pair + " have optimizers with different " + kHyperNames[h]);
   }
-  check(first >= 0, KT_ERR_INTERNAL, lname + ": no rank holds its experts");
+  KT_CHECK(first >= 0, KT_ERR_INTERNAL, lname + ": no rank holds its experts");
   return ref;
 }
 
@@ -560,7 +574,8 @@ void save_checkpoint(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* l
         return name == kCheckpointManifest || is_rank_file(name);
       }));
       const std::string& path = staged->staging_path();
-      check(path.size() < kPathBytes, KT_ERR_IO, std::string(where) + ": " + path + ": the path is too long");
+      KT_CHECK(path.size() < kPathBytes, KT_ERR_IO,
+               std::string(where) + ": " + path + ": the path is too long");
       std::memcpy(staging.path, path.c_str(), path.size() + 1);
       staging.checkpoint = new_checkpoint_id();
     }
@@ -699,16 +714,16 @@ Copy stored(Opened& c, int rank, const std::string& key, const std::vector<int64
             const std::string& lname) {
   const io::SafetensorsFile& f = *c.mapped.at(rank);
   const io::TensorEntry* e = find_entry(f, key);
-  check(e != nullptr, KT_ERR_IO, lname + ": " + f.path() + " has no tensor '" + key + "'");
+  KT_CHECK(e != nullptr, KT_ERR_IO, lname + ": " + f.path() + " has no tensor '" + key + "'");
   const bool ok_dtype = float_only_f32 ? e->dtype == KT_CKPT_DTYPE_F32
                                        : (e->dtype == KT_CKPT_DTYPE_F32 || e->dtype == KT_CKPT_DTYPE_BF16 ||
                                           e->dtype == KT_CKPT_DTYPE_F16);
-  check(ok_dtype, KT_ERR_IO,
-        lname + ": " + f.path() + ": tensor '" + key + "' is " + kt_ckpt_dtype_name(e->dtype) +
-            (float_only_f32 ? ", expected F32" : ", expected F32, BF16 or F16"));
-  check(e->shape == shape, KT_ERR_SHAPE,
-        lname + ": " + f.path() + ": tensor '" + key + "' has shape " + shape_text(e->shape) + ", this layer takes " +
-            shape_text(shape));
+  KT_CHECK(ok_dtype, KT_ERR_IO,
+           lname + ": " + f.path() + ": tensor '" + key + "' is " + kt_ckpt_dtype_name(e->dtype) +
+               (float_only_f32 ? ", expected F32" : ", expected F32, BF16 or F16"));
+  KT_CHECK(e->shape == shape, KT_ERR_SHAPE,
+           lname + ": " + f.path() + ": tensor '" + key + "' has shape " + shape_text(e->shape) +
+               ", this layer takes " + shape_text(shape));
   Copy cp;
   cp.src = f.tensor_data(*e);
   cp.dtype = e->dtype;
@@ -719,7 +734,8 @@ Copy stored(Opened& c, int rank, const std::string& key, const std::vector<int64
 
 void compare(bool same, kt_status status, const std::string& lname, const std::string& what, const std::string& saved,
              const std::string& here) {
-  check(same, status, lname + ": saved with " + what + " = " + saved + ", this layer has " + here);
+  KT_CHECK(same, status,
+           lname + ": saved with " + what + " = " + saved + ", this layer has " + here);
 }
 
 LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* where) {
@@ -727,8 +743,8 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   const json* found = nullptr;
   for (const json& j : field(c.manifest, "layers", c.label))
     if (int_field(j, "layer", c.label) == l.number) found = &j;
-  check(found != nullptr, KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + c.label + " holds no layer " + str(l.number));
+  KT_CHECK(found != nullptr, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + c.label + " holds no layer " + str(l.number));
   const json& j = *found;
   const kt_moe_options& o = l.options();
   const int64_t E = int_field(j, "num_experts", c.label), H = int_field(j, "hidden", c.label),
@@ -768,10 +784,12 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   const bool lora = o.mode == KT_MODE_LORA;
   const char* kPartWord[3] = {"weights", "adapter", "optimizer state"};
   for (int b = 0; b < 3; ++b)
-    check(!(requested & (1u << b)) || (have & (1u << b)), KT_ERR_INVALID_ARGUMENT,
-          lname + ": options->parts asks for the " + kPartWord[b] + ", which the checkpoint does not hold");
-  check(!(requested & KT_DIST_CKPT_ADAPTER) || lora, KT_ERR_MODE,
-        lname + ": options->parts names KT_DIST_CKPT_ADAPTER but the layer is not in KT_MODE_LORA");
+    KT_CHECK(!(requested & (1u << b)) || (have & (1u << b)), KT_ERR_INVALID_ARGUMENT,
+             lname + ": options->parts asks for the " + kPartWord[b] +
+                 ", which the checkpoint does not hold");
+  KT_CHECK(
+      !(requested & KT_DIST_CKPT_ADAPTER) || lora, KT_ERR_MODE,
+      lname + ": options->parts names KT_DIST_CKPT_ADAPTER but the layer is not in KT_MODE_LORA");
   LayerLoad load;
   load.local = &l;
   if (requested) {
@@ -810,8 +828,9 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   const auto key = [&](int64_t g) { return expert_key(l.number, g); };
   if (load.parts & KT_DIST_CKPT_WEIGHTS) {
     load.weights_into_bound = weights_bound(m);
-    check(m.opt.mode != KT_MODE_FULL || load.weights_into_bound || !m.bound_view(KT_ARG_W_GATE), KT_ERR_NOT_BOUND,
-          lname + ": the layer binds some of its trainable weights and biases but not all");
+    KT_CHECK(m.opt.mode != KT_MODE_FULL || load.weights_into_bound || !m.bound_view(KT_ARG_W_GATE),
+             KT_ERR_NOT_BOUND,
+             lname + ": the layer binds some of its trainable weights and biases but not all");
     for (int64_t g : ex) {
       std::array<Copy, 6> w{};
       for (int p = 0; p < 3; ++p) {
@@ -827,8 +846,9 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   if (load.parts & KT_DIST_CKPT_ADAPTER) {
     for (int i = 0; i < 6; ++i)
       if ((o.lora_targets >> (i / 2)) & 1u)
-        check(m.bound_view(kLoraId[i]) != nullptr, KT_ERR_NOT_BOUND,
-              lname + ": " + arg_name(kLoraId[i]) + " is not bound (the adapter is loaded into the bound tensors)");
+        KT_CHECK(m.bound_view(kLoraId[i]) != nullptr, KT_ERR_NOT_BOUND,
+                 lname + ": " + arg_name(kLoraId[i]) +
+                     " is not bound (the adapter is loaded into the bound tensors)");
     for (int64_t g : ex) {
       std::array<Copy, 6> f{};
       for (int i = 0; i < 6; ++i)
@@ -838,14 +858,15 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
     }
   }
   if ((load.parts & KT_DIST_CKPT_OPTIMIZER)) {
-    check(l.opt != nullptr, KT_ERR_NULL_POINTER,
-          lname + ": options->parts names KT_DIST_CKPT_OPTIMIZER but this rank's optimizer is NULL");
+    KT_CHECK(
+        l.opt != nullptr, KT_ERR_NULL_POINTER,
+        lname + ": options->parts names KT_DIST_CKPT_OPTIMIZER but this rank's optimizer is NULL");
     const json& oj = field(j, "optimizer", c.label);
     const std::string alg = text_field(oj, "algorithm", c.label);
     kt_optimizer& op = *l.opt;
-    check(alg == algorithm_word(op.opt.algorithm), KT_ERR_INVALID_ARGUMENT,
-          lname + ": the optimizer state was saved by a '" + alg + "' optimizer, this one is '" +
-              algorithm_word(op.opt.algorithm) + "'");
+    KT_CHECK(alg == algorithm_word(op.opt.algorithm), KT_ERR_INVALID_ARGUMENT,
+             lname + ": the optimizer state was saved by a '" + alg + "' optimizer, this one is '" +
+                 algorithm_word(op.opt.algorithm) + "'");
     const int64_t amsgrad = int_field(oj, "amsgrad", c.label);
     compare(amsgrad == op.opt.amsgrad, KT_ERR_INVALID_ARGUMENT, lname, "the optimizer's amsgrad", str(amsgrad),
             str(op.opt.amsgrad));

@@ -1,7 +1,6 @@
 #include "dist/dist_moe.h"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <string>
 
@@ -11,9 +10,8 @@
 #include "moe/args.h"
 
 using kt::DType;
-using kt::View;
-using kt::check;
 using kt::fail;
+using kt::View;
 using kt::dist::agree;
 using kt::dist::attempt;
 using kt::dist::kOutcomeBytes;
@@ -151,9 +149,9 @@ void kt_dist_moe::create(kt_engine* engine, const char* where) {
   const kt_moe_options& o = layer_options;
   const Outcome mine = attempt([&] {
     const auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* name) {
-      check(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
-            w + ": layer_options->" + name + " = " + std::to_string(v) + " is outside [" + std::to_string(lo) +
-                ", " + std::to_string(hi) + "]");
+      KT_CHECK(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
+               w + ": layer_options->" + name + " = " + std::to_string(v) + " is outside [" +
+                   std::to_string(lo) + ", " + std::to_string(hi) + "]");
     };
     range(o.num_experts, 1, 1 << 20, "num_experts");
     range(o.top_k, 1, o.num_experts, "top_k");
@@ -164,18 +162,19 @@ void kt_dist_moe::create(kt_engine* engine, const char* where) {
     kt::check_enum(options.grad_average, KT_DIST_GRAD_SUM, KT_DIST_GRAD_MEAN, w + ": options->grad_average",
                    "kt_dist_grad_average");
     if (owner_mode()) {
-      check(options.owner_rank >= 0 && options.owner_rank < W, KT_ERR_INVALID_ARGUMENT,
-            w + ": options->owner_rank = " + std::to_string(options.owner_rank) + " is outside [0, " +
-                std::to_string(W) + ")");
-      check(options.expert_ranks == nullptr, KT_ERR_INVALID_ARGUMENT,
-            w + ": options->expert_ranks is for KT_DIST_EXPERT_PARALLEL; owner mode keeps every expert on the owner");
+      KT_CHECK(options.owner_rank >= 0 && options.owner_rank < W, KT_ERR_INVALID_ARGUMENT,
+               w + ": options->owner_rank = " + std::to_string(options.owner_rank) +
+                   " is outside [0, " + std::to_string(W) + ")");
+      KT_CHECK(options.expert_ranks == nullptr, KT_ERR_INVALID_ARGUMENT,
+               w + ": options->expert_ranks is for KT_DIST_EXPERT_PARALLEL; owner mode keeps every "
+                   "expert on the owner");
     } else {
       expert_rank.resize(usize(o.num_experts));
       for (int64_t e = 0; e < o.num_experts; ++e) {
         const int32_t r = options.expert_ranks ? options.expert_ranks[e] : static_cast<int32_t>(e * W / o.num_experts);
-        check(r >= 0 && r < W, KT_ERR_INVALID_ARGUMENT,
-              w + ": options->expert_ranks[" + std::to_string(e) + "] = " + std::to_string(r) + " is outside [0, " +
-                  std::to_string(W) + ")");
+        KT_CHECK(r >= 0 && r < W, KT_ERR_INVALID_ARGUMENT,
+                 w + ": options->expert_ranks[" + std::to_string(e) + "] = " + std::to_string(r) +
+                     " is outside [0, " + std::to_string(W) + ")");
         expert_rank[usize(e)] = r;
       }
     }
@@ -255,12 +254,14 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
   const Outcome mine = attempt([&] {
     kt::ArgTable t(args, n, where, {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y});
     for (int id : {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y})
-      check(t[id] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + kt::arg_name(id) + " is required");
+      KT_CHECK(t[id] != nullptr, KT_ERR_NULL_POINTER,
+               std::string(where) + ": " + kt::arg_name(id) + " is required");
     f.x = kt::check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
     f.T = f.x.shape[0];
-    check(f.T <= layer_options.max_tokens, KT_ERR_TOO_MANY_TOKENS,
-          std::string(where) + ": KT_ARG_X has " + std::to_string(f.T) + " tokens; the layer's max_tokens per rank is " +
-              std::to_string(layer_options.max_tokens));
+    KT_CHECK(f.T <= layer_options.max_tokens, KT_ERR_TOO_MANY_TOKENS,
+             std::string(where) + ": KT_ARG_X has " + std::to_string(f.T) +
+                 " tokens; the layer's max_tokens per rank is " +
+                 std::to_string(layer_options.max_tokens));
     f.ids = kt::check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {f.T, K}}, where);
     f.w = kt::check_tensor(t[KT_ARG_ROUTE_WEIGHTS], {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {f.T, K}},
                            where);
@@ -272,9 +273,10 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
     for (int64_t i = 0; i < f.T; ++i)
       for (int64_t j = 0; j < K; ++j) {
         const int64_t e = f.ids.get_int(i, j);
-        check(e >= -1 && e < E, KT_ERR_EXPERT_ID,
-              std::string(where) + ": KT_ARG_IDS[" + std::to_string(i) + "," + std::to_string(j) + "] = " +
-                  std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
+        KT_CHECK(e >= -1 && e < E, KT_ERR_EXPERT_ID,
+                 std::string(where) + ": KT_ARG_IDS[" + std::to_string(i) + "," +
+                     std::to_string(j) + "] = " + std::to_string(e) + " is outside [-1, " +
+                     std::to_string(E) + ")");
       }
   });
   auto ctx = std::make_shared<kt_dist_context>();
@@ -527,8 +529,8 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
   // Local compute: one route per row, in fp32 (bf16 rows convert exactly),
   // so each row's output is w * o unrounded.
   const Outcome computed = attempt([&] {
-    check(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
-          std::string(where) + ": routes arrived at a rank that holds no experts");
+    KT_CHECK(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
+             std::string(where) + ": routes arrived at a rank that holds no experts");
     if (!local) return;
     float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
     int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
@@ -538,9 +540,10 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
       raw_to_f32(src, xd, H, x + p * H);
       int32_t e;
       std::memcpy(&e, src + xrow, 4);
-      check(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0, KT_ERR_INTERNAL,
-            std::string(where) + ": a route to expert " + std::to_string(e) + " arrived at rank " +
-                std::to_string(me) + ", which does not hold it");
+      KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0,
+               KT_ERR_INTERNAL,
+               std::string(where) + ": a route to expert " + std::to_string(e) +
+                   " arrived at rank " + std::to_string(me) + ", which does not hold it");
       ids[p] = local_index[usize(e)];
       std::memcpy(&wts[p], src + xrow + 4, 4);
     }
@@ -633,18 +636,17 @@ void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* opti
   Backward b;
   const Outcome mine = attempt([&] {
     b.opt = kt::read_sized(options_in, set_backward_defaults, where, "options");
-    check(std::isfinite(b.opt.grad_scale), KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": options->grad_scale is not finite");
-    kt::check_enum(b.opt.accumulate, KT_GRAD_OVERWRITE, KT_GRAD_ACCUMULATE, std::string(where) + ": options->accumulate",
-                   "kt_grad_accumulate");
-    check(b.opt.param_grads == 0 || b.opt.param_grads == 1, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": options->param_grads = " + std::to_string(b.opt.param_grads) + " must be 0 or 1");
-    check(ctx != nullptr, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx is not a live kt_dist_context (NULL, released, or never issued)");
-    check(ctx->layer == handle, KT_ERR_CONTEXT, std::string(where) + ": ctx belongs to another kt_dist_moe");
-    check(!ctx->spent, KT_ERR_CONTEXT, std::string(where) + ": ctx is spent: a backward already consumed it");
+    kt::check_backward_values(b.opt, where);
+    KT_CHECK(ctx != nullptr, KT_ERR_CONTEXT,
+             std::string(where) +
+                 ": ctx is not a live kt_dist_context (NULL, released, or never issued)");
+    KT_CHECK(ctx->layer == handle, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx belongs to another kt_dist_moe");
+    KT_CHECK(!ctx->spent, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx is spent: a backward already consumed it");
     kt::ArgTable t(args, n, where, {KT_ARG_DY, KT_ARG_DX, KT_ARG_DROUTE_WEIGHTS});
-    check(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": KT_ARG_DY is required");
+    KT_CHECK(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER,
+             std::string(where) + ": KT_ARG_DY is required");
     const int64_t T = ctx->tokens;
     b.dy = kt::check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
     if (t[KT_ARG_DX]) {

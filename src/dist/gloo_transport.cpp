@@ -28,12 +28,13 @@ class CallbackStore : public gloo::rendezvous::Store {
 
   void set(const std::string& key, const std::vector<char>& data) override {
     const int rc = s_.set(key.c_str(), data.data(), data.size(), s_.user);
-    check(rc == 0, KT_ERR_COMM, "the host store's set of key '" + key + "' failed (" + std::to_string(rc) + ")");
+    KT_CHECK(rc == 0, KT_ERR_COMM,
+             "the host store's set of key '" + key + "' failed (" + std::to_string(rc) + ")");
   }
 
   std::vector<char> get(const std::string& key) override {
     std::vector<char> value;
-    check(try_get(key, &value), KT_ERR_COMM, "the host store has no key '" + key + "'");
+    KT_CHECK(try_get(key, &value), KT_ERR_COMM, "the host store has no key '" + key + "'");
     return value;
   }
 
@@ -45,9 +46,9 @@ class CallbackStore : public gloo::rendezvous::Store {
     for (const std::string& key : keys) {
       auto pause = std::chrono::microseconds(200);
       while (!try_get(key, &unused)) {
-        check(std::chrono::steady_clock::now() < end, KT_ERR_COMM,
-              "rendezvous: the host store has no key '" + key + "' after " +
-                  std::to_string(timeout.count()) + " ms (did every rank call kt_comm_create?)");
+        KT_CHECK(std::chrono::steady_clock::now() < end, KT_ERR_COMM,
+                 "rendezvous: the host store has no key '" + key + "' after " +
+                     std::to_string(timeout.count()) + " ms (did every rank call kt_comm_create?)");
         std::this_thread::sleep_for(pause);
         pause = std::min(pause * 2, std::chrono::microseconds(20000));
       }
@@ -61,7 +62,8 @@ class CallbackStore : public gloo::rendezvous::Store {
       size_t size = 0;
       const int rc = s_.get(key.c_str(), value->data(), value->size(), &size, s_.user);
       if (rc == 1) return false;
-      check(rc == 0, KT_ERR_COMM, "the host store's get of key '" + key + "' failed (" + std::to_string(rc) + ")");
+      KT_CHECK(rc == 0, KT_ERR_COMM,
+               "the host store's get of key '" + key + "' failed (" + std::to_string(rc) + ")");
       if (size <= value->size()) {
         value->resize(size);
         return true;
@@ -161,10 +163,11 @@ class GlooTransport : public Transport {
         in.back()->recv(m.peer, m.slot);
       }
       for (size_t i = 0; i < out.size(); ++i)
-        check(out[i]->waitSend(timeout_), KT_ERR_COMM, "the send to rank " + std::to_string(sends[i].peer) + " was aborted");
+        KT_CHECK(out[i]->waitSend(timeout_), KT_ERR_COMM,
+                 "the send to rank " + std::to_string(sends[i].peer) + " was aborted");
       for (size_t i = 0; i < in.size(); ++i)
-        check(in[i]->waitRecv(timeout_), KT_ERR_COMM,
-              "the receive from rank " + std::to_string(receives[i].peer) + " was aborted");
+        KT_CHECK(in[i]->waitRecv(timeout_), KT_ERR_COMM,
+                 "the receive from rank " + std::to_string(receives[i].peer) + " was aborted");
     });
   }
 

@@ -102,13 +102,13 @@ const Nccl& nccl_library() {
 
 const Nccl& loaded() {
   const Nccl& n = nccl_library();
-  check(n.why_not.empty(), KT_ERR_UNSUPPORTED, "NCCL: " + n.why_not);
+  KT_CHECK(n.why_not.empty(), KT_ERR_UNSUPPORTED, "NCCL: " + n.why_not);
   return n;
 }
 
 void cuda_check(const Nccl& n, cudaError_t rc, const char* what) {
-  check(rc == cudaSuccess, KT_ERR_UNSUPPORTED,
-        std::string("NCCL: ") + what + ": " + n.cudaGetErrorString(rc));
+  KT_CHECK(rc == cudaSuccess, KT_ERR_UNSUPPORTED,
+           std::string("NCCL: ") + what + ": " + n.cudaGetErrorString(rc));
 }
 
 class NcclTransport : public Transport {
@@ -116,11 +116,11 @@ class NcclTransport : public Transport {
   explicit NcclTransport(const TransportOptions& o) : n_(loaded()), timeout_(o.timeout), world_(o.world) {
     int devices = 0;
     cuda_check(n_, n_.cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
-    check(devices > 0, KT_ERR_UNSUPPORTED, "NCCL: this machine has no CUDA device");
+    KT_CHECK(devices > 0, KT_ERR_UNSUPPORTED, "NCCL: this machine has no CUDA device");
     if (o.cuda_device >= 0) {
-      check(o.cuda_device < devices, KT_ERR_INVALID_ARGUMENT,
-            "options->cuda_device = " + std::to_string(o.cuda_device) + " but the machine has " +
-                std::to_string(devices) + " CUDA devices");
+      KT_CHECK(o.cuda_device < devices, KT_ERR_INVALID_ARGUMENT,
+               "options->cuda_device = " + std::to_string(o.cuda_device) + " but the machine has " +
+                   std::to_string(devices) + " CUDA devices");
       cuda_check(n_, n_.cudaSetDevice(o.cuda_device), "cudaSetDevice");
     }
     cuda_check(n_, n_.cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -217,7 +217,8 @@ class NcclTransport : public Transport {
     for (;;) {
       const cudaError_t q = n_.cudaStreamQuery(stream_);
       if (q == cudaSuccess) return;
-      check(q == cudaErrorNotReady, KT_ERR_COMM, std::string("nccl ") + what + ": " + n_.cudaGetErrorString(q));
+      KT_CHECK(q == cudaErrorNotReady, KT_ERR_COMM,
+               std::string("nccl ") + what + ": " + n_.cudaGetErrorString(q));
       ncclResult_t state = ncclSuccess;
       nccl_check(n_.ncclCommGetAsyncError(comm_, &state), "ncclCommGetAsyncError");
       nccl_check(state, what);
@@ -255,7 +256,8 @@ void nccl_unique_id(void* out) {
   const Nccl& n = loaded();
   ncclUniqueId id;
   const ncclResult_t rc = n.ncclGetUniqueId(&id);
-  check(rc == ncclSuccess, KT_ERR_UNSUPPORTED, std::string("NCCL: ncclGetUniqueId: ") + n.ncclGetErrorString(rc));
+  KT_CHECK(rc == ncclSuccess, KT_ERR_UNSUPPORTED,
+           std::string("NCCL: ncclGetUniqueId: ") + n.ncclGetErrorString(rc));
   std::memcpy(out, &id, sizeof(id));
 }
 

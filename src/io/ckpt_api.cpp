@@ -24,7 +24,6 @@ struct kt_ckpt {
 
 namespace {
 
-using kt::check;
 using kt::check_enum;
 using kt::io::guarded;
 
@@ -35,8 +34,9 @@ std::shared_ptr<kt_ckpt> check_ckpt(const kt_ckpt* c, const char* where) {
 }
 
 void check_path(const char* path, const char* where, const char* name) {
-  check(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
-  check(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + name + " is empty");
+  KT_CHECK(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  KT_CHECK(path[0] != '\0', KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + name + " is empty");
 }
 
 void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_ckpt_tensor* out, const char* where) {
@@ -107,7 +107,7 @@ kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt) {
   const char* w = "kt_ckpt_open";
   return guarded(w, [&] {
     check_path(dir, w, "dir");
-    check(ckpt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": ckpt is NULL");
+    KT_CHECK(ckpt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": ckpt is NULL");
     // Every file from one version of the directory (see kt::io::DirHandle).
     std::unique_ptr<kt_ckpt> opened =
         kt::io::read_consistent(dir, [&](std::shared_ptr<const kt::io::DirHandle> d) {
@@ -156,8 +156,9 @@ kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_lay
   return guarded(w, [&] {
     const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
     const int64_t n = static_cast<int64_t>(c->model.layers.size());
-    check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
+    KT_CHECK(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
+                 std::to_string(n) + ")");
     const kt::io::MoeLayer& m = c->model.layers[static_cast<size_t>(index)];
     kt_ckpt_layer_info full;
     std::memset(&full, 0, sizeof(full));
@@ -182,7 +183,7 @@ kt_status kt_ckpt_moe_options(const kt_ckpt* ckpt, int64_t layer, kt_moe_options
   const char* w = "kt_ckpt_moe_options";
   return guarded(w, [&] {
     const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
-    check(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
+    KT_CHECK(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
     const kt::io::MoeLayer& m = c->model.get(layer, w);
     kt_moe_options o;
     kt_moe_options_init(&o);
@@ -208,8 +209,9 @@ void load_layer_call(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe, const kt_c
                      kt_ckpt_progress_fn progress, void* user, const char* w) {
   const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
   const std::shared_ptr<kt_moe> m = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
-  check(o.dequantize == 0 || o.dequantize == 1, KT_ERR_INVALID_ARGUMENT,
-        std::string(w) + ": options->dequantize = " + std::to_string(o.dequantize) + " is not 0 or 1");
+  KT_CHECK(o.dequantize == 0 || o.dequantize == 1, KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options->dequantize = " + std::to_string(o.dequantize) +
+               " is not 0 or 1");
   kt::io::load_layer(c->model.get(layer, w), m.get(), o, progress, user, w);
 }
 }  // namespace
@@ -250,8 +252,9 @@ kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* 
   return guarded(w, [&] {
     const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
     const int64_t n = static_cast<int64_t>(c->by_index.size());
-    check(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) + ")");
+    KT_CHECK(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
+                 std::to_string(n) + ")");
     fill_tensor(*c->by_index[static_cast<size_t>(index)], tensor, w);
   });
 }
@@ -260,10 +263,10 @@ kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_ckpt_ten
   const char* w = "kt_ckpt_find_tensor";
   return guarded(w, [&] {
     const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
-    check(name != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": name is NULL");
+    KT_CHECK(name != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": name is NULL");
     auto it = c->tensors->tensors().find(name);
-    check(it != c->tensors->tensors().end(), KT_ERR_IO,
-          std::string(w) + ": " + c->tensors->dir() + " holds no tensor '" + name + "'");
+    KT_CHECK(it != c->tensors->tensors().end(), KT_ERR_IO,
+             std::string(w) + ": " + c->tensors->dir() + " holds no tensor '" + name + "'");
     fill_tensor(*it, tensor, w);
   });
 }
@@ -316,7 +319,8 @@ kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* c
   const char* w = "kt_ckpt_adapter_write";
   return guarded(w, [&] {
     check_path(dir, w, "dir");
-    check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL (rank and alpha are required)");
+    KT_CHECK(config != nullptr, KT_ERR_NULL_POINTER,
+             std::string(w) + ": config is NULL (rank and alpha are required)");
     const kt_ckpt_adapter_config c = kt::read_sized(config, set_ckpt_adapter_config_defaults, w, "config");
     check_enum(c.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": config->layout",
                "kt_ckpt_layout");
@@ -330,9 +334,9 @@ kt_status kt_ckpt_adapter_read_config(const char* dir, kt_ckpt_adapter_config* c
   const char* w = "kt_ckpt_adapter_read_config";
   return guarded(w, [&] {
     check_path(dir, w, "dir");
-    check(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL");
-    check(config->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": config->struct_size is not set");
+    KT_CHECK(config != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": config is NULL");
+    KT_CHECK(config->struct_size >= sizeof(size_t), KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": config->struct_size is not set");
     kt_ckpt_adapter_config c;
     kt::io::read_adapter_config(dir, &c);
     kt::write_sized(config, c, w, "config");

@@ -92,9 +92,9 @@ void convert_elements(const void* src, kt_ckpt_dtype sd, void* dst, kt_ckpt_dtyp
     std::memcpy(dst, src, static_cast<size_t>(n) * st_dtype_info(sd).size);
     return;
   }
-  check(is_float(sd) && is_float(dd), KT_ERR_DTYPE,
-        std::string("cannot convert ") + st_dtype_info(sd).st_name + " elements to " +
-            (dd == KT_CKPT_DTYPE_UNKNOWN ? "this dtype" : st_dtype_info(dd).st_name));
+  KT_CHECK(is_float(sd) && is_float(dd), KT_ERR_DTYPE,
+           std::string("cannot convert ") + st_dtype_info(sd).st_name + " elements to " +
+               (dd == KT_CKPT_DTYPE_UNKNOWN ? "this dtype" : st_dtype_info(dd).st_name));
   const uint8_t* s = static_cast<const uint8_t*>(src);
   uint8_t* o = static_cast<uint8_t*>(dst);
   const size_t ss = st_dtype_info(sd).size, ds = st_dtype_info(dd).size;

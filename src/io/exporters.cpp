@@ -26,14 +26,16 @@ const std::initializer_list<DType> kSourceDtypes = {DType::kBF16, DType::kF16, D
 
 kt_ckpt_dtype checked_store_dtype(kt_ckpt_dtype dt, bool allow_f16, const char* where, const char* field) {
   const bool ok = dt == KT_CKPT_DTYPE_F32 || dt == KT_CKPT_DTYPE_BF16 || (allow_f16 && dt == KT_CKPT_DTYPE_F16);
-  check(ok, KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + field + " must be KT_CKPT_DTYPE_F32 or _BF16" + (allow_f16 ? " or _F16" : ""));
+  KT_CHECK(ok, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + field + " must be KT_CKPT_DTYPE_F32 or _BF16" +
+               (allow_f16 ? " or _F16" : ""));
   return dt;
 }
 
 void check_naming(kt_ckpt_layout l, const char* where, const char* field) {
-  check(l == KT_CKPT_LAYOUT_PER_EXPERT || l == KT_CKPT_LAYOUT_MIXTRAL, KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": " + field + " must be KT_CKPT_LAYOUT_PER_EXPERT or KT_CKPT_LAYOUT_MIXTRAL");
+  KT_CHECK(l == KT_CKPT_LAYOUT_PER_EXPERT || l == KT_CKPT_LAYOUT_MIXTRAL, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + field +
+               " must be KT_CKPT_LAYOUT_PER_EXPERT or KT_CKPT_LAYOUT_MIXTRAL");
 }
 
 const View* find_arg(const std::vector<std::pair<int, View>>& views, int id) {
@@ -45,17 +47,19 @@ const View* find_arg(const std::vector<std::pair<int, View>>& views, int id) {
 std::vector<std::pair<int, View>> collect(const kt_ckpt_layer_args& L, std::initializer_list<int> allowed,
                                           const std::initializer_list<DType>& dtypes, const char* where,
                                           const std::string& layer_name) {
-  check(L.num_args == 0 || L.args != nullptr, KT_ERR_NULL_POINTER,
-        std::string(where) + ": " + layer_name + ": args is NULL");
+  KT_CHECK(L.num_args == 0 || L.args != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": " + layer_name + ": args is NULL");
   std::vector<std::pair<int, View>> out;
   for (size_t i = 0; i < L.num_args; ++i) {
     const int id = L.args[i].id;
     bool ok = false;
     for (int a : allowed) ok = ok || a == id;
-    check(ok, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + layer_name + ": argument id " + std::to_string(id) + " is not accepted here");
-    check(find_arg(out, id) == nullptr, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + layer_name + ": argument id " + std::to_string(id) + " given twice");
+    KT_CHECK(ok, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + layer_name + ": argument id " + std::to_string(id) +
+                 " is not accepted here");
+    KT_CHECK(find_arg(out, id) == nullptr, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + layer_name + ": argument id " + std::to_string(id) +
+                 " given twice");
     const char* arg = arg_name(id);
     const std::string name = layer_name + " " + (arg ? arg : std::to_string(id).c_str());
     // Biases are [E, n]; weights and LoRA factors [E, rows, cols].
@@ -172,15 +176,17 @@ void read_expert_slice(const uint8_t* src, kt_ckpt_dtype src_dt, const View& v, 
 
 void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const kt_ckpt_layer_args* layers,
                    size_t num_layers, const char* where) {
-  check(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": layers is NULL");
+  KT_CHECK(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": layers is NULL");
   check_naming(o.layout, where, "options->layout");
   const kt_ckpt_dtype dt = checked_store_dtype(o.dtype, true, where, "options->dtype");
-  check(o.max_shard_bytes > 0, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": options->max_shard_bytes must be > 0");
+  KT_CHECK(o.max_shard_bytes > 0, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": options->max_shard_bytes must be > 0");
   std::string config_text;
   if (o.config_json) {
     json c = json::parse(o.config_json, nullptr, false);
-    check(!c.is_discarded() && c.is_object(), KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": options->config_json is not a JSON object");
+    KT_CHECK(!c.is_discarded() && c.is_object(), KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": options->config_json is not a JSON object");
     config_text = c.dump(2) + "\n";
   }
   // Check every layer before writing anything.
@@ -188,20 +194,24 @@ void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const
   for (size_t li = 0; li < num_layers; ++li) {
     const kt_ckpt_layer_args& L = layers[li];
     const std::string lname = "layers[" + std::to_string(li) + "] (layer " + std::to_string(L.layer) + ")";
-    check(L.layer >= 0, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + lname + ": layer must be >= 0");
+    KT_CHECK(L.layer >= 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + lname + ": layer must be >= 0");
     for (size_t lj = 0; lj < li; ++lj)
-      check(layers[lj].layer != L.layer, KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": layer " + std::to_string(L.layer) + " is given twice");
+      KT_CHECK(layers[lj].layer != L.layer, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": layer " + std::to_string(L.layer) + " is given twice");
     auto views = collect(L, {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN},
                          kSourceDtypes, where, lname);
     const View* w[3] = {find_arg(views, KT_ARG_W_GATE), find_arg(views, KT_ARG_W_UP), find_arg(views, KT_ARG_W_DOWN)};
     const View* b[3] = {find_arg(views, KT_ARG_B_GATE), find_arg(views, KT_ARG_B_UP), find_arg(views, KT_ARG_B_DOWN)};
-    check(w[0] && w[1] && w[2], KT_ERR_NULL_POINTER,
-          std::string(where) + ": " + lname + ": KT_ARG_W_GATE, KT_ARG_W_UP and KT_ARG_W_DOWN are required");
+    KT_CHECK(w[0] && w[1] && w[2], KT_ERR_NULL_POINTER,
+             std::string(where) + ": " + lname +
+                 ": KT_ARG_W_GATE, KT_ARG_W_UP and KT_ARG_W_DOWN are required");
     const bool bias = b[0] || b[1] || b[2];
-    check(!bias || (b[0] && b[1] && b[2]), KT_ERR_NULL_POINTER,
-          std::string(where) + ": " + lname + ": give all of KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN or none");
-    check(w[0]->ndim == 3, KT_ERR_SHAPE, std::string(where) + ": " + lname + ": KT_ARG_W_GATE must be [E,I,H]");
+    KT_CHECK(!bias || (b[0] && b[1] && b[2]), KT_ERR_NULL_POINTER,
+             std::string(where) + ": " + lname +
+                 ": give all of KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN or none");
+    KT_CHECK(w[0]->ndim == 3, KT_ERR_SHAPE,
+             std::string(where) + ": " + lname + ": KT_ARG_W_GATE must be [E,I,H]");
     const int64_t E = w[0]->shape[0], I = w[0]->shape[1], H = w[0]->shape[2];
     need_shape(*w[1], {E, I, H}, where, lname + " KT_ARG_W_UP");
     need_shape(*w[2], {E, H, I}, where, lname + " KT_ARG_W_DOWN");
@@ -280,25 +290,27 @@ const int kLoraB[3] = {KT_ARG_LORA_B_GATE, KT_ARG_LORA_B_UP, KT_ARG_LORA_B_DOWN}
 void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, const kt_ckpt_layer_args* layers,
                    size_t num_layers, const char* where) {
   const std::string w = where;
-  check(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER, w + ": layers is NULL");
-  check(c.rank >= 1 && c.rank <= 1024, KT_ERR_INVALID_ARGUMENT, w + ": config->rank must be in [1, 1024]");
-  check(std::isfinite(c.alpha), KT_ERR_INVALID_ARGUMENT, w + ": config->alpha must be finite");
-  check(c.use_rslora == 0 || c.use_rslora == 1, KT_ERR_INVALID_ARGUMENT, w + ": config->use_rslora must be 0 or 1");
-  check(c.targets != 0 && (c.targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
-        w + ": config->targets must be a non-empty set of KT_PROJ_* bits");
+  KT_CHECK(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER, w + ": layers is NULL");
+  KT_CHECK(c.rank >= 1 && c.rank <= 1024, KT_ERR_INVALID_ARGUMENT,
+           w + ": config->rank must be in [1, 1024]");
+  KT_CHECK(std::isfinite(c.alpha), KT_ERR_INVALID_ARGUMENT, w + ": config->alpha must be finite");
+  KT_CHECK(c.use_rslora == 0 || c.use_rslora == 1, KT_ERR_INVALID_ARGUMENT,
+           w + ": config->use_rslora must be 0 or 1");
+  KT_CHECK(c.targets != 0 && (c.targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
+           w + ": config->targets must be a non-empty set of KT_PROJ_* bits");
   check_naming(c.layout, where, "config->layout");
   const kt_ckpt_dtype dt = checked_store_dtype(c.dtype, false, where, "config->dtype");
-  check(c.base_model == nullptr || valid_utf8(c.base_model), KT_ERR_INVALID_ARGUMENT,
-        w + ": config->base_model is not valid UTF-8 text");
+  KT_CHECK(c.base_model == nullptr || valid_utf8(c.base_model), KT_ERR_INVALID_ARGUMENT,
+           w + ": config->base_model is not valid UTF-8 text");
   const int64_t r = c.rank;
   std::vector<TensorToWrite> all;
   for (size_t li = 0; li < num_layers; ++li) {
     const kt_ckpt_layer_args& L = layers[li];
     const std::string lname = "layers[" + std::to_string(li) + "] (layer " + std::to_string(L.layer) + ")";
-    check(L.layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": " + lname + ": layer must be >= 0");
+    KT_CHECK(L.layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": " + lname + ": layer must be >= 0");
     for (size_t lj = 0; lj < li; ++lj)
-      check(layers[lj].layer != L.layer, KT_ERR_INVALID_ARGUMENT,
-            w + ": layer " + std::to_string(L.layer) + " is given twice");
+      KT_CHECK(layers[lj].layer != L.layer, KT_ERR_INVALID_ARGUMENT,
+               w + ": layer " + std::to_string(L.layer) + " is given twice");
     auto views = collect(L, {KT_ARG_LORA_A_GATE, KT_ARG_LORA_B_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_B_UP,
                              KT_ARG_LORA_A_DOWN, KT_ARG_LORA_B_DOWN},
                          {DType::kF32, DType::kBF16}, where, lname);
@@ -307,20 +319,22 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& c, cons
       const View* a = find_arg(views, kLoraA[p]);
       const View* b = find_arg(views, kLoraB[p]);
       const bool targeted = (c.targets >> p) & 1u;
-      check(targeted == (a != nullptr) && targeted == (b != nullptr), KT_ERR_INVALID_ARGUMENT,
-            w + ": " + lname + ": LoRA A and B of " + kProjWord[p] + " must be given exactly when " +
-                kProjWord[p] + " is in config->targets");
+      KT_CHECK(targeted == (a != nullptr) && targeted == (b != nullptr), KT_ERR_INVALID_ARGUMENT,
+               w + ": " + lname + ": LoRA A and B of " + kProjWord[p] +
+                   " must be given exactly when " + kProjWord[p] + " is in config->targets");
       if (!targeted) continue;
-      check(a->ndim == 3 && b->ndim == 3, KT_ERR_SHAPE,
-            w + ": " + lname + ": LoRA tensors of " + kProjWord[p] + " must be [E,r,in] and [E,out,r]");
+      KT_CHECK(a->ndim == 3 && b->ndim == 3, KT_ERR_SHAPE,
+               w + ": " + lname + ": LoRA tensors of " + kProjWord[p] +
+                   " must be [E,r,in] and [E,out,r]");
       if (E < 0) E = a->shape[0];
       const int64_t in = a->shape[2], out = b->shape[1];
       need_shape(*a, {E, r, in}, where, lname + " LoRA A of " + kProjWord[p]);
       need_shape(*b, {E, out, r}, where, lname + " LoRA B of " + kProjWord[p]);
       const int64_t h = p == 2 ? out : in, i = p == 2 ? in : out;
-      check((H < 0 || H == h) && (I < 0 || I == i), KT_ERR_SHAPE,
-            w + ": " + lname + ": the shapes of " + arg_name(kLoraA[p]) + " " + shape_string(*a) + " and " +
-                arg_name(kLoraB[p]) + " " + shape_string(*b) + " disagree with the other projections' H/I");
+      KT_CHECK((H < 0 || H == h) && (I < 0 || I == i), KT_ERR_SHAPE,
+               w + ": " + lname + ": the shapes of " + arg_name(kLoraA[p]) + " " +
+                   shape_string(*a) + " and " + arg_name(kLoraB[p]) + " " + shape_string(*b) +
+                   " disagree with the other projections' H/I");
       H = h;
       I = i;
       const View av = *a, bv = *b;
@@ -414,8 +428,8 @@ void read_adapter_config(const std::string& dir, kt_ckpt_adapter_config* out) {
 
 void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, size_t num_args, const char* where) {
   const std::string w = where;
-  check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, w + ": args is NULL");
-  check(layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": layer must be >= 0");
+  KT_CHECK(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, w + ": args is NULL");
+  KT_CHECK(layer >= 0, KT_ERR_INVALID_ARGUMENT, w + ": layer must be >= 0");
   kt_ckpt_layer_args L{layer, args, num_args};
   const auto views = collect(L, {KT_ARG_LORA_A_GATE, KT_ARG_LORA_B_GATE, KT_ARG_LORA_A_UP, KT_ARG_LORA_B_UP,
                                  KT_ARG_LORA_A_DOWN, KT_ARG_LORA_B_DOWN},
@@ -449,7 +463,8 @@ void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, siz
         if (kv.first == kLoraB[q]) p = q;
       }
       const View& v = kv.second;
-      check(v.ndim == 3, KT_ERR_SHAPE, w + ": LoRA " + (a ? "A" : "B") + " of " + kProjWord[p] + " must be rank 3");
+      KT_CHECK(v.ndim == 3, KT_ERR_SHAPE,
+               w + ": LoRA " + (a ? "A" : "B") + " of " + kProjWord[p] + " must be rank 3");
       for (int64_t e = 0; e < v.shape[0]; ++e) {
         const std::string key = adapter_key(naming, layer, e, p, a);
         const TensorRef* t = ts.find(key);

@@ -721,15 +721,18 @@ bool aligned_for(const void* p, kt_ckpt_dtype dt) {
 }
 
 void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) {
-  check(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
-  check(L.loadable() || L.dequantizable(), KT_ERR_UNSUPPORTED,
-        std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
-            " " + kt_ckpt_dtype_name(L.weight_dtype) + " weights" +
-            (L.unsupported.empty() ? std::string("; this kt cannot read them") : ": " + L.unsupported));
+  KT_CHECK(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
+  KT_CHECK(L.loadable() || L.dequantizable(), KT_ERR_UNSUPPORTED,
+           std::string(where) + ": layer " + std::to_string(L.layer) + " stores " +
+               kt_ckpt_format_name(L.format) + " " + kt_ckpt_dtype_name(L.weight_dtype) +
+               " weights" +
+               (L.unsupported.empty() ? std::string("; this kt cannot read them")
+                                      : ": " + L.unsupported));
   auto same = [&](const char* what, int64_t layer_v, int64_t moe_v) {
-    check(layer_v == moe_v, KT_ERR_SHAPE,
-          std::string(where) + ": layer " + std::to_string(L.layer) + " has " + what + " = " +
-              std::to_string(layer_v) + " but the kt_moe was created with " + std::to_string(moe_v));
+    KT_CHECK(layer_v == moe_v, KT_ERR_SHAPE,
+             std::string(where) + ": layer " + std::to_string(L.layer) + " has " + what + " = " +
+                 std::to_string(layer_v) + " but the kt_moe was created with " +
+                 std::to_string(moe_v));
   };
   same("num_experts", L.E, moe->E);
   same("hidden", L.H, moe->H);
@@ -1102,10 +1105,12 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
     return;
   }
   if (have == KT_FORMAT_BF16) {
-    check(o.dequantize != 0, KT_ERR_UNSUPPORTED,
-          head + ": create the kt_moe with weight_format " + kt_weight_format_name(L.native_format) +
-              (L.loadable() ? std::string(" (kt_ckpt_moe_options sets it)") : " (which cannot hold it: " + L.unsupported + ")") +
-              ", or ask for a dequantized load (kt_ckpt_load_options.dequantize = 1)");
+    KT_CHECK(o.dequantize != 0, KT_ERR_UNSUPPORTED,
+             head + ": create the kt_moe with weight_format " +
+                 kt_weight_format_name(L.native_format) +
+                 (L.loadable() ? std::string(" (kt_ckpt_moe_options sets it)")
+                               : " (which cannot hold it: " + L.unsupported + ")") +
+                 ", or ask for a dequantized load (kt_ckpt_load_options.dequantize = 1)");
     load_dequantized(L, moe, progress, user, where);
     return;
   }
@@ -1131,10 +1136,13 @@ void load_layer(const MoeLayer& layer, kt_moe* moe, const kt_ckpt_load_options& 
 }
 
 void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const char* where) {
-  check(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": args is NULL");
-  check(L.quantized() ? L.dequantizable() : L.loadable(), KT_ERR_UNSUPPORTED,
-        std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + kt_ckpt_format_name(L.format) +
-            " weights; only bf16/fp16/fp32 layers and the quantized formats kt decodes can be read into tensors");
+  KT_CHECK(num_args == 0 || args != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": args is NULL");
+  KT_CHECK(L.quantized() ? L.dequantizable() : L.loadable(), KT_ERR_UNSUPPORTED,
+           std::string(where) + ": layer " + std::to_string(L.layer) + " stores " +
+               kt_ckpt_format_name(L.format) +
+               " weights; only bf16/fp16/fp32 layers and the quantized formats kt decodes can be "
+               "read into tensors");
   struct Dest {
     int id;
     View v;
@@ -1161,9 +1169,10 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
                                           " is not W_GATE/W_UP/W_DOWN/B_GATE/B_UP/B_DOWN");
     }
     for (const Dest& d : dests)
-      check(d.id != id, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": argument id " + std::to_string(id) + " given twice");
-    check(!bias || L.has_bias, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": layer " + std::to_string(L.layer) + " has no biases");
+      KT_CHECK(d.id != id, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": argument id " + std::to_string(id) + " given twice");
+    KT_CHECK(!bias || L.has_bias, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": layer " + std::to_string(L.layer) + " has no biases");
     const int64_t out = proj == kProjDown ? L.H : L.I, in = proj == kProjDown ? L.I : L.H;
     const char* name = kNames[proj + (bias ? 3 : 0)];
     View v = bias ? check_tensor(args[i].tensor, {name, kOut, {L.E, out}}, where)

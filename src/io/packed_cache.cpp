@@ -187,8 +187,9 @@ uint32_t panel_layout_of(kt_weight_format format) {
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   const std::vector<uint8_t>& loaded = moe->loaded_mask();
-  check(std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
-        std::string(where) + ": the layer has no expert loaded; there is nothing to save to " + path);
+  KT_CHECK(
+      std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
+      std::string(where) + ": the layer has no expert loaded; there is nothing to save to " + path);
   const Plan plan = plan_for(*moe);
   const uint64_t E = static_cast<uint64_t>(moe->E);
 
@@ -264,9 +265,9 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
       f.write(loaded.data(), loaded.size());
     }
   }
-  check(f.bytes_written() == plan.file_bytes, KT_ERR_INTERNAL,
-        std::string(where) + ": " + path + ": wrote " + std::to_string(f.bytes_written()) + " bytes, planned " +
-            std::to_string(plan.file_bytes));
+  KT_CHECK(f.bytes_written() == plan.file_bytes, KT_ERR_INTERNAL,
+           std::string(where) + ": " + path + ": wrote " + std::to_string(f.bytes_written()) +
+               " bytes, planned " + std::to_string(plan.file_bytes));
   f.commit();
 }
 
@@ -280,57 +281,71 @@ const char* const kSectionNames[kPackedSections] = {"gate", "up", "down", "bias"
 PackedHeader checked_header(const MappedFile& map, const std::string& w) {
   const uint64_t size = map.size();
   const uint8_t* base = map.data();
-  check(size >= 16 && std::memcmp(base, kMagic, sizeof(kMagic)) == 0, KT_ERR_IO,
-        w + ": not a kt packed cache (no KTPACK magic)");
+  KT_CHECK(size >= 16 && std::memcmp(base, kMagic, sizeof(kMagic)) == 0, KT_ERR_IO,
+           w + ": not a kt packed cache (no KTPACK magic)");
   uint32_t version;
   std::memcpy(&version, base + 8, 4);
-  check(version == kPackedFormatVersion, KT_ERR_IO,
-        w + ": packed cache format version " + std::to_string(version) + "; this kt reads version " +
-            std::to_string(kPackedFormatVersion) + " (rebuild it with kt convert)");
-  check(size >= kPackedHeaderBytes, KT_ERR_IO,
-        w + ": truncated: " + std::to_string(size) + " bytes, shorter than the " +
-            std::to_string(kPackedHeaderBytes) + "-byte header");
+  KT_CHECK(version == kPackedFormatVersion, KT_ERR_IO,
+           w + ": packed cache format version " + std::to_string(version) +
+               "; this kt reads version " + std::to_string(kPackedFormatVersion) +
+               " (rebuild it with kt convert)");
+  KT_CHECK(size >= kPackedHeaderBytes, KT_ERR_IO,
+           w + ": truncated: " + std::to_string(size) + " bytes, shorter than the " +
+               std::to_string(kPackedHeaderBytes) + "-byte header");
   PackedHeader h;
   std::memcpy(&h, base, sizeof(h));
-  check(hash64(&h, offsetof(PackedHeader, header_checksum)) == h.header_checksum, KT_ERR_IO,
-        w + ": header checksum mismatch (the file is corrupted)");
-  check(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
-        w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
-            std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
+  KT_CHECK(hash64(&h, offsetof(PackedHeader, header_checksum)) == h.header_checksum, KT_ERR_IO,
+           w + ": header checksum mismatch (the file is corrupted)");
+  KT_CHECK(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
+           w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
+               std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
   // Compared as numbers: a value outside the enum is never converted to it.
   const kt_weight_format kKnown[] = {KT_FORMAT_BF16,      KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
                                      KT_FORMAT_INT4_G128,  KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4,
                                      KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP};
-  check(std::any_of(std::begin(kKnown), std::end(kKnown),
-                    [&](kt_weight_format f) { return static_cast<uint32_t>(f) == h.weight_format; }),
-        KT_ERR_IO, w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
+  KT_CHECK(
+      std::any_of(std::begin(kKnown), std::end(kKnown),
+                  [&](kt_weight_format f) { return static_cast<uint32_t>(f) == h.weight_format; }),
+      KT_ERR_IO,
+      w + ": holds weight format " + std::to_string(h.weight_format) +
+          ", which this kt does not know");
   const kt_weight_format format = static_cast<kt_weight_format>(h.weight_format);
-  check(h.panel_layout == panel_layout_of(format) && h.panel_rows == static_cast<uint32_t>(kPanelRows), KT_ERR_IO,
-        w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" + std::to_string(h.panel_rows) +
-            "-row panels); this kt packs " + kt_weight_format_name(format) + " weights in layout " +
-            std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
-            "-row panels) (rebuild it with kt convert)");
-  check(h.experts >= 1 && h.hidden >= 1 && h.intermediate >= 1, KT_ERR_IO, w + ": the header holds no layer shape");
-  check(h.file_bytes == size, KT_ERR_IO,
-        w + ": truncated or extended: the header says " + std::to_string(h.file_bytes) + " bytes, the file has " +
-            std::to_string(size));
-  check(h.num_sections == kPackedSections, KT_ERR_IO, w + ": " + std::to_string(h.num_sections) + " sections, expected " +
-                                                        std::to_string(kPackedSections));
+  KT_CHECK(h.panel_layout == panel_layout_of(format) &&
+               h.panel_rows == static_cast<uint32_t>(kPanelRows),
+           KT_ERR_IO,
+           w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" +
+               std::to_string(h.panel_rows) + "-row panels); this kt packs " +
+               kt_weight_format_name(format) + " weights in layout " +
+               std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
+               "-row panels) (rebuild it with kt convert)");
+  KT_CHECK(h.experts >= 1 && h.hidden >= 1 && h.intermediate >= 1, KT_ERR_IO,
+           w + ": the header holds no layer shape");
+  KT_CHECK(h.file_bytes == size, KT_ERR_IO,
+           w + ": truncated or extended: the header says " + std::to_string(h.file_bytes) +
+               " bytes, the file has " + std::to_string(size));
+  KT_CHECK(h.num_sections == kPackedSections, KT_ERR_IO,
+           w + ": " + std::to_string(h.num_sections) + " sections, expected " +
+               std::to_string(kPackedSections));
   for (int s = 0; s < kPackedSections; ++s) {
     const SectionEntry& se = h.sections[s];
     const std::string sec = w + ": section '" + kSectionNames[s] + "'";
-    check(se.kind == static_cast<uint32_t>(kSectionGate + s), KT_ERR_IO, sec + " has kind " + std::to_string(se.kind));
-    check(se.offset % 64 == 0 && se.offset >= kPackedHeaderBytes && se.offset <= size && se.bytes <= size - se.offset,
-          KT_ERR_IO, sec + " at offset " + std::to_string(se.offset) + " is misaligned or outside the file");
-    check(se.block_bytes > 0, KT_ERR_IO, sec + " has a zero checksum block size");
+    KT_CHECK(se.kind == static_cast<uint32_t>(kSectionGate + s), KT_ERR_IO,
+             sec + " has kind " + std::to_string(se.kind));
+    KT_CHECK(
+        se.offset % 64 == 0 && se.offset >= kPackedHeaderBytes && se.offset <= size &&
+            se.bytes <= size - se.offset,
+        KT_ERR_IO,
+        sec + " at offset " + std::to_string(se.offset) + " is misaligned or outside the file");
+    KT_CHECK(se.block_bytes > 0, KT_ERR_IO, sec + " has a zero checksum block size");
     if (s > 0) {
       const SectionEntry& prev = h.sections[s - 1];
-      check(se.offset >= prev.offset + prev.bytes, KT_ERR_IO, sec + " overlaps the section before it");
+      KT_CHECK(se.offset >= prev.offset + prev.bytes, KT_ERR_IO,
+               sec + " overlaps the section before it");
     }
   }
-  check(h.sections[4].bytes == static_cast<uint64_t>(h.experts), KT_ERR_IO,
-        w + ": section 'loaded' holds " + std::to_string(h.sections[4].bytes) + " flags for " +
-            std::to_string(h.experts) + " experts");
+  KT_CHECK(h.sections[4].bytes == static_cast<uint64_t>(h.experts), KT_ERR_IO,
+           w + ": section 'loaded' holds " + std::to_string(h.sections[4].bytes) + " flags for " +
+               std::to_string(h.experts) + " experts");
   const uint8_t* loaded = base + h.sections[4].offset;
   for (int64_t e = 0; e < h.experts; ++e)
     if (loaded[e] > 1) fail(KT_ERR_IO, w + ": loaded flag of expert " + std::to_string(e) + " is not 0/1");
@@ -364,20 +379,24 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
   const PackedHeader h = checked_header(*map, w);
   const kt_weight_format format = moe->opt.weight_format;
   const kt_weight_format stored = static_cast<kt_weight_format>(h.weight_format);
-  check(stored == format, KT_ERR_INVALID_ARGUMENT,
-        w + ": the cache holds " + kt_weight_format_name(stored) + " weights, the layer stores " +
-            kt_weight_format_name(format) + " (create the layer with weight_format " + kt_weight_format_name(stored) +
-            ", or convert the checkpoint again for " + kt_weight_format_name(format) + ")");
-  check(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
-            (h.has_bias != 0) == (moe->opt.has_bias != 0),
-        KT_ERR_SHAPE,
-        w + ": the cache holds a layer of " + shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
-            " but the kt_moe was created with " + shape_string(moe->E, moe->H, moe->I, moe->opt.has_bias != 0));
+  KT_CHECK(stored == format, KT_ERR_INVALID_ARGUMENT,
+           w + ": the cache holds " + kt_weight_format_name(stored) +
+               " weights, the layer stores " + kt_weight_format_name(format) +
+               " (create the layer with weight_format " + kt_weight_format_name(stored) +
+               ", or convert the checkpoint again for " + kt_weight_format_name(format) + ")");
+  KT_CHECK(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
+               (h.has_bias != 0) == (moe->opt.has_bias != 0),
+           KT_ERR_SHAPE,
+           w + ": the cache holds a layer of " +
+               shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
+               " but the kt_moe was created with " +
+               shape_string(moe->E, moe->H, moe->I, moe->opt.has_bias != 0));
   const Plan plan = plan_for(*moe);
   for (int s = 0; s < kPackedSections; ++s)
-    check(h.sections[s].bytes == plan.bytes[s], KT_ERR_IO,
-          w + ": section '" + kSectionNames[s] + "' holds " + std::to_string(h.sections[s].bytes) +
-              " bytes, the layer needs " + std::to_string(plan.bytes[s]));
+    KT_CHECK(h.sections[s].bytes == plan.bytes[s], KT_ERR_IO,
+             w + ": section '" + kSectionNames[s] + "' holds " +
+                 std::to_string(h.sections[s].bytes) + " bytes, the layer needs " +
+                 std::to_string(plan.bytes[s]));
   const uint8_t* loaded = base + h.sections[4].offset;
 
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
@@ -387,8 +406,9 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
       const uint8_t* sec = base + se.offset;
       const uint64_t got =
           section_checksum(moe->engine, se.bytes, se.block_bytes, [&](uint64_t i) { return sec + i * se.block_bytes; });
-      check(got == se.checksum, KT_ERR_IO,
-            w + ": checksum mismatch in section '" + kSectionNames[s] + "' (the file is corrupted)");
+      KT_CHECK(
+          got == se.checksum, KT_ERR_IO,
+          w + ": checksum mismatch in section '" + kSectionNames[s] + "' (the file is corrupted)");
     }
   }
   const uint8_t* weights[3];
@@ -414,8 +434,8 @@ std::shared_ptr<kt_moe> live_moe(const kt_moe* m, const char* where) {
 }
 
 void check_path_arg(const char* path, const char* where) {
-  kt::check(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": path is NULL");
-  kt::check(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": path is empty");
+  KT_CHECK(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": path is NULL");
+  KT_CHECK(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": path is empty");
 }
 
 }  // namespace
@@ -433,7 +453,7 @@ kt_status kt_packed_read_info(const char* path, kt_packed_info* info) {
   const char* w = "kt_packed_read_info";
   return kt::io::guarded(w, [&] {
     check_path_arg(path, w);
-    kt::check(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
+    KT_CHECK(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
     kt::io::read_info(path, info, w);
   });
 }
@@ -443,8 +463,8 @@ kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags) {
   return kt::io::guarded(w, [&] {
     const std::shared_ptr<kt_moe> m = live_moe(moe, w);
     check_path_arg(path, w);
-    kt::check((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
-              std::string(w) + ": flags has bits this kt does not know");
+    KT_CHECK((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": flags has bits this kt does not know");
     kt::io::load_packed(m.get(), path, flags, w);
   });
 }

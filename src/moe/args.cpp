@@ -1,5 +1,9 @@
 #include "moe/args.h"
 
+#include <cmath>
+
+#include "core/checked.h"
+
 namespace kt {
 
 const char* arg_name(int id) {
@@ -49,19 +53,29 @@ std::string id_string(int id) {
 
 ArgTable::ArgTable(const kt_arg* args, size_t n, const char* where,
                    std::initializer_list<int> allowed) {
-  check(n == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": args is NULL");
+  KT_CHECK(n == 0 || args != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": args is NULL");
   for (size_t i = 0; i < n; ++i) {
     const int id = args[i].id;
     bool ok = false;
     for (int a : allowed) ok = ok || a == id;
-    check(ok, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + id_string(id) + " is not an argument of this call");
-    check(t[id] == nullptr, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + id_string(id) + " given twice");
-    check(args[i].tensor != nullptr, KT_ERR_NULL_POINTER,
-          std::string(where) + ": " + id_string(id) + " is NULL");
+    KT_CHECK(ok, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + id_string(id) + " is not an argument of this call");
+    KT_CHECK(t[id] == nullptr, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + id_string(id) + " given twice");
+    KT_CHECK(args[i].tensor != nullptr, KT_ERR_NULL_POINTER,
+             std::string(where) + ": " + id_string(id) + " is NULL");
     t[id] = args[i].tensor;
   }
+}
+
+void check_backward_values(const kt_backward_options& o, const char* where) {
+  KT_CHECK(std::isfinite(o.grad_scale), KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": options->grad_scale is not finite");
+  check_enum(o.accumulate, KT_GRAD_OVERWRITE, KT_GRAD_ACCUMULATE,
+             std::string(where) + ": options->accumulate", "kt_grad_accumulate");
+  KT_CHECK(o.param_grads == 0 || o.param_grads == 1, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": options->param_grads = " + std::to_string(o.param_grads) +
+               " must be 0 or 1");
 }
 
 }  // namespace kt

@@ -23,4 +23,8 @@ struct ArgTable {
   const DLTensor* operator[](int id) const { return t[id]; }
 };
 
+// The values of a kt_backward_options (grad_scale finite, accumulate and
+// param_grads in range), for the layer's and the distributed backward.
+void check_backward_values(const kt_backward_options& o, const char* where);
+
 }  // namespace kt

@@ -4,7 +4,6 @@
 // derivative, dx with column ownership (fixed summation order), then LoRA or
 // full parameter gradients as per-expert reductions over rows.
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "core/checked.h"
@@ -25,39 +24,35 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
     // As every options struct: older callers (smaller struct_size) get the
     // defaults of what they do not know; newer callers' fields past ours
     // must be zero.
-    check(o->struct_size >= offsetof(kt_backward_options, accumulate) &&
-              o->struct_size <= kMaxOptionsStructSize,
-          KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": options->struct_size (" + std::to_string(o->struct_size) +
-              ") is not the size of a kt_backward_options; call kt_backward_options_init first");
+    KT_CHECK(o->struct_size >= offsetof(kt_backward_options, accumulate) &&
+                 o->struct_size <= kMaxOptionsStructSize,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": options->struct_size (" + std::to_string(o->struct_size) +
+                 ") is not the size of a kt_backward_options; call kt_backward_options_init first");
     std::memcpy(&c.opt, o, std::min(o->struct_size, sizeof(c.opt)));
     const unsigned char* bytes = reinterpret_cast<const unsigned char*>(o);
     for (size_t i = sizeof(c.opt); i < o->struct_size; ++i)
-      check(bytes[i] == 0, KT_ERR_UNSUPPORTED,
-            std::string(where) + ": options sets fields this kt version does not know (byte " +
-                std::to_string(i) + " past the " + std::to_string(sizeof(c.opt)) + " it knows)");
+      KT_CHECK(bytes[i] == 0, KT_ERR_UNSUPPORTED,
+               std::string(where) + ": options sets fields this kt version does not know (byte " +
+                   std::to_string(i) + " past the " + std::to_string(sizeof(c.opt)) + " it knows)");
     c.opt.struct_size = sizeof(c.opt);
   }
-  check(std::isfinite(c.opt.grad_scale), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": options->grad_scale is not finite");
-  check_enum(c.opt.accumulate, KT_GRAD_OVERWRITE, KT_GRAD_ACCUMULATE, std::string(where) + ": options->accumulate",
-             "kt_grad_accumulate");
-  check(c.opt.param_grads == 0 || c.opt.param_grads == 1, KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": options->param_grads = " + std::to_string(c.opt.param_grads) +
-            " must be 0 or 1");
-  check(ctx != nullptr, KT_ERR_CONTEXT,
-        std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
+  check_backward_values(c.opt, where);
+  KT_CHECK(ctx != nullptr, KT_ERR_CONTEXT,
+           std::string(where) +
+               ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   {
     std::lock_guard<std::mutex> lock(state_mutex);
-    check(forward_may_pend || ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx: its forward has not finished (wait for the forward job)");
-    check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx: its forward failed");
-    check(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx is spent: a backward already consumed it");
+    KT_CHECK(forward_may_pend || ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx: its forward has not finished (wait for the forward job)");
+    KT_CHECK(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx: its forward failed");
+    KT_CHECK(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx is spent: a backward already consumed it");
   }
   ArgTable t(args, n, where, {KT_ARG_DY, KT_ARG_DX, KT_ARG_DROUTE_WEIGHTS});
-  check(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": KT_ARG_DY is required");
+  KT_CHECK(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER,
+           std::string(where) + ": KT_ARG_DY is required");
   const int64_t T = ctx->tokens;
   c.dy = check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
   if (t[KT_ARG_DX]) {
@@ -88,18 +83,18 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
     for (int p = 0; p < 3; ++p) {
       if (!lora_on(p)) continue;
       for (int id : {KT_ARG_GRAD_LORA_A_GATE + 2 * p, KT_ARG_GRAD_LORA_B_GATE + 2 * p})
-        check(bound_[id].set, KT_ERR_NOT_BOUND,
-              std::string(where) + ": " + arg_name(id) +
-                  " is not bound (kt_moe_bind), or pass param_grads = 0");
+        KT_CHECK(bound_[id].set, KT_ERR_NOT_BOUND,
+                 std::string(where) + ": " + arg_name(id) +
+                     " is not bound (kt_moe_bind), or pass param_grads = 0");
     }
   }
   if (c.opt.param_grads && opt.mode == KT_MODE_FULL) {
     for (int p = 0; p < 3; ++p) {
       int ids[2] = {KT_ARG_GRAD_W_GATE + p, KT_ARG_GRAD_B_GATE + p};
       for (int k = 0; k < (opt.has_bias ? 2 : 1); ++k)
-        check(bound_[ids[k]].set, KT_ERR_NOT_BOUND,
-              std::string(where) + ": " + arg_name(ids[k]) +
-                  " is not bound (kt_moe_bind), or pass param_grads = 0");
+        KT_CHECK(bound_[ids[k]].set, KT_ERR_NOT_BOUND,
+                 std::string(where) + ": " + arg_name(ids[k]) +
+                     " is not bound (kt_moe_bind), or pass param_grads = 0");
     }
   }
   // The gradient buffers this call writes must not share memory with its
@@ -158,11 +153,12 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   check_backward_state(c);
   {
     std::lock_guard<std::mutex> lock(state_mutex);
-    check(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
-          "kt_moe_backward: ctx: its forward job never ran (its layer was destroyed first)");
-    check(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT, "kt_moe_backward: ctx: its forward failed");
-    check(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
-          "kt_moe_backward: ctx is spent: a backward already consumed it");
+    KT_CHECK(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
+             "kt_moe_backward: ctx: its forward job never ran (its layer was destroyed first)");
+    KT_CHECK(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
+             "kt_moe_backward: ctx: its forward failed");
+    KT_CHECK(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
+             "kt_moe_backward: ctx is spent: a backward already consumed it");
   }
   StageClock clock(engine);
   const Routing& R = ctx->routing;

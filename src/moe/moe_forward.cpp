@@ -17,15 +17,15 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n, const ch
   ArgTable t(args, n, where, {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y});
   const int required[] = {KT_ARG_X, KT_ARG_IDS, KT_ARG_ROUTE_WEIGHTS, KT_ARG_Y};
   for (int id : required)
-    check(t[id] != nullptr, KT_ERR_NULL_POINTER,
-          std::string(where) + ": " + arg_name(id) + " is required");
+    KT_CHECK(t[id] != nullptr, KT_ERR_NULL_POINTER,
+             std::string(where) + ": " + arg_name(id) + " is required");
   ForwardCall c;
   c.where = where;
   c.x = check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
   c.T = c.x.shape[0];
-  check(c.T <= opt.max_tokens, KT_ERR_TOO_MANY_TOKENS,
-        std::string(where) + ": KT_ARG_X has " + std::to_string(c.T) +
-            " tokens; the layer's max_tokens is " + std::to_string(opt.max_tokens));
+  KT_CHECK(c.T <= opt.max_tokens, KT_ERR_TOO_MANY_TOKENS,
+           std::string(where) + ": KT_ARG_X has " + std::to_string(c.T) +
+               " tokens; the layer's max_tokens is " + std::to_string(opt.max_tokens));
   c.ids = check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {c.T, K}}, where);
   c.w = check_tensor(t[KT_ARG_ROUTE_WEIGHTS],
                      {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {c.T, K}}, where);
@@ -38,9 +38,9 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n, const ch
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = c.ids.get_int(t, j);
-      check(e >= -1 && e < E, KT_ERR_EXPERT_ID,
-            std::string(where) + ": KT_ARG_IDS[" + std::to_string(t) + "," + std::to_string(j) +
-                "] = " + std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
+      KT_CHECK(e >= -1 && e < E, KT_ERR_EXPERT_ID,
+               std::string(where) + ": KT_ARG_IDS[" + std::to_string(t) + "," + std::to_string(j) +
+                   "] = " + std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
     }
   return c;
 }
@@ -48,16 +48,18 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n, const ch
 void kt_moe::check_ready_for_forward(const ForwardCall& c) const {
   const char* where = c.where;
   if (opt.mode == KT_MODE_LORA)
-    check(lora_ready_, KT_ERR_NOT_BOUND,
-          std::string(where) + ": LoRA mode: bind every targeted KT_ARG_LORA_A_* and KT_ARG_LORA_B_* first");
+    KT_CHECK(lora_ready_, KT_ERR_NOT_BOUND,
+             std::string(where) +
+                 ": LoRA mode: bind every targeted KT_ARG_LORA_A_* and KT_ARG_LORA_B_* first");
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
       const int64_t e = c.ids.get_int(t, j);
       if (e < 0) continue;
-      check(loaded_[static_cast<size_t>(e)] || skipped_[static_cast<size_t>(e)], KT_ERR_NOT_LOADED,
-            std::string(where) + ": expert " + std::to_string(e) + " (KT_ARG_IDS[" +
-                std::to_string(t) + "," + std::to_string(j) +
-                "]) has no weights loaded and is not marked skipped");
+      KT_CHECK(loaded_[static_cast<size_t>(e)] || skipped_[static_cast<size_t>(e)],
+               KT_ERR_NOT_LOADED,
+               std::string(where) + ": expert " + std::to_string(e) + " (KT_ARG_IDS[" +
+                   std::to_string(t) + "," + std::to_string(j) +
+                   "]) has no weights loaded and is not marked skipped");
     }
 }
 

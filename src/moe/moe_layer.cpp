@@ -229,8 +229,8 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
   const bool stacked = single < 0;
   int64_t P = m.E;
   if (args[KT_ARG_EXPERT_MAP]) {
-    check(stacked, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": KT_ARG_EXPERT_MAP is for stacked loads only");
+    KT_CHECK(stacked, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": KT_ARG_EXPERT_MAP is for stacked loads only");
     ws.map = check_tensor(args[KT_ARG_EXPERT_MAP], {"KT_ARG_EXPERT_MAP", {DType::kI32, DType::kI64}, {-1}},
                           where);
     ws.has[sMap] = true;
@@ -238,11 +238,12 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
     std::vector<uint8_t> seen(static_cast<size_t>(m.E), 0);
     for (int64_t p = 0; p < P; ++p) {
       const int64_t e = ws.map.get_int(p);
-      check(e >= 0 && e < m.E, KT_ERR_EXPERT_ID,
-            std::string(where) + ": KT_ARG_EXPERT_MAP[" + std::to_string(p) + "] = " +
-                std::to_string(e) + " is outside [0, " + std::to_string(m.E) + ")");
-      check(!seen[static_cast<size_t>(e)], KT_ERR_EXPERT_ID,
-            std::string(where) + ": KT_ARG_EXPERT_MAP names expert " + std::to_string(e) + " twice");
+      KT_CHECK(e >= 0 && e < m.E, KT_ERR_EXPERT_ID,
+               std::string(where) + ": KT_ARG_EXPERT_MAP[" + std::to_string(p) +
+                   "] = " + std::to_string(e) + " is outside [0, " + std::to_string(m.E) + ")");
+      KT_CHECK(
+          !seen[static_cast<size_t>(e)], KT_ERR_EXPERT_ID,
+          std::string(where) + ": KT_ARG_EXPERT_MAP names expert " + std::to_string(e) + " twice");
       seen[static_cast<size_t>(e)] = 1;
     }
   }
@@ -261,8 +262,8 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
   };
   auto bias = [&](int id, int64_t n, View* v, int slot) {
     if (!args[id]) return;
-    check(m.opt.has_bias, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + arg_name(id) + " given but the layer has no biases");
+    KT_CHECK(m.opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + arg_name(id) + " given but the layer has no biases");
     if (stacked)
       *v = check_tensor(args[id], {arg_name(id), kWeightDtypes, {P, n}}, where);
     else
@@ -278,18 +279,19 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
   bias(KT_ARG_B_GATE_UP, 2 * m.I, &ws.bgu, sBgu);
   bias(KT_ARG_B_DOWN, m.H, &ws.bd, sBd);
   const std::string w = where;
-  check(!(ws.has[sGateUp] && (ws.has[sGate] || ws.has[sUp])), KT_ERR_INVALID_ARGUMENT,
-        w + ": give KT_ARG_W_GATE_UP or KT_ARG_W_GATE + KT_ARG_W_UP, not both");
-  check(ws.has[sGateUp] || (ws.has[sGate] && ws.has[sUp]), KT_ERR_NULL_POINTER,
-        w + ": KT_ARG_W_GATE and KT_ARG_W_UP (or KT_ARG_W_GATE_UP) are required");
-  check(ws.has[sDown], KT_ERR_NULL_POINTER, w + ": KT_ARG_W_DOWN is required");
+  KT_CHECK(!(ws.has[sGateUp] && (ws.has[sGate] || ws.has[sUp])), KT_ERR_INVALID_ARGUMENT,
+           w + ": give KT_ARG_W_GATE_UP or KT_ARG_W_GATE + KT_ARG_W_UP, not both");
+  KT_CHECK(ws.has[sGateUp] || (ws.has[sGate] && ws.has[sUp]), KT_ERR_NULL_POINTER,
+           w + ": KT_ARG_W_GATE and KT_ARG_W_UP (or KT_ARG_W_GATE_UP) are required");
+  KT_CHECK(ws.has[sDown], KT_ERR_NULL_POINTER, w + ": KT_ARG_W_DOWN is required");
   if (m.opt.has_bias) {
-    check(!(ws.has[sBgu] && (ws.has[sBg] || ws.has[sBu])), KT_ERR_INVALID_ARGUMENT,
-          w + ": give KT_ARG_B_GATE_UP or KT_ARG_B_GATE + KT_ARG_B_UP, not both");
-    check(ws.has[sBgu] || (ws.has[sBg] && ws.has[sBu]), KT_ERR_NULL_POINTER,
-          w + ": the layer has biases: KT_ARG_B_GATE and KT_ARG_B_UP (or KT_ARG_B_GATE_UP) are required");
-    check(ws.has[sBd], KT_ERR_NULL_POINTER,
-          w + ": the layer has biases: KT_ARG_B_DOWN is required");
+    KT_CHECK(!(ws.has[sBgu] && (ws.has[sBg] || ws.has[sBu])), KT_ERR_INVALID_ARGUMENT,
+             w + ": give KT_ARG_B_GATE_UP or KT_ARG_B_GATE + KT_ARG_B_UP, not both");
+    KT_CHECK(ws.has[sBgu] || (ws.has[sBg] && ws.has[sBu]), KT_ERR_NULL_POINTER,
+             w + ": the layer has biases: KT_ARG_B_GATE and KT_ARG_B_UP (or KT_ARG_B_GATE_UP) are "
+                 "required");
+    KT_CHECK(ws.has[sBd], KT_ERR_NULL_POINTER,
+             w + ": the layer has biases: KT_ARG_B_DOWN is required");
   }
   return ws;
 }
@@ -316,10 +318,12 @@ static void check_finite_weights(kt_moe& m, const WeightSet& ws, int64_t single,
           }
     });
     for (int64_t p = 0; p < P; ++p)
-      check(bad[static_cast<size_t>(p)] < 0, KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": " + names[i] + (stacked ? "[" + std::to_string(p) + "]" : std::string()) +
-                " holds inf or NaN (row " + std::to_string(bad[static_cast<size_t>(p)]) + "): the layer's " +
-                kt_weight_format_name(m.opt.weight_format) + " base cannot store it");
+      KT_CHECK(bad[static_cast<size_t>(p)] < 0, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": " + names[i] +
+                   (stacked ? "[" + std::to_string(p) + "]" : std::string()) +
+                   " holds inf or NaN (row " + std::to_string(bad[static_cast<size_t>(p)]) +
+                   "): the layer's " + kt_weight_format_name(m.opt.weight_format) +
+                   " base cannot store it");
   }
 }
 
@@ -384,16 +388,18 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
   check_enum(lo.gate_up_order, KT_GATE_UP_CONCAT, KT_GATE_UP_INTERLEAVED,
              std::string(where) + ": options->gate_up_order", "kt_gate_up_order");
   if (single >= 0 || single < -1)
-    check(single >= 0 && single < E, KT_ERR_EXPERT_ID,
-          std::string(where) + ": expert " + std::to_string(single) + " is outside [0, " +
-              std::to_string(E) + ")");
+    KT_CHECK(single >= 0 && single < E, KT_ERR_EXPERT_ID,
+             std::string(where) + ": expert " + std::to_string(single) + " is outside [0, " +
+                 std::to_string(E) + ")");
   ArgTable table(args, n, where,
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
-  check(!quantized || kt_quantizes_to(opt.weight_format), KT_ERR_UNSUPPORTED,
-        std::string(where) + ": the layer stores " + kt_weight_format_name(opt.weight_format) +
-            ", which kt does not quantize to from bf16/fp16/fp32 weights: load it from a checkpoint stored in "
-            "that format (kt_ckpt_load_layer), or create the layer as bf16, int8_channel, int4_g32 or int4_g128");
+  KT_CHECK(!quantized || kt_quantizes_to(opt.weight_format), KT_ERR_UNSUPPORTED,
+           std::string(where) + ": the layer stores " + kt_weight_format_name(opt.weight_format) +
+               ", which kt does not quantize to from bf16/fp16/fp32 weights: load it from a "
+               "checkpoint stored in "
+               "that format (kt_ckpt_load_layer), or create the layer as bf16, int8_channel, "
+               "int4_g32 or int4_g128");
   WeightSet ws = parse_weights(*this, lo, table, single, where);
   if (quantized) check_finite_weights(*this, ws, single, where);
   own_weights();
@@ -494,39 +500,42 @@ int64_t kt_moe::num_loaded() const {
 
 void kt_moe::bind(const kt_arg* args, size_t n) {
   const char* where = "kt_moe_bind";
-  check(n == 0 || args != nullptr, KT_ERR_NULL_POINTER, "kt_moe_bind: args is NULL");
+  KT_CHECK(n == 0 || args != nullptr, KT_ERR_NULL_POINTER, "kt_moe_bind: args is NULL");
   std::vector<std::pair<int, View>> accepted;
   for (size_t i = 0; i < n; ++i) {
     const int id = args[i].id;
     const char* name = arg_name(id);
-    check(name != nullptr && id >= KT_ARG_W_GATE && id != KT_ARG_EXPERT_MAP, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + id_string(id) + " cannot be bound");
+    KT_CHECK(name != nullptr && id >= KT_ARG_W_GATE && id != KT_ARG_EXPERT_MAP,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + id_string(id) + " cannot be bound");
     for (auto& a : accepted)
-      check(a.first != id, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": " + name + " given twice");
+      KT_CHECK(a.first != id, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": " + name + " given twice");
     const bool lora_id = id >= KT_ARG_LORA_A_GATE && id <= KT_ARG_GRAD_LORA_B_DOWN;
     if (lora_id) {
-      check(opt.mode == KT_MODE_LORA, KT_ERR_MODE,
-            std::string(where) + ": " + name + " needs a layer in KT_MODE_LORA");
+      KT_CHECK(opt.mode == KT_MODE_LORA, KT_ERR_MODE,
+               std::string(where) + ": " + name + " needs a layer in KT_MODE_LORA");
       const int rel = (id >= KT_ARG_GRAD_LORA_A_GATE ? id - KT_ARG_GRAD_LORA_A_GATE : id - KT_ARG_LORA_A_GATE);
       const int p = rel / 2;
       const bool is_a = rel % 2 == 0;
-      check(lora_on(p), KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": " + name + ": that projection is not a LoRA target of this layer");
+      KT_CHECK(lora_on(p), KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": " + name +
+                   ": that projection is not a LoRA target of this layer");
       const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
       View v = is_a ? check_tensor(args[i].tensor, {name, kParamDtypes, {E, r, in}}, where)
                     : check_tensor(args[i].tensor, {name, kParamDtypes, {E, out, r}}, where);
       accepted.emplace_back(id, v);
       continue;
     }
-    check(opt.mode == KT_MODE_FULL, KT_ERR_MODE,
-          std::string(where) + ": " + name + " needs a layer in KT_MODE_FULL");
-    check(id != KT_ARG_W_GATE_UP && id != KT_ARG_B_GATE_UP, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": bind gate and up separately (" + name + ")");
+    KT_CHECK(opt.mode == KT_MODE_FULL, KT_ERR_MODE,
+             std::string(where) + ": " + name + " needs a layer in KT_MODE_FULL");
+    KT_CHECK(id != KT_ARG_W_GATE_UP && id != KT_ARG_B_GATE_UP, KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": bind gate and up separately (" + name + ")");
     const bool grad = id >= KT_ARG_GRAD_W_GATE;
     const bool is_bias = grad ? id >= KT_ARG_GRAD_B_GATE : id >= KT_ARG_B_GATE;
     if (is_bias)
-      check(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": " + name + " given but the layer has no biases");
+      KT_CHECK(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": " + name + " given but the layer has no biases");
     const int first = grad ? (is_bias ? KT_ARG_GRAD_B_GATE : KT_ARG_GRAD_W_GATE)
                            : (is_bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
     const int p = id - first;
@@ -600,14 +609,14 @@ void kt_moe::params_changed() {
   if (opt.mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p)
       if (lora_on(p))
-        check(bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set,
-              KT_ERR_NOT_BOUND, "kt_moe_params_changed: the LoRA factors are not all bound");
+        KT_CHECK(bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set,
+                 KT_ERR_NOT_BOUND, "kt_moe_params_changed: the LoRA factors are not all bound");
     snapshot_lora();
   } else if (opt.mode == KT_MODE_FULL) {
     const int need[] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
     for (int id : need)
-      check(bound_[id].set, KT_ERR_NOT_BOUND,
-            std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
+      KT_CHECK(bound_[id].set, KT_ERR_NOT_BOUND,
+               std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
     WeightSet ws;
     ws.gate = bound_[KT_ARG_W_GATE].view;
     ws.up = bound_[KT_ARG_W_UP].view;
@@ -616,8 +625,8 @@ void kt_moe::params_changed() {
     if (opt.has_bias) {
       const int bneed[] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
       for (int id : bneed)
-        check(bound_[id].set, KT_ERR_NOT_BOUND,
-              std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
+        KT_CHECK(bound_[id].set, KT_ERR_NOT_BOUND,
+                 std::string("kt_moe_params_changed: ") + arg_name(id) + " is not bound");
       ws.bg = bound_[KT_ARG_B_GATE].view;
       ws.bu = bound_[KT_ARG_B_UP].view;
       ws.bd = bound_[KT_ARG_B_DOWN].view;
@@ -658,15 +667,17 @@ kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
 }
 
 kt_context* kt_moe::hold_context(const kt_context* ctx, const char* where) {
-  check(ctx != nullptr, KT_ERR_CONTEXT,
-        std::string(where) + ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
+  KT_CHECK(ctx != nullptr, KT_ERR_CONTEXT,
+           std::string(where) +
+               ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   const HandleId id = handle_id(ctx);
   std::lock_guard<std::mutex> lock(state_mutex);
   auto it = contexts_.find(id);
   if (it == contexts_.end()) {
     const HandleId owner = context_owner(id);
-    check(owner == 0 || owner == handle, KT_ERR_CONTEXT,
-          std::string(where) + ": ctx does not belong to this layer (it is a context of another kt_moe)");
+    KT_CHECK(owner == 0 || owner == handle, KT_ERR_CONTEXT,
+             std::string(where) +
+                 ": ctx does not belong to this layer (it is a context of another kt_moe)");
     fail(KT_ERR_CONTEXT, std::string(where) +
                              ": ctx is not a live context: it was released (a released handle is never "
                              "valid again)");
@@ -852,8 +863,9 @@ void kt_moe::read_weights(const kt_arg* args, size_t n) const {
                        check_tensor(t[KT_ARG_W_GATE + p], {arg_name(KT_ARG_W_GATE + p), kOut, {E, rows, in}},
                                     where));
     if (t[KT_ARG_B_GATE + p]) {
-      check(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
-            std::string(where) + ": " + arg_name(KT_ARG_B_GATE + p) + " given but the layer has no biases");
+      KT_CHECK(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+               std::string(where) + ": " + arg_name(KT_ARG_B_GATE + p) +
+                   " given but the layer has no biases");
       out.emplace_back(KT_ARG_B_GATE + p,
                        check_tensor(t[KT_ARG_B_GATE + p], {arg_name(KT_ARG_B_GATE + p), kOut, {E, rows}},
                                     where));

@@ -29,7 +29,6 @@ void detach_layer(kt_moe* moe) {
 
 namespace {
 
-using kt::check;
 using kt::guarded;
 
 std::shared_ptr<kt_optimizer> live_optimizer(const kt_optimizer* o, const char* where) {
@@ -44,8 +43,8 @@ void set_step_options_defaults(kt_optimizer_step_options& o) {
 
 kt_optimizer_step_options read_step_options(const kt_optimizer_step_options* options, const char* w) {
   kt_optimizer_step_options o = kt::read_sized(options, set_step_options_defaults, w, "options");
-  check(std::isfinite(o.grad_unscale) && std::isfinite(o.clip_coef), KT_ERR_INVALID_ARGUMENT,
-        std::string(w) + ": options->grad_unscale and options->clip_coef must be finite");
+  KT_CHECK(std::isfinite(o.grad_unscale) && std::isfinite(o.clip_coef), KT_ERR_INVALID_ARGUMENT,
+           std::string(w) + ": options->grad_unscale and options->clip_coef must be finite");
   return o;
 }
 
@@ -61,8 +60,8 @@ kt_optimizer* adopt(std::unique_ptr<kt_optimizer> owned, const char* where) {
   std::shared_ptr<kt_optimizer> op(std::move(owned));
   if (op->engine) {
     std::lock_guard<std::mutex> lock(op->engine->lifetime_mutex);
-    check(!op->engine->destroyed, KT_ERR_INVALID_HANDLE,
-          std::string(where) + ": its engine is being destroyed by another thread");
+    KT_CHECK(!op->engine->destroyed, KT_ERR_INVALID_HANDLE,
+             std::string(where) + ": its engine is being destroyed by another thread");
     op->engine->num_optimizers.fetch_add(1);
   }
   if (op->moe) op->moe->optimizers.push_back(op.get());
@@ -93,7 +92,7 @@ kt_status kt_optimizer_create(kt_engine* engine, const kt_optimizer_options* opt
   return guarded(w, [&] {
     std::shared_ptr<kt_engine> eng;
     if (engine) eng = kt::live(engine, kt::HandleKind::kEngine, w, "engine");
-    check(opt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": opt is NULL");
+    KT_CHECK(opt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": opt is NULL");
     const kt_optimizer_options o = read_options(options, w);
     std::unique_ptr<kt_optimizer> op(kt::optim::create_for_tensors(eng.get(), o, params, num_params, w));
     *opt = adopt(std::move(op), w);
@@ -104,12 +103,13 @@ kt_status kt_optimizer_create_for_layer(kt_moe* moe, const kt_optimizer_options*
   const char* w = "kt_optimizer_create_for_layer";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
-    check(opt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": opt is NULL");
+    KT_CHECK(opt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": opt is NULL");
     const kt_optimizer_options o = read_options(options, w);
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     {
       std::lock_guard<std::mutex> state(layer->state_mutex);
-      check(!layer->destroyed, KT_ERR_INVALID_HANDLE, std::string(w) + ": moe is being destroyed by another thread");
+      KT_CHECK(!layer->destroyed, KT_ERR_INVALID_HANDLE,
+               std::string(w) + ": moe is being destroyed by another thread");
     }
     std::unique_ptr<kt_optimizer> op(kt::optim::create_for_layer(layer.get(), o, w));
     *opt = adopt(std::move(op), w);
@@ -158,13 +158,13 @@ kt_status kt_optimizer_set_options(kt_optimizer* opt, const kt_optimizer_options
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
+    KT_CHECK(options != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": options is NULL");
     const kt_optimizer_options o = read_options(options, w);
     auto lock = op->lock_compute();
-    check(o.algorithm == op->opt.algorithm, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->algorithm cannot change after creation");
-    check(o.amsgrad == op->opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": options->amsgrad cannot change after creation");
+    KT_CHECK(o.algorithm == op->opt.algorithm, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->algorithm cannot change after creation");
+    KT_CHECK(o.amsgrad == op->opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->amsgrad cannot change after creation");
     op->opt = o;
   });
 }
@@ -186,11 +186,12 @@ kt_status kt_optimizer_set_grad(kt_optimizer* opt, size_t index, const DLTensor*
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(!op->layer_mode, KT_ERR_MODE,
-          std::string(w) + ": the optimizer updates a layer: bind its gradients with kt_moe_bind");
-    check(index < op->params.size(), KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
-              std::to_string(op->params.size()) + ")");
+    KT_CHECK(
+        !op->layer_mode, KT_ERR_MODE,
+        std::string(w) + ": the optimizer updates a layer: bind its gradients with kt_moe_bind");
+    KT_CHECK(index < op->params.size(), KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
+                 std::to_string(op->params.size()) + ")");
     auto lock = op->lock_compute();
     kt_optimizer::Param& p = op->params[index];
     kt::View g = kt::optim::check_grad(grad, p.param, "grad", w);
@@ -221,10 +222,11 @@ kt_status kt_optimizer_step_submit(kt_optimizer* opt, const kt_optimizer_step_op
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
-    check((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT, std::string(w) + ": unknown flags");
-    check(op->engine != nullptr, KT_ERR_UNSUPPORTED,
-          std::string(w) + ": the optimizer has no engine to run jobs (create it with one)");
+    KT_CHECK(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
+    KT_CHECK((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": unknown flags");
+    KT_CHECK(op->engine != nullptr, KT_ERR_UNSUPPORTED,
+             std::string(w) + ": the optimizer has no engine to run jobs (create it with one)");
     const kt_optimizer_step_options o = read_step_options(options, w);
     auto j = std::make_shared<kt_job>();
     j->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
@@ -256,7 +258,7 @@ kt_status kt_optimizer_grad_sq_norm(kt_optimizer* opt, double* out) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
+    KT_CHECK(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
     auto lock = op->lock_compute();
     *out = op->grad_sq_norm(w);
   });
@@ -267,7 +269,7 @@ kt_status kt_optimizer_num_params(const kt_optimizer* opt, size_t* count) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
+    KT_CHECK(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
     *count = op->params.size();
   });
 }
@@ -277,7 +279,7 @@ kt_status kt_optimizer_get_step(const kt_optimizer* opt, int64_t* step) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(step != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": step is NULL");
+    KT_CHECK(step != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": step is NULL");
     auto lock = op->lock_compute();
     *step = op->step;
   });
@@ -288,7 +290,8 @@ kt_status kt_optimizer_set_step(kt_optimizer* opt, int64_t step) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(step >= 0, KT_ERR_INVALID_ARGUMENT, std::string(w) + ": step " + std::to_string(step) + " is negative");
+    KT_CHECK(step >= 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": step " + std::to_string(step) + " is negative");
     auto lock = op->lock_compute();
     op->step = step;
     op->momentum_started = step > 0 && op->opt.momentum != 0.0;
@@ -300,10 +303,10 @@ kt_status kt_optimizer_state(kt_optimizer* opt, size_t index, kt_optim_state whi
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
-    check(index < op->params.size(), KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
-              std::to_string(op->params.size()) + ")");
+    KT_CHECK(out != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": out is NULL");
+    KT_CHECK(index < op->params.size(), KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
+                 std::to_string(op->params.size()) + ")");
     kt::check_enum(which, KT_OPTIM_STATE_MASTER, KT_OPTIM_STATE_MOMENTUM, std::string(w) + ": which",
                    "kt_optim_state");
     kt_optimizer::Param& p = op->params[index];
@@ -316,10 +319,10 @@ kt_status kt_optimizer_state(kt_optimizer* opt, size_t index, kt_optim_state whi
       case KT_OPTIM_STATE_MAX_EXP_AVG_SQ: data = adamw && op->opt.amsgrad ? p.vmax.data() : nullptr; break;
       case KT_OPTIM_STATE_MOMENTUM: data = adamw ? nullptr : p.m.data(); break;
     }
-    check(data != nullptr || p.numel == 0, KT_ERR_INVALID_ARGUMENT,
-          std::string(w) + ": which = " + std::to_string(kt::enum_bits(which)) + ": " +
-              (adamw ? "AdamW" : "SGD") + (adamw && !op->opt.amsgrad ? " without amsgrad" : "") +
-              " keeps no such state");
+    KT_CHECK(data != nullptr || p.numel == 0, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": which = " + std::to_string(kt::enum_bits(which)) + ": " +
+                 (adamw ? "AdamW" : "SGD") + (adamw && !op->opt.amsgrad ? " without amsgrad" : "") +
+                 " keeps no such state");
     std::memset(out, 0, sizeof(*out));
     out->data = data;
     out->device.device_type = kDLCPU;
@@ -336,7 +339,7 @@ kt_status kt_optimizer_save(kt_optimizer* opt, const char* path) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(path != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": path is NULL");
+    KT_CHECK(path != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": path is NULL");
     auto lock = op->lock_compute();
     op->save(path, w);
   });
@@ -347,7 +350,7 @@ kt_status kt_optimizer_load(kt_optimizer* opt, const char* path) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_optimizer> held = live_optimizer(opt, w);
     kt_optimizer* const op = held.get();
-    check(path != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": path is NULL");
+    KT_CHECK(path != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": path is NULL");
     auto lock = op->lock_compute();
     op->load(path, w);
   });

@@ -40,22 +40,23 @@ void validate_options(const kt_optimizer_options& o, const char* where) {
   const std::string w = std::string(where) + ": options->";
   check_enum(o.algorithm, KT_OPTIM_ADAMW, KT_OPTIM_SGD, w + "algorithm", "kt_optim_algorithm");
   auto finite_at_least = [&](double v, double lo, const char* name) {
-    check(std::isfinite(v) && v >= lo, KT_ERR_INVALID_ARGUMENT,
-          w + name + " = " + std::to_string(v) + " must be finite and >= " + std::to_string(lo));
+    KT_CHECK(std::isfinite(v) && v >= lo, KT_ERR_INVALID_ARGUMENT,
+             w + name + " = " + std::to_string(v) + " must be finite and >= " + std::to_string(lo));
   };
   finite_at_least(o.lr, 0.0, "lr");
   finite_at_least(o.weight_decay, 0.0, "weight_decay");
   finite_at_least(o.eps, 0.0, "eps");
   finite_at_least(o.momentum, 0.0, "momentum");
-  check(std::isfinite(o.dampening), KT_ERR_INVALID_ARGUMENT, w + "dampening must be finite");
+  KT_CHECK(std::isfinite(o.dampening), KT_ERR_INVALID_ARGUMENT, w + "dampening must be finite");
   for (const auto& b : {std::make_pair(o.beta1, "beta1"), std::make_pair(o.beta2, "beta2")})
-    check(b.first >= 0.0 && b.first < 1.0, KT_ERR_INVALID_ARGUMENT,
-          w + b.second + " = " + std::to_string(b.first) + " is outside [0, 1)");
-  check(o.amsgrad == 0 || o.amsgrad == 1, KT_ERR_INVALID_ARGUMENT, w + "amsgrad must be 0 or 1");
-  check(o.nesterov == 0 || o.nesterov == 1, KT_ERR_INVALID_ARGUMENT, w + "nesterov must be 0 or 1");
+    KT_CHECK(b.first >= 0.0 && b.first < 1.0, KT_ERR_INVALID_ARGUMENT,
+             w + b.second + " = " + std::to_string(b.first) + " is outside [0, 1)");
+  KT_CHECK(o.amsgrad == 0 || o.amsgrad == 1, KT_ERR_INVALID_ARGUMENT, w + "amsgrad must be 0 or 1");
+  KT_CHECK(o.nesterov == 0 || o.nesterov == 1, KT_ERR_INVALID_ARGUMENT,
+           w + "nesterov must be 0 or 1");
   if (o.algorithm == KT_OPTIM_SGD && o.nesterov)
-    check(o.momentum > 0.0 && o.dampening == 0.0, KT_ERR_INVALID_ARGUMENT,
-          w + "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
+    KT_CHECK(o.momentum > 0.0 && o.dampening == 0.0, KT_ERR_INVALID_ARGUMENT,
+             w + "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
 }
 
 const UpdateKernels& update_kernels(kt_isa cap) {
@@ -74,7 +75,6 @@ const UpdateKernels& update_kernels(kt_isa cap) {
 }  // namespace optim
 }  // namespace kt
 
-using kt::check;
 using kt::optim::Span;
 
 std::unique_lock<std::mutex> kt_optimizer::lock_compute() {
@@ -163,18 +163,20 @@ void kt_optimizer::write_layer_item(const Item& item, kt::bf16_t* const packed[3
 
 void kt_optimizer::check_layer(const char* where) {
   if (!layer_mode) return;
-  check(moe != nullptr, KT_ERR_INVALID_HANDLE,
-        std::string(where) + ": the optimizer's layer was destroyed");
+  KT_CHECK(moe != nullptr, KT_ERR_INVALID_HANDLE,
+           std::string(where) + ": the optimizer's layer was destroyed");
   for (Param& p : params) {
     const kt::View* now = moe->bound_view(p.param_id);
-    check(now && now->data == p.param.data && now->dtype == p.param.dtype, KT_ERR_INVALID_ARGUMENT,
-          std::string(where) + ": " + p.name +
-              " was bound again since the optimizer was created (create a new optimizer)");
+    KT_CHECK(now && now->data == p.param.data && now->dtype == p.param.dtype,
+             KT_ERR_INVALID_ARGUMENT,
+             std::string(where) + ": " + p.name +
+                 " was bound again since the optimizer was created (create a new optimizer)");
     // Gradient buffers may be rebound (same shape, checked by kt_moe_bind).
     const kt::View* g = moe->bound_view(p.grad_id);
-    check(g != nullptr, KT_ERR_NOT_BOUND, std::string(where) + ": " + kt::arg_name(p.grad_id) + " is not bound");
-    check(kt::optim::is_compact(*g), KT_ERR_STRIDE,
-          std::string(where) + ": " + kt::arg_name(p.grad_id) + " must be compact row-major");
+    KT_CHECK(g != nullptr, KT_ERR_NOT_BOUND,
+             std::string(where) + ": " + kt::arg_name(p.grad_id) + " is not bound");
+    KT_CHECK(kt::optim::is_compact(*g), KT_ERR_STRIDE,
+             std::string(where) + ": " + kt::arg_name(p.grad_id) + " must be compact row-major");
     p.grad = *g;
   }
 }
@@ -334,20 +336,23 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   const auto& meta = file.header().metadata;
   auto field = [&](const char* key) -> const std::string& {
     auto it = meta.find(key);
-    check(it != meta.end(), KT_ERR_IO, w + ": not a kt optimizer state file (no metadata '" + key + "')");
+    KT_CHECK(it != meta.end(), KT_ERR_IO,
+             w + ": not a kt optimizer state file (no metadata '" + key + "')");
     return it->second;
   };
-  check(field("format") == kFormat && field("format_version") == kFormatVersion, KT_ERR_IO,
-        w + ": not a kt optimizer state file of format version " + kFormatVersion);
+  KT_CHECK(field("format") == kFormat && field("format_version") == kFormatVersion, KT_ERR_IO,
+           w + ": not a kt optimizer state file of format version " + kFormatVersion);
   auto number = [&](const char* key) {
     const std::string& text = field(key);
     char* end = nullptr;
     const double v = std::strtod(text.c_str(), &end);
-    check(!text.empty() && end && *end == '\0', KT_ERR_IO, w + ": metadata '" + key + "' = '" + text + "' is not a number");
+    KT_CHECK(!text.empty() && end && *end == '\0', KT_ERR_IO,
+             w + ": metadata '" + key + "' = '" + text + "' is not a number");
     return v;
   };
-  check(field("algorithm") == algorithm_name(opt.algorithm), KT_ERR_INVALID_ARGUMENT,
-        w + ": saved by a '" + field("algorithm") + "' optimizer, this one is '" + algorithm_name(opt.algorithm) + "'");
+  KT_CHECK(field("algorithm") == algorithm_name(opt.algorithm), KT_ERR_INVALID_ARGUMENT,
+           w + ": saved by a '" + field("algorithm") + "' optimizer, this one is '" +
+               algorithm_name(opt.algorithm) + "'");
   kt_optimizer_options loaded = opt;
   loaded.lr = number("lr");
   loaded.weight_decay = number("weight_decay");
@@ -356,20 +361,20 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   loaded.eps = number("eps");
   auto flag = [&](const char* key) {
     const double v = number(key);
-    check(v == 0.0 || v == 1.0, KT_ERR_IO, w + ": metadata '" + key + "' is not 0 or 1");
+    KT_CHECK(v == 0.0 || v == 1.0, KT_ERR_IO, w + ": metadata '" + key + "' is not 0 or 1");
     return static_cast<int>(v);
   };
   loaded.amsgrad = flag("amsgrad");
   loaded.momentum = number("momentum");
   loaded.dampening = number("dampening");
   loaded.nesterov = flag("nesterov");
-  check(loaded.amsgrad == opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
-        w + ": saved with amsgrad = " + std::to_string(loaded.amsgrad) + ", this optimizer has " +
-            std::to_string(opt.amsgrad));
+  KT_CHECK(loaded.amsgrad == opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
+           w + ": saved with amsgrad = " + std::to_string(loaded.amsgrad) +
+               ", this optimizer has " + std::to_string(opt.amsgrad));
   kt::optim::validate_options(loaded, where);
   const double saved_step = number("step");
-  check(saved_step >= 0 && saved_step < 9.0e15 && saved_step == std::floor(saved_step), KT_ERR_IO,
-        w + ": metadata 'step' is not a step count");
+  KT_CHECK(saved_step >= 0 && saved_step < 9.0e15 && saved_step == std::floor(saved_step),
+           KT_ERR_IO, w + ": metadata 'step' is not a step count");
   const int started = flag("momentum_started");
 
   // Every tensor: present, fp32, the parameter's shape; and nothing else.
@@ -394,21 +399,24 @@ void kt_optimizer::load(const std::string& path, const char* where) {
       const kt::io::TensorEntry* e = nullptr;
       for (const auto& t : file.header().tensors)
         if (t.name == n.first) e = &t;
-      check(e != nullptr, KT_ERR_INVALID_ARGUMENT,
-            w + ": has no tensor '" + n.first + "': it was saved from another optimizer");
-      check(e->dtype == KT_CKPT_DTYPE_F32, KT_ERR_DTYPE,
-            w + ": tensor '" + n.first + "' is " + kt_ckpt_dtype_name(e->dtype) + ", expected F32");
+      KT_CHECK(e != nullptr, KT_ERR_INVALID_ARGUMENT,
+               w + ": has no tensor '" + n.first + "': it was saved from another optimizer");
+      KT_CHECK(
+          e->dtype == KT_CKPT_DTYPE_F32, KT_ERR_DTYPE,
+          w + ": tensor '" + n.first + "' is " + kt_ckpt_dtype_name(e->dtype) + ", expected F32");
       const std::vector<int64_t> want = shape_of(p.param);
-      check(e->shape == want, KT_ERR_SHAPE,
-            w + ": tensor '" + n.first + "' has shape " + kt::shape_string(p.param) +
-                " in this optimizer but another in the file (saved from another layer or shape)");
+      KT_CHECK(
+          e->shape == want, KT_ERR_SHAPE,
+          w + ": tensor '" + n.first + "' has shape " + kt::shape_string(p.param) +
+              " in this optimizer but another in the file (saved from another layer or shape)");
       copies.push_back({n.second, file.tensor_data(*e), static_cast<size_t>(p.numel) * sizeof(float),
                         n.master ? &p : nullptr});
     }
   }
-  check(file.header().tensors.size() == expected, KT_ERR_INVALID_ARGUMENT,
-        w + ": holds " + std::to_string(file.header().tensors.size()) + " tensors, this optimizer has " +
-            std::to_string(expected) + ": it was saved from another optimizer");
+  KT_CHECK(file.header().tensors.size() == expected, KT_ERR_INVALID_ARGUMENT,
+           w + ": holds " + std::to_string(file.header().tensors.size()) +
+               " tensors, this optimizer has " + std::to_string(expected) +
+               ": it was saved from another optimizer");
 
   // Checked: nothing below fails.
   for (const Copy& c : copies) {
@@ -439,10 +447,10 @@ bool is_compact(const View& v) {
 namespace {
 
 View check_any_rank(const DLTensor* t, const char* name, std::initializer_list<DType> dtypes, const char* where) {
-  check(t != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
-  check(t->ndim >= 0 && t->ndim <= kMaxRank, KT_ERR_SHAPE,
-        std::string(where) + ": " + name + " has rank " + std::to_string(t->ndim) + "; at most " +
-            std::to_string(kMaxRank) + " is supported");
+  KT_CHECK(t != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": " + name + " is NULL");
+  KT_CHECK(t->ndim >= 0 && t->ndim <= kMaxRank, KT_ERR_SHAPE,
+           std::string(where) + ": " + name + " has rank " + std::to_string(t->ndim) +
+               "; at most " + std::to_string(kMaxRank) + " is supported");
   switch (t->ndim) {
     case 0: return check_tensor(t, {name, dtypes, {}}, where);
     case 1: return check_tensor(t, {name, dtypes, {-1}}, where);
@@ -460,17 +468,18 @@ const UpdateKernels& kernels_for_engine(const kt_engine* engine, const char* whe
 
 View check_grad(const DLTensor* grad, const View& param, const std::string& name, const char* where) {
   View g = check_any_rank(grad, name.c_str(), {DType::kF32, DType::kBF16}, where);
-  check(g.ndim == param.ndim && std::equal(g.shape, g.shape + g.ndim, param.shape), KT_ERR_SHAPE,
-        std::string(where) + ": " + name + " has shape " + shape_string(g) + ", its parameter " +
-            shape_string(param));
-  check(is_compact(g), KT_ERR_STRIDE, std::string(where) + ": " + name + " must be compact row-major");
+  KT_CHECK(g.ndim == param.ndim && std::equal(g.shape, g.shape + g.ndim, param.shape), KT_ERR_SHAPE,
+           std::string(where) + ": " + name + " has shape " + shape_string(g) + ", its parameter " +
+               shape_string(param));
+  KT_CHECK(is_compact(g), KT_ERR_STRIDE,
+           std::string(where) + ": " + name + " must be compact row-major");
   return g;
 }
 
 kt_optimizer* create_for_tensors(kt_engine* engine, const kt_optimizer_options& o,
                                  const kt_optimizer_param* params, size_t n, const char* where) {
-  check(n >= 1, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": num_params is 0");
-  check(params != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": params is NULL");
+  KT_CHECK(n >= 1, KT_ERR_INVALID_ARGUMENT, std::string(where) + ": num_params is 0");
+  KT_CHECK(params != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": params is NULL");
   std::unique_ptr<kt_optimizer> op(new kt_optimizer);
   op->engine = engine;
   op->opt = o;
@@ -480,7 +489,8 @@ kt_optimizer* create_for_tensors(kt_engine* engine, const kt_optimizer_options& 
     kt_optimizer::Param& p = op->params[i];
     const std::string pname = "params[" + std::to_string(i) + "].param";
     p.param = check_any_rank(params[i].param, pname.c_str(), {DType::kF32}, where);
-    check(is_compact(p.param), KT_ERR_STRIDE, std::string(where) + ": " + pname + " must be compact row-major");
+    KT_CHECK(is_compact(p.param), KT_ERR_STRIDE,
+             std::string(where) + ": " + pname + " must be compact row-major");
     p.grad = check_grad(params[i].grad, p.param, "params[" + std::to_string(i) + "].grad", where);
     p.name = "param." + std::to_string(i);
     p.numel = p.param.numel();
@@ -506,8 +516,9 @@ kt_optimizer* create_for_tensors(kt_engine* engine, const kt_optimizer_options& 
 
 kt_optimizer* create_for_layer(kt_moe* moe, const kt_optimizer_options& o, const char* where) {
   const kt_mode mode = moe->opt.mode;
-  check(mode == KT_MODE_LORA || mode == KT_MODE_FULL, KT_ERR_MODE,
-        std::string(where) + ": the layer is in KT_MODE_INFERENCE: it has no trainable parameters");
+  KT_CHECK(
+      mode == KT_MODE_LORA || mode == KT_MODE_FULL, KT_ERR_MODE,
+      std::string(where) + ": the layer is in KT_MODE_INFERENCE: it has no trainable parameters");
   std::vector<std::pair<int, int>> ids;  // (param, grad)
   if (mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p)
@@ -529,15 +540,17 @@ kt_optimizer* create_for_layer(kt_moe* moe, const kt_optimizer_options& o, const
   for (const auto& id : ids) {
     const char* pname = arg_name(id.first);
     const View* pv = moe->bound_view(id.first);
-    check(pv != nullptr, KT_ERR_NOT_BOUND, std::string(where) + ": " + pname + " is not bound");
-    check(pv->dtype == DType::kF32 || pv->dtype == DType::kBF16, KT_ERR_DTYPE,
-          std::string(where) + ": " + pname + " is " + dtype_name(pv->dtype) +
-              "; the optimizer updates fp32 or bf16 parameters");
-    check(is_compact(*pv), KT_ERR_STRIDE, std::string(where) + ": " + pname + " must be compact row-major");
+    KT_CHECK(pv != nullptr, KT_ERR_NOT_BOUND, std::string(where) + ": " + pname + " is not bound");
+    KT_CHECK(pv->dtype == DType::kF32 || pv->dtype == DType::kBF16, KT_ERR_DTYPE,
+             std::string(where) + ": " + pname + " is " + dtype_name(pv->dtype) +
+                 "; the optimizer updates fp32 or bf16 parameters");
+    KT_CHECK(is_compact(*pv), KT_ERR_STRIDE,
+             std::string(where) + ": " + pname + " must be compact row-major");
     const View* gv = moe->bound_view(id.second);
-    check(gv != nullptr, KT_ERR_NOT_BOUND, std::string(where) + ": " + arg_name(id.second) + " is not bound");
-    check(is_compact(*gv), KT_ERR_STRIDE,
-          std::string(where) + ": " + arg_name(id.second) + " must be compact row-major");
+    KT_CHECK(gv != nullptr, KT_ERR_NOT_BOUND,
+             std::string(where) + ": " + arg_name(id.second) + " is not bound");
+    KT_CHECK(is_compact(*gv), KT_ERR_STRIDE,
+             std::string(where) + ": " + arg_name(id.second) + " must be compact row-major");
     op->params.emplace_back();
     kt_optimizer::Param& p = op->params.back();
     p.name = std::string(pname).substr(7);  // without "KT_ARG_"

@@ -31,9 +31,9 @@ kt_isa effective_isa_cap(kt_isa requested, const char* where) {
   if (!env || !*env) return cap;
   kt_isa env_cap;
   // A typo must not quietly change which kernels (and which precision) run.
-  check(parse_isa(env, &env_cap), KT_ERR_INVALID_ARGUMENT,
-        std::string(where) + ": environment variable KT_MAX_ISA = '" + env +
-            "' is not a kernel level; accepted (any case): ref, avx2, avx512bf16, amx, auto");
+  KT_CHECK(parse_isa(env, &env_cap), KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": environment variable KT_MAX_ISA = '" + env +
+               "' is not a kernel level; accepted (any case): ref, avx2, avx512bf16, amx, auto");
   if (env_cap != KT_ISA_AUTO && env_cap < cap) cap = env_cap;
   return cap;
 }
@@ -127,16 +127,18 @@ kt_engine::~kt_engine() = default;
 
 void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
   const char* w = "kt_engine_set_gemm_backend";
-  kt::check(num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-            std::string(w) + ": " + std::to_string(num_layers.load()) +
-                " layer(s) were created on this engine with its current kernels; set the backend first");
+  KT_CHECK(
+      num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
+      std::string(w) + ": " + std::to_string(num_layers.load()) +
+          " layer(s) were created on this engine with its current kernels; set the backend first");
   if (backend == KT_GEMM_ONEDNN) {
     const kt::Kernels* dnnl = kt::onednn_kernels(*native_kernels);
-    kt::check(dnnl != nullptr, KT_ERR_UNSUPPORTED,
-              std::string(w) + ": KT_GEMM_ONEDNN needs " +
-                  (kt::onednn_compiled() ? "the avx512bf16 or amx kernels (bf16 operands); the engine runs " +
-                                               std::string(kt_isa_name(native_kernels->isa))
-                                         : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
+    KT_CHECK(dnnl != nullptr, KT_ERR_UNSUPPORTED,
+             std::string(w) + ": KT_GEMM_ONEDNN needs " +
+                 (kt::onednn_compiled()
+                      ? "the avx512bf16 or amx kernels (bf16 operands); the engine runs " +
+                            std::string(kt_isa_name(native_kernels->isa))
+                      : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
     kernels = dnnl;
     gemm_backend = KT_GEMM_ONEDNN;
   } else if (backend == KT_GEMM_AUTO) {
