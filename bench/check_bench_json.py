@@ -126,7 +126,9 @@ def main():
         fail(f"output is not JSON: {e}\n{proc.stdout[:2000]}")
 
     require(doc, ["kt", "machine", "settings", "models"], "the document")
-    require(doc["kt"], ["version", "abi", "isa", "threads"], "kt")
+    require(doc["kt"], ["version", "abi", "isa", "threads", "call_overhead_us"], "kt")
+    if not doc["kt"]["call_overhead_us"] or not doc["kt"]["call_overhead_us"] > 0:
+        fail(f"kt: call_overhead_us is {doc['kt']['call_overhead_us']!r}")
     machine = doc["machine"]
     require(machine, ["threads", "peak_gflops", "peak_kind", "dram_read_gbs", "bf16_dot_peak_gflops",
                       "fp32_fma_avx2_peak_gflops"], "machine")
