@@ -2,10 +2,13 @@
 // for transparent huge pages (weights are read in long streams).
 #pragma once
 
+#include <emmintrin.h>
 #include <sys/mman.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <utility>
 
@@ -63,5 +66,33 @@ class Buffer {
   T* data_ = nullptr;
   size_t size_ = 0;
 };
+
+// Zeroes n bytes at p with non-temporal stores (small blocks: memset), for
+// zeros written in bulk and not read soon (the gradients of experts no token
+// reached: tens of MB to GB per step): they are then written without first
+// being read into the caches.
+inline void zero_bytes_streaming(void* p, size_t n) {
+  constexpr size_t kStreamFrom = size_t{4} << 10;
+  if (n < kStreamFrom) {
+    std::memset(p, 0, n);
+    return;
+  }
+  char* c = static_cast<char*>(p);
+  const size_t head = (64 - reinterpret_cast<uintptr_t>(c) % 64) % 64;
+  std::memset(c, 0, head);
+  c += head;
+  n -= head;
+  const __m128i zero = _mm_setzero_si128();
+  size_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(c + i), zero);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 16), zero);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 32), zero);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(c + i + 48), zero);
+  }
+  std::memset(c + i, 0, n - i);
+  // Later reads of these bytes, on any thread, see the zeros.
+  _mm_sfence();
+}
 
 }  // namespace kt

@@ -117,6 +117,12 @@ void kt_moe::write_grad(const View& dst, int64_t e, int64_t row0, const float* s
   const bool unit = dst.shape[last] <= 1 || dst.strides[last] == 1;
   const int64_t step = transpose_src ? rows : 1;
   if (ld == 0) ld = cols;
+  // Zeros into a block whose rows are contiguous: one fill.
+  if (!src && !accumulate && unit && (rows == 1 || dst.ndim != 3 || dst.strides[1] == cols)) {
+    zero_bytes_streaming(dst.ndim == 3 ? dst.at(e, row0, 0) : dst.at(e, row0),
+                         static_cast<size_t>(rows * cols) * dst.elem_size());
+    return;
+  }
   for (int64_t i = 0; i < rows; ++i) {
     const float* s = src ? (transpose_src ? src + i : src + i * ld) : nullptr;
     if (!unit) {  // any strides: element by element

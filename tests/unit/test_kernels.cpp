@@ -61,6 +61,23 @@ PackedRows pack_rows(const kt::Kernels& K, const std::vector<float>& a, int m, i
 
 using kt_test::view2d;
 
+TEST(ZeroBytesStreaming, ZeroesExactlyTheRangeAtAnyAlignment) {
+  std::vector<unsigned char> buf(3 * 8192 + 256);
+  for (size_t n : {size_t{0}, size_t{1}, size_t{100}, size_t{4095}, size_t{4096}, size_t{4097},
+                   size_t{8191 + 64}, size_t{3 * 8192 + 13}}) {
+    for (size_t off : {size_t{0}, size_t{1}, size_t{17}, size_t{63}, size_t{64}, size_t{100}}) {
+      // From a 64-byte boundary inside buf.
+      const size_t base = (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+      std::fill(buf.begin(), buf.end(), 0xAB);
+      kt::zero_bytes_streaming(buf.data() + base + off, n);
+      for (size_t i = 0; i < buf.size(); ++i) {
+        const bool inside = i >= base + off && i < base + off + n;
+        ASSERT_EQ(buf[i], inside ? 0 : 0xAB) << "n " << n << " offset " << off << " byte " << i;
+      }
+    }
+  }
+}
+
 TEST(PackedPanels, PackAndReadBackEveryElement) {
   for (auto dims : {std::pair<int64_t, int64_t>{1, 1}, {16, 2}, {17, 3}, {33, 64}, {5, 129}}) {
     const int64_t n = dims.first, k = dims.second;

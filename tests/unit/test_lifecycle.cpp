@@ -202,33 +202,42 @@ TEST(Training, Bf16ParametersAndGradientBuffers) {
 }
 
 TEST(Training, OverwriteZeroesExpertsNoTokenReached) {
-  for (kt_mode mode : {KT_MODE_LORA, KT_MODE_FULL}) {
-    Case c = lora_case();
-    c.mode = mode;
-    c.E = 6; c.K = 1; c.T = 2; c.bias = mode == KT_MODE_FULL;
-    Runner run(c, KT_ISA_AVX2);
-    if (!run.isa_available()) GTEST_SKIP();
-    // Stale values from an earlier window must not survive an overwrite.
-    for (int p = 0; p < 3; ++p) {
-      Tensor* bufs[] = {run.gla_[p].get(), run.glb_[p].get(), run.gW_[p].get(), run.gb_[p].get()};
-      for (Tensor* t : bufs)
-        if (t) for (int64_t i = 0; i < t->numel(); ++i) t->set(i, 7.0);
-    }
-    kt_context* ctx = nullptr;
-    ASSERT_EQ(run.forward(&ctx), KT_OK);
-    ASSERT_EQ(run.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
-    kt_context_release(ctx);
-    kt::reference::Grads g = run.ref_backward();
-    for (int p = 0; p < 3; ++p) {
-      if (mode == KT_MODE_LORA) {
-        EXPECT_LE(rel_l2(run.grad_lora(p, false), g.dla[p]), 1e-5) << p;
-        EXPECT_LE(rel_l2(run.grad_lora(p, true), g.dlb[p]), 1e-5) << p;
-      } else {
-        EXPECT_LE(rel_l2(run.grad_full(p, false), g.dW[p]), 1e-5) << p;
-        EXPECT_LE(rel_l2(run.grad_full(p, true), g.db[p]), 1e-5) << p;
+  // Small blocks, and blocks of KBs at offsets that are not multiples of
+  // 64 bytes (those are zeroed with streaming stores).
+  for (int64_t H : {48, 1030})
+    for (kt_mode mode : {KT_MODE_LORA, KT_MODE_FULL}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + (mode == KT_MODE_LORA ? " lora" : " full"));
+      Case c = lora_case();
+      c.mode = mode;
+      c.H = H;
+      c.E = 6;
+      c.K = 1;
+      c.T = 2;
+      c.bias = mode == KT_MODE_FULL;
+      Runner run(c, KT_ISA_AVX2);
+      if (!run.isa_available()) GTEST_SKIP();
+      // Stale values from an earlier window must not survive an overwrite.
+      for (int p = 0; p < 3; ++p) {
+        Tensor* bufs[] = {run.gla_[p].get(), run.glb_[p].get(), run.gW_[p].get(), run.gb_[p].get()};
+        for (Tensor* t : bufs)
+          if (t)
+            for (int64_t i = 0; i < t->numel(); ++i) t->set(i, 7.0);
+      }
+      kt_context* ctx = nullptr;
+      ASSERT_EQ(run.forward(&ctx), KT_OK);
+      ASSERT_EQ(run.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+      kt_context_release(ctx);
+      kt::reference::Grads g = run.ref_backward();
+      for (int p = 0; p < 3; ++p) {
+        if (mode == KT_MODE_LORA) {
+          EXPECT_LE(rel_l2(run.grad_lora(p, false), g.dla[p]), 1e-5) << p;
+          EXPECT_LE(rel_l2(run.grad_lora(p, true), g.dlb[p]), 1e-5) << p;
+        } else {
+          EXPECT_LE(rel_l2(run.grad_full(p, false), g.dW[p]), 1e-5) << p;
+          EXPECT_LE(rel_l2(run.grad_full(p, true), g.db[p]), 1e-5) << p;
+        }
       }
     }
-  }
 }
 
 TEST(Training, ParamsChangedIsSeenByTheNextForward) {
