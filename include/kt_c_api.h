@@ -185,11 +185,8 @@ typedef enum kt_precision {
 
 typedef struct kt_engine_options {
   size_t struct_size; /* sizeof(kt_engine_options); set by _init */
-  int num_threads;    /* threads that compute: the calling thread and num_threads - 1
-                         workers; 0 = one per CPU in the affinity mask */
-  int pin_threads;    /* 1 = pin worker i (1..) to the i-th CPU of the mask; the first
-                         CPU is left to the calling thread, which kt never pins
-                         (default 1) */
+  int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask */
+  int pin_threads;    /* 1 = pin worker i to the i-th CPU of the mask (default 1) */
   kt_isa max_isa;     /* cap; KT_ISA_AUTO = best, itself capped by env KT_MAX_ISA
                          (ref|avx2|avx512bf16|amx|auto, any case; another value
                          fails kt_engine_create with KT_ERR_INVALID_ARGUMENT) */
@@ -217,7 +214,7 @@ KT_API kt_status kt_engine_destroy(kt_engine* engine);
 
 typedef struct kt_engine_info {
   size_t struct_size;      /* set by the caller to sizeof(kt_engine_info) */
-  int num_threads;         /* threads that compute, the calling thread included */
+  int num_threads;         /* worker threads */
   kt_isa isa;              /* kernels in use */
   kt_isa cpu_isa;          /* best the CPU runs */
   const char* kernel_name; /* e.g. "gemm_bf16_bf16_f32_8x64__avx512bf16"; owned by the engine */

@@ -149,7 +149,7 @@ def main(argv=None):
                     help="full mode: dtype of the expert weight parameters")
     ap.add_argument("--optimizer", choices=("kt", "torch"), default="kt")
     ap.add_argument("--lr", type=float, default=None, help="default 1e-2 (lora), 2e-3 (full)")
-    ap.add_argument("--threads", type=int, default=0, help="kt threads, this one included (0 = all CPUs)")
+    ap.add_argument("--threads", type=int, default=0, help="kt worker threads (0 = all CPUs)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 

@@ -49,7 +49,7 @@ def parse_args():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--precision", choices=["default", "fp32"], default="default",
                    help="kt engine precision (fp32: fp32 activations in the weight GEMMs)")
-    p.add_argument("--threads", type=int, default=0, help="kt threads, this one included (0 = every CPU)")
+    p.add_argument("--threads", type=int, default=0, help="kt worker threads (0 = every CPU)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 

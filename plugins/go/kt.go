@@ -195,7 +195,7 @@ func closedError(what string) error {
 // EngineOptions are the settings of an engine; the zero value of a field
 // means kt's default.
 type EngineOptions struct {
-	NumThreads int  // threads that compute, the caller's included; 0 = one per CPU of the affinity mask
+	NumThreads int  // worker threads; 0 = one per CPU of the affinity mask
 	NoPinning  bool // do not pin workers to CPUs
 	Verbosity  int  // log level to stderr; 0 = from KT_VERBOSE
 	// FP32Precision keeps fp32 activations fp32 in the weight GEMMs

@@ -3,7 +3,6 @@
 #include <pthread.h>
 #include <sched.h>
 
-#include <immintrin.h>
 #include <chrono>
 
 namespace kt {
@@ -23,10 +22,9 @@ std::vector<int> allowed_cpus() {
   return cpus;
 }
 
-ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus)
-    : size_(num_threads > 1 ? num_threads : 1) {
-  workers_.reserve(static_cast<size_t>(size_ - 1));
-  for (int i = 1; i < size_; ++i) {
+ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus) {
+  workers_.reserve(static_cast<size_t>(num_threads));
+  for (int i = 0; i < num_threads; ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
     if (!cpus.empty()) {
       cpu_set_t set;
@@ -53,33 +51,20 @@ bool ThreadPool::spin_until(Cond cond) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 1;; ++i) {
     if (cond()) return true;
-    // First pause-spin (~20 us): a sched_yield is a system call (about a
-    // microsecond, more in a VM), which delayed each hand-off by that much.
-    if (i < 1024) {
-      _mm_pause();
-      continue;
-    }
-    // Then sched_yield lets a thread waiting for this CPU run; with nothing
-    // else to run it returns at once.
+    // sched_yield lets a thread waiting for this CPU (the caller, a worker)
+    // run; with nothing else to run it returns at once.
     sched_yield();
     if (i % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) return cond();
   }
 }
 
-void ThreadPool::take_items(Thunk thunk, void* fn, int64_t n, int index) {
-  for (;;) {
-    const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
-    if (item >= n) return;
-    try {
-      thunk(fn, item, index);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!error_) error_ = std::current_exception();
-    }
-  }
-}
-
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
+  // A single item runs on the caller (as index 0; the workers are idle
+  // between runs): waking a worker would only add the hand-off.
+  if (n == 1) {
+    thunk(fn, 0, 0);
+    return;
+  }
   {
     std::lock_guard<std::mutex> lock(mutex_);
     thunk_ = thunk;
@@ -87,13 +72,10 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    // A single item runs on the caller: waking workers would only add the
-    // hand-off.
-    active_.store(n > 1 ? static_cast<int>(workers_.size()) : 0, std::memory_order_relaxed);
-    if (n > 1 && !workers_.empty()) generation_.fetch_add(1, std::memory_order_release);
+    active_.store(size(), std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_release);
   }
-  if (n > 1 && !workers_.empty()) wake_.notify_all();
-  take_items(thunk, fn, n, 0);
+  wake_.notify_all();
   if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
     std::unique_lock<std::mutex> lock(mutex_);
     done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
@@ -127,7 +109,16 @@ void ThreadPool::worker_loop(int index) {
       fn = fn_;
       n = n_;
     }
-    take_items(thunk, fn, n, index);
+    for (;;) {
+      const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
+      if (item >= n) break;
+      try {
+        thunk(fn, item, index);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (!error_) error_ = std::current_exception();
+      }
+    }
     // The last worker out wakes the caller (under the lock, so a caller
     // between its check and its wait cannot miss it).
     if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {

@@ -1,12 +1,6 @@
-// The engine's worker pool: the calling thread plus persistent (optionally
-// pinned) workers self-schedule work items from an atomic counter. No
-// allocation per run. Results are deterministic when each item writes only
-// its own outputs.
-//
-// The caller computes as participant 0 rather than waiting: with as many
-// participants as CPUs, a waiting caller shares a CPU with a worker and each
-// run pays context switches (a decode forward makes three runs), and one
-// thread needs no worker at all.
+// The engine's worker pool: persistent (optionally pinned) threads that
+// self-schedule work items from an atomic counter. No allocation per run.
+// Results are deterministic when each item writes only its own outputs.
 #pragma once
 
 #include <atomic>
@@ -21,21 +15,18 @@ namespace kt {
 
 class ThreadPool {
  public:
-  // num_threads participants (at least 1): the caller of run() and
-  // num_threads - 1 workers. cpus: CPU ids to pin worker i (1..) to
-  // cpus[i % size] (empty = not pinned); cpus[0] is left to the caller,
-  // which is the host's thread and is not pinned.
+  // cpus: CPU ids to pin worker i to cpus[i] (empty = not pinned).
   ThreadPool(int num_threads, const std::vector<int>& cpus);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return size_; }
+  int size() const { return static_cast<int>(workers_.size()); }
 
-  // Runs fn(item, thread_index) for item in [0, n) on the caller (index 0)
-  // and the workers, and returns when all are done. Rethrows the first
-  // exception an item threw (the other items still run). One run at a time
-  // (callers serialise on the engine).
+  // Runs fn(item, thread_index) for item in [0, n) on the workers (a single
+  // item on the caller, as index 0) and returns when all are done. Rethrows
+  // the first exception an item threw (the other items still run). One run
+  // at a time (callers serialise on the engine).
   template <class F>
   void run(int64_t n, F&& fn) {
     if (n <= 0) return;
@@ -47,16 +38,13 @@ class ThreadPool {
   using Thunk = void (*)(void*, int64_t, int);
   void run_impl(int64_t n, Thunk thunk, void* fn);
   void worker_loop(int index);
-  // Takes items from the counter until none are left.
-  void take_items(Thunk thunk, void* fn, int64_t n, int index);
 
-  // Waits briefly (spinning, then yielding the CPU) for cond before the caller falls back
+  // Waits briefly (yielding the CPU) for cond before the caller falls back
   // to its condition variable: runs come in quick succession (a layer's
   // stages), and a sleep/wake pair costs tens of microseconds.
   template <class Cond>
   static bool spin_until(Cond cond);
 
-  int size_ = 1;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;

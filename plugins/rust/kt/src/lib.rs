@@ -251,9 +251,9 @@ fn raw_args(args: &[Arg<'_, '_>]) -> Vec<sys::kt_arg> {
 /// Engine settings; `None`/defaults keep kt's choices.
 #[derive(Clone, Debug, Default)]
 pub struct EngineOptions {
-    /// Threads that compute, the calling thread included; 0 = one per CPU of the affinity mask.
+    /// Worker threads; 0 = one per CPU of the affinity mask.
     pub num_threads: i32,
-    /// Pin worker i (1..) to the i-th CPU; the calling thread is never pinned (kt's default: yes).
+    /// Pin worker i to the i-th CPU (kt's default: yes).
     pub pin_threads: Option<bool>,
     /// Log level to stderr; None = from the environment (KT_VERBOSE).
     pub verbosity: Option<i32>,
@@ -317,7 +317,7 @@ impl Engine {
         Ok(info)
     }
 
-    /// Threads that compute, the calling thread included.
+    /// Worker threads of the engine.
     pub fn num_threads(&self) -> Result<i32> {
         Ok(self.info()?.num_threads)
     }
