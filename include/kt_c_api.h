@@ -185,7 +185,8 @@ typedef enum kt_precision {
 
 typedef struct kt_engine_options {
   size_t struct_size; /* sizeof(kt_engine_options); set by _init */
-  int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask */
+  int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask; 1 = kt
+                         computes on the calling thread (no worker) */
   int pin_threads;    /* 1 = pin worker i to the i-th CPU of the mask (default 1) */
   kt_isa max_isa;     /* cap; KT_ISA_AUTO = best, itself capped by env KT_MAX_ISA
                          (ref|avx2|avx512bf16|amx|auto, any case; another value

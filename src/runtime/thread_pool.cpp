@@ -22,9 +22,12 @@ std::vector<int> allowed_cpus() {
   return cpus;
 }
 
-ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus) {
-  workers_.reserve(static_cast<size_t>(num_threads));
-  for (int i = 0; i < num_threads; ++i) {
+ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus)
+    : size_(num_threads > 1 ? num_threads : 1) {
+  // One thread computes on the caller: a worker would only add hand-offs.
+  if (size_ == 1) return;
+  workers_.reserve(static_cast<size_t>(size_));
+  for (int i = 0; i < size_; ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
     if (!cpus.empty()) {
       cpu_set_t set;
@@ -59,10 +62,19 @@ bool ThreadPool::spin_until(Cond cond) {
 }
 
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
-  // A single item runs on the caller (as index 0; the workers are idle
-  // between runs): waking a worker would only add the hand-off.
-  if (n == 1) {
-    thunk(fn, 0, 0);
+  // A single item, or every item of a one-thread pool, runs on the caller
+  // (as index 0; the workers are idle between runs): a worker would only
+  // add the hand-off.
+  if (n == 1 || workers_.empty()) {
+    std::exception_ptr first;
+    for (int64_t item = 0; item < n; ++item) {
+      try {
+        thunk(fn, item, 0);
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+    }
+    if (first) std::rethrow_exception(first);
     return;
   }
   {

@@ -21,12 +21,13 @@ class ThreadPool {
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
-  int size() const { return static_cast<int>(workers_.size()); }
+  // Threads that compute: the workers, or the caller alone in a pool of one.
+  int size() const { return size_; }
 
   // Runs fn(item, thread_index) for item in [0, n) on the workers (a single
-  // item on the caller, as index 0) and returns when all are done. Rethrows
-  // the first exception an item threw (the other items still run). One run
-  // at a time (callers serialise on the engine).
+  // item, or all in a pool of one, on the caller as index 0) and returns when all are done.
+  // Rethrows the first exception an item threw (the other items still run). One run at a time
+  // (callers serialise on the engine).
   template <class F>
   void run(int64_t n, F&& fn) {
     if (n <= 0) return;
@@ -45,6 +46,7 @@ class ThreadPool {
   template <class Cond>
   static bool spin_until(Cond cond);
 
+  int size_ = 1;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;
