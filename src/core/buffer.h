@@ -1,5 +1,6 @@
 // Owned, 64-byte aligned buffers. Large ones are 2 MiB aligned and advised
-// for transparent huge pages (weights are read in long streams).
+// for transparent huge pages (weights are read in long streams). And a bulk
+// zero fill that bypasses the caches.
 #pragma once
 
 #include <emmintrin.h>

@@ -118,8 +118,8 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
   log(1, std::string("engine: cpu isa ") + kt_isa_name(cpu_isa) + ", kernels " +
              kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
-             (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " + std::to_string(n) +
-             " threads" + (o.pin_threads ? " pinned" : ""));
+             (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " +
+             std::to_string(n) + " threads" + (o.pin_threads && n > 1 ? " pinned" : ""));
   if (!auto_note.empty()) log(1, "engine: " + auto_note);
 }
 

@@ -61,22 +61,24 @@ bool ThreadPool::spin_until(Cond cond) {
   }
 }
 
+void ThreadPool::take_items(Thunk thunk, void* fn, int64_t n, int index) {
+  for (;;) {
+    const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
+    if (item >= n) return;
+    try {
+      thunk(fn, item, index);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+    }
+  }
+}
+
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
   // A single item, or every item of a one-thread pool, runs on the caller
   // (as index 0; the workers are idle between runs): a worker would only
   // add the hand-off.
-  if (n == 1 || workers_.empty()) {
-    std::exception_ptr first;
-    for (int64_t item = 0; item < n; ++item) {
-      try {
-        thunk(fn, item, 0);
-      } catch (...) {
-        if (!first) first = std::current_exception();
-      }
-    }
-    if (first) std::rethrow_exception(first);
-    return;
-  }
+  const bool on_caller = n == 1 || workers_.empty();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     thunk_ = thunk;
@@ -84,13 +86,19 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
-    active_.store(size(), std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_release);
+    if (!on_caller) {
+      active_.store(size(), std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+    }
   }
-  wake_.notify_all();
-  if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+  if (on_caller) {
+    take_items(thunk, fn, n, 0);
+  } else {
+    wake_.notify_all();
+    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
+    }
   }
   std::lock_guard<std::mutex> lock(mutex_);
   thunk_ = nullptr;
@@ -121,16 +129,7 @@ void ThreadPool::worker_loop(int index) {
       fn = fn_;
       n = n_;
     }
-    for (;;) {
-      const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
-      if (item >= n) break;
-      try {
-        thunk(fn, item, index);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) error_ = std::current_exception();
-      }
-    }
+    take_items(thunk, fn, n, index);
     // The last worker out wakes the caller (under the lock, so a caller
     // between its check and its wait cannot miss it).
     if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {

@@ -39,6 +39,9 @@ class ThreadPool {
   using Thunk = void (*)(void*, int64_t, int);
   void run_impl(int64_t n, Thunk thunk, void* fn);
   void worker_loop(int index);
+  // Runs items from the shared counter until none are left; an item's
+  // exception is kept (the first) and the next item taken.
+  void take_items(Thunk thunk, void* fn, int64_t n, int index);
 
   // Waits briefly (yielding the CPU) for cond before the caller falls back
   // to its condition variable: runs come in quick succession (a layer's
