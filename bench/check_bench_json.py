@@ -131,7 +131,13 @@ def main():
         fail(f"kt: call_overhead_us is {doc['kt']['call_overhead_us']!r}")
     machine = doc["machine"]
     require(machine, ["threads", "peak_gflops", "peak_kind", "dram_read_gbs", "bf16_dot_peak_gflops",
-                      "fp32_fma_avx2_peak_gflops"], "machine")
+                      "fp32_fma_avx2_peak_gflops", "avx512_vnni", "int8_dot_peak_gops", "int16_dot_peak_gops",
+                      "amx_int8", "amx_int8_peak_gops"], "machine")
+    # A CPU that reports a feature has its peak measured.
+    for feature, peak in (("avx512_vnni", "int8_dot_peak_gops"), ("avx512_vnni", "int16_dot_peak_gops"),
+                          ("amx_int8", "amx_int8_peak_gops")):
+        if machine[feature] and not (machine[peak] or 0) > 0:
+            fail(f"machine: {feature} but {peak} is {machine[peak]!r}")
     if not machine["peak_gflops"] or machine["peak_gflops"] <= 0:
         fail("no compute peak measured")
     if not machine["dram_read_gbs"] or machine["dram_read_gbs"] <= 0:

@@ -652,6 +652,23 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
               fmt("%.0f", m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN).c_str(),
               fmt("%.0f", m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN).c_str(), fmt("%.1f", m.dram_read_gbs).c_str(),
               static_cast<double>(m.dram_buffer_bytes) / (1 << 20));
+  // What int8 or int16 activations could gain: kt keeps bf16 activations
+  // (their error bound), so these are the machine's, not kt's.
+  const auto ratio_to_bf16 = [&](double gops) {
+    return m.has_avx512bf16 && m.bf16_dot_gflops > 0
+               ? fmt(" (%.2fx bf16 dot)", gops / m.bf16_dot_gflops)
+               : std::string();
+  };
+  std::printf(
+      "integer dot, %d threads: int8 vpdpbusd %s, int16 vpdpwssd %s, AMX-INT8 %s\n", m.threads,
+      m.has_avx512vnni
+          ? (fmt("%.0f GOP/s", m.int8_dot_gops) + ratio_to_bf16(m.int8_dot_gops)).c_str()
+          : "none",
+      m.has_avx512vnni
+          ? (fmt("%.0f GOP/s", m.int16_dot_gops) + ratio_to_bf16(m.int16_dot_gops)).c_str()
+          : "none",
+      m.has_amx_int8 ? (fmt("%.0f GOP/s", m.amx_int8_gops) + ratio_to_bf16(m.amx_int8_gops)).c_str()
+                     : "none");
   std::printf("peak used for %%peak: %s = %.0f GFLOP/s; medians of %d reps after %d warm-up%s\n", lim.peak_kind.c_str(),
               lim.peak_gflops, o.reps, o.warmup, o.quick ? " (quick: smoke only, not a measurement)" : "");
   for (const ModelReport& mr : models) {
@@ -814,6 +831,11 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
   j.key("bf16_dot_peak_gflops").value(m.has_avx512bf16 ? m.bf16_dot_gflops : NAN);
   j.key("amx_bf16").value(m.has_amx_bf16);
   j.key("amx_bf16_peak_gflops").value(m.has_amx_bf16 ? m.amx_bf16_gflops : NAN);
+  j.key("avx512_vnni").value(m.has_avx512vnni);
+  j.key("int8_dot_peak_gops").value(m.has_avx512vnni ? m.int8_dot_gops : NAN);
+  j.key("int16_dot_peak_gops").value(m.has_avx512vnni ? m.int16_dot_gops : NAN);
+  j.key("amx_int8").value(m.has_amx_int8);
+  j.key("amx_int8_peak_gops").value(m.has_amx_int8 ? m.amx_int8_gops : NAN);
   j.key("fp32_fma_avx512_peak_gflops").value(m.has_avx512f ? m.fp32_fma_avx512_gflops : NAN);
   j.key("fp32_fma_avx2_peak_gflops").value(m.has_avx2_fma ? m.fp32_fma_avx2_gflops : NAN);
   j.key("peak_gflops").value(lim.peak_gflops);

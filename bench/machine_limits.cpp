@@ -132,12 +132,20 @@ MachineLimits measure_machine_limits(int threads, bool quick) {
   // About 0.3 s per timed run at a few hundred GFLOP/s per core (0.03 s quick).
   const int64_t iterations = quick ? 2'000'000 : 20'000'000;
   const int tries = quick ? 1 : 3;
+  m.has_avx512vnni = m.has_avx512f && __builtin_cpu_supports("avx512vnni");
   if (m.has_avx512bf16) m.bf16_dot_gflops = peak_gflops(m.threads, iterations / 2, tries, run_bf16_dot_avx512bf16);
+  if (m.has_avx512vnni) {
+    m.int8_dot_gops = peak_gflops(m.threads, iterations / 2, tries, run_int8_dot_avx512vnni);
+    m.int16_dot_gops = peak_gflops(m.threads, iterations / 2, tries, run_int16_dot_avx512vnni);
+  }
 #if KT_BENCH_HAVE_AMX
-  m.has_amx_bf16 = m.has_avx512bf16 && __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-tile") &&
-                   request_amx_permission();
+  const bool tiles = __builtin_cpu_supports("amx-tile") && request_amx_permission();
+  m.has_amx_bf16 = m.has_avx512bf16 && tiles && __builtin_cpu_supports("amx-bf16");
+  m.has_amx_int8 = tiles && __builtin_cpu_supports("amx-int8");
   // A tdpbf16ps is 16384 FLOPs: far fewer iterations for the same time.
   if (m.has_amx_bf16) m.amx_bf16_gflops = peak_gflops(m.threads, iterations / 64, tries, run_bf16_tile_amx);
+  if (m.has_amx_int8)
+    m.amx_int8_gops = peak_gflops(m.threads, iterations / 128, tries, run_int8_tile_amx);
 #endif
   if (m.has_avx512f) m.fp32_fma_avx512_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx512);
   if (m.has_avx2_fma) m.fp32_fma_avx2_gflops = peak_gflops(m.threads, iterations, tries, run_fp32_fma_avx2);

@@ -14,9 +14,17 @@ struct MachineLimits {
   bool has_avx2_fma = false;
   bool has_avx512f = false;
   bool has_avx512bf16 = false;
+  bool has_avx512vnni = false;
   bool has_amx_bf16 = false;        // CPU reports AMX-BF16 and the OS granted the tile state
+  bool has_amx_int8 = false;        // CPU reports AMX-INT8 and the OS granted the tile state
   double bf16_dot_gflops = 0;       // vdpbf16ps, all threads; 0 when the CPU has no AVX512_BF16
+  // Integer dot products (GOP/s: a multiply and an add per product), what an
+  // int8 or int16 activation path would run: vpdpbusd and vpdpwssd (0
+  // without AVX512_VNNI), tdpbssd (0 without AMX-INT8).
+  double int8_dot_gops = 0;
+  double int16_dot_gops = 0;
   double amx_bf16_gflops = 0;       // tdpbf16ps, all threads; 0 without AMX-BF16 (or a build without it)
+  double amx_int8_gops = 0;
   double fp32_fma_avx512_gflops = 0;  // 512-bit FMA, all threads; 0 without AVX-512F
   double fp32_fma_avx2_gflops = 0;    // 256-bit FMA, all threads (the AVX2 path's roof)
   double dram_read_gbs = 0;         // multi-threaded streaming read of a buffer >> L3
@@ -30,9 +38,13 @@ MachineLimits measure_machine_limits(int threads, bool quick);
 
 // Per-ISA loops, each in its own translation unit with its own flags; a
 // caller reaches them only after checking the CPU. Each returns the FLOPs it
-// executed (or, for the read, a checksum that keeps the loads alive).
+// executed (integer ops for the int8/int16 loops; for the read, a checksum
+// that keeps the loads alive).
 double run_bf16_dot_avx512bf16(int64_t iterations);
+double run_int8_dot_avx512vnni(int64_t iterations);
+double run_int16_dot_avx512vnni(int64_t iterations);
 double run_bf16_tile_amx(int64_t iterations);
+double run_int8_tile_amx(int64_t iterations);
 bool request_amx_permission();  // the tile data state for this process (Linux arch_prctl)
 double run_fp32_fma_avx512(int64_t iterations);
 double run_fp32_fma_avx2(int64_t iterations);
