@@ -95,6 +95,21 @@ struct QuantPanels {
   int64_t group = 0;  // K per scale, a multiple of 32 dividing kq
 };
 
+// ---- int8 compute (KT_COMPUTE_INT8): activations quantized to int8 per row.
+// An int8 A row of K kq (int8_row_bytes(kq, group) bytes, kept 64-byte
+// aligned by its stride): kq int8 codes q (zero past the row's values), then
+// kq / group int32 sums of the codes of each group of K, then the fp32 scale
+// s; the row stands for s * q. With nibble_order (rows for 4-bit weights)
+// each quad of codes is stored as (k, k + 2, k + 1, k + 3): the order in
+// which a 32-byte step of 4-bit panels expands into bytes (kernels.h's
+// nibble layout, formats/packed_quant.h), so the codes meet their weights
+// without a shuffle.
+int64_t int8_row_bytes(int64_t kq, int64_t group);
+// s = max |x| / 127 (0 for a row of zeros; NaN when x holds a NaN or an
+// infinity, which then reaches every output of the row); q = x * (127 /
+// max |x|) rounded to the nearest integer, ties to even.
+void quantize_int8_row(const float* x, int64_t k, int64_t kq, int64_t group, bool nibble_order, void* row);
+
 struct Kernels {
   kt_isa isa;
   const char* gemm_name;  // the contract-naming name of the weight GEMM
@@ -209,6 +224,16 @@ struct Kernels {
                      bool accumulate, const PrefetchRegion& next);
   int gemm_quant_rows_8bit;
   int gemm_quant_rows_4bit;
+  // Int8 compute on a symmetric integer base (w.code kInt, no zero points;
+  // int8 per channel, group = kq, or int4 groups): for r < m, p < np, c < 16,
+  // C[r, 16p + c] (=|+=) s_r * sum over groups j, in order, of
+  // scale(p, j, c) * d_j, d_j = sum over k in group j of q_r[k] * code(p, c, k)
+  // in int32 (exact); each d_j is converted to fp32 once and taken into an
+  // fp32 sum by fma, which is multiplied by s_r last. a_rows: int8 A rows of
+  // w.kq (int8_row_bytes(w.kq, w.group); nibble_order for 4-bit codes).
+  // Every table computes the same bits. next: as gemm_quant's.
+  void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
+                    bool accumulate, const PrefetchRegion& next);
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

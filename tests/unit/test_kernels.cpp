@@ -691,6 +691,119 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
         }
 }
 
+// Int8 A rows (KT_COMPUTE_INT8): known answers of the quantizer.
+TEST(Int8Rows, QuantizeKnownAnswers) {
+  // max |x| = 127: the codes are x rounded to nearest, ties to even.
+  const std::vector<float> x = {2.5f, 3.5f, -0.5f, 127.f, -126.6f, 0.49f, -1.5f, 7.f, 1.f};
+  const int64_t kq = 32, group = 32;
+  for (bool nibble_order : {false, true}) {
+    std::vector<uint8_t> row(static_cast<size_t>(kt::int8_row_bytes(kq, group)), 0xee);
+    kt::quantize_int8_row(x.data(), static_cast<int64_t>(x.size()), kq, group, nibble_order, row.data());
+    const int8_t want[9] = {2, 4, 0, 127, -127, 0, -2, 7, 1};
+    // Logical k at stored position (k, k+2, k+1, k+3 per quad) for 4-bit weights.
+    const int at[9] = {0, 2, 1, 3, 4, 6, 5, 7, 8};
+    for (int k = 0; k < 9; ++k)
+      EXPECT_EQ(static_cast<int8_t>(row[static_cast<size_t>(nibble_order ? at[k] : k)]), want[k]) << "k=" << k;
+    for (int64_t k = 9; k < kq; ++k) EXPECT_EQ(row[static_cast<size_t>(k)], 0) << "padding k=" << k;
+    int32_t sum;
+    std::memcpy(&sum, row.data() + kq, 4);
+    EXPECT_EQ(sum, 2 + 4 + 0 + 127 - 127 + 0 - 2 + 7 + 1);
+    float s;
+    std::memcpy(&s, row.data() + kq + 4, 4);
+    EXPECT_EQ(s, 1.f);
+  }
+  // Scale max / 127; sums per group; a row of zeros has scale 0; a NaN or
+  // an infinity makes the scale NaN.
+  std::vector<float> y(64, 0.f);
+  y[0] = 0.5f;
+  y[40] = -1.f;
+  std::vector<uint8_t> row(static_cast<size_t>(kt::int8_row_bytes(64, 32)));
+  kt::quantize_int8_row(y.data(), 64, 64, 32, false, row.data());
+  EXPECT_EQ(static_cast<int8_t>(row[0]), 64);  // 0.5 * 127 = 63.5 -> 64 (even)
+  EXPECT_EQ(static_cast<int8_t>(row[40]), -127);
+  int32_t sums[2];
+  std::memcpy(sums, row.data() + 64, 8);
+  EXPECT_EQ(sums[0], 64);
+  EXPECT_EQ(sums[1], -127);
+  float s;
+  std::memcpy(&s, row.data() + 64 + 8, 4);
+  EXPECT_EQ(s, 1.f / 127.f);
+  std::fill(y.begin(), y.end(), 0.f);
+  kt::quantize_int8_row(y.data(), 64, 64, 32, false, row.data());
+  std::memcpy(&s, row.data() + 64 + 8, 4);
+  EXPECT_EQ(s, 0.f);
+  for (float bad : {NAN, INFINITY}) {
+    y[3] = bad;
+    kt::quantize_int8_row(y.data(), 64, 64, 32, false, row.data());
+    std::memcpy(&s, row.data() + 64 + 8, 4);
+    EXPECT_TRUE(std::isnan(s));
+  }
+  EXPECT_EQ(kt::int8_row_bytes(2048, 32) % 64, 0);
+  EXPECT_GE(kt::int8_row_bytes(2048, 32), 2048 + 4 * 64 + 4);
+}
+
+// gemm_int8 on int8 A rows: bit for bit the reference table's (the same
+// integer sums and fp32 operations), and against double loops over the
+// values quant_get reads (an independent reading of the codes); row and
+// panel tails, accumulate, columns past the panels untouched.
+TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
+  const kt::Kernels& K = *GetParam();
+  const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128})
+    for (int64_t k : {128, 384})
+      for (int np : {1, 2, 4, 5, 7})
+        for (int m : {1, 2, 3, 4, 5, 7, 13}) {
+          const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
+          ASSERT_EQ(s.kq, k);
+          std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
+          for (int64_t i = 0; i < s.scales_offset; ++i) ex[static_cast<size_t>(i)] = static_cast<uint8_t>(byte(rng));
+          for (int64_t i = 0; i < np * s.scale_panel; ++i) {
+            const bf16_t b = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
+            std::memcpy(ex.data() + s.scales_offset + i * 2, &b, 2);
+          }
+          const int64_t stride = kt::int8_row_bytes(k, s.group);
+          std::vector<uint8_t> data(static_cast<size_t>(m * stride));
+          std::vector<const void*> rows;
+          std::vector<float> x(static_cast<size_t>(k));
+          for (int i = 0; i < m; ++i) {
+            for (auto& v : x) v = nd(rng);
+            kt::quantize_int8_row(x.data(), k - 3, k, s.group, s.bits == 4, data.data() + i * stride);
+            rows.push_back(data.data() + i * stride);
+          }
+          const int64_t ldc = np * 16 + 3;
+          for (bool acc : {false, true}) {
+            std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f), want(c);
+            K.gemm_int8(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc,
+                        kt::quant_panel_block(ex.data(), s, 0, np * 16));
+            R.gemm_int8(s.panels(ex.data(), 0), rows.data(), m, np, want.data(), ldc, acc, kt::PrefetchRegion{});
+            for (size_t i = 0; i < c.size(); ++i)
+              ASSERT_EQ(c[i], want[i]) << K.gemm_name << " " << kt_weight_format_name(f) << " k=" << k
+                                       << " np=" << np << " m=" << m << " acc=" << acc << " at " << i;
+            for (int i = 0; i < m; ++i) {
+              const uint8_t* row = data.data() + i * stride;
+              float sr;
+              std::memcpy(&sr, row + k + 4 * (k / s.group), 4);
+              for (int64_t col = 0; col < np * 16; ++col) {
+                double sum = 0.0, mag = 0.0;
+                for (int64_t kk = 0; kk < k; ++kk) {
+                  const int64_t at = s.bits == 4 ? (kk & ~int64_t{3}) | ((kk & 1) << 1) | ((kk >> 1) & 1) : kk;
+                  const double t = static_cast<int8_t>(row[at]) * static_cast<double>(kt::quant_get(ex.data(), s, col, kk));
+                  sum += t;
+                  mag += std::fabs(t);
+                }
+                const double expect = (acc ? 0.5 : 0.0) + sr * sum;
+                ASSERT_NEAR(c[static_cast<size_t>(i * ldc + col)], expect, 1e-6 * (1.0 + sr * mag))
+                    << K.gemm_name << " " << kt_weight_format_name(f) << " m=" << m << " col=" << col;
+              }
+              for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
+            }
+          }
+        }
+}
+
 // A K longer than the group sums a few-row int4 call holds at once
 // (AVX-512 BF16: 256 groups, so K past 8192 at group 32 runs in slices)
 // against plain loops in double, with and without zero points; a row alone

@@ -2,6 +2,7 @@
 // registers (even K: shift left 16, odd K: mask the high half).
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "formats/packed_bf16.h"
@@ -100,6 +101,7 @@ extern const Kernels kernels_avx2 = {
     avx2::transpose_panels_generic, avx2::act_forward_generic, avx2::act_backward_generic,
     avx2::dequant_i8_generic, avx2::dequant_i4_generic, avx2::dequant_e4m3_generic,
     avx2::dequant_e2m1_generic, avx2::dequant_i4_zero_generic, avx2::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    avx2::gemm_int8_generic,
 };
 
 }  // namespace kt

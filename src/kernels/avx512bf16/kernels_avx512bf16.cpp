@@ -1,6 +1,8 @@
 // AVX-512 BF16 kernels: vdpbf16ps on bf16 pairs along K. A format is bf16
 // (activations rounded to nearest even once, when packed); fp32 accumulate.
 #include <immintrin.h>
+
+#include <cmath>
 #include <type_traits>
 
 #include "formats/packed_bf16.h"
@@ -432,6 +434,7 @@ static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, i
 }
 
 #include "kernels/avx512bf16/gemm_quant.inc"
+#include "kernels/avx512bf16/gemm_int8.inc"
 
 // ---- fp32 GEMMs (LoRA projections and gradients): register tiles of fp32
 // FMAs; column tails by masks. Rows of C are independent of how many rows a
@@ -769,6 +772,7 @@ extern const Kernels kernels_avx512bf16 = {
     // up to a full row chunk (1.06x the bf16 GEMM at 32 rows, int4 g32).
     24,
     1 << 30,
+    avx512bf16::gemm_int8,
 };
 
 // The same kernels as a CPU without AVX512-VBMI runs them (the e4m3

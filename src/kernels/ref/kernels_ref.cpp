@@ -1,5 +1,6 @@
 // Portable scalar kernels: the reference twin of every ISA kernel. A format is
 // fp32; accumulation in fp32 in K order.
+#include <cmath>
 #include <cstring>
 
 #include "formats/packed_bf16.h"
@@ -41,6 +42,7 @@ extern const Kernels kernels_ref = {
     ref::transpose_panels_generic, ref::act_forward_generic, ref::act_backward_generic,
     ref::dequant_i8_generic, ref::dequant_i4_generic, ref::dequant_e4m3_generic,
     ref::dequant_e2m1_generic, ref::dequant_i4_zero_generic, ref::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    ref::gemm_int8_generic,
 };
 
 }  // namespace kt
