@@ -279,6 +279,16 @@ typedef enum kt_weight_format {
   KT_FORMAT_INT4_G128_ZP = 7  /* int4 with zero points, groups of 128 inputs */
 } kt_weight_format;
 
+/* How a layer's weight GEMMs multiply (kt_moe_options.compute). */
+typedef enum kt_compute {
+  KT_COMPUTE_BF16 = 0, /* activations as the kernels' A format (bf16, fp32 on the ref and avx2
+                        * kernels): the error bounds of the bf16 path, every format and mode
+                        * (default) */
+  KT_COMPUTE_INT8 = 1  /* inference on a symmetric integer base (int8_channel, int4_g32,
+                        * int4_g128): the input and the activation quantized to int8 per row,
+                        * integer products; see "Int8 compute" below */
+} kt_compute;
+
 typedef struct kt_moe_options {
   size_t struct_size;       /* set by _init */
   int64_t num_experts;      /* E >= 1 (logical experts; ids are in [0, E)) */
@@ -296,6 +306,7 @@ typedef struct kt_moe_options {
   float lora_alpha;         /* scale s = alpha / r, or alpha / sqrt(r) with rslora */
   int use_rslora;           /* default 0 */
   unsigned lora_targets;    /* KT_PROJ_* bits (default KT_PROJ_ALL) */
+  kt_compute compute;       /* default KT_COMPUTE_BF16 */
 } kt_moe_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past
@@ -1457,6 +1468,30 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
  * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
 
+/* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving a
+ * symmetric integer base (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128)
+ * with integer products: vpdpbusd (AVX512-VNNI) makes twice as many
+ * products per instruction as vdpbf16ps (kt_bench's `integer dot` line
+ * measures the two rates on the machine at hand).
+ * Each row of X, and each route's activation between the projections, is
+ * quantized per row: s = max|v| / 127, q = round_half_even(v / s) in
+ * [-127, 127]; the GEMMs sum q * code exactly in int32 per group and apply
+ * the group scales and s in fp32. Against y computed from the layer's W'
+ * (kt_moe_read_weights) with the exact x, the error is that of int8
+ * activations, x and the activation: 1-1.6 % relative L2 measured on Gaussian
+ * inputs (tests/unit/test_moe_reference.cpp, Int8Compute), and several percent
+ * where a few channels of x are far larger than the rest (outliers), against
+ * 0.2 % for bf16 activations; kt_bench --format int8_channel/int8,... reports
+ * it on its layer. The choice is the host's and is reported by
+ * kt_moe_get_info; nothing falls back to it or from it. Restrictions, each
+ * checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one
+ * of those three formats (KT_ERR_UNSUPPORTED), H and I at most 65536
+ * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a
+ * layer runs forwards without a saved context only: kt_moe_forward with
+ * saved != NULL and kt_moe_backward are refused with KT_ERR_MODE. Kernels:
+ * AVX512-VNNI where the CPU has it, a portable loop elsewhere (the same
+ * GEMM results to the bit, slower). */
+
 /* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
  * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
  * enum). */
@@ -1475,6 +1510,7 @@ typedef struct kt_moe_info {
                                    * padding included, biases not) */
   int64_t num_weights;            /* E * 3 * H * I */
   int64_t num_loaded;             /* experts loaded, skipped ones not counted */
+  kt_compute compute;             /* how the weight GEMMs multiply (options.compute) */
 } kt_moe_info;
 
 /* Writes the layer's settings into *info (fields up to info->struct_size).

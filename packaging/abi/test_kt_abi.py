@@ -53,7 +53,7 @@ def main():
          True, "function kt_selftest_added was added"),
         ("append an arg id", lambda h: sub(h, r"(KT_ARG_GRAD_B_DOWN = 69)", "\\1,\n  KT_ARG_SELFTEST = 200"),
          True, "KT_ARG_SELFTEST = 200 was added"),
-        ("append an option field", lambda h: sub(h, r"(unsigned lora_targets;[^\n]*\n)", "\\1  int64_t selftest_field;\n"),
+        ("append an option field", lambda h: sub(h, r"(\n\} kt_moe_options;)", "\n  int64_t selftest_field;\\1"),
          True, "struct kt_moe_options grew"),
         ("change a status value", lambda h: sub(h, r"KT_ERR_SHAPE = 5", "KT_ERR_SHAPE = 50"),
          False, "KT_ERR_SHAPE changed value 5 -> 50"),

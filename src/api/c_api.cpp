@@ -88,6 +88,28 @@ void validate_moe_options(const kt_moe_options& o) {
                " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs "
                "KT_FORMAT_BF16 "
                "(train LoRA on the quantized base with KT_MODE_LORA)");
+  kt::check_enum(o.compute, KT_COMPUTE_BF16, KT_COMPUTE_INT8, std::string(w) + ": options->compute",
+                 "kt_compute");
+  if (o.compute == KT_COMPUTE_INT8) {
+    KT_CHECK(
+        o.weight_format == KT_FORMAT_INT8_CHANNEL || o.weight_format == KT_FORMAT_INT4_G32 ||
+            o.weight_format == KT_FORMAT_INT4_G128,
+        KT_ERR_UNSUPPORTED,
+        std::string(w) +
+            ": options->compute KT_COMPUTE_INT8 multiplies symmetric integer codes (int8_channel, "
+            "int4_g32, int4_g128); options->weight_format is " +
+            kt_weight_format_name(o.weight_format));
+    KT_CHECK(o.mode == KT_MODE_INFERENCE, KT_ERR_MODE,
+             std::string(w) +
+                 ": options->compute KT_COMPUTE_INT8 is for inference: options->mode must be "
+                 "KT_MODE_INFERENCE (int8 activations have no backward)");
+    KT_CHECK(o.hidden <= kt::kInt8ComputeMaxK && o.intermediate <= kt::kInt8ComputeMaxK,
+             KT_ERR_UNSUPPORTED,
+             std::string(w) +
+                 ": options->compute KT_COMPUTE_INT8 takes hidden and intermediate up to " +
+                 std::to_string(kt::kInt8ComputeMaxK) + " (exact int32 sums); the layer has " +
+                 std::to_string(o.hidden) + " and " + std::to_string(o.intermediate));
+  }
   KT_CHECK(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
            std::string(w) + ": options->act_alpha must be finite and > 0");
   KT_CHECK(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
@@ -480,6 +502,7 @@ kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
     full.max_tokens = o.max_tokens;
     full.mode = o.mode;
     full.weight_format = o.weight_format;
+    full.compute = o.compute;
     full.weight_bytes = kt_moe::weight_bytes(o).value();
     full.num_weights = 3 * o.num_experts * o.hidden * o.intermediate;
     {

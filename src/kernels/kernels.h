@@ -105,6 +105,9 @@ struct QuantPanels {
 // nibble layout, formats/packed_quant.h), so the codes meet their weights
 // without a shuffle.
 int64_t int8_row_bytes(int64_t kq, int64_t group);
+// The largest K an int8 compute layer takes: vector kernels sum codes
+// offset to unsigned bytes, |sum| <= 127 * 255 * K, exact in int32.
+constexpr int64_t kInt8ComputeMaxK = 65536;
 // s = max |x| / 127 (0 for a row of zeros; NaN when x holds a NaN or an
 // infinity, which then reaches every output of the row); q = x * (127 /
 // max |x|) rounded to the nearest integer, ties to even.

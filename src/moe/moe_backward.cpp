@@ -17,6 +17,10 @@ using namespace kt;
 kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
                                             const kt_arg* args, size_t n, const char* where,
                                             bool forward_may_pend) const {
+  KT_CHECK(opt.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
+           std::string(where) +
+               ": the layer computes with int8 activations (KT_COMPUTE_INT8), which have no "
+               "backward");
   BackwardCall c;
   c.where = where;
   kt_backward_options_init(&c.opt);

@@ -124,6 +124,27 @@ void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, floa
   });
 }
 
+void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, int64_t ld,
+                           const QuantShape& qs, Buffer<uint8_t>* dst) {
+  const int64_t stride = int8_row_bytes(qs.kq, qs.group);
+  dst->reserve(static_cast<size_t>(std::max<int64_t>(n * stride, 1)));
+  uint8_t* out = dst->data();
+  engine->pool->run(ceil_div(n, 16), [&](int64_t blk, int tid) {
+    float* tmp = scratch_[static_cast<size_t>(tid)].grad.data();
+    for (int64_t i = blk * 16; i < std::min(n, blk * 16 + 16); ++i) {
+      const float* row;
+      if (dtype == DType::kF32) {
+        row = static_cast<const float*>(src) + i * ld;
+      } else {
+        const bf16_t* b = static_cast<const bf16_t*>(src) + i * ld;
+        for (int64_t j = 0; j < k; ++j) tmp[j] = bf16_to_f32(b[j]);
+        row = tmp;
+      }
+      quantize_int8_row(row, k, qs.kq, qs.group, qs.bits == 4, out + i * stride);
+    }
+  });
+}
+
 void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool by_token,
                           const float* src, int64_t ld, float* out) {
   chunk_items(R);
@@ -163,8 +184,17 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     xf = xf_.data();
   }
-  xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
-  pack_rows_a(c.x, T, kpH, xa_.data(), xf);
+  // KT_COMPUTE_INT8: the GEMMs read int8 rows of x and of the activations.
+  const bool int8 = opt.compute == KT_COMPUTE_INT8;
+  const int64_t xq_stride = int8 ? int8_row_bytes(gate_q.kq, gate_q.group) : 0;
+  const int64_t aq_stride = int8 ? int8_row_bytes(down_q.kq, down_q.group) : 0;
+  if (int8) {
+    // x's rows are contiguous (checked: inner stride 1, rows T).
+    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, T > 1 ? c.x.strides[0] : H, gate_q, &xq_);
+  } else {
+    xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
+    pack_rows_a(c.x, T, kpH, xa_.data(), xf);
+  }
 
   // Saved or scratch intermediates.
   const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
@@ -182,8 +212,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     b.reserve(rR);
     la[p] = b.data();
   }
-  if (lora_on(kDown)) act_.reserve(rI);
-  aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
+  if (lora_on(kDown) || int8) act_.reserve(rI);
+  if (!int8) aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
 
   // Stage 1: LoRA A-projections of x.
   clock.enter(KT_STAGE_LORA_A);
@@ -212,8 +242,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-      for (int i = 0; i < m; ++i)
-        s.rows[static_cast<size_t>(i)] = xa_.data() + R.token[static_cast<size_t>(p0 + i)] * kpH * a_size_;
+      for (int i = 0; i < m; ++i) {
+        const int64_t t = R.token[static_cast<size_t>(p0 + i)];
+        s.rows[static_cast<size_t>(i)] =
+            int8 ? static_cast<const void*>(xq_.data() + t * xq_stride)
+                 : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
+      }
       const bool last = p0 + kRowChunk >= pend;
       base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, up);
       base_gemm(s, kUp, e, col0 / kPanelRows, np, s.rows.data(), m, cu, last ? next : PrefetchRegion{});
@@ -239,8 +273,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
           std::memcpy(g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
           std::memcpy(u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
         }
-        float* ai = lora_on(kDown) ? act_.data() + p * I + col0 : s.c[2].data();
+        float* ai = lora_on(kDown) || int8 ? act_.data() + p * I + col0 : s.c[2].data();
         K_.act_forward(act, gi, ui, ai, ncols);
+        if (int8) continue;  // quantized per row once every block of the row is in
         // The last block also zero-pads the row to kpI (a quantized base
         // with groups of 128 pads K past the next block).
         const int64_t pad_to = col0 + ncols == I ? kpI - col0 : kBlockCols;
@@ -257,9 +292,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
                                               : PrefetchRegion{});
   });
 
-  // Stage 3: LoRA A-projection of a.
+  // Stage 3: LoRA A-projection of a; int8 rows of a.
   clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
+  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_q, &aq_);
 
   // Stage 4: down + bias + LoRA + routing weight + combine; items own a block
   // of H columns for a range of tokens.
@@ -298,7 +334,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-          for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = aa_.data() + (p0 + i) * kpI * a_size_;
+          for (int i = 0; i < m; ++i)
+            s.rows[static_cast<size_t>(i)] =
+                int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * aq_stride)
+                     : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
           base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {

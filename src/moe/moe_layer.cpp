@@ -191,6 +191,9 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   // format, routing-weight parts, the down delta, LoRA partials.
   bytes += tokens_h * f32 * 2 + CheckedSize(T) * gs.kp * a + routes * I * f32 * 3 +
            routes * r * f32 * 3 + routes * ds.kp * a;
+  if (o.compute == KT_COMPUTE_INT8)  // int8 rows of x and of the routes' activations
+    bytes += CheckedSize(T) * int8_row_bytes(sh.gate_q.kq, sh.gate_q.group) +
+             routes * int8_row_bytes(sh.down_q.kq, sh.down_q.group);
   bytes += tokens_h * f32 + CheckedSize(T) * ds.padded_rows() * a + routes * I * f32 * 3 +
            routes * gs.padded_rows() * a * 2 + routes * ceil_div(I, kBlockCols) * f32 +
            routes * H * f32 + routes * r * f32 * 5;
@@ -640,6 +643,11 @@ void kt_moe::params_changed() {
 // ------------------------------------------------------------ contexts
 
 kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
+  KT_CHECK(
+      opt.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
+      std::string(call.where) +
+          ": the layer computes with int8 activations (KT_COMPUTE_INT8), which have no backward: "
+          "call it without a saved context");
   std::unique_ptr<kt_context> fresh;
   {
     std::lock_guard<std::mutex> lock(state_mutex);
@@ -756,6 +764,10 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   }
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
+  if (opt.compute == KT_COMPUTE_INT8) {  // rows are int8 A rows
+    K_.gemm_int8(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false, next);
+    return;
+  }
   if (K_.gemm_quant && m <= (qs.bits == 4 ? K_.gemm_quant_rows_4bit : K_.gemm_quant_rows_8bit)) {
     K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false, next);
     return;

@@ -234,6 +234,10 @@ struct kt_moe {
   void transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, kt::bf16_t* dst);
   void route(const ForwardCall& call, kt::Routing* out);
   void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
+  // KT_COMPUTE_INT8: rows [0, n) of src (fp32 or bf16, ld elements apart) as
+  // int8 A rows for the weights of shape qs, stride int8_row_bytes.
+  void quantize_rows(const void* src, kt::DType dtype, int64_t n, int64_t k, int64_t ld,
+                     const kt::QuantShape& qs, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
   void block_items(const kt::Routing& R, int64_t cols);  // (expert, column block)
@@ -283,6 +287,7 @@ struct kt_moe {
   // Workspaces, sized on first use up to max_tokens.
   kt::Routing routing_;
   kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
+  kt::Buffer<uint8_t> xq_, aq_;  // KT_COMPUTE_INT8: int8 rows of x and of the activations
   kt::Buffer<float> xf_, act_, acc_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_,
       delta_d_, scaled_[2];
   std::vector<int64_t> items_;

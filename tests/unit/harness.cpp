@@ -39,6 +39,7 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
   mo.use_rslora = c.rslora;
   mo.lora_targets = c.targets;
   mo.weight_format = c.format;
+  mo.compute = c.compute;
   EXPECT_EQ(kt_moe_create(engine_, &mo, &moe_), KT_OK) << kt_last_error();
 
   spec.E = c.E;

@@ -112,6 +112,7 @@ struct Case {
   uint32_t seed = 1;
   kt_precision precision = KT_PRECISION_DEFAULT;  // of the engine
   kt_weight_format format = KT_FORMAT_BF16;       // storage of the base weights
+  kt_compute compute = KT_COMPUTE_BF16;           // how the weight GEMMs multiply
   // Base weights (and biases) from layer ckpt_layer of the checkpoint in
   // ckpt_dir (kt_ckpt_load_layer_with, dequantize as given) instead of
   // random ones; the reference computes from what the layer reads back.

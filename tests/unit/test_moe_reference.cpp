@@ -1,5 +1,7 @@
 // The MoE op through the C ABI against the double-precision reference, for
 // every compiled ISA path forced in turn through the engine's ISA cap.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <tuple>
 
@@ -153,6 +155,219 @@ INSTANTIATE_TEST_SUITE_P(Formats, QuantizationError,
                          [](const ::testing::TestParamInfo<kt_weight_format>& info) {
                            return std::string(kt_weight_format_name(info.param));
                          });
+
+// KT_COMPUTE_INT8 (kt_c_api.h, "Int8 compute"): the forward against a
+// double reference that quantizes x and each route's activation as the header
+// states (per row, max / 127, ties to even), and against the exact reference:
+// the error int8 activations add. Every ISA path (VNNI where the CPU has it,
+// the portable loop on ref and avx2).
+class Int8Compute : public ::testing::TestWithParam<Param> {};
+
+// The values s * q of a row quantized as kt does (fp32 arithmetic).
+std::vector<double> int8_row_values(const std::vector<float>& v) {
+  float max_abs = 0.f;
+  for (float a : v) max_abs = std::max(max_abs, std::fabs(a));
+  std::vector<double> out(v.size(), 0.0);
+  if (max_abs == 0.f) return out;
+  const float s = max_abs / 127.f, inv = 127.f / max_abs;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const float q = std::nearbyint(std::min(127.f, std::max(-127.f, v[i] * inv)));
+    out[i] = static_cast<double>(s) * q;
+  }
+  return out;
+}
+
+std::vector<double> int8_reference_forward(const Runner& run) {
+  const Case& c = run.c();
+  const kt::reference::Params& p = run.params;
+  const std::vector<double> x = run.x_->values(), w = run.w_->values();
+  std::vector<double> y(static_cast<size_t>(c.T * c.H), 0.0);
+  std::vector<float> row(static_cast<size_t>(c.H)), act(static_cast<size_t>(c.I));
+  for (int64_t t = 0; t < c.T; ++t) {
+    for (int64_t h = 0; h < c.H; ++h)
+      row[static_cast<size_t>(h)] = static_cast<float>(x[static_cast<size_t>(t * c.H + h)]);
+    const std::vector<double> xq = int8_row_values(row);
+    for (int64_t j = 0; j < c.K; ++j) {
+      const int64_t e = static_cast<int64_t>(run.ids_->get(t * c.K + j));
+      if (e < 0 ||
+          std::find(c.skipped.begin(), c.skipped.end(), static_cast<int>(e)) != c.skipped.end())
+        continue;
+      for (int64_t i = 0; i < c.I; ++i) {
+        double g = 0.0, u = 0.0;
+        for (int64_t h = 0; h < c.H; ++h) {
+          const size_t at = static_cast<size_t>((e * c.I + i) * c.H + h);
+          g += p.w[0][at] * xq[static_cast<size_t>(h)];
+          u += p.w[1][at] * xq[static_cast<size_t>(h)];
+        }
+        if (c.bias) {
+          g += p.b[0][static_cast<size_t>(e * c.I + i)];
+          u += p.b[1][static_cast<size_t>(e * c.I + i)];
+        }
+        act[static_cast<size_t>(i)] = static_cast<float>(kt::reference::activation(run.spec, g, u));
+      }
+      const std::vector<double> aq = int8_row_values(act);
+      for (int64_t h = 0; h < c.H; ++h) {
+        double d = c.bias ? p.b[2][static_cast<size_t>(e * c.H + h)] : 0.0;
+        for (int64_t i = 0; i < c.I; ++i)
+          d += p.w[2][static_cast<size_t>((e * c.H + h) * c.I + i)] * aq[static_cast<size_t>(i)];
+        y[static_cast<size_t>(t * c.H + h)] += w[static_cast<size_t>(t * c.K + j)] * d;
+      }
+    }
+  }
+  return y;
+}
+
+TEST_P(Int8Compute, ForwardMatchesInt8ActivationReference) {
+  const kt_isa isa = std::get<0>(GetParam());
+  Case c = std::get<1>(GetParam());
+  Runner run(c, isa);
+  if (!run.isa_available())
+    GTEST_SKIP() << kt_isa_name(isa) << " is not available on this CPU/build";
+  kt_moe_info info;
+  info.struct_size = sizeof(info);
+  ASSERT_EQ(kt_moe_get_info(run.moe(), &info), KT_OK);
+  EXPECT_EQ(info.compute, KT_COMPUTE_INT8);
+  ASSERT_EQ(run.forward(nullptr), KT_OK) << kt_last_error();
+  // Against the same quantization in double: fp32 sums, and (rarely) a code
+  // of the activation rounded the other way at a tie; bf16 y adds its own
+  // rounding.
+  expect_close("forward_int8_reference", run.y(), int8_reference_forward(run),
+               c.bf16_act ? 3e-3 : 2e-4);
+  // Against exact activations: the error the header states (about 1 % on
+  // Gaussian x; two quantizations, x and the activation).
+  const double err = rel_l2(run.y(), run.ref_forward());
+  EXPECT_GT(err, 1e-3) << "int8 activations cannot be this exact: is the layer computing in bf16?";
+  EXPECT_LT(err, 0.03);
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.3e", err);
+  ::testing::Test::RecordProperty("forward_vs_exact_activations", text);
+  // No backward: a saved context is refused, and nothing is written.
+  kt_context* ctx = nullptr;
+  EXPECT_EQ(run.forward(&ctx), KT_ERR_MODE);
+  EXPECT_EQ(ctx, nullptr);
+  EXPECT_NE(std::string(kt_last_error()).find("KT_COMPUTE_INT8"), std::string::npos)
+      << kt_last_error();
+}
+
+std::vector<Case> int8_compute_cases() {
+  std::vector<Case> v;
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128}) {
+    const std::string fmt = kt_weight_format_name(f);
+    auto add = [&](Case c) {
+      c.name = fmt + "_" + c.name;
+      c.format = f;
+      c.compute = KT_COMPUTE_INT8;
+      v.push_back(c);
+    };
+    Case c;
+    c = Case{};
+    c.name = "silu";
+    c.E = 8;
+    c.K = 4;
+    c.H = 256;
+    c.I = 96;
+    c.T = 16;
+    add(c);
+    c.name = "silu_bf16_io";
+    c.bf16_act = true;
+    add(c);
+    c = Case{};
+    c.name = "odd_dims";
+    c.E = 3;
+    c.K = 2;
+    c.H = 37;
+    c.I = 19;
+    c.T = 5;
+    add(c);
+    c = Case{};
+    c.name = "swiglu_oai_bias";
+    c.act = KT_ACT_SWIGLU_OAI;
+    c.limit = 1.2f;
+    c.bias = true;
+    c.H = 160;
+    c.I = 40;
+    add(c);
+    c = Case{};
+    c.name = "silu_limit";
+    c.limit = 0.6f;
+    c.H = 128;
+    c.I = 64;
+    add(c);
+    c = Case{};
+    c.name = "many_tokens";
+    c.T = 300;
+    c.E = 8;
+    c.K = 2;
+    c.H = 128;
+    c.I = 48;
+    add(c);
+    c = Case{};
+    c.name = "one_token";
+    c.T = 1;
+    c.E = 6;
+    c.K = 3;
+    c.H = 80;
+    c.I = 24;
+    add(c);
+    c = Case{};
+    c.name = "skipped_minus_one";
+    c.E = 6;
+    c.K = 2;
+    c.T = 20;
+    c.skipped = {1, 4};
+    c.minus_one_every = 3;
+    add(c);
+  }
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, Int8Compute,
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
+                                                              KT_ISA_AVX512BF16),
+                                            ::testing::ValuesIn(int8_compute_cases())),
+                         param_name);
+
+// What kt_moe_create refuses for int8 compute, each with the reason.
+TEST(Int8Compute, CreateRefusesWhatItCannotDo) {
+  kt_engine* engine = nullptr;
+  ASSERT_EQ(kt_engine_create(nullptr, &engine), KT_OK);
+  struct Bad {
+    kt_weight_format format;
+    kt_mode mode;
+    int64_t hidden;
+    int compute;
+    kt_status status;
+    const char* says;
+  };
+  const Bad bad[] = {
+      {KT_FORMAT_BF16, KT_MODE_INFERENCE, 64, KT_COMPUTE_INT8, KT_ERR_UNSUPPORTED,
+       "weight_format is bf16"},
+      {KT_FORMAT_FP8_B128, KT_MODE_INFERENCE, 64, KT_COMPUTE_INT8, KT_ERR_UNSUPPORTED, "fp8_b128"},
+      {KT_FORMAT_INT4_G32_ZP, KT_MODE_INFERENCE, 64, KT_COMPUTE_INT8, KT_ERR_UNSUPPORTED,
+       "int4_g32_zp"},
+      {KT_FORMAT_INT4_G32, KT_MODE_LORA, 64, KT_COMPUTE_INT8, KT_ERR_MODE, "KT_MODE_INFERENCE"},
+      {KT_FORMAT_INT8_CHANNEL, KT_MODE_INFERENCE, 65536 + 32, KT_COMPUTE_INT8, KT_ERR_UNSUPPORTED,
+       "65536"},
+      {KT_FORMAT_INT8_CHANNEL, KT_MODE_INFERENCE, 64, 7, KT_ERR_INVALID_ARGUMENT, "compute"},
+  };
+  for (const Bad& b : bad) {
+    kt_moe_options mo;
+    kt_moe_options_init(&mo);
+    mo.num_experts = 2;
+    mo.top_k = 1;
+    mo.hidden = b.hidden;
+    mo.intermediate = 32;
+    mo.max_tokens = 4;
+    mo.weight_format = b.format;
+    mo.mode = b.mode;
+    mo.compute = static_cast<kt_compute>(b.compute);
+    kt_moe* moe = nullptr;
+    EXPECT_EQ(kt_moe_create(engine, &mo, &moe), b.status) << b.says;
+    EXPECT_EQ(moe, nullptr);
+    EXPECT_NE(std::string(kt_last_error()).find(b.says), std::string::npos) << kt_last_error();
+  }
+  kt_engine_destroy(engine);
+}
 
 // Engines created with KT_PRECISION_FP32, on every case and whatever the CPU:
 // fp32 activations keep fp32 operands, so the fp32 tolerances hold (on the
