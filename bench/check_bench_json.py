@@ -60,14 +60,20 @@ def check_formats(model, formats, where, profile):
     """--format: every listed format has a row per (case, T) of the bf16
     results but train_full, with the stored bytes per weight, a time, GB/s
     and %bw that agree with each other, and a plausible quantization error."""
-    require(model, ["weight_formats", "format_weight_error", "format_checkpoints"], where)
-    rows = {(r["format"], r["case"], r["tokens"]): r for r in model["weight_formats"]}
-    expected = {(f, r["case"], r["tokens"]) for f in formats for r in model["results"] if r["case"] != "train_full"}
+    require(model, ["weight_formats", "format_weight_error", "format_activation_error", "format_checkpoints"], where)
+    rows = {}
+    for r in model["weight_formats"]:
+        require(r, ["format", "compute"], where + " weight_formats")
+        rows[(r["format"] + ("/int8" if r["compute"] == "int8" else ""), r["case"], r["tokens"])] = r
+    # int8 activations (name/int8): forward only.
+    expected = {(f, r["case"], r["tokens"]) for f in formats for r in model["results"]
+                if r["case"] != "train_full" and (not f.endswith("/int8") or r["case"] == "forward")}
     if set(rows) != expected:
         fail(f"{where}: weight_formats rows {sorted(rows)}, expected {sorted(expected)}")
     for key, r in rows.items():
-        fmt, case, tokens = key
-        what = f"{where} {fmt} {case} T={tokens}"
+        label, case, tokens = key
+        fmt = r["format"]
+        what = f"{where} {label} {case} T={tokens}"
         require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16", "bf16_ms_alternating"], what)
         if "error" in r:
             fail(f"{what}: kt failed: {r['error']}")
@@ -89,10 +95,18 @@ def check_formats(model, formats, where, profile):
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
-    for fmt in formats:
-        err = model["format_weight_error"].get(fmt)
+    for label in formats:
+        fmt = label.split("/")[0]
+        err = model["format_weight_error"].get(label)
         if err is None or not 0 < err <= FORMATS[fmt][1]:
-            fail(f"{where} {fmt}: W' against the bf16 weights has relative L2 {err}, expected in (0, {FORMATS[fmt][1]}]")
+            fail(f"{where} {label}: W' against the bf16 weights has relative L2 {err}, expected in (0, {FORMATS[fmt][1]}]")
+        # int8 activations against bf16 ones on the same base: about 1-2 %
+        # (kt_c_api.h); more would be a fault, none a layer not computing in int8.
+        act = model["format_activation_error"].get(label)
+        if label.endswith("/int8") and (act is None or not 1e-3 < act <= 0.05):
+            fail(f"{where} {label}: y against bf16 activations has relative L2 {act}, expected in (1e-3, 0.05]")
+        if not label.endswith("/int8") and act is not None:
+            fail(f"{where} {label}: an activation error for a bf16-activation layer")
     written = {c["format"] for c in model["format_checkpoints"]}
     if written != {f for f in formats if f in FROM_CHECKPOINT}:
         fail(f"{where}: synthetic checkpoints written for {sorted(written)}")
@@ -114,7 +128,8 @@ def main():
         fail("usage: check_bench_json.py KT_BENCH [ARGS...]")
     args = sys.argv[1:]
     formats = [f for f in args[args.index("--format") + 1].split(",") if f != "bf16"] if "--format" in args else []
-    unknown = [f for f in formats if f not in FORMATS]
+    unknown = [f for f in formats if f.split("/")[0] not in FORMATS or
+               ("/" in f and f.split("/")[1] != "int8")]
     if unknown:
         fail(f"no expected layout for format(s) {unknown}")
     proc = subprocess.run(sys.argv[1:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=900)

@@ -56,6 +56,15 @@ std::string optimizer_script_of(const std::string& torch_script) {
   return torch_script.substr(0, torch_script.find_last_of('/') + 1) + "torch_optim_baseline.py";
 }
 
+// A --format entry: the storage format, and KT_COMPUTE_INT8 for "name/int8".
+struct FormatChoice {
+  kt_weight_format format = KT_FORMAT_BF16;
+  kt_compute compute = KT_COMPUTE_BF16;
+  std::string label() const {
+    return std::string(kt_weight_format_name(format)) + (compute == KT_COMPUTE_INT8 ? "/int8" : "");
+  }
+};
+
 struct Options {
   bool json = false;
   bool quick = false;
@@ -75,8 +84,9 @@ struct Options {
   bool torch = true;
   std::string python = "/usr/bin/python3";
   std::string torch_script = default_torch_script();
-  // Storage formats compared side by side with bf16 (kt only).
-  std::vector<kt_weight_format> formats;
+  // Storage formats (with how the layer multiplies) compared side by side
+  // with bf16 (kt only).
+  std::vector<FormatChoice> formats;
 };
 
 const char* kUsage =
@@ -88,7 +98,8 @@ const char* kUsage =
     "  --cases LIST         forward,train_dx,train_lora,train_full,optimizer (default all)\n"
     "  --optim-params LIST  optimizer case: parameter counts in millions, rounded to whole\n"
     "                       experts (at least top_k) of the first model (default 16,64)\n"
-    "  --threads N          kt worker threads, and the threads of every measurement (0 = all CPUs)\n"
+    "  --threads N          kt worker threads, and the threads of every measurement (0 = all "
+    "CPUs)\n"
     "  --reps N             timed repetitions per result, median reported (default 5)\n"
     "  --warmup N           untimed calls before them (default 1)\n"
     "  --isa NAME           cap kt's kernels: ref, avx2, avx512bf16, amx\n"
@@ -104,7 +115,10 @@ const char* kUsage =
     "                       frozen): int8_channel, int4_g32, int4_g128 (kt quantizes the bf16\n"
     "                       weights at load), fp8_b128, mxfp4, int4_g32_zp, int4_g128_zp (the\n"
     "                       bf16 weights quantized into a synthetic checkpoint of that layout\n"
-    "                       in $TMPDIR, loaded from it; _zp: compressed-tensors with zero points)\n";
+    "                       in $TMPDIR, loaded from it; _zp: compressed-tensors with zero "
+    "points);\n"
+    "                       int8_channel/int8, int4_g32/int8, int4_g128/int8: the same base with\n"
+    "                       int8 activations (KT_COMPUTE_INT8), forward only\n";
 
 std::vector<std::string> split(const std::string& s) {
   std::vector<std::string> parts;
@@ -188,7 +202,9 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
         return false;
       }
     } else if (a == "--format") {
-      for (const std::string& name : split(v)) {
+      for (const std::string& entry : split(v)) {
+        const size_t slash = entry.find('/');
+        const std::string name = entry.substr(0, slash);
         const kt_weight_format all[] = {KT_FORMAT_BF16,      KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
                                         KT_FORMAT_INT4_G128,  KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4,
                                         KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP};
@@ -198,7 +214,18 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
           *error = "unknown weight format " + name;
           return false;
         }
-        if (*f != KT_FORMAT_BF16) o->formats.push_back(*f);
+        FormatChoice choice{*f, KT_COMPUTE_BF16};
+        if (slash != std::string::npos) {
+          if (entry.substr(slash + 1) != "int8" ||
+              (*f != KT_FORMAT_INT8_CHANNEL && *f != KT_FORMAT_INT4_G32 &&
+               *f != KT_FORMAT_INT4_G128)) {
+            *error = "--format " + entry +
+                     ": only int8_channel, int4_g32 and int4_g128 take /int8 (KT_COMPUTE_INT8)";
+            return false;
+          }
+          choice.compute = KT_COMPUTE_INT8;
+        }
+        if (*f != KT_FORMAT_BF16) o->formats.push_back(choice);
       }
     } else if (a == "--isa") {
       const kt_isa all[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
@@ -275,7 +302,7 @@ struct Row {
 // kt with another storage format of the base weights, on a bf16 row's
 // workload: bytes are those the format stores for the touched experts.
 struct FormatRow {
-  kt_weight_format format = KT_FORMAT_BF16;
+  FormatChoice choice;
   Case which = Case::kForward;
   int64_t tokens = 0;
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
@@ -286,8 +313,12 @@ struct FormatRow {
 
 // The quantization error of a format on the benchmark's weights.
 struct FormatError {
-  kt_weight_format format;
+  FormatChoice choice;
   double weight_rel_l2;  // of the layer's W' from the bf16 weights
+  // KT_COMPUTE_INT8: y against the same base with bf16 activations (the
+  // error int8 activations add), and the T of the batch it was taken on.
+  double activation_rel_l2 = NAN;
+  int64_t activation_tokens = 0;
 };
 
 // A synthetic quantized checkpoint written for a format kt does not
@@ -451,7 +482,9 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
     // bandwidth and load drift over a run (seen here: 37-47 GB/s between runs
     // minutes apart), and a ratio of times taken minutes apart carried it.
     const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
-    for (kt_weight_format f : o.formats) {
+    for (const FormatChoice& choice : o.formats) {
+      const kt_weight_format f = choice.format;
+      const bool int8 = choice.compute == KT_COMPUTE_INT8;
       // fp8, MXFP4 and asymmetric int4 bases come from checkpoints: these weights quantized
       // into one, loaded as a host loads it.
       std::unique_ptr<QuantCheckpoint> source;
@@ -468,17 +501,18 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
                          source->write_seconds());
         }
       }
-      KtRunner fmt_kt(engine, layer, std::max<int64_t>(max_tokens, 16), f, source ? source->ckpt() : nullptr,
-                      QuantCheckpoint::kLayer);
+      KtRunner fmt_kt(engine, layer, std::max<int64_t>(max_tokens, 16), f,
+                      source ? source->ckpt() : nullptr, QuantCheckpoint::kLayer, choice.compute);
       for (Case c : o.cases) {
-        // A quantized base is frozen: full-weight training is bf16 only.
-        if (c == Case::kTrainFull) continue;
+        // A quantized base is frozen: full-weight training is bf16 only;
+        // int8 activations have no backward.
+        if (c == Case::kTrainFull || (int8 && c != Case::kForward)) continue;
         for (const Workload& w : work) {
           if (!o.json)
-            std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name, kt_weight_format_name(f), case_label(c),
-                         static_cast<long long>(w.tokens));
+            std::fprintf(stderr, "kt_bench: %s: kt %s %s T=%lld\n", shape.name,
+                         choice.label().c_str(), case_label(c), static_cast<long long>(w.tokens));
           FormatRow fr;
-          fr.format = f;
+          fr.choice = choice;
           fr.which = c;
           fr.tokens = w.tokens;
           const std::pair<double, double> s = source_error.empty()
@@ -498,12 +532,25 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         }
         if (c == Case::kForward && source_error.empty()) {
           std::string error;
-          rep.format_errors.push_back({f, fmt_kt.weight_rel_l2(&error)});
+          FormatError fe{choice, fmt_kt.weight_rel_l2(&error)};
+          if (int8 && !work.empty() && error.empty()) {
+            // The same base with bf16 activations on the largest batch: what
+            // int8 activations change in y.
+            KtRunner same_base(engine, layer, std::max<int64_t>(max_tokens, 16), f,
+                               source ? source->ckpt() : nullptr, QuantCheckpoint::kLayer);
+            std::vector<float> y_int8, y_bf16, unused;
+            if (fmt_kt.outputs(c, work.back(), &y_int8, &unused, &error) &&
+                same_base.outputs(c, work.back(), &y_bf16, &unused, &error)) {
+              fe.activation_rel_l2 = rel_l2(y_int8, y_bf16);
+              fe.activation_tokens = work.back().tokens;
+            }
+          }
+          rep.format_errors.push_back(fe);
           if (!error.empty() && !o.json) std::fprintf(stderr, "kt_bench: %s\n", error.c_str());
         }
       }
       for (const auto& l : fmt_kt.loads())
-        rep.loads.emplace_back(std::string(kt_weight_format_name(f)) + " " + l.first, l.second);
+        rep.loads.emplace_back(choice.label() + " " + l.first, l.second);
     }
     rep.loads.insert(rep.loads.begin(), bf16.loads().begin(), bf16.loads().end());
   }
@@ -724,22 +771,31 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                   "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that format;\n"
                   "t/t_bf16 against the bf16 layer timed in alternation with the format, call by call: its ms in\n"
                   "the last column):\n");
-      for (const FormatError& e : mr.format_errors)
-        std::printf("   %s: W' against the bf16 weights, relative L2 %s%%\n", kt_weight_format_name(e.format),
-                    fmt("%.2f", 100 * e.weight_rel_l2).c_str());
+      for (const FormatError& e : mr.format_errors) {
+        std::printf("   %s: W' against the bf16 weights, relative L2 %s%%",
+                    e.choice.label().c_str(), fmt("%.2f", 100 * e.weight_rel_l2).c_str());
+        if (e.choice.compute == KT_COMPUTE_INT8)
+          std::printf("; y against the same base with bf16 activations (T=%lld), relative L2 %s%%",
+                      static_cast<long long>(e.activation_tokens),
+                      fmt("%.2f", 100 * e.activation_rel_l2).c_str());
+        std::printf("\n");
+      }
       for (const CheckpointWritten& c : mr.checkpoints)
         std::printf("   %s: loaded from a synthetic checkpoint of these weights (%.2f GB, written in %.1f s)\n",
                     kt_weight_format_name(c.format), c.file_bytes / 1e9, c.seconds);
-      std::printf("   %-19s %6s %-13s %7s %10s %8s %6s %9s %10s\n", "case", "T", "format", "B/wt", "ms", "GB/s", "%bw",
-                  "t/t_bf16", "bf16 ms");
+      std::printf("   %-19s %6s %-17s %7s %10s %8s %6s %9s %10s\n", "case", "T", "format", "B/wt",
+                  "ms", "GB/s", "%bw", "t/t_bf16", "bf16 ms");
       for (const Row& r : mr.rows) {
-        std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s\n", case_label(r.which), static_cast<long long>(r.tokens),
-                    "bf16", 2.0, fmt("%.3f", r.kt_s * 1e3).c_str(), fmt("%.1f", r.bytes / r.kt_s / 1e9).c_str(),
-                    fmt("%.0f", 100 * r.bytes / r.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(), "1.00");
+        std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s\n", case_label(r.which),
+                    static_cast<long long>(r.tokens), "bf16", 2.0,
+                    fmt("%.3f", r.kt_s * 1e3).c_str(), fmt("%.1f", r.bytes / r.kt_s / 1e9).c_str(),
+                    fmt("%.0f", 100 * r.bytes / r.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
+                    "1.00");
         for (const FormatRow& f : mr.formats) {
           if (f.which != r.which || f.tokens != r.tokens) continue;
-          std::printf("   %-19s %6lld %-13s %7.3f %10s %8s %6s %9s %10s\n", "", static_cast<long long>(f.tokens),
-                      kt_weight_format_name(f.format), f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
+          std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s %10s\n", "",
+                      static_cast<long long>(f.tokens), f.choice.label().c_str(),
+                      f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
                       fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
                       fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str());
@@ -753,6 +809,9 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       }
       if (std::find(o.cases.begin(), o.cases.end(), Case::kTrainFull) != o.cases.end())
         std::printf("   fwd+bwd full grads: bf16 only (a quantized base is frozen)\n");
+      if (std::any_of(o.formats.begin(), o.formats.end(),
+                      [](const FormatChoice& fc) { return fc.compute == KT_COMPUTE_INT8; }))
+        std::printf("   /int8 (KT_COMPUTE_INT8, int8 activations): forward only\n");
     }
     if (!mr.sweep.empty()) {
       std::printf("   forward at T=%lld vs touched experts:", static_cast<long long>(mr.sweep.front().tokens));
@@ -949,8 +1008,10 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     j.key("weight_formats").begin_array();
     for (const FormatRow& f : mr.formats) {
       j.begin_object();
-      j.key("format").value(kt_weight_format_name(f.format));
-      j.key("source").value(comes_from_checkpoint(f.format) ? "checkpoint" : "quantized_at_load");
+      j.key("format").value(kt_weight_format_name(f.choice.format));
+      j.key("compute").value(f.choice.compute == KT_COMPUTE_INT8 ? "int8" : "bf16");
+      j.key("source").value(comes_from_checkpoint(f.choice.format) ? "checkpoint"
+                                                                   : "quantized_at_load");
       j.key("case").value(case_key(f.which));
       j.key("tokens").value(f.tokens);
       j.key("bytes_per_weight").value(f.bytes_per_weight);
@@ -969,7 +1030,11 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     }
     j.end_array();
     j.key("format_weight_error").begin_object();
-    for (const FormatError& e : mr.format_errors) j.key(kt_weight_format_name(e.format)).value(e.weight_rel_l2);
+    for (const FormatError& e : mr.format_errors) j.key(e.choice.label()).value(e.weight_rel_l2);
+    j.end_object();
+    j.key("format_activation_error").begin_object();
+    for (const FormatError& e : mr.format_errors)
+      if (e.choice.compute == KT_COMPUTE_INT8) j.key(e.choice.label()).value(e.activation_rel_l2);
     j.end_object();
     j.key("format_checkpoints").begin_array();
     for (const CheckpointWritten& c : mr.checkpoints) {

@@ -9,12 +9,14 @@ std::string kt_error(const char* call, kt_status status) {
   return std::string(call) + " failed: " + kt_status_string(status) + ": " + kt_last_error();
 }
 
-KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens, kt_weight_format format,
-                   const kt_ckpt* source, int64_t source_layer)
+KtRunner::KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens,
+                   kt_weight_format format, const kt_ckpt* source, int64_t source_layer,
+                   kt_compute compute)
     : engine_(engine),
       layer_(layer),
       max_tokens_(max_tokens),
       format_(format),
+      compute_(compute),
       source_(source),
       source_layer_(source_layer) {}
 
@@ -41,6 +43,7 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
   options.max_tokens = max_tokens_;
   options.mode = mode;
   options.weight_format = format_;
+  options.compute = compute_;
   if (mode == KT_MODE_LORA) {
     options.lora_rank = kLoraRank;
     options.lora_alpha = 2.f * kLoraRank;

@@ -18,8 +18,10 @@ class KtRunner {
   // format: how the layer stores the base weights (kt_moe_options.weight_format);
   // kt quantizes the host's bf16 weights into it, or, with source, the layer
   // is loaded from layer source_layer of that checkpoint (kt_ckpt_load_layer).
+  // compute: kt_moe_options.compute (KT_COMPUTE_INT8: forward only).
   KtRunner(kt_engine* engine, const LayerWeights& layer, int64_t max_tokens,
-           kt_weight_format format = KT_FORMAT_BF16, const kt_ckpt* source = nullptr, int64_t source_layer = 0);
+           kt_weight_format format = KT_FORMAT_BF16, const kt_ckpt* source = nullptr,
+           int64_t source_layer = 0, kt_compute compute = KT_COMPUTE_BF16);
   ~KtRunner();
   KtRunner(const KtRunner&) = delete;
   KtRunner& operator=(const KtRunner&) = delete;
@@ -62,6 +64,7 @@ class KtRunner {
   const LayerWeights& layer_;
   int64_t max_tokens_;
   kt_weight_format format_;
+  kt_compute compute_;
   const kt_ckpt* source_;
   int64_t source_layer_;
   double expert_weight_bytes_ = 0;
