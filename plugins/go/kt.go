@@ -329,6 +329,10 @@ type MoEOptions struct {
 	LoRARank                               int64
 	LoRAAlpha                              float32
 	WeightFormat                           WeightFormat
+	// Int8Compute: an inference layer on an int8_channel, int4_g32 or
+	// int4_g128 base multiplies int8 activations (KT_COMPUTE_INT8; forward
+	// only, the error stated in kt_c_api.h, "Int8 compute").
+	Int8Compute bool
 }
 
 // MoEInfo is what a layer reports of itself (kt_moe_get_info).
@@ -338,6 +342,7 @@ type MoEInfo struct {
 	WeightBytes                      int64 // the stored base weights, scales and padding included
 	NumWeights                       int64 // E * 3 * H * I
 	NumLoaded                        int64
+	Int8Compute                      bool // KT_COMPUTE_INT8
 }
 
 // MoE is one MoE layer's routed experts. Close it before its engine.
@@ -375,6 +380,9 @@ func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
 		o.lora_alpha = C.float(opts.LoRAAlpha)
 	}
 	o.weight_format = C.kt_weight_format(opts.WeightFormat)
+	if opts.Int8Compute {
+		o.compute = C.KT_COMPUTE_INT8
+	}
 	m := &MoE{}
 	if err := call(func() C.kt_status { return C.kt_moe_create(e.handle, &o, &m.handle) }); err != nil {
 		return nil, err
@@ -549,7 +557,7 @@ func (m *MoE) Info() (MoEInfo, error) {
 	}
 	return MoEInfo{NumExperts: int64(i.num_experts), Hidden: int64(i.hidden), Intermediate: int64(i.intermediate),
 		WeightFormat: WeightFormat(i.weight_format), WeightBytes: int64(i.weight_bytes),
-		NumWeights: int64(i.num_weights), NumLoaded: int64(i.num_loaded)}, nil
+		NumWeights: int64(i.num_weights), NumLoaded: int64(i.num_loaded), Int8Compute: i.compute == C.KT_COMPUTE_INT8}, nil
 }
 
 // Bind binds trainable parameters and gradient buffers (LoRA or full mode).

@@ -89,9 +89,9 @@ func TestQuantizedLayersReportTheirFormatAndStayWithinTheStatedError(t *testing.
 		ids[n] = int32(((n/qK)*3 + n%qK) % qE)
 		rw[n] = 0.25 + 0.5*float32(1-n%2)
 	}
-	run := func(f WeightFormat) ([]float64, qWeights, MoEInfo) {
+	run := func(f WeightFormat, int8 bool) ([]float64, qWeights, MoEInfo) {
 		moe, err := engine.NewMoE(MoEOptions{NumExperts: qE, TopK: qK, Hidden: qH, Intermediate: qI,
-			MaxTokens: qT, WeightFormat: f})
+			MaxTokens: qT, WeightFormat: f, Int8Compute: int8})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -119,7 +119,7 @@ func TestQuantizedLayersReportTheirFormatAndStayWithinTheStatedError(t *testing.
 		}
 		return y64, back, info
 	}
-	yBF16, _, info := run(FormatBF16)
+	yBF16, _, info := run(FormatBF16, false)
 	if info.WeightFormat != FormatBF16 || info.WeightBytes != qE*3*qH*qI*2 {
 		t.Fatalf("bf16 layer reports %+v", info)
 	}
@@ -139,7 +139,7 @@ func TestQuantizedLayersReportTheirFormatAndStayWithinTheStatedError(t *testing.
 		f      WeightFormat
 		stated float64
 	}{{FormatInt8Channel, 0.008}, {FormatInt4G32, 0.097}} {
-		y, back, info := run(c.f)
+		y, back, info := run(c.f, false)
 		want := qE * (2*quantBlockBytes(c.f, qI, qH) + quantBlockBytes(c.f, qH, qI))
 		if info.WeightFormat != c.f || info.WeightBytes != want || info.NumLoaded != qE || info.NumWeights != qE*3*qH*qI {
 			t.Fatalf("%s: info %+v, expected %d bytes", c.f, info, want)
@@ -152,6 +152,23 @@ func TestQuantizedLayersReportTheirFormatAndStayWithinTheStatedError(t *testing.
 		if exact > 2e-5 || weightErr > 1.1*c.stated || outputErr <= 0 || outputErr > 3*c.stated {
 			t.Fatalf("%s: out of bounds", c.f)
 		}
+	}
+	// Int8 activations (kt_c_api.h, "Int8 compute"): y within 1-2 % of the
+	// same base with bf16 activations on Gaussian inputs, never equal to it.
+	for _, f := range []WeightFormat{FormatInt8Channel, FormatInt4G32} {
+		yPlain, _, plain := run(f, false)
+		yInt8, _, info := run(f, true)
+		outputErr := relL2(yInt8, yPlain)
+		t.Logf("%s with int8 activations: y vs bf16 activations %.4f", f, outputErr)
+		if !info.Int8Compute || plain.Int8Compute || outputErr <= 1e-3 || outputErr > 0.03 {
+			t.Fatalf("%s with int8 activations: info %+v, error %.4f", f, info, outputErr)
+		}
+	}
+	_, err = engine.NewMoE(MoEOptions{NumExperts: qE, TopK: qK, Hidden: qH, Intermediate: qI, Mode: ModeLoRA,
+		LoRARank: 4, WeightFormat: FormatInt4G32, Int8Compute: true})
+	var modeErr *Error
+	if !errors.As(err, &modeErr) || modeErr.Status != ErrMode {
+		t.Fatalf("int8 compute in LoRA mode: %v", err)
 	}
 	if FormatInt4G32.String() != "int4_g32" {
 		t.Fatalf("name %q", FormatInt4G32.String())

@@ -129,8 +129,12 @@ class MoeOptions(ctypes.Structure):
         ("lora_alpha", ctypes.c_float),
         ("use_rslora", ctypes.c_int),
         ("lora_targets", ctypes.c_uint),
+        ("compute", ctypes.c_int),
     ]
 
+
+# kt_compute: how a layer's weight GEMMs multiply.
+COMPUTES = {"bf16": 0, "int8": 1}
 
 # kt_weight_format
 WEIGHT_FORMATS = {"bf16": 0, "int8_channel": 1, "int4_g32": 2, "fp8_b128": 3, "mxfp4": 4, "int4_g128": 5,
@@ -150,6 +154,7 @@ class MoeInfo(ctypes.Structure):
         ("weight_bytes", ctypes.c_int64),
         ("num_weights", ctypes.c_int64),
         ("num_loaded", ctypes.c_int64),
+        ("compute", ctypes.c_int),
     ]
 
 

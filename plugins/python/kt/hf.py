@@ -384,7 +384,8 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         param_dtype=torch.float32, max_tokens=1024, engine=None,
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
                         bias="none", activation_policy="recompute", torch_experts=None,
-                        torch_expert_counts=None, torch_experts_device=None, weight_format="bf16"):
+                        torch_expert_counts=None, torch_experts_device=None, weight_format="bf16",
+                        compute="bf16"):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -425,7 +426,10 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     mode; the error is stated in kt_c_api.h). A ``packed`` cache must hold
     that format (``kt convert --format``); the checkpoint formats
     ("fp8_b128", "mxfp4", asymmetric "int4_g32_zp", "int4_g128_zp") come
-    only from such a cache of a quantized checkpoint."""
+    only from such a cache of a quantized checkpoint. ``compute="int8"``
+    serves an "int8_channel", "int4_g32" or "int4_g128" base with int8
+    activations (inference mode under torch.no_grad(); faster prefill on
+    AVX512-VNNI, about 1-2 % relative error in y, stated in kt_c_api.h)."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -437,7 +441,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                    lora_targets=_lora_targets(target_modules), param_dtype=param_dtype,
                    max_tokens=max_tokens, engine=engine, activation_policy=activation_policy,
                    placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device),
-                   weight_format=weight_format)
+                   weight_format=weight_format, compute=compute)
     source = _WeightSource(checkpoint, packed)
     replaced, unrecognised = [], []
     try:

@@ -211,7 +211,8 @@ class MoEExperts(nn.Module):
                  act_alpha=1.702, act_limit=0.0, bias=False, mode="inference", lora_rank=16,
                  lora_alpha=32.0, use_rslora=False, lora_targets=("gate", "up", "down"),
                  lora_dropout=0.0, param_dtype=torch.float32, max_tokens=1024, engine=None,
-                 grad_scale=1.0, activation_policy="recompute", retain_limit=4, weight_format="bf16"):
+                 grad_scale=1.0, activation_policy="recompute", retain_limit=4, weight_format="bf16",
+                 compute="bf16"):
         super().__init__()
         self._init_kwargs = dict(
             num_experts=num_experts, top_k=top_k, hidden=hidden, intermediate=intermediate,
@@ -219,7 +220,8 @@ class MoEExperts(nn.Module):
             lora_rank=lora_rank, lora_alpha=lora_alpha, use_rslora=use_rslora,
             lora_targets=lora_targets, lora_dropout=lora_dropout, param_dtype=param_dtype,
             max_tokens=max_tokens, engine=engine, grad_scale=grad_scale,
-            activation_policy=activation_policy, retain_limit=retain_limit, weight_format=weight_format)
+            activation_policy=activation_policy, retain_limit=retain_limit, weight_format=weight_format,
+            compute=compute)
         # Key names of state_dict (see _hf_names); kt.hf sets the original
         # module's, otherwise kt's own (w_gate, b_gate, lora_A_gate, ...).
         self.hf_naming = None
@@ -247,8 +249,9 @@ class MoEExperts(nn.Module):
                                  activation=activation, act_alpha=act_alpha, act_limit=act_limit,
                                  bias=bias, mode=mode, lora_rank=lora_rank, lora_alpha=lora_alpha,
                                  use_rslora=use_rslora, lora_targets=lora_targets, engine=engine,
-                                 weight_format=weight_format)
+                                 weight_format=weight_format, compute=compute)
         self.weight_format = weight_format
+        self.compute = compute
         self.has_bias = bool(bias)
         self.lora_rank = lora_rank if mode == "lora" else 0
         self.lora_targets = tuple(lora_targets) if mode == "lora" else ()
@@ -289,6 +292,8 @@ class MoEExperts(nn.Module):
             self.mode)
         if self.weight_format != "bf16":
             s += ", weight_format=%s" % self.weight_format
+        if self.compute != "bf16":
+            s += ", compute=%s" % self.compute
         if self.mode == "lora":
             s += ", lora_rank=%d, lora_scale=%g, targets=%s" % (
                 self.lora_rank, self.lora_scale, ",".join(self.lora_targets))

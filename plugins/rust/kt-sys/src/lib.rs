@@ -148,6 +148,7 @@ kt_structs! {
         pub lora_alpha: f32,
         pub use_rslora: c_int,
         pub lora_targets: c_uint,
+        pub compute: kt_compute,
     }
     /// What kt_moe_get_info reports.
     pub struct kt_moe_info {
@@ -162,6 +163,7 @@ kt_structs! {
         pub weight_bytes: i64,
         pub num_weights: i64,
         pub num_loaded: i64,
+        pub compute: kt_compute,
     }
     /// What kt_packed_read_info reports of a packed cache.
     pub struct kt_packed_info {
@@ -296,6 +298,7 @@ pub type kt_precision = c_int;
 pub type kt_activation = c_int;
 pub type kt_mode = c_int;
 pub type kt_weight_format = c_int;
+pub type kt_compute = c_int;
 pub type kt_arg_id = c_int;
 pub type kt_weight_orientation = c_int;
 pub type kt_gate_up_order = c_int;
@@ -397,6 +400,10 @@ kt_constants! {
         KT_PROJ_ALL = 7,
         KT_SUBMIT_DEFERRED = 1,
         KT_PACKED_SKIP_CHECKSUMS = 1,
+    }
+    kt_compute {
+        KT_COMPUTE_BF16 = 0,
+        KT_COMPUTE_INT8 = 1,
     }
     kt_weight_format {
         KT_FORMAT_BF16 = 0,

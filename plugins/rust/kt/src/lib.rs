@@ -407,6 +407,14 @@ impl MoeOptions {
         self.raw.weight_format = format.raw();
         self
     }
+    /// Int8 activations (KT_COMPUTE_INT8): an inference layer on an
+    /// Int8Channel, Int4G32 or Int4G128 base multiplies x and the activation
+    /// quantized to int8 per row (forward only, without saved contexts; the
+    /// error is stated in kt_c_api.h, "Int8 compute").
+    pub fn int8_compute(mut self) -> Self {
+        self.raw.compute = sys::KT_COMPUTE_INT8;
+        self
+    }
 }
 
 /// How a layer stores its frozen base weights (kt_weight_format). The
@@ -481,6 +489,8 @@ pub struct MoeInfo {
     /// E * 3 * H * I.
     pub num_weights: i64,
     pub num_loaded: i64,
+    /// The weight GEMMs multiply int8 activations (KT_COMPUTE_INT8).
+    pub int8_compute: bool,
 }
 
 /// Backward settings.
@@ -536,6 +546,7 @@ impl<'e> Moe<'e> {
             weight_bytes: i.weight_bytes,
             num_weights: i.num_weights,
             num_loaded: i.num_loaded,
+            int8_compute: i.compute == sys::KT_COMPUTE_INT8,
         })
     }
 

@@ -149,6 +149,20 @@ fn quantized_layers_report_their_format_and_stay_within_the_stated_error() {
         assert!(weight_error <= 1.1 * stated, "{}: {}", format.name(), weight_error);
         assert!(output_error > 0.0 && output_error <= 3.0 * stated, "{}: {}", format.name(), output_error);
     }
+    // Int8 activations (kt_c_api.h, "Int8 compute"): y within 1-2 % of the
+    // same base with bf16 activations on Gaussian inputs, never equal to it.
+    for format in [WeightFormat::Int8Channel, WeightFormat::Int4G32] {
+        let plain = engine.moe(&shape().weight_format(format)).unwrap();
+        let int8 = engine.moe(&shape().weight_format(format).int8_compute()).unwrap();
+        load(&plain, &w);
+        load(&int8, &w);
+        assert!(int8.info().unwrap().int8_compute && !plain.info().unwrap().int8_compute);
+        let error = rel_l2(&run(&int8), &run(&plain));
+        println!("{} with int8 activations: y vs bf16 activations {:.4}", format.name(), error);
+        assert!(error > 1e-3 && error <= 0.03, "{}: {}", format.name(), error);
+    }
+    let err = engine.moe(&shape().weight_format(WeightFormat::Int4G32).lora(4, 8.0, 7).int8_compute()).err().unwrap();
+    assert_eq!(err.status, kt::Status::MODE);
     assert_eq!(WeightFormat::Int4G32.name(), "int4_g32");
     // Full training of a quantized base is refused.
     let err = engine.moe(&shape().full_training().weight_format(WeightFormat::Int8Channel)).err().unwrap();
