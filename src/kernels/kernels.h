@@ -227,8 +227,8 @@ struct Kernels {
                      bool accumulate, const PrefetchRegion& next);
   int gemm_quant_rows_8bit;
   int gemm_quant_rows_4bit;
-  // Int8 compute on a symmetric integer base (w.code kInt, no zero points;
-  // int8 per channel, group = kq, or int4 groups): for r < m, p < np, c < 16,
+  // Int8 compute on an integer base (w.code kInt: int8 per channel, group =
+  // kq, or int4 groups, with or without zero points): for r < m, p < np, c < 16,
   // C[r, 16p + c] (=|+=) s_r * sum over groups j, in order, of
   // scale(p, j, c) * d_j, d_j = sum over k in group j of q_r[k] * code(p, c, k)
   // in int32 (exact); each d_j is converted to fp32 once and taken into an

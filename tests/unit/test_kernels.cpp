@@ -752,7 +752,8 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
   std::mt19937 rng(29);
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> byte(0, 255);
-  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128})
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
+                             KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
     for (int64_t k : {128, 384})
       for (int np : {1, 2, 4, 5, 7})
         for (int m : {1, 2, 3, 4, 5, 7, 13}) {
@@ -764,6 +765,9 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
             const bf16_t b = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
             std::memcpy(ex.data() + s.scales_offset + i * 2, &b, 2);
           }
+          if (s.zero_points)  // any stored zero byte z + 8
+            for (int64_t i = 0; i < np * s.scale_panel; ++i)
+              ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
           const int64_t stride = kt::int8_row_bytes(k, s.group);
           std::vector<uint8_t> data(static_cast<size_t>(m * stride));
           std::vector<const void*> rows;

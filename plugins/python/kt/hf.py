@@ -427,9 +427,10 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     that format (``kt convert --format``); the checkpoint formats
     ("fp8_b128", "mxfp4", asymmetric "int4_g32_zp", "int4_g128_zp") come
     only from such a cache of a quantized checkpoint. ``compute="int8"``
-    serves an "int8_channel", "int4_g32" or "int4_g128" base with int8
+    serves an integer base ("int8_channel", "int4_g32", "int4_g128", or with
+    zero points "int4_g32_zp", "int4_g128_zp") with int8
     activations (inference mode under torch.no_grad(); faster prefill on
-    AVX512-VNNI, about 1-2 % relative error in y, stated in kt_c_api.h)."""
+    AVX512-VNNI, about 1-2.5 % relative error in y, stated in kt_c_api.h)."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
