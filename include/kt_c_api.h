@@ -1468,28 +1468,24 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
  * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
 
-/* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving an
- * integer base (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, and with zero
- * points _INT4_G32_ZP, _INT4_G128_ZP) with integer products: vpdpbusd (AVX512-VNNI) makes twice as
- * many products per instruction as vdpbf16ps (kt_bench's `integer dot` line measures the two rates
- * on the machine at hand). Each row of X, and each route's activation between the projections, is
- * quantized per row: s = max|v| / 127, q = round_half_even(v / s) in
- * [-127, 127]; the GEMMs sum q * code exactly in int32 per group and apply
- * the group scales and s in fp32. Against y computed from the layer's W'
- * (kt_moe_read_weights) with the exact x, the error is that of int8
- * activations, x and the activation: 1-2.5 % relative L2 measured on Gaussian
- * inputs (tests/unit/test_moe_reference.cpp and tests/io, Int8Compute: more
- * for wider rows, whose largest values are larger), and several percent
- * where a few channels of x are far larger than the rest (outliers), against
- * 0.2 % for bf16 activations; kt_bench --format int8_channel/int8,... reports
- * it on its layer. The choice is the host's and is reported by
- * kt_moe_get_info; nothing falls back to it or from it. Restrictions, each
- * checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one
- * of those formats (KT_ERR_UNSUPPORTED: fp8 and e2m1 codes are not integers), H and I at most 65536
- * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a
- * layer runs forwards without a saved context only: kt_moe_forward with
- * saved != NULL and kt_moe_backward are refused with KT_ERR_MODE. Kernels:
- * AVX512-VNNI where the CPU has it, a portable loop elsewhere (the same
+/* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving an integer base
+ * (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, and with zero points _INT4_G32_ZP,
+ * _INT4_G128_ZP) with integer products: vpdpbusd (AVX512-VNNI) makes twice as many products per
+ * instruction as vdpbf16ps (kt_bench's `integer dot` line measures the two rates on the machine at
+ * hand). Each row of X, and each route's activation between the projections, is quantized per row:
+ * s = max|v| / 127, q = round_half_even(v / s) in [-127, 127]; the GEMMs sum q * code exactly in
+ * int32 per group and apply the group scales and s in fp32. Against y computed from the layer's W'
+ * (kt_moe_read_weights) with the exact x, the error is that of int8 activations, x and the
+ * activation: 1-2.5 % relative L2 measured on Gaussian inputs (tests/unit/test_moe_reference.cpp
+ * and tests/io, Int8Compute: more for wider rows, whose largest values are larger), and several
+ * percent where a few channels of x are far larger than the rest (outliers), against 0.2 % for
+ * bf16 activations; kt_bench --format int8_channel/int8,... reports it on its layer. The choice is
+ * the host's and is reported by kt_moe_get_info; nothing falls back to it or from it.
+ * Restrictions, each checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one of
+ * those formats (KT_ERR_UNSUPPORTED: fp8 and e2m1 codes are not integers), H and I at most 65536
+ * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a layer runs forwards
+ * without a saved context only: kt_moe_forward with saved != NULL and kt_moe_backward are refused
+ * with KT_ERR_MODE. Kernels: AVX512-VNNI where the CPU has it, a portable loop elsewhere (the same
  * GEMM results to the bit, slower). */
 
 /* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",

@@ -101,9 +101,9 @@ struct QuantPanels {
 // kq / group int32 sums of the codes of each group of K, then the fp32 scale
 // s; the row stands for s * q. With nibble_order (rows for 4-bit weights)
 // each quad of codes is stored as (k, k + 2, k + 1, k + 3): the order in
-// which a 32-byte step of 4-bit panels expands into bytes (kernels.h's
-// nibble layout, formats/packed_quant.h), so the codes meet their weights
-// without a shuffle.
+// which a 32-byte step of 4-bit panels expands into bytes (the nibble
+// layout of formats/packed_quant.h), so the codes meet their weights without
+// a shuffle.
 int64_t int8_row_bytes(int64_t kq, int64_t group);
 // The largest K an int8 compute layer takes: vector kernels sum codes
 // offset to unsigned bytes, |sum| <= 127 * 255 * K, exact in int32.

@@ -189,8 +189,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const int64_t xq_stride = int8 ? int8_row_bytes(gate_q.kq, gate_q.group) : 0;
   const int64_t aq_stride = int8 ? int8_row_bytes(down_q.kq, down_q.group) : 0;
   if (int8) {
-    // x's rows are contiguous (checked: inner stride 1, rows T).
-    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, T > 1 ? c.x.strides[0] : H, gate_q, &xq_);
+    // Row t of x at t * strides[0] elements (the inner stride is 1: checked).
+    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, c.x.strides[0], gate_q, &xq_);
   } else {
     xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
     pack_rows_a(c.x, T, kpH, xa_.data(), xf);
@@ -292,10 +292,13 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
                                               : PrefetchRegion{});
   });
 
-  // Stage 3: LoRA A-projection of a; int8 rows of a.
+  // KT_COMPUTE_INT8: each route's activation as an int8 row, now that it is
+  // whole (still the gate/up stage, which packs a for the bf16 GEMMs).
+  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_q, &aq_);
+
+  // Stage 3: LoRA A-projection of a.
   clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
-  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_q, &aq_);
 
   // Stage 4: down + bias + LoRA + routing weight + combine; items own a block
   // of H columns for a range of tokens.

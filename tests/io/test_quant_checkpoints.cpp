@@ -890,7 +890,6 @@ TEST_P(Int8ComputeFromCheckpoints, StaysWithinTheStatedError) {
   const QuantCkpt q = qc.make();
   q.write(dir);
   kt_test::Case c = checkpoint_case(qc, q, dir);
-  c.mode = KT_MODE_INFERENCE;  // both layers: int8 activations are for inference
   {
     kt_test::Runner bf16(c, isa);
     c.compute = KT_COMPUTE_INT8;
@@ -916,32 +915,24 @@ TEST_P(Int8ComputeFromCheckpoints, StaysWithinTheStatedError) {
 
 std::vector<QuantCase> int8_compute_cases() {
   std::vector<QuantCase> v;
-  QuantCase c;
-  c = QuantCase{};
-  c.name = "int4_g32_kimi";
-  c.make = [] { return int4_ckpt(1, 4, 96, 72, 32, true, 31); };
-  c.layer = 1;
-  c.T = 12;
-  v.push_back(c);
-  c = QuantCase{};
-  c.name = "int4_g32_zp";
-  c.make = [] { return int4_ckpt(1, 4, 84, 40, 32, false, 32); };
-  c.layer = 1;
-  v.push_back(c);
-  c = QuantCase{};
-  c.name = "int4_g32_zp_silu_limit_many_tokens";
-  c.make = [] { return int4_ckpt(1, 4, 96, 72, 32, false, 33); };
-  c.layer = 1;
-  c.limit = 1.5f;
-  c.T = 40;
-  v.push_back(c);
-  c = QuantCase{};
-  c.name = "int4_g128_zp_fp32_io";
-  c.make = [] { return int4_ckpt(1, 4, 392, 136, 128, false, 34); };
-  c.layer = 1;
-  c.T = 24;
-  c.bf16_act = false;
-  v.push_back(c);
+  // Layer 1 of a 4-expert int4 checkpoint (groups of `group`, symmetric as
+  // Kimi-K2-Thinking's or with zero points), inference mode.
+  const auto add = [&](const char* name, int64_t H, int64_t I, int64_t group, bool symmetric,
+                       uint32_t seed, int64_t T, float limit, bool bf16_act) {
+    QuantCase c;
+    c.name = name;
+    c.make = [=] { return int4_ckpt(1, 4, H, I, group, symmetric, seed); };
+    c.layer = 1;
+    c.T = T;
+    c.limit = limit;
+    c.bf16_act = bf16_act;
+    c.mode = KT_MODE_INFERENCE;
+    v.push_back(c);
+  };
+  add("int4_g32_kimi", 96, 72, 32, true, 31, 12, 0.f, true);
+  add("int4_g32_zp", 84, 40, 32, false, 32, 8, 0.f, true);
+  add("int4_g32_zp_silu_limit_many_tokens", 96, 72, 32, false, 33, 40, 1.5f, true);
+  add("int4_g128_zp_fp32_io", 392, 136, 128, false, 34, 24, 0.f, false);
   return v;
 }
 

@@ -78,31 +78,37 @@ INSTANTIATE_TEST_SUITE_P(RealShape, MoeVsReference,
                          param_name);
 
 // Quantized bases: every activation, LoRA, odd shapes against the K chunks
-// and panel grid, in both kt-quantized formats on every ISA. The reference
+// and panel grid, routing patterns; for both kt-quantized formats on every
+// ISA (and, without LoRA, for int8 activations below). The reference
 // computes from the dequantized weights the layer reads back.
+std::vector<Case> quant_shape_cases() {
+  std::vector<Case> v;
+  Case c;
+  // clang-format off
+  c = Case{}; c.name = "silu"; c.E = 8; c.K = 4; c.H = 256; c.I = 96; c.T = 16; c.bf16_act = true; v.push_back(c);
+  c.name = "silu_fp32_io"; c.bf16_act = false; v.push_back(c);
+  c = Case{}; c.name = "odd_dims"; c.E = 3; c.K = 2; c.H = 37; c.I = 19; c.T = 5; v.push_back(c);
+  c = Case{}; c.name = "silu_limit_bias"; c.limit = 0.6f; c.bias = true; c.bf16_act = true; v.push_back(c);
+  c = Case{}; c.name = "swiglu_oai_bias"; c.act = KT_ACT_SWIGLU_OAI; c.limit = 1.2f; c.bias = true; c.H = 72; c.I = 40; c.bf16_act = true; v.push_back(c);
+  c = Case{}; c.name = "swiglu_oai_lora"; c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.mode = KT_MODE_LORA; c.rank = 8; v.push_back(c);
+  c = Case{}; c.name = "lora_r16"; c.mode = KT_MODE_LORA; c.rank = 16; c.E = 6; c.K = 2; c.H = 96; c.I = 64; c.T = 24; c.bf16_act = true; v.push_back(c);
+  // K of 544 and 288: two full chunks of 256 plus a tail, and one plus a tail.
+  c = Case{}; c.name = "chunked_k_lora"; c.mode = KT_MODE_LORA; c.rank = 4; c.E = 4; c.K = 2; c.H = 544; c.I = 288; c.T = 40; c.bf16_act = true; v.push_back(c);
+  c = Case{}; c.name = "many_tokens"; c.T = 300; c.E = 8; c.K = 2; c.H = 64; c.I = 48; c.bf16_act = true; v.push_back(c);
+  c = Case{}; c.name = "one_token"; c.T = 1; c.E = 6; c.K = 3; c.H = 80; c.I = 24; v.push_back(c);
+  c = Case{}; c.name = "skipped_minus_one"; c.E = 6; c.K = 2; c.T = 20; c.skipped = {1, 4}; c.minus_one_every = 3; c.mode = KT_MODE_LORA; c.rank = 4; v.push_back(c);
+  // clang-format on
+  return v;
+}
+
 std::vector<Case> quant_cases() {
   std::vector<Case> v;
-  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32}) {
-    const std::string fmt = kt_weight_format_name(f);
-    auto add = [&](Case c) {
-      c.name = fmt + "_" + c.name;
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32})
+    for (Case c : quant_shape_cases()) {
+      c.name = std::string(kt_weight_format_name(f)) + "_" + c.name;
       c.format = f;
       v.push_back(c);
-    };
-    Case c;
-    c = Case{}; c.name = "silu"; c.E = 8; c.K = 4; c.H = 256; c.I = 96; c.T = 16; c.bf16_act = true; add(c);
-    c.name = "silu_fp32_io"; c.bf16_act = false; add(c);
-    c = Case{}; c.name = "odd_dims"; c.E = 3; c.K = 2; c.H = 37; c.I = 19; c.T = 5; add(c);
-    c = Case{}; c.name = "silu_limit_bias"; c.limit = 0.6f; c.bias = true; c.bf16_act = true; add(c);
-    c = Case{}; c.name = "swiglu_oai_bias"; c.act = KT_ACT_SWIGLU_OAI; c.limit = 1.2f; c.bias = true; c.H = 72; c.I = 40; c.bf16_act = true; add(c);
-    c = Case{}; c.name = "swiglu_oai_lora"; c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.mode = KT_MODE_LORA; c.rank = 8; add(c);
-    c = Case{}; c.name = "lora_r16"; c.mode = KT_MODE_LORA; c.rank = 16; c.E = 6; c.K = 2; c.H = 96; c.I = 64; c.T = 24; c.bf16_act = true; add(c);
-    // K of 544 and 288: two full chunks of 256 plus a tail, and one plus a tail.
-    c = Case{}; c.name = "chunked_k_lora"; c.mode = KT_MODE_LORA; c.rank = 4; c.E = 4; c.K = 2; c.H = 544; c.I = 288; c.T = 40; c.bf16_act = true; add(c);
-    c = Case{}; c.name = "many_tokens"; c.T = 300; c.E = 8; c.K = 2; c.H = 64; c.I = 48; c.bf16_act = true; add(c);
-    c = Case{}; c.name = "one_token"; c.T = 1; c.E = 6; c.K = 3; c.H = 80; c.I = 24; add(c);
-    c = Case{}; c.name = "skipped_minus_one"; c.E = 6; c.K = 2; c.T = 20; c.skipped = {1, 4}; c.minus_one_every = 3; c.mode = KT_MODE_LORA; c.rank = 4; add(c);
-  }
+    }
   return v;
 }
 
@@ -249,75 +255,19 @@ TEST_P(Int8Compute, ForwardMatchesInt8ActivationReference) {
       << kt_last_error();
 }
 
+// The quantized-base shapes, every one in inference mode (a LoRA case keeps
+// its shape and activation), for the integer formats kt quantizes to.
 std::vector<Case> int8_compute_cases() {
   std::vector<Case> v;
-  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128}) {
-    const std::string fmt = kt_weight_format_name(f);
-    auto add = [&](Case c) {
-      c.name = fmt + "_" + c.name;
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128})
+    for (Case c : quant_shape_cases()) {
+      c.name = std::string(kt_weight_format_name(f)) + "_" + c.name;
       c.format = f;
       c.compute = KT_COMPUTE_INT8;
+      c.mode = KT_MODE_INFERENCE;
+      c.rank = 0;
       v.push_back(c);
-    };
-    Case c;
-    c = Case{};
-    c.name = "silu";
-    c.E = 8;
-    c.K = 4;
-    c.H = 256;
-    c.I = 96;
-    c.T = 16;
-    add(c);
-    c.name = "silu_bf16_io";
-    c.bf16_act = true;
-    add(c);
-    c = Case{};
-    c.name = "odd_dims";
-    c.E = 3;
-    c.K = 2;
-    c.H = 37;
-    c.I = 19;
-    c.T = 5;
-    add(c);
-    c = Case{};
-    c.name = "swiglu_oai_bias";
-    c.act = KT_ACT_SWIGLU_OAI;
-    c.limit = 1.2f;
-    c.bias = true;
-    c.H = 160;
-    c.I = 40;
-    add(c);
-    c = Case{};
-    c.name = "silu_limit";
-    c.limit = 0.6f;
-    c.H = 128;
-    c.I = 64;
-    add(c);
-    c = Case{};
-    c.name = "many_tokens";
-    c.T = 300;
-    c.E = 8;
-    c.K = 2;
-    c.H = 128;
-    c.I = 48;
-    add(c);
-    c = Case{};
-    c.name = "one_token";
-    c.T = 1;
-    c.E = 6;
-    c.K = 3;
-    c.H = 80;
-    c.I = 24;
-    add(c);
-    c = Case{};
-    c.name = "skipped_minus_one";
-    c.E = 6;
-    c.K = 2;
-    c.T = 20;
-    c.skipped = {1, 4};
-    c.minus_one_every = 3;
-    add(c);
-  }
+    }
   return v;
 }
 
