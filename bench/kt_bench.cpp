@@ -118,7 +118,7 @@ const char* kUsage =
     "                       in $TMPDIR, loaded from it; _zp: compressed-tensors with zero "
     "points);\n"
     "                       int8_channel/int8, int4_g32/int8, int4_g128/int8, int4_g32_zp/int8,\n"
-    "                       int4_g128_zp/int8: the same base with int8 activations\n"
+    "                       int4_g128_zp/int8, mxfp4/int8: the same base with int8 activations\n"
     "                       (KT_COMPUTE_INT8), forward only\n";
 
 std::vector<std::string> split(const std::string& s) {
@@ -220,10 +220,10 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
           if (entry.substr(slash + 1) != "int8" ||
               (*f != KT_FORMAT_INT8_CHANNEL && *f != KT_FORMAT_INT4_G32 &&
                *f != KT_FORMAT_INT4_G128 && *f != KT_FORMAT_INT4_G32_ZP &&
-               *f != KT_FORMAT_INT4_G128_ZP)) {
+               *f != KT_FORMAT_INT4_G128_ZP && *f != KT_FORMAT_MXFP4)) {
             *error = "--format " + entry +
                      ": only the integer formats (int8_channel, int4_g32, int4_g128, int4_g32_zp, "
-                     "int4_g128_zp) take /int8 (KT_COMPUTE_INT8)";
+                     "int4_g128_zp, mxfp4) take /int8 (KT_COMPUTE_INT8)";
             return false;
           }
           choice.compute = KT_COMPUTE_INT8;

@@ -285,8 +285,8 @@ typedef enum kt_compute {
                         * kernels): the error bounds of the bf16 path, every format and mode
                         * (default) */
   KT_COMPUTE_INT8 = 1  /* inference on an integer base (int8_channel, int4_g32, int4_g128,
-                        * int4_g32_zp, int4_g128_zp): the input and the activation quantized to
-                        * int8 per row, integer products; see "Int8 compute" below */
+                        * int4_g32_zp, int4_g128_zp, mxfp4): the input and the activation
+                        * quantized to int8 per row, integer products; see "Int8 compute" below */
 } kt_compute;
 
 typedef struct kt_moe_options {
@@ -1469,8 +1469,8 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
 
 /* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving an integer base
- * (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, and with zero points _INT4_G32_ZP,
- * _INT4_G128_ZP) with integer products: vpdpbusd (AVX512-VNNI) makes twice as many products per
+ * (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, with zero points _INT4_G32_ZP, _INT4_G128_ZP,
+ * and KT_FORMAT_MXFP4, whose e2m1 values doubled are the integers -12..12) with integer products: vpdpbusd (AVX512-VNNI) makes twice as many products per
  * instruction as vdpbf16ps (kt_bench's `integer dot` line measures the two rates on the machine at
  * hand). Each row of X, and each route's activation between the projections, is quantized per row:
  * s = max|v| / 127, q = round_half_even(v / s) in [-127, 127]; the GEMMs sum q * code exactly in
@@ -1482,7 +1482,7 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * bf16 activations; kt_bench --format int8_channel/int8,... reports it on its layer. The choice is
  * the host's and is reported by kt_moe_get_info; nothing falls back to it or from it.
  * Restrictions, each checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one of
- * those formats (KT_ERR_UNSUPPORTED: fp8 and e2m1 codes are not integers), H and I at most 65536
+ * those formats (KT_ERR_UNSUPPORTED: fp8 codes are not integers), H and I at most 65536
  * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a layer runs forwards
  * without a saved context only: kt_moe_forward with saved != NULL and kt_moe_backward are refused
  * with KT_ERR_MODE. Kernels: AVX512-VNNI where the CPU has it, a portable loop elsewhere (the same

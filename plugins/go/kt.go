@@ -330,7 +330,7 @@ type MoEOptions struct {
 	LoRAAlpha                              float32
 	WeightFormat                           WeightFormat
 	// Int8Compute: an inference layer on an integer base (int8_channel,
-	// int4_g32, int4_g128, int4_g32_zp, int4_g128_zp) multiplies int8 activations (KT_COMPUTE_INT8; forward
+	// int4_g32, int4_g128, int4_g32_zp, int4_g128_zp, mxfp4) multiplies int8 activations (KT_COMPUTE_INT8; forward
 	// only, the error stated in kt_c_api.h, "Int8 compute").
 	Int8Compute bool
 }

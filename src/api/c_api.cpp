@@ -91,12 +91,11 @@ void validate_moe_options(const kt_moe_options& o) {
   kt::check_enum(o.compute, KT_COMPUTE_BF16, KT_COMPUTE_INT8, std::string(w) + ": options->compute",
                  "kt_compute");
   if (o.compute == KT_COMPUTE_INT8) {
-    KT_CHECK(o.weight_format == KT_FORMAT_INT8_CHANNEL || o.weight_format == KT_FORMAT_INT4_G32 ||
-                 o.weight_format == KT_FORMAT_INT4_G128 || kt::has_zero_points(o.weight_format),
-             KT_ERR_UNSUPPORTED,
+    KT_CHECK(kt::int8_compute_takes(o.weight_format), KT_ERR_UNSUPPORTED,
              std::string(w) +
                  ": options->compute KT_COMPUTE_INT8 multiplies integer codes (int8_channel, "
-                 "int4_g32, int4_g128, int4_g32_zp, int4_g128_zp); options->weight_format is " +
+                 "int4_g32, int4_g128, int4_g32_zp, int4_g128_zp, and mxfp4's e2m1 doubled); "
+                 "options->weight_format is " +
                  kt_weight_format_name(o.weight_format));
     KT_CHECK(o.mode == KT_MODE_INFERENCE, KT_ERR_MODE,
              std::string(w) +

@@ -47,6 +47,10 @@ inline bool kt_quantizes_to(kt_weight_format f) {
 // Formats with a zero point per (row, group): asymmetric int4.
 inline bool has_zero_points(kt_weight_format f) { return f == KT_FORMAT_INT4_G32_ZP || f == KT_FORMAT_INT4_G128_ZP; }
 
+// Formats whose codes are integers (e2m1 doubled: -12..12), so that
+// KT_COMPUTE_INT8 can multiply them with int8 activations.
+inline bool int8_compute_takes(kt_weight_format f) { return is_quantized(f) && f != KT_FORMAT_FP8_B128; }
+
 // The value of a raw code (a byte, or a nibble in the low 4 bits).
 inline float quant_code_value(QuantCode code, int bits, uint8_t raw) {
   switch (code) {

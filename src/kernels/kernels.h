@@ -228,11 +228,13 @@ struct Kernels {
   int gemm_quant_rows_8bit;
   int gemm_quant_rows_4bit;
   // Int8 compute on an integer base (w.code kInt: int8 per channel, group =
-  // kq, or int4 groups, with or without zero points): for r < m, p < np, c < 16,
-  // C[r, 16p + c] (=|+=) s_r * sum over groups j, in order, of
+  // kq, or int4 groups, with or without zero points; or kE2M1, whose codes
+  // doubled are the integers -12..12): for r < m, p < np, c < 16,
+  // C[r, 16p + c] (=|+=) s'_r * sum over groups j, in order, of
   // scale(p, j, c) * d_j, d_j = sum over k in group j of q_r[k] * code(p, c, k)
-  // in int32 (exact); each d_j is converted to fp32 once and taken into an
-  // fp32 sum by fma, which is multiplied by s_r last. a_rows: int8 A rows of
+  // in int32 (exact; e2m1: code doubled); each d_j is converted to fp32 once
+  // and taken into an fp32 sum by fma, which is multiplied by s'_r last
+  // (s_r, halved for e2m1). a_rows: int8 A rows of
   // w.kq (int8_row_bytes(w.kq, w.group); nibble_order for 4-bit codes).
   // Every table computes the same bits. next: as gemm_quant's.
   void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,

@@ -874,7 +874,7 @@ INSTANTIATE_TEST_SUITE_P(RealShape, QuantForwardBackward,
                          case_name);
 
 // KT_COMPUTE_INT8 on bases loaded from compressed-tensors checkpoints (with
-// and without zero points): y against the same checkpoint's layer with bf16
+// and without zero points) and MXFP4 ones: y against the same checkpoint's layer with bf16
 // activations, and against the reference of its weights with exact
 // activations, both within the error kt_c_api.h states ("Int8 compute":
 // 1-2.5 % on Gaussian inputs), never 0 (a layer still computing in bf16).
@@ -933,6 +933,25 @@ std::vector<QuantCase> int8_compute_cases() {
   add("int4_g32_zp", 84, 40, 32, false, 32, 8, 0.f, true);
   add("int4_g32_zp_silu_limit_many_tokens", 96, 72, 32, false, 33, 40, 1.5f, true);
   add("int4_g128_zp_fp32_io", 392, 136, 128, false, 34, 24, 0.f, false);
+  // MXFP4 (e2m1 doubled): gpt-oss with its biases and clamped swiglu, and a
+  // DeepSeek-V4 layout.
+  QuantCase c;
+  c.name = "mxfp4_gpt_oss_swiglu_bias";
+  c.make = [] { return gpt_oss_ckpt(0, 4, 96, 64, 35); };
+  c.act = KT_ACT_SWIGLU_OAI;
+  c.limit = 7.f;
+  c.bias = true;
+  c.T = 12;
+  c.mode = KT_MODE_INFERENCE;
+  v.push_back(c);
+  c = QuantCase{};
+  c.name = "mxfp4_v4_silu_limit_many_tokens";
+  c.make = [] { return dsv4_ckpt(2, 3, 80, 48, 36); };
+  c.layer = 2;
+  c.limit = 1.5f;
+  c.T = 40;
+  c.mode = KT_MODE_INFERENCE;
+  v.push_back(c);
   return v;
 }
 

@@ -753,7 +753,7 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
   std::normal_distribution<float> nd;
   std::uniform_int_distribution<int> byte(0, 255);
   for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
-                             KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
+                             KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP, KT_FORMAT_MXFP4})
     for (int64_t k : {128, 384})
       for (int np : {1, 2, 4, 5, 7})
         for (int m : {1, 2, 3, 4, 5, 7, 13}) {
@@ -761,8 +761,10 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
           ASSERT_EQ(s.kq, k);
           std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
           for (int64_t i = 0; i < s.scales_offset; ++i) ex[static_cast<size_t>(i)] = static_cast<uint8_t>(byte(rng));
-          for (int64_t i = 0; i < np * s.scale_panel; ++i) {
-            const bf16_t b = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
+          for (int64_t i = 0; i < np * s.scale_panel; ++i) {  // e2m1: e8m0 powers of two, as checkpoints hold
+            const float scale = f == KT_FORMAT_MXFP4 ? std::ldexp(1.f, byte(rng) % 12 - 8)
+                                                     : std::fabs(nd(rng)) * 0.05f + 0.001f;
+            const bf16_t b = kt::f32_to_bf16(scale);
             std::memcpy(ex.data() + s.scales_offset + i * 2, &b, 2);
           }
           if (s.zero_points)  // any stored zero byte z + 8

@@ -268,7 +268,7 @@ class MoE(_Handle):
                  lora_targets=("gate", "up", "down"), weight_format="bf16", compute="bf16", engine=None):
         """compute="int8" (KT_COMPUTE_INT8): an inference layer on an
         integer base ("int8_channel", "int4_g32", "int4_g128", "int4_g32_zp",
-        "int4_g128_zp") multiplies int8
+        "int4_g128_zp", "mxfp4") multiplies int8
         activations (x and the activation quantized per row): faster prefill
         where the CPU has AVX512-VNNI, about 1-2.5 % relative error in y against
         bf16 activations (kt_c_api.h states it); forwards without a saved

@@ -428,7 +428,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     ("fp8_b128", "mxfp4", asymmetric "int4_g32_zp", "int4_g128_zp") come
     only from such a cache of a quantized checkpoint. ``compute="int8"``
     serves an integer base ("int8_channel", "int4_g32", "int4_g128", or with
-    zero points "int4_g32_zp", "int4_g128_zp") with int8
+    zero points "int4_g32_zp", "int4_g128_zp", or "mxfp4") with int8
     activations (inference mode under torch.no_grad(); faster prefill on
     AVX512-VNNI, about 1-2.5 % relative error in y, stated in kt_c_api.h)."""
     if bias not in ("none", "all", "lora_only"):

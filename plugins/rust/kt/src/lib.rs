@@ -408,7 +408,7 @@ impl MoeOptions {
         self
     }
     /// Int8 activations (KT_COMPUTE_INT8): an inference layer on an
-    /// integer base (Int8Channel, Int4G32, Int4G128, Int4G32Zp, Int4G128Zp) multiplies x and the activation
+    /// integer base (Int8Channel, Int4G32, Int4G128, Int4G32Zp, Int4G128Zp, Mxfp4) multiplies x and the activation
     /// quantized to int8 per row (forward only, without saved contexts; the
     /// error is stated in kt_c_api.h, "Int8 compute").
     pub fn int8_compute(mut self) -> Self {
