@@ -4,7 +4,9 @@
 // A[m][2k] B[k][n][0] + A[m][2k+1] B[k][n][1]). It checks the gathering of
 // row pointers, the 1-2 row tiles x 1-2 panel blocks, partial blocks, the
 // stores with accumulate, and the K remainder handed to the fallback. The
-// hardware path itself runs in GemmKernels.* where the CPU has AMX.
+// same for the AMX-INT8 GEMM (amx_int8.inc, tdpbsud on int8 rows and the
+// codes as unsigned bytes). The hardware path itself runs in GemmKernels.*
+// where the CPU has AMX.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -15,6 +17,7 @@
 #include "core/buffer.h"
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
+#include "int8_operands.h"
 #include "kernels/kernels.h"
 #include "views.h"
 
@@ -25,8 +28,9 @@ using kt::PrefetchRegion;
 
 struct Tiles {
   alignas(64) unsigned char t[8][16 * 64];
+  int rows[8] = {}, colsb[8] = {};  // the configuration's shapes
   bool configured = false;
-  int dot_products = 0;  // tdpbf16ps executed
+  int dot_products = 0;  // tdpbf16ps / tdpbsud executed
 };
 Tiles g;
 
@@ -34,14 +38,36 @@ template <int T>
 void tile_zero() {
   std::memset(g.t[T], 0, sizeof(g.t[T]));
 }
+// As the hardware loads: the configured rows and bytes, the rest zero.
 template <int T>
 void tile_load(const void* base, int64_t stride) {
   EXPECT_TRUE(g.configured) << "tile load before the tiles were configured";
-  for (int r = 0; r < 16; ++r) std::memcpy(g.t[T] + r * 64, static_cast<const char*>(base) + r * stride, 64);
+  tile_zero<T>();
+  for (int r = 0; r < g.rows[T]; ++r)
+    std::memcpy(g.t[T] + r * 64, static_cast<const char*>(base) + r * stride,
+                static_cast<size_t>(g.colsb[T]));
 }
 template <int T>
 void tile_store(void* base, int64_t stride) {
-  for (int r = 0; r < 16; ++r) std::memcpy(static_cast<char*>(base) + r * stride, g.t[T] + r * 64, 64);
+  for (int r = 0; r < g.rows[T]; ++r)
+    std::memcpy(static_cast<char*>(base) + r * stride, g.t[T] + r * 64,
+                static_cast<size_t>(g.colsb[T]));
+}
+// tdpbsud: C[m][n] (int32) += sum over the K quads i of A's signed bytes
+// A[m][4i + j] times B's unsigned bytes B[i][4n + j].
+template <int C, int A, int B>
+void tile_dpbsud() {
+  const int quads = g.colsb[A] / 4;
+  EXPECT_EQ(g.rows[B], quads) << "B's rows must be A's K quads";
+  EXPECT_EQ(g.colsb[B], 64);
+  int32_t* c = reinterpret_cast<int32_t*>(g.t[C]);
+  const int8_t* a = reinterpret_cast<const int8_t*>(g.t[A]);
+  const uint8_t* b = g.t[B];
+  for (int m = 0; m < 16; ++m)
+    for (int n = 0; n < 16; ++n)
+      for (int i = 0; i < quads; ++i)
+        for (int j = 0; j < 4; ++j) c[m * 16 + n] += a[m * 64 + 4 * i + j] * b[i * 64 + 4 * n + j];
+  ++g.dot_products;
 }
 template <int C, int A, int B>
 void tile_dpbf16() {
@@ -62,8 +88,22 @@ void tile_dpbf16() {
 #define KT_TILE_LOAD(t, base, stride) tile_load<t>(base, stride)
 #define KT_TILE_STORE(t, base, stride) tile_store<t>(base, stride)
 #define KT_TILE_DPBF16(c, a, b) tile_dpbf16<c, a, b>()
+#define KT_TILE_DPBSUD(c, a, b) tile_dpbsud<c, a, b>()
 
-void configure_tiles() { g.configured = true; }
+void configure_tiles_as(int a_bytes, int b_rows) {
+  for (int t = 0; t < 8; ++t) {
+    g.rows[t] = t >= 6 ? b_rows : 16;
+    g.colsb[t] = t == 4 || t == 5 ? a_bytes : 64;
+  }
+  g.configured = true;
+}
+void configure_tiles() {
+  configure_tiles_as(64, 16);
+}
+void configure_int8_tiles(int k_bytes) {
+  EXPECT_TRUE(k_bytes == 32 || k_bytes == 64) << k_bytes;
+  configure_tiles_as(k_bytes, k_bytes / 4);
+}
 void release_tiles() { g.configured = false; }
 
 // The fallback: plain loops over the packed panels.
@@ -83,6 +123,41 @@ void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* p
 }
 
 #include "kernels/amx/amx_gemm.inc"
+
+using kt::QuantCode;
+using kt::QuantPanels;
+
+// The codes of one step as unsigned bytes, read from the packed layout
+// (formats/packed_quant.h) in plain code: lane L's 4 bytes are its codes at
+// the K values the int8 A rows hold at 4s..4s+3 (4-bit: nibble order, K
+// 4s + 0, 2, 1, 3), each plus its offset (int8 128, int4 8, e2m1 doubled 12;
+// zero points: the nibble as stored).
+template <int Bits, QuantCode Code>
+struct B_codes {
+  void operator()(const uint8_t* src, uint8_t* out) const {
+    for (int lane = 0; lane < 16; ++lane)
+      for (int j = 0; j < 4; ++j) {
+        uint8_t u;
+        if constexpr (Bits == 8) {
+          u = static_cast<uint8_t>(src[(j / 2) * 32 + lane * 2 + j % 2] ^ 0x80);  // K 4s + j
+        } else {
+          const int kk = (j & 1) << 1 | j >> 1;  // K 4s + kk: pair group kk / 2, element kk % 2
+          const uint8_t b = src[lane * 2 + kk % 2];
+          const uint8_t nibble = static_cast<uint8_t>(kk / 2 ? b >> 4 : b & 15);
+          u = Code == QuantCode::kE2M1 ? static_cast<uint8_t>(2.f * kt::e2m1_to_f32(nibble) + 12.f)
+                                       : nibble;
+        }
+        out[lane * 4 + j] = u;
+      }
+  }
+};
+
+void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c,
+                   int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+  kt::kernels_for(KT_ISA_REF)->gemm_int8(w, a_rows, m, np, c, ldc, accumulate, next);
+}
+
+#include "kernels/amx/amx_int8.inc"
 
 }  // namespace emulated
 
@@ -135,6 +210,39 @@ TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
       }
   // Most shapes went through the tiles (m >= 16 and k >= 32).
   EXPECT_GT(tiled_calls, 100);
+}
+
+// The AMX-INT8 GEMM (amx_int8.inc) on emulated tiles: bit for bit the
+// reference table's gemm_int8 in every int8 compute format, tile steps of 64
+// and of 32 K bytes (groups of 32, and int8 per channel at K 96), blocks of
+// one and two row tiles and of one and two panels, accumulate.
+TEST(AmxEmulated, Int8GemmMatchesReferenceBits) {
+  const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
+  std::mt19937 rng(13);
+  int tiled_calls = 0;
+  for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
+                             KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP, KT_FORMAT_MXFP4})
+    for (int64_t k : {96, 128, 384})
+      for (int np : {1, 2, 3})
+        for (int m : {1, 15, 16, 17, 32, 33, 50}) {
+          const kt_test::Int8Operands op(f, np, k, m, rng);
+          if (op.s.kq != k) continue;  // groups of 128 need K a multiple of 128
+          const int64_t ldc = np * 16 + 5;
+          for (bool acc : {false, true}) {
+            std::vector<float> got(static_cast<size_t>(m * ldc), 0.25f), want(got);
+            const int before = emulated::g.dot_products;
+            emulated::gemm_int8(op.panels(), op.rows.data(), m, np, got.data(), ldc, acc,
+                                kt::PrefetchRegion{});
+            tiled_calls += emulated::g.dot_products > before;
+            EXPECT_FALSE(emulated::g.configured) << "tiles not released";
+            R.gemm_int8(op.panels(), op.rows.data(), m, np, want.data(), ldc, acc,
+                        kt::PrefetchRegion{});
+            for (size_t i = 0; i < got.size(); ++i)
+              ASSERT_EQ(got[i], want[i]) << kt_weight_format_name(f) << " k=" << k << " np=" << np
+                                         << " m=" << m << " acc=" << acc << " at " << i;
+          }
+        }
+  EXPECT_GT(tiled_calls, 150);
 }
 
 }  // namespace

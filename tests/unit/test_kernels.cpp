@@ -11,9 +11,10 @@
 #include "core/buffer.h"
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
+#include "int8_operands.h"
 #include "kernels/kernels.h"
-#include "views.h"
 #include "moe/reference.h"
+#include "views.h"
 
 namespace {
 
@@ -750,53 +751,34 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
   const kt::Kernels& K = *GetParam();
   const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
   std::mt19937 rng(29);
-  std::normal_distribution<float> nd;
-  std::uniform_int_distribution<int> byte(0, 255);
   for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
                              KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP, KT_FORMAT_MXFP4})
     for (int64_t k : {128, 384})
       for (int np : {1, 2, 4, 5, 7})
-        for (int m : {1, 2, 3, 4, 5, 7, 13}) {
-          const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
+        for (int m : {1, 2, 3, 4, 5, 7, 13, 16, 33}) {
+          const kt_test::Int8Operands op(f, np, k, m, rng);
+          const kt::QuantShape& s = op.s;
           ASSERT_EQ(s.kq, k);
-          std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
-          for (int64_t i = 0; i < s.scales_offset; ++i) ex[static_cast<size_t>(i)] = static_cast<uint8_t>(byte(rng));
-          for (int64_t i = 0; i < np * s.scale_panel; ++i) {  // e2m1: e8m0 powers of two, as checkpoints hold
-            const float scale = f == KT_FORMAT_MXFP4 ? std::ldexp(1.f, byte(rng) % 12 - 8)
-                                                     : std::fabs(nd(rng)) * 0.05f + 0.001f;
-            const bf16_t b = kt::f32_to_bf16(scale);
-            std::memcpy(ex.data() + s.scales_offset + i * 2, &b, 2);
-          }
-          if (s.zero_points)  // any stored zero byte z + 8
-            for (int64_t i = 0; i < np * s.scale_panel; ++i)
-              ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
-          const int64_t stride = kt::int8_row_bytes(k, s.group);
-          std::vector<uint8_t> data(static_cast<size_t>(m * stride));
-          std::vector<const void*> rows;
-          std::vector<float> x(static_cast<size_t>(k));
-          for (int i = 0; i < m; ++i) {
-            for (auto& v : x) v = nd(rng);
-            kt::quantize_int8_row(x.data(), k - 3, k, s.group, s.bits == 4, data.data() + i * stride);
-            rows.push_back(data.data() + i * stride);
-          }
           const int64_t ldc = np * 16 + 3;
           for (bool acc : {false, true}) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f), want(c);
-            K.gemm_int8(s.panels(ex.data(), 0), rows.data(), m, np, c.data(), ldc, acc,
-                        kt::quant_panel_block(ex.data(), s, 0, np * 16));
-            R.gemm_int8(s.panels(ex.data(), 0), rows.data(), m, np, want.data(), ldc, acc, kt::PrefetchRegion{});
+            K.gemm_int8(op.panels(), op.rows.data(), m, np, c.data(), ldc, acc,
+                        kt::quant_panel_block(op.expert.data(), s, 0, np * 16));
+            R.gemm_int8(op.panels(), op.rows.data(), m, np, want.data(), ldc, acc,
+                        kt::PrefetchRegion{});
             for (size_t i = 0; i < c.size(); ++i)
               ASSERT_EQ(c[i], want[i]) << K.gemm_name << " " << kt_weight_format_name(f) << " k=" << k
                                        << " np=" << np << " m=" << m << " acc=" << acc << " at " << i;
             for (int i = 0; i < m; ++i) {
-              const uint8_t* row = data.data() + i * stride;
+              const uint8_t* row = static_cast<const uint8_t*>(op.rows[static_cast<size_t>(i)]);
               float sr;
               std::memcpy(&sr, row + k + 4 * (k / s.group), 4);
               for (int64_t col = 0; col < np * 16; ++col) {
                 double sum = 0.0, mag = 0.0;
                 for (int64_t kk = 0; kk < k; ++kk) {
                   const int64_t at = s.bits == 4 ? (kk & ~int64_t{3}) | ((kk & 1) << 1) | ((kk >> 1) & 1) : kk;
-                  const double t = static_cast<int8_t>(row[at]) * static_cast<double>(kt::quant_get(ex.data(), s, col, kk));
+                  const double t = static_cast<int8_t>(row[at]) *
+                                   static_cast<double>(kt::quant_get(op.expert.data(), s, col, kk));
                   sum += t;
                   mag += std::fabs(t);
                 }

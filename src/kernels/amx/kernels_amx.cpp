@@ -1,11 +1,13 @@
-// AMX-BF16 kernels: the weight GEMM on tile registers (tdpbf16ps,
-// amx_gemm.inc), every other entry of the table from the AVX-512 BF16
-// kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
+// AMX kernels: the weight GEMM on tile registers (tdpbf16ps,
+// amx_gemm.inc) and, where the CPU has AMX-INT8, the int8 compute GEMM
+// (tdpbsud, amx_int8.inc); every other entry of the table from the AVX-512
+// BF16 kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
 // unchanged. Few rows per call (decode) and the K remainder past the last
 // whole tile go to the AVX-512 kernel: a tile needs 16 rows to pay, and tile
 // shapes are fixed per configuration.
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -22,6 +24,7 @@ namespace {
 #define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define KT_TILE_DPBF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define KT_TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
 
 // The 64-byte tile configuration of palette 1.
 struct alignas(64) TileConfig {
@@ -34,20 +37,30 @@ struct alignas(64) TileConfig {
 static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
 // Loaded on every call: another library (oneDNN) may configure tiles on
-// this thread.
-void configure_tiles() {
+// this thread. C tiles (0-3) 16 rows x 64 bytes, A tiles (4, 5) 16 rows x
+// a_bytes, B tiles (6, 7) b_rows x 64 bytes.
+void configure_tiles_as(int a_bytes, int b_rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette = 1;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? b_rows : 16);
+    cfg.colsb[t] = static_cast<uint16_t>(t == 4 || t == 5 ? a_bytes : 64);
   }
   // GCC 12 has been seen to drop these stores as dead before ldtilecfg
   // (which it does not see read memory); the barrier keeps them. The file
   // is also compiled with -fno-dse.
   __asm__ volatile("" : : "r"(&cfg) : "memory");
   _tile_loadconfig(&cfg);
+}
+
+void configure_tiles() {
+  configure_tiles_as(64, 16);
+}
+// Int8 tiles of k_bytes (32 or 64) of K: B tiles of k_bytes / 4 rows of 4
+// bytes per column.
+void configure_int8_tiles(int k_bytes) {
+  configure_tiles_as(k_bytes, k_bytes / 4);
 }
 
 inline void release_tiles() { _tile_release(); }
@@ -58,6 +71,86 @@ inline void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf
 }
 
 #include "kernels/amx/amx_gemm.inc"
+
+#include "kernels/avx512bf16/int8_codes.inc"
+
+template <int Bits, QuantCode Code>
+struct B_codes {
+  Int8Codes<Bits, Code> codes;
+  void operator()(const uint8_t* src, uint8_t* out) const {
+    _mm512_store_si512(out, codes.step(src));
+  }
+};
+
+inline void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c,
+                          int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+  kernels_avx512bf16.gemm_int8(w, a_rows, m, np, c, ldc, accumulate, next);
+}
+
+#include "kernels/amx/amx_int8.inc"
+
+bool has_amx_int8() {
+  __builtin_cpu_init();  // also called before constructors run (make_table)
+  return __builtin_cpu_supports("amx-int8");
+}
+
+// The int8 tile GEMM against the AVX-512 kernel, bit for bit, on 40 rows x
+// 3 panels x K 128 in each code kind (int8 per channel, int4 in groups of
+// 32 and of 128 with zero points, e2m1): both compute the generic kernel's
+// bits.
+bool int8_self_test() {
+  struct Kind {
+    int bits;
+    QuantCode code;
+    bool zeros;
+    int64_t group;
+  };
+  const Kind kinds[] = {{8, QuantCode::kInt, false, 128},
+                        {4, QuantCode::kInt, false, 32},
+                        {4, QuantCode::kInt, true, 128},
+                        {4, QuantCode::kE2M1, false, 32}};
+  const int m = 40, np = 3;
+  const int64_t kq = 128;
+  uint32_t state = 54321;
+  auto next_byte = [&state] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<uint8_t>(state >> 24);
+  };
+  for (const Kind& kind : kinds) {
+    QuantPanels w;
+    w.bits = kind.bits;
+    w.code = kind.code;
+    w.kq = kq;
+    w.group = kind.group;
+    w.code_panel_bytes = 16 * kq * kind.bits / 8;
+    w.scale_panel = kq / kind.group * 16;
+    w.scale_bytes = 2;
+    std::vector<uint8_t> codes(static_cast<size_t>(np * w.code_panel_bytes)),
+        zeros(static_cast<size_t>(np * w.scale_panel));
+    std::vector<bf16_t> scales(static_cast<size_t>(np * w.scale_panel));
+    for (auto& b : codes) b = next_byte();
+    for (auto& b : zeros) b = next_byte() & 15;
+    for (auto& v : scales) v = f32_to_bf16(static_cast<float>(1 + (next_byte() & 63)) / 1024.f);
+    w.codes = codes.data();
+    w.scales = reinterpret_cast<const uint8_t*>(scales.data());
+    w.zeros = kind.zeros ? zeros.data() : nullptr;
+    const int64_t stride = int8_row_bytes(kq, kind.group);
+    std::vector<uint8_t> data(static_cast<size_t>(m * stride));
+    std::vector<const void*> rows(static_cast<size_t>(m));
+    std::vector<float> x(static_cast<size_t>(kq));
+    for (int r = 0; r < m; ++r) {
+      for (auto& v : x) v = static_cast<float>(static_cast<int>(next_byte()) - 128);
+      quantize_int8_row(x.data(), kq, kq, kind.group, kind.bits == 4, data.data() + r * stride);
+      rows[static_cast<size_t>(r)] = data.data() + r * stride;
+    }
+    const int64_t ldc = 16 * np;
+    std::vector<float> got(static_cast<size_t>(m * ldc), 1.f), want(got);
+    gemm_int8(w, rows.data(), m, np, got.data(), ldc, true, PrefetchRegion{});
+    kernels_avx512bf16.gemm_int8(w, rows.data(), m, np, want.data(), ldc, true, PrefetchRegion{});
+    if (std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) != 0) return false;
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -88,7 +181,7 @@ bool self_test() {
     // differ only by order.
     if (!(d <= 1e-3f && d >= -1e-3f)) return false;
   }
-  return true;
+  return !has_amx_int8() || int8_self_test();
 }
 
 // The AVX-512 BF16 table (constant-initialised, so it is complete before
@@ -98,6 +191,7 @@ Kernels make_table() {
   k.isa = KT_ISA_AMX;
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = gemm_bf16w;
+  if (has_amx_int8()) k.gemm_int8 = gemm_int8;
   return k;
 }
 

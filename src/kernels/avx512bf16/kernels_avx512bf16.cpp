@@ -433,8 +433,9 @@ static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, i
   }
 }
 
-#include "kernels/avx512bf16/gemm_quant.inc"
 #include "kernels/avx512bf16/gemm_int8.inc"
+#include "kernels/avx512bf16/gemm_quant.inc"
+#include "kernels/avx512bf16/int8_codes.inc"
 
 // ---- fp32 GEMMs (LoRA projections and gradients): register tiles of fp32
 // FMAs; column tails by masks. Rows of C are independent of how many rows a
