@@ -1485,8 +1485,8 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  * those formats (KT_ERR_UNSUPPORTED: fp8 codes are not integers), H and I at most 65536
  * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a layer runs forwards
  * without a saved context only: kt_moe_forward with saved != NULL and kt_moe_backward are refused
- * with KT_ERR_MODE. Kernels: AVX512-VNNI where the CPU has it, a portable loop elsewhere (the same
- * GEMM results to the bit, slower). */
+ * with KT_ERR_MODE. Kernels: AMX-INT8 tiles for 16 rows and more where the CPU has them,
+ * AVX512-VNNI where it has that, a portable loop elsewhere (the same GEMM results to the bit). */
 
 /* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
  * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
