@@ -433,9 +433,13 @@ static void dequant_i8(const uint8_t* codes, int64_t code_panel_bytes, int np, i
   }
 }
 
-#include "kernels/avx512bf16/gemm_int8.inc"
+// In this order: gemm_int8.inc uses gemm_quant.inc's fetch helpers and
+// int8_codes.inc's code expansion.
+// clang-format off
 #include "kernels/avx512bf16/gemm_quant.inc"
 #include "kernels/avx512bf16/int8_codes.inc"
+#include "kernels/avx512bf16/gemm_int8.inc"
+// clang-format on
 
 // ---- fp32 GEMMs (LoRA projections and gradients): register tiles of fp32
 // FMAs; column tails by masks. Rows of C are independent of how many rows a
