@@ -4,9 +4,9 @@
 // A[m][2k] B[k][n][0] + A[m][2k+1] B[k][n][1]). It checks the gathering of
 // row pointers, the 1-2 row tiles x 1-2 panel blocks, partial blocks, the
 // stores with accumulate, and the K remainder handed to the fallback. The
-// same for the AMX-INT8 GEMM (amx_int8.inc, tdpbsud on int8 rows and the
-// codes as unsigned bytes). The hardware path itself runs in GemmKernels.*
-// where the CPU has AMX.
+// same for the weight gradients (amx_zip.inc) and the AMX-INT8 GEMM (amx_int8.inc, tdpbsud on int8
+// rows and the codes as unsigned bytes). The hardware path itself runs in GemmKernels.* where the
+// CPU has AMX.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -124,6 +124,23 @@ void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* p
 
 #include "kernels/amx/amx_gemm.inc"
 
+// The weight-gradient fallback: plain loops over the zipped pairs.
+void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
+                  int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool) {
+  for (int o = 0; o < m; ++o)
+    for (int col = 0; col < 16 * np; ++col) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g)
+        for (int j = 0; j < 2; ++j)
+          acc +=
+              kt::bf16_to_f32(d[g * ldd + 2 * o + j]) * kt::bf16_to_f32(z[g * ldz + 2 * col + j]);
+      float& out = c[o * ldc + col];
+      out = accumulate ? out + scale * acc : scale * acc;
+    }
+}
+
+#include "kernels/amx/amx_zip.inc"
+
 using kt::QuantCode;
 using kt::QuantPanels;
 
@@ -210,6 +227,53 @@ TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
       }
   // Most shapes went through the tiles (m >= 16 and k >= 32).
   EXPECT_GT(tiled_calls, 100);
+}
+
+// The weight gradients on tiles (amx_zip.inc): D's pairs gathered into A
+// rows, Z's groups as B tiles in place (ldz and ldd wider than the data),
+// partial row blocks, odd panels, the groups past the last whole tile,
+// scale and accumulate, against double loops.
+TEST(AmxEmulated, WeightGradientGemmMatchesDoubleLoops) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd;
+  int tiled_calls = 0;
+  for (int m : {1, 15, 16, 17, 32, 40})
+    for (int np : {1, 2, 3})
+      for (int64_t groups : {8, 16, 17, 40}) {
+        const int64_t ldd = 2 * m + 6, ldz = 32 * np + 4;
+        std::vector<kt::bf16_t> d(static_cast<size_t>(groups * ldd)),
+            z(static_cast<size_t>(groups * ldz));
+        for (auto& v : d) v = kt::f32_to_bf16(nd(rng));
+        for (auto& v : z) v = kt::f32_to_bf16(nd(rng));
+        const int64_t ldc = 16 * np + 3;
+        for (bool acc : {false, true}) {
+          std::vector<float> c(static_cast<size_t>(m * ldc), 0.25f);
+          const int before = emulated::g.dot_products;
+          emulated::gemm_zip_bf16(d.data(), ldd, m, z.data(), ldz, np, groups, c.data(), ldc, acc,
+                                  0.5f, false);
+          tiled_calls += emulated::g.dot_products > before;
+          EXPECT_FALSE(emulated::g.configured) << "tiles not released";
+          for (int o = 0; o < m; ++o)
+            for (int64_t col = 0; col < ldc; ++col) {
+              double want = 0.25;
+              if (col < 16 * np) {
+                double sum = 0.0;
+                for (int64_t gg = 0; gg < groups; ++gg)
+                  for (int j = 0; j < 2; ++j)
+                    sum += static_cast<double>(
+                               kt::bf16_to_f32(d[static_cast<size_t>(gg * ldd + 2 * o + j)])) *
+                           kt::bf16_to_f32(z[static_cast<size_t>(gg * ldz + 2 * col + j)]);
+                want = (acc ? 0.25 : 0.0) + 0.5 * sum;
+              }
+              ASSERT_NEAR(c[static_cast<size_t>(o * ldc + col)], want,
+                          1e-5 * std::sqrt(static_cast<double>(groups)) * (1 + std::fabs(want)))
+                  << "m=" << m << " np=" << np << " groups=" << groups << " acc=" << acc << " at "
+                  << o << "," << col;
+            }
+        }
+      }
+  // The shapes with 16 rows and 16 groups or more went through the tiles.
+  EXPECT_EQ(tiled_calls, 4 * 3 * 3 * 2);
 }
 
 // The AMX-INT8 GEMM (amx_int8.inc) on emulated tiles: bit for bit the

@@ -1,5 +1,6 @@
 // AMX kernels: the weight GEMM on tile registers (tdpbf16ps,
-// amx_gemm.inc) and, where the CPU has AMX-INT8, the int8 compute GEMM
+// amx_gemm.inc), the weight gradients (amx_zip.inc) and, where the CPU has
+// AMX-INT8, the int8 compute GEMM
 // (tdpbsud, amx_int8.inc); every other entry of the table from the AVX-512
 // BF16 kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
 // unchanged. Few rows per call (decode) and the K remainder past the last
@@ -71,6 +72,15 @@ inline void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf
 }
 
 #include "kernels/amx/amx_gemm.inc"
+
+inline void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
+                         int64_t groups, float* c, int64_t ldc, bool accumulate, float scale,
+                         bool stream) {
+  kernels_avx512bf16.gemm_zip_bf16(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale,
+                                   stream);
+}
+
+#include "kernels/amx/amx_zip.inc"
 
 #include "kernels/avx512bf16/int8_codes.inc"
 
@@ -154,9 +164,10 @@ bool int8_self_test() {
 
 }  // namespace
 
-// The tile GEMM against the AVX-512 kernel on a product of 40 rows, K = 100
-// (three tiles and a remainder) and 3 panels: catches a CPU or OS that
-// reports AMX but computes wrongly, and a miscompiled tile configuration.
+// The tile GEMMs against the AVX-512 kernels on a product of 40 rows, K = 100
+// (three tiles and a remainder) and 3 panels, the weight gradients on the
+// same values, and the int8 GEMM: catches a CPU or OS that reports AMX but
+// computes wrongly, and a miscompiled tile configuration.
 bool self_test() {
   const int m = 40, np = 3;
   const int64_t kp = 100, panel_stride = 16 * kp;
@@ -172,15 +183,26 @@ bool self_test() {
   for (int r = 0; r < m; ++r) rows[static_cast<size_t>(r)] = a.data() + r * kp;
   const int64_t ldc = 16 * np;
   std::vector<float> got(static_cast<size_t>(m * ldc), 1.f), want(static_cast<size_t>(m * ldc), 1.f);
+  // Products of these values are exact; sums of 100 of them in fp32 differ
+  // only by order.
+  const auto close = [&] {
+    for (size_t i = 0; i < got.size(); ++i) {
+      const float d = got[i] - want[i];
+      if (!(d <= 1e-3f && d >= -1e-3f)) return false;
+    }
+    return true;
+  };
   gemm_bf16w(rows.data(), m, kp, w.data(), panel_stride, np, got.data(), ldc, true, PrefetchRegion{});
   kernels_avx512bf16.gemm_bf16w(rows.data(), m, kp, w.data(), panel_stride, np, want.data(), ldc, true,
                                 PrefetchRegion{});
-  for (size_t i = 0; i < got.size(); ++i) {
-    const float d = got[i] - want[i];
-    // Products of these values are exact; sums of 100 of them in fp32
-    // differ only by order.
-    if (!(d <= 1e-3f && d >= -1e-3f)) return false;
-  }
+  if (!close()) return false;
+  // The weight-gradient GEMM on the same values: D 50 pair groups of 40
+  // columns (three tiles and a remainder), Z 50 groups of 48.
+  gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, got.data(), ldc, false, 0.5f,
+                false);
+  kernels_avx512bf16.gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, want.data(),
+                                   ldc, false, 0.5f, false);
+  if (!close()) return false;
   return !has_amx_int8() || int8_self_test();
 }
 
@@ -191,6 +213,7 @@ Kernels make_table() {
   k.isa = KT_ISA_AMX;
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = gemm_bf16w;
+  k.gemm_zip_bf16 = gemm_zip_bf16;
   if (has_amx_int8()) k.gemm_int8 = gemm_int8;
   return k;
 }
