@@ -218,11 +218,11 @@ struct Kernels {
   // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit (8-bit
   // codes) or gemm_quant_rows_4bit rows: past them expanding the codes once
   // per row tile costs more than dequantizing once into cache.
-  // next: as gemm_bf16w's; with few rows (decode), where the whole next
-  // region on the way crowded this call's own stream, only the first lines
-  // of each of its panels are fetched, as this call's streams end: a region
-  // of whole panels of the same code_panel_bytes and scale_panel (the next
-  // call's codes, with quant_scales and quant_zeros).
+  // next: as gemm_bf16w's, but only the first lines of each of its panels
+  // are fetched, as this call's streams end (the whole next region on the
+  // way crowded this call's own stream): a region of whole panels of the
+  // same code_panel_bytes and scale_panel (the next call's codes, with
+  // quant_scales and quant_zeros).
   void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                      bool accumulate, const PrefetchRegion& next);
   int gemm_quant_rows_8bit;
