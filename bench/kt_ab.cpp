@@ -1,0 +1,268 @@
+// kt_ab: two builds of libkt side by side in one process, the same layer in
+// each, their forwards alternated call by call. On a shared, noisy machine
+// the ratio of two such timings is what holds still: both see the same
+// memory and frequency phases, where two runs minutes apart do not.
+// Each library is opened with dlopen (RTLD_LOCAL) and reached through its C
+// ABI only, so the builds may differ in anything but the ABI.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kt_c_api.h"
+
+namespace {
+
+const char kUsage[] =
+    "usage: kt_ab LIB_A LIB_B [options]\n"
+    "  Times the same MoE layer on two builds of libkt (paths to the shared\n"
+    "  objects, e.g. copies of libkt.so.1 from two commits), forwards alternated\n"
+    "  call by call, fresh routing per call; prints per round the median of each\n"
+    "  and B/A.\n"
+    "  --format NAME     weight format (default bf16; int8_channel, int4_g32,\n"
+    "                    int4_g128: quantized by kt at load)\n"
+    "  --int8            int8 activations (KT_COMPUTE_INT8, integer formats)\n"
+    "  --tokens T        tokens per forward (default 32)\n"
+    "  --shape E,K,H,I   experts, top-k, hidden, intermediate (default\n"
+    "                    128,8,2048,768: Qwen3-30B-A3B)\n"
+    "  --threads N       worker threads per engine (default 2)\n"
+    "  --calls N         calls per library and round (default from T)\n"
+    "  --rounds N        rounds (default 3)\n";
+
+struct Api {
+  void* handle = nullptr;
+  decltype(&kt_engine_options_defaults) engine_defaults = nullptr;
+  decltype(&kt_engine_create) engine_create = nullptr;
+  decltype(&kt_engine_destroy) engine_destroy = nullptr;
+  decltype(&kt_moe_options_defaults) moe_defaults = nullptr;
+  decltype(&kt_moe_create) moe_create = nullptr;
+  decltype(&kt_moe_destroy) moe_destroy = nullptr;
+  decltype(&kt_moe_load_weights) load_weights = nullptr;
+  decltype(&kt_moe_forward) forward = nullptr;
+  decltype(&kt_last_error) last_error = nullptr;
+  decltype(&kt_weight_format_name) format_name = nullptr;
+  decltype(&kt_version) version = nullptr;
+};
+
+template <typename F>
+bool bind(void* handle, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(handle, name));
+  if (!*out) std::fprintf(stderr, "kt_ab: the library has no %s\n", name);
+  return *out != nullptr;
+}
+
+bool open_api(const char* path, Api* api) {
+  api->handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+  if (!api->handle) {
+    std::fprintf(stderr, "kt_ab: %s\n", dlerror());
+    return false;
+  }
+  void* h = api->handle;
+  return bind(h, "kt_engine_options_defaults", &api->engine_defaults) &&
+         bind(h, "kt_engine_create", &api->engine_create) &&
+         bind(h, "kt_engine_destroy", &api->engine_destroy) &&
+         bind(h, "kt_moe_options_defaults", &api->moe_defaults) &&
+         bind(h, "kt_moe_create", &api->moe_create) &&
+         bind(h, "kt_moe_destroy", &api->moe_destroy) &&
+         bind(h, "kt_moe_load_weights", &api->load_weights) &&
+         bind(h, "kt_moe_forward", &api->forward) && bind(h, "kt_last_error", &api->last_error) &&
+         bind(h, "kt_weight_format_name", &api->format_name) &&
+         bind(h, "kt_version", &api->version);
+}
+
+DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int64_t* shape) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = ndim;
+  t.dtype = {static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  t.shape = shape;
+  return t;
+}
+
+struct Options {
+  std::string lib[2];
+  std::string format = "bf16";
+  bool int8 = false;
+  int64_t tokens = 32, experts = 128, top_k = 8, hidden = 2048, intermediate = 768;
+  int threads = 2, calls = 0, rounds = 3;
+};
+
+bool parse(int argc, char** argv, Options* o) {
+  int libs = 0;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&](const char* name) -> const char* {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "kt_ab: %s needs a value\n", name);
+        return nullptr;
+      }
+      return argv[++i];
+    };
+    const auto number = [&](const char* name, int64_t* out) {
+      const char* v = value(name);
+      if (!v) return false;
+      char* end = nullptr;
+      *out = std::strtoll(v, &end, 10);
+      if (*end != '\0' || *out <= 0) {
+        std::fprintf(stderr, "kt_ab: %s takes a positive integer, not '%s'\n", name, v);
+        return false;
+      }
+      return true;
+    };
+    int64_t n = 0;
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (a == "--format") {
+      const char* v = value("--format");
+      if (!v) return false;
+      o->format = v;
+    } else if (a == "--int8") {
+      o->int8 = true;
+    } else if (a == "--tokens") {
+      if (!number("--tokens", &o->tokens)) return false;
+    } else if (a == "--threads") {
+      if (!number("--threads", &n)) return false;
+      o->threads = static_cast<int>(n);
+    } else if (a == "--calls") {
+      if (!number("--calls", &n)) return false;
+      o->calls = static_cast<int>(n);
+    } else if (a == "--rounds") {
+      if (!number("--rounds", &n)) return false;
+      o->rounds = static_cast<int>(n);
+    } else if (a == "--shape") {
+      const char* v = value("--shape");
+      long long e, k, h, in;
+      char extra;
+      if (!v || std::sscanf(v, "%lld,%lld,%lld,%lld%c", &e, &k, &h, &in, &extra) != 4 || e <= 0 ||
+          k <= 0 || k > e || h <= 0 || in <= 0) {
+        std::fprintf(stderr, "kt_ab: --shape takes E,K,H,I (positive, K <= E)\n");
+        return false;
+      }
+      o->experts = e, o->top_k = k, o->hidden = h, o->intermediate = in;
+    } else if (!a.empty() && a[0] != '-' && libs < 2) {
+      o->lib[libs++] = a;
+    } else {
+      std::fprintf(stderr, "kt_ab: unknown argument '%s'\n%s", a.c_str(), kUsage);
+      return false;
+    }
+  }
+  if (libs != 2) {
+    std::fprintf(stderr, "%s", kUsage);
+    return false;
+  }
+  if (o->calls == 0) o->calls = o->tokens >= 256 ? 20 : o->tokens >= 32 ? 100 : 400;
+  return true;
+}
+
+kt_weight_format format_of(const Api& api, const std::string& name, bool* ok) {
+  for (int f = 0; f < 64; ++f) {
+    const char* n = api.format_name(static_cast<kt_weight_format>(f));
+    if (name == n) {
+      *ok = true;
+      return static_cast<kt_weight_format>(f);
+    }
+  }
+  *ok = false;
+  return KT_FORMAT_BF16;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  if (!parse(argc, argv, &o)) return 2;
+  Api api[2];
+  for (int q = 0; q < 2; ++q)
+    if (!open_api(o.lib[q].c_str(), &api[q])) return 1;
+  const int64_t E = o.experts, K = o.top_k, H = o.hidden, I = o.intermediate, T = o.tokens;
+  bool known = false;
+  const kt_weight_format format = format_of(api[0], o.format, &known);
+  if (!known) {
+    std::fprintf(stderr, "kt_ab: unknown weight format '%s'\n", o.format.c_str());
+    return 2;
+  }
+  // bf16 weights near 1 with random low bits and signs, as kt_bench's.
+  std::mt19937 rng(1);
+  std::vector<uint16_t> wg(static_cast<size_t>(E * I * H)), wu(wg.size()), wd(wg.size());
+  for (auto* v : {&wg, &wu, &wd})
+    for (auto& x : *v) x = static_cast<uint16_t>(0x3c00 | (rng() & 0x7f) | ((rng() & 1) << 15));
+  int64_t s_gu[3] = {E, I, H}, s_d[3] = {E, H, I};
+  DLTensor tg = tensor(wg.data(), kDLBfloat, 16, 3, s_gu),
+           tu = tensor(wu.data(), kDLBfloat, 16, 3, s_gu),
+           td = tensor(wd.data(), kDLBfloat, 16, 3, s_d);
+  const kt_arg load[] = {{KT_ARG_W_GATE, &tg}, {KT_ARG_W_UP, &tu}, {KT_ARG_W_DOWN, &td}};
+  kt_engine* engine[2] = {nullptr, nullptr};
+  kt_moe* moe[2] = {nullptr, nullptr};
+  for (int q = 0; q < 2; ++q) {
+    kt_engine_options eo;
+    api[q].engine_defaults(&eo, sizeof(eo));
+    eo.num_threads = o.threads;
+    kt_moe_options mo;
+    api[q].moe_defaults(&mo, sizeof(mo));
+    mo.num_experts = E, mo.top_k = K, mo.hidden = H, mo.intermediate = I, mo.max_tokens = T;
+    mo.weight_format = format;
+    if (o.int8) mo.compute = KT_COMPUTE_INT8;
+    if (api[q].engine_create(&eo, &engine[q]) != KT_OK ||
+        api[q].moe_create(engine[q], &mo, &moe[q]) != KT_OK ||
+        api[q].load_weights(moe[q], nullptr, load, 3) != KT_OK) {
+      std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
+      return 1;
+    }
+  }
+  std::vector<uint16_t> x(static_cast<size_t>(T * H)), y(x.size());
+  for (auto& v : x) v = static_cast<uint16_t>(0x3f80 | (rng() & 0x7f));
+  std::vector<int32_t> ids(static_cast<size_t>(T * K));
+  std::vector<float> weights(ids.size(), 1.f / static_cast<float>(K));
+  int64_t s_x[2] = {T, H}, s_ids[2] = {T, K};
+  DLTensor tx = tensor(x.data(), kDLBfloat, 16, 2, s_x),
+           ty = tensor(y.data(), kDLBfloat, 16, 2, s_x),
+           ti = tensor(ids.data(), kDLInt, 32, 2, s_ids),
+           tw = tensor(weights.data(), kDLFloat, 32, 2, s_ids);
+  const kt_arg args[] = {
+      {KT_ARG_X, &tx}, {KT_ARG_IDS, &ti}, {KT_ARG_ROUTE_WEIGHTS, &tw}, {KT_ARG_Y, &ty}};
+  std::printf(
+      "A %s (%s)\nB %s (%s)\nlayer E=%lld k=%lld H=%lld I=%lld, %s%s, T=%lld, %d threads, %d calls "
+      "per round\n",
+      o.lib[0].c_str(), api[0].version(), o.lib[1].c_str(), api[1].version(),
+      static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(H),
+      static_cast<long long>(I), o.format.c_str(), o.int8 ? "/int8" : "", static_cast<long long>(T),
+      o.threads, o.calls);
+  std::vector<int> perm(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int>(e);
+  for (int round = 0; round < o.rounds; ++round) {
+    std::vector<double> t[2];
+    for (int call = 0; call < o.calls; ++call) {
+      for (int64_t tok = 0; tok < T;
+           ++tok) {  // fresh routing: the experts' weights come from memory
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int64_t j = 0; j < K; ++j)
+          ids[static_cast<size_t>(tok * K + j)] = perm[static_cast<size_t>(j)];
+      }
+      for (int q = 0; q < 2; ++q) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (api[q].forward(moe[q], args, 4, nullptr) != KT_OK) {
+          std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
+          return 1;
+        }
+        t[q].push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+    }
+    for (auto& v : t) std::sort(v.begin(), v.end());
+    const double a = t[0][t[0].size() / 2], b = t[1][t[1].size() / 2];
+    std::printf("round %d: A %.3f ms  B %.3f ms  B/A %.3f\n", round + 1, a * 1e3, b * 1e3, b / a);
+  }
+  for (int q = 0; q < 2; ++q) {
+    api[q].moe_destroy(moe[q]);
+    api[q].engine_destroy(engine[q]);
+  }
+  return 0;
+}
