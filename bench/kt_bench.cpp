@@ -217,10 +217,9 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
         }
         FormatChoice choice{*f, KT_COMPUTE_BF16};
         if (slash != std::string::npos) {
-          if (entry.substr(slash + 1) != "int8" ||
-              (*f != KT_FORMAT_INT8_CHANNEL && *f != KT_FORMAT_INT4_G32 &&
-               *f != KT_FORMAT_INT4_G128 && *f != KT_FORMAT_INT4_G32_ZP &&
-               *f != KT_FORMAT_INT4_G128_ZP && *f != KT_FORMAT_MXFP4)) {
+          // kt_moe_create's rule: every quantized format but fp8 (not integers).
+          if (entry.substr(slash + 1) != "int8" || *f == KT_FORMAT_BF16 ||
+              *f == KT_FORMAT_FP8_B128) {
             *error = "--format " + entry +
                      ": only the integer formats (int8_channel, int4_g32, int4_g128, int4_g32_zp, "
                      "int4_g128_zp, mxfp4) take /int8 (KT_COMPUTE_INT8)";

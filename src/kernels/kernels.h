@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "core/dtype.h"
@@ -94,6 +95,19 @@ struct QuantPanels {
   int64_t kq = 0;     // K of the codes and of the A rows
   int64_t group = 0;  // K per scale, a multiple of 32 dividing kq
 };
+
+// The scale of panel p, group j and lane of w, as fp32.
+inline float quant_scale(const QuantPanels& w, int p, int64_t j, int lane) {
+  const uint8_t* at = w.scales + (p * w.scale_panel + j * kPanelRows + lane) * w.scale_bytes;
+  if (w.scale_bytes == 4) {
+    float f;
+    std::memcpy(&f, at, 4);
+    return f;
+  }
+  bf16_t b;
+  std::memcpy(&b, at, 2);
+  return bf16_to_f32(b);
+}
 
 // ---- int8 compute (KT_COMPUTE_INT8): activations quantized to int8 per row.
 // An int8 A row of K kq (int8_row_bytes(kq, group) bytes, kept 64-byte

@@ -151,18 +151,23 @@ using kt::QuantPanels;
 // zero points: the nibble as stored).
 template <int Bits, QuantCode Code>
 struct B_codes {
+  static constexpr int64_t kStepBytes = Bits == 8 ? 64 : 32;
+  static constexpr int32_t kOffset = Bits == 8 ? 128 : Code == QuantCode::kE2M1 ? 12 : 8;
   void operator()(const uint8_t* src, uint8_t* out) const {
     for (int lane = 0; lane < 16; ++lane)
       for (int j = 0; j < 4; ++j) {
         uint8_t u;
         if constexpr (Bits == 8) {
-          u = static_cast<uint8_t>(src[(j / 2) * 32 + lane * 2 + j % 2] ^ 0x80);  // K 4s + j
+          const int8_t q = static_cast<int8_t>(src[(j / 2) * 32 + lane * 2 + j % 2]);  // K 4s + j
+          u = static_cast<uint8_t>(q + kOffset);
         } else {
           const int kk = (j & 1) << 1 | j >> 1;  // K 4s + kk: pair group kk / 2, element kk % 2
           const uint8_t b = src[lane * 2 + kk % 2];
           const uint8_t nibble = static_cast<uint8_t>(kk / 2 ? b >> 4 : b & 15);
-          u = Code == QuantCode::kE2M1 ? static_cast<uint8_t>(2.f * kt::e2m1_to_f32(nibble) + 12.f)
-                                       : nibble;
+          // int4: the nibble is value + 8 (with zero points, the code as stored)
+          u = Code == QuantCode::kE2M1
+                  ? static_cast<uint8_t>(2.f * kt::e2m1_to_f32(nibble) + kOffset)
+                  : nibble;
         }
         out[lane * 4 + j] = u;
       }

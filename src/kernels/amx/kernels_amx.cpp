@@ -86,6 +86,8 @@ inline void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, i
 
 template <int Bits, QuantCode Code>
 struct B_codes {
+  static constexpr int64_t kStepBytes = Int8Codes<Bits, Code>::kStepBytes;
+  static constexpr int32_t kOffset = Int8Codes<Bits, Code>::kOffset;
   Int8Codes<Bits, Code> codes;
   void operator()(const uint8_t* src, uint8_t* out) const {
     _mm512_store_si512(out, codes.step(src));
