@@ -95,15 +95,7 @@ struct QuantShape {
   }
   // The fp32 value of stored scale i (panel-major index).
   float scale_at(const uint8_t* expert, int64_t i) const {
-    const uint8_t* p = expert + scales_offset + i * scale_bytes;
-    if (scale_bytes == 4) {
-      float f;
-      std::memcpy(&f, p, 4);
-      return f;
-    }
-    bf16_t b;
-    std::memcpy(&b, p, 2);
-    return bf16_to_f32(b);
+    return stored_scale(expert + scales_offset + i * scale_bytes, scale_bytes);
   }
   // The stored zero byte (z + 8) of index i (panel-major, as the scales).
   uint8_t zero_at(const uint8_t* expert, int64_t i) const { return expert[zeros_offset + i]; }

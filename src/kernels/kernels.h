@@ -96,10 +96,9 @@ struct QuantPanels {
   int64_t group = 0;  // K per scale, a multiple of 32 dividing kq
 };
 
-// The scale of panel p, group j and lane of w, as fp32.
-inline float quant_scale(const QuantPanels& w, int p, int64_t j, int lane) {
-  const uint8_t* at = w.scales + (p * w.scale_panel + j * kPanelRows + lane) * w.scale_bytes;
-  if (w.scale_bytes == 4) {
+// A stored scale (fp32, or bf16 when scale_bytes is 2) as fp32.
+inline float stored_scale(const uint8_t* at, int scale_bytes) {
+  if (scale_bytes == 4) {
     float f;
     std::memcpy(&f, at, 4);
     return f;
@@ -107,6 +106,11 @@ inline float quant_scale(const QuantPanels& w, int p, int64_t j, int lane) {
   bf16_t b;
   std::memcpy(&b, at, 2);
   return bf16_to_f32(b);
+}
+// The scale of panel p, group j and lane of w.
+inline float quant_scale(const QuantPanels& w, int p, int64_t j, int lane) {
+  return stored_scale(w.scales + (p * w.scale_panel + j * kPanelRows + lane) * w.scale_bytes,
+                      w.scale_bytes);
 }
 
 // ---- int8 compute (KT_COMPUTE_INT8): activations quantized to int8 per row.
