@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "core/tensor.h"
 #include "kernels/kernels.h"
@@ -61,7 +62,9 @@ struct CombineSplit {
     s.cols = kBlockCols;
     // Wider items while there are enough: an item reads each expert's rows
     // once for all its columns.
-    while (s.cols < kMaxItemCols && ceil_div(n, 2 * s.cols) >= want) s.cols *= 2;
+    // Few tokens (decode): the rows are few and cheap to read again, and
+    // narrow items balance the workers (an item takes every expert).
+    while (T > kRowChunk && s.cols < kMaxItemCols && ceil_div(n, 2 * s.cols) >= want) s.cols *= 2;
     s.col_blocks = ceil_div(n, s.cols);
     if (s.col_blocks < want && T <= kRowChunk) {
       s.cols = kPanelRows;
@@ -78,13 +81,23 @@ struct CombineSplit {
 
 // Items handed out in ranges of consecutive items, so a worker knows its
 // next item and can prefetch its weights while it computes the current one.
-// About 8 ranges per thread keep skewed routing balanced.
+// Ranges shrink as the items run out (each a quarter of what is left per
+// thread, down to single items), so the workers end together even when the
+// items' costs differ (skewed routing) or one worker's memory runs slower.
 struct ItemRanges {
-  int64_t items;
-  int64_t count;
-  ItemRanges(int64_t n, int threads) : items(n), count(std::min<int64_t>(n, 8 * static_cast<int64_t>(threads))) {}
-  int64_t begin(int64_t r) const { return items * r / count; }
-  int64_t end(int64_t r) const { return items * (r + 1) / count; }
+  std::vector<int64_t> bounds;  // range r is [bounds[r], bounds[r + 1])
+  int64_t count = 0;
+  ItemRanges(int64_t n, int threads) {
+    const int64_t parts = 4 * static_cast<int64_t>(std::max(threads, 1));
+    bounds.push_back(0);
+    for (int64_t done = 0; done < n;) {
+      done += std::max<int64_t>(1, (n - done) / parts);
+      bounds.push_back(done);
+    }
+    count = static_cast<int64_t>(bounds.size()) - 1;
+  }
+  int64_t begin(int64_t r) const { return bounds[static_cast<size_t>(r)]; }
+  int64_t end(int64_t r) const { return bounds[static_cast<size_t>(r) + 1]; }
 };
 
 // Positions [begin, end) of one expert whose tokens fall in [t0, t1):

@@ -306,8 +306,14 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
   const CombineSplit split = CombineSplit::plan(T, H, pool.size());
-  pool.run(split.items(), [&](int64_t item, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+  // The first down panels of an item (its first expert's, the first block).
+  const auto first_block_of = [&](int64_t item) {
+    if (R.active.empty()) return PrefetchRegion{};
+    const int64_t col0 = (item % split.col_blocks) * split.cols;
+    return weight_block(kDown, R.active[0], col0, std::min(kBlockCols, H - col0));
+  };
+  // One item; `after` is the first block of the item the worker takes next.
+  const auto down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& after) {
     const int64_t col0 = (item % split.col_blocks) * split.cols;
     const int64_t ncols = std::min(split.cols, H - col0);
     const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
@@ -331,9 +337,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         const int np = static_cast<int>(ceil_div(sn, kPanelRows));
         // The next panels (next block, or the next expert's first) come in
         // while these run.
-        const PrefetchRegion next = sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
-                                    : ai + 1 < R.active.size()      ? block_of_down(R.active[ai + 1], col0)
-                                                                    : PrefetchRegion{};
+        const PrefetchRegion next =
+            sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
+            : ai + 1 < R.active.size()      ? block_of_down(R.active[ai + 1], col0)
+                                            : after;
         const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
@@ -363,5 +370,11 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       }
     }
     store_columns(acc, t0, t1, H, col0, ncols, c.y);
+  };
+  const ItemRanges down_ranges(split.items(), pool.size());
+  pool.run(down_ranges.count, [&](int64_t range, int tid) {
+    for (int64_t it = down_ranges.begin(range); it < down_ranges.end(range); ++it)
+      down_item(scratch_[static_cast<size_t>(tid)], it,
+                it + 1 < down_ranges.end(range) ? first_block_of(it + 1) : PrefetchRegion{});
   });
 }

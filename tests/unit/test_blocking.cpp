@@ -1,0 +1,67 @@
+// How a stage's work is cut for the workers (moe/blocking.h): item ranges
+// cover every item once, in order, shrinking to single items at the end; the
+// combine split gives every (token, column) one owner, with narrow column
+// blocks at decode.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "moe/blocking.h"
+
+using kt::CombineSplit;
+using kt::ItemRanges;
+
+TEST(ItemRanges, CoverEveryItemOnceInShrinkingRangesEndingInSingleItems) {
+  for (int threads : {1, 2, 3, 16, 64})
+    for (int64_t n :
+         {int64_t{0}, int64_t{1}, int64_t{7}, int64_t{96}, int64_t{1536}, int64_t{100000}}) {
+      SCOPED_TRACE("threads " + std::to_string(threads) + ", items " + std::to_string(n));
+      const ItemRanges r(n, threads);
+      if (n == 0) {
+        EXPECT_EQ(r.count, 0);
+        continue;
+      }
+      ASSERT_GE(r.count, 1);
+      EXPECT_EQ(r.begin(0), 0);
+      EXPECT_EQ(r.end(r.count - 1), n);
+      for (int64_t i = 0; i < r.count; ++i) {
+        ASSERT_LT(r.begin(i), r.end(i)) << "range " << i << " is empty";
+        if (i > 0) {
+          EXPECT_EQ(r.begin(i), r.end(i - 1));
+          EXPECT_LE(r.end(i) - r.begin(i), r.end(i - 1) - r.begin(i - 1))
+              << "range " << i << " grew";
+        }
+      }
+      EXPECT_EQ(r.end(r.count - 1) - r.begin(r.count - 1), 1);
+      // No range takes more than a quarter of a thread's share.
+      EXPECT_LE(r.end(0) - r.begin(0), n / (4 * threads) + 1);
+    }
+}
+
+TEST(CombineSplit, EveryTokenAndColumnHasOneOwnerAndDecodeItemsAreNarrow) {
+  for (int threads : {1, 2, 8, 64})
+    for (int64_t T :
+         {int64_t{1}, int64_t{8}, int64_t{64}, int64_t{65}, int64_t{512}, int64_t{1000}})
+      for (int64_t n : {int64_t{16}, int64_t{200}, int64_t{2048}, int64_t{7168}}) {
+        SCOPED_TRACE("threads " + std::to_string(threads) + ", T " + std::to_string(T) + ", n " +
+                     std::to_string(n));
+        const CombineSplit s = CombineSplit::plan(T, n, threads);
+        ASSERT_GT(s.cols, 0);
+        EXPECT_EQ(s.cols % kt::kPanelRows, 0);
+        EXPECT_LE(s.cols, kt::kMaxItemCols);
+        if (T <= kt::kRowChunk) {
+          EXPECT_LE(s.cols, kt::kBlockCols);
+          EXPECT_EQ(s.token_ranges, 1);
+        }
+        std::vector<int> owners(static_cast<size_t>(T * n), 0);
+        for (int64_t item = 0; item < s.items(); ++item) {
+          const int64_t col0 = (item % s.col_blocks) * s.cols;
+          const int64_t t0 = (item / s.col_blocks) * s.token_chunk;
+          for (int64_t t = t0; t < std::min(T, t0 + s.token_chunk); ++t)
+            for (int64_t c = col0; c < std::min(n, col0 + s.cols); ++c)
+              ++owners[static_cast<size_t>(t * n + c)];
+        }
+        for (size_t i = 0; i < owners.size(); ++i)
+          ASSERT_EQ(owners[i], 1) << "token " << i / n << " column " << i % n;
+      }
+}
