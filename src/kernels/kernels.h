@@ -257,6 +257,11 @@ struct Kernels {
   // Every table computes the same bits. next: as gemm_quant's.
   void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                     bool accumulate, const PrefetchRegion& next);
+  // gemm_bf16w's tiles fetch their own panels ahead at every row count: a
+  // caller whose panels stream from memory passes no next region, which
+  // would only crowd those fetches; panels built in cache (dequantized,
+  // transposed) still take it, as there it is the only stream from memory.
+  bool gemm_bf16w_fetches_panels;
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).

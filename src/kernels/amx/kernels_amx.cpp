@@ -215,6 +215,7 @@ Kernels make_table() {
   k.isa = KT_ISA_AMX;
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = gemm_bf16w;
+  k.gemm_bf16w_fetches_panels = false;
   k.gemm_zip_bf16 = gemm_zip_bf16;
   if (has_amx_int8()) k.gemm_int8 = gemm_int8;
   return k;

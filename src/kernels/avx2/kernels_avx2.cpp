@@ -96,12 +96,30 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 }  // namespace avx2
 
 extern const Kernels kernels_avx2 = {
-    KT_ISA_AVX2, "gemm_bf16w_f32_f32_3x16__avx2_fma", 4, avx2::gemm_bf16w, nullptr, nullptr, avx2::pack_a_f32_copy,
-    avx2::sgemm_nn_generic, avx2::sgemm_nt_generic, avx2::sgemm_tn_generic,
-    avx2::transpose_panels_generic, avx2::act_forward_generic, avx2::act_backward_generic,
-    avx2::dequant_i8_generic, avx2::dequant_i4_generic, avx2::dequant_e4m3_generic,
-    avx2::dequant_e2m1_generic, avx2::dequant_i4_zero_generic, avx2::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    KT_ISA_AVX2,
+    "gemm_bf16w_f32_f32_3x16__avx2_fma",
+    4,
+    avx2::gemm_bf16w,
+    nullptr,
+    nullptr,
+    avx2::pack_a_f32_copy,
+    avx2::sgemm_nn_generic,
+    avx2::sgemm_nt_generic,
+    avx2::sgemm_tn_generic,
+    avx2::transpose_panels_generic,
+    avx2::act_forward_generic,
+    avx2::act_backward_generic,
+    avx2::dequant_i8_generic,
+    avx2::dequant_i4_generic,
+    avx2::dequant_e4m3_generic,
+    avx2::dequant_e2m1_generic,
+    avx2::dequant_i4_zero_generic,
+    avx2::gemm_bf16w_grouped_fp32a,
+    nullptr,
+    0,
+    0,
     avx2::gemm_int8_generic,
+    false,
 };
 
 }  // namespace kt

@@ -37,12 +37,30 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 }  // namespace ref
 
 extern const Kernels kernels_ref = {
-    KT_ISA_REF, "gemm_bf16w_f32_f32_1x16__ref", 4, ref::gemm_bf16w, nullptr, nullptr, ref::pack_a_f32_copy,
-    ref::sgemm_nn_generic, ref::sgemm_nt_generic, ref::sgemm_tn_generic,
-    ref::transpose_panels_generic, ref::act_forward_generic, ref::act_backward_generic,
-    ref::dequant_i8_generic, ref::dequant_i4_generic, ref::dequant_e4m3_generic,
-    ref::dequant_e2m1_generic, ref::dequant_i4_zero_generic, ref::gemm_bf16w_grouped_fp32a, nullptr, 0, 0,
+    KT_ISA_REF,
+    "gemm_bf16w_f32_f32_1x16__ref",
+    4,
+    ref::gemm_bf16w,
+    nullptr,
+    nullptr,
+    ref::pack_a_f32_copy,
+    ref::sgemm_nn_generic,
+    ref::sgemm_nt_generic,
+    ref::sgemm_tn_generic,
+    ref::transpose_panels_generic,
+    ref::act_forward_generic,
+    ref::act_backward_generic,
+    ref::dequant_i8_generic,
+    ref::dequant_i4_generic,
+    ref::dequant_e4m3_generic,
+    ref::dequant_e2m1_generic,
+    ref::dequant_i4_zero_generic,
+    ref::gemm_bf16w_grouped_fp32a,
+    nullptr,
+    0,
+    0,
     ref::gemm_int8_generic,
+    false,
 };
 
 }  // namespace kt
