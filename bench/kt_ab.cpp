@@ -28,6 +28,8 @@ const char kUsage[] =
     "  --format NAME     weight format (default bf16; int8_channel, int4_g32,\n"
     "                    int4_g128: quantized by kt at load)\n"
     "  --int8            int8 activations (KT_COMPUTE_INT8, integer formats)\n"
+    "  --dx              time forward + backward for dx (the frozen base's\n"
+    "                    training step without parameter gradients)\n"
     "  --tokens T        tokens per forward (default 32)\n"
     "  --shape E,K,H,I   experts, top-k, hidden, intermediate (default\n"
     "                    128,8,2048,768: Qwen3-30B-A3B)\n"
@@ -45,6 +47,9 @@ struct Api {
   decltype(&kt_moe_destroy) moe_destroy = nullptr;
   decltype(&kt_moe_load_weights) load_weights = nullptr;
   decltype(&kt_moe_forward) forward = nullptr;
+  decltype(&kt_moe_backward) backward = nullptr;
+  decltype(&kt_backward_options_defaults) backward_defaults = nullptr;
+  decltype(&kt_context_release) context_release = nullptr;
   decltype(&kt_last_error) last_error = nullptr;
   decltype(&kt_weight_format_name) format_name = nullptr;
   decltype(&kt_version) version = nullptr;
@@ -71,7 +76,9 @@ bool open_api(const char* path, Api* api) {
          bind(h, "kt_moe_create", &api->moe_create) &&
          bind(h, "kt_moe_destroy", &api->moe_destroy) &&
          bind(h, "kt_moe_load_weights", &api->load_weights) &&
-         bind(h, "kt_moe_forward", &api->forward) && bind(h, "kt_last_error", &api->last_error) &&
+         bind(h, "kt_moe_forward", &api->forward) && bind(h, "kt_moe_backward", &api->backward) &&
+         bind(h, "kt_backward_options_defaults", &api->backward_defaults) &&
+         bind(h, "kt_context_release", &api->context_release) && bind(h, "kt_last_error", &api->last_error) &&
          bind(h, "kt_weight_format_name", &api->format_name) &&
          bind(h, "kt_version", &api->version);
 }
@@ -90,6 +97,7 @@ struct Options {
   std::string lib[2];
   std::string format = "bf16";
   bool int8 = false;
+  bool dx = false;
   int64_t tokens = 32, experts = 128, top_k = 8, hidden = 2048, intermediate = 768;
   int threads = 2, calls = 0, rounds = 3;
 };
@@ -126,6 +134,8 @@ bool parse(int argc, char** argv, Options* o) {
       o->format = v;
     } else if (a == "--int8") {
       o->int8 = true;
+    } else if (a == "--dx") {
+      o->dx = true;
     } else if (a == "--tokens") {
       if (!number("--tokens", &o->tokens)) return false;
     } else if (a == "--threads") {
@@ -217,24 +227,27 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  std::vector<uint16_t> x(static_cast<size_t>(T * H)), y(x.size());
-  for (auto& v : x) v = static_cast<uint16_t>(0x3f80 | (rng() & 0x7f));
+  std::vector<uint16_t> x(static_cast<size_t>(T * H)), y(x.size()), dy(x.size()), dx(x.size());
+  for (auto* v : {&x, &dy})
+    for (auto& e : *v) e = static_cast<uint16_t>(0x3f80 | (rng() & 0x7f));
   std::vector<int32_t> ids(static_cast<size_t>(T * K));
   std::vector<float> weights(ids.size(), 1.f / static_cast<float>(K));
   int64_t s_x[2] = {T, H}, s_ids[2] = {T, K};
   DLTensor tx = tensor(x.data(), kDLBfloat, 16, 2, s_x),
            ty = tensor(y.data(), kDLBfloat, 16, 2, s_x),
            ti = tensor(ids.data(), kDLInt, 32, 2, s_ids),
-           tw = tensor(weights.data(), kDLFloat, 32, 2, s_ids);
+           tw = tensor(weights.data(), kDLFloat, 32, 2, s_ids),
+           tdy = tensor(dy.data(), kDLBfloat, 16, 2, s_x), tdx = tensor(dx.data(), kDLBfloat, 16, 2, s_x);
   const kt_arg args[] = {
       {KT_ARG_X, &tx}, {KT_ARG_IDS, &ti}, {KT_ARG_ROUTE_WEIGHTS, &tw}, {KT_ARG_Y, &ty}};
+  const kt_arg backward_args[] = {{KT_ARG_DY, &tdy}, {KT_ARG_DX, &tdx}};
   std::printf(
-      "A %s (%s)\nB %s (%s)\nlayer E=%lld k=%lld H=%lld I=%lld, %s%s, T=%lld, %d threads, %d calls "
+      "A %s (%s)\nB %s (%s)\nlayer E=%lld k=%lld H=%lld I=%lld, %s%s, T=%lld, %d threads, %d %s "
       "per round\n",
       o.lib[0].c_str(), api[0].version(), o.lib[1].c_str(), api[1].version(),
       static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(H),
       static_cast<long long>(I), o.format.c_str(), o.int8 ? "/int8" : "", static_cast<long long>(T),
-      o.threads, o.calls);
+      o.threads, o.calls, o.dx ? "forward + backward (dx) steps" : "calls");
   std::vector<int> perm(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int>(e);
   for (int round = 0; round < o.rounds; ++round) {
@@ -248,7 +261,16 @@ int main(int argc, char** argv) {
       }
       for (int q = 0; q < 2; ++q) {
         const auto t0 = std::chrono::steady_clock::now();
-        if (api[q].forward(moe[q], args, 4, nullptr) != KT_OK) {
+        kt_context* saved = nullptr;
+        bool ok = api[q].forward(moe[q], args, 4, o.dx ? &saved : nullptr) == KT_OK;
+        if (ok && o.dx) {
+          kt_backward_options bo;
+          api[q].backward_defaults(&bo, sizeof(bo));
+          bo.param_grads = 0;
+          ok = api[q].backward(moe[q], saved, &bo, backward_args, 2) == KT_OK;
+        }
+        if (saved) api[q].context_release(saved);
+        if (!ok) {
           std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
           return 1;
         }

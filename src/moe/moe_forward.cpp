@@ -335,8 +335,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
         const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
         const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-        // The next panels (next block, or the next expert's first) come in
-        // while these run.
+        // The next panels (next block, the next expert's first, or past the
+        // last expert the worker's next item's first) come in while these run.
         const PrefetchRegion next =
             sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
             : ai + 1 < R.active.size()      ? block_of_down(R.active[ai + 1], col0)
