@@ -60,10 +60,10 @@ struct CombineSplit {
     CombineSplit s;
     const int64_t want = 4 * static_cast<int64_t>(threads);
     s.cols = kBlockCols;
-    // Wider items while there are enough: an item reads each expert's rows
-    // once for all its columns.
-    // Few tokens (decode): the rows are few and cheap to read again, and
-    // narrow items balance the workers (an item takes every expert).
+    // Many tokens: wider items while there are enough, as an item reads each
+    // expert's rows once for all its columns. Few (decode): the rows are
+    // cheap to read again, and narrow items let the workers end together
+    // (an item takes every expert).
     while (T > kRowChunk && s.cols < kMaxItemCols && ceil_div(n, 2 * s.cols) >= want) s.cols *= 2;
     s.col_blocks = ceil_div(n, s.cols);
     if (s.col_blocks < want && T <= kRowChunk) {
