@@ -306,11 +306,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
   const CombineSplit split = CombineSplit::plan(T, H, pool.size());
-  // The first down panels of an item (its first expert's, the first block).
+  // The first down panels of an item: the first active expert's, the
+  // item's first block of columns.
   const auto first_block_of = [&](int64_t item) {
     if (R.active.empty()) return PrefetchRegion{};
     const int64_t col0 = (item % split.col_blocks) * split.cols;
-    return weight_block(kDown, R.active[0], col0, std::min(kBlockCols, H - col0));
+    return weight_block(kDown, R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
   };
   // One item; `after` is the first block of the item the worker takes next.
   const auto down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& after) {

@@ -827,9 +827,9 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
     }
     if (s.zero_points)
       for (int64_t i = 0; i < np * s.scale_panel; ++i) ex[static_cast<size_t>(s.zeros_offset + i)] = static_cast<uint8_t>(byte(rng) & 15);
-    // 2 rows: the few-row tiles (K spans two slices of group sums), each
-    // row's result as it is alone; 9 rows: the wide tiles.
-    for (int m : {2, 9}) {
+    // The most rows of the few-row tiles (K spans two slices of group sums),
+    // each row's result as it is alone; 9 rows: the wide tiles.
+    for (int m : {quant_few_rows_max(s), 9}) {
       std::vector<float> a(static_cast<size_t>(m * k));
       for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
       const PackedRows packed_a = pack_rows(K, a, m, k);
@@ -839,7 +839,7 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
                    kt::quant_panel_block(ex.data(), s, 0, n));
       for (int i = 0; i < m; ++i) {
         std::vector<float> one(static_cast<size_t>(n), 0.f);
-        if (m <= 2)
+        if (m <= quant_few_rows_max(s))
           K.gemm_quant(s.panels(ex.data(), 0), &rows[static_cast<size_t>(i)], 1, np, one.data(), n, false,
                        kt::PrefetchRegion{});
         for (int64_t col = 0; col < n; ++col) {
@@ -852,7 +852,7 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
           const float got = c[static_cast<size_t>(i * n + col)];
           ASSERT_NEAR(got, want, 1e-5 * (1.0 + mag))
               << K.gemm_name << " " << kt_weight_format_name(f) << " m " << m << " row " << i << " col " << col;
-          if (m <= 2) {
+          if (m <= quant_few_rows_max(s)) {
             ASSERT_EQ(one[static_cast<size_t>(col)], got) << kt_weight_format_name(f);
           }
         }
