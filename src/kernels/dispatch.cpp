@@ -31,7 +31,8 @@ static bool amx_permitted() {
 kt_isa detect_cpu_isa() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return KT_ISA_REF;
-  const bool fma = c & (1u << 12), osxsave = c & (1u << 27);
+  // F16C: the AVX2 unit converts fp8 codes through half precision.
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), f16c = c & (1u << 29);
   if (!osxsave) return KT_ISA_REF;
   const uint64_t xcr0 = read_xcr0();
   const bool os_avx = (xcr0 & 0x6) == 0x6;
@@ -44,7 +45,7 @@ kt_isa detect_cpu_isa() {
   unsigned a1 = 0, b1, c1, d1;
   __get_cpuid_count(7, 1, &a1, &b1, &c1, &d1);
   const bool avx512bf16 = a1 & (1u << 5);
-  if (!(os_avx && avx2 && fma)) return KT_ISA_REF;
+  if (!(os_avx && avx2 && fma && f16c)) return KT_ISA_REF;
   if (!(os_avx512 && avx512f && avx512bw && avx512vl && avx512bf16)) return KT_ISA_AVX2;
   if (os_amx && amx_bf16 && amx_tile && amx_permitted()) return KT_ISA_AMX;
   return KT_ISA_AVX512BF16;

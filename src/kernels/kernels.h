@@ -202,7 +202,9 @@ struct Kernels {
   // multiples of 32), to bf16 packed panels of kc columns at dst (panel
   // stride 16 * kc). scales NULL: the code values, exact in bf16. Otherwise
   // each value times its fp32 scale scales[p * scale_stride + ((k - k0) /
-  // group) * 16 + lane] (group a multiple of 32), rounded to bf16 once.
+  // group) * 16 + lane] (group a multiple of 32), rounded to bf16 once; a
+  // product below the smallest normal fp32 may come out as the zero of its
+  // sign instead (the AVX-512 BF16 conversion flushes such inputs).
   void (*dequant_i8)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                      const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
   void (*dequant_i4)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,

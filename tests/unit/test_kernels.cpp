@@ -1,6 +1,7 @@
 // Micro-kernels of every compiled ISA against their scalar twin, over edge
 // shapes (m = 1, row/panel tails, odd K), and the packed-panel helpers.
 #include <gtest/gtest.h>
+#include <xmmintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -406,6 +407,21 @@ TEST_P(GemmKernels, Int4CodesDequantizeAsDocumented) {
   EXPECT_EQ(panel_value(d, 32, 0, 15, 3), kt::bf16_to_f32(kt::f32_to_bf16(0.2f)));
 }
 
+// Sets denormals-are-zero and flush-to-zero in MXCSR while it lives (when
+// asked), as some hosts run.
+class MxcsrGuard {
+ public:
+  explicit MxcsrGuard(bool daz_ftz) : saved_(_mm_getcsr()) {
+    if (daz_ftz) _mm_setcsr(saved_ | 0x8040u);
+  }
+  ~MxcsrGuard() { _mm_setcsr(saved_); }
+  MxcsrGuard(const MxcsrGuard&) = delete;
+  MxcsrGuard& operator=(const MxcsrGuard&) = delete;
+
+ private:
+  unsigned saved_;
+};
+
 // Every e4m3 code but the two NaNs (normal, subnormal, zero, both signs,
 // the largest finite 448) against the scalar decoding, through dequant_e4m3
 // and, where the unit has it, gemm_quant on a one-hot row.
@@ -443,15 +459,22 @@ TEST_P(GemmKernels, E4m3EveryCodeDequantizesExactly) {
   if (!K.gemm_quant) return;
   std::vector<float> a(128, 0.f);
   std::vector<char> ak(static_cast<size_t>(128 * K.a_elem_size));
-  for (int c = 0; c < 128; ++c) {
-    std::fill(a.begin(), a.end(), 0.f);
-    a[static_cast<size_t>(c)] = 1.f;
-    K.pack_a_f32(a.data(), 128, 128, ak.data());
-    const void* row = ak.data();
-    std::vector<float> out(16, 0.f);
-    K.gemm_quant(s.panels(ex.data(), 0), &row, 1, 1, out.data(), 16, false, kt::PrefetchRegion{});
-    for (int lane = 0; lane < 16; ++lane)
-      ASSERT_EQ(out[static_cast<size_t>(lane)], kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)])) << c;
+  // Also with denormals as zero and flushed to zero (a host may run so):
+  // the subnormal codes still come out exact.
+  for (bool daz : {false, true}) {
+    const MxcsrGuard guard(daz);
+    for (int c = 0; c < 128; ++c) {
+      std::fill(a.begin(), a.end(), 0.f);
+      a[static_cast<size_t>(c)] = 1.f;
+      K.pack_a_f32(a.data(), 128, 128, ak.data());
+      const void* row = ak.data();
+      std::vector<float> out(16, 0.f);
+      K.gemm_quant(s.panels(ex.data(), 0), &row, 1, 1, out.data(), 16, false, kt::PrefetchRegion{});
+      for (int lane = 0; lane < 16; ++lane)
+        ASSERT_EQ(out[static_cast<size_t>(lane)],
+                  kt::e4m3_to_f32(code[static_cast<size_t>(lane * 128 + c)]))
+            << K.gemm_name << " column " << c << " lane " << lane << (daz ? " under DAZ/FTZ" : "");
+    }
   }
 }
 
@@ -591,6 +614,102 @@ TEST_P(GemmKernels, Int4ZeroPointCodesDequantizeAsDocumented) {
   EXPECT_EQ(panel_value(half, 32, 0, 15, 1), kt::bf16_to_f32(kt::f32_to_bf16(7 * 0.1f)));
   EXPECT_EQ(panel_value(half, 32, 0, 15, 3), kt::bf16_to_f32(kt::f32_to_bf16(-2 * 0.1f)));
   EXPECT_EQ(panel_value(half, 32, 0, 0, 0), 0.f);
+}
+
+// Every dequant_* of K against the ref table's, bit for bit, on random
+// codes (any byte but the e4m3 NaNs; zero bytes 0..15) and random scales
+// whose products round, one in `one_in` of them from `extremes` instead:
+// column ranges from k0 > 0, several panels and group sizes, and no word
+// written past the output.
+// flush_ok: a word whose reference is subnormal or the smallest normal (a
+// subnormal product, rounded) may also be the zero of its sign.
+void expect_dequant_reference_bits(const kt::Kernels& K, const std::vector<float>& extremes,
+                                   int one_in, bool flush_ok) {
+  const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
+  enum Kind { kI8, kI4, kE4m3, kE2m1, kI4Zero };
+  const char* const kind_name[] = {"dequant_i8", "dequant_i4", "dequant_e4m3", "dequant_e2m1",
+                                   "dequant_i4_zero"};
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> byte(0, 255), nibble(0, 15), exponent(-20, 20),
+      pick(1, one_in);
+  std::uniform_real_distribution<float> mantissa(-2.f, 2.f);
+  std::uniform_int_distribution<size_t> extreme(0, extremes.size() - 1);
+  constexpr size_t kGuard = 64;  // words past the output that must stay untouched
+  constexpr bf16_t kUnwritten = 0x7fc1;
+  for (Kind kind : {kI8, kI4, kE4m3, kE2m1, kI4Zero}) {
+    const bool nibbles = kind == kI4 || kind == kE2m1 || kind == kI4Zero;
+    for (int64_t kc : {32, 64, 96, 128, 160, 256})
+      for (int64_t k0 : {0, 32, 96})
+        for (int np : {1, 2, 3})
+          for (int64_t group : {32, 64, 128})
+            for (bool scaled : {false, true}) {
+              if (!scaled && kind != kI4Zero && group != 32)
+                continue;  // the group only picks scales
+              const int64_t columns = k0 + kc, code_panel_bytes = columns * (nibbles ? 8 : 16) + 32;
+              const int64_t groups = (kc + group - 1) / group, scale_stride = groups * 16 + 16;
+              std::vector<uint8_t> codes(static_cast<size_t>(np * code_panel_bytes));
+              for (auto& b : codes) {
+                b = static_cast<uint8_t>(byte(rng));
+                if (kind == kE4m3 && (b & 0x7f) == 0x7f) b = static_cast<uint8_t>(b ^ 1);
+              }
+              std::vector<uint8_t> zeros(static_cast<size_t>(np * scale_stride));
+              for (auto& z : zeros) z = static_cast<uint8_t>(nibble(rng));
+              std::vector<float> scales(static_cast<size_t>(np * scale_stride));
+              for (auto& s : scales)
+                s = pick(rng) == 1 ? extremes[extreme(rng)]
+                                   : std::ldexp(mantissa(rng), exponent(rng));
+              const float* sp = scaled ? scales.data() : nullptr;
+              const size_t words = static_cast<size_t>(np * 16 * kc);
+              std::vector<bf16_t> got(words + kGuard, kUnwritten), want(words + kGuard, kUnwritten);
+              for (int t = 0; t < 2; ++t) {  // K may be R itself
+                const kt::Kernels* T = t ? &R : &K;
+                bf16_t* out = t ? want.data() : got.data();
+                const uint8_t* c = codes.data();
+                if (kind == kI4Zero) {
+                  T->dequant_i4_zero(c, code_panel_bytes, np, k0, kc, zeros.data(), scale_stride,
+                                     sp, scale_stride, group, out);
+                } else {
+                  const auto dequant = kind == kI8     ? &kt::Kernels::dequant_i8
+                                       : kind == kI4   ? &kt::Kernels::dequant_i4
+                                       : kind == kE4m3 ? &kt::Kernels::dequant_e4m3
+                                                       : &kt::Kernels::dequant_e2m1;
+                  (T->*dequant)(c, code_panel_bytes, np, k0, kc, sp, scale_stride, group, out);
+                }
+              }
+              for (size_t i = 0; i < words + kGuard; ++i) {
+                if (flush_ok && i < words && (want[i] & 0x7fff) <= 0x0080 &&
+                    got[i] == (want[i] & 0x8000))
+                  continue;
+                const int64_t p = static_cast<int64_t>(i) / (16 * kc),
+                              w = static_cast<int64_t>(i) % (16 * kc);
+                ASSERT_EQ(got[i], want[i])
+                    << K.gemm_name << " " << kind_name[kind] << (scaled ? " scaled" : " unscaled")
+                    << " kc " << kc << " k0 " << k0 << " np " << np << " group " << group
+                    << ": panel " << p << " lane " << (w % 32) / 2 << " k "
+                    << (w / 32) * 2 + (w & 1) << (i >= words ? " (past the output)" : "")
+                    << std::hex << " got 0x" << got[i] << " want 0x" << want[i];
+              }
+            }
+  }
+}
+
+// Products in the normal range, or past the largest finite fp32 (to inf or
+// the bf16 max), and signed zeros. The smallest nonzero code value is 2^-9
+// (e4m3), so scales from 1e-30 keep every product normal.
+TEST_P(GemmKernels, DequantMatchesReferenceBits) {
+  expect_dequant_reference_bits(
+      *GetParam(), {3.4e38f, -3.3e38f, 1.7e38f, 4e37f, -1e36f, 0.f, -0.f, 6.1e-5f, -1e-30f}, 8,
+      false);
+}
+
+// Subnormal products (and scales): the reference keeps them, rounded to
+// nearest even as any other; a unit may give the zero of their sign instead
+// (kernels.h: the AVX-512 BF16 conversion flushes them), nothing else.
+TEST_P(GemmKernels, DequantSubnormalProductsMatchReference) {
+  expect_dequant_reference_bits(*GetParam(),
+                                {1.1754944e-38f, -1.2e-38f, 1e-39f, -3e-41f, 1e-44f, 1.4e-45f,
+                                 2e-37f, -5e-38f, 1e-36f, -4e-36f},
+                                2, true);
 }
 
 // The most rows gemm_quant takes in its few-row tiles (the AVX-512 BF16

@@ -1,4 +1,4 @@
-// AVX2 + FMA kernels. A format is fp32; the bf16 weight pairs are widened in
+// AVX2 + FMA (+ F16C) kernels. A format is fp32; the bf16 weight pairs are widened in
 // registers (even K: shift left 16, odd K: mask the high half).
 #include <immintrin.h>
 
@@ -15,6 +15,10 @@ namespace avx2 {
 #include "kernels/sgemm_generic.inc"
 #include "kernels/activation_generic.inc"
 #include "kernels/quant_generic.inc"
+
+// The unit's own quantized-panel kernels (in place of the generic ones).
+#include "kernels/avx2/dequant.inc"
+#include "kernels/avx2/gemm_quant.inc"
 
 // MR rows x one 16-row panel. The even-K and odd-K products go to separate
 // accumulators (4*MR of them), so each accumulator takes one FMA per K pair
@@ -109,15 +113,15 @@ extern const Kernels kernels_avx2 = {
     avx2::transpose_panels_generic,
     avx2::act_forward_generic,
     avx2::act_backward_generic,
-    avx2::dequant_i8_generic,
-    avx2::dequant_i4_generic,
-    avx2::dequant_e4m3_generic,
-    avx2::dequant_e2m1_generic,
-    avx2::dequant_i4_zero_generic,
+    avx2::dequant_i8,
+    avx2::dequant_i4,
+    avx2::dequant_e4m3,
+    avx2::dequant_e2m1,
+    avx2::dequant_i4_zero,
     avx2::gemm_bf16w_grouped_fp32a,
-    nullptr,
-    0,
-    0,
+    avx2::gemm_quant,
+    4,
+    4,
     avx2::gemm_int8_generic,
     false,
 };
