@@ -534,15 +534,19 @@ TEST(QuantizedPanels, QuantizeAndReadBack) {
 }
 
 // gemm_bf16w_grouped against plain loops in double: per group partial sums
-// times the group's scale.
+// times the group's scale; groups of one K step of 32 and of several, every
+// row count up to 13 (each tile height and tail of the vector kernels) and
+// 40. A row alone gives the bits it gives among others.
 TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
   const kt::Kernels& K = *GetParam();
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
-  for (int m : {1, 2, 5, 13, 40})
+  for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 40})
     for (int np : {1, 3, 4, 5})
-      for (int64_t kp : {32, 96, 256})
-        for (int64_t group : {int64_t{32}, kp}) {
+      for (int64_t kp : {32, 96, 256, 384})
+        for (int64_t group : {int64_t{32}, int64_t{128}, kp}) {
+          // 128: several groups of several K steps (kp 256 and 384).
+          if (kp % group != 0) continue;
           const kt::PanelShape s = kt::PanelShape::of(np * 16, kp);
           std::vector<float> w(static_cast<size_t>(np * 16 * kp));
           for (auto& v : w) v = static_cast<float>(static_cast<int>(nd(rng) * 3.f));  // small ints, as codes are
@@ -577,6 +581,17 @@ TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
               }
             for (int i = 0; i < m; ++i)  // columns past the panels untouched
               for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
+            if (acc || m == 1) continue;
+            for (int i = 0; i < m; ++i) {
+              std::vector<float> one(static_cast<size_t>(ldc), 0.5f);
+              K.gemm_bf16w_grouped(&rows[static_cast<size_t>(i)], 1, kp, packed.data(),
+                                   s.panel_stride(), np, scales.data(), ng * 16, group, one.data(),
+                                   ldc, false, kt::PrefetchRegion{});
+              for (int64_t col = 0; col < np * 16; ++col)
+                ASSERT_EQ(one[static_cast<size_t>(col)], c[static_cast<size_t>(i * ldc + col)])
+                    << K.gemm_name << " m=" << m << " np=" << np << " kp=" << kp
+                    << " group=" << group << " row " << i << " alone";
+            }
           }
         }
 }
