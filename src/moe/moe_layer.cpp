@@ -762,7 +762,9 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     // themselves, the next block spread over the tiles only crowded those
     // fetches (AVX-512, two builds alternated in one process, Qwen3-30B-A3B
     // layer, bf16: T=128 0.75-0.89x the time, T=256 0.93-0.96x, T=1, 32 and
-    // 512 within noise; the AVX2 tiles, which do not, 1.08-1.11x slower).
+    // 512 within noise). The AVX2 tiles fetch ahead too, but there the
+    // spread still paid (without it T=32 1.03-1.04x the time, T=128
+    // 1.02-1.13x).
     K_.gemm_bf16w(rows, m, ps.kp, wp_[proj] + e * ps.elements() + p0 * ps.panel_stride(),
                   ps.panel_stride(), np, c, kBlockCols, false,
                   K_.gemm_bf16w_fetches_panels ? PrefetchRegion{} : next);
