@@ -218,42 +218,32 @@ static void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, con
 // time than the backward's GEMMs on the AVX2 path.
 static void transpose_panels(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
                              int64_t cb, bf16_t* dst) {
-  const int64_t stride2 = kPanelRows * np * kPanelRows;
   constexpr int64_t kGroup = 2 * kPanelRows;  // bf16 of one pair group
   // Byte order [0,1,4,5,2,3,6,7] within each qword.
   const __m256i swap = _mm256_setr_epi8(0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15, 0, 1,
                                         4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15);
-  for (int64_t q = 0; q * kPanelRows < cb; ++q) {
-    const int64_t cq = c0 + q * kPanelRows;
-    bf16_t* out = dst + q * stride2;
-    if (cb - q * kPanelRows < kPanelRows) {  // a partial panel: the portable path
-      transpose_panels_generic(packed, np, panel_stride, cq, cb - q * kPanelRows, out);
-      continue;
-    }
-    for (int64_t P = 0; P < np; ++P) {
-      const bf16_t* src = packed + P * panel_stride + (cq / 2) * kGroup;
-      bf16_t* o = out + P * (kPanelRows / 2) * kGroup;
-      // Source groups 4I..4I+3, qwords 4J..4J+3 -> destination groups
-      // 4J..4J+3, qwords 4I..4I+3.
-      for (int I = 0; I < 2; ++I)
-        for (int J = 0; J < 2; ++J) {
-          __m256i x[4];
-          for (int i = 0; i < 4; ++i)
-            x[i] = _mm256_loadu_si256(
-                reinterpret_cast<const __m256i*>(src + (4 * I + i) * kGroup + 16 * J));
-          const __m256i t0 = _mm256_unpacklo_epi64(x[0], x[1]),
-                        t1 = _mm256_unpackhi_epi64(x[0], x[1]);
-          const __m256i t2 = _mm256_unpacklo_epi64(x[2], x[3]),
-                        t3 = _mm256_unpackhi_epi64(x[2], x[3]);
-          const __m256i y[4] = {
-              _mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
-              _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
-          for (int j = 0; j < 4; ++j)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (4 * J + j) * kGroup + 16 * I),
-                                _mm256_shuffle_epi8(y[j], swap));
-        }
-    }
-  }
+  transpose_panels_by_blocks(
+      packed, np, panel_stride, c0, cb, dst, [&](const bf16_t* src, bf16_t* o) {
+        // Source groups 4I..4I+3, qwords 4J..4J+3 -> destination groups
+        // 4J..4J+3, qwords 4I..4I+3.
+        for (int I = 0; I < 2; ++I)
+          for (int J = 0; J < 2; ++J) {
+            __m256i x[4];
+            for (int i = 0; i < 4; ++i)
+              x[i] = _mm256_loadu_si256(
+                  reinterpret_cast<const __m256i*>(src + (4 * I + i) * kGroup + 16 * J));
+            const __m256i t0 = _mm256_unpacklo_epi64(x[0], x[1]),
+                          t1 = _mm256_unpackhi_epi64(x[0], x[1]);
+            const __m256i t2 = _mm256_unpacklo_epi64(x[2], x[3]),
+                          t3 = _mm256_unpackhi_epi64(x[2], x[3]);
+            const __m256i y[4] = {
+                _mm256_permute2x128_si256(t0, t2, 0x20), _mm256_permute2x128_si256(t1, t3, 0x20),
+                _mm256_permute2x128_si256(t0, t2, 0x31), _mm256_permute2x128_si256(t1, t3, 0x31)};
+            for (int j = 0; j < 4; ++j)
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (4 * J + j) * kGroup + 16 * I),
+                                  _mm256_shuffle_epi8(y[j], swap));
+          }
+      });
 }
 
 }  // namespace avx2

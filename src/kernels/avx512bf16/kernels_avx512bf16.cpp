@@ -707,8 +707,6 @@ static void pack_a_f32(const float* src, int64_t k, int64_t kp, void* dst) {
 // swaps the middle halves of each block (see the portable version).
 static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t panel_stride,
                                     int64_t c0, int64_t cb, bf16_t* dst) {
-  const int64_t kp2 = np * kPanelRows;
-  const int64_t stride2 = kPanelRows * kp2;
   const __m512i s1_lo = _mm512_setr_epi64(0, 8, 2, 10, 4, 12, 6, 14);
   const __m512i s1_hi = _mm512_setr_epi64(1, 9, 3, 11, 5, 13, 7, 15);
   const __m512i s2_lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13);
@@ -718,39 +716,30 @@ static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t pa
   // Byte order [0,1,4,5,2,3,6,7] within each qword (indices are per 128-bit lane).
   const long long lo = 0x0706030205040100ll, hi = 0x0f0e0b0a0d0c0908ll;
   const __m512i swap = _mm512_set_epi64(hi, lo, hi, lo, hi, lo, hi, lo);
-  for (int64_t q = 0; q * kPanelRows < cb; ++q) {
-    const int64_t cq = c0 + q * kPanelRows;
-    bf16_t* out = dst + q * stride2;
-    if (cb - q * kPanelRows < kPanelRows) {  // a partial panel: the portable path
-      transpose_panels_generic(packed, np, panel_stride, cq, cb - q * kPanelRows, out);
-      continue;
-    }
-    for (int64_t P = 0; P < np; ++P) {
-      const bf16_t* src = packed + P * panel_stride + (cq / 2) * 2 * kPanelRows;
-      __m512i r[8], a[8], b[8];
-      for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(src + i * 2 * kPanelRows);
-      for (int i = 0; i < 8; i += 2) {
-        a[i] = _mm512_permutex2var_epi64(r[i], s1_lo, r[i + 1]);
-        a[i + 1] = _mm512_permutex2var_epi64(r[i], s1_hi, r[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4)
-        for (int j = 0; j < 2; ++j) {
-          b[i + j] = _mm512_permutex2var_epi64(a[i + j], s2_lo, a[i + j + 2]);
-          b[i + j + 2] = _mm512_permutex2var_epi64(a[i + j], s2_hi, a[i + j + 2]);
+  transpose_panels_by_blocks(
+      packed, np, panel_stride, c0, cb, dst, [&](const bf16_t* src, bf16_t* o) {
+        __m512i r[8], a[8], b[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm512_loadu_si512(src + i * 2 * kPanelRows);
+        for (int i = 0; i < 8; i += 2) {
+          a[i] = _mm512_permutex2var_epi64(r[i], s1_lo, r[i + 1]);
+          a[i + 1] = _mm512_permutex2var_epi64(r[i], s1_hi, r[i + 1]);
         }
-      // b[0] = rows 0-3 of qwords 0 and 4, b[1]: qwords 1 and 5, b[2]: 2 and 6,
-      // b[3]: 3 and 7; b[4..7] the same for rows 4-7.
-      bf16_t* o = out + P * kPanelRows / 2 * 2 * kPanelRows;
-      for (int j = 0; j < 4; ++j) {
-        const __m512i col_lo =
-            _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_lo, b[j + 4]), swap);
-        const __m512i col_hi =
-            _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_hi, b[j + 4]), swap);
-        _mm512_storeu_si512(o + j * 2 * kPanelRows, col_lo);
-        _mm512_storeu_si512(o + (j + 4) * 2 * kPanelRows, col_hi);
-      }
-    }
-  }
+        for (int i = 0; i < 8; i += 4)
+          for (int j = 0; j < 2; ++j) {
+            b[i + j] = _mm512_permutex2var_epi64(a[i + j], s2_lo, a[i + j + 2]);
+            b[i + j + 2] = _mm512_permutex2var_epi64(a[i + j], s2_hi, a[i + j + 2]);
+          }
+        // b[0] = rows 0-3 of qwords 0 and 4, b[1]: qwords 1 and 5, b[2]: 2 and 6,
+        // b[3]: 3 and 7; b[4..7] the same for rows 4-7.
+        for (int j = 0; j < 4; ++j) {
+          const __m512i col_lo =
+              _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_lo, b[j + 4]), swap);
+          const __m512i col_hi =
+              _mm512_shuffle_epi8(_mm512_permutex2var_epi64(b[j], s3_hi, b[j + 4]), swap);
+          _mm512_storeu_si512(o + j * 2 * kPanelRows, col_lo);
+          _mm512_storeu_si512(o + (j + 4) * 2 * kPanelRows, col_hi);
+        }
+      });
 }
 
 }  // namespace avx512bf16
