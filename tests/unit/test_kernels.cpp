@@ -933,6 +933,73 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
         }
 }
 
+// Codes and activations at their extremes, where sums of products in 16 or
+// 32 bits would overflow if a kernel's partial sums were too wide (AVX2:
+// vpmaddubsw pair sums, blocks of 16-bit sums): every code byte the same
+// extreme value, rows of +-127 (all one sign, alternating, in pairs), and a
+// K of 4096 in one group (int8 per channel) or in groups of 32 and 128.
+TEST_P(GemmKernels, Int8GemmExtremeCodesMatchReferenceBits) {
+  const kt::Kernels& K = *GetParam();
+  const kt::Kernels& R = *kt::kernels_for(KT_ISA_REF);
+  std::mt19937 rng(31);
+  const int64_t k = 4096;
+  const int np = 2, m = 5;
+  struct Case {
+    kt_weight_format f;
+    std::vector<uint8_t> bytes;  // code bytes tried (4-bit: both nibbles)
+  };
+  // int8: -128, 127, -127; int4: u = 15 or 0; e2m1: +6 (0x7), -6 (0xF), -0.
+  const Case cases[] = {{KT_FORMAT_INT8_CHANNEL, {0x80, 0x7f, 0x81}},
+                        {KT_FORMAT_INT4_G32, {0xff, 0x00, 0x0f}},
+                        {KT_FORMAT_INT4_G128_ZP, {0xff, 0x00}},
+                        {KT_FORMAT_MXFP4, {0x77, 0xff, 0x7f, 0x88}}};
+  for (const Case& cs : cases)
+    for (uint8_t byte : cs.bytes)
+      for (int pattern = 0; pattern < 3; ++pattern) {
+        kt_test::Int8Operands op(cs.f, np, k, m, rng);
+        const kt::QuantShape& s = op.s;
+        std::fill(op.expert.begin(), op.expert.begin() + s.scales_offset, byte);
+        std::vector<float> x(static_cast<size_t>(k));
+        for (int i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < k; ++j) {
+            const bool negative = pattern == 0   ? i % 2 == 1
+                                  : pattern == 1 ? j % 2 == 1
+                                                 : (j / 2 + i) % 2 == 1;
+            x[static_cast<size_t>(j)] = negative ? -1.f : 1.f;
+          }
+          kt::quantize_int8_row(x.data(), k, s.kq, s.group, s.bits == 4,
+                                const_cast<void*>(op.rows[static_cast<size_t>(i)]));
+        }
+        const int64_t ldc = np * 16;
+        std::vector<float> c(static_cast<size_t>(m * ldc)), want(c.size());
+        K.gemm_int8(op.panels(), op.rows.data(), m, np, c.data(), ldc, false, kt::PrefetchRegion{});
+        R.gemm_int8(op.panels(), op.rows.data(), m, np, want.data(), ldc, false,
+                    kt::PrefetchRegion{});
+        for (size_t i = 0; i < c.size(); ++i)
+          ASSERT_EQ(c[i], want[i]) << K.gemm_name << " " << kt_weight_format_name(cs.f) << " byte "
+                                   << int{byte} << " pattern " << pattern << " at " << i;
+        // And the values: every product of a row is +-127 times one code value.
+        for (int i = 0; i < m; ++i) {
+          const uint8_t* row = static_cast<const uint8_t*>(op.rows[static_cast<size_t>(i)]);
+          float sr;
+          std::memcpy(&sr, row + k + 4 * (k / s.group), 4);
+          for (int64_t col = 0; col < ldc; col += 7) {
+            double sum = 0.0;
+            for (int64_t kk = 0; kk < k; ++kk) {
+              const int64_t at =
+                  s.bits == 4 ? (kk & ~int64_t{3}) | ((kk & 1) << 1) | ((kk >> 1) & 1) : kk;
+              sum += static_cast<int8_t>(row[at]) *
+                     static_cast<double>(kt::quant_get(op.expert.data(), s, col, kk));
+            }
+            ASSERT_NEAR(c[static_cast<size_t>(i * ldc + col)], sr * sum,
+                        1e-5 * (1.0 + std::fabs(sr * sum)))
+                << K.gemm_name << " " << kt_weight_format_name(cs.f) << " byte " << int{byte}
+                << " pattern " << pattern;
+          }
+        }
+      }
+}
+
 // A K longer than the group sums a few-row int4 call holds at once
 // (AVX-512 BF16: 256 groups, so K past 8192 at group 32 runs in slices)
 // against plain loops in double, with and without zero points; a row alone

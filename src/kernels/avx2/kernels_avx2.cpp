@@ -19,6 +19,8 @@ namespace avx2 {
 // The unit's own quantized-panel kernels (in place of the generic ones).
 #include "kernels/avx2/dequant.inc"
 #include "kernels/avx2/gemm_quant.inc"
+// After gemm_quant.inc, whose scale and fetch helpers it takes.
+#include "kernels/avx2/gemm_int8.inc"
 
 // Per-group scales of a grouped GEMM (kernels.h, gemm_bf16w_grouped): the
 // 16 scales of the tile's panel and group j at scales + 16 j; a group is
@@ -275,7 +277,7 @@ extern const Kernels kernels_avx2 = {
     // e4m3 1.16x at 3 and 0.95x at 4).
     4,
     2,
-    avx2::gemm_int8_generic,
+    avx2::gemm_int8,
     false,
 };
 
