@@ -727,6 +727,23 @@ TEST_P(GemmKernels, DequantSubnormalProductsMatchReference) {
                                 2, true);
 }
 
+// Powers of two (e8m0 scales): all in the range where every e2m1 product is
+// a normal number (a unit may then add exponents instead of multiplying),
+// up to its edges; then mixed with powers past them, negative ones and
+// others, in the same groups. Subnormal products of the other kinds (e4m3
+// at 2^-125) may come out as zeros of their sign, as in the test above.
+TEST_P(GemmKernels, DequantPowerOfTwoScalesMatchReferenceBits) {
+  std::vector<float> in_range;
+  for (int e : {-125, -124, -60, -3, -1, 0, 1, 2, 7, 100, 124, 125})
+    in_range.push_back(std::ldexp(1.f, e));
+  expect_dequant_reference_bits(*GetParam(), in_range, 1, true);
+  std::vector<float> mixed = in_range;
+  for (float v :
+       {std::ldexp(1.f, -126), std::ldexp(1.f, 126), std::ldexp(1.f, 127), -2.f, 3.f, 0.f})
+    mixed.push_back(v);
+  expect_dequant_reference_bits(*GetParam(), mixed, 1, true);
+}
+
 // The most rows gemm_quant takes in its few-row tiles (the AVX-512 BF16
 // kernel's kFewRowsMax): up to them a row gives the bits it gives alone.
 int quant_few_rows_max(const kt::QuantShape& s) {
