@@ -23,11 +23,11 @@ namespace avx2 {
 #include "kernels/avx2/gemm_int8.inc"
 
 // Per-group scales of a grouped GEMM (kernels.h, gemm_bf16w_grouped): the
-// 16 scales of the tile's panel and group j at scales + 16 j; a group is
-// `steps` K steps of the tile (32 K each).
+// 16 scales of the tile's panel p and group j at scales + p * stride + 16 j;
+// a group is `steps` K steps of the tile (32 K each).
 struct GroupScales {
   const float* scales = nullptr;
-  int64_t stride = 0;  // from one panel's scales to the next's
+  int64_t stride = 0;
   int64_t steps = 0;
 };
 
