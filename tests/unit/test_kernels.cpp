@@ -985,7 +985,7 @@ TEST_P(GemmKernels, Int8GemmExtremeCodesMatchReferenceBits) {
             x[static_cast<size_t>(j)] = negative ? -1.f : 1.f;
           }
           kt::quantize_int8_row(x.data(), k, s.kq, s.group, s.bits == 4,
-                                const_cast<void*>(op.rows[static_cast<size_t>(i)]));
+                                op.row_data.data() + i * op.row_stride);
         }
         const int64_t ldc = np * 16;
         std::vector<float> c(static_cast<size_t>(m * ldc)), want(c.size());
