@@ -2,7 +2,8 @@
 // that thread's measured peak and read bandwidth. It separates what a kernel
 // can do (weights hot in cache) from what it does when its weights stream
 // from memory (cold), with and without the prefetch of the next block that
-// the MoE stages pass it. Read with kt_bench's per-stage profile: a stage
+// the MoE stages pass it; then the same for the quantized bases' gemm_quant
+// at decode's row counts. Read with kt_bench's per-stage profile: a stage
 // below its kernel's cold figure loses time outside the kernel.
 //
 // usage: kt_kernel_bench [--isa NAME] [--quick]
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 #include "machine_limits.h"
 #include "runtime/thread_pool.h"
@@ -31,6 +33,87 @@ struct Shape {
   const char* what;
   int64_t k;  // reduction length (H for gate/up, I for down)
 };
+
+// gemm_quant at the row counts it takes, on 4 panels of a quantized base
+// laid out as the layer holds one expert's block (codes, then scales, then
+// zero points): hot, cold, and cold with the next block as the stages pass
+// it. GB/s on the block's bytes (codes and scales): the figure to hold
+// against the DRAM read rate, since decode is bound by those bytes.
+void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, bool quick,
+                   size_t buffer_bytes) {
+  std::printf(
+      "\ngemm_quant: m rows x 4 panels (64 columns) x k of a quantized base, GB/s of its codes "
+      "and\n"
+      "scales (hot / cold / cold +pf as above), against the one thread's DRAM read %.1f GB/s\n",
+      lim.dram_read_gbs);
+  std::printf("%-10s %-13s %5s %4s %9s %9s %9s %7s\n", "shape", "format", "k", "m", "hot GB/s",
+              "cold GB/s", "+pf GB/s", "%read");
+  const struct {
+    const char* name;
+    kt_weight_format f;
+  } formats[] = {{"int4_g32", KT_FORMAT_INT4_G32},
+                 {"int4_g128", KT_FORMAT_INT4_G128},
+                 {"mxfp4", KT_FORMAT_MXFP4},
+                 {"int8_channel", KT_FORMAT_INT8_CHANNEL},
+                 {"int4_g32_zp", KT_FORMAT_INT4_G32_ZP}};
+  const Shape shapes[] = {{"down", 768}, {"gate/up", 2048}};
+  for (const Shape& sh : shapes) {
+    for (const auto& fm : formats) {
+      const kt::QuantShape qs = kt::QuantShape::of(fm.f, 64, sh.k);
+      const int64_t block = qs.expert_bytes;
+      const int64_t blocks = static_cast<int64_t>(buffer_bytes) / block;
+      kt::Buffer<uint8_t> w(static_cast<size_t>(blocks * block));
+      uint32_t x = 12345;
+      for (int64_t i = 0; i < blocks * block; ++i) {
+        x = x * 1664525u + 1013904223u;
+        w[static_cast<size_t>(i)] = static_cast<uint8_t>(x >> 24);
+      }
+      // Finite scales (bf16 2^-7 or fp32 2^-7), zero points of 8.
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* ex = w.data() + b * block;
+        for (int64_t i = 0; i < qs.np * qs.scale_panel; ++i) {
+          if (qs.scale_bytes == 4) {
+            const float v = 1.f / 128;
+            std::memcpy(ex + qs.scales_offset + 4 * i, &v, 4);
+          } else {
+            const kt::bf16_t v = 0x3c00;
+            std::memcpy(ex + qs.scales_offset + 2 * i, &v, 2);
+          }
+          if (qs.zero_points) ex[qs.zeros_offset + i] = 8;
+        }
+      }
+      std::vector<kt::bf16_t> a(static_cast<size_t>(8 * qs.kq), 0x3f00);
+      std::vector<const void*> rows(8);
+      for (int r = 0; r < 8; ++r) rows[static_cast<size_t>(r)] = a.data() + r * qs.kq;
+      std::vector<float> c(8 * 64);
+      const int max_m = qs.bits == 4 ? K.gemm_quant_rows_4bit : K.gemm_quant_rows_8bit;
+      const double bytes =
+          static_cast<double>(qs.np * (qs.code_panel_bytes + qs.scale_panel * qs.scale_bytes +
+                                       (qs.zero_points ? qs.scale_panel : 0)));
+      for (int m = 1; m <= std::min(max_m, 2); ++m) {
+        double gbs[3];
+        for (int mode = 0; mode < 3; ++mode) {
+          const int64_t calls = mode == 0 ? (quick ? 50 : 4000) : blocks - 1;
+          double best = 1e30;
+          for (int rep = 0; rep < (quick ? 1 : 3); ++rep) {
+            const auto t0 = Clock::now();
+            for (int64_t i = 0; i < calls; ++i) {
+              const uint8_t* ex = w.data() + (mode == 0 ? 0 : i) * block;
+              const kt::PrefetchRegion next =
+                  mode == 2 ? kt::quant_panel_block(ex + block, qs, 0, 64) : kt::PrefetchRegion{};
+              K.gemm_quant(qs.panels(ex, 0), rows.data(), m, 4, c.data(), 64, false, next);
+            }
+            best = std::min(best, seconds_since(t0) / static_cast<double>(calls));
+          }
+          gbs[mode] = bytes / best / 1e9;
+        }
+        std::printf("%-10s %-13s %5lld %4d %9.1f %9.1f %9.1f %6.0f%%\n", sh.what, fm.name,
+                    static_cast<long long>(sh.k), m, gbs[0], gbs[1], gbs[2],
+                    100 * gbs[2] / lim.dram_read_gbs);
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -110,6 +193,11 @@ int main(int argc, char** argv) {
                   static_cast<long long>(sh.k), m, gf[0], 100 * gf[0] / peak, gf[1], 100 * gf[1] / peak, gf[2],
                   100 * gf[2] / peak, cold_gbs);
     }
+  }
+  if (K.gemm_quant) {
+    quant_section(K, lim, quick, buffer_bytes);
+  } else {
+    std::printf("\ngemm_quant: the %s table has none\n", K.gemm_name);
   }
   return 0;
 }

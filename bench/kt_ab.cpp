@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -23,8 +24,10 @@ const char kUsage[] =
     "usage: kt_ab LIB_A LIB_B [options]\n"
     "  Times the same MoE layer on two builds of libkt (paths to the shared\n"
     "  objects, e.g. copies of libkt.so.1 from two commits), forwards alternated\n"
-    "  call by call, fresh routing per call; prints per round the median of each\n"
-    "  and B/A.\n"
+    "  call by call (taking turns at going first), fresh routing per call; prints\n"
+    "  per round the median of each, B/A (and B/A's median over the calls where\n"
+    "  A ran first and where B did), and whether B's outputs (y, and dx with\n"
+    "  --dx) are A's bits.\n"
     "  --format NAME     weight format (default bf16; int8_channel, int4_g32,\n"
     "                    int4_g128: quantized by kt at load)\n"
     "  --int8            int8 activations (KT_COMPUTE_INT8, integer formats)\n"
@@ -250,8 +253,19 @@ int main(int argc, char** argv) {
       o.threads, o.calls, o.dx ? "forward + backward (dx) steps" : "calls");
   std::vector<int> perm(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int>(e);
+  // Each library's outputs of the current call.
+  std::vector<uint16_t> outs[2][2] = {{y, dx}, {y, dx}};
+  const auto bf16_value = [](uint16_t b) {
+    const uint32_t u = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return static_cast<double>(f);
+  };
   for (int round = 0; round < o.rounds; ++round) {
     std::vector<double> t[2];
+    std::vector<double> ratio[2];  // B/A of each call, by which library ran first
+    int64_t differ = 0, compared = 0;
+    double worst = 0;  // largest |B - A| / max(|A|, 1e-30)
     for (int call = 0; call < o.calls; ++call) {
       for (int64_t tok = 0; tok < T;
            ++tok) {  // fresh routing: the experts' weights come from memory
@@ -259,7 +273,10 @@ int main(int argc, char** argv) {
         for (int64_t j = 0; j < K; ++j)
           ids[static_cast<size_t>(tok * K + j)] = perm[static_cast<size_t>(j)];
       }
-      for (int q = 0; q < 2; ++q) {
+      // The libraries take turns at running first: within one process the
+      // second of two calls has been seen up to 10 % faster, whichever it was.
+      for (int turn = 0; turn < 2; ++turn) {
+        const int q = call % 2 == 0 ? turn : 1 - turn;
         const auto t0 = std::chrono::steady_clock::now();
         kt_context* saved = nullptr;
         bool ok = api[q].forward(moe[q], args, 4, o.dx ? &saved : nullptr) == KT_OK;
@@ -276,11 +293,33 @@ int main(int argc, char** argv) {
         }
         t[q].push_back(
             std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        outs[q][0] = y;
+        if (o.dx) outs[q][1] = dx;
       }
+      ratio[call % 2].push_back(t[1].back() / t[0].back());
+      for (int i = 0; i < (o.dx ? 2 : 1); ++i)
+        for (size_t j = 0; j < outs[0][i].size(); ++j) {
+          const uint16_t av = outs[0][i][j], bv = outs[1][i][j];
+          ++compared;
+          if (av == bv) continue;
+          ++differ;
+          const double a = bf16_value(av), d = std::abs(bf16_value(bv) - a);
+          worst = std::max(worst, d / std::max(std::abs(a), 1e-30));
+        }
     }
-    for (auto& v : t) std::sort(v.begin(), v.end());
-    const double a = t[0][t[0].size() / 2], b = t[1][t[1].size() / 2];
-    std::printf("round %d: A %.3f ms  B %.3f ms  B/A %.3f\n", round + 1, a * 1e3, b * 1e3, b / a);
+    const auto median = [](std::vector<double>& v) {
+      std::sort(v.begin(), v.end());
+      return v.empty() ? 0.0 : v[v.size() / 2];
+    };
+    const double a = median(t[0]), b = median(t[1]);
+    std::printf("round %d: A %.3f ms  B %.3f ms  B/A %.3f (A first %.3f, B first %.3f)", round + 1,
+                a * 1e3, b * 1e3, b / a, median(ratio[0]), median(ratio[1]));
+    if (differ == 0) {
+      std::printf("  outputs: the same bits\n");
+    } else {
+      std::printf("  outputs: %lld of %lld values differ (largest |B-A|/|A| %.2e)\n",
+                  static_cast<long long>(differ), static_cast<long long>(compared), worst);
+    }
   }
   for (int q = 0; q < 2; ++q) {
     api[q].moe_destroy(moe[q]);
