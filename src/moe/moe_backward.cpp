@@ -206,7 +206,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   dga_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
   dua_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
   dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(routes * nIb, 1)));
-  block_items(R, I);
+  block_items(R, I, kBlockCols);
   // What the W^T panels of an item are built from.
   const auto down_source = [&](int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;

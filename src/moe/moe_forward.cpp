@@ -99,10 +99,10 @@ void kt_moe::chunk_items(const Routing& R) {
   }
 }
 
-void kt_moe::block_items(const Routing& R, int64_t cols) {
+void kt_moe::block_items(const Routing& R, int64_t cols, int64_t width) {
   items_.clear();
   for (int32_t e : R.active)
-    for (int64_t b = 0; b < ceil_div(cols, kBlockCols); ++b) items_.push_back((int64_t{e} << 32) | b);
+    for (int64_t b = 0; b < ceil_div(cols, width); ++b) items_.push_back((int64_t{e} << 32) | b);
 }
 
 void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, float* f32_copy) {
@@ -223,43 +223,56 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   // Stage 2: gate + up + activation, items (expert, block of I).
   clock.enter(KT_STAGE_GATE_UP);
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  block_items(R, I);
-  // The gate (q = kGate) or up panels of an item's block of I.
+  int64_t max_rows = 0;
+  for (int32_t e : R.active)
+    max_rows = std::max(max_rows,
+                        R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)]);
+  // Items of W columns; their C tiles hold row_chunk rows of W (ldc W).
+  // Quantized bases only: a bf16 block already streams 3.6-4x the bytes of
+  // an int4/mxfp4 one per call, and wider bf16 items ran 1.00-1.02x the time
+  // at T=1 (coarser items end the workers less evenly).
+  const int64_t W =
+      quantized ? gate_up_item_cols(static_cast<int64_t>(R.active.size()), max_rows, I, pool.size())
+                : kBlockCols;
+  const int64_t row_chunk = kRowChunk * kBlockCols / W;
+  block_items(R, I, W);
+  // The gate (q = kGate) or up panels of an item's first block of I.
   const auto block_of = [&](int q, int64_t item) {
-    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
+    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * W;
     return weight_block(q, e, col0, std::min(kBlockCols, I - col0));
   };
-  // One item: gate and up panels of a block of I for all of the expert's rows;
-  // `next` is the gate block the worker takes next.
+  // One item: gate and up panels of W columns of I for all of the expert's
+  // rows; `next` is the gate block the worker takes next.
   const auto gate_up_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
     const int64_t e = item >> 32;
-    const int64_t col0 = (item & 0xffffffff) * kBlockCols;
-    const int64_t ncols = std::min(kBlockCols, I - col0);
+    const int64_t col0 = (item & 0xffffffff) * W;
+    const int64_t ncols = std::min(W, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
     const PrefetchRegion up = block_of(kUp, item);
     float* cg = s.c[0].data();
     float* cu = s.c[1].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
-      const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += row_chunk) {
+      const int m = static_cast<int>(std::min(row_chunk, pend - p0));
       for (int i = 0; i < m; ++i) {
         const int64_t t = R.token[static_cast<size_t>(p0 + i)];
         s.rows[static_cast<size_t>(i)] =
             int8 ? static_cast<const void*>(xq_.data() + t * xq_stride)
                  : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
       }
-      const bool last = p0 + kRowChunk >= pend;
-      base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, up);
-      base_gemm(s, kUp, e, col0 / kPanelRows, np, s.rows.data(), m, cu, last ? next : PrefetchRegion{});
+      const bool last = p0 + row_chunk >= pend;
+      base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, W, up);
+      base_gemm(s, kUp, e, col0 / kPanelRows, np, s.rows.data(), m, cu, W,
+                last ? next : PrefetchRegion{});
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
         for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
         K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                    lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, kBlockCols, true);
+                    lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, W, true);
       }
       for (int i = 0; i < m; ++i) {
-        float* gi = cg + i * kBlockCols;
-        float* ui = cu + i * kBlockCols;
+        float* gi = cg + i * W;
+        float* ui = cu + i * W;
         const int64_t p = p0 + i;
         if (opt.has_bias) {
           const float* bg = b_[kGate].data() + e * I + col0;
@@ -278,7 +291,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         if (int8) continue;  // quantized per row once every block of the row is in
         // The last block also zero-pads the row to kpI (a quantized base
         // with groups of 128 pads K past the next block).
-        const int64_t pad_to = col0 + ncols == I ? kpI - col0 : kBlockCols;
+        const int64_t pad_to = col0 + ncols == I ? kpI - col0 : ncols;
         K_.pack_a_f32(ai, ncols, pad_to, aa_.data() + (p * kpI + col0) * a_size_);
       }
     }
@@ -349,7 +362,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
             s.rows[static_cast<size_t>(i)] =
                 int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * aq_stride)
                      : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
-          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co,
+          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co, kBlockCols,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;

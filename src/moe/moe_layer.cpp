@@ -754,8 +754,9 @@ PrefetchRegion kt_moe::transpose_block(int proj, int64_t e, int64_t c0, int64_t 
   return transpose_source(wp_[proj] + e * s.elements(), s, c0, cb);
 }
 
-void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows, int m,
-                       float* c, const PrefetchRegion& next) {
+void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np,
+                       const void* const* rows, int m, float* c, int64_t ldc,
+                       const PrefetchRegion& next) {
   const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
   if (!quantized) {
     // These panels stream from memory. Where the tiles fetch them ahead
@@ -766,18 +767,29 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     // spread still paid (without it T=32 1.03-1.04x the time, T=128
     // 1.02-1.13x).
     K_.gemm_bf16w(rows, m, ps.kp, wp_[proj] + e * ps.elements() + p0 * ps.panel_stride(),
-                  ps.panel_stride(), np, c, kBlockCols, false,
+                  ps.panel_stride(), np, c, ldc, false,
                   K_.gemm_bf16w_fetches_panels ? PrefetchRegion{} : next);
     return;
   }
   const QuantShape& qs = qshape(proj);
   const uint8_t* ex = qexpert(proj, e);
   if (opt.compute == KT_COMPUTE_INT8) {  // rows are int8 A rows
-    K_.gemm_int8(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false, next);
+    K_.gemm_int8(qs.panels(ex, p0), rows, m, np, c, ldc, false, next);
     return;
   }
   if (K_.gemm_quant && m <= (qs.bits == 4 ? K_.gemm_quant_rows_4bit : K_.gemm_quant_rows_8bit)) {
-    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, kBlockCols, false, next);
+    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, ldc, false, next);
+    return;
+  }
+  // Dequantized in cache: kBlockPanels panels at a time (the scratch's size).
+  if (np > kBlockPanels) {
+    for (int j = 0; j < np; j += static_cast<int>(kBlockPanels)) {
+      const int n = std::min(np - j, static_cast<int>(kBlockPanels));
+      base_gemm(s, proj, e, p0 + j, n, rows, m, c + j * kPanelRows, ldc,
+                j + n < np ? weight_block(proj, e, (p0 + j + n) * kPanelRows,
+                                          std::min<int64_t>(kBlockCols, (np - j - n) * kPanelRows))
+                           : next);
+    }
     return;
   }
   const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
@@ -811,7 +823,7 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
     for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
     if (per_row) {
       dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, share);
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
       continue;
     }
     const int64_t scale_stride = (kc / qs.group) * kPanelRows;
@@ -820,7 +832,7 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
       // Scaled e2m1 values are exact in bf16: the plain GEMM on them adds
       // no rounding and saves the per-group sums.
       dequant(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, kBlockCols, k0 > 0, share);
+      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
     } else {
       if (zeros) {
         K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows,
@@ -828,13 +840,13 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
       } else {
         dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
       }
-      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride, qs.group, c,
-                            kBlockCols, k0 > 0, share);
+      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride,
+                            qs.group, c, ldc, k0 > 0, share);
     }
   }
   if (per_row)
     for (int r = 0; r < m; ++r) {
-      float* cr = c + r * kBlockCols;
+      float* cr = c + r * ldc;
       for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
     }
 }

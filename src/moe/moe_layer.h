@@ -222,12 +222,12 @@ struct kt_moe {
   kt::PrefetchRegion weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const;
   // What transposed_panels(proj, e, c0, cb) reads.
   kt::PrefetchRegion transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const;
-  // C[m, 16 np] (ldc kBlockCols) = rows . W^T over packed rows [16 p0,
+  // C[m, 16 np] (leading dimension ldc) = rows . W^T over packed rows [16 p0,
   // 16 (p0 + np)) of projection proj of expert e, in any storage format
   // (quantized: dequantized panel blocks in cache, scales applied per group
   // in fp32); rows are A-format rows of the shape's kp.
-  void base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows, int m,
-                 float* c, const kt::PrefetchRegion& next);
+  void base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows,
+                 int m, float* c, int64_t ldc, const kt::PrefetchRegion& next);
   // The packed W^T panels of columns [c0, c0 + cb) (c0 a multiple of 16) of
   // projection proj of expert e, built in cache (transposed_panels contract
   // of kernels.h); quantized weights are dequantized (one bf16 rounding).
@@ -240,7 +240,8 @@ struct kt_moe {
                      const kt::QuantShape& qs, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
-  void block_items(const kt::Routing& R, int64_t cols);  // (expert, column block)
+  // (expert, column block of `width`) items over the columns [0, cols).
+  void block_items(const kt::Routing& R, int64_t cols, int64_t width);
   // out[pos] = row(pos) . M[e]^T for every position, M = mats + e*r*in
   // ([r, in] per expert); row(pos) = src + token(pos)*ld when by_token, else
   // src + pos*ld.

@@ -1,7 +1,7 @@
 // How a stage's work is cut for the workers (moe/blocking.h): item ranges
 // cover every item once, in order, shrinking to single items at the end; the
 // combine split gives every (token, column) one owner, with narrow column
-// blocks at decode.
+// blocks at decode; gate/up items are as wide as the workers and the tile allow.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -64,4 +64,34 @@ TEST(CombineSplit, EveryTokenAndColumnHasOneOwnerAndDecodeItemsAreNarrow) {
         for (size_t i = 0; i < owners.size(); ++i)
           ASSERT_EQ(owners[i], 1) << "token " << i / n << " column " << i % n;
       }
+}
+
+TEST(GateUpItems, EachExpertInAsFewItemsAsLeaveEightPerWorkerWithinTheTile) {
+  using kt::gate_up_item_cols;
+  using kt::kBlockCols;
+  // Qwen3-30B-A3B at decode: 8 experts of one row, 12 blocks of I = 768.
+  EXPECT_EQ(gate_up_item_cols(8, 1, 768, 2), 6 * kBlockCols);   // 2 items per expert: 16
+  EXPECT_EQ(gate_up_item_cols(8, 1, 768, 1), 12 * kBlockCols);  // whole experts: 8
+  EXPECT_EQ(gate_up_item_cols(8, 1, 768, 3), 4 * kBlockCols);   // 24
+  EXPECT_EQ(gate_up_item_cols(8, 1, 768, 5), 2 * kBlockCols);  // 5 per expert wanted: 6 of 2 blocks
+  EXPECT_EQ(gate_up_item_cols(8, 1, 768, 64), kBlockCols);     // never less than one block
+  // Rows: the tile of max_rows x W stays within kRowChunk x kBlockCols.
+  EXPECT_EQ(gate_up_item_cols(8, 20, 768, 2), 3 * kBlockCols);
+  EXPECT_EQ(gate_up_item_cols(8, kt::kRowChunk, 768, 2), kBlockCols);
+  EXPECT_EQ(gate_up_item_cols(8, 1, 40, 2), kBlockCols);  // one partial block
+  for (int threads : {1, 2, 3, 8})
+    for (int64_t active : {1, 3, 8, 128})
+      for (int64_t rows : {1, 2, 5, 64, 300})
+        for (int64_t n : {19, 64, 768, 1000, 2048}) {
+          SCOPED_TRACE(std::to_string(active) + " experts of " + std::to_string(rows) +
+                       " rows, n " + std::to_string(n) + ", " + std::to_string(threads) +
+                       " threads");
+          const int64_t w = gate_up_item_cols(active, rows, n, threads);
+          ASSERT_EQ(w % kBlockCols, 0);
+          ASSERT_GE(w, kBlockCols);
+          if (w == kBlockCols) continue;
+          EXPECT_GE(active * kt::ceil_div(n, w), 8 * threads);
+          EXPECT_LE(rows * (w / kBlockCols), kt::kRowChunk);
+          EXPECT_LE(w, kt::round_up(n, kBlockCols));
+        }
 }

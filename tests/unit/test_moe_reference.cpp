@@ -96,6 +96,10 @@ std::vector<Case> quant_shape_cases() {
   c = Case{}; c.name = "chunked_k_lora"; c.mode = KT_MODE_LORA; c.rank = 4; c.E = 4; c.K = 2; c.H = 544; c.I = 288; c.T = 40; c.bf16_act = true; v.push_back(c);
   c = Case{}; c.name = "many_tokens"; c.T = 300; c.E = 8; c.K = 2; c.H = 64; c.I = 48; c.bf16_act = true; v.push_back(c);
   c = Case{}; c.name = "one_token"; c.T = 1; c.E = 6; c.K = 3; c.H = 80; c.I = 24; v.push_back(c);
+  // Gate/up items of several blocks at decode (dequantized in cache four
+  // panels at a time where the table has no gemm_quant), the last partial.
+  c = Case{}; c.name = "one_token_wide_items"; c.T = 1; c.E = 16; c.K = 8; c.H = 64; c.I = 1000; c.bias = true; v.push_back(c);
+  c.name = "one_token_wide_items_lora"; c.mode = KT_MODE_LORA; c.rank = 4; c.bf16_act = true; v.push_back(c);
   c = Case{}; c.name = "skipped_minus_one"; c.E = 6; c.K = 2; c.T = 20; c.skipped = {1, 4}; c.minus_one_every = 3; c.mode = KT_MODE_LORA; c.rank = 4; v.push_back(c);
   // clang-format on
   return v;
