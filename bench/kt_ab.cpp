@@ -266,6 +266,7 @@ int main(int argc, char** argv) {
     std::vector<double> ratio[2];  // B/A of each call, by which library ran first
     int64_t differ = 0, compared = 0;
     double worst = 0;  // largest |B - A| / max(|A|, 1e-30)
+    double diff2 = 0, norm2 = 0;  // sums of (B - A)^2 and A^2: the relative L2 difference
     for (int call = 0; call < o.calls; ++call) {
       for (int64_t tok = 0; tok < T;
            ++tok) {  // fresh routing: the experts' weights come from memory
@@ -301,9 +302,11 @@ int main(int argc, char** argv) {
         for (size_t j = 0; j < outs[0][i].size(); ++j) {
           const uint16_t av = outs[0][i][j], bv = outs[1][i][j];
           ++compared;
+          const double a = bf16_value(av), d = std::abs(bf16_value(bv) - a);
+          norm2 += a * a;
           if (av == bv) continue;
           ++differ;
-          const double a = bf16_value(av), d = std::abs(bf16_value(bv) - a);
+          diff2 += d * d;
           worst = std::max(worst, d / std::max(std::abs(a), 1e-30));
         }
     }
@@ -317,8 +320,10 @@ int main(int argc, char** argv) {
     if (differ == 0) {
       std::printf("  outputs: the same bits\n");
     } else {
-      std::printf("  outputs: %lld of %lld values differ (largest |B-A|/|A| %.2e)\n",
-                  static_cast<long long>(differ), static_cast<long long>(compared), worst);
+      std::printf(
+          "  outputs: %lld of %lld values differ (relative L2 %.2e, largest |B-A|/|A| %.2e)\n",
+          static_cast<long long>(differ), static_cast<long long>(compared),
+          std::sqrt(diff2 / std::max(norm2, 1e-300)), worst);
     }
   }
   for (int q = 0; q < 2; ++q) {
