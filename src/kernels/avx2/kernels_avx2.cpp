@@ -272,11 +272,16 @@ extern const Kernels kernels_avx2 = {
     avx2::gemm_bf16w_grouped,
     avx2::gemm_quant,
     // Past these rows dequantizing once into cache and the grouped GEMM
-    // take less time (one thread, codes in cache, 8 panels x K 2048: at 3
-    // rows int4 g32 1.01x, mxfp4 1.31x; int8 per channel 0.69x still at 4,
-    // e4m3 1.16x at 3 and 0.95x at 4).
+    // take less time. 8-bit codes: one thread, codes in cache, 8 panels x K
+    // 2048: int8 per channel 0.69x still at 4 rows, e4m3 1.16x at 3 and
+    // 0.95x at 4. 4-bit codes, since they go as offset words: the
+    // Qwen3-30B-A3B layer, int4_g32, two builds alternated in one process,
+    // both orders: up to 3 rows against 2, T=32 0.96x the time, T=64 0.975x;
+    // 4 against 3, 0.96x and 0.97x; 6 against 4, T=64 0.97-0.985x, T=128
+    // 1.00x; mxfp4 and int4_g32_zp t/t_bf16 at T=64 1.15-1.22 -> 0.93-1.03
+    // and 0.98-1.05 -> 0.85-0.96 from 2 to 6.
     4,
-    2,
+    6,
     avx2::gemm_int8,
     false,
 };
