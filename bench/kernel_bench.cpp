@@ -29,6 +29,18 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// The best over reps runs of call(0) ... call(calls - 1), in seconds per call.
+template <class F>
+double best_seconds_per_call(int64_t calls, int reps, F&& call) {
+  double best = 1e30;
+  for (int rep = 0; rep < reps; ++rep) {
+    const auto t0 = Clock::now();
+    for (int64_t i = 0; i < calls; ++i) call(i);
+    best = std::min(best, seconds_since(t0) / static_cast<double>(calls));
+  }
+  return best;
+}
+
 struct Shape {
   const char* what;
   int64_t k;  // reduction length (H for gate/up, I for down)
@@ -94,17 +106,12 @@ void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, boo
         double gbs[3];
         for (int mode = 0; mode < 3; ++mode) {
           const int64_t calls = mode == 0 ? (quick ? 50 : 4000) : blocks - 1;
-          double best = 1e30;
-          for (int rep = 0; rep < (quick ? 1 : 3); ++rep) {
-            const auto t0 = Clock::now();
-            for (int64_t i = 0; i < calls; ++i) {
-              const uint8_t* ex = w.data() + (mode == 0 ? 0 : i) * block;
-              const kt::PrefetchRegion next =
-                  mode == 2 ? kt::quant_panel_block(ex + block, qs, 0, 64) : kt::PrefetchRegion{};
-              K.gemm_quant(qs.panels(ex, 0), rows.data(), m, 4, c.data(), 64, false, next);
-            }
-            best = std::min(best, seconds_since(t0) / static_cast<double>(calls));
-          }
+          const double best = best_seconds_per_call(calls, quick ? 1 : 3, [&](int64_t i) {
+            const uint8_t* ex = w.data() + (mode == 0 ? 0 : i) * block;
+            const kt::PrefetchRegion next =
+                mode == 2 ? kt::quant_panel_block(ex + block, qs, 0, 64) : kt::PrefetchRegion{};
+            K.gemm_quant(qs.panels(ex, 0), rows.data(), m, 4, c.data(), 64, false, next);
+          });
           gbs[mode] = bytes / best / 1e9;
         }
         std::printf("%-10s %-13s %5lld %4d %9.1f %9.1f %9.1f %6.0f%%\n", sh.what, fm.name,
@@ -175,17 +182,12 @@ int main(int argc, char** argv) {
       double gf[3];
       for (int mode = 0; mode < 3; ++mode) {
         const int64_t calls = mode == 0 ? (quick ? 50 : 2000) : blocks - 1;
-        double best = 1e30;
-        for (int rep = 0; rep < (quick ? 1 : 3); ++rep) {
-          const auto t0 = Clock::now();
-          for (int64_t i = 0; i < calls; ++i) {
-            const kt::bf16_t* wb = w.data() + (mode == 0 ? 0 : i) * block;
-            const kt::PrefetchRegion next =
-                mode == 2 ? kt::PrefetchRegion::block(wb + block, block * 2) : kt::PrefetchRegion{};
-            K.gemm_bf16w(rows.data(), m, kp, wb, panel_stride, np, c.data(), 64, false, next);
-          }
-          best = std::min(best, seconds_since(t0) / static_cast<double>(calls));
-        }
+        const double best = best_seconds_per_call(calls, quick ? 1 : 3, [&](int64_t i) {
+          const kt::bf16_t* wb = w.data() + (mode == 0 ? 0 : i) * block;
+          const kt::PrefetchRegion next =
+              mode == 2 ? kt::PrefetchRegion::block(wb + block, block * 2) : kt::PrefetchRegion{};
+          K.gemm_bf16w(rows.data(), m, kp, wb, panel_stride, np, c.data(), 64, false, next);
+        });
         gf[mode] = flops / best / 1e9;
       }
       const double cold_gbs = gf[1] / flops * static_cast<double>(block * 2);
