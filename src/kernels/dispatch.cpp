@@ -59,6 +59,22 @@ const Kernels* kernels_for(kt_isa isa) {
   return nullptr;
 }
 
+bool cpu_has_avx_vnni() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
+}
+
+#if KT_HAVE_AVX2
+extern const Kernels kernels_avx2_no_vnni;
+const Kernels* avx2_without_vnni() {
+  return &kernels_avx2_no_vnni;
+}
+#else
+const Kernels* avx2_without_vnni() {
+  return nullptr;
+}
+#endif
+
 #if KT_HAVE_AVX512BF16
 extern const Kernels kernels_avx512bf16_no_vbmi;
 const Kernels* avx512bf16_without_vbmi() { return &kernels_avx512bf16_no_vbmi; }

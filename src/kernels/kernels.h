@@ -276,6 +276,13 @@ const Kernels* kernels_for(kt_isa isa);
 // it, where that differs from kernels_for(KT_ISA_AVX512BF16) on a CPU with
 // it; nullptr when not compiled in. For the tests, to run both paths.
 const Kernels* avx512bf16_without_vbmi();
+// Whether the CPU has AVX-VNNI (the VEX vpdpbusd; cpuid leaf 7.1 EAX bit 4;
+// its ymm state is the AVX state the AVX2 level requires): the AVX2 table's
+// gemm_int8 uses it there.
+bool cpu_has_avx_vnni();
+// The AVX2 table as a CPU without AVX-VNNI runs it; nullptr when not
+// compiled in. For the tests, to run both paths.
+const Kernels* avx2_without_vnni();
 // Whether the AMX kernels, on this CPU, computed a known product right
 // (checked once; select_kernels uses AVX-512 BF16 instead when not). Only
 // call where detect_cpu_isa() is KT_ISA_AMX.

@@ -32,16 +32,21 @@ std::vector<const kt::Kernels*> compiled_kernels() {
 }
 
 // The GEMM and dequantization tests also run the AVX-512 BF16 table as a
-// CPU without AVX512-VBMI runs it.
+// CPU without AVX512-VBMI runs it, and the AVX2 table as one without
+// AVX-VNNI (where this CPU has them).
 std::vector<const kt::Kernels*> compiled_kernel_variants() {
   std::vector<const kt::Kernels*> v = compiled_kernels();
   const kt::Kernels* no_vbmi = kt::avx512bf16_without_vbmi();
   if (no_vbmi && kt::detect_cpu_isa() >= KT_ISA_AVX512BF16) v.push_back(no_vbmi);
+  const kt::Kernels* no_vnni = kt::avx2_without_vnni();
+  if (no_vnni && kt::detect_cpu_isa() >= KT_ISA_AVX2 && kt::cpu_has_avx_vnni())
+    v.push_back(no_vnni);
   return v;
 }
 
 std::string kernels_test_name(const ::testing::TestParamInfo<const kt::Kernels*>& i) {
   if (i.param == kt::avx512bf16_without_vbmi()) return "avx512bf16_no_vbmi";
+  if (i.param == kt::avx2_without_vnni()) return "avx2_no_vnni";
   return kt_isa_name(i.param->isa);
 }
 

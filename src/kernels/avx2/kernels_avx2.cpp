@@ -286,4 +286,12 @@ extern const Kernels kernels_avx2 = {
     false,
 };
 
+// The same kernels as a CPU without AVX-VNNI runs them (int8 activations
+// by vpmaddubsw and vpmaddwd), for the tests to run both wherever it is.
+extern const Kernels kernels_avx2_no_vnni = [] {
+  Kernels k = kernels_avx2;
+  k.gemm_int8 = avx2::gemm_int8_no_vnni;
+  return k;
+}();
+
 }  // namespace kt
