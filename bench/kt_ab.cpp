@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kt_c_api.h"
@@ -38,6 +39,9 @@ const char kUsage[] =
     "                    128,8,2048,768: Qwen3-30B-A3B)\n"
     "  --threads N       worker threads per engine (default 2)\n"
     "  --calls N         calls per library and round (default from T)\n"
+    "  --pause-us P      sleep P microseconds before each call, untimed (a host's\n"
+    "                    work between layer calls: kt's idle workers may fall\n"
+    "                    asleep, and their waking counts; default 0)\n"
     "  --rounds N        rounds (default 3)\n";
 
 struct Api {
@@ -103,6 +107,7 @@ struct Options {
   bool dx = false;
   int64_t tokens = 32, experts = 128, top_k = 8, hidden = 2048, intermediate = 768;
   int threads = 2, calls = 0, rounds = 3;
+  int64_t pause_us = 0;
 };
 
 bool parse(int argc, char** argv, Options* o) {
@@ -121,7 +126,7 @@ bool parse(int argc, char** argv, Options* o) {
       if (!v) return false;
       char* end = nullptr;
       *out = std::strtoll(v, &end, 10);
-      if (*end != '\0' || *out <= 0) {
+      if (*end != '\0' || *out < 0 || (*out == 0 && std::strcmp(name, "--pause-us") != 0)) {
         std::fprintf(stderr, "kt_ab: %s takes a positive integer, not '%s'\n", name, v);
         return false;
       }
@@ -147,6 +152,9 @@ bool parse(int argc, char** argv, Options* o) {
     } else if (a == "--calls") {
       if (!number("--calls", &n)) return false;
       o->calls = static_cast<int>(n);
+    } else if (a == "--pause-us") {
+      if (!number("--pause-us", &n)) return false;
+      o->pause_us = n;
     } else if (a == "--rounds") {
       if (!number("--rounds", &n)) return false;
       o->rounds = static_cast<int>(n);
@@ -246,11 +254,12 @@ int main(int argc, char** argv) {
   const kt_arg backward_args[] = {{KT_ARG_DY, &tdy}, {KT_ARG_DX, &tdx}};
   std::printf(
       "A %s (%s)\nB %s (%s)\nlayer E=%lld k=%lld H=%lld I=%lld, %s%s, T=%lld, %d threads, %d %s "
-      "per round\n",
+      "per round%s\n",
       o.lib[0].c_str(), api[0].version(), o.lib[1].c_str(), api[1].version(),
       static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(H),
       static_cast<long long>(I), o.format.c_str(), o.int8 ? "/int8" : "", static_cast<long long>(T),
-      o.threads, o.calls, o.dx ? "forward + backward (dx) steps" : "calls");
+      o.threads, o.calls, o.dx ? "forward + backward (dx) steps" : "calls",
+      o.pause_us > 0 ? (", " + std::to_string(o.pause_us) + " us pause before each").c_str() : "");
   std::vector<int> perm(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int>(e);
   // Each library's outputs of the current call.
@@ -278,6 +287,7 @@ int main(int argc, char** argv) {
       // second of two calls has been seen up to 10 % faster, whichever it was.
       for (int turn = 0; turn < 2; ++turn) {
         const int q = call % 2 == 0 ? turn : 1 - turn;
+        if (o.pause_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(o.pause_us));
         const auto t0 = std::chrono::steady_clock::now();
         kt_context* saved = nullptr;
         bool ok = api[q].forward(moe[q], args, 4, o.dx ? &saved : nullptr) == KT_OK;
