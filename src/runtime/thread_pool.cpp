@@ -3,6 +3,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace kt {
@@ -49,15 +50,14 @@ ThreadPool::~ThreadPool() {
 }
 
 template <class Cond>
-bool ThreadPool::spin_until(Cond cond) {
-  constexpr auto kSpin = std::chrono::microseconds(100);
+bool ThreadPool::spin_until(Cond cond, std::chrono::microseconds limit) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 1;; ++i) {
     if (cond()) return true;
     // sched_yield lets a thread waiting for this CPU (the caller, a worker)
     // run; with nothing else to run it returns at once.
     sched_yield();
-    if (i % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) return cond();
+    if (i % 64 == 0 && std::chrono::steady_clock::now() - start > limit) return cond();
   }
 }
 
@@ -74,7 +74,28 @@ void ThreadPool::take_items(Thunk thunk, void* fn, int64_t n, int index) {
   }
 }
 
+std::chrono::microseconds ThreadPool::worker_spin() const {
+  return std::chrono::microseconds(worker_spin_us_.load(std::memory_order_relaxed));
+}
+
+void ThreadPool::note_gap(std::chrono::microseconds gap) {
+  gaps_us_[gap_at_] = gap.count();
+  gap_at_ = (gap_at_ + 1) % kGaps;
+  int64_t longest = 0;
+  for (int64_t g : gaps_us_)
+    if (g <= kMaxSpin.count() / 2) longest = std::max(longest, g);
+  worker_spin_us_.store(std::min(std::max(2 * longest, kMinSpin.count()), kMaxSpin.count()),
+                        std::memory_order_relaxed);
+}
+
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
+  const auto start = std::chrono::steady_clock::now();
+  if (ran_) note_gap(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_));
+  ran_ = true;
+  struct Ended {
+    ThreadPool* pool;
+    ~Ended() { pool->last_end_ = std::chrono::steady_clock::now(); }
+  } ended{this};
   // A single item, or every item of a one-thread pool, runs on the caller
   // (as index 0; the workers are idle between runs): a worker would only
   // add the hand-off.
@@ -95,7 +116,9 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
     take_items(thunk, fn, n, 0);
   } else {
     wake_.notify_all();
-    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; })) {
+    // The caller waits for its own run, which ends: asleep, it would add its
+    // waking to the run's time.
+    if (!spin_until([this] { return active_.load(std::memory_order_acquire) == 0; }, kMaxSpin)) {
       std::unique_lock<std::mutex> lock(mutex_);
       done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
     }
@@ -117,7 +140,7 @@ void ThreadPool::worker_loop(int index) {
     void* fn;
     int64_t n;
     const auto ready = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
-    if (!spin_until(ready)) {
+    if (!spin_until(ready, worker_spin())) {
       std::unique_lock<std::mutex> lock(mutex_);
       wake_.wait(lock, ready);
     }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -24,6 +25,15 @@ class ThreadPool {
   // Threads that compute: the workers, or the caller alone in a pool of one.
   int size() const { return size_; }
 
+  // How long an idle worker spins before it sleeps: twice the longest of
+  // the recent pauses between runs (not counting those past half of
+  // kMaxSpin), within [kMinSpin, kMaxSpin]. A host that calls layer after
+  // layer with its own work between them (attention on the GPU) then finds
+  // the workers awake: waking a sleeping one costs 60-100 us here.
+  std::chrono::microseconds worker_spin() const;
+  static constexpr std::chrono::microseconds kMinSpin{100}, kMaxSpin{5000};
+  static constexpr int kGaps = 16;  // pauses remembered: a few layers' runs
+
   // Runs fn(item, thread_index) for item in [0, n) on the workers (a single
   // item, or all in a pool of one, on the caller as index 0) and returns when all are done.
   // Rethrows the first exception an item threw (the other items still run). One run at a time
@@ -43,11 +53,13 @@ class ThreadPool {
   // exception is kept (the first) and the next item taken.
   void take_items(Thunk thunk, void* fn, int64_t n, int index);
 
-  // Waits briefly (yielding the CPU) for cond before the caller falls back
-  // to its condition variable: runs come in quick succession (a layer's
-  // stages), and a sleep/wake pair costs tens of microseconds.
+  void note_gap(std::chrono::microseconds gap);
+
+  // Waits up to `limit` (yielding the CPU) for cond before the caller falls
+  // back to its condition variable: runs come in quick succession (a
+  // layer's stages), and a sleep/wake pair costs tens of microseconds.
   template <class Cond>
-  static bool spin_until(Cond cond);
+  static bool spin_until(Cond cond, std::chrono::microseconds limit);
 
   int size_ = 1;
   std::vector<std::thread> workers_;
@@ -57,6 +69,13 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::atomic<int> active_{0};
+  // The caller's (runs are serialised): when the last run ended, the
+  // recent pauses between runs.
+  bool ran_ = false;
+  std::chrono::steady_clock::time_point last_end_;
+  int64_t gaps_us_[kGaps] = {};
+  int gap_at_ = 0;
+  std::atomic<int64_t> worker_spin_us_{kMinSpin.count()};
   Thunk thunk_ = nullptr;
   void* fn_ = nullptr;
   int64_t n_ = 0;

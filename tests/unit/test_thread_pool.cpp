@@ -97,6 +97,30 @@ TEST(ThreadPool, AnExceptionReachesTheCallerAfterTheOtherItems) {
   }
 }
 
+TEST(ThreadPool, IdleWorkersSpinThroughTheRecentPausesBetweenRuns) {
+  using std::chrono::microseconds;
+  ThreadPool pool(2, {});
+  EXPECT_EQ(pool.worker_spin(), ThreadPool::kMinSpin);
+  const auto runs_after = [&](microseconds pause, int runs) {
+    for (int i = 0; i < runs; ++i) {
+      std::this_thread::sleep_for(pause);
+      pool.run(4, [](int64_t, int) {});
+    }
+  };
+  // Pauses of at least 300 us (a sleep may overshoot; one of three within
+  // half the cap is enough): twice the longest.
+  runs_after(microseconds(300), 3);
+  EXPECT_GE(pool.worker_spin(), microseconds(600));
+  EXPECT_LE(pool.worker_spin(), ThreadPool::kMaxSpin);
+  // Back to back: the longest recent pause still counts.
+  runs_after(microseconds(0), 4);
+  EXPECT_GE(pool.worker_spin(), microseconds(600));
+  // Pauses longer than half the cap are not spun through: once they fill
+  // the memory of pauses, the workers sleep after the shortest spin.
+  runs_after(ThreadPool::kMaxSpin + microseconds(1000), ThreadPool::kGaps);
+  EXPECT_EQ(pool.worker_spin(), ThreadPool::kMinSpin);
+}
+
 TEST(ThreadPool, WorkerIRunsOnTheIthCpu) {
   const std::vector<int> cpus = kt::allowed_cpus();
   ASSERT_FALSE(cpus.empty());
