@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <dlpack/dlpack.h>
@@ -104,14 +105,18 @@ inline double now_seconds() {
 }
 
 // Median wall time of `reps` calls after `warmup` calls; run(i) gets the call
-// index so callers can cycle through inputs (cold weights). Returns a
-// negative value as soon as a call reports failure.
-inline double median_seconds(int warmup, int reps, const std::function<bool(int)>& run) {
+// index so callers can cycle through inputs (cold weights). With pause_s,
+// the caller sleeps that long before each call, untimed (a host's own work
+// between calls). Returns a negative value as soon as a call reports
+// failure.
+inline double median_seconds(int warmup, int reps, const std::function<bool(int)>& run,
+                             double pause_s = 0) {
   int call = 0;
   for (int i = 0; i < warmup; ++i)
     if (!run(call++)) return -1;
   std::vector<double> times;
   for (int i = 0; i < reps; ++i) {
+    if (pause_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
     const double start = now_seconds();
     if (!run(call++)) return -1;
     times.push_back(now_seconds() - start);

@@ -141,9 +141,11 @@ def main():
         fail(f"output is not JSON: {e}\n{proc.stdout[:2000]}")
 
     require(doc, ["kt", "machine", "settings", "models"], "the document")
-    require(doc["kt"], ["version", "abi", "isa", "threads", "call_overhead_us"], "kt")
-    if not doc["kt"]["call_overhead_us"] or not doc["kt"]["call_overhead_us"] > 0:
-        fail(f"kt: call_overhead_us is {doc['kt']['call_overhead_us']!r}")
+    require(doc["kt"], ["version", "abi", "isa", "threads", "call_overhead_us", "call_overhead_paused_us",
+                        "call_pause_us"], "kt")
+    for key in ("call_overhead_us", "call_overhead_paused_us", "call_pause_us"):
+        if not doc["kt"][key] or not doc["kt"][key] > 0:
+            fail(f"kt: {key} is {doc['kt'][key]!r}")
     machine = doc["machine"]
     require(machine, ["threads", "peak_gflops", "peak_kind", "dram_read_gbs", "bf16_dot_peak_gflops",
                       "fp32_fma_avx2_peak_gflops", "avx512_vnni", "int8_dot_peak_gops", "int16_dot_peak_gops",

@@ -365,6 +365,10 @@ struct Limits {
   // kt's fixed cost per layer call: a T=1 forward of a layer too small to
   // cost anything else (NaN with call_error set when kt failed).
   double call_us = NAN;
+  // The same after a pause before each call (kCallPause: a host's own work
+  // between layer calls, attention on the GPU at decode), which idle
+  // workers may sleep through.
+  double call_paused_us = NAN;
   std::string call_error;
 };
 
@@ -373,12 +377,17 @@ constexpr ModelShape kMinimalLayer{"minimal", 64, 64, 8, 8, 1};
 // Median microseconds of a T=1 forward on kMinimalLayer: what a layer call
 // costs beyond its weights' bytes and FLOPs (argument checks, routing, the
 // workers' hand-offs).
-double measure_call_us(kt_engine* engine, std::string* error) {
+constexpr double kCallPause = 1e-3;
+
+void measure_call_us(kt_engine* engine, Limits* lim) {
   const LayerWeights layer = make_layer_weights(kMinimalLayer, kMinimalLayer.experts, 11);
   const Workload work = make_workload(layer, 1, 11);
   KtRunner runner(engine, layer, 1);
-  const double s = runner.time_case(Case::kForward, work, 50, 1001, error);
-  return s < 0 ? NAN : s * 1e6;
+  const double s = runner.time_case(Case::kForward, work, 50, 1001, &lim->call_error);
+  lim->call_us = s < 0 ? NAN : s * 1e6;
+  if (s < 0) return;
+  const double p = runner.time_case(Case::kForward, work, 5, 201, &lim->call_error, kCallPause);
+  lim->call_paused_us = p < 0 ? NAN : p * 1e6;
 }
 
 LinearFit fit_cost(const std::vector<Row>& rows, Case which) {
@@ -691,10 +700,15 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
   const MachineLimits& m = lim.machine;
   std::printf("kt %s (abi %d), kernels %s (%s), %d threads\n", kt_version(), kt_abi_version(), kt_isa_name(info.isa),
               info.kernel_name ? info.kernel_name : "?", info.num_threads);
-  std::printf("call overhead: %s us per forward (T=1 on a minimal layer: E=%lld k=%lld H=I=%lld)\n",
-              lim.call_error.empty() ? fmt("%.1f", lim.call_us).c_str() : ("failed: " + lim.call_error).c_str(),
-              static_cast<long long>(kMinimalLayer.experts), static_cast<long long>(kMinimalLayer.top_k),
-              static_cast<long long>(kMinimalLayer.hidden));
+  std::printf(
+      "call overhead: %s (T=1 on a minimal layer: E=%lld k=%lld H=I=%lld)\n",
+      lim.call_error.empty() ? (fmt("%.1f", lim.call_us) + " us per forward back to back, " +
+                                fmt("%.1f", lim.call_paused_us) + " us after " +
+                                fmt("%.0f", kCallPause * 1e3) + " ms pauses")
+                                   .c_str()
+                             : ("failed: " + lim.call_error).c_str(),
+      static_cast<long long>(kMinimalLayer.experts), static_cast<long long>(kMinimalLayer.top_k),
+      static_cast<long long>(kMinimalLayer.hidden));
   std::printf("machine, %d threads: AMX-BF16 %s, bf16 dot %s GFLOP/s, fp32 FMA avx512 %s / avx2 %s GFLOP/s, DRAM read %s GB/s (%.0f MiB buffer)\n",
               m.threads, m.has_amx_bf16 ? (fmt("%.0f", m.amx_bf16_gflops) + " GFLOP/s").c_str() : "none",
               fmt("%.0f", m.has_avx512bf16 ? m.bf16_dot_gflops : NAN).c_str(),
@@ -883,6 +897,8 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
   j.key("kernel").value(info.kernel_name ? info.kernel_name : "");
   j.key("threads").value(info.num_threads);
   j.key("call_overhead_us").value(lim.call_us);
+  j.key("call_overhead_paused_us").value(lim.call_paused_us);
+  j.key("call_pause_us").value(kCallPause * 1e6);
   j.end_object();
   j.key("machine").begin_object();
   j.key("threads").value(m.threads);
@@ -1095,7 +1111,7 @@ int main(int argc, char** argv) {
   if (!o.json) std::fprintf(stderr, "kt_bench: measuring the machine on %d threads\n", info.num_threads);
   Limits lim;
   lim.machine = measure_machine_limits(info.num_threads, o.quick);
-  lim.call_us = measure_call_us(engine, &lim.call_error);
+  measure_call_us(engine, &lim);
   if (info.isa >= KT_ISA_AMX && lim.machine.has_amx_bf16) {
     lim.peak_gflops = lim.machine.amx_bf16_gflops;
     lim.peak_kind = "AMX-BF16 tiles (tdpbf16ps)";

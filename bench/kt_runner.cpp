@@ -169,15 +169,20 @@ bool KtRunner::call(Case which, const Batch& b, HostTensor& y, HostTensor& dx, H
   return true;
 }
 
-double KtRunner::time_case(Case which, const Workload& work, int warmup, int reps, std::string* error) {
+double KtRunner::time_case(Case which, const Workload& work, int warmup, int reps,
+                           std::string* error, double pause_s) {
   if (!prepare(mode_of(which), error)) return -1;
   const ModelShape& s = layer_.shape;
   const int64_t T = work.tokens;
   HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
   HostTensor droute(kDLFloat, 32, {T, s.top_k});
-  return median_seconds(warmup, reps, [&](int i) {
-    return call(which, work.batches[static_cast<size_t>(i) % work.batches.size()], y, dx, droute, error);
-  });
+  return median_seconds(
+      warmup, reps,
+      [&](int i) {
+        return call(which, work.batches[static_cast<size_t>(i) % work.batches.size()], y, dx,
+                    droute, error);
+      },
+      pause_s);
 }
 
 std::pair<double, double> KtRunner::time_alternating(KtRunner& other, Case which, const Workload& work, int warmup,

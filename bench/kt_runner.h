@@ -28,7 +28,8 @@ class KtRunner {
 
   // Median seconds of one call of `which` over the workload's batches (cycled),
   // after `warmup` calls; negative with *error set when kt reports a failure.
-  double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error);
+  double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error,
+                   double pause_s = 0);
   // Medians of this runner and `other` on the same case, timed in
   // alternation (a call of each per round, after `warmup` untimed rounds
   // and at least half a second of them),
