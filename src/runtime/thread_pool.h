@@ -29,7 +29,8 @@ class ThreadPool {
   // the recent pauses between runs (not counting those past half of
   // kMaxSpin), within [kMinSpin, kMaxSpin]. A host that calls layer after
   // layer with its own work between them (attention on the GPU) then finds
-  // the workers awake: waking a sleeping one costs 60-100 us here.
+  // the workers awake: waking a sleeping one cost 60-100 us per call on a
+  // 2-core VM.
   std::chrono::microseconds worker_spin() const;
   static constexpr std::chrono::microseconds kMinSpin{100}, kMaxSpin{5000};
   static constexpr int kGaps = 16;  // pauses remembered: a few layers' runs
@@ -55,7 +56,7 @@ class ThreadPool {
 
   void note_gap(std::chrono::microseconds gap);
 
-  // Waits up to `limit` (yielding the CPU) for cond before the caller falls
+  // Waits up to `limit` (yielding the CPU) for cond before the thread falls
   // back to its condition variable: runs come in quick succession (a
   // layer's stages), and a sleep/wake pair costs tens of microseconds.
   template <class Cond>
