@@ -121,13 +121,15 @@ bool parse(int argc, char** argv, Options* o) {
       }
       return argv[++i];
     };
-    const auto number = [&](const char* name, int64_t* out) {
+    // An integer of at least `least` (1 unless said).
+    const auto number = [&](const char* name, int64_t* out, int64_t least = 1) {
       const char* v = value(name);
       if (!v) return false;
       char* end = nullptr;
       *out = std::strtoll(v, &end, 10);
-      if (*end != '\0' || *out < 0 || (*out == 0 && std::strcmp(name, "--pause-us") != 0)) {
-        std::fprintf(stderr, "kt_ab: %s takes a positive integer, not '%s'\n", name, v);
+      if (*end != '\0' || *out < least) {
+        std::fprintf(stderr, "kt_ab: %s takes an integer of at least %lld, not '%s'\n", name,
+                     static_cast<long long>(least), v);
         return false;
       }
       return true;
@@ -153,7 +155,7 @@ bool parse(int argc, char** argv, Options* o) {
       if (!number("--calls", &n)) return false;
       o->calls = static_cast<int>(n);
     } else if (a == "--pause-us") {
-      if (!number("--pause-us", &n)) return false;
+      if (!number("--pause-us", &n, 0)) return false;
       o->pause_us = n;
     } else if (a == "--rounds") {
       if (!number("--rounds", &n)) return false;

@@ -87,8 +87,7 @@ struct CombineSplit {
 // panels: two libkt builds alternated in one process (Qwen3-30B-A3B, 2
 // threads, int4_g32, both ways round) ran T=1 0.89-0.99x the time with
 // items of 6 blocks (8 items per worker; 12 blocks, 4 per worker: 0.98x in
-// one order),
-// T=8 0.93-0.99x, T=32 0.92-1.00x.
+// one order), T=8 0.93-0.99x, T=32 0.92-1.00x.
 inline int64_t gate_up_item_cols(int64_t active, int64_t max_rows, int64_t n, int threads) {
   const int64_t blocks = ceil_div(n, kBlockCols);
   const int64_t want = 8 * static_cast<int64_t>(std::max(threads, 1));

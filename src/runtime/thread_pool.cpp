@@ -90,8 +90,7 @@ void ThreadPool::note_gap(std::chrono::microseconds gap) {
 
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
   const auto start = std::chrono::steady_clock::now();
-  if (ran_) note_gap(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_));
-  ran_ = true;
+  note_gap(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_));
   struct Ended {
     ThreadPool* pool;
     ~Ended() { pool->last_end_ = std::chrono::steady_clock::now(); }

@@ -70,10 +70,9 @@ class ThreadPool {
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
   std::atomic<int> active_{0};
-  // The caller's (runs are serialised): when the last run ended, the
-  // recent pauses between runs.
-  bool ran_ = false;
-  std::chrono::steady_clock::time_point last_end_;
+  // The caller's (runs are serialised): when the last run ended (the
+  // pool's start before the first), the recent pauses between runs.
+  std::chrono::steady_clock::time_point last_end_ = std::chrono::steady_clock::now();
   int64_t gaps_us_[kGaps] = {};
   int gap_at_ = 0;
   std::atomic<int64_t> worker_spin_us_{kMinSpin.count()};
