@@ -318,7 +318,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   clock.enter(KT_STAGE_DOWN);
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
-  const CombineSplit split = CombineSplit::plan(T, H, pool.size());
+  CombineSplit split = CombineSplit::plan(T, H, pool.size());
+  if (quantized) split.widen_for_quantized_decode(T, H, pool.size(), max_rows);
+  const int64_t call_cols = split.call_cols;
   // The first down panels of an item: the first active expert's, the
   // item's first block of columns.
   const auto first_block_of = [&](int64_t item) {
@@ -334,27 +336,27 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t t1 = std::min(T, t0 + split.token_chunk);
     clear_columns(acc, t0, t1, H, col0, ncols);
     float* co = s.c[0].data();
-    // The item's columns go in blocks of kBlockCols per expert, so the
+    // The item's columns go in blocks of call_cols per expert, so the
     // expert's rows of a stay in cache across the blocks.
-    // The down panels of expert e for the columns [sc0, sc0 + kBlockCols)
+    // The down panels of expert e for the columns [sc0, sc0 + call_cols)
     // of the item.
     const auto block_of_down = [&](int64_t e, int64_t sc0) {
-      return weight_block(kDown, e, sc0, std::min(kBlockCols, col0 + ncols - sc0));
+      return weight_block(kDown, e, sc0, std::min(call_cols, col0 + ncols - sc0));
     };
     for (size_t ai = 0; ai < R.active.size(); ++ai) {
       const int32_t e = R.active[ai];
       int64_t pbegin, pend;
       token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
                   t1, &pbegin, &pend);
-      for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
-        const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
+      for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += call_cols) {
+        const int64_t sn = std::min(call_cols, col0 + ncols - sc0);
         const int np = static_cast<int>(ceil_div(sn, kPanelRows));
         // The next panels (next block, the next expert's first, or past the
         // last expert the worker's next item's first) come in while these run.
         const PrefetchRegion next =
-            sc0 + kBlockCols < col0 + ncols ? block_of_down(e, sc0 + kBlockCols)
-            : ai + 1 < R.active.size()      ? block_of_down(R.active[ai + 1], col0)
-                                            : after;
+            sc0 + call_cols < col0 + ncols ? block_of_down(e, sc0 + call_cols)
+            : ai + 1 < R.active.size()     ? block_of_down(R.active[ai + 1], col0)
+                                           : after;
         const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
         for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
           const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
@@ -362,18 +364,18 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
             s.rows[static_cast<size_t>(i)] =
                 int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * aq_stride)
                      : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
-          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co, kBlockCols,
+          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
             K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                        lora_[kDown].sbt.data() + e * r * H + sc0, H, co, kBlockCols, true);
+                        lora_[kDown].sbt.data() + e * r * H + sc0, H, co, call_cols, true);
           }
           for (int i = 0; i < m; ++i) {
             const int64_t p = p0 + i;
             const float w = R.weight[static_cast<size_t>(p)];
             float* dst = acc + R.token[static_cast<size_t>(p)] * H + sc0;
-            const float* ci = co + i * kBlockCols;
+            const float* ci = co + i * call_cols;
             if (bd) {
               for (int64_t j = 0; j < sn; ++j) dst[j] += w * (ci[j] + bd[j]);
             } else {

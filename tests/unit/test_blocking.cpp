@@ -1,7 +1,8 @@
 // How a stage's work is cut for the workers (moe/blocking.h): item ranges
 // cover every item once, in order, shrinking to single items at the end; the
 // combine split gives every (token, column) one owner, with narrow column
-// blocks at decode; gate/up items are as wide as the workers and the tile allow.
+// blocks at decode (wider on a quantized base while the workers keep enough); gate/up items are as
+// wide as the workers and the tile allow.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -64,6 +65,52 @@ TEST(CombineSplit, EveryTokenAndColumnHasOneOwnerAndDecodeItemsAreNarrow) {
         for (size_t i = 0; i < owners.size(); ++i)
           ASSERT_EQ(owners[i], 1) << "token " << i / n << " column " << i % n;
       }
+}
+
+TEST(CombineSplit, QuantizedDecodeItemsWidenWhileEveryWorkerKeepsFourAndTheTileFits) {
+  using kt::kBlockCols;
+  const auto widened = [](int64_t T, int64_t n, int threads, int64_t max_rows) {
+    CombineSplit s = CombineSplit::plan(T, n, threads);
+    s.widen_for_quantized_decode(T, n, threads, max_rows);
+    return s;
+  };
+  // Qwen3-30B-A3B down at decode, 2 threads: 8 items of 256 columns, each
+  // call spanning its item.
+  CombineSplit s = widened(1, 2048, 2, 1);
+  EXPECT_EQ(s.cols, 4 * kBlockCols);
+  EXPECT_EQ(s.col_blocks, 8);
+  EXPECT_EQ(s.call_cols, 4 * kBlockCols);
+  // Rows per expert bound the tile: 64 rows keep one block per call.
+  s = widened(64, 2048, 2, kt::kRowChunk);
+  EXPECT_EQ(s.cols, kBlockCols);
+  EXPECT_EQ(s.call_cols, kBlockCols);
+  // Many tokens (token ranges) and narrow decode items stay as planned.
+  for (int64_t T : {int64_t{65}, int64_t{512}}) {
+    const CombineSplit planned = CombineSplit::plan(T, 2048, 2);
+    s = widened(T, 2048, 2, 8);
+    EXPECT_EQ(s.cols, planned.cols);
+    EXPECT_EQ(s.call_cols, kBlockCols);
+  }
+  s = widened(1, 200, 8, 1);
+  EXPECT_EQ(s.cols, kt::kPanelRows);
+  EXPECT_EQ(s.call_cols, kBlockCols);
+  for (int threads : {1, 2, 8, 64})
+    for (int64_t T : {int64_t{1}, int64_t{8}, int64_t{64}})
+      for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{64}})
+        for (int64_t n : {int64_t{16}, int64_t{200}, int64_t{2048}, int64_t{7168}}) {
+          SCOPED_TRACE("threads " + std::to_string(threads) + ", T " + std::to_string(T) +
+                       ", rows " + std::to_string(rows) + ", n " + std::to_string(n));
+          const CombineSplit planned = CombineSplit::plan(T, n, threads);
+          s = widened(T, n, threads, rows);
+          EXPECT_EQ(s.cols % kt::kPanelRows, 0);
+          EXPECT_EQ(s.col_blocks, kt::ceil_div(n, s.cols));
+          EXPECT_EQ(s.token_ranges, 1);
+          EXPECT_LE(rows * s.call_cols, kt::kRowChunk * kBlockCols);
+          if (s.cols > planned.cols) {
+            EXPECT_GE(s.col_blocks, 4 * threads);
+            EXPECT_EQ(s.call_cols, s.cols);
+          }
+        }
 }
 
 TEST(GateUpItems, EachExpertInAsFewItemsAsLeaveEightPerWorkerWithinTheTile) {
