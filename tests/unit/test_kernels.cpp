@@ -767,7 +767,7 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
   for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_FP8_B128,
                              KT_FORMAT_MXFP4, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
     for (int64_t k : {128, 256})
-      for (int np : {1, 2, 3, 4, 5, 7})
+      for (int np : {1, 2, 3, 4, 5, 7, 8, 13})
         for (int m : {1, 2, 3, 4, 5, 6, 7, 13}) {
           const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
           ASSERT_EQ(s.kq, k);
