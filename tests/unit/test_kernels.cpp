@@ -917,7 +917,7 @@ TEST_P(GemmKernels, Int8GemmMatchesReferenceBits) {
   for (kt_weight_format f : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128,
                              KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP, KT_FORMAT_MXFP4})
     for (int64_t k : {128, 384})
-      for (int np : {1, 2, 4, 5, 7})
+      for (int np : {1, 2, 4, 5, 7, 8, 13})
         for (int m : {1, 2, 3, 4, 5, 7, 13, 16, 33}) {
           const kt_test::Int8Operands op(f, np, k, m, rng);
           const kt::QuantShape& s = op.s;
