@@ -82,16 +82,19 @@ struct CombineSplit {
   int64_t call_cols = kBlockCols;
 
   // A quantized base at decode (T <= kRowChunk): columns per item doubled
-  // while every worker keeps ~4 items and an item's C tile (max_rows rows)
-  // fits the scratch, each call then spanning the item's columns: a
+  // while every worker keeps 2 items (at decode each item takes every
+  // expert, so the items cost the same) and an item's C tile (max_rows
+  // rows) fits the scratch, each call then spanning the item's columns: a
   // 64-column call of int4 codes reads 27 KiB, a quarter of bf16's, and
-  // each call's streams start anew (Qwen3-30B-A3B, int4_g32, 2 threads, two
-  // builds alternated in one process, both ways round: 0.99x the time at
-  // T=1, 0.98x at T=8 and T=32; one 1024-column item per worker at T=1
-  // gained no more).
+  // each call's streams start anew (gemm_quant's strided tiles run them on
+  // within a call). Qwen3-30B-A3B, int4_g32, 2 threads, two builds
+  // alternated in one process, both ways round: 256-column items 0.99x the
+  // time at T=1, 0.98x at T=8 and T=32; then 512 columns (2 items per
+  // worker) 0.96x at T=1 and T=32, 0.98x at T=8; one item per worker 0.99x
+  // at T=1.
   void widen_for_quantized_decode(int64_t T, int64_t n, int threads, int64_t max_rows) {
     if (T > kRowChunk || token_ranges != 1 || max_rows < 1 || cols < kBlockCols) return;
-    const int64_t want = 4 * static_cast<int64_t>(threads);
+    const int64_t want = 2 * static_cast<int64_t>(threads);
     const int64_t fits = kRowChunk * kBlockCols / max_rows;
     while (2 * cols <= fits && ceil_div(n, 2 * cols) >= want) cols *= 2;
     col_blocks = ceil_div(n, cols);

@@ -67,18 +67,22 @@ TEST(CombineSplit, EveryTokenAndColumnHasOneOwnerAndDecodeItemsAreNarrow) {
       }
 }
 
-TEST(CombineSplit, QuantizedDecodeItemsWidenWhileEveryWorkerKeepsFourAndTheTileFits) {
+TEST(CombineSplit, QuantizedDecodeItemsWidenWhileEveryWorkerKeepsTwoAndTheTileFits) {
   using kt::kBlockCols;
   const auto widened = [](int64_t T, int64_t n, int threads, int64_t max_rows) {
     CombineSplit s = CombineSplit::plan(T, n, threads);
     s.widen_for_quantized_decode(T, n, threads, max_rows);
     return s;
   };
-  // Qwen3-30B-A3B down at decode, 2 threads: 8 items of 256 columns, each
+  // Qwen3-30B-A3B down at decode, 2 threads: 4 items of 512 columns, each
   // call spanning its item.
   CombineSplit s = widened(1, 2048, 2, 1);
+  EXPECT_EQ(s.cols, 8 * kBlockCols);
+  EXPECT_EQ(s.col_blocks, 4);
+  EXPECT_EQ(s.call_cols, 8 * kBlockCols);
+  // 9 rows: 455 columns fit the tile, so 256.
+  s = widened(8, 2048, 2, 9);
   EXPECT_EQ(s.cols, 4 * kBlockCols);
-  EXPECT_EQ(s.col_blocks, 8);
   EXPECT_EQ(s.call_cols, 4 * kBlockCols);
   // Rows per expert bound the tile: 64 rows keep one block per call.
   s = widened(64, 2048, 2, kt::kRowChunk);
@@ -107,7 +111,7 @@ TEST(CombineSplit, QuantizedDecodeItemsWidenWhileEveryWorkerKeepsFourAndTheTileF
           EXPECT_EQ(s.token_ranges, 1);
           EXPECT_LE(rows * s.call_cols, kt::kRowChunk * kBlockCols);
           if (s.cols > planned.cols) {
-            EXPECT_GE(s.col_blocks, 4 * threads);
+            EXPECT_GE(s.col_blocks, 2 * threads);
             EXPECT_EQ(s.call_cols, s.cols);
           }
         }
