@@ -104,16 +104,17 @@ struct CombineSplit {
 
 // Columns of a gate/up item (an expert's rows times a block of its n
 // columns): whole kBlockCols blocks, each expert's blocks cut into as few
-// items as leave every worker at least 8 (ItemRanges then still ends the
+// items as leave every worker at least 4 (ItemRanges then still ends the
 // workers together), and the item's C tile of max_rows rows within
 // kRowChunk x kBlockCols floats. At decode each call then streams more
 // panels: two libkt builds alternated in one process (Qwen3-30B-A3B, 2
 // threads, int4_g32, both ways round) ran T=1 0.89-0.99x the time with
-// items of 6 blocks (8 items per worker; 12 blocks, 4 per worker: 0.98x in
-// one order), T=8 0.93-0.99x, T=32 0.92-1.00x.
+// items of 6 blocks (8 items per worker), T=8 0.93-0.99x, T=32
+// 0.92-1.00x; once gemm_quant's strided tiles ran a call's streams on,
+// whole experts at T=1 (12 blocks, 4 items per worker) 0.96x again.
 inline int64_t gate_up_item_cols(int64_t active, int64_t max_rows, int64_t n, int threads) {
   const int64_t blocks = ceil_div(n, kBlockCols);
-  const int64_t want = 8 * static_cast<int64_t>(std::max(threads, 1));
+  const int64_t want = 4 * static_cast<int64_t>(std::max(threads, 1));
   const int64_t per_expert = ceil_div(want, std::max<int64_t>(active, 1));
   const int64_t w = std::min(blocks / per_expert, kRowChunk / std::max<int64_t>(max_rows, 1));
   return std::max<int64_t>(w, 1) * kBlockCols;
