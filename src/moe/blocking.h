@@ -98,7 +98,7 @@ struct CombineSplit {
     const int64_t fits = kRowChunk * kBlockCols / max_rows;
     while (2 * cols <= fits && ceil_div(n, 2 * cols) >= want) cols *= 2;
     col_blocks = ceil_div(n, cols);
-    if (cols <= fits) call_cols = std::max(cols, kBlockCols);
+    call_cols = cols;
   }
 };
 

@@ -1,8 +1,8 @@
 // How a stage's work is cut for the workers (moe/blocking.h): item ranges
 // cover every item once, in order, shrinking to single items at the end; the
 // combine split gives every (token, column) one owner, with narrow column
-// blocks at decode (wider on a quantized base while the workers keep enough); gate/up items are as
-// wide as the workers and the tile allow.
+// blocks at decode (wider on a quantized base while the workers keep
+// enough); gate/up items are as wide as the workers and the tile allow.
 #include <gtest/gtest.h>
 
 #include <vector>
