@@ -566,7 +566,9 @@ typedef enum kt_stage {
   KT_STAGE_BWD_DX = 7,      /* dx from dg, du */
   KT_STAGE_BWD_ROUTE = 8,   /* routing-weight gradients */
   KT_STAGE_LORA_GRADS = 9,  /* LoRA parameter gradients */
-  KT_STAGE_FULL_GRADS = 10  /* full weight and bias gradients */
+  KT_STAGE_FULL_GRADS = 10, /* full weight and bias gradients */
+  KT_STAGE_EXPERTS = 11     /* forward at decode on a quantized base: each expert's gate/up and
+                               down GEMMs in one pass (the combine follows in KT_STAGE_DOWN) */
 } kt_stage;
 
 /* Name of a stage ("gate_up"), or NULL past the last stage: hosts iterate

@@ -796,8 +796,8 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
 
 const char* kt_stage_name(int stage) {
   static const char* const names[kt_engine::kStages] = {
-      "route", "pack_input", "lora_a", "gate_up", "down", "bwd_down",
-      "bwd_lora", "bwd_dx", "bwd_route", "lora_grads", "full_grads"};
+      "route",    "pack_input", "lora_a",    "gate_up",    "down",       "bwd_down",
+      "bwd_lora", "bwd_dx",     "bwd_route", "lora_grads", "full_grads", "experts"};
   return stage >= 0 && stage < kt_engine::kStages ? names[stage] : nullptr;
 }
 

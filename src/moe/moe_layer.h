@@ -25,6 +25,8 @@
 
 namespace kt {
 
+struct ItemRanges;
+
 // Routes sorted by expert: position p (expert-major, then token, then slot).
 struct Routing {
   int64_t tokens = 0;
@@ -239,6 +241,12 @@ struct kt_moe {
   void quantize_rows(const void* src, kt::DType dtype, int64_t n, int64_t k, int64_t ld,
                      const kt::QuantShape& qs, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
+  // Forward at decode on a quantized base with whole experts as gate/up
+  // items: each expert's gate/up (gate_up_item) and down in one work item,
+  // then the combine (moe_forward.cpp).
+  template <class GateUpItem>
+  void expert_pass(const ForwardCall& c, const kt::Routing& R, const kt::ItemRanges& ranges,
+                   int64_t kpI, float* const* la, kt::StageClock& clock, GateUpItem&& gate_up_item);
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
   // (expert, column block of `width`) items over the columns [0, cols).
   void block_items(const kt::Routing& R, int64_t cols, int64_t width);
@@ -289,8 +297,9 @@ struct kt_moe {
   kt::Routing routing_;
   kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
   kt::Buffer<uint8_t> xq_, aq_;  // KT_COMPUTE_INT8: int8 rows of x and of the activations
-  kt::Buffer<float> xf_, act_, acc_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_,
-      delta_d_, scaled_[2];
+  // yr_: [routes, H rounded to panels] down outputs of the expert pass.
+  kt::Buffer<float> xf_, act_, acc_, yr_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_, delta_d_,
+      scaled_[2];
   std::vector<int64_t> items_;
   std::vector<int64_t> fill_;
   struct ThreadScratch {

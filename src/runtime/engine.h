@@ -89,7 +89,7 @@ struct kt_engine {
   std::atomic<int> num_optimizers{0};  // kt_optimizer on this engine (or its layers)
 
   // Per-stage profile (kt_stage): off by default.
-  static constexpr int kStages = 11;
+  static constexpr int kStages = 12;
   std::atomic<bool> profiling{false};
   std::atomic<int64_t> stage_ns[kStages] = {};
   std::atomic<int64_t> stage_calls[kStages] = {};

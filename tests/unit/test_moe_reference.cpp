@@ -380,5 +380,71 @@ std::vector<Case> onednn_cases() {
 INSTANTIATE_TEST_SUITE_P(Cases, OneDnnBackend, ::testing::ValuesIn(onednn_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
 
+// Decode on a quantized base takes one of two forward paths (moe_forward.cpp):
+// the expert pass, where each work item runs a whole expert's gate/up and
+// down (the gate/up items are whole experts), or the two stages, down items
+// owning blocks of columns. Each case says which it takes (the profile's
+// KT_STAGE_EXPERTS), and the forward (and the backward from its saved
+// context) matches the reference: LoRA on every projection with bias and H
+// off the panel grid, int8 activations, and the Qwen3 expert shape both
+// ways.
+struct DecodePath {
+  Case c;
+  bool expert_pass;
+};
+void PrintTo(const DecodePath& d, std::ostream* os) {
+  *os << d.c.name;
+}
+
+class QuantizedDecodePath : public ::testing::TestWithParam<std::tuple<kt_isa, DecodePath>> {};
+
+TEST_P(QuantizedDecodePath, TakesTheExpectedPathAndMatchesTheReference) {
+  const kt_isa isa = std::get<0>(GetParam());
+  const DecodePath& d = std::get<1>(GetParam());
+  Runner run(d.c, isa);
+  if (!run.isa_available())
+    GTEST_SKIP() << kt_isa_name(isa) << " is not available on this CPU/build";
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 1), KT_OK);
+  if (d.c.compute == KT_COMPUTE_INT8) {
+    ASSERT_EQ(run.forward(nullptr), KT_OK) << kt_last_error();
+    expect_close("forward_int8_reference", run.y(), int8_reference_forward(run),
+                 d.c.bf16_act ? 3e-3 : 2e-4);
+  } else {
+    check_run(run, quant_tolerance_for(isa, d.c.bf16_act));
+  }
+  int64_t experts = -1, gate_up = -1;
+  double seconds = 0;
+  ASSERT_EQ(kt_engine_profile_stage(run.engine(), KT_STAGE_EXPERTS, &experts, &seconds), KT_OK);
+  ASSERT_EQ(kt_engine_profile_stage(run.engine(), KT_STAGE_GATE_UP, &gate_up, &seconds), KT_OK);
+  EXPECT_EQ(experts, d.expert_pass ? 1 : 0);
+  EXPECT_EQ(gate_up, d.expert_pass ? 0 : 1);
+}
+
+std::vector<DecodePath> decode_paths() {
+  std::vector<DecodePath> v;
+  Case c;
+  // clang-format off
+  c = Case{}; c.name = "int4_g32_qwen3_16_experts_t1_lora8"; c.format = KT_FORMAT_INT4_G32; c.E = 16; c.K = 8; c.H = 2048; c.I = 768; c.T = 1; c.mode = KT_MODE_LORA; c.rank = 8; c.bf16_act = true;
+  v.push_back({c, true});
+  c = Case{}; c.name = "int8_channel_swiglu_bias_lora_h200_t3"; c.format = KT_FORMAT_INT8_CHANNEL; c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.mode = KT_MODE_LORA; c.rank = 4; c.E = 8; c.K = 4; c.H = 200; c.I = 40; c.T = 3;
+  v.push_back({c, true});
+  c = Case{}; c.name = "int4_g32_int8_compute_qwen3_16_experts_t2"; c.format = KT_FORMAT_INT4_G32; c.compute = KT_COMPUTE_INT8; c.bias = true; c.E = 16; c.K = 8; c.H = 2048; c.I = 768; c.T = 2; c.bf16_act = true;
+  v.push_back({c, true});
+  // 6 rows per expert: gate/up items of 10 blocks of I's 12, so two stages.
+  c = qwen3_30b_a3b_slice(); c.name = "int4_g32_" + c.name; c.format = KT_FORMAT_INT4_G32;
+  v.push_back({c, false});
+  // clang-format on
+  return v;
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, QuantizedDecodePath,
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
+                                                              KT_ISA_AVX512BF16),
+                                            ::testing::ValuesIn(decode_paths())),
+                         [](const ::testing::TestParamInfo<std::tuple<kt_isa, DecodePath>>& info) {
+                           return std::string(kt_isa_name(std::get<0>(info.param))) + "_" +
+                                  std::get<1>(info.param).c.name;
+                         });
+
 }  // namespace
 }  // namespace kt_test

@@ -475,6 +475,7 @@ kt_constants! {
         KT_STAGE_BWD_ROUTE = 8,
         KT_STAGE_LORA_GRADS = 9,
         KT_STAGE_FULL_GRADS = 10,
+        KT_STAGE_EXPERTS = 11,
     }
     kt_ckpt_dtype {
         KT_CKPT_DTYPE_UNKNOWN = 0,
