@@ -4,7 +4,7 @@
 // combine in its epilogue (each work item owns a block of output columns for
 // all tokens: no atomics, a fixed summation order). At decode on a quantized
 // base whose gate/up items are whole experts, each item runs its expert's
-// down right after (expert_pass).
+// down right after (down_rows), and the combine follows (combine_rows).
 #include <algorithm>
 #include <cstring>
 
@@ -320,7 +320,27 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   };
   const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
   if (whole_experts) {
-    expert_pass(c, R, ranges, kpI, la, clock, gate_up_item);
+    // Each expert's down right after its gate/up (whose last up call
+    // fetches the down's first panels): no stage boundary between them.
+    // Qwen3-30B-A3B, 2 threads, two builds alternated in one process, both
+    // ways round: int4_g32 T=1 0.93-0.95x the time, T=8 0.97x; int8_channel
+    // T=1 0.96x; int4_g32 with int8 activations T=1 0.90x; AVX2 int4_g32
+    // T=1 0.98x.
+    const int64_t ldy = round_up(H, kPanelRows);
+    yr_.reserve(static_cast<size_t>(std::max<int64_t>(routes * ldy, 1)));
+    if (int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(routes * aq_stride, 1)));
+    pool.run(ranges.count, [&](int64_t range, int tid) {
+      ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+      for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+        const int64_t item = items_[static_cast<size_t>(it)];
+        gate_up_item(s, item, weight_block(kDown, item >> 32, 0, std::min(kBlockCols, H)));
+        down_rows(s, R, item >> 32, la[kDown], ldy,
+                  it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
+                                             : PrefetchRegion{});
+      }
+    });
+    clock.enter(KT_STAGE_DOWN);
+    combine_rows(c, R, ldy);
     return;
   }
   pool.run(ranges.count, [&](int64_t range, int tid) {
@@ -415,79 +435,58 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   });
 }
 
-// Decode on a quantized base whose gate/up items are whole experts: a worker
-// runs each of its experts' down GEMM right after its gate/up, over all H
-// columns in one call, into the route's row of yr_; the combine then adds the
-// rows in expert order (as the down stage's items do: the same bits). No
-// stage boundary between gate/up and down (the workers' hand-off and the
-// wait for the slowest), and each down call's streams run through the
-// expert's panels. Qwen3-30B-A3B, 2 threads, two builds alternated in one
-// process, both ways round: int4_g32 T=1 0.93-0.95x the time, T=8 0.97x;
-// int8_channel T=1 0.96x; int4_g32 with int8 activations T=1 0.90x; on AVX2
-// int4_g32 T=1 0.98x.
-template <class GateUpItem>
-void kt_moe::expert_pass(const ForwardCall& c, const Routing& R, const ItemRanges& ranges,
-                         int64_t kpI, float* const* la, StageClock& clock,
-                         GateUpItem&& gate_up_item) {
-  ThreadPool& pool = *engine->pool;
-  const int64_t T = c.T, routes = R.routes;
+// One expert's down for its routes, all H columns in one call (its streams
+// run through the expert's panels), into the routes' rows of yr_ (ldy apart):
+// with the LoRA A-projection of a before it (as project_rows computes it) and
+// each row of a as int8 (KT_COMPUTE_INT8), and LoRA's B after. `next`: the
+// panels the worker reads next.
+void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_down, int64_t ldy,
+                       const PrefetchRegion& next) {
   const bool int8 = opt.compute == KT_COMPUTE_INT8;
   const int64_t aq_stride = int8 ? int8_row_bytes(down_q.kq, down_q.group) : 0;
-  if (int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(routes * aq_stride, 1)));
-  const int64_t ldy = round_up(H, kPanelRows);
-  yr_.reserve(static_cast<size_t>(std::max<int64_t>(routes * ldy, 1)));
-  float* yr = yr_.data();
+  const int64_t kpI = down_shape.kp;
   const int np = static_cast<int>(ceil_div(H, kPanelRows));
-  pool.run(ranges.count, [&](int64_t range, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
-      const int64_t e = items_[static_cast<size_t>(it)] >> 32;
-      // The expert's first down panels come in while its up panels run.
-      gate_up_item(s, items_[static_cast<size_t>(it)],
-                   weight_block(kDown, e, 0, std::min(kBlockCols, H)));
-      const PrefetchRegion next =
-          it + 1 < ranges.end(range)
-              ? weight_block(kGate, items_[static_cast<size_t>(it + 1)] >> 32, 0,
-                             std::min(kBlockCols, I))
-              : PrefetchRegion{};
-      const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-      // Chunks of kRowChunk rows, as project_rows takes them.
-      for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
-        const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-        if (lora_on(kDown)) {
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = act_.data() + (p0 + i) * I;
-          K_.sgemm_nt(m, static_cast<int>(r), static_cast<int>(I), s.frows.data(),
-                      lora_[kDown].a.data() + e * r * I, I, la[kDown] + p0 * r, r, false);
-        }
-        for (int i = 0; i < m; ++i) {
-          const int64_t p = p0 + i;
-          if (int8) {
-            quantize_int8_row(act_.data() + p * I, I, down_q.kq, down_q.group, down_q.bits == 4,
-                              aq_.data() + p * aq_stride);
-            s.rows[static_cast<size_t>(i)] = aq_.data() + p * aq_stride;
-          } else {
-            s.rows[static_cast<size_t>(i)] = aa_.data() + p * kpI * a_size_;
-          }
-        }
-        float* yp = yr + p0 * ldy;
-        base_gemm(s, kDown, e, 0, np, s.rows.data(), m, yp, ldy,
-                  p0 + kRowChunk >= pend ? next : PrefetchRegion{});
-        if (lora_on(kDown)) {
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
-          K_.sgemm_nn(m, static_cast<int>(H), static_cast<int>(r), s.frows.data(),
-                      lora_[kDown].sbt.data() + e * r * H, H, yp, ldy, true);
-        }
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+    const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+    if (lora_on(kDown)) {
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = act_.data() + (p0 + i) * I;
+      K_.sgemm_nt(m, static_cast<int>(r), static_cast<int>(I), s.frows.data(),
+                  lora_[kDown].a.data() + e * r * I, I, la_down + p0 * r, r, false);
+    }
+    for (int i = 0; i < m; ++i) {
+      const int64_t p = p0 + i;
+      if (int8) {
+        quantize_int8_row(act_.data() + p * I, I, down_q.kq, down_q.group, down_q.bits == 4,
+                          aq_.data() + p * aq_stride);
+        s.rows[static_cast<size_t>(i)] = aq_.data() + p * aq_stride;
+      } else {
+        s.rows[static_cast<size_t>(i)] = aa_.data() + p * kpI * a_size_;
       }
     }
-  });
+    float* yp = yr_.data() + p0 * ldy;
+    base_gemm(s, kDown, e, 0, np, s.rows.data(), m, yp, ldy,
+              p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+    if (lora_on(kDown)) {
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la_down + (p0 + i) * r;
+      K_.sgemm_nn(m, static_cast<int>(H), static_cast<int>(r), s.frows.data(),
+                  lora_[kDown].sbt.data() + e * r * H, H, yp, ldy, true);
+    }
+  }
+}
 
-  // The combine: on the caller while it is small (Qwen3's 8 routes of 2048
-  // columns at T=1), else by the workers in blocks of columns.
-  clock.enter(KT_STAGE_DOWN);
+// y from the routes' down rows (yr_): per token, the routes added in expert
+// order with bias and routing weight, as the column items of the down stage
+// add them (the same bits). On the caller while it is small, else by the
+// workers in blocks of columns.
+void kt_moe::combine_rows(const ForwardCall& c, const Routing& R, int64_t ldy) {
+  const int64_t T = c.T;
+  ThreadPool& pool = *engine->pool;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
+  const float* yr = yr_.data();
   const int64_t cols =
-      routes * H <= kCallerCombine ? H : round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
+      R.routes * H <= kCallerCombine ? H : round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
   pool.run(ceil_div(H, cols), [&](int64_t b, int) {
     const int64_t col0 = b * cols, n = std::min(cols, H - col0);
     clear_columns(acc, 0, T, H, col0, n);

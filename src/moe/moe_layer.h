@@ -25,8 +25,6 @@
 
 namespace kt {
 
-struct ItemRanges;
-
 // Routes sorted by expert: position p (expert-major, then token, then slot).
 struct Routing {
   int64_t tokens = 0;
@@ -241,12 +239,11 @@ struct kt_moe {
   void quantize_rows(const void* src, kt::DType dtype, int64_t n, int64_t k, int64_t ld,
                      const kt::QuantShape& qs, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
-  // Forward at decode on a quantized base with whole experts as gate/up
-  // items: each expert's gate/up (gate_up_item) and down in one work item,
-  // then the combine (moe_forward.cpp).
-  template <class GateUpItem>
-  void expert_pass(const ForwardCall& c, const kt::Routing& R, const kt::ItemRanges& ranges,
-                   int64_t kpI, float* const* la, kt::StageClock& clock, GateUpItem&& gate_up_item);
+  // Forward on a quantized base at decode: expert e's down for its routes
+  // into their rows of yr_, and y from those rows (moe_forward.cpp).
+  void down_rows(ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
+                 const kt::PrefetchRegion& next);
+  void combine_rows(const ForwardCall& c, const kt::Routing& R, int64_t ldy);
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
   // (expert, column block of `width`) items over the columns [0, cols).
   void block_items(const kt::Routing& R, int64_t cols, int64_t width);
