@@ -46,7 +46,7 @@ struct Shape {
   int64_t k;  // reduction length (H for gate/up, I for down)
 };
 
-// gemm_quant at the row counts it takes, on 4 panels of a quantized base
+// gemm_quant at 1, 2, 3, 4 and 8 rows (few-row and wide tiles), on 4 panels of a quantized base
 // laid out as the layer holds one expert's block (codes, then scales, then
 // zero points): hot, cold, and cold with the next block as the stages pass
 // it. GB/s on the block's bytes (codes and scales): the figure to hold
@@ -102,7 +102,7 @@ void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, boo
       const double bytes =
           static_cast<double>(qs.np * (qs.code_panel_bytes + qs.scale_panel * qs.scale_bytes +
                                        (qs.zero_points ? qs.scale_panel : 0)));
-      for (int m = 1; m <= std::min(max_m, 2); ++m) {
+      for (int m = 1; m <= std::min(max_m, 8); m = m < 4 ? m + 1 : 2 * m) {
         double gbs[3];
         for (int mode = 0; mode < 3; ++mode) {
           const int64_t calls = mode == 0 ? (quick ? 50 : 4000) : blocks - 1;
