@@ -45,11 +45,14 @@ def stored_bytes_per_weight(fmt, hidden, inter):
 
 
 def check_profile(row, what):
-    """--profile: the row's per-stage times, with the weight GEMMs' stages."""
+    """--profile: the row's per-stage times, with the weight GEMMs' stages:
+    gate_up and down, or (decode on a quantized base, whole experts per item;
+    a call's routing decides) experts, the one pass, and down, its combine."""
     stages = row.get("stage_ms")
     if not stages:
         fail(f"{what}: --profile given but no stage_ms")
-    for name in ("gate_up", "down"):
+    first = "experts" if stages.get("experts", 0) > 0 else "gate_up"
+    for name in (first, "down"):
         if not stages.get(name, 0) > 0:
             fail(f"{what}: stage {name!r} has no time in {stages}")
     if any(v < 0 for v in stages.values()):
