@@ -191,6 +191,8 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   // format, routing-weight parts, the down delta, LoRA partials.
   bytes += tokens_h * f32 * 2 + CheckedSize(T) * gs.kp * a + routes * I * f32 * 3 +
            routes * r * f32 * 3 + routes * ds.kp * a;
+  if (sh.quantized)  // the routes' down rows of the one-pass decode (T <= kRowChunk)
+    bytes += CheckedSize(std::min(T, kRowChunk)) * K * round_up(H, kPanelRows) * f32;
   if (o.compute == KT_COMPUTE_INT8)  // int8 rows of x and of the routes' activations
     bytes += CheckedSize(T) * int8_row_bytes(sh.gate_q.kq, sh.gate_q.group) +
              routes * int8_row_bytes(sh.down_q.kq, sh.down_q.group);

@@ -705,7 +705,7 @@ void add_engine_cases(const Adder& add) {
       [](World&) { return kt_engine_reset_profile(nullptr); });
   add("engine_null", L, KT_ERR_INVALID_HANDLE, "kt_engine_profile_stage", "engine is NULL",
       [](World&) { return kt_engine_profile_stage(nullptr, 0, nullptr, nullptr); });
-  for (int stage : {-1, 11, 1 << 30})
+  for (int stage : {-1, KT_STAGE_EXPERTS + 1, 1 << 30})  // one past the last stage
     add("stage_" + std::to_string(stage < 0 ? 1 : stage) + (stage < 0 ? "_negative" : ""), L, INV,
         "kt_engine_profile_stage", "stage",
         [stage](World& w) { return kt_engine_profile_stage(w.engine(), stage, nullptr, nullptr); });
