@@ -59,6 +59,25 @@ def check_profile(row, what):
         fail(f"{what}: a negative stage time in {stages}")
 
 
+def check_read_beside(r, what):
+    """The plain read timed beside a format's calls: its GB/s and the
+    format's GB/s against it (null only where it could not run)."""
+    for suffix in ("", "_best"):
+        read, pct = "read_gbs_alternating" + suffix, "pct_read_bandwidth" + suffix
+        require(r, [read, pct], what)
+        if r[read] is None:
+            if r[pct] is not None:
+                fail(f"{what}: {pct} {r[pct]} without {read}")
+            continue
+        if not r[read] > 0 or not r[pct] > 0:
+            fail(f"{what}: {read} {r[read]}, {pct} {r[pct]}: not positive")
+    # Medians with medians: the same bytes, so the ratio of the rates.
+    if r["read_gbs_alternating"] is not None:
+        want = 100 * r["gbs"] / r["read_gbs_alternating"]
+        if abs(r["pct_read_bandwidth"] - want) > 1e-3 * want:
+            fail(f"{what}: pct_read_bandwidth {r['pct_read_bandwidth']} is not gbs / read_gbs_alternating ({want:.2f})")
+
+
 def check_formats(model, formats, where, profile):
     """--format: every listed format has a row per (case, T) of the bf16
     results but train_full, with the stored bytes per weight, a time, GB/s
@@ -93,6 +112,7 @@ def check_formats(model, formats, where, profile):
             fail(f"{what}: no bf16 time taken in alternation")
         if abs(r["time_vs_bf16"] - r["ms"] / r["bf16_ms_alternating"]) > 1e-4 * r["time_vs_bf16"]:
             fail(f"{what}: time_vs_bf16 {r['time_vs_bf16']} is not ms / bf16_ms_alternating")
+        check_read_beside(r, what)
         if profile:
             check_profile(r, what)
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"

@@ -309,6 +309,12 @@ struct FormatRow {
   int64_t tokens = 0;
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
   double bf16_s = NAN;  // the bf16 layer, timed in alternation with this one
+  // A plain read of `bytes` by the same threads, the third call of each of
+  // those rounds: its median and fastest (NaN where the bytes are over a
+  // quarter of its buffer), and the fastest of kt's calls. The VM here
+  // stalls some reads and some calls by milliseconds: a ratio compares
+  // medians with medians, or the fastest with the fastest.
+  double read_s = NAN, read_best_s = NAN, kt_best_s = NAN;
   std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile
   std::string error;
 };
@@ -493,6 +499,12 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
     // bandwidth and load drift over a run (seen here: 37-47 GB/s between runs
     // minutes apart), and a ratio of times taken minutes apart carried it.
     const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
+    // A plain read of each case's bytes, a third call per round: the DRAM
+    // bandwidth at the moment the format ran, for %rd.
+    std::unique_ptr<StreamReader> reader;
+    if (!o.formats.empty())
+      reader = std::make_unique<StreamReader>(threads, (o.quick ? size_t{256} : size_t{1024}) << 20,
+                                              __builtin_cpu_supports("avx2"));
     for (const FormatChoice& choice : o.formats) {
       const kt_weight_format f = choice.format;
       const bool int8 = choice.compute == KT_COMPUTE_INT8;
@@ -526,16 +538,26 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
           fr.choice = choice;
           fr.which = c;
           fr.tokens = w.tokens;
-          const std::pair<double, double> s = source_error.empty()
-                                                  ? fmt_kt.time_alternating(bf16, c, w, o.warmup, o.reps, &fr.error)
-                                                  : std::pair<double, double>{-1, -1};
-          if (!source_error.empty()) fr.error = source_error;
-          if (s.first >= 0) {
-            fr.kt_s = s.first;
-            fr.bf16_s = s.second;
+          const Row& base = row_of(c, w.tokens);
+          KtRunner::Alternating s;
+          if (source_error.empty()) {
+            s = fmt_kt.time_alternating(bf16, c, w, o.warmup, o.reps, &fr.error, [&] {
+              // The layer is made before the first round: its bytes are known.
+              const double bytes =
+                  base.bytes * fmt_kt.expert_weight_bytes() / layer.bytes_per_expert();
+              return reader->read_seconds(static_cast<size_t>(bytes));
+            });
+          } else {
+            fr.error = source_error;
+          }
+          if (s.mine >= 0) {
+            fr.kt_s = s.mine;
+            fr.bf16_s = s.other;
+            fr.read_s = s.beside;
+            fr.kt_best_s = s.mine_best;
+            fr.read_best_s = s.beside_best;
             if (o.profile) fmt_kt.profile_case(c, w, o.reps, &fr.kt_stage_ms, &fr.error);
           }
-          const Row& base = row_of(c, w.tokens);
           // case_bytes counts bf16 weights: the same reads in this format's bytes.
           fr.bytes_per_weight = fmt_kt.expert_weight_bytes() / weights_per_expert;
           fr.bytes = base.bytes * fmt_kt.expert_weight_bytes() / layer.bytes_per_expert();
@@ -783,10 +805,18 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                   fmt("%.1f", 100 * f.max_rel_residual).c_str());
     }
     if (!mr.formats.empty()) {
-      std::printf("weight storage formats, side by side with bf16 in this run (kt only; B/wt: bytes kt stores\n"
-                  "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that format;\n"
-                  "t/t_bf16 against the bf16 layer timed in alternation with the format, call by call: its ms in\n"
-                  "the last column):\n");
+      std::printf(
+          "weight storage formats, side by side with bf16 in this run (kt only; B/wt: bytes kt "
+          "stores\n"
+          "per weight, scales included; GB/s and %%bw on the bytes of the touched experts in that "
+          "format;\n"
+          "t/t_bf16 against the bf16 layer timed in alternation with the format, call by call: its "
+          "ms in\n"
+          "the next column; rd GB/s: a plain read of the same bytes by the same threads, the third "
+          "call of\n"
+          "each of those rounds, the DRAM bandwidth at that moment; %%rd: GB/s against it, "
+          "medians; best:\n"
+          "the same for the fastest call and the fastest read):\n");
       for (const FormatError& e : mr.format_errors) {
         std::printf("   %s: W' against the bf16 weights, relative L2 %s%%",
                     e.choice.label().c_str(), fmt("%.2f", 100 * e.weight_rel_l2).c_str());
@@ -799,8 +829,9 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       for (const CheckpointWritten& c : mr.checkpoints)
         std::printf("   %s: loaded from a synthetic checkpoint of these weights (%.2f GB, written in %.1f s)\n",
                     kt_weight_format_name(c.format), c.file_bytes / 1e9, c.seconds);
-      std::printf("   %-19s %6s %-17s %7s %10s %8s %6s %9s %10s\n", "case", "T", "format", "B/wt",
-                  "ms", "GB/s", "%bw", "t/t_bf16", "bf16 ms");
+      std::printf("   %-19s %6s %-17s %7s %10s %8s %6s %9s %10s %8s %5s %5s\n", "case", "T",
+                  "format", "B/wt", "ms", "GB/s", "%bw", "t/t_bf16", "bf16 ms", "rd GB/s", "%rd",
+                  "best");
       for (const Row& r : mr.rows) {
         std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s\n", case_label(r.which),
                     static_cast<long long>(r.tokens), "bf16", 2.0,
@@ -809,12 +840,15 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                     "1.00");
         for (const FormatRow& f : mr.formats) {
           if (f.which != r.which || f.tokens != r.tokens) continue;
-          std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s %10s\n", "",
+          std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s %10s %8s %5s %5s\n", "",
                       static_cast<long long>(f.tokens), f.choice.label().c_str(),
                       f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
                       fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
-                      fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str());
+                      fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str(),
+                      fmt("%.1f", f.bytes / f.read_s / 1e9).c_str(),
+                      fmt("%.0f", 100 * f.read_s / f.kt_s).c_str(),
+                      fmt("%.0f", 100 * f.read_best_s / f.kt_best_s).c_str());
           if (!f.kt_stage_ms.empty()) {
             std::printf("      profile, ms per call:");
             for (const auto& st : f.kt_stage_ms) std::printf(" %s %.3f", st.first.c_str(), st.second);
@@ -1038,6 +1072,10 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
       j.key("time_vs_bf16").value(f.kt_s / f.bf16_s);
       j.key("bf16_ms_alternating").value(f.bf16_s * 1e3);
+      j.key("read_gbs_alternating").value(f.bytes / f.read_s / 1e9);
+      j.key("pct_read_bandwidth").value(100 * f.read_s / f.kt_s);
+      j.key("read_gbs_alternating_best").value(f.bytes / f.read_best_s / 1e9);
+      j.key("pct_read_bandwidth_best").value(100 * f.read_best_s / f.kt_best_s);
       if (!f.kt_stage_ms.empty()) {
         j.key("stage_ms").begin_object();
         for (const auto& st : f.kt_stage_ms) j.key(st.first).value(st.second);

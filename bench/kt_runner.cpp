@@ -185,21 +185,23 @@ double KtRunner::time_case(Case which, const Workload& work, int warmup, int rep
       pause_s);
 }
 
-std::pair<double, double> KtRunner::time_alternating(KtRunner& other, Case which, const Workload& work, int warmup,
-                                                     int reps, std::string* error) {
-  const std::pair<double, double> failed{-1, -1};
+KtRunner::Alternating KtRunner::time_alternating(KtRunner& other, Case which, const Workload& work,
+                                                 int warmup, int reps, std::string* error,
+                                                 const std::function<double()>& beside) {
+  const Alternating failed;
   if (!prepare(mode_of(which), error) || !other.prepare(mode_of(which), error)) return failed;
   const ModelShape& s = layer_.shape;
   const int64_t T = work.tokens;
   HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
   HostTensor droute(kDLFloat, 32, {T, s.top_k});
-  std::vector<double> mine, theirs;
+  std::vector<double> mine, theirs, besides;
   // Untimed rounds: `warmup`, and at least half a second of them. Right
   // after a format's layer was made (a checkpoint written and loaded), the
   // first calls of both layers ran up to 3x slower for about a second.
   constexpr double kSettleSeconds = 0.5;
   const double settle_start = now_seconds();
   int settled = -1;  // the round the timed ones start at
+  bool beside_ran = static_cast<bool>(beside);
   for (int i = 0; settled < 0 || i < settled + reps; ++i) {
     if (settled < 0 && i >= warmup && now_seconds() - settle_start >= kSettleSeconds) settled = i;
     const Batch& b = work.batches[static_cast<size_t>(i) % work.batches.size()];
@@ -209,16 +211,23 @@ std::pair<double, double> KtRunner::time_alternating(KtRunner& other, Case which
     start = now_seconds();
     if (!other.call(which, b, y, dx, droute, error)) return failed;
     const double t_theirs = now_seconds() - start;
+    const double t_beside = beside_ran ? beside() : -1;
+    beside_ran = beside_ran && t_beside >= 0;
     if (settled < 0) continue;
     mine.push_back(t_mine);
     theirs.push_back(t_theirs);
+    besides.push_back(t_beside);
   }
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     const size_t n = v.size();
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
   };
-  return {median(mine), median(theirs)};
+  const auto best = [](const std::vector<double>& v) {
+    return *std::min_element(v.begin(), v.end());
+  };
+  return {median(mine), median(theirs), beside_ran ? median(besides) : NAN,
+          best(mine),   best(theirs),   beside_ran ? best(besides) : NAN};
 }
 
 bool KtRunner::profile_case(Case which, const Workload& work, int calls,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -31,6 +32,15 @@ std::vector<int> allowed_cpus() {
   return cpus;
 }
 
+// Pins the calling thread to the i-th CPU of `cpus` (wrapping), as kt pins worker i.
+void pin_to(const std::vector<int>& cpus, int i) {
+  if (cpus.empty()) return;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(cpus[static_cast<size_t>(i) % cpus.size()], &one);
+  pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
+}
+
 // Runs body(i) on `threads` pinned threads released together; returns the
 // wall time from the release to the last thread's end.
 double run_team(int threads, const std::function<void(int)>& body) {
@@ -40,12 +50,7 @@ double run_team(int threads, const std::function<void(int)>& body) {
   std::vector<std::thread> team;
   for (int i = 0; i < threads; ++i) {
     team.emplace_back([&, i] {
-      if (!cpus.empty()) {
-        cpu_set_t one;
-        CPU_ZERO(&one);
-        CPU_SET(cpus[static_cast<size_t>(i) % cpus.size()], &one);
-        pthread_setaffinity_np(pthread_self(), sizeof(one), &one);
-      }
+      pin_to(cpus, i);
       ready.fetch_add(1);
       while (!go.load(std::memory_order_acquire)) {
       }
@@ -96,6 +101,10 @@ uint64_t stream_read_portable(const void* data, size_t bytes) {
   return s0 + s1 + s2 + s3;
 }
 
+uint64_t stream_read(const void* data, size_t bytes, bool avx2) {
+  return avx2 ? stream_read_avx2(data, bytes) : stream_read_portable(data, bytes);
+}
+
 double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
   const size_t chunk = bytes / static_cast<size_t>(threads) / 4096 * 4096;
   bytes = chunk * static_cast<size_t>(threads);
@@ -109,7 +118,7 @@ double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
   for (int t = 0; t <= tries; ++t) {
     const double seconds = run_team(threads, [&](int i) {
       const uint8_t* mine = base + chunk * static_cast<size_t>(i);
-      sums[static_cast<size_t>(i)] = avx2 ? stream_read_avx2(mine, chunk) : stream_read_portable(mine, chunk);
+      sums[static_cast<size_t>(i)] = stream_read(mine, chunk, avx2);
     });
     if (t > 0) best = std::max(best, static_cast<double>(bytes) / seconds / 1e9);  // first pass warms TLBs
   }
@@ -120,6 +129,102 @@ double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
 }
 
 }  // namespace
+
+StreamReader::StreamReader(int threads, size_t buffer_bytes, bool avx2)
+    : threads_(std::max(1, threads)),
+      avx2_(avx2),
+      started_(static_cast<size_t>(threads_)),
+      ended_(static_cast<size_t>(threads_)),
+      sums_(static_cast<size_t>(threads_)) {
+  bytes_ = buffer_bytes / 4096 * 4096;
+  buffer_ = static_cast<uint8_t*>(bytes_ ? std::aligned_alloc(4096, bytes_) : nullptr);
+  if (!buffer_) return;
+  const std::vector<int> cpus = allowed_cpus();
+  for (int i = 0; i < threads_; ++i)
+    team_.emplace_back([this, cpus, i] {
+      pin_to(cpus, i);
+      worker(i);
+    });
+  // First touch by the threads that read, a page-aligned slice each, so the
+  // pages lie near them.
+  const size_t slice = bytes_ / static_cast<size_t>(threads_) / 4096 * 4096;
+  for (int i = 0; i < threads_; ++i) {
+    const size_t begin = slice * static_cast<size_t>(i);
+    jobs_.push_back({begin, i + 1 == threads_ ? bytes_ - begin : slice, true});
+  }
+  release_and_wait();
+}
+
+StreamReader::~StreamReader() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    quit_ = true;
+    ++generation_;
+  }
+  wake_.notify_all();
+  for (std::thread& t : team_) t.join();
+  std::free(buffer_);
+}
+
+void StreamReader::worker(int i) {
+  uint64_t seen = 0;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (quit_) return;
+    }
+    // Sleeping threads wake some microseconds apart: they meet here, spinning
+    // only for that long, so the timed reads start together.
+    arrived_.fetch_add(1);
+    while (arrived_.load(std::memory_order_acquire) < threads_) {
+    }
+    const Job& job = jobs_[static_cast<size_t>(i)];
+    started_[static_cast<size_t>(i)] = now_seconds();
+    if (job.touch)
+      std::memset(buffer_ + job.begin, i + 1, job.bytes);
+    else
+      sums_[static_cast<size_t>(i)] = stream_read(buffer_ + job.begin, job.bytes, avx2_);
+    ended_[static_cast<size_t>(i)] = now_seconds();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ++done_;
+    }
+    done_cv_.notify_one();
+  }
+}
+
+void StreamReader::release_and_wait() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    arrived_.store(0);
+    done_ = 0;
+    ++generation_;
+  }
+  wake_.notify_all();
+  std::unique_lock<std::mutex> lock(mutex_);
+  done_cv_.wait(lock, [&] { return done_ == threads_; });
+}
+
+double StreamReader::read_seconds(size_t bytes) {
+  // Whole cache-line groups per thread; a window past the end starts over at
+  // the buffer's start (the rest of the buffer has evicted it by then).
+  const size_t per_thread = bytes / static_cast<size_t>(threads_) / 256 * 256;
+  const size_t window = per_thread * static_cast<size_t>(threads_);
+  if (!buffer_ || per_thread == 0 || window > bytes_ / 4) return -1;
+  if (next_ + window > bytes_) next_ = 0;
+  jobs_.clear();
+  for (int i = 0; i < threads_; ++i)
+    jobs_.push_back({next_ + per_thread * static_cast<size_t>(i), per_thread, false});
+  next_ += window;
+  release_and_wait();
+  const double start = *std::min_element(started_.begin(), started_.end());
+  const double end = *std::max_element(ended_.begin(), ended_.end());
+  volatile uint64_t sink = sums_[0];
+  (void)sink;
+  return (end - start) * static_cast<double>(bytes) / static_cast<double>(window);
+}
 
 MachineLimits measure_machine_limits(int threads, bool quick) {
   MachineLimits m;

@@ -4,8 +4,13 @@
 #ifndef KT_BENCH_MACHINE_LIMITS_H_
 #define KT_BENCH_MACHINE_LIMITS_H_
 
+#include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 namespace kt_bench {
 
@@ -30,6 +35,47 @@ struct MachineLimits {
   double dram_read_gbs = 0;         // multi-threaded streaming read of a buffer >> L3
   size_t dram_buffer_bytes = 0;
   size_t l3_bytes = 0;              // as the OS reports it (0 if unknown)
+};
+
+// A plain streaming read by the benchmark's threads (pinned as kt's workers
+// are), for timing beside kt's calls: the DRAM bandwidth at that moment, on a
+// read of the same size. Each read takes the next window of a buffer far
+// larger than the last-level cache, so it comes from DRAM. The threads sleep
+// between reads.
+class StreamReader {
+ public:
+  StreamReader(int threads, size_t buffer_bytes, bool avx2);
+  ~StreamReader();
+  StreamReader(const StreamReader&) = delete;
+  StreamReader& operator=(const StreamReader&) = delete;
+  // Seconds from the first thread's start to the last one's end for `bytes`
+  // split evenly between the threads (scaled from the whole 256-byte groups
+  // read); negative when the buffer could not be had or `bytes` is over a
+  // quarter of it.
+  double read_seconds(size_t bytes);
+
+ private:
+  struct Job {
+    size_t begin, bytes;
+    bool touch;  // write (first touch) instead of reading
+  };
+  void worker(int i);
+  void release_and_wait();
+
+  int threads_;
+  bool avx2_;
+  uint8_t* buffer_ = nullptr;
+  size_t bytes_ = 0, next_ = 0;
+  std::vector<Job> jobs_;
+  std::vector<double> started_, ended_;
+  std::vector<uint64_t> sums_;
+  std::vector<std::thread> team_;
+  std::mutex mutex_;
+  std::condition_variable wake_, done_cv_;
+  uint64_t generation_ = 0;
+  int done_ = 0;
+  bool quit_ = false;
+  std::atomic<int> arrived_{0};
 };
 
 // Runs every measurement on `threads` threads pinned to the first CPUs of the
