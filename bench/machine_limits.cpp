@@ -155,9 +155,10 @@ StreamReader::StreamReader(int threads, size_t buffer_bytes, bool avx2)
       pin_to(cpus, i);
       worker(i);
     });
-  // First touch by the threads that read, a page-aligned slice each, so the
-  // pages lie near them.
-  const size_t slice = bytes_ / static_cast<size_t>(threads_) / 4096 * 4096;
+  // First touch by the threads that read, a slice of whole huge pages each,
+  // so the pages lie near them.
+  const size_t slice =
+      bytes_ / static_cast<size_t>(threads_) / (size_t{2} << 20) * (size_t{2} << 20);
   for (int i = 0; i < threads_; ++i) {
     const size_t begin = slice * static_cast<size_t>(i);
     jobs_.push_back({begin, i + 1 == threads_ ? bytes_ - begin : slice, true});
