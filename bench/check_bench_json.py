@@ -78,6 +78,25 @@ def check_read_beside(r, what):
             fail(f"{what}: pct_read_bandwidth {r['pct_read_bandwidth']} is not gbs / read_gbs_alternating ({want:.2f})")
 
 
+def check_read_beside_case(r, what):
+    """A memory-bound case has kt timed again beside a plain read of its
+    bytes: kt's ms in those rounds, the read's GB/s, and kt's GB/s against
+    it; a compute-bound one has none of them."""
+    kt = r["kt"]
+    keys = ["ms_beside_read", "read_gbs_alternating", "pct_read_bandwidth"]
+    require(kt, keys, what + " kt")
+    if kt["bound"] != "memory":
+        if any(kt[k] is not None for k in keys):
+            fail(f"{what}: a compute-bound case with a read beside it")
+        return
+    if not kt["ms_beside_read"] or kt["ms_beside_read"] <= 0 or not kt["read_gbs_alternating"]:
+        fail(f"{what}: a memory-bound case without kt's time or the read beside it")
+    want = 100 * (r["bytes"] / kt["ms_beside_read"] / 1e6) / kt["read_gbs_alternating"]
+    if abs(kt["pct_read_bandwidth"] - want) > 1e-3 * want:
+        fail(f"{what}: pct_read_bandwidth {kt['pct_read_bandwidth']} is not kt's GB/s beside the read "
+             f"over read_gbs_alternating ({want:.2f})")
+
+
 def check_formats(model, formats, where, profile):
     """--format: every listed format has a row per (case, T) of the bf16
     results but train_full, with the stored bytes per weight, a time, GB/s
@@ -201,6 +220,7 @@ def main():
                     f"{where} {r['case']} T={r['tokens']} kt")
             if not r["kt"]["ms"] or r["kt"]["ms"] <= 0:
                 fail(f"{where} {r['case']} T={r['tokens']}: kt has no time")
+            check_read_beside_case(r, f"{where} {r['case']} T={r['tokens']}")
             for b in ("onednn", "torch"):
                 require(r[b], ["ms", "speedup_of_kt"], f"{where} {r['case']} {b}")
             if "--profile" in args:

@@ -284,6 +284,9 @@ struct Row {
   int64_t tokens = 0;
   double routes = 0, touched = 0, flops = 0, bytes = 0;
   double kt_s = NAN, onednn_s = NAN, torch_s = NAN;
+  // Memory-bound cases: kt timed again in rounds with a plain read of the
+  // same bytes after each call, and that read (medians).
+  double kt_beside_read_s = NAN, read_s = NAN;
   std::string kt_error, onednn_error, torch_error;
   // Relative L2 distance of oneDNN's result from kt's on the first batch:
   // y for forward, dx for fwd+bwd dx (NaN when not compared).
@@ -310,10 +313,10 @@ struct FormatRow {
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
   double bf16_s = NAN;  // the bf16 layer, timed in alternation with this one
   // A plain read of `bytes` by the same threads, the third call of each of
-  // those rounds: its median and fastest (NaN where the bytes are over a
-  // quarter of its buffer), and the fastest of kt's calls. The VM here
-  // stalls some reads and some calls by milliseconds: a ratio compares
-  // medians with medians, or the fastest with the fastest.
+  // those rounds: its median and fastest (NaN where the bytes are over its
+  // buffer's size), and the fastest of kt's calls. Single calls and reads
+  // stall now and then: a ratio compares medians with medians, or the
+  // fastest with the fastest.
   double read_s = NAN, read_best_s = NAN, kt_best_s = NAN;
   std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile
   std::string error;
@@ -378,6 +381,15 @@ struct Limits {
   std::string call_error;
 };
 
+// Whether the case's floor is its bytes at the measured bandwidth rather than
+// its FLOPs at the peak (the roofline's `*` in the table).
+bool memory_bound(double flops, double bytes, const Limits& lim) {
+  const double compute_floor = lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0;
+  const double memory_floor =
+      lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0;
+  return memory_floor > compute_floor;
+}
+
 constexpr ModelShape kMinimalLayer{"minimal", 64, 64, 8, 8, 1};
 
 // Median microseconds of a T=1 forward on kMinimalLayer: what a layer call
@@ -425,7 +437,7 @@ LinearFit fit_cost(const std::vector<Row>& rows, Case which) {
 }
 
 ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
-                        const std::string& torch_reason) {
+                        const Limits& lim, const std::string& torch_reason) {
   ModelReport rep;
   rep.shape = shape;
   const double expert_bytes = 3.0 * shape.hidden * shape.intermediate * 2;
@@ -459,6 +471,16 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   // kt's results on each workload's first batch, to check the oneDNN baseline against.
   std::map<std::pair<Case, int64_t>, std::vector<float>> kt_results;
   const bool compare_onednn = KT_BENCH_HAVE_ONEDNN && o.onednn;
+  // A plain read of a case's bytes, timed beside kt's calls, call by call:
+  // the DRAM bandwidth at that moment, for %rd. The buffer holds the
+  // largest read of a memory-bound case, and is at least 1 GiB and four
+  // times the last-level cache, so that every read comes from DRAM.
+  size_t read_buffer =
+      std::max(o.quick ? size_t{256} << 20 : size_t{1} << 30, 4 * lim.machine.l3_bytes);
+  for (const Row& r : rep.rows)
+    if (memory_bound(r.flops, r.bytes, lim))
+      read_buffer = std::max(read_buffer, static_cast<size_t>(r.bytes));
+  StreamReader reader(threads, read_buffer, __builtin_cpu_supports("avx2"));
   // kt: one layer per mode, released before the baselines allocate theirs.
   {
     KtRunner kt(engine, layer, std::max<int64_t>(max_tokens, 16));
@@ -472,6 +494,17 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         const double s = kt.time_case(c, w, o.warmup, o.reps, &error);
         if (s >= 0) r.kt_s = s;
         else r.kt_error = error;
+        if (s >= 0 && memory_bound(r.flops, r.bytes, lim)) {
+          // The same calls again, each followed by the read: kt's time in
+          // those rounds against the read's.
+          const KtRunner::Alternating a = kt.time_alternating(
+              nullptr, c, w, o.warmup, o.reps, &error,
+              [&] { return reader.read_seconds(static_cast<size_t>(r.bytes)); });
+          if (a.mine >= 0) {
+            r.kt_beside_read_s = a.mine;
+            r.read_s = a.beside;
+          }
+        }
         if (o.profile && s >= 0) kt.profile_case(c, w, o.reps, &r.kt_stage_ms, &error);
         if (compare_onednn && (c == Case::kForward || c == Case::kTrainDx)) {
           std::vector<float> y, dx;
@@ -499,12 +532,6 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
     // bandwidth and load drift over a run (seen here: 37-47 GB/s between runs
     // minutes apart), and a ratio of times taken minutes apart carried it.
     const double weights_per_expert = 3.0 * shape.hidden * shape.intermediate;
-    // A plain read of each case's bytes, a third call per round: the DRAM
-    // bandwidth at the moment the format ran, for %rd.
-    std::unique_ptr<StreamReader> reader;
-    if (!o.formats.empty())
-      reader = std::make_unique<StreamReader>(threads, (o.quick ? size_t{256} : size_t{1024}) << 20,
-                                              __builtin_cpu_supports("avx2"));
     for (const FormatChoice& choice : o.formats) {
       const kt_weight_format f = choice.format;
       const bool int8 = choice.compute == KT_COMPUTE_INT8;
@@ -541,11 +568,11 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
           const Row& base = row_of(c, w.tokens);
           KtRunner::Alternating s;
           if (source_error.empty()) {
-            s = fmt_kt.time_alternating(bf16, c, w, o.warmup, o.reps, &fr.error, [&] {
+            s = fmt_kt.time_alternating(&bf16, c, w, o.warmup, o.reps, &fr.error, [&] {
               // The layer is made before the first round: its bytes are known.
               const double bytes =
                   base.bytes * fmt_kt.expert_weight_bytes() / layer.bytes_per_expert();
-              return reader->read_seconds(static_cast<size_t>(bytes));
+              return reader.read_seconds(static_cast<size_t>(bytes));
             });
           } else {
             fr.error = source_error;
@@ -648,7 +675,7 @@ Rates rates_of(double flops, double bytes, double seconds, const Limits& lim) {
   r.pct_bw = lim.machine.dram_read_gbs > 0 ? 100 * r.gbs / lim.machine.dram_read_gbs : NAN;
   const double compute_floor = lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0;
   const double memory_floor = lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0;
-  r.compute_bound = compute_floor >= memory_floor;
+  r.compute_bound = !memory_bound(flops, bytes, lim);
   r.pct_roofline = 100 * std::max(compute_floor, memory_floor) / seconds;
   return r;
 }
@@ -766,8 +793,9 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                 mr.torch.ran ? ("torch " + mr.torch.version + ", " + std::to_string(mr.torch.threads) + " threads" +
                                 (mr.torch.reason.empty() ? "" : "; " + mr.torch.reason)).c_str()
                              : mr.torch.reason.c_str());
-    std::printf("%-19s %5s %6s %5s %9s %8s %7s %7s %10s %7s %10s %7s\n", "case", "T", "routes", "exp", "kt ms",
-                "GFLOP/s", "%peak", "%bw", "oneDNN ms", "xoneDNN", "torch ms", "xtorch");
+    std::printf("%-19s %5s %6s %5s %9s %8s %7s %7s %5s %10s %7s %10s %7s\n", "case", "T", "routes",
+                "exp", "kt ms", "GFLOP/s", "%peak", "%bw", "%rd", "oneDNN ms", "xoneDNN",
+                "torch ms", "xtorch");
     for (const Row& r : mr.rows) {
       std::string kt_ms = fmt("%.3f", r.kt_s * 1e3), gf = "-", pp = "-", pb = "-";
       if (std::isfinite(r.kt_s)) {
@@ -778,8 +806,10 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       } else if (!r.kt_error.empty()) {
         kt_ms = "error";
       }
-      std::printf("%-19s %5lld %6.0f %5.0f %9s %8s %7s %7s %10s %7s %10s %7s\n", case_label(r.which),
-                  static_cast<long long>(r.tokens), r.routes, r.touched, kt_ms.c_str(), gf.c_str(), pp.c_str(), pb.c_str(),
+      std::printf("%-19s %5lld %6.0f %5.0f %9s %8s %7s %7s %5s %10s %7s %10s %7s\n",
+                  case_label(r.which), static_cast<long long>(r.tokens), r.routes, r.touched,
+                  kt_ms.c_str(), gf.c_str(), pp.c_str(), pb.c_str(),
+                  fmt("%.0f", 100 * r.read_s / r.kt_beside_read_s).c_str(),
                   fmt("%.3f", r.onednn_s * 1e3).c_str(), fmt("%.2f", r.onednn_s / r.kt_s).c_str(),
                   fmt("%.3f", r.torch_s * 1e3).c_str(), fmt("%.2f", r.torch_s / r.kt_s).c_str());
     }
@@ -873,8 +903,14 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
     }
   }
   if (!models.empty())
-    std::printf("\n%%peak / %%bw: of the measured peak / DRAM read bandwidth; * marks the bound (roofline) of the case.\n"
-                "xoneDNN, xtorch: baseline time / kt time (above 1: kt is faster).\n");
+    std::printf(
+        "\n%%peak / %%bw: of the measured peak / DRAM read bandwidth; * marks the bound (roofline) "
+        "of the case.\n"
+        "%%rd (memory-bound cases): kt's calls timed again, each followed by a plain read of the "
+        "same bytes by\n"
+        "the same threads; kt's GB/s against the read's (medians of those rounds): the bandwidth "
+        "at that moment.\n"
+        "xoneDNN, xtorch: baseline time / kt time (above 1: kt is faster).\n");
   if (optimizer) print_optimizer(*optimizer, lim);
 }
 
@@ -1014,6 +1050,11 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
         j.key("pct_bandwidth").value(x.pct_bw);
         j.key("bound").value(x.compute_bound ? "compute" : "memory");
         j.key("pct_roofline").value(x.pct_roofline);
+        // Memory-bound: kt's median in the rounds with the read, the read's
+        // GB/s and kt's GB/s against it (null where not measured).
+        j.key("ms_beside_read").value(r.kt_beside_read_s * 1e3);
+        j.key("read_gbs_alternating").value(r.bytes / r.read_s / 1e9);
+        j.key("pct_read_bandwidth").value(100 * r.read_s / r.kt_beside_read_s);
       }
       if (!r.kt_error.empty()) j.key("error").value(r.kt_error);
       if (!r.kt_stage_ms.empty()) {
@@ -1169,7 +1210,8 @@ int main(int argc, char** argv) {
     return *std::find_if(std::begin(kModelShapes), std::end(kModelShapes), [&](const ModelShape& s) { return name == s.name; });
   };
   if (!o.cases.empty())
-    for (const std::string& name : o.models) models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, torch_reason));
+    for (const std::string& name : o.models)
+      models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, lim, torch_reason));
   OptimizerReport optimizer;
   if (o.optimizer) {
     OptimizerBenchOptions oo;

@@ -185,11 +185,12 @@ double KtRunner::time_case(Case which, const Workload& work, int warmup, int rep
       pause_s);
 }
 
-KtRunner::Alternating KtRunner::time_alternating(KtRunner& other, Case which, const Workload& work,
+KtRunner::Alternating KtRunner::time_alternating(KtRunner* other, Case which, const Workload& work,
                                                  int warmup, int reps, std::string* error,
                                                  const std::function<double()>& beside) {
   const Alternating failed;
-  if (!prepare(mode_of(which), error) || !other.prepare(mode_of(which), error)) return failed;
+  if (!prepare(mode_of(which), error) || (other && !other->prepare(mode_of(which), error)))
+    return failed;
   const ModelShape& s = layer_.shape;
   const int64_t T = work.tokens;
   HostTensor y(kDLBfloat, 16, {T, s.hidden}), dx(kDLBfloat, 16, {T, s.hidden});
@@ -209,8 +210,8 @@ KtRunner::Alternating KtRunner::time_alternating(KtRunner& other, Case which, co
     if (!call(which, b, y, dx, droute, error)) return failed;
     const double t_mine = now_seconds() - start;
     start = now_seconds();
-    if (!other.call(which, b, y, dx, droute, error)) return failed;
-    const double t_theirs = now_seconds() - start;
+    if (other && !other->call(which, b, y, dx, droute, error)) return failed;
+    const double t_theirs = other ? now_seconds() - start : NAN;
     const double t_beside = beside_ran ? beside() : -1;
     beside_ran = beside_ran && t_beside >= 0;
     if (settled < 0) continue;
@@ -226,8 +227,8 @@ KtRunner::Alternating KtRunner::time_alternating(KtRunner& other, Case which, co
   const auto best = [](const std::vector<double>& v) {
     return *std::min_element(v.begin(), v.end());
   };
-  return {median(mine), median(theirs), beside_ran ? median(besides) : NAN,
-          best(mine),   best(theirs),   beside_ran ? best(besides) : NAN};
+  return {median(mine), other ? median(theirs) : NAN, beside_ran ? median(besides) : NAN,
+          best(mine),   other ? best(theirs) : NAN,   beside_ran ? best(besides) : NAN};
 }
 
 bool KtRunner::profile_case(Case which, const Workload& work, int calls,

@@ -31,18 +31,18 @@ class KtRunner {
   // after `warmup` calls; negative with *error set when kt reports a failure.
   double time_case(Case which, const Workload& work, int warmup, int reps, std::string* error,
                    double pause_s = 0);
-  // Times of this runner and `other` on the same case, timed in
-  // alternation (a call of each per round, after `warmup` untimed rounds
-  // and at least half a second of them), so that both see the machine in
-  // the same state; with `beside`, called once per round after the two, a
+  // Times of this runner and `other` (none when null) on the same case,
+  // timed in alternation (a call of each per round, after `warmup` untimed
+  // rounds and at least half a second of them), so that both see the machine
+  // in the same state; with `beside`, called once per round after the two, a
   // limit measured in the same rounds (it returns seconds, or a negative
   // number when it cannot run: then NaN). Medians, and the fastest of each;
-  // negative times with *error set when kt fails.
+  // negative times with *error set when kt fails (NaN for a missing other).
   struct Alternating {
     double mine = -1, other = -1, beside = -1;                 // medians
     double mine_best = -1, other_best = -1, beside_best = -1;  // fastest
   };
-  Alternating time_alternating(KtRunner& other, Case which, const Workload& work, int warmup,
+  Alternating time_alternating(KtRunner* other, Case which, const Workload& work, int warmup,
                                int reps, std::string* error,
                                const std::function<double()>& beside = nullptr);
   // kt's per-stage profile over `calls` further calls (profiling is on only

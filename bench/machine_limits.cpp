@@ -193,10 +193,14 @@ void StreamReader::worker(int i) {
     }
     const Job& job = jobs_[static_cast<size_t>(i)];
     started_[static_cast<size_t>(i)] = now_seconds();
-    if (job.touch)
+    if (job.touch) {
       std::memset(buffer_ + job.begin, i + 1, job.bytes);
-    else
-      sums_[static_cast<size_t>(i)] = stream_read(buffer_ + job.begin, job.bytes, avx2_);
+    } else {
+      const size_t first = std::min(job.bytes, bytes_ - job.begin);
+      sums_[static_cast<size_t>(i)] = stream_read(buffer_ + job.begin, first, avx2_);
+      if (first < job.bytes)
+        sums_[static_cast<size_t>(i)] += stream_read(buffer_, job.bytes - first, avx2_);
+    }
     ended_[static_cast<size_t>(i)] = now_seconds();
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -219,16 +223,14 @@ void StreamReader::release_and_wait() {
 }
 
 double StreamReader::read_seconds(size_t bytes) {
-  // Whole cache-line groups per thread; a window past the end starts over at
-  // the buffer's start (the rest of the buffer has evicted it by then).
+  // Whole 256-byte groups per thread (so every piece stays aligned).
   const size_t per_thread = bytes / static_cast<size_t>(threads_) / 256 * 256;
   const size_t window = per_thread * static_cast<size_t>(threads_);
-  if (!buffer_ || per_thread == 0 || window > bytes_ / 4) return -1;
-  if (next_ + window > bytes_) next_ = 0;
+  if (!buffer_ || per_thread == 0 || window > bytes_) return -1;
   jobs_.clear();
   for (int i = 0; i < threads_; ++i)
-    jobs_.push_back({next_ + per_thread * static_cast<size_t>(i), per_thread, false});
-  next_ += window;
+    jobs_.push_back({(next_ + per_thread * static_cast<size_t>(i)) % bytes_, per_thread, false});
+  next_ = (next_ + window) % bytes_;
   release_and_wait();
   const double start = *std::min_element(started_.begin(), started_.end());
   const double end = *std::max_element(ended_.begin(), ended_.end());

@@ -39,9 +39,10 @@ struct MachineLimits {
 
 // A plain streaming read by the benchmark's threads (pinned as kt's workers
 // are), for timing beside kt's calls: the DRAM bandwidth at that moment, on a
-// read of the same size. Each read takes the next window of a buffer far
-// larger than the last-level cache, so it comes from DRAM. The threads sleep
-// between reads.
+// read of the same size. Each read takes the next window of the buffer, read
+// round and round, so a byte is read again only after the whole buffer, far
+// larger than the last-level cache: every read comes from DRAM. The threads
+// sleep between reads.
 class StreamReader {
  public:
   StreamReader(int threads, size_t buffer_bytes, bool avx2);
@@ -50,13 +51,13 @@ class StreamReader {
   StreamReader& operator=(const StreamReader&) = delete;
   // Seconds from the first thread's start to the last one's end for `bytes`
   // split evenly between the threads (scaled from the whole 256-byte groups
-  // read); negative when the buffer could not be had or `bytes` is over a
-  // quarter of it.
+  // read); negative when the buffer could not be had or `bytes` is over its
+  // size.
   double read_seconds(size_t bytes);
 
  private:
   struct Job {
-    size_t begin, bytes;
+    size_t begin, bytes;  // past the buffer's end, it goes on from its start
     bool touch;  // write (first touch) instead of reading
   };
   void worker(int i);
