@@ -381,13 +381,21 @@ struct Limits {
   std::string call_error;
 };
 
-// Whether the case's floor is its bytes at the measured bandwidth rather than
-// its FLOPs at the peak (the roofline's `*` in the table).
+// The roofline's two floors of a case, in seconds: its FLOPs at the measured
+// peak and its bytes at the measured bandwidth (0 where unmeasured).
+struct Floors {
+  double compute, memory;
+};
+Floors floors_of(double flops, double bytes, const Limits& lim) {
+  return {lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0,
+          lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0};
+}
+
+// Whether the case's floor is its bytes rather than its FLOPs (the roofline's
+// `*` in the table).
 bool memory_bound(double flops, double bytes, const Limits& lim) {
-  const double compute_floor = lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0;
-  const double memory_floor =
-      lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0;
-  return memory_floor > compute_floor;
+  const Floors f = floors_of(flops, bytes, lim);
+  return f.memory > f.compute;
 }
 
 constexpr ModelShape kMinimalLayer{"minimal", 64, 64, 8, 8, 1};
@@ -673,10 +681,9 @@ Rates rates_of(double flops, double bytes, double seconds, const Limits& lim) {
   r.gbs = bytes / seconds / 1e9;
   r.pct_peak = lim.peak_gflops > 0 ? 100 * r.gflops / lim.peak_gflops : NAN;
   r.pct_bw = lim.machine.dram_read_gbs > 0 ? 100 * r.gbs / lim.machine.dram_read_gbs : NAN;
-  const double compute_floor = lim.peak_gflops > 0 ? flops / (lim.peak_gflops * 1e9) : 0;
-  const double memory_floor = lim.machine.dram_read_gbs > 0 ? bytes / (lim.machine.dram_read_gbs * 1e9) : 0;
-  r.compute_bound = !memory_bound(flops, bytes, lim);
-  r.pct_roofline = 100 * std::max(compute_floor, memory_floor) / seconds;
+  const Floors f = floors_of(flops, bytes, lim);
+  r.compute_bound = f.compute >= f.memory;
+  r.pct_roofline = 100 * std::max(f.compute, f.memory) / seconds;
   return r;
 }
 

@@ -116,25 +116,17 @@ uint64_t stream_read(const void* data, size_t bytes, bool avx2) {
   return avx2 ? stream_read_avx2(data, bytes) : stream_read_portable(data, bytes);
 }
 
+// The best of `tries` reads of a whole buffer of about `bytes` (after one
+// that warms the TLBs), by StreamReader as the reads beside kt's calls.
 double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
-  const size_t chunk = bytes / static_cast<size_t>(threads) / (size_t{2} << 20) * (size_t{2} << 20);
-  bytes = chunk * static_cast<size_t>(threads);
-  uint8_t* base = bytes ? alloc_stream_buffer(bytes) : nullptr;
-  if (!base) return 0;
-  // First touch by the reading thread places the pages near it.
-  run_team(threads, [&](int i) { std::memset(base + chunk * static_cast<size_t>(i), i + 1, chunk); });
-  std::vector<uint64_t> sums(static_cast<size_t>(threads));
+  StreamReader reader(threads, bytes, avx2);
+  const size_t whole = bytes / (size_t{2} << 20) * (size_t{2} << 20);  // as the reader rounds it
   double best = 0;
   for (int t = 0; t <= tries; ++t) {
-    const double seconds = run_team(threads, [&](int i) {
-      const uint8_t* mine = base + chunk * static_cast<size_t>(i);
-      sums[static_cast<size_t>(i)] = stream_read(mine, chunk, avx2);
-    });
-    if (t > 0) best = std::max(best, static_cast<double>(bytes) / seconds / 1e9);  // first pass warms TLBs
+    const double seconds = reader.read_seconds(whole);
+    if (seconds <= 0) return 0;
+    if (t > 0) best = std::max(best, static_cast<double>(whole) / seconds / 1e9);
   }
-  volatile uint64_t sink = sums[0];
-  (void)sink;
-  std::free(base);
   return best;
 }
 

@@ -299,8 +299,8 @@ TEST(Determinism, SameResultsEveryRunAndForEveryThreadCount) {
 // count (16 blocks of I; 1 thread: whole experts, 2: 8 blocks, 3: 5), and
 // whole-expert items take the one pass (experts, then the combine) only with
 // at least 4 active experts per worker (T=1 here: on 1-2 threads); 8 and 16
-// threads (a server's count, over a small machine's cores) take narrower
-// items still. None of it may change a bit, at T=1 or with a few rows each.
+// threads (a server's count, over a small machine's cores) cut the work in
+// yet other ways. None of it may change a bit, at T=1 or with a few rows each.
 TEST(Determinism, DecodeGivesTheSameBitsWhateverTheItemWidth) {
   Case c = qwen3_30b_a3b_slice();
   c.E = 16;
