@@ -120,7 +120,8 @@ uint64_t stream_read(const void* data, size_t bytes, bool avx2) {
 // that warms the TLBs), by StreamReader as the reads beside kt's calls.
 double dram_read_gbs(int threads, size_t bytes, int tries, bool avx2) {
   StreamReader reader(threads, bytes, avx2);
-  const size_t whole = bytes / (size_t{2} << 20) * (size_t{2} << 20);  // as the reader rounds it
+  const size_t whole = reader.buffer_bytes();
+  if (whole == 0) return 0;
   double best = 0;
   for (int t = 0; t <= tries; ++t) {
     const double seconds = reader.read_seconds(whole);

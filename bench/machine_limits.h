@@ -54,6 +54,8 @@ class StreamReader {
   // read); negative when the buffer could not be had or `bytes` is over its
   // size.
   double read_seconds(size_t bytes);
+  // The buffer's bytes (whole 2 MiB pages; 0 when it could not be had).
+  size_t buffer_bytes() const { return buffer_ ? bytes_ : 0; }
 
  private:
   struct Job {

@@ -296,11 +296,12 @@ TEST(Determinism, SameResultsEveryRunAndForEveryThreadCount) {
 }
 
 // At decode a quantized layer's gate/up items' width follows the thread
-// count (16 blocks of I; 1 thread: whole experts, 2: 8 blocks, 3: 5), and
-// whole-expert items take the one pass (experts, then the combine) only with
-// at least 4 active experts per worker (T=1 here: on 1-2 threads); 8 and 16
-// threads (a server's count, over a small machine's cores) cut the work in
-// yet other ways. None of it may change a bit, at T=1 or with a few rows each.
+// count (T=1 here, 8 active experts, 16 blocks of I: 1-2 threads whole
+// experts, 3 threads 8 blocks, 8 threads 4, 16 threads 2), and whole-expert
+// items take the one pass (experts, then the combine) only with at least 4
+// active experts per worker (T=1 here: on 1-2 threads); 8 and 16 threads (a
+// server's count, over a small machine's cores) cut the work in yet other
+// ways. None of it may change a bit, at T=1 or with a few rows each.
 TEST(Determinism, DecodeGivesTheSameBitsWhateverTheItemWidth) {
   Case c = qwen3_30b_a3b_slice();
   c.E = 16;
