@@ -3,8 +3,8 @@
 // can do (weights hot in cache) from what it does when its weights stream
 // from memory (cold), with and without the prefetch of the next block that
 // the MoE stages pass it; then the same for the quantized bases' gemm_quant
-// at decode's row counts. Read with kt_bench's per-stage profile: a stage
-// below its kernel's cold figure loses time outside the kernel.
+// at decode's row counts, and at prefill's against dequantizing into cache. Read with kt_bench's
+// per-stage profile: a stage below its kernel's cold figure loses time outside the kernel.
 //
 // usage: kt_kernel_bench [--isa NAME] [--quick]
 #include <pthread.h>
@@ -122,6 +122,87 @@ void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, boo
   }
 }
 
+// A quantized base at prefill's row counts, weights hot: straight from the
+// codes (gemm_quant) against dequantized into cache in chunks of 256 K
+// values and the grouped GEMM on them (gemm_bf16w_grouped), as the layer
+// does past the table's gemm_quant_rows: the figures that place that
+// threshold (int4 groups of 32 on the gate/up shape, 4 panels).
+void quant_rows_section(const kt::Kernels& K, double peak) {
+  const kt::QuantShape qs = kt::QuantShape::of(KT_FORMAT_INT4_G32, 64, 2048);
+  kt::Buffer<uint8_t> ex(static_cast<size_t>(qs.expert_bytes));
+  uint32_t x = 777;
+  for (int64_t i = 0; i < qs.expert_bytes; ++i) {
+    x = x * 1664525u + 1013904223u;
+    ex[static_cast<size_t>(i)] = static_cast<uint8_t>(x >> 24);
+  }
+  for (int64_t i = 0; i < qs.np * qs.scale_panel; ++i) {
+    const kt::bf16_t v = 0x3c00;
+    std::memcpy(ex.data() + qs.scales_offset + 2 * i, &v, 2);
+  }
+  constexpr int64_t kChunk = 256;
+  kt::Buffer<kt::bf16_t> deq(static_cast<size_t>(qs.np * kt::kPanelRows * kChunk));
+  std::vector<float> scales(static_cast<size_t>(qs.np * kChunk / qs.group * kt::kPanelRows));
+  const int max_rows = 64;
+  std::vector<char> a(static_cast<size_t>(max_rows * qs.kq * K.a_elem_size), 0);
+  std::vector<float> af(static_cast<size_t>(qs.kq), 0.5f);
+  std::vector<const void*> rows(max_rows), chunk_rows(max_rows);
+  for (int r = 0; r < max_rows; ++r) {
+    K.pack_a_f32(af.data(), qs.kq, qs.kq, a.data() + r * qs.kq * K.a_elem_size);
+    rows[static_cast<size_t>(r)] = a.data() + r * qs.kq * K.a_elem_size;
+  }
+  std::vector<float> c(static_cast<size_t>(max_rows * 64));
+  std::printf(
+      "\nquantized base at prefill rows: m rows x 4 panels x k %lld of int4_g32, weights hot, "
+      "GFLOP/s\n"
+      "(%%peak of %.0f): straight from the codes (gemm_quant) and dequantized into cache + grouped "
+      "GEMM;\n"
+      "the layer takes the codes %s\n",
+      static_cast<long long>(qs.kq), peak,
+      !K.gemm_quant ? "never (no gemm_quant)"
+      : K.gemm_quant_rows_4bit >= 1 << 20
+          ? "at every row count"
+          : ("up to " + std::to_string(K.gemm_quant_rows_4bit) + " rows").c_str());
+  std::printf("%4s %12s %7s %12s %7s\n", "m", "codes GF/s", "%peak", "cache GF/s", "%peak");
+  for (int m : {8, 16, 24, 32, 64}) {
+    const double flops = 2.0 * m * 64 * static_cast<double>(qs.kq);
+    double direct = 0;
+    if (K.gemm_quant) {
+      direct = flops /
+               best_seconds_per_call(200, 3,
+                                     [&](int64_t) {
+                                       K.gemm_quant(qs.panels(ex.data(), 0), rows.data(), m, 4,
+                                                    c.data(), 64, false, kt::PrefetchRegion{});
+                                     }) /
+               1e9;
+    }
+    const double cached =
+        flops /
+        best_seconds_per_call(
+            200, 3,
+            [&](int64_t) {
+              for (int64_t k0 = 0; k0 < qs.kq; k0 += kChunk) {
+                const int64_t kc = std::min(kChunk, qs.kq - k0);
+                for (int r = 0; r < m; ++r)
+                  chunk_rows[static_cast<size_t>(r)] =
+                      static_cast<const char*>(rows[static_cast<size_t>(r)]) + k0 * K.a_elem_size;
+                kt::quant_scales_f32(ex.data(), qs, 0, 4, k0 / qs.group, kc / qs.group,
+                                     scales.data());
+                K.dequant_i4(ex.data(), qs.code_panel_bytes, 4, k0, kc, nullptr, 0, 0, deq.data());
+                K.gemm_bf16w_grouped(chunk_rows.data(), m, kc, deq.data(), kt::kPanelRows * kc, 4,
+                                     scales.data(), kc / qs.group * kt::kPanelRows, qs.group,
+                                     c.data(), 64, k0 > 0, kt::PrefetchRegion{});
+              }
+            }) /
+        1e9;
+    if (K.gemm_quant) {
+      std::printf("%4d %12.1f %6.1f%% %12.1f %6.1f%%\n", m, direct, 100 * direct / peak, cached,
+                  100 * cached / peak);
+    } else {
+      std::printf("%4d %12s %7s %12.1f %6.1f%%\n", m, "-", "-", cached, 100 * cached / peak);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -149,10 +230,17 @@ int main(int argc, char** argv) {
   const kt::Kernels& K = kt::select_kernels(cap);
   const kt_bench::MachineLimits lim = kt_bench::measure_machine_limits(1, quick);
   const bool bf16 = K.a_elem_size == 2;
-  const double peak = bf16 ? lim.bf16_dot_gflops : lim.fp32_fma_avx2_gflops;
+  // The AMX table's peak is the tiles' (tdpbf16ps), measured beside the rest.
+  const bool tiles = K.isa == KT_ISA_AMX && lim.amx_bf16_gflops > 0;
+  const double peak = tiles  ? lim.amx_bf16_gflops
+                      : bf16 ? lim.bf16_dot_gflops
+                             : lim.fp32_fma_avx2_gflops;
   std::printf("kt_kernel_bench: %s, one thread on CPU %d\n", K.gemm_name, cpus.front());
-  std::printf("one thread: %s peak %.0f GFLOP/s, DRAM read %.1f GB/s\n", bf16 ? "bf16 dot" : "fp32 FMA (avx2)", peak,
-              lim.dram_read_gbs);
+  std::printf("one thread: %s peak %.0f GFLOP/s, DRAM read %.1f GB/s\n",
+              tiles  ? "AMX-BF16 tile"
+              : bf16 ? "bf16 dot"
+                     : "fp32 FMA (avx2)",
+              peak, lim.dram_read_gbs);
   std::printf("gemm_bf16w: m rows x 4 panels (64 columns) x k; hot = the same panels every call, cold = a new\n"
               "block from a %s buffer each call, +pf = cold with the next block prefetched as the stages do\n",
               quick ? "64 MiB" : "512 MiB");
@@ -201,5 +289,6 @@ int main(int argc, char** argv) {
   } else {
     std::printf("\ngemm_quant: the %s table has none\n", K.gemm_name);
   }
+  quant_rows_section(K, peak);
   return 0;
 }

@@ -4,9 +4,9 @@
 // A[m][2k] B[k][n][0] + A[m][2k+1] B[k][n][1]). It checks the gathering of
 // row pointers, the 1-2 row tiles x 1-2 panel blocks, partial blocks, the
 // stores with accumulate, and the K remainder handed to the fallback. The
-// same for the weight gradients (amx_zip.inc) and the AMX-INT8 GEMM (amx_int8.inc, tdpbsud on int8
-// rows and the codes as unsigned bytes). The hardware path itself runs in GemmKernels.* where the
-// CPU has AMX.
+// same for the grouped GEMM of quantized bases, the weight gradients (amx_zip.inc) and the AMX-INT8
+// GEMM (amx_int8.inc, tdpbsud on int8 rows and the codes as unsigned bytes). The hardware path
+// itself runs in GemmKernels.* where the CPU has AMX.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -116,6 +116,29 @@ void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* p
         float acc = 0.f;
         for (int64_t k = 0; k < kp; ++k)
           acc += kt::bf16_to_f32(a[k]) * kt::bf16_to_f32(panels[p * panel_stride + k / 2 * 32 + j * 2 + k % 2]);
+        float& out = c[r * ldc + 16 * p + j];
+        out = accumulate ? out + acc : acc;
+      }
+  }
+}
+
+// The grouped fallback: plain loops, each group's sum times its scale.
+void grouped_fallback(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                      int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
+                      int64_t group, float* c, int64_t ldc, bool accumulate,
+                      const PrefetchRegion&) {
+  for (int r = 0; r < m; ++r) {
+    const bf16_t* a = static_cast<const bf16_t*>(a_rows[r]);
+    for (int p = 0; p < np; ++p)
+      for (int j = 0; j < 16; ++j) {
+        float acc = 0.f;
+        for (int64_t g0 = 0; g0 < kp; g0 += group) {
+          float part = 0.f;
+          for (int64_t k = g0; k < g0 + group; ++k)
+            part += kt::bf16_to_f32(a[k]) *
+                    kt::bf16_to_f32(panels[p * panel_stride + k / 2 * 32 + j * 2 + k % 2]);
+          acc += scales[p * scale_stride + g0 / group * 16 + j] * part;
+        }
         float& out = c[r * ldc + 16 * p + j];
         out = accumulate ? out + acc : acc;
       }
@@ -232,6 +255,73 @@ TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
       }
   // Most shapes went through the tiles (m >= 16 and k >= 32).
   EXPECT_GT(tiled_calls, 100);
+}
+
+// The grouped GEMM on tiles (quantized bases dequantized into cache): per
+// group the C tiles' sums times the group's scales, added in fp32; groups
+// of one tile step and of several, 1-2 row tiles x 1-2 panels, partial
+// blocks, accumulate, against double loops; few rows go to the fallback.
+TEST(AmxEmulated, GroupedGemmMatchesDoubleLoops) {
+  std::mt19937 rng(12);
+  std::normal_distribution<float> nd;
+  int tiled_calls = 0;
+  for (int m : {1, 15, 16, 17, 32, 33, 70})
+    for (int np : {1, 2, 3, 5})
+      for (int64_t kp : {32, 96, 256})
+        for (int64_t group : {int64_t{32}, int64_t{128}, kp}) {
+          if (kp % group != 0) continue;
+          const kt::PanelShape s = kt::PanelShape::of(np * 16, kp);
+          std::vector<float> w(static_cast<size_t>(np * 16 * kp));
+          for (auto& v : w)
+            v = static_cast<float>(static_cast<int>(nd(rng) * 3.f));  // small ints, as codes are
+          kt::Buffer<kt::bf16_t> packed(static_cast<size_t>(s.elements()));
+          kt::pack_bf16_panels(view2d(w.data(), np * 16, kp), 0, 1, s, packed.data());
+          const int64_t ng = kp / group;
+          std::vector<float> scales(static_cast<size_t>(np * ng * 16));
+          for (auto& v : scales) v = std::fabs(nd(rng)) + 0.1f;
+          std::vector<kt::bf16_t> a(static_cast<size_t>(m * kp));
+          for (auto& v : a) v = kt::f32_to_bf16(nd(rng));
+          std::vector<const void*> rows(static_cast<size_t>(m));
+          for (int i = 0; i < m; ++i)
+            rows[static_cast<size_t>(m - 1 - i)] = &a[static_cast<size_t>(i * kp)];
+          const int64_t ldc = np * 16 + 5;
+          for (bool acc : {false, true}) {
+            std::vector<float> c(static_cast<size_t>(m * ldc), 0.5f);
+            const int before = emulated::g.dot_products;
+            emulated::gemm_bf16w_grouped(rows.data(), m, kp, packed.data(), s.panel_stride(), np,
+                                         scales.data(), ng * 16, group, c.data(), ldc, acc,
+                                         kt::PrefetchRegion{});
+            const int dots = emulated::g.dot_products - before;
+            tiled_calls += dots > 0;
+            EXPECT_EQ(dots > 0, m >= 16) << "m=" << m << ": tiles from 16 rows on";
+            EXPECT_FALSE(emulated::g.configured) << "tiles not released";
+            for (int i = 0; i < m; ++i) {
+              const kt::bf16_t* ar = static_cast<const kt::bf16_t*>(rows[static_cast<size_t>(i)]);
+              for (int64_t col = 0; col < ldc; ++col) {
+                const float got = c[static_cast<size_t>(i * ldc + col)];
+                if (col >= np * 16) {
+                  ASSERT_EQ(got, 0.5f) << "a column past the panels was written";
+                  continue;
+                }
+                const int64_t p = col / 16, lane = col % 16;
+                double want = acc ? 0.5 : 0.0, mag = 0.0;
+                for (int64_t j = 0; j < ng; ++j) {
+                  double part = 0;
+                  for (int64_t kk = j * group; kk < (j + 1) * group; ++kk)
+                    part += static_cast<double>(kt::bf16_to_f32(ar[kk])) *
+                            w[static_cast<size_t>(col * kp + kk)];
+                  const double sc = scales[static_cast<size_t>((p * ng + j) * 16 + lane)];
+                  want += sc * part;
+                  mag += sc * std::fabs(part);
+                }
+                ASSERT_NEAR(got, want, 1e-5 * (1.0 + mag) * std::sqrt(static_cast<double>(kp)))
+                    << "m=" << m << " np=" << np << " kp=" << kp << " group=" << group
+                    << " acc=" << acc << " at " << i << "," << col;
+              }
+            }
+          }
+        }
+  EXPECT_GT(tiled_calls, 50);
 }
 
 // The weight gradients on tiles (amx_zip.inc): D's pairs gathered into A

@@ -541,7 +541,7 @@ TEST(QuantizedPanels, QuantizeAndReadBack) {
 // gemm_bf16w_grouped against plain loops in double: per group partial sums
 // times the group's scale; groups of one K step of 32 and of several, every
 // row count up to 13 (each tile height and tail of the vector kernels) and
-// 40. A row alone gives the bits it gives among others.
+// 40. A row alone gives the bits it gives among others (AMX: below 16 rows).
 TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
   const kt::Kernels& K = *GetParam();
   std::mt19937 rng(11);
@@ -586,7 +586,9 @@ TEST_P(GemmKernels, GroupedGemmMatchesPlainLoops) {
               }
             for (int i = 0; i < m; ++i)  // columns past the panels untouched
               for (int64_t col = np * 16; col < ldc; ++col) ASSERT_EQ(c[static_cast<size_t>(i * ldc + col)], 0.5f);
-            if (acc || m == 1) continue;
+            // The AMX table multiplies 16 rows and more on tiles, fewer on
+            // AVX-512: a row alone takes the other unit's order there.
+            if (acc || m == 1 || (K.isa == KT_ISA_AMX && m >= 16)) continue;
             for (int i = 0; i < m; ++i) {
               std::vector<float> one(static_cast<size_t>(ldc), 0.5f);
               K.gemm_bf16w_grouped(&rows[static_cast<size_t>(i)], 1, kp, packed.data(),

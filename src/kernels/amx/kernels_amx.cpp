@@ -1,5 +1,6 @@
 // AMX kernels: the weight GEMM on tile registers (tdpbf16ps,
-// amx_gemm.inc), the weight gradients (amx_zip.inc) and, where the CPU has
+// amx_gemm.inc; plain and with a scale per group of K, for quantized bases
+// dequantized into cache), the weight gradients (amx_zip.inc) and, where the CPU has
 // AMX-INT8, the int8 compute GEMM
 // (tdpbsud, amx_int8.inc); every other entry of the table from the AVX-512
 // BF16 kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
@@ -69,6 +70,14 @@ inline void release_tiles() { _tile_release(); }
 inline void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride,
                           int np, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
   kernels_avx512bf16.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+}
+
+inline void grouped_fallback(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                             int64_t panel_stride, int np, const float* scales,
+                             int64_t scale_stride, int64_t group, float* c, int64_t ldc,
+                             bool accumulate, const PrefetchRegion& next) {
+  kernels_avx512bf16.gemm_bf16w_grouped(a_rows, m, kp, panels, panel_stride, np, scales,
+                                        scale_stride, group, c, ldc, accumulate, next);
 }
 
 #include "kernels/amx/amx_gemm.inc"
@@ -198,6 +207,19 @@ bool self_test() {
   kernels_avx512bf16.gemm_bf16w(rows.data(), m, kp, w.data(), panel_stride, np, want.data(), ldc, true,
                                 PrefetchRegion{});
   if (!close()) return false;
+  // The grouped GEMM over K 96 (three groups of 32), scales 1/4 and 1/2
+  // (exact: the sums differ by order only).
+  {
+    const int64_t kg = 96, groups = kg / 32;
+    std::vector<float> scales(static_cast<size_t>(np * groups * 16));
+    for (size_t i = 0; i < scales.size(); ++i) scales[i] = i % 3 == 0 ? 0.5f : 0.25f;
+    gemm_bf16w_grouped(rows.data(), m, kg, w.data(), panel_stride, np, scales.data(), groups * 16,
+                       32, got.data(), ldc, false, PrefetchRegion{});
+    kernels_avx512bf16.gemm_bf16w_grouped(rows.data(), m, kg, w.data(), panel_stride, np,
+                                          scales.data(), groups * 16, 32, want.data(), ldc, false,
+                                          PrefetchRegion{});
+    if (!close()) return false;
+  }
   // The weight-gradient GEMM on the same values: D 50 pair groups of 40
   // columns (three tiles and a remainder), Z 50 groups of 48.
   gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, got.data(), ldc, false, 0.5f,
@@ -216,6 +238,14 @@ Kernels make_table() {
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = gemm_bf16w;
   k.gemm_bf16w_fetches_panels = false;
+  k.gemm_bf16w_grouped = gemm_bf16w_grouped;
+  // From a tile's rows on, quantized bases dequantize into cache for the
+  // tile GEMMs (plain, or grouped) instead of multiplying straight from the
+  // codes on vdpbf16ps, which has a twelfth of the tiles' throughput; fewer
+  // rows (decode) stay on the AVX-512 kernel. The threshold follows from
+  // the two units' throughputs; it has not been timed on an AMX CPU yet.
+  k.gemm_quant_rows_8bit = kMinRows - 1;
+  k.gemm_quant_rows_4bit = kMinRows - 1;
   k.gemm_zip_bf16 = gemm_zip_bf16;
   if (has_amx_int8()) k.gemm_int8 = gemm_int8;
   return k;
