@@ -256,7 +256,8 @@ bool write_safetensors(const std::string& path, const std::vector<Projection>& p
     std::memcpy(shape.data(), shape_values, 16);  // little-endian I64 on the x86-64 hosts kt runs on
     const std::vector<uint8_t>* parts[] = {&p.codes, &p.scales, &p.zeros, &shape};
     for (const std::vector<uint8_t>* bytes : parts) {
-      if (bytes == &shape && !asymmetric_int4(format)) continue;
+      if (bytes->empty() || (bytes == &shape && !asymmetric_int4(format)))
+        continue;  // fwrite takes no null data
       ok = ok && std::fwrite(bytes->data(), 1, bytes->size(), f) == bytes->size();
     }
   }
