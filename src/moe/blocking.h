@@ -4,10 +4,8 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "core/tensor.h"
@@ -141,51 +139,6 @@ struct ItemRanges {
   }
   int64_t begin(int64_t r) const { return bounds[static_cast<size_t>(r)]; }
   int64_t end(int64_t r) const { return bounds[static_cast<size_t>(r) + 1]; }
-};
-
-// Contributions of items [0, n) added in item order, each as soon as it and
-// every item before it are done, by whichever worker finds it next in line:
-// the order (so the bits) of one pass in item order, without waiting for
-// the last item to start that pass. One adder at a time.
-class OrderedAdds {
- public:
-  // Room for n items (no allocation per call after the first).
-  void reset(int64_t n) {
-    if (n > capacity_) {
-      done_.reset(new std::atomic<bool>[static_cast<size_t>(n)]);
-      capacity_ = n;
-    }
-    for (int64_t i = 0; i < n; ++i)
-      done_[static_cast<size_t>(i)].store(false, std::memory_order_relaxed);
-    n_ = n;
-    next_.store(0, std::memory_order_relaxed);
-    busy_.store(false, std::memory_order_relaxed);
-  }
-  // Item i is done: add(j) for every item j now in line (i's own or later
-  // ones), and finish() once, after the last item's add.
-  template <class Add, class Finish>
-  void done(int64_t i, Add&& add, Finish&& finish) {
-    done_[static_cast<size_t>(i)].store(true);
-    for (;;) {
-      // The adder of the moment, if any, finds item i in line after its own.
-      if (busy_.exchange(true)) return;
-      int64_t j = next_.load(std::memory_order_relaxed);
-      const int64_t first = j;
-      while (j < n_ && done_[static_cast<size_t>(j)].load()) add(j++);
-      next_.store(j, std::memory_order_relaxed);
-      if (j == n_ && first < n_) finish();
-      busy_.store(false);
-      // An item marked done while this worker held the adds (its worker
-      // returned above) is taken now.
-      if (j == n_ || !done_[static_cast<size_t>(j)].load()) return;
-    }
-  }
-
- private:
-  std::unique_ptr<std::atomic<bool>[]> done_;
-  int64_t capacity_ = 0, n_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::atomic<bool> busy_{false};
 };
 
 // Positions [begin, end) of one expert whose tokens fall in [t0, t1):

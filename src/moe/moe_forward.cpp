@@ -17,10 +17,8 @@ using namespace kt;
 
 namespace {
 
-// Route columns up to which the expert pass adds the routes' rows into y
-// itself (8 routes of 2048: Qwen3-30B-A3B at T=1; one adder at a time, in
-// expert order); past it the workers combine after the pass, in column
-// blocks.
+// Route columns the caller combines alone after the expert pass (8 routes
+// of 2048: Qwen3-30B-A3B at T=1); past it the workers do, in column blocks.
 constexpr int64_t kCallerCombine = 16384;
 
 // One route's share of the combine: dst[j] += w * (c[j] + bias[j]) (or
@@ -331,18 +329,6 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     const int64_t ldy = round_up(H, kPanelRows);
     yr_.reserve(static_cast<size_t>(std::max<int64_t>(routes * ldy, 1)));
     if (int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(routes * aq_stride, 1)));
-    // Few routes: the workers add each expert's rows into y as soon as it
-    // and the experts before it are done (in expert order: the bits of
-    // combine_rows), so the call ends with its last expert's rows instead
-    // of a pass of the caller over every route's row after the workers.
-    const bool add_in_pass = R.routes * H <= kCallerCombine;
-    float* acc = nullptr;
-    if (add_in_pass) {
-      acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-      acc = acc_.data();
-      clear_columns(acc, 0, T, H, 0, H);
-      ordered_adds_.reset(static_cast<int64_t>(items_.size()));
-    }
     pool.run(ranges.count, [&](int64_t range, int tid) {
       ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
       for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
@@ -351,18 +337,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
         down_rows(s, R, item >> 32, la[kDown], ldy,
                   it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
                                              : PrefetchRegion{});
-        if (add_in_pass)
-          ordered_adds_.done(
-              it,
-              [&](int64_t j) {
-                add_expert_routes(
-                    acc, R, static_cast<int32_t>(items_[static_cast<size_t>(j)] >> 32), ldy, 0, H);
-              },
-              [&] { store_columns(acc, 0, T, H, 0, H, c.y); });
       }
     });
     clock.enter(KT_STAGE_DOWN);
-    if (!add_in_pass) combine_rows(c, R, ldy);
+    combine_rows(c, R, ldy);
     return;
   }
   pool.run(ranges.count, [&](int64_t range, int tid) {
@@ -499,28 +477,26 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
 
 // y from the routes' down rows (yr_): per token, the routes added in expert
 // order with bias and routing weight, as the column items of the down stage
-// add them (the same bits), by the workers in blocks of columns (for few
-// routes the expert pass adds them itself, in the same order).
+// add them (the same bits). On the caller while it is small, else by the
+// workers in blocks of columns.
 void kt_moe::combine_rows(const ForwardCall& c, const Routing& R, int64_t ldy) {
   const int64_t T = c.T;
   ThreadPool& pool = *engine->pool;
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
-  const int64_t cols = round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
+  const float* yr = yr_.data();
+  const int64_t cols =
+      R.routes * H <= kCallerCombine ? H : round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
   pool.run(ceil_div(H, cols), [&](int64_t b, int) {
     const int64_t col0 = b * cols, n = std::min(cols, H - col0);
     clear_columns(acc, 0, T, H, col0, n);
-    for (int32_t e : R.active) add_expert_routes(acc, R, e, ldy, col0, n);
+    for (int32_t e : R.active) {
+      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
+      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1];
+           ++p)
+        add_route(acc + R.token[static_cast<size_t>(p)] * H + col0, yr + p * ldy + col0, bd,
+                  R.weight[static_cast<size_t>(p)], n);
+    }
     store_columns(acc, 0, T, H, col0, n, c.y);
   });
-}
-
-void kt_moe::add_expert_routes(float* acc, const Routing& R, int32_t e, int64_t ldy, int64_t col0,
-                               int64_t n) const {
-  const float* yr = yr_.data();
-  const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
-  for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1];
-       ++p)
-    add_route(acc + R.token[static_cast<size_t>(p)] * H + col0, yr + p * ldy + col0, bd,
-              R.weight[static_cast<size_t>(p)], n);
 }

@@ -21,7 +21,6 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kt_c_api.h"
-#include "moe/blocking.h"
 #include "runtime/engine.h"
 
 namespace kt {
@@ -245,9 +244,6 @@ struct kt_moe {
   void down_rows(ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
                  const kt::PrefetchRegion& next);
   void combine_rows(const ForwardCall& c, const kt::Routing& R, int64_t ldy);
-  // Expert e's routes from yr_ into acc ([T, H]) over columns [col0, col0 + n).
-  void add_expert_routes(float* acc, const kt::Routing& R, int32_t e, int64_t ldy, int64_t col0,
-                         int64_t n) const;
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
   // (expert, column block of `width`) items over the columns [0, cols).
   void block_items(const kt::Routing& R, int64_t cols, int64_t width);
@@ -302,7 +298,6 @@ struct kt_moe {
   kt::Buffer<float> xf_, act_, acc_, yr_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_, delta_d_,
       scaled_[2];
   std::vector<int64_t> items_;
-  kt::OrderedAdds ordered_adds_;  // the expert pass's combine at decode
   std::vector<int64_t> fill_;
   struct ThreadScratch {
     kt::Buffer<kt::bf16_t> panels[2];

@@ -2,16 +2,9 @@
 // cover every item once, in order, shrinking to single items at the end; the
 // combine split gives every (token, column) one owner, with narrow column
 // blocks at decode (wider on a quantized base while the workers keep
-// enough); gate/up items are as wide as the workers and the tile allow;
-// ordered adds take finished items in item order, each once, whatever order
-// the workers finish them in.
+// enough); gate/up items are as wide as the workers and the tile allow.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <atomic>
-#include <numeric>
-#include <random>
-#include <thread>
 #include <vector>
 
 #include "moe/blocking.h"
@@ -154,47 +147,4 @@ TEST(GateUpItems, EachExpertInAsFewItemsAsLeaveFourPerWorkerWithinTheTile) {
           EXPECT_LE(rows * (w / kBlockCols), kt::kRowChunk);
           EXPECT_LE(w, kt::round_up(n, kBlockCols));
         }
-}
-
-// Workers finish items in shuffled orders and at once: every item is added
-// exactly once, in item order, one adder at a time, and finish() runs once,
-// after the last add; a second round on the same object starts afresh.
-TEST(OrderedAdds, AddsEachItemOnceInItemOrderWhateverOrderTheyFinishIn) {
-  kt::OrderedAdds adds;
-  std::mt19937 rng(3);
-  for (int round = 0; round < 400; ++round) {
-    const int n = 1 + round % 23;
-    const int threads = 1 + round % 6;
-    adds.reset(n);
-    std::vector<int> order(static_cast<size_t>(n));
-    std::iota(order.begin(), order.end(), 0);
-    std::shuffle(order.begin(), order.end(), rng);
-    std::vector<int> added;  // written only by the adder of the moment
-    std::atomic<int> adders{0}, overlaps{0}, finishes{0}, added_at_finish{-1};
-    std::atomic<int> next{0};
-    auto worker = [&] {
-      for (int i; (i = next.fetch_add(1)) < n;) {
-        adds.done(
-            order[static_cast<size_t>(i)],
-            [&](int64_t j) {
-              if (adders.fetch_add(1) != 0) overlaps.fetch_add(1);
-              added.push_back(static_cast<int>(j));
-              adders.fetch_sub(1);
-            },
-            [&] {
-              finishes.fetch_add(1);
-              added_at_finish.store(static_cast<int>(added.size()));
-            });
-      }
-    };
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker);
-    for (auto& t : pool) t.join();
-    std::vector<int> want(static_cast<size_t>(n));
-    std::iota(want.begin(), want.end(), 0);
-    ASSERT_EQ(added, want) << "round " << round;
-    EXPECT_EQ(overlaps.load(), 0) << "two adders at once, round " << round;
-    EXPECT_EQ(finishes.load(), 1) << "round " << round;
-    EXPECT_EQ(added_at_finish.load(), n) << "finish before the last add, round " << round;
-  }
 }
