@@ -21,6 +21,7 @@
 #include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 #include "machine_limits.h"
+#include "moe/blocking.h"
 #include "runtime/thread_pool.h"
 
 namespace {
@@ -127,7 +128,7 @@ void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, boo
 // values and the grouped GEMM on them (gemm_bf16w_grouped), as the layer
 // does past the table's gemm_quant_rows: the figures that place that
 // threshold (int4 groups of 32 on the gate/up shape, 4 panels).
-void quant_rows_section(const kt::Kernels& K, double peak) {
+void quant_rows_section(const kt::Kernels& K, double peak, bool quick) {
   const kt::QuantShape qs = kt::QuantShape::of(KT_FORMAT_INT4_G32, 64, 2048);
   kt::Buffer<uint8_t> ex(static_cast<size_t>(qs.expert_bytes));
   uint32_t x = 777;
@@ -139,7 +140,7 @@ void quant_rows_section(const kt::Kernels& K, double peak) {
     const kt::bf16_t v = 0x3c00;
     std::memcpy(ex.data() + qs.scales_offset + 2 * i, &v, 2);
   }
-  constexpr int64_t kChunk = 256;
+  constexpr int64_t kChunk = kt::kQuantChunk;  // the layer's
   kt::Buffer<kt::bf16_t> deq(static_cast<size_t>(qs.np * kt::kPanelRows * kChunk));
   std::vector<float> scales(static_cast<size_t>(qs.np * kChunk / qs.group * kt::kPanelRows));
   const int max_rows = 64;
@@ -163,12 +164,14 @@ void quant_rows_section(const kt::Kernels& K, double peak) {
           ? "at every row count"
           : ("up to " + std::to_string(K.gemm_quant_rows_4bit) + " rows").c_str());
   std::printf("%4s %12s %7s %12s %7s\n", "m", "codes GF/s", "%peak", "cache GF/s", "%peak");
+  const int64_t calls = quick ? 20 : 200;
+  const int reps = quick ? 1 : 3;
   for (int m : {8, 16, 24, 32, 64}) {
     const double flops = 2.0 * m * 64 * static_cast<double>(qs.kq);
     double direct = 0;
     if (K.gemm_quant) {
       direct = flops /
-               best_seconds_per_call(200, 3,
+               best_seconds_per_call(calls, reps,
                                      [&](int64_t) {
                                        K.gemm_quant(qs.panels(ex.data(), 0), rows.data(), m, 4,
                                                     c.data(), 64, false, kt::PrefetchRegion{});
@@ -178,7 +181,7 @@ void quant_rows_section(const kt::Kernels& K, double peak) {
     const double cached =
         flops /
         best_seconds_per_call(
-            200, 3,
+            calls, reps,
             [&](int64_t) {
               for (int64_t k0 = 0; k0 < qs.kq; k0 += kChunk) {
                 const int64_t kc = std::min(kChunk, qs.kq - k0);
@@ -289,6 +292,6 @@ int main(int argc, char** argv) {
   } else {
     std::printf("\ngemm_quant: the %s table has none\n", K.gemm_name);
   }
-  quant_rows_section(K, peak);
+  quant_rows_section(K, peak, quick);
   return 0;
 }

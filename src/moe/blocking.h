@@ -15,6 +15,9 @@ namespace kt {
 
 constexpr int64_t kBlockPanels = 4;
 constexpr int64_t kBlockCols = kBlockPanels * kPanelRows;
+// K columns a quantized base dequantizes per GEMM call: 4 panels of 256
+// columns are 32 KiB of bf16, which stay in L1/L2 while the row tiles pass.
+constexpr int64_t kQuantChunk = 256;
 constexpr int64_t kRowChunk = 64;
 constexpr int64_t kMaxItemCols = 4 * kBlockCols;
 

@@ -37,10 +37,6 @@ struct LayerShapes {
   }
 };
 
-// K columns a quantized base dequantizes per GEMM call: 4 panels of 256
-// columns are 32 KiB of bf16, which stay in L1/L2 while the row tiles pass.
-constexpr int64_t kQuantChunk = 256;
-
 // The kernel that turns a format's codes into bf16 panels.
 using DequantKernel = decltype(Kernels::dequant_i8);
 static DequantKernel dequant_kernel(const Kernels& k, const QuantShape& qs) {
