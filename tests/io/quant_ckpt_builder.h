@@ -316,5 +316,39 @@ inline QuantCkpt dsv4_ckpt(int64_t L, int64_t E, int64_t H, int64_t I, uint32_t 
   return q;
 }
 
+// Per-expert biases beside the weights of a per-expert checkpoint (fp8_ckpt,
+// int4_ckpt, dsv4_ckpt): "<prefix>.bias" BF16 [out] for each tensor named
+// "<prefix>.<weight_key>", N(0, 0.1) rounded to bf16, into q.b. The layout's
+// per-expert biases, so that swiglu_oai with biases runs on every format.
+inline QuantCkpt with_expert_biases(QuantCkpt q, const std::string& weight_key, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (int p = 0; p < 3; ++p) q.b[p].assign(static_cast<size_t>(q.E * out_of(q, p)), 0.f);
+  std::vector<StTensor> biases;
+  const std::string suffix = "." + weight_key;
+  for (const StTensor& t : q.tensors) {
+    if (t.name.size() <= suffix.size() ||
+        t.name.compare(t.name.size() - suffix.size(), suffix.size(), suffix) != 0)
+      continue;
+    const std::string prefix = t.name.substr(0, t.name.size() - suffix.size());
+    // "...experts.<e>.<projection>"
+    const size_t dot = prefix.rfind('.');
+    const size_t edot = prefix.rfind('.', dot - 1);
+    const int64_t e = std::stoll(prefix.substr(edot + 1, dot - edot - 1));
+    const std::string proj = prefix.substr(dot + 1);
+    const int p = proj == "gate_proj" || proj == "w1" ? 0
+                  : proj == "up_proj" || proj == "w3" ? 1
+                                                      : 2;
+    const int64_t out = out_of(q, p);
+    std::vector<float> v(static_cast<size_t>(out));
+    for (auto& x : v)
+      x = kt::bf16_to_f32(
+          kt::f32_to_bf16(static_cast<float>(std::normal_distribution<double>(0, 0.1)(rng))));
+    std::copy(v.begin(), v.end(), q.b[p].begin() + e * out);
+    biases.push_back({prefix + ".bias", "BF16", {out}, bf16_bytes(v)});
+  }
+  q.tensors.insert(q.tensors.end(), biases.begin(), biases.end());
+  return q;
+}
+
 }  // namespace quant
 }  // namespace kt_io_test

@@ -775,6 +775,11 @@ TEST_P(QuantForwardBackward, MatchesTheReferenceOnTheCheckpointsWeights) {
         const float want = qc.dequantize ? kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i])) : q.w[p][i];
         ASSERT_EQ(run.params.w[p][i], want) << "projection " << p << " element " << i;
       }
+    // And exactly its biases (the reference reads them back from the layer).
+    if (c.bias) {
+      for (int p = 0; p < 3; ++p)
+        ASSERT_EQ(run.params.b[p], q.b[p]) << "biases of projection " << p;
+    }
     const kt_test::Tolerance tol =
         qc.dequantize ? kt_test::tolerance_for(isa, c.bf16_act) : kt_test::quant_tolerance_for(isa, c.bf16_act);
     kt_context* ctx = nullptr;
@@ -837,6 +842,50 @@ std::vector<QuantCase> small_cases() {
   c.act = KT_ACT_SWIGLU_OAI; c.limit = 7.f; c.bias = true; c.T = 48; v.push_back(c);
   c = QuantCase{}; c.name = "mxfp4_v4_silu_limit"; c.make = [] { return dsv4_ckpt(2, 3, 80, 48, 14); };
   c.layer = 2; c.limit = 1.5f; v.push_back(c);
+  // Every activation in every format: swiglu_oai with per-expert biases
+  // beside the quantized weights, and the plain and clamped silu where the
+  // cases above leave them out; many tokens where a format's other cases
+  // run few, so both the codes and the dequantized panels see them.
+  const auto biased = [](std::function<QuantCkpt()> make, const char* weight_key, uint32_t seed) {
+    return [=] { return with_expert_biases(make(), weight_key, seed); };
+  };
+  const auto act_case = [&v](const char* name, std::function<QuantCkpt()> make, int64_t layer,
+                             kt_activation act, float limit, int64_t T) {
+    QuantCase a;
+    a.name = name;
+    a.make = std::move(make);
+    a.layer = layer;
+    a.act = act;
+    a.limit = limit;
+    a.bias = act == KT_ACT_SWIGLU_OAI;
+    a.T = T;
+    v.push_back(a);
+  };
+  const kt_activation swiglu = KT_ACT_SWIGLU_OAI, silu = KT_ACT_SILU;
+  act_case("fp8_swiglu_bias_lora",
+           biased([] { return fp8_ckpt(0, 3, 136, 200, 25); }, "weight", 26), 0, swiglu, 7.f, 8);
+  act_case("int4_g32_swiglu_bias_many_tokens",
+           biased([] { return int4_ckpt(1, 4, 84, 40, 32, true, 27); }, "weight_packed", 28), 1,
+           swiglu, 7.f, 40);
+  act_case(
+      "int4_g128_silu_limit", [] { return int4_ckpt(1, 3, 200, 136, 128, true, 29); }, 1, silu,
+      1.5f, 8);
+  act_case("int4_g128_swiglu_bias",
+           biased([] { return int4_ckpt(1, 3, 200, 136, 128, true, 30); }, "weight_packed", 31), 1,
+           swiglu, 7.f, 8);
+  act_case("int4_g32_zp_swiglu_bias",
+           biased([] { return int4_ckpt(1, 4, 84, 40, 32, false, 32); }, "weight_packed", 33), 1,
+           swiglu, 7.f, 8);
+  act_case(
+      "int4_g128_zp_silu_limit", [] { return int4_ckpt(1, 3, 200, 136, 128, false, 34); }, 1, silu,
+      1.5f, 8);
+  act_case("int4_g128_zp_swiglu_bias_many_tokens",
+           biased([] { return int4_ckpt(1, 4, 200, 136, 128, false, 35); }, "weight_packed", 36), 1,
+           swiglu, 7.f, 40);
+  act_case(
+      "mxfp4_v4_silu_lora", [] { return dsv4_ckpt(2, 3, 80, 48, 37); }, 2, silu, 0.f, 8);
+  act_case("mxfp4_v4_swiglu_bias_many_tokens",
+           biased([] { return dsv4_ckpt(2, 4, 96, 64, 38); }, "weight", 39), 2, swiglu, 7.f, 48);
   return v;
 }
 
