@@ -808,7 +808,9 @@ func (c *Checkpoint) MoEOptions(layer int64) (MoEOptions, error) {
 		WeightFormat: WeightFormat(o.weight_format)}, nil
 }
 
-// LoadLayer loads layer L's routed experts into m straight from the mapped files.
+// LoadLayer loads layer L's routed experts into m straight from the mapped
+// files: LoadLayerWith with kt's defaults (a quantized layer loads only into
+// a layer of its own format).
 func (c *Checkpoint) LoadLayer(layer int64, m *MoE) error {
 	if c.handle == nil {
 		return closedError("checkpoint")
@@ -818,6 +820,37 @@ func (c *Checkpoint) LoadLayer(layer int64, m *MoE) error {
 	}
 	return call(func() C.kt_status {
 		return C.kt_ckpt_load_layer(c.handle, C.int64_t(layer), m.handle, nil, nil)
+	})
+}
+
+// LoadLayerOptions are the settings of LoadLayerWith; the zero value is
+// kt's defaults (those of LoadLayer).
+type LoadLayerOptions struct {
+	// Dequantize lets a quantized layer (fp8 blocks, int4 groups, mxfp4)
+	// load into a FormatBF16 layer, each weight dequantized and rounded to
+	// bf16 once. Without it that load fails with ErrUnsupported. A quantized
+	// layer loads as stored into a layer of its own format either way, and
+	// is never re-quantized into another quantized format; dense layers
+	// ignore it.
+	Dequantize bool
+}
+
+// LoadLayerWith is LoadLayer with options (kt_ckpt_load_layer_with); opts
+// may be nil.
+func (c *Checkpoint) LoadLayerWith(layer int64, m *MoE, opts *LoadLayerOptions) error {
+	if c.handle == nil {
+		return closedError("checkpoint")
+	}
+	if m.handle == nil {
+		return closedError("moe")
+	}
+	var o C.kt_ckpt_load_options
+	C.kt_ckpt_load_options_init(&o)
+	if opts != nil && opts.Dequantize {
+		o.dequantize = 1
+	}
+	return call(func() C.kt_status {
+		return C.kt_ckpt_load_layer_with(c.handle, C.int64_t(layer), m.handle, &o, nil, nil)
 	})
 }
 

@@ -2,6 +2,7 @@ package kt
 
 import (
 	"encoding/binary"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -301,6 +302,227 @@ func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
 			t.Fatalf("%s: loading into a bf16 layer: %v", c.name, err)
 		}
 		for _, m := range []*MoE{loaded, mapped, bf16} {
+			m.Close()
+		}
+	}
+}
+
+// readSafetensors returns each tensor's bytes of a file writeSafetensors wrote.
+func readSafetensors(t *testing.T, path string) map[string][]byte {
+	t.Helper()
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := binary.LittleEndian.Uint64(raw)
+	var header map[string]struct {
+		DataOffsets [2]int `json:"data_offsets"`
+	}
+	if err := json.Unmarshal(raw[8:8+n], &header); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string][]byte{}
+	for name, h := range header {
+		out[name] = raw[8+int(n)+h.DataOffsets[0] : 8+int(n)+h.DataOffsets[1]]
+	}
+	return out
+}
+
+// e4m3 is the value of an fp8 e4m3 code (bias 7; exponent field 0: subnormal).
+func e4m3(b byte) float32 {
+	e, m := int(b>>3)&15, float64(b&7)
+	v := math.Ldexp(1+m/8, e-7)
+	if e == 0 {
+		v = math.Ldexp(m/8, -6)
+	}
+	if b&0x80 != 0 {
+		v = -v
+	}
+	return float32(v)
+}
+
+// e2m1 values by code (sign in bit 3).
+var e2m1 = [16]float32{0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6}
+
+// decodedWeights decodes gate, up, down [E][out][in] from the bits of the
+// fp8 or MXFP4 checkpoint in dir: the float32 product code * scale, unrounded.
+func decodedWeights(t *testing.T, dir string, format WeightFormat) [3][]float32 {
+	t.Helper()
+	tensors := readSafetensors(t, filepath.Join(dir, "model.safetensors"))
+	var want [3][]float32
+	for e := 0; e < ckE; e++ {
+		for p := 0; p < 3; p++ {
+			out, in := ckShapes[p][0], ckShapes[p][1]
+			for r := 0; r < out; r++ {
+				for c := 0; c < in; c++ {
+					var v float32
+					switch format {
+					case FormatFP8B128:
+						base := fmt.Sprintf("model.layers.1.mlp.experts.%d.%s", e, []string{"gate_proj", "up_proj", "down_proj"}[p])
+						codes, scales := tensors[base+".weight"], tensors[base+".weight_scale_inv"]
+						at := (r/128)*((in+127)/128) + c/128
+						s := math.Float32frombits(binary.LittleEndian.Uint32(scales[4*at:]))
+						v = e4m3(codes[r*in+c]) * s
+					case FormatMXFP4:
+						base := fmt.Sprintf("layers.2.ffn.experts.%d.%s", e, []string{"w1", "w3", "w2"}[p])
+						codes, scales := tensors[base+".weight"], tensors[base+".scale"]
+						b := codes[r*in/2+c/2]
+						if c%2 == 1 { // the even element is in the low nibble
+							b >>= 4
+						}
+						v = e2m1[b&15] * float32(math.Ldexp(1, int(scales[r*((in+31)/32)+c/32])-127))
+					default:
+						t.Fatalf("no decoder for %v", format)
+					}
+					want[p] = append(want[p], v)
+				}
+			}
+		}
+	}
+	return want
+}
+
+// roundBF16 rounds to the nearest bf16, ties to even (no NaN here).
+func roundBF16(w [3][]float32) [3][]float32 {
+	var out [3][]float32
+	for p := range w {
+		out[p] = make([]float32, len(w[p]))
+		for i, v := range w[p] {
+			b := math.Float32bits(v)
+			b += 0x7fff + (b>>16)&1
+			out[p][i] = math.Float32frombits(b &^ 0xffff)
+		}
+	}
+	return out
+}
+
+func sameWeights(t *testing.T, what string, got, want [3][]float32) {
+	t.Helper()
+	for p := range got {
+		if len(got[p]) != len(want[p]) {
+			t.Fatalf("%s: projection %d has %d weights, want %d", what, p, len(got[p]), len(want[p]))
+		}
+		for i := range got[p] {
+			if got[p][i] != want[p][i] {
+				t.Fatalf("%s: projection %d weight %d is %v, want %v", what, p, i, got[p][i], want[p][i])
+			}
+		}
+	}
+}
+
+// A quantized layer loads into a bf16 layer only with
+// LoadLayerOptions.Dequantize: without it (LoadLayer, LoadLayerWith with nil
+// or zero options) the load fails with ErrUnsupported naming the option and
+// the layer keeps nothing; with it the layer holds the weights decoded here
+// from the checkpoint's bits, rounded to bf16 (the layer of the checkpoint's
+// format, read back and rounded, holds the same); a layer of another
+// quantized format is refused either way (never re-quantized).
+func TestQuantizedCheckpointsLoadIntoBF16OnlyWhenDequantized(t *testing.T) {
+	engine, err := NewEngine(&EngineOptions{NumThreads: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	var int4ZPWant [3][]float32
+	cases := []struct {
+		name   string
+		write  func(*testing.T, string, *rand.Rand) int64
+		format WeightFormat
+	}{{"fp8", fp8Checkpoint, FormatFP8B128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4},
+		{"int4_zp", int4ZPCheckpoint(&int4ZPWant), FormatInt4G32ZP}}
+	for _, c := range cases {
+		dir := filepath.Join(t.TempDir(), "ckpt")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		layer := c.write(t, dir, rand.New(rand.NewSource(7)))
+		decoded := int4ZPWant // (q - z) * scale: exact in float32
+		if c.format != FormatInt4G32ZP {
+			decoded = decodedWeights(t, dir, c.format)
+		}
+		ck, err := OpenCheckpoint(dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		opts, err := ck.MoEOptions(layer)
+		if err != nil || opts.WeightFormat != c.format {
+			t.Fatalf("%s: options %+v, %v", c.name, opts, err)
+		}
+		opts.MaxTokens = ckT
+		bf16Opts := opts
+		bf16Opts.WeightFormat = FormatBF16
+		bf16, err := engine.NewMoE(bf16Opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		refusals := []struct {
+			call string
+			load func() error
+		}{
+			{"kt_ckpt_load_layer", func() error { return ck.LoadLayer(layer, bf16) }},
+			{"kt_ckpt_load_layer_with", func() error { return ck.LoadLayerWith(layer, bf16, nil) }},
+			{"kt_ckpt_load_layer_with", func() error { return ck.LoadLayerWith(layer, bf16, &LoadLayerOptions{}) }},
+		}
+		for i, r := range refusals {
+			err := r.load()
+			var kerr *Error
+			if !errors.As(err, &kerr) || kerr.Status != ErrUnsupported {
+				t.Fatalf("%s: refusal %d: %v, want ErrUnsupported", c.name, i, err)
+			}
+			for _, part := range []string{r.call + ": layer ", "the kt_moe stores bf16",
+				"create the kt_moe with weight_format " + c.format.String(), "kt_ckpt_load_options.dequantize = 1"} {
+				if !strings.Contains(kerr.Message, part) || !strings.HasPrefix(kerr.Message, r.call+": ") {
+					t.Fatalf("%s: refusal %d: %q does not start with %q or lacks %q", c.name, i, kerr.Message, r.call, part)
+				}
+			}
+			if info, err := bf16.Info(); err != nil || info.NumLoaded != 0 {
+				t.Fatalf("%s: refusal %d left %+v, %v", c.name, i, info, err)
+			}
+		}
+		if err := ck.LoadLayerWith(layer, bf16, &LoadLayerOptions{Dequantize: true}); err != nil {
+			t.Fatalf("%s: dequantized load: %v", c.name, err)
+		}
+		info, err := bf16.Info()
+		if err != nil || info.WeightFormat != FormatBF16 || info.NumLoaded != ckE || info.WeightBytes != ckE*3*ckH*ckI*2 {
+			t.Fatalf("%s: dequantized layer %+v, %v", c.name, info, err)
+		}
+		held := ckWeights(t, bf16)
+		sameWeights(t, c.name+": dequantized bf16 layer vs the checkpoint's bits rounded to bf16", held, roundBF16(decoded))
+
+		// Dequantize permits, never forces: the layer of the checkpoint's format loads it as stored.
+		native, err := engine.NewMoE(opts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := ck.LoadLayerWith(layer, native, &LoadLayerOptions{Dequantize: true}); err != nil {
+			t.Fatal(err)
+		}
+		if ni, err := native.Info(); err != nil || ni.WeightFormat != c.format || ni.NumLoaded != ckE {
+			t.Fatalf("%s: native layer %+v, %v", c.name, ni, err)
+		}
+		sameWeights(t, c.name+": dequantized bf16 layer vs the native layer rounded", held, roundBF16(ckWeights(t, native)))
+
+		otherOpts := opts
+		otherOpts.WeightFormat = FormatInt8Channel
+		other, err := engine.NewMoE(otherOpts)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, dq := range []bool{false, true} {
+			err := ck.LoadLayerWith(layer, other, &LoadLayerOptions{Dequantize: dq})
+			want := "the kt_moe stores int8_channel: a quantized checkpoint is never re-quantized"
+			if !errors.Is(err, &Error{Status: ErrUnsupported}) || !strings.Contains(err.Error(), want) {
+				t.Fatalf("%s: into int8_channel (dequantize %v): %v", c.name, dq, err)
+			}
+			if oi, err := other.Info(); err != nil || oi.NumLoaded != 0 {
+				t.Fatalf("%s: the refused int8_channel layer has %+v, %v", c.name, oi, err)
+			}
+		}
+		ck.Close()
+		if err := ck.LoadLayerWith(layer, bf16, nil); !errors.Is(err, &Error{Status: ErrInvalidHandle}) {
+			t.Fatalf("%s: LoadLayerWith on a closed checkpoint: %v", c.name, err)
+		}
+		for _, m := range []*MoE{bf16, native, other} {
 			m.Close()
 		}
 	}

@@ -4,7 +4,12 @@ asymmetric compressed-tensors int4 in groups of 32, DeepSeek-V4 MXFP4) opens wit
 moe_options; a layer loaded from it saves a packed cache that kt.packed_info
 reports in that format with the layer's bytes, maps back into a layer of
 that format with the same weights and bit-identical outputs, and is refused
-by a layer of another format, naming both."""
+by a layer of another format, naming both. Into a bf16 layer a quantized
+layer loads only when asked (load_layer(..., dequantize=True), and
+kt.hf.replace_moe_experts(..., dequantize=True)): then it holds the weights
+decoded here from the checkpoint's bits, rounded to bf16; without it, or
+into a layer of another quantized format, the load is refused and the layer
+keeps nothing."""
 import json
 import os
 
@@ -12,8 +17,10 @@ import pytest
 import torch
 
 import kt
+import kt.hf
 import st_files
 import tolerances
+from hf_shaped import Qwen3MoeSparseMoeBlock
 from reference import moe_forward, rel_l2
 
 E, K, H, I, T = 4, 2, 160, 96, 12
@@ -209,3 +216,162 @@ def test_asymmetric_int4_checkpoint_is_held_natively_and_runs(tmp_path, fp32_eng
     y = forward(layer)
     ref = moe_forward(x.double(), ids, rw.double(), {k: v.double() for k, v in held.items()})
     assert rel_l2(y, ref) <= tolerances.FP32
+
+
+# ---------------------------------------------------------------- dequantized loads
+
+# e2m1 codes (sign in bit 3, two exponent bits, one mantissa bit).
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def e4m3_values(codes):
+    """float32 values of e4m3 codes (bias 7; exponent field 0: subnormal)."""
+    c = codes.to(torch.int64)
+    sign = 1.0 - 2.0 * (c >> 7).double()
+    exp, man = (c >> 3) & 15, (c & 7).double()
+    normal = (1 + man / 8) * torch.pow(torch.full_like(man, 2.0), (exp - 7).double())
+    value = torch.where(exp == 0, man / 8 * 2.0 ** -6, normal)
+    return (sign * value).float()
+
+
+def decoded_weights(fmt, tensors):
+    """Each projection's W [E, out, in] decoded here from the checkpoint's
+    bits: the float32 product code * scale (W = (q - z) * scale with zero
+    points), unrounded."""
+    out = {}
+    for key, p, v4, (o, i) in zip(("gate", "up", "down"), PROJ, V4_PROJ, shapes()):
+        ws = []
+        for e in range(E):
+            if fmt == "fp8_b128":
+                name = "model.layers.1.mlp.experts.%d.%s" % (e, p)
+                q = e4m3_values(tensors[name + ".weight"][1])
+                s = tensors[name + ".weight_scale_inv"].repeat_interleave(128, 0)[:o].repeat_interleave(128, 1)[:, :i]
+                ws.append(q * s)
+            elif fmt == "int4_g128":
+                name = "model.layers.2.mlp.experts.%d.%s" % (e, p)
+                q = (nibbles(tensors[name + ".weight_packed"], i) - 8).float()
+                s = tensors[name + ".weight_scale"].float().repeat_interleave(128, 1)[:, :i]
+                ws.append(q * s)
+            elif fmt == "int4_g32_zp":
+                ws.append(decode_int4_zp(tensors, e, p, o, i).float())  # exact in float32
+            else:
+                assert fmt == "mxfp4"
+                name = "layers.3.ffn.experts.%d.%s" % (e, v4)
+                b = tensors[name + ".weight"].to(torch.int64)
+                q = E2M1[torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)]  # even element in the low nibble
+                exps = tensors[name + ".scale"][1].double() - 127
+                s = torch.pow(torch.full_like(exps, 2.0), exps).float().repeat_interleave(32, 1)[:, :i]
+                ws.append(q * s)
+        out[key] = torch.stack(ws)
+    return out
+
+
+def to_bf16(w):
+    return {k: v.to(torch.bfloat16).float() for k, v in w.items()}
+
+
+def written_ckpt(tmp_path, fmt):
+    gen = torch.Generator().manual_seed(7)
+    tensors, config, layer_number = CHECKPOINTS[fmt](tmp_path, gen)
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    st_files.write(d / "model.safetensors", tensors)
+    (d / "config.json").write_text(json.dumps(config))
+    return d, tensors, layer_number
+
+
+@pytest.mark.parametrize("fmt", sorted(CHECKPOINTS))
+def test_a_quantized_layer_loads_into_bf16_only_when_dequantized(fmt, tmp_path, fp32_engine):
+    d, tensors, layer_number = written_ckpt(tmp_path, fmt)
+    want = to_bf16(decoded_weights(fmt, tensors))
+    with kt.Checkpoint(d) as ck:
+        opts = ck.moe_options(layer_number)
+        assert opts["weight_format"] == fmt
+        bf16 = kt.MoE(**dict(opts, weight_format="bf16"), max_tokens=T, engine=fp32_engine)
+        # No choice made (the plain call) or dequantize=False: refused, naming
+        # the format that holds it and the option; the layer keeps nothing.
+        for kw in ({}, {"dequantize": False}):
+            with pytest.raises(kt.UnsupportedError) as err:
+                ck.load_layer(layer_number, bf16, **kw)
+            msg = str(err.value)
+            assert "layer %d stores" % layer_number in msg and "the kt_moe stores bf16" in msg, msg
+            assert "create the kt_moe with weight_format %s" % fmt in msg, msg
+            assert "kt_ckpt_load_options.dequantize = 1" in msg, msg
+            assert bf16.num_loaded() == 0 and bf16.info()["num_loaded"] == 0
+        # Asked for: every expert loads, dequantized, rounded to bf16 once.
+        calls = []
+        ck.load_layer(layer_number, bf16, lambda done, total: calls.append((done, total)), dequantize=True)
+        assert calls and calls[-1] == (E, E), calls
+        # The flag permits, never forces: a layer of the checkpoint's format loads it as stored.
+        native = kt.MoE(**opts, max_tokens=T)
+        ck.load_layer(layer_number, native, dequantize=True)
+        # Never re-quantized: a layer of another quantized format is refused with or without the flag.
+        for dequantize in (False, True):
+            other = kt.MoE(**dict(opts, weight_format="int8_channel"), max_tokens=T)
+            with pytest.raises(kt.UnsupportedError) as err:
+                ck.load_layer(layer_number, other, dequantize=dequantize)
+            msg = str(err.value)
+            assert "the kt_moe stores int8_channel: a quantized checkpoint is never re-quantized" in msg, msg
+            assert "create the kt_moe with weight_format %s" % fmt in msg, msg
+            assert other.num_loaded() == 0
+    info = bf16.info()
+    assert info["weight_format"] == "bf16" and info["num_loaded"] == E
+    assert info["weight_bytes"] == E * 3 * H * I * 2
+    held = weights(bf16)
+    for k in held:
+        assert torch.equal(held[k], want[k]), k
+    # The same weights as the layer holding the codes, rounded to bf16.
+    assert native.info()["weight_format"] == fmt and native.info()["num_loaded"] == E
+    held_native = weights(native)
+    for k in held:
+        assert torch.equal(held[k], to_bf16(held_native)[k]), k
+    # The bf16 layer computes with those weights.
+    x, ids, rw = inputs()
+    ref = moe_forward(x.double(), ids, rw.double(), {k: v.double() for k, v in held.items()})
+    assert rel_l2(forward(bf16), ref) <= tolerances.FP32
+
+
+def _meta_model_with_layer_1():
+    """layers.0 (no MoE) and layers.1.mlp, a Qwen3-MoE block whose routed
+    experts are on the meta device."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module(), torch.nn.Module()])
+    model.layers[1].mlp = Qwen3MoeSparseMoeBlock(H, I, E, K, expert_device="meta")
+    return model
+
+
+def test_hf_replacement_dequantizes_a_quantized_checkpoint_only_when_asked(tmp_path):
+    d, tensors, layer_number = written_ckpt(tmp_path, "fp8_b128")
+    assert layer_number == 1
+    decoded = decoded_weights("fp8_b128", tensors)
+    with pytest.raises(kt.UnsupportedError, match=r"the kt_moe stores bf16: .*kt_ckpt_load_options\.dequantize = 1"):
+        kt.hf.replace_moe_experts(_meta_model_with_layer_1(), checkpoint=d)
+
+    model = _meta_model_with_layer_1()
+    assert kt.hf.replace_moe_experts(model, checkpoint=d, dequantize=True) == ["layers.1.mlp"]
+    (experts,) = kt.hf.kt_experts_modules(model)
+    info = experts.kt_layer.info()
+    assert info["weight_format"] == "bf16" and info["num_loaded"] == E
+    held = weights(experts.kt_layer)
+    want = to_bf16(decoded)
+    for k in held:
+        assert torch.equal(held[k], want[k]), k
+    with torch.no_grad():
+        y = model.layers[1].mlp(torch.randn(1, 3, H))
+    assert torch.isfinite(y[0] if isinstance(y, tuple) else y).all()
+
+    # weight_format of the checkpoint's own format: held as stored (code * scale, unrounded).
+    model = _meta_model_with_layer_1()
+    kt.hf.replace_moe_experts(model, checkpoint=d, weight_format="fp8_b128")
+    (experts,) = kt.hf.kt_experts_modules(model)
+    assert experts.kt_layer.info()["weight_format"] == "fp8_b128"
+    held = weights(experts.kt_layer)
+    for k in held:
+        assert torch.equal(held[k], decoded[k]), k
+
+    with pytest.raises(kt.UnsupportedError, match="the kt_moe stores int4_g32: a quantized checkpoint is never re-quantized"):
+        kt.hf.replace_moe_experts(_meta_model_with_layer_1(), checkpoint=d, weight_format="int4_g32", dequantize=True)
+    for source in ({}, {"packed": tmp_path}):
+        with pytest.raises(ValueError, match=r"dequantize=True applies to the layers loaded from checkpoint="):
+            kt.hf.replace_moe_experts(_meta_model_with_layer_1(), dequantize=True, **source)

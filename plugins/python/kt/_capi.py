@@ -268,6 +268,13 @@ class CkptLayerInfo(ctypes.Structure):
     ]
 
 
+class CkptLoadOptions(ctypes.Structure):
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("dequantize", ctypes.c_int),
+    ]
+
+
 class CkptTensor(ctypes.Structure):
     _fields_ = [
         ("struct_size", ctypes.c_size_t),
@@ -463,6 +470,9 @@ _PROTOTYPES = {
     "kt_ckpt_get_layer_info": (_S, [_P, ctypes.c_int64, ctypes.POINTER(CkptLayerInfo)]),
     "kt_ckpt_moe_options": (_S, [_P, ctypes.c_int64, ctypes.POINTER(MoeOptions)]),
     "kt_ckpt_load_layer": (_S, [_P, ctypes.c_int64, _P, CKPT_PROGRESS_FN, ctypes.c_void_p]),
+    "kt_ckpt_load_options_defaults": (None, [ctypes.POINTER(CkptLoadOptions), ctypes.c_size_t]),
+    "kt_ckpt_load_layer_with": (_S, [_P, ctypes.c_int64, _P, ctypes.POINTER(CkptLoadOptions), CKPT_PROGRESS_FN,
+                                     ctypes.c_void_p]),
     "kt_ckpt_read_layer": (_S, [_P, ctypes.c_int64, ctypes.POINTER(Arg), ctypes.c_size_t]),
     "kt_ckpt_tensor_at": (_S, [_P, ctypes.c_int64, ctypes.POINTER(CkptTensor)]),
     "kt_ckpt_find_tensor": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(CkptTensor)]),

@@ -119,13 +119,25 @@ class Checkpoint(_Handle):
                     act_alpha=o.act_alpha, act_limit=o.act_limit,
                     weight_format=self._lib.kt_weight_format_name(o.weight_format).decode())
 
-    def load_layer(self, layer, moe, progress=None):
+    def load_layer(self, layer, moe, progress=None, *, dequantize=False):
         """Loads layer L's routed experts into moe (a kt.MoE) from the mapped
         files; progress(done, total) is called between batches of experts.
-        Source pages are dropped from memory once packed."""
+        Source pages are dropped from memory once packed.
+
+        A quantized layer (fp8 blocks, int4 groups, mxfp4) loads as stored
+        into a layer of its own format (``moe_options(L)["weight_format"]``).
+        ``dequantize=True`` also lets it load into a "bf16" layer, each
+        weight dequantized and rounded to bf16 once; without it that load
+        raises kt.UnsupportedError. A quantized layer is never re-quantized:
+        a layer of another quantized format is refused either way. Dense
+        layers ignore the flag."""
         callback = (_capi.CKPT_PROGRESS_FN(lambda done, total, user: progress(done, total))
                     if progress else ctypes.cast(None, _capi.CKPT_PROGRESS_FN))
-        check(self._lib.kt_ckpt_load_layer(self.handle, int(layer), moe.handle, callback, None))
+        o = _capi.CkptLoadOptions()
+        self._lib.kt_ckpt_load_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
+        o.dequantize = 1 if dequantize else 0
+        check(self._lib.kt_ckpt_load_layer_with(self.handle, int(layer), moe.handle, ctypes.byref(o), callback,
+                                                None))
         moe.weights_source = ("checkpoint", self.directory, int(layer))
 
     def read_layer(self, layer, **tensors):

@@ -244,10 +244,14 @@ class _WeightSource:
     none (built on the meta device): a checkpoint directory (or an open
     kt.Checkpoint) or a packed cache written by `kt convert`."""
 
-    def __init__(self, checkpoint, packed):
+    def __init__(self, checkpoint, packed, dequantize=False):
         if checkpoint is not None and packed is not None:
             raise ValueError("kt.hf: give checkpoint= or packed=, not both")
+        if dequantize and checkpoint is None:
+            raise ValueError("kt.hf: dequantize=True applies to the layers loaded from checkpoint= (a packed "
+                             "cache holds its own weight_format)")
         self.ckpt, self.owned, self.packed = None, False, None
+        self.dequantize = bool(dequantize)
         if isinstance(checkpoint, Checkpoint):
             self.ckpt = checkpoint
         elif checkpoint is not None:
@@ -287,7 +291,7 @@ class _WeightSource:
                 self.ckpt.read_layer(layer, **{k: v.data for k, v in kw.items()})
             experts._needs_reload = True
         else:
-            self.ckpt.load_layer(layer, experts.kt_layer)
+            self.ckpt.load_layer(layer, experts.kt_layer, dequantize=self.dequantize)
 
 
 def _layer_number(name):
@@ -385,7 +389,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
                         bias="none", activation_policy="recompute", torch_experts=None,
                         torch_expert_counts=None, torch_experts_device=None, weight_format="bf16",
-                        compute="bf16"):
+                        compute="bf16", dequantize=False):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -430,7 +434,17 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     serves an integer base ("int8_channel", "int4_g32", "int4_g128", or with
     zero points "int4_g32_zp", "int4_g128_zp", or "mxfp4") with int8
     activations (inference mode under torch.no_grad(); faster prefill on
-    AVX512-VNNI, about 1-2.5 % relative error in y, stated in kt_c_api.h)."""
+    AVX512-VNNI, about 1-2.5 % relative error in y, stated in kt_c_api.h).
+
+    A quantized ``checkpoint`` (fp8 blocks, int4 groups, mxfp4; see
+    ``kt.Checkpoint(dir).layers[L]["weight_format"]``) loads as stored when
+    ``weight_format`` is its format. Into the default "bf16" it loads only
+    with ``dequantize=True`` (each weight dequantized and rounded to bf16
+    once; kt.Checkpoint.load_layer); without it the load raises
+    kt.UnsupportedError. It is never re-quantized into another quantized
+    format. Full mode reads the weights dequantized into its torch
+    Parameters whatever ``dequantize`` says. ``dequantize`` needs
+    ``checkpoint``."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -443,7 +457,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                    max_tokens=max_tokens, engine=engine, activation_policy=activation_policy,
                    placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device),
                    weight_format=weight_format, compute=compute)
-    source = _WeightSource(checkpoint, packed)
+    source = _WeightSource(checkpoint, packed, dequantize)
     replaced, unrecognised = [], []
     try:
         for name, module in list(model.named_modules()):

@@ -225,6 +225,12 @@ kt_structs! {
         pub weight_format: kt_weight_format,
         pub group_size: i64,
     }
+    /// Settings of kt_ckpt_load_layer_with; fill with kt_ckpt_load_options_defaults(&mut o, size_of::<kt_ckpt_load_options>()) (the header's inline kt_ckpt_load_options_init).
+    pub struct kt_ckpt_load_options {
+        pub struct_size: usize,
+        /// 1 = a quantized layer may load into a KT_FORMAT_BF16 kt_moe, dequantized (default 0: KT_ERR_UNSUPPORTED).
+        pub dequantize: c_int,
+    }
     /// One tensor of a checkpoint (memory-mapped, owned by the handle).
     pub struct kt_ckpt_tensor {
         pub struct_size: usize,
@@ -590,6 +596,8 @@ kt_functions! {
     pub fn kt_ckpt_get_layer_info(ckpt: *const kt_ckpt, index: i64, info: *mut kt_ckpt_layer_info) -> kt_status;
     pub fn kt_ckpt_moe_options(ckpt: *const kt_ckpt, layer: i64, options: *mut kt_moe_options) -> kt_status;
     pub fn kt_ckpt_load_layer(ckpt: *const kt_ckpt, layer: i64, moe: *mut kt_moe, progress: kt_ckpt_progress_fn, user: *mut c_void) -> kt_status;
+    pub fn kt_ckpt_load_options_defaults(options: *mut kt_ckpt_load_options, struct_size: usize);
+    pub fn kt_ckpt_load_layer_with(ckpt: *const kt_ckpt, layer: i64, moe: *mut kt_moe, options: *const kt_ckpt_load_options, progress: kt_ckpt_progress_fn, user: *mut c_void) -> kt_status;
     pub fn kt_ckpt_read_layer(ckpt: *const kt_ckpt, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
     pub fn kt_ckpt_tensor_at(ckpt: *const kt_ckpt, index: i64, tensor: *mut kt_ckpt_tensor) -> kt_status;
     pub fn kt_ckpt_find_tensor(ckpt: *const kt_ckpt, name: *const c_char, tensor: *mut kt_ckpt_tensor) -> kt_status;

@@ -871,9 +871,24 @@ impl Checkpoint {
         Ok(o)
     }
 
-    /// Loads layer L's routed experts into moe straight from the mapped files.
+    /// Loads layer L's routed experts into moe straight from the mapped files
+    /// with kt's default [`LoadLayerOptions`] (a quantized layer loads only
+    /// into a layer of its own format).
     pub fn load_layer(&self, layer: i64, moe: &Moe<'_>) -> Result<()> {
         check(unsafe { sys::kt_ckpt_load_layer(self.raw, layer, moe.raw, None, ptr::null_mut()) })
+    }
+
+    /// [`load_layer`](Checkpoint::load_layer) with options
+    /// (kt_ckpt_load_layer_with), e.g. `&LoadLayerOptions { dequantize: true }`
+    /// to load a quantized layer into a bf16 layer.
+    pub fn load_layer_with(&self, layer: i64, moe: &Moe<'_>, options: &LoadLayerOptions) -> Result<()> {
+        let mut o = std::mem::MaybeUninit::<sys::kt_ckpt_load_options>::uninit();
+        let mut o = unsafe {
+            sys::kt_ckpt_load_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_ckpt_load_options>());
+            o.assume_init()
+        };
+        o.dequantize = options.dequantize as c_int;
+        check(unsafe { sys::kt_ckpt_load_layer_with(self.raw, layer, moe.raw, &o, None, ptr::null_mut()) })
     }
 
     /// Copies layer L's weights into host tensors: `Arg::Out` with arg::W_GATE,
@@ -882,6 +897,19 @@ impl Checkpoint {
         let raw = raw_args(args);
         check(unsafe { sys::kt_ckpt_read_layer(self.raw, layer, raw.as_ptr(), raw.len()) })
     }
+}
+
+/// Settings of [`Checkpoint::load_layer_with`]; the default is kt's (that of
+/// [`Checkpoint::load_layer`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadLayerOptions {
+    /// Lets a quantized layer (fp8 blocks, int4 groups, mxfp4) load into a
+    /// [`WeightFormat::Bf16`] layer, each weight dequantized and rounded to
+    /// bf16 once; without it that load fails with `Status::UNSUPPORTED`. A
+    /// quantized layer loads as stored into a layer of its own format either
+    /// way and is never re-quantized into another quantized format; dense
+    /// layers ignore it.
+    pub dequantize: bool,
 }
 
 impl Drop for Checkpoint {

@@ -5,8 +5,13 @@
 //! layer holds exactly (q - z) * scale of its bits); the layer loaded in
 //! that format saves a packed cache that `packed_info` reports in the same
 //! format, maps back with the same weights and output, and is refused
-//! (naming both formats) by a bf16 layer.
-use kt::{arg, Arg, Checkpoint, Engine, EngineOptions, Moe, Status, TensorMut, TensorRef, WeightFormat};
+//! (naming both formats) by a bf16 layer. A bf16 layer takes a quantized
+//! layer only through `load_layer_with(.., &LoadLayerOptions { dequantize:
+//! true })`, and then holds the weights decoded here from the checkpoint's
+//! bytes, rounded to bf16; a layer of another quantized format never does.
+use kt::{
+    arg, Arg, Checkpoint, Engine, EngineOptions, LoadLayerOptions, Moe, Status, TensorMut, TensorRef, WeightFormat,
+};
 
 const E: usize = 3;
 const K: usize = 2;
@@ -299,6 +304,151 @@ fn quantized_checkpoints_make_packed_caches_of_their_format() {
         let want = format!("the cache holds {} weights, the layer stores bf16", format.name());
         assert!(err.message.contains(&want), "{}", err.message);
         assert_eq!(bf16.num_loaded().unwrap(), 0);
+        drop(ck);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The value of an fp8 e4m3 code (bias 7; exponent field 0: subnormal).
+fn e4m3(b: u8) -> f32 {
+    let (e, m) = (((b >> 3) & 15) as i32, (b & 7) as f64);
+    let v = if e == 0 { m / 8.0 * 2f64.powi(-6) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) };
+    (if b & 0x80 != 0 { -v } else { v }) as f32
+}
+
+/// The weights of fp8_checkpoint decoded here from its bytes, gate, up, down
+/// [E][out][in]: the f32 product code * scale of its 128x128 block.
+fn fp8_weights() -> Vec<f32> {
+    let mut all = vec![Vec::new(), Vec::new(), Vec::new()];
+    for e in 0..E {
+        for (p, (out, inp)) in SHAPES.iter().copied().enumerate() {
+            let seed = (e * 3 + p) as u64;
+            let codes = bytes(out * inp, seed, |b| (b & 0x87) | ((b >> 3) % 10) << 3);
+            let cols = (inp + 127) / 128;
+            for r in 0..out {
+                for c in 0..inp {
+                    let i = (r / 128) * cols + c / 128;
+                    let scale = (1.0 + i as f32 / 8.0) / (8.0 * (inp as f32).sqrt());
+                    all[p].push(e4m3(codes[r * inp + c]) * scale);
+                }
+            }
+        }
+    }
+    all.concat()
+}
+
+/// The weights of mxfp4_checkpoint decoded here from its bytes: e2m1 code
+/// (the even element in the low nibble) * 2^(scale - 127) of its 32 inputs.
+fn mxfp4_weights() -> Vec<f32> {
+    const E2M1: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
+    let mut all = vec![Vec::new(), Vec::new(), Vec::new()];
+    for e in 0..E {
+        for (p, (out, inp)) in SHAPES.iter().copied().enumerate() {
+            let seed = 100 + (e * 3 + p) as u64;
+            let groups = (inp + 31) / 32;
+            let codes = bytes(out * inp / 2, seed, |b| b);
+            let scales = bytes(out * groups, seed + 50, |b| 121 + b % 5);
+            for r in 0..out {
+                for c in 0..inp {
+                    let byte = codes[r * inp / 2 + c / 2];
+                    let code = if c % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    let scale = 2f32.powi(scales[r * groups + c / 32] as i32 - 127);
+                    all[p].push(E2M1[code as usize] * scale);
+                }
+            }
+        }
+    }
+    all.concat()
+}
+
+/// Rounded to the nearest bf16, ties to even (no NaN here).
+fn to_bf16(w: &[f32]) -> Vec<f32> {
+    w.iter()
+        .map(|v| {
+            let b = v.to_bits();
+            f32::from_bits(b.wrapping_add(0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
+        })
+        .collect()
+}
+
+fn assert_same(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{}", what);
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        panic!("{}: weight {} is {}, want {}", what, i, got[i], want[i]);
+    }
+}
+
+#[test]
+fn quantized_checkpoints_load_into_bf16_only_when_dequantized() {
+    let engine = Engine::new(&EngineOptions { num_threads: 2, ..Default::default() }).unwrap();
+    let cases: [(&str, fn(&std::path::Path) -> i64, WeightFormat, fn() -> Vec<f32>); 3] = [
+        ("fp8", fp8_checkpoint, WeightFormat::Fp8B128, fp8_weights),
+        ("mxfp4", mxfp4_checkpoint, WeightFormat::Mxfp4, mxfp4_weights),
+        ("int4_zp", int4_zp_checkpoint, WeightFormat::Int4G32Zp, int4_zp_weights),
+    ];
+    assert_eq!(LoadLayerOptions::default(), LoadLayerOptions { dequantize: false });
+    for (name, write, format, decoded) in cases {
+        let dir = scratch(&format!("dequantize-{}", name));
+        let ckpt_dir = dir.join("ckpt");
+        std::fs::create_dir_all(&ckpt_dir).unwrap();
+        let layer = write(&ckpt_dir);
+        let ck = Checkpoint::open(&ckpt_dir).unwrap();
+        let options = ck.moe_options(layer).unwrap().max_tokens(T as i64);
+        let bf16 = engine.moe(&options.weight_format(WeightFormat::Bf16)).unwrap();
+
+        // No choice made: refused, naming the option; the layer keeps nothing.
+        let refusals = [
+            ("kt_ckpt_load_layer", ck.load_layer(layer, &bf16).unwrap_err()),
+            ("kt_ckpt_load_layer_with", ck.load_layer_with(layer, &bf16, &LoadLayerOptions::default()).unwrap_err()),
+        ];
+        for (call, err) in refusals {
+            assert_eq!(err.status, Status::UNSUPPORTED, "{}: {}", name, err.message);
+            assert!(err.message.starts_with(&format!("{}: layer {} stores ", call, layer)), "{}", err.message);
+            for part in [
+                "the kt_moe stores bf16".to_string(),
+                format!("create the kt_moe with weight_format {}", format.name()),
+                "kt_ckpt_load_options.dequantize = 1".to_string(),
+            ] {
+                assert!(err.message.contains(&part), "{}: {:?} lacks {:?}", name, err.message, part);
+            }
+            assert_eq!(bf16.num_loaded().unwrap(), 0, "{}", name);
+        }
+
+        // Asked for: dequantized, rounded to bf16 once.
+        ck.load_layer_with(layer, &bf16, &LoadLayerOptions { dequantize: true }).unwrap();
+        let info = bf16.info().unwrap();
+        assert_eq!((info.weight_format, info.num_loaded), (WeightFormat::Bf16, E as i64), "{}", name);
+        assert_eq!(info.weight_bytes, (E * 3 * H * I * 2) as i64, "{}", name);
+        let held = weights(&bf16);
+        assert_same(
+            &format!("{}: the bf16 layer vs the checkpoint's bytes rounded to bf16", name),
+            &held,
+            &to_bf16(&decoded()),
+        );
+
+        // The flag permits, never forces: a layer of the checkpoint's format loads it as stored.
+        let native = engine.moe(&options).unwrap();
+        ck.load_layer_with(layer, &native, &LoadLayerOptions { dequantize: true }).unwrap();
+        assert_eq!(native.info().unwrap().weight_format, format, "{}", name);
+        assert_same(
+            &format!("{}: the bf16 layer vs the {} layer rounded", name, format.name()),
+            &held,
+            &to_bf16(&weights(&native)),
+        );
+
+        // Never re-quantized: another quantized format is refused with or without the flag.
+        let other = engine.moe(&options.weight_format(WeightFormat::Int8Channel)).unwrap();
+        for dequantize in [false, true] {
+            let err = ck.load_layer_with(layer, &other, &LoadLayerOptions { dequantize }).unwrap_err();
+            assert_eq!(err.status, Status::UNSUPPORTED, "{}: {}", name, err.message);
+            assert!(
+                err.message.contains("the kt_moe stores int8_channel: a quantized checkpoint is never re-quantized"),
+                "{}: {}",
+                name,
+                err.message
+            );
+            assert_eq!(other.num_loaded().unwrap(), 0, "{}", name);
+        }
         drop(ck);
         let _ = std::fs::remove_dir_all(&dir);
     }
