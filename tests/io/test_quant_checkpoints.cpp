@@ -465,34 +465,44 @@ class SeededFineTune {
   TensorPtr w_[3], g_[3];
 };
 
-TEST_F(QuantCheckpoints, FullFineTuneSeededFromAnFp8BaseSavesDequantizedAndResumes) {
-  const QuantCkpt q = fp8_ckpt(0, 3, 128, 64, 21);
-  const std::string base = write("fp8_base", q);
-  SeededFineTune run(engine_, q);
-  run.start_from(base);
-  // The masters start from the dequantized base, exactly (fp32 holds it).
-  for (int p = 0; p < 3; ++p) {
-    const std::vector<double> m = run.master(p);
-    for (size_t i = 0; i < m.size(); ++i) ASSERT_EQ(m[i], static_cast<double>(q.w[p][i])) << p << " " << i;
-  }
-  run.train_step(0);
-  run.train_step(1);
-  const std::string saved = dir_ + "/fine_tuned";
-  run.save(saved);
-  // The saved checkpoint holds plain weights: dense, loaded as bf16, even
-  // with the base's quantization_config beside them.
-  kt_ckpt* ck = nullptr;
-  ASSERT_EQ(kt_ckpt_open(saved.c_str(), &ck), KT_OK) << kt_last_error();
-  EXPECT_EQ(layer_info(ck).format, KT_CKPT_FORMAT_DENSE);
-  EXPECT_EQ(layer_info(ck).weight_format, KT_FORMAT_BF16);
-  kt_ckpt_close(ck);
+// From an fp8 base (DeepSeek-V3) and from an MXFP4 one (gpt-oss: its config
+// names quant_method mxfp4 and the fused blocks layout; the fine-tune saves
+// per-expert plain keys beside that config).
+TEST_F(QuantCheckpoints, FullFineTuneSeededFromAQuantizedBaseSavesDequantizedAndResumes) {
+  const std::vector<std::pair<std::string, QuantCkpt>> bases = {
+      {"fp8", fp8_ckpt(0, 3, 128, 64, 21)}, {"mxfp4_gpt_oss", gpt_oss_ckpt(0, 3, 128, 64, 22)}};
+  for (const auto& [name, q] : bases) {
+    SCOPED_TRACE(name);
+    const std::string base = write(name + "_base", q);
+    SeededFineTune run(engine_, q);
+    run.start_from(base);
+    // The masters start from the dequantized base, exactly (fp32 holds it).
+    for (int p = 0; p < 3; ++p) {
+      const std::vector<double> m = run.master(p);
+      for (size_t i = 0; i < m.size(); ++i)
+        ASSERT_EQ(m[i], static_cast<double>(q.w[p][i])) << p << " " << i;
+    }
+    run.train_step(0);
+    run.train_step(1);
+    const std::string saved = dir_ + "/" + name + "_fine_tuned";
+    run.save(saved);
+    // The saved checkpoint holds plain weights: dense, loaded as bf16, even
+    // with the base's quantization_config beside them.
+    kt_ckpt* ck = nullptr;
+    ASSERT_EQ(kt_ckpt_open(saved.c_str(), &ck), KT_OK) << kt_last_error();
+    EXPECT_EQ(layer_info(ck).format, KT_CKPT_FORMAT_DENSE);
+    EXPECT_EQ(layer_info(ck).weight_format, KT_FORMAT_BF16);
+    kt_ckpt_close(ck);
 
-  SeededFineTune resumed(engine_, q);
-  resumed.start_from(saved);
-  resumed.load_optimizer(saved);
-  run.train_step(2);
-  resumed.train_step(2);
-  for (int p = 0; p < 3; ++p) EXPECT_EQ(resumed.master(p), run.master(p)) << "projection " << p;
+    SeededFineTune resumed(engine_, q);
+    resumed.start_from(saved);
+    resumed.load_optimizer(saved);
+    // The resume starts from the trained weights, not the base's.
+    for (int p = 0; p < 3; ++p) EXPECT_EQ(resumed.master(p), run.master(p)) << "projection " << p;
+    run.train_step(2);
+    resumed.train_step(2);
+    for (int p = 0; p < 3; ++p) EXPECT_EQ(resumed.master(p), run.master(p)) << "projection " << p;
+  }
 }
 
 // ------------------------------------------------------------- bad input
@@ -588,6 +598,94 @@ TEST_F(QuantCheckpoints, QuantizationConfigContradictingTheTensorsIsRefused) {
   QuantCkpt mx = gpt_oss_ckpt(0, 2, 64, 32, 3);
   mx.config.replace(mx.config.find(R"("quant_method": "mxfp4")"), 23, R"("quant_method": "fp8")");
   expect_open_fails(write("mx_method", mx), {"quant_method is 'fp8'", "MXFP4"});
+}
+
+// A quantization_config that agrees with the tensors but asks for what kt
+// does not hold: the checkpoint opens and describes itself (loadable 0); a
+// load as stored is refused with KT_ERR_UNSUPPORTED naming what was found,
+// and nothing is loaded. Where the codes are still 4-bit integers or e4m3
+// (another group size, another activation scheme) they dequantize when asked.
+TEST_F(QuantCheckpoints, ConfigsKtDoesNotHoldAreRefusedNamingWhatWasFound) {
+  struct Unheld {
+    std::string name;
+    QuantCkpt q;
+    std::string from, to, fragment;
+    bool dequantizes;
+  };
+  const QuantCkpt fp8 = fp8_ckpt(0, 2, 256, 128, 1), i4 = int4_ckpt(1, 2, 64, 32, 32, true, 2);
+  const std::vector<Unheld> cases = {
+      {"scheme", fp8, R"("activation_scheme": "dynamic")", R"("activation_scheme": "tensorwise")",
+       R"(activation_scheme is "tensorwise")", true},
+      {"type", i4, R"("type": "int")", R"("type": "float")", R"(type is "float": kt holds 'int')",
+       false},
+      {"strategy", i4, R"("strategy": "group")", R"("strategy": "channel")",
+       R"(strategy is "channel": kt holds 'group')", false},
+  };
+  for (const Unheld& c : cases) {
+    SCOPED_TRACE(c.name);
+    QuantCkpt q = c.q;
+    const size_t at = q.config.find(c.from);
+    ASSERT_NE(at, std::string::npos) << c.from;
+    q.config.replace(at, c.from.size(), c.to);
+    const std::string d = write("unheld_" + c.name, q);
+    kt_ckpt* ck = nullptr;
+    ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
+    kt_ckpt_layer_info li;
+    li.struct_size = sizeof(li);
+    ASSERT_EQ(kt_ckpt_get_layer_info(ck, 0, &li), KT_OK) << kt_last_error();
+    EXPECT_EQ(li.loadable, 0);
+    kt_ckpt_close(ck);
+    const int64_t L = c.name == "scheme" ? 0 : 1;
+    const int native = c.name == "scheme" ? KT_FORMAT_FP8_B128 : KT_FORMAT_INT4_G32;
+    kt_moe* moe = nullptr;
+    EXPECT_EQ(load(d, L, &moe, native), KT_ERR_UNSUPPORTED);
+    EXPECT_NE(std::string(kt_last_error()).find(c.fragment), std::string::npos) << kt_last_error();
+    int64_t loaded = -1;
+    ASSERT_EQ(kt_moe_num_loaded(moe, &loaded), KT_OK);
+    EXPECT_EQ(loaded, 0);
+    kt_moe_destroy(moe);
+    moe = nullptr;
+    const kt_status deq = load(d, L, &moe, KT_FORMAT_BF16, 1);
+    if (c.dequantizes) {
+      ASSERT_EQ(deq, KT_OK) << kt_last_error();
+      const std::vector<float> gate = read(moe, 0, 2, out_of(q, 0), in_of(q, 0));
+      for (size_t i = 0; i < gate.size(); ++i)
+        ASSERT_EQ(gate[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[0][i]))) << i;
+    } else {
+      EXPECT_EQ(deq, KT_ERR_UNSUPPORTED);
+      EXPECT_NE(std::string(kt_last_error()).find(c.fragment), std::string::npos)
+          << kt_last_error();
+    }
+    kt_moe_destroy(moe);
+  }
+  // num_bits 8 over 4-bit words: the config contradicts the tensors (four
+  // 8-bit values an int32 need twice the words).
+  {
+    QuantCkpt q = i4;
+    q.config.replace(q.config.find(R"("num_bits": 4)"), 13, R"("num_bits": 8)");
+    expect_open_fails(
+        write("bits8", q),
+        {"weight_packed", "is [32,8] but weight_shape [32,64] needs [32,16]", "too short"});
+  }
+  // int4 groups of 64, the scales agreeing: not a kt format, but 4-bit
+  // integers all the same, so they dequantize (code * its group's scale).
+  QuantCkpt g64 = int4_ckpt(1, 2, 128, 64, 64, true, 3);
+  const std::string d = write("group64", g64);
+  kt_moe* moe = nullptr;
+  EXPECT_EQ(load(d, 1, &moe, KT_FORMAT_INT4_G32), KT_ERR_UNSUPPORTED);
+  EXPECT_NE(std::string(kt_last_error()).find("int4 groups of 64: kt holds groups of 32 or 128"),
+            std::string::npos)
+      << kt_last_error();
+  kt_moe_destroy(moe);
+  moe = nullptr;
+  ASSERT_EQ(load(d, 1, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
+  for (int p = 0; p < 3; ++p) {
+    const std::vector<float> got = read(moe, p, 2, out_of(g64, p), in_of(g64, p));
+    for (size_t i = 0; i < got.size(); ++i)
+      ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(g64.w[p][i])))
+          << "projection " << p << " element " << i;
+  }
+  kt_moe_destroy(moe);
 }
 
 TEST_F(QuantCheckpoints, MixedFormatsInOneLayerAreRefused) {
