@@ -233,14 +233,17 @@ int cmd_info(const std::string& dir, bool json) {
     std::printf("},\n  \"layers\": [");
     for (size_t i = 0; i < layers.size(); ++i) {
       const kt_ckpt_layer_info& li = layers[i];
-      std::printf("%s\n    {\"layer\": %lld, \"experts\": %lld, \"hidden\": %lld, \"intermediate\": %lld, "
-                  "\"bias\": %s, \"layout\": %s, \"format\": %s, \"dtype\": %s, \"loadable\": %s, \"bytes\": %lld}",
-                  i ? "," : "", static_cast<long long>(li.layer), static_cast<long long>(li.num_experts),
-                  static_cast<long long>(li.hidden), static_cast<long long>(li.intermediate),
-                  li.has_bias ? "true" : "false", json_string(kt_ckpt_layout_name(li.layout)).c_str(),
-                  json_string(kt_ckpt_format_name(li.format)).c_str(),
-                  json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str(), li.loadable ? "true" : "false",
-                  static_cast<long long>(li.bytes));
+      std::printf(
+          "%s\n    {\"layer\": %lld, \"experts\": %lld, \"hidden\": %lld, \"intermediate\": %lld, "
+          "\"bias\": %s, \"layout\": %s, \"format\": %s, \"dtype\": %s, \"loadable\": %s, "
+          "\"weight_format\": %s, \"group_size\": %lld, \"bytes\": %lld}",
+          i ? "," : "", static_cast<long long>(li.layer), static_cast<long long>(li.num_experts),
+          static_cast<long long>(li.hidden), static_cast<long long>(li.intermediate),
+          li.has_bias ? "true" : "false", json_string(kt_ckpt_layout_name(li.layout)).c_str(),
+          json_string(kt_ckpt_format_name(li.format)).c_str(),
+          json_string(kt_ckpt_dtype_name(li.weight_dtype)).c_str(), li.loadable ? "true" : "false",
+          li.loadable ? json_string(kt_weight_format_name(li.weight_format)).c_str() : "null",
+          static_cast<long long>(li.group_size), static_cast<long long>(li.bytes));
     }
     std::printf("%s]\n}\n", layers.empty() ? "" : "\n  ");
   } else {
@@ -258,14 +261,20 @@ int cmd_info(const std::string& dir, bool json) {
                 kt_ckpt_layout_name(info.layout), static_cast<long long>(info.num_moe_layers),
                 static_cast<long long>(experts), human_bytes(expert_bytes).c_str(), static_cast<long long>(info.top_k));
     if (!layers.empty())
-      std::printf("%6s %8s %7s %12s %5s %-12s %-11s %-8s %-8s %s\n", "layer", "experts", "hidden", "intermediate",
-                  "bias", "layout", "format", "dtype", "loadable", "bytes");
+      std::printf("%6s %8s %7s %12s %5s %-12s %-11s %-8s %-8s %-12s %5s %s\n", "layer", "experts",
+                  "hidden", "intermediate", "bias", "layout", "format", "dtype", "loadable",
+                  "kt format", "group", "bytes");
+    // kt format: the kt_moe weight format that holds the layer as stored
+    // (only where it loads); group: inputs per scale (0: dense).
     for (const auto& li : layers)
-      std::printf("%6lld %8lld %7lld %12lld %5s %-12s %-11s %-8s %-8s %s\n", static_cast<long long>(li.layer),
-                  static_cast<long long>(li.num_experts), static_cast<long long>(li.hidden),
-                  static_cast<long long>(li.intermediate), li.has_bias ? "yes" : "no",
-                  kt_ckpt_layout_name(li.layout), kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype),
-                  li.loadable ? "yes" : "no", human_bytes(li.bytes).c_str());
+      std::printf("%6lld %8lld %7lld %12lld %5s %-12s %-11s %-8s %-8s %-12s %5lld %s\n",
+                  static_cast<long long>(li.layer), static_cast<long long>(li.num_experts),
+                  static_cast<long long>(li.hidden), static_cast<long long>(li.intermediate),
+                  li.has_bias ? "yes" : "no", kt_ckpt_layout_name(li.layout),
+                  kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype),
+                  li.loadable ? "yes" : "no",
+                  li.loadable ? kt_weight_format_name(li.weight_format) : "-",
+                  static_cast<long long>(li.group_size), human_bytes(li.bytes).c_str());
   }
   kt_ckpt_close(ck);
   return 0;

@@ -774,13 +774,25 @@ TEST_F(QuantCheckpoints, ScalesNotExactInBf16AreNotRoundedSilently) {
 
 #ifdef KT_CLI_PATH
 TEST_F(QuantCheckpoints, KtInfoDescribesEachFormat) {
-  const std::vector<std::pair<std::string, QuantCkpt>> ckpts = {
-      {"fp8_block", fp8_ckpt(0, 2, 128, 64, 1)},
-      {"int4_group", int4_ckpt(0, 2, 64, 32, 32, true, 1)},
-      {"mxfp4", gpt_oss_ckpt(0, 2, 64, 32, 1)},
+  struct Described {
+    std::string family, weight_format;
+    int64_t group;
+    QuantCkpt q;
   };
+  QuantCkpt g64 = int4_ckpt(0, 2, 128, 32, 64, true, 1);
+  const std::vector<Described> ckpts = {
+      {"fp8_block", "\"fp8_b128\"", 128, fp8_ckpt(0, 2, 128, 64, 1)},
+      {"int4_group", "\"int4_g32\"", 32, int4_ckpt(0, 2, 64, 32, 32, true, 1)},
+      {"int4_group", "\"int4_g128_zp\"", 128, int4_ckpt(0, 2, 256, 32, 128, false, 1)},
+      {"mxfp4", "\"mxfp4\"", 32, gpt_oss_ckpt(0, 2, 64, 32, 1)},
+      {"mxfp4", "\"mxfp4\"", 32, dsv4_ckpt(0, 2, 64, 32, 1)},
+      // Groups of 64: described, not loadable, so no kt format.
+      {"int4_group", "null", 64, g64},
+  };
+  int i = 0;
   for (const auto& c : ckpts) {
-    const std::string d = write("info_" + c.first, c.second);
+    SCOPED_TRACE(c.weight_format);
+    const std::string d = write("info_" + std::to_string(i++), c.q);
     const std::string cmd = std::string(KT_CLI_PATH) + " info " + d + " --json" + " 2>&1";
     FILE* f = popen(cmd.c_str(), "r");
     ASSERT_NE(f, nullptr);
@@ -789,8 +801,15 @@ TEST_F(QuantCheckpoints, KtInfoDescribesEachFormat) {
     size_t n;
     while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out.append(buf, n);
     EXPECT_EQ(pclose(f), 0) << out;
-    EXPECT_NE(out.find("\"format\": \"" + c.first + "\""), std::string::npos) << out;
-    EXPECT_NE(out.find("\"loadable\": true"), std::string::npos) << out;
+    EXPECT_NE(out.find("\"format\": \"" + c.family + "\""), std::string::npos) << out;
+    const bool loadable = c.weight_format != "null";
+    EXPECT_NE(out.find(std::string("\"loadable\": ") + (loadable ? "true" : "false")),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("\"weight_format\": " + c.weight_format +
+                       ", \"group_size\": " + std::to_string(c.group)),
+              std::string::npos)
+        << out;
   }
 }
 #endif
