@@ -1462,6 +1462,8 @@ KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist
  *   s = bf16(max|W[o,group]| / 7) rounded up, q in [-7, 7]; W' = q * s.
  *   Error against W: at most s / 2 per element; 9.7 % relative L2
  *   measured on Gaussian rows (4 bits).
+ * - KT_FORMAT_INT4_G128: the same per group of 128 inputs; 11.8 % relative
+ *   L2 on Gaussian rows (a group's largest value sets a wider step).
  * Scales are stored as bf16, so W' is exact in fp32. The forward applies
  * each group's scale in fp32 to the group's partial sum, so y has the
  * accuracy of the bf16 path against a reference computed from W'. Backward
