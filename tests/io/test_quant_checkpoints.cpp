@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <malloc.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -314,6 +315,84 @@ TEST_F(QuantCheckpoints, Mxfp4DeepSeekV4KnownAnswers) {
 }
 
 // ------------------------------------- bf16 layers: only when asked, both ways
+
+// The resident set of this process (Linux /proc), bytes; -1 elsewhere.
+int64_t resident_bytes() {
+  std::FILE* f = std::fopen("/proc/self/status", "r");
+  if (!f) return -1;
+  char line[256];
+  int64_t kb = -1;
+  while (std::fgets(line, sizeof(line), f))
+    if (std::strncmp(line, "VmRSS:", 6) == 0) kb = std::strtoll(line + 6, nullptr, 10);
+  std::fclose(f);
+  return kb < 0 ? -1 : kb * 1024;
+}
+
+// A quantized layer is held once, as its codes and scales: loading it from
+// its checkpoint grows the resident set by its weight_bytes (plus the
+// page rounding), well under what bf16 would take (a bf16 layer of these
+// shapes grows it by its 24 MiB and 0.1 MiB), and weight_bytes is
+// the format's bytes a weight (codes, scales, zero points) on the panel grid.
+TEST_F(QuantCheckpoints, QuantizedLayersAreHeldOnceAsTheirCodesAndScales) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine are in the resident set";
+#endif
+  if (resident_bytes() < 0) GTEST_SKIP() << "needs Linux /proc to measure the resident set";
+  struct Held {
+    std::string name;
+    std::function<QuantCkpt()> make;
+    int64_t layer;
+    double bytes_per_weight;  // codes + scales (+ zero points)
+  };
+  constexpr int64_t E = 8, H = 1024, I = 512;
+  const std::vector<Held> cases = {
+      {"fp8_b128", [] { return fp8_ckpt(0, E, H, I, 41); }, 0, 1.0 + 4.0 / (128 * 128)},
+      {"int4_g32", [] { return int4_ckpt(1, E, H, I, 32, true, 42); }, 1, 0.5 + 2.0 / 32},
+      {"int4_g128_zp", [] { return int4_ckpt(1, E, H, I, 128, false, 43); }, 1, 0.5 + 3.0 / 128},
+      {"mxfp4_gpt_oss", [] { return gpt_oss_ckpt(0, E, H, I, 44); }, 0, 0.5 + 2.0 / 32},
+      {"mxfp4_v4", [] { return dsv4_ckpt(2, E, H, I, 45); }, 2, 0.5 + 2.0 / 32},
+  };
+  for (const Held& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::string d;
+    {
+      const QuantCkpt q = c.make();
+      d = write("held_" + c.name, q);
+    }
+    malloc_trim(0);  // the last case's layer back to the system
+    const int64_t before = resident_bytes();
+    kt_moe* moe = nullptr;
+    ASSERT_EQ(load(d, c.layer, &moe), KT_OK) << kt_last_error();
+    malloc_trim(0);  // what the load freed (its batches of source values)
+    const int64_t grown = resident_bytes() - before;
+    kt_moe_info mi;
+    mi.struct_size = sizeof(mi);
+    ASSERT_EQ(kt_moe_get_info(moe, &mi), KT_OK);
+    EXPECT_EQ(mi.num_loaded, E);
+    const int64_t weights = 3 * E * H * I, bf16 = 2 * weights;
+    // These shapes are on the 16-row, 128-column grid: no padding. fp8's
+    // scales go per block row to each of its 128 rows' panels (fp32).
+    const double per_weight = static_cast<double>(mi.weight_bytes) / static_cast<double>(weights);
+    EXPECT_LE(per_weight, c.name == "fp8_b128" ? 1.0 + 4.0 / 128 : c.bytes_per_weight * 1.001)
+        << mi.weight_bytes;
+    EXPECT_GE(per_weight, c.bytes_per_weight) << mi.weight_bytes;
+    // The measure sees the layer (it is in memory once) and nothing more:
+    // each projection's buffer in whole 2 MiB pages (kt's buffers of 2 MiB
+    // and more are huge-page aligned and advised), these shapes' three
+    // projections of equal size, and 2 MiB for what a layer's first load
+    // sets up besides (0.9 MiB measured; 0.1 MiB on later loads).
+    const int64_t page = int64_t{2} << 20;
+    const int64_t held = 3 * ((mi.weight_bytes / 3 + page - 1) / page * page);
+    EXPECT_GE(grown, mi.weight_bytes * 9 / 10) << grown;
+    EXPECT_LE(grown, held + page) << "resident set grew " << grown << " bytes for "
+                                  << mi.weight_bytes << " bytes of weights (bf16: " << bf16 << ")";
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.3f of bf16",
+                  static_cast<double>(grown) / static_cast<double>(bf16));
+    ::testing::Test::RecordProperty("resident_growth_" + c.name, text);
+    kt_moe_destroy(moe);
+  }
+}
 
 TEST_F(QuantCheckpoints, DequantizingIsAnExplicitChoiceAndBf16CheckpointsStayBf16) {
   const QuantCkpt q = fp8_ckpt(0, 2, 128, 64, 3);
