@@ -1565,7 +1565,9 @@ KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size
  *   `weight` U8/I8 [out, in/2] and `scale` [out, ceil(in/32)]. Held as
  *   KT_FORMAT_MXFP4 (codes and scales as stored: exact).
  * Every e4m3 NaN code, e8m0 scale 0xFF and non-finite scale is refused at
- * load (KT_ERR_IO, naming the tensor, row and column). A checkpoint whose
+ * load (KT_ERR_IO, naming the tensor, row and column). A finite scale of 0
+ * is taken as stored: its block's or group's weights are 0 (none of these
+ * formats reserves it; e8m0 cannot express 0). A checkpoint whose
  * expert tensors are bf16/fp16/fp32 (e.g. a dequantized training checkpoint
  * of a quantized base) is dense whatever its quantization_config says: the
  * tensors decide. kt_ckpt_moe_options sets weight_format to the format that
