@@ -829,6 +829,26 @@ TEST_F(QuantCheckpoints, NanCodesAndScalesAreRefusedWithNothingChanged) {
   }
 }
 
+// A zero scale is taken as stored (kt_c_api.h): its group's or block's
+// weights are 0, the rest as decoded.
+TEST_F(QuantCheckpoints, ZeroScalesAreTakenAsStored) {
+  QuantCkpt i4 = int4_ckpt(1, 2, 64, 32, 32, true, 5);
+  StTensor& s = i4.find("model.layers.1.mlp.experts.0.gate_proj.weight_scale");
+  std::memset(s.bytes.data(), 0, 2);  // row 0, group 0
+  for (int c = 0; c < 32; ++c) i4.w[0][static_cast<size_t>(c)] = 0.f;
+  QuantCkpt f8 = fp8_ckpt(0, 2, 256, 128, 6);
+  StTensor& b = f8.find("model.layers.0.mlp.experts.1.down_proj.weight_scale_inv");
+  std::memset(b.bytes.data() + 4, 0, 4);  // [2, 1] blocks: rows 128-255 of expert 1's [256, 128]
+  for (int64_t r = 128; r < 256; ++r)
+    for (int64_t c = 0; c < 128; ++c) f8.w[2][static_cast<size_t>((256 + r) * 128 + c)] = 0.f;
+  for (const auto& [q, L] : {std::make_pair(i4, int64_t{1}), std::make_pair(f8, int64_t{0})}) {
+    kt_moe* moe = nullptr;
+    ASSERT_EQ(load(write("zero_scale_" + std::to_string(L), q), L, &moe), KT_OK) << kt_last_error();
+    expect_holds(moe, q);
+    kt_moe_destroy(moe);
+  }
+}
+
 TEST_F(QuantCheckpoints, ScalesNotExactInBf16AreNotRoundedSilently) {
   // fp16 scales of an int4 layer: kt's int4 formats keep bf16 scales, so a
   // scale bf16 cannot hold is refused (KT_ERR_UNSUPPORTED), and the layer
