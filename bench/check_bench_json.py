@@ -115,7 +115,8 @@ def check_formats(model, formats, where, profile):
         label, case, tokens = key
         fmt = r["format"]
         what = f"{where} {label} {case} T={tokens}"
-        require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16", "bf16_ms_alternating"], what)
+        require(r, ["source", "bytes_per_weight", "ms", "gbs", "pct_bandwidth", "time_vs_bf16", "bf16_ms_alternating",
+                    "time_vs_bf16_paired"], what)
         if "error" in r:
             fail(f"{what}: kt failed: {r['error']}")
         want = stored_bytes_per_weight(fmt, model["hidden"], model["intermediate"])
@@ -131,6 +132,8 @@ def check_formats(model, formats, where, profile):
             fail(f"{what}: no bf16 time taken in alternation")
         if abs(r["time_vs_bf16"] - r["ms"] / r["bf16_ms_alternating"]) > 1e-4 * r["time_vs_bf16"]:
             fail(f"{what}: time_vs_bf16 {r['time_vs_bf16']} is not ms / bf16_ms_alternating")
+        if not r["time_vs_bf16_paired"] or not 0 < r["time_vs_bf16_paired"] < 1e3:
+            fail(f"{what}: time_vs_bf16_paired {r['time_vs_bf16_paired']} is not a ratio of two times")
         check_read_beside(r, what)
         if profile:
             check_profile(r, what)

@@ -312,6 +312,7 @@ struct FormatRow {
   int64_t tokens = 0;
   double bytes_per_weight = 0, bytes = 0, kt_s = NAN;
   double bf16_s = NAN;  // the bf16 layer, timed in alternation with this one
+  double paired = NAN;  // the median of each round's kt_s / bf16_s (Alternating::ratio)
   // A plain read of `bytes` by the same threads, the third call of each of
   // those rounds: its median and fastest (NaN where the bytes are over its
   // buffer's size), and the fastest of kt's calls. Single calls and reads
@@ -588,6 +589,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
           if (s.mine >= 0) {
             fr.kt_s = s.mine;
             fr.bf16_s = s.other;
+            fr.paired = s.ratio;
             fr.read_s = s.beside;
             fr.kt_best_s = s.mine_best;
             fr.read_best_s = s.beside_best;
@@ -849,11 +851,15 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
           "format;\n"
           "t/t_bf16 against the bf16 layer timed in alternation with the format, call by call: its "
           "ms in\n"
-          "the next column; rd GB/s: a plain read of the same bytes by the same threads, the third "
-          "call of\n"
-          "each of those rounds, the DRAM bandwidth at that moment; %%rd: GB/s against it, "
-          "medians; best:\n"
-          "the same for the fastest call and the fastest read):\n");
+          "the next column; pair: the median of each round's ratio of the two calls, side by side "
+          "and taking\n"
+          "turns at going first (steadier when the load drifts within the run); rd GB/s: a plain "
+          "read of\n"
+          "the same bytes by the same threads, the third call of each of those rounds, the DRAM "
+          "bandwidth\n"
+          "at that moment; %%rd: GB/s against it, medians; best: the same for the fastest call and "
+          "the\n"
+          "fastest read):\n");
       for (const FormatError& e : mr.format_errors) {
         std::printf("   %s: W' against the bf16 weights, relative L2 %s%%",
                     e.choice.label().c_str(), fmt("%.2f", 100 * e.weight_rel_l2).c_str());
@@ -866,9 +872,9 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
       for (const CheckpointWritten& c : mr.checkpoints)
         std::printf("   %s: loaded from a synthetic checkpoint of these weights (%.2f GB, written in %.1f s)\n",
                     kt_weight_format_name(c.format), c.file_bytes / 1e9, c.seconds);
-      std::printf("   %-19s %6s %-17s %7s %10s %8s %6s %9s %10s %8s %5s %5s\n", "case", "T",
-                  "format", "B/wt", "ms", "GB/s", "%bw", "t/t_bf16", "bf16 ms", "rd GB/s", "%rd",
-                  "best");
+      std::printf("   %-19s %6s %-17s %7s %10s %8s %6s %9s %10s %5s %8s %5s %5s\n", "case", "T",
+                  "format", "B/wt", "ms", "GB/s", "%bw", "t/t_bf16", "bf16 ms", "pair", "rd GB/s",
+                  "%rd", "best");
       for (const Row& r : mr.rows) {
         std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s\n", case_label(r.which),
                     static_cast<long long>(r.tokens), "bf16", 2.0,
@@ -877,13 +883,13 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                     "1.00");
         for (const FormatRow& f : mr.formats) {
           if (f.which != r.which || f.tokens != r.tokens) continue;
-          std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s %10s %8s %5s %5s\n", "",
+          std::printf("   %-19s %6lld %-17s %7.3f %10s %8s %6s %9s %10s %5s %8s %5s %5s\n", "",
                       static_cast<long long>(f.tokens), f.choice.label().c_str(),
                       f.bytes_per_weight, fmt("%.3f", f.kt_s * 1e3).c_str(),
                       fmt("%.1f", f.bytes / f.kt_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs).c_str(),
                       fmt("%.2f", f.kt_s / f.bf16_s).c_str(), fmt("%.3f", f.bf16_s * 1e3).c_str(),
-                      fmt("%.1f", f.bytes / f.read_s / 1e9).c_str(),
+                      fmt("%.2f", f.paired).c_str(), fmt("%.1f", f.bytes / f.read_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.read_s / f.kt_s).c_str(),
                       fmt("%.0f", 100 * f.read_best_s / f.kt_best_s).c_str());
           if (!f.kt_stage_ms.empty()) {
@@ -1120,6 +1126,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("pct_bandwidth").value(100 * f.bytes / f.kt_s / 1e9 / lim.machine.dram_read_gbs);
       j.key("time_vs_bf16").value(f.kt_s / f.bf16_s);
       j.key("bf16_ms_alternating").value(f.bf16_s * 1e3);
+      j.key("time_vs_bf16_paired").value(f.paired);
       j.key("read_gbs_alternating").value(f.bytes / f.read_s / 1e9);
       j.key("pct_read_bandwidth").value(100 * f.read_s / f.kt_s);
       j.key("read_gbs_alternating_best").value(f.bytes / f.read_best_s / 1e9);

@@ -41,6 +41,11 @@ class KtRunner {
   struct Alternating {
     double mine = -1, other = -1, beside = -1;                 // medians
     double mine_best = -1, other_best = -1, beside_best = -1;  // fastest
+    // The median over the rounds of each round's mine / other: the two
+    // calls side by side (taking turns at going first), so a drift of the
+    // machine's load within the run leaves it, where the medians of each
+    // side may catch it on different calls.
+    double ratio = -1;
   };
   Alternating time_alternating(KtRunner* other, Case which, const Workload& work, int warmup,
                                int reps, std::string* error,
