@@ -853,7 +853,7 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
           "ms in\n"
           "the next column; pair: the median of each round's ratio of the two calls, side by side "
           "and taking\n"
-          "turns at going first (steadier when the load drifts within the run); rd GB/s: a plain "
+          "turns at going first (each call against the one beside it); rd GB/s: a plain "
           "read of\n"
           "the same bytes by the same threads, the third call of each of those rounds, the DRAM "
           "bandwidth\n"

@@ -206,23 +206,19 @@ KtRunner::Alternating KtRunner::time_alternating(KtRunner* other, Case which, co
   for (int i = 0; settled < 0 || i < settled + reps; ++i) {
     if (settled < 0 && i >= warmup && now_seconds() - settle_start >= kSettleSeconds) settled = i;
     const Batch& b = work.batches[static_cast<size_t>(i) % work.batches.size()];
+    const auto timed = [&](KtRunner* r, double* seconds) {
+      const double start = now_seconds();
+      if (!r->call(which, b, y, dx, droute, error)) return false;
+      *seconds = now_seconds() - start;
+      return true;
+    };
     // The layers take turns at going first (the one after the read beside
     // runs on colder caches).
     const bool other_first = other && i % 2 == 1;
-    double t_theirs = NAN;
-    double start = now_seconds();
-    if (other_first) {
-      if (!other->call(which, b, y, dx, droute, error)) return failed;
-      t_theirs = now_seconds() - start;
-      start = now_seconds();
-    }
-    if (!call(which, b, y, dx, droute, error)) return failed;
-    const double t_mine = now_seconds() - start;
-    if (other && !other_first) {
-      start = now_seconds();
-      if (!other->call(which, b, y, dx, droute, error)) return failed;
-      t_theirs = now_seconds() - start;
-    }
+    double t_mine = NAN, t_theirs = NAN;
+    if (other_first && !timed(other, &t_theirs)) return failed;
+    if (!timed(this, &t_mine)) return failed;
+    if (other && !other_first && !timed(other, &t_theirs)) return failed;
     const double t_beside = beside_ran ? beside() : -1;
     beside_ran = beside_ran && t_beside >= 0;
     if (settled < 0) continue;

@@ -203,6 +203,30 @@ func ckWeights(t *testing.T, m *MoE) [3][]float32 {
 	return w
 }
 
+// The checkpoints these tests write: fp8 blocks, mxfp4 and int4 with zero
+// points (whose weights, decoded as written, go to *int4ZPWant).
+type quantCkptCase struct {
+	name   string
+	write  func(*testing.T, string, *rand.Rand) int64
+	format WeightFormat
+	group  int64
+}
+
+func quantCkptCases(int4ZPWant *[3][]float32) []quantCkptCase {
+	return []quantCkptCase{{"fp8", fp8Checkpoint, FormatFP8B128, 128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4, 32},
+		{"int4_zp", int4ZPCheckpoint(int4ZPWant), FormatInt4G32ZP, 32}}
+}
+
+// writtenCheckpoint writes c's checkpoint into a new directory: its path and
+// the layer number it holds.
+func writtenCheckpoint(t *testing.T, c quantCkptCase) (string, int64) {
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return dir, c.write(t, dir, rand.New(rand.NewSource(7)))
+}
+
 func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
 	engine, err := NewEngine(&EngineOptions{NumThreads: 2})
 	if err != nil {
@@ -210,19 +234,8 @@ func TestQuantizedCheckpointsMakePackedCachesOfTheirFormat(t *testing.T) {
 	}
 	defer engine.Close()
 	var int4ZPWant [3][]float32
-	cases := []struct {
-		name   string
-		write  func(*testing.T, string, *rand.Rand) int64
-		format WeightFormat
-		group  int64
-	}{{"fp8", fp8Checkpoint, FormatFP8B128, 128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4, 32},
-		{"int4_zp", int4ZPCheckpoint(&int4ZPWant), FormatInt4G32ZP, 32}}
-	for _, c := range cases {
-		dir := filepath.Join(t.TempDir(), "ckpt")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		layer := c.write(t, dir, rand.New(rand.NewSource(7)))
+	for _, c := range quantCkptCases(&int4ZPWant) {
+		dir, layer := writtenCheckpoint(t, c)
 		ck, err := OpenCheckpoint(dir)
 		if err != nil {
 			t.Fatal(err)
@@ -424,18 +437,8 @@ func TestQuantizedCheckpointsLoadIntoBF16OnlyWhenDequantized(t *testing.T) {
 	}
 	defer engine.Close()
 	var int4ZPWant [3][]float32
-	cases := []struct {
-		name   string
-		write  func(*testing.T, string, *rand.Rand) int64
-		format WeightFormat
-	}{{"fp8", fp8Checkpoint, FormatFP8B128}, {"mxfp4", mxfp4Checkpoint, FormatMXFP4},
-		{"int4_zp", int4ZPCheckpoint(&int4ZPWant), FormatInt4G32ZP}}
-	for _, c := range cases {
-		dir := filepath.Join(t.TempDir(), "ckpt")
-		if err := os.MkdirAll(dir, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		layer := c.write(t, dir, rand.New(rand.NewSource(7)))
+	for _, c := range quantCkptCases(&int4ZPWant) {
+		dir, layer := writtenCheckpoint(t, c)
 		decoded := int4ZPWant // (q - z) * scale: exact in float32
 		if c.format != FormatInt4G32ZP {
 			decoded = decodedWeights(t, dir, c.format)

@@ -96,14 +96,18 @@ class QuantCheckpoints : public ::testing::Test {
     return v;
   }
   // Every weight the layer holds equals the checkpoint's bits as decoded
-  // here (bit for bit: both are exact in fp32).
-  static void expect_holds(kt_moe* moe, const QuantCkpt& q) {
+  // here (bit for bit: both are exact in fp32), rounded to bf16 once where
+  // the layer holds them dequantized.
+  static void expect_holds(kt_moe* moe, const QuantCkpt& q, bool bf16_rounded = false) {
     for (int p = 0; p < 3; ++p) {
       const std::vector<float> got = read(moe, p, q.E, out_of(q, p), in_of(q, p));
       int64_t bad = 0;
-      for (size_t i = 0; i < got.size(); ++i)
-        if (got[i] != q.w[p][i] && bad++ < 3)
-          ADD_FAILURE() << "projection " << p << " element " << i << ": " << got[i] << " != " << q.w[p][i];
+      for (size_t i = 0; i < got.size(); ++i) {
+        const float want = bf16_rounded ? kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i])) : q.w[p][i];
+        if (got[i] != want && bad++ < 3)
+          ADD_FAILURE() << "projection " << p << " element " << i << ": " << got[i]
+                        << " != " << want;
+      }
       EXPECT_EQ(bad, 0) << "projection " << p;
     }
   }
@@ -228,11 +232,7 @@ TEST_F(QuantCheckpoints, AsymmetricInt4KnownAnswersHeldNatively) {
     // Dequantized into bf16 when asked: each value rounded to bf16 once.
     moe = nullptr;
     ASSERT_EQ(load(d, 1, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
-    for (int p = 0; p < 3; ++p) {
-      const std::vector<float> got = read(moe, p, 3, out_of(q, p), in_of(q, p));
-      for (size_t i = 0; i < got.size(); ++i)
-        ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i]))) << "projection " << p << " element " << i;
-    }
+    expect_holds(moe, q, true);
     kt_moe_destroy(moe);
   }
 }
@@ -342,11 +342,11 @@ TEST_F(QuantCheckpoints, QuantizedLayersAreHeldOnceAsTheirCodesAndScales) {
     std::string name;
     std::function<QuantCkpt()> make;
     int64_t layer;
-    double bytes_per_weight;  // codes + scales (+ zero points)
+    double bytes_per_weight;  // codes + scales (+ zero points), as kt stores them
   };
   constexpr int64_t E = 8, H = 1024, I = 512;
   const std::vector<Held> cases = {
-      {"fp8_b128", [] { return fp8_ckpt(0, E, H, I, 41); }, 0, 1.0 + 4.0 / (128 * 128)},
+      {"fp8_b128", [] { return fp8_ckpt(0, E, H, I, 41); }, 0, 1.0 + 4.0 / 128},
       {"int4_g32", [] { return int4_ckpt(1, E, H, I, 32, true, 42); }, 1, 0.5 + 2.0 / 32},
       {"int4_g128_zp", [] { return int4_ckpt(1, E, H, I, 128, false, 43); }, 1, 0.5 + 3.0 / 128},
       {"mxfp4_gpt_oss", [] { return gpt_oss_ckpt(0, E, H, I, 44); }, 0, 0.5 + 2.0 / 32},
@@ -370,12 +370,11 @@ TEST_F(QuantCheckpoints, QuantizedLayersAreHeldOnceAsTheirCodesAndScales) {
     ASSERT_EQ(kt_moe_get_info(moe, &mi), KT_OK);
     EXPECT_EQ(mi.num_loaded, E);
     const int64_t weights = 3 * E * H * I, bf16 = 2 * weights;
-    // These shapes are on the 16-row, 128-column grid: no padding. fp8's
-    // scales go per block row to each of its 128 rows' panels (fp32).
+    // These shapes are on the 16-row, 128-column grid: no padding. A scale
+    // per row and group, bf16 (fp8: its block's fp32 scale in each of the
+    // block's rows), and a zero-point byte per row and group.
     const double per_weight = static_cast<double>(mi.weight_bytes) / static_cast<double>(weights);
-    EXPECT_LE(per_weight, c.name == "fp8_b128" ? 1.0 + 4.0 / 128 : c.bytes_per_weight * 1.001)
-        << mi.weight_bytes;
-    EXPECT_GE(per_weight, c.bytes_per_weight) << mi.weight_bytes;
+    EXPECT_NEAR(per_weight, c.bytes_per_weight, 1e-3 * c.bytes_per_weight) << mi.weight_bytes;
     // The measure sees the layer (it is in memory once) and nothing more:
     // each projection's buffer in whole 2 MiB pages (kt's buffers of 2 MiB
     // and more are huge-page aligned and advised), these shapes' three
@@ -408,11 +407,7 @@ TEST_F(QuantCheckpoints, DequantizingIsAnExplicitChoiceAndBf16CheckpointsStayBf1
   EXPECT_EQ(loaded, 0);
   // Asked for: W rounded to bf16 once.
   ASSERT_EQ(load(d, 0, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
-  for (int p = 0; p < 3; ++p) {
-    const std::vector<float> got = read(moe, p, 2, out_of(q, p), in_of(q, p));
-    for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i]))) << "projection " << p << " element " << i;
-  }
+  expect_holds(moe, q, true);
   kt_moe_destroy(moe);
   // Never re-quantized into another format.
   moe = nullptr;
@@ -445,11 +440,7 @@ TEST_F(QuantCheckpoints, DequantizingIsAnExplicitChoiceAndBf16CheckpointsStayBf1
   mi.struct_size = sizeof(mi);
   ASSERT_EQ(kt_moe_get_info(moe, &mi), KT_OK);
   EXPECT_EQ(mi.weight_format, KT_FORMAT_BF16);
-  for (int p = 0; p < 3; ++p) {
-    const std::vector<float> got = read(moe, p, 2, out_of(q, p), in_of(q, p));
-    for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[p][i]))) << "projection " << p << " element " << i;
-  }
+  expect_holds(moe, q, true);
   kt_moe_destroy(moe);
   // An fp8 layer cannot take the bf16 checkpoint (kt does not quantize to fp8).
   moe = nullptr;
@@ -688,16 +679,18 @@ TEST_F(QuantCheckpoints, ConfigsKtDoesNotHoldAreRefusedNamingWhatWasFound) {
   struct Unheld {
     std::string name;
     QuantCkpt q;
+    int64_t layer;
+    kt_weight_format native;  // the format that would hold it
     std::string from, to, fragment;
     bool dequantizes;
   };
   const QuantCkpt fp8 = fp8_ckpt(0, 2, 256, 128, 1), i4 = int4_ckpt(1, 2, 64, 32, 32, true, 2);
   const std::vector<Unheld> cases = {
-      {"scheme", fp8, R"("activation_scheme": "dynamic")", R"("activation_scheme": "tensorwise")",
-       R"(activation_scheme is "tensorwise")", true},
-      {"type", i4, R"("type": "int")", R"("type": "float")", R"(type is "float": kt holds 'int')",
-       false},
-      {"strategy", i4, R"("strategy": "group")", R"("strategy": "channel")",
+      {"scheme", fp8, 0, KT_FORMAT_FP8_B128, R"("activation_scheme": "dynamic")",
+       R"("activation_scheme": "tensorwise")", R"(activation_scheme is "tensorwise")", true},
+      {"type", i4, 1, KT_FORMAT_INT4_G32, R"("type": "int")", R"("type": "float")",
+       R"(type is "float": kt holds 'int')", false},
+      {"strategy", i4, 1, KT_FORMAT_INT4_G32, R"("strategy": "group")", R"("strategy": "channel")",
        R"(strategy is "channel": kt holds 'group')", false},
   };
   for (const Unheld& c : cases) {
@@ -714,22 +707,18 @@ TEST_F(QuantCheckpoints, ConfigsKtDoesNotHoldAreRefusedNamingWhatWasFound) {
     ASSERT_EQ(kt_ckpt_get_layer_info(ck, 0, &li), KT_OK) << kt_last_error();
     EXPECT_EQ(li.loadable, 0);
     kt_ckpt_close(ck);
-    const int64_t L = c.name == "scheme" ? 0 : 1;
-    const int native = c.name == "scheme" ? KT_FORMAT_FP8_B128 : KT_FORMAT_INT4_G32;
     kt_moe* moe = nullptr;
-    EXPECT_EQ(load(d, L, &moe, native), KT_ERR_UNSUPPORTED);
+    EXPECT_EQ(load(d, c.layer, &moe, c.native), KT_ERR_UNSUPPORTED);
     EXPECT_NE(std::string(kt_last_error()).find(c.fragment), std::string::npos) << kt_last_error();
     int64_t loaded = -1;
     ASSERT_EQ(kt_moe_num_loaded(moe, &loaded), KT_OK);
     EXPECT_EQ(loaded, 0);
     kt_moe_destroy(moe);
     moe = nullptr;
-    const kt_status deq = load(d, L, &moe, KT_FORMAT_BF16, 1);
+    const kt_status deq = load(d, c.layer, &moe, KT_FORMAT_BF16, 1);
     if (c.dequantizes) {
       ASSERT_EQ(deq, KT_OK) << kt_last_error();
-      const std::vector<float> gate = read(moe, 0, 2, out_of(q, 0), in_of(q, 0));
-      for (size_t i = 0; i < gate.size(); ++i)
-        ASSERT_EQ(gate[i], kt::bf16_to_f32(kt::f32_to_bf16(q.w[0][i]))) << i;
+      expect_holds(moe, q, true);
     } else {
       EXPECT_EQ(deq, KT_ERR_UNSUPPORTED);
       EXPECT_NE(std::string(kt_last_error()).find(c.fragment), std::string::npos)
@@ -758,12 +747,7 @@ TEST_F(QuantCheckpoints, ConfigsKtDoesNotHoldAreRefusedNamingWhatWasFound) {
   kt_moe_destroy(moe);
   moe = nullptr;
   ASSERT_EQ(load(d, 1, &moe, KT_FORMAT_BF16, 1), KT_OK) << kt_last_error();
-  for (int p = 0; p < 3; ++p) {
-    const std::vector<float> got = read(moe, p, 2, out_of(g64, p), in_of(g64, p));
-    for (size_t i = 0; i < got.size(); ++i)
-      ASSERT_EQ(got[i], kt::bf16_to_f32(kt::f32_to_bf16(g64.w[p][i])))
-          << "projection " << p << " element " << i;
-  }
+  expect_holds(moe, g64, true);
   kt_moe_destroy(moe);
 }
 
