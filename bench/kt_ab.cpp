@@ -32,6 +32,7 @@ const char kUsage[] =
     "  --format NAME     weight format (default bf16; int8_channel, int4_g32,\n"
     "                    int4_g128: quantized by kt at load)\n"
     "  --int8            int8 activations (KT_COMPUTE_INT8, integer formats)\n"
+    "  --backend B       weight GEMMs by native (default) or onednn in both\n"
     "  --dx              time forward + backward for dx (the frozen base's\n"
     "                    training step without parameter gradients)\n"
     "  --tokens T        tokens per forward (default 32)\n"
@@ -60,6 +61,7 @@ struct Api {
   decltype(&kt_last_error) last_error = nullptr;
   decltype(&kt_weight_format_name) format_name = nullptr;
   decltype(&kt_version) version = nullptr;
+  decltype(&kt_engine_set_gemm_backend) set_gemm_backend = nullptr;
 };
 
 template <typename F>
@@ -85,9 +87,11 @@ bool open_api(const char* path, Api* api) {
          bind(h, "kt_moe_load_weights", &api->load_weights) &&
          bind(h, "kt_moe_forward", &api->forward) && bind(h, "kt_moe_backward", &api->backward) &&
          bind(h, "kt_backward_options_defaults", &api->backward_defaults) &&
-         bind(h, "kt_context_release", &api->context_release) && bind(h, "kt_last_error", &api->last_error) &&
+         bind(h, "kt_context_release", &api->context_release) &&
+         bind(h, "kt_last_error", &api->last_error) &&
          bind(h, "kt_weight_format_name", &api->format_name) &&
-         bind(h, "kt_version", &api->version);
+         bind(h, "kt_version", &api->version) &&
+         bind(h, "kt_engine_set_gemm_backend", &api->set_gemm_backend);
 }
 
 DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int64_t* shape) {
@@ -105,6 +109,7 @@ struct Options {
   std::string format = "bf16";
   bool int8 = false;
   bool dx = false;
+  bool onednn = false;
   int64_t tokens = 32, experts = 128, top_k = 8, hidden = 2048, intermediate = 768;
   int threads = 2, calls = 0, rounds = 3;
   int64_t pause_us = 0;
@@ -144,6 +149,14 @@ bool parse(int argc, char** argv, Options* o) {
       o->format = v;
     } else if (a == "--int8") {
       o->int8 = true;
+    } else if (a == "--backend") {
+      const char* v = value("--backend");
+      if (!v) return false;
+      if (std::strcmp(v, "onednn") != 0 && std::strcmp(v, "native") != 0) {
+        std::fprintf(stderr, "kt_ab: --backend takes native or onednn, not '%s'\n", v);
+        return false;
+      }
+      o->onednn = std::strcmp(v, "onednn") == 0;
     } else if (a == "--dx") {
       o->dx = true;
     } else if (a == "--tokens") {
@@ -234,6 +247,7 @@ int main(int argc, char** argv) {
     mo.weight_format = format;
     if (o.int8) mo.compute = KT_COMPUTE_INT8;
     if (api[q].engine_create(&eo, &engine[q]) != KT_OK ||
+        (o.onednn && api[q].set_gemm_backend(engine[q], KT_GEMM_ONEDNN) != KT_OK) ||
         api[q].moe_create(engine[q], &mo, &moe[q]) != KT_OK ||
         api[q].load_weights(moe[q], nullptr, load, 3) != KT_OK) {
       std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());

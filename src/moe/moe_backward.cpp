@@ -189,6 +189,10 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   dyf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   dya_.reserve(static_cast<size_t>(std::max<int64_t>(T * Hp * a_size_, 1)));
   pack_rows_a(c.dy, T, Hp, dya_.data(), dyf_.data());
+  // As x in the forward: dy's rows in route order where the GEMM reads only
+  // equally spaced rows in place, so the da' calls read them where they lie.
+  const bool dy_by_route = K_.gemm_reads_spaced_rows;
+  if (dy_by_route) rows_by_route(R, dya_.data(), Hp * a_size_, &dyr_);
   const float* dyf = dyf_.data();
 
   // Stage 1: LoRA down, lb_d = dy . (s B_d).
@@ -227,7 +231,9 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
       const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
       for (int i = 0; i < m; ++i)
-        s.rows[static_cast<size_t>(i)] = dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
+        s.rows[static_cast<size_t>(i)] =
+            dy_by_route ? dyr_.data() + (p0 + i) * Hp * a_size_
+                        : dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
       K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
       if (lora_on(kDown)) {

@@ -165,6 +165,17 @@ void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, i
   });
 }
 
+void kt_moe::rows_by_route(const Routing& R, const char* src, int64_t row_bytes,
+                           Buffer<char>* dst) {
+  dst->reserve(static_cast<size_t>(std::max<int64_t>(R.routes * row_bytes, 1)));
+  char* out = dst->data();
+  engine->pool->run(ceil_div(R.routes, 64), [&](int64_t blk, int) {
+    for (int64_t p = blk * 64; p < std::min(R.routes, blk * 64 + 64); ++p)
+      std::memcpy(out + p * row_bytes, src + R.token[static_cast<size_t>(p)] * row_bytes,
+                  static_cast<size_t>(row_bytes));
+  });
+}
+
 void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool by_token,
                           const float* src, int64_t ld, float* out) {
   chunk_items(R);
@@ -215,6 +226,15 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
     pack_rows_a(c.x, T, kpH, xa_.data(), xf);
   }
+  // Where the GEMMs read only equally spaced rows in place (AMX tiles,
+  // oneDNN), x's rows go once into route order: an expert's gate and up
+  // calls (two per block of I) then read them where they lie instead of
+  // each gathering them again.
+  const bool x_by_route = K_.gemm_reads_spaced_rows;
+  const int64_t x_row_bytes = int8 ? xq_stride : kpH * a_size_;
+  if (x_by_route)
+    rows_by_route(R, int8 ? reinterpret_cast<const char*>(xq_.data()) : xa_.data(), x_row_bytes,
+                  &xr_);
 
   // Saved or scratch intermediates.
   const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
@@ -279,8 +299,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       for (int i = 0; i < m; ++i) {
         const int64_t t = R.token[static_cast<size_t>(p0 + i)];
         s.rows[static_cast<size_t>(i)] =
-            int8 ? static_cast<const void*>(xq_.data() + t * xq_stride)
-                 : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
+            x_by_route ? static_cast<const void*>(xr_.data() + (p0 + i) * x_row_bytes)
+            : int8     ? static_cast<const void*>(xq_.data() + t * xq_stride)
+                       : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
       }
       const bool last = p0 + row_chunk >= pend;
       base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, W, up);

@@ -250,6 +250,10 @@ struct kt_moe {
   // out[pos] = row(pos) . M[e]^T for every position, M = mats + e*r*in
   // ([r, in] per expert); row(pos) = src + token(pos)*ld when by_token, else
   // src + pos*ld.
+  // The row of each route's token (src: rows row_bytes apart, by token)
+  // into dst in route order.
+  void rows_by_route(const kt::Routing& R, const char* src, int64_t row_bytes,
+                     kt::Buffer<char>* dst);
   void project_rows(const kt::Routing& R, const float* mats, int64_t in, bool by_token,
                     const float* src, int64_t ld, float* out);
   void check_bound_memory(const std::vector<std::pair<int, kt::View>>& accepted, const char* where) const;
@@ -293,6 +297,9 @@ struct kt_moe {
   // Workspaces, sized on first use up to max_tokens.
   kt::Routing routing_;
   kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
+  // x's and dy's rows in route order, where the GEMM reads only equally
+  // spaced rows in place (Kernels::gemm_reads_spaced_rows).
+  kt::Buffer<char> xr_, dyr_;
   kt::Buffer<uint8_t> xq_, aq_;  // KT_COMPUTE_INT8: int8 rows of x and of the activations
   // yr_: [routes, H rounded to panels] down outputs of the expert pass.
   kt::Buffer<float> xf_, act_, acc_, yr_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_, delta_d_,

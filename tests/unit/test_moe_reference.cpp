@@ -307,6 +307,29 @@ INSTANTIATE_TEST_SUITE_P(RealShape, Int8Compute,
                                             ::testing::ValuesIn(int8_compute_real_shapes())),
                          param_name);
 
+// With the oneDNN backend an int8-compute layer's GEMMs stay kt's own
+// (gemm_int8), but x's int8 rows are laid out in route order first (that
+// table reads equally spaced rows in place, Kernels::gemm_reads_spaced_rows):
+// each route's row is its token's, so y has the native backend's bits.
+class Int8ComputeOneDnn : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Int8ComputeOneDnn, SameBitsAsNativeBackend) {
+  Runner onednn(GetParam(), KT_ISA_AVX512BF16, 2, KT_GEMM_ONEDNN);
+  if (!onednn.isa_available())
+    GTEST_SKIP() << "avx512bf16 with the oneDNN backend is not available on this CPU/build";
+  Runner native(GetParam(), KT_ISA_AVX512BF16, 2, KT_GEMM_NATIVE);
+  ASSERT_EQ(onednn.forward(nullptr), KT_OK) << kt_last_error();
+  ASSERT_EQ(native.forward(nullptr), KT_OK) << kt_last_error();
+  const std::vector<double> a = onednn.y(), b = native.y();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << "at " << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(Formats, Int8ComputeOneDnn, ::testing::ValuesIn(int8_compute_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
+
 // What kt_moe_create refuses for int8 compute, each with the reason.
 TEST(Int8Compute, CreateRefusesWhatItCannotDo) {
   kt_engine* engine = nullptr;

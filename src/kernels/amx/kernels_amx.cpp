@@ -238,6 +238,7 @@ Kernels make_table() {
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = gemm_bf16w;
   k.gemm_bf16w_fetches_panels = false;
+  k.gemm_reads_spaced_rows = true;
   k.gemm_bf16w_grouped = gemm_bf16w_grouped;
   // From a tile's rows on, quantized bases dequantize into cache for the
   // tile GEMMs (plain, or grouped) instead of multiplying straight from the

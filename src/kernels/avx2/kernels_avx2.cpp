@@ -284,6 +284,7 @@ extern const Kernels kernels_avx2 = {
     6,
     avx2::gemm_int8,
     false,
+    false,
 };
 
 // The same kernels as a CPU without AVX-VNNI runs them (int8 activations

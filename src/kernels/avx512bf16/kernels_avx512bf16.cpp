@@ -772,6 +772,7 @@ extern const Kernels kernels_avx512bf16 = {
     1 << 30,
     avx512bf16::gemm_int8,
     true,
+    false,
 };
 
 // The same kernels as a CPU without AVX512-VBMI runs them (the e4m3

@@ -112,6 +112,7 @@ Kernels table_over(const Kernels& base) {
   t.gemm_name = "gemm_bf16w_bf16_f32__onednn_brgemm";
   t.gemm_bf16w = gemm_onednn_over<I>;
   t.gemm_bf16w_fetches_panels = false;
+  t.gemm_reads_spaced_rows = true;
   return t;
 }
 

@@ -61,6 +61,7 @@ extern const Kernels kernels_ref = {
     0,
     ref::gemm_int8_generic,
     false,
+    false,
 };
 
 }  // namespace kt
