@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -206,6 +207,81 @@ void quant_rows_section(const kt::Kernels& K, double peak, bool quick) {
   }
 }
 
+// The fp32 GEMMs of LoRA at rank r on the Qwen3-30B-A3B shapes, m rows of
+// one expert: the A-projections (sgemm_nt: x . A^T, k = H; the backward's
+// dg . sB, k = I), the B-projections added into the C tile (sgemm_nn, 64
+// columns, k = r) and the factor gradients (sgemm_tn: dA [r, H] and dB^T
+// [r, I] over the rows). Rows are taken from a tokens x k buffer (4 MiB at
+// H: a prefill's x in fp32) in a scattered order, as an expert's routes
+// are; hot = the same rows every call, spread = each call the next m rows
+// of a shuffled order.
+void lora_section(const kt::Kernels& K, double peak, bool quick) {
+  const int r = 16;
+  const int64_t tokens = 512;
+  std::printf("\nLoRA fp32 GEMMs, rank %d: GFLOP/s and %% of the fp32 FMA peak (%.0f GFLOP/s)\n", r,
+              peak);
+  std::printf("%-34s %4s %10s %7s %10s %7s\n", "gemm", "m", "hot GF/s", "%peak", "spread", "%peak");
+  std::vector<int> order(static_cast<size_t>(tokens));
+  for (int64_t t = 0; t < tokens; ++t)
+    order[static_cast<size_t>(t)] = static_cast<int>((t * 193) % tokens);
+  for (int64_t k : {int64_t{2048}, int64_t{768}}) {
+    std::vector<float> x(static_cast<size_t>(tokens * k)), f(static_cast<size_t>(r * k)),
+        c(static_cast<size_t>(64 * k));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 13) * 0.01f;
+    for (size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(i % 7) * 0.01f;
+    std::vector<float> lr(static_cast<size_t>(64 * r), 0.5f);
+    for (int m : {8, 32, 64}) {
+      std::vector<const float*> rows(static_cast<size_t>(m)), lrows(static_cast<size_t>(m));
+      for (int i = 0; i < m; ++i) lrows[static_cast<size_t>(i)] = lr.data() + i * r;
+      const auto take_rows = [&](int64_t call) {
+        for (int i = 0; i < m; ++i)
+          rows[static_cast<size_t>(i)] =
+              x.data() + order[static_cast<size_t>((call * m + i) % tokens)] * k;
+      };
+      struct Gemm {
+        const char* what;
+        double flops;
+        std::function<void()> run;
+      };
+      char a_name[64], b_name[64], g_name[64];
+      std::snprintf(a_name, sizeof(a_name), "sgemm_nt x.A^T  n=%d k=%lld", r,
+                    static_cast<long long>(k));
+      std::snprintf(b_name, sizeof(b_name), "sgemm_nn la.sB^T n=64 k=%d", r);
+      std::snprintf(g_name, sizeof(g_name), "sgemm_tn dA [%d,%lld] over m", r,
+                    static_cast<long long>(k));
+      const Gemm gemms[] = {
+          {a_name, 2.0 * m * r * static_cast<double>(k),
+           [&] {
+             K.sgemm_nt(m, r, static_cast<int>(k), rows.data(), f.data(), k, c.data(), r, false);
+           }},
+          {b_name, 2.0 * m * 64 * r,
+           [&] { K.sgemm_nn(m, 64, r, lrows.data(), f.data(), k, c.data(), 64, true); }},
+          {g_name, 2.0 * m * r * static_cast<double>(k),
+           [&] {
+             K.sgemm_tn(r, static_cast<int>(k), m, lr.data(), r, rows.data(), c.data(), k, false);
+           }},
+      };
+      for (const Gemm& g : gemms) {
+        if (k == 768 && g.run && std::strncmp(g.what, "sgemm_nn", 8) == 0) continue;  // k = r: once
+        double gf[2];
+        for (int mode = 0; mode < 2; ++mode) {
+          take_rows(0);
+          const int64_t calls = quick ? 20 : 400;
+          gf[mode] = g.flops /
+                     best_seconds_per_call(calls, quick ? 1 : 3,
+                                           [&](int64_t i) {
+                                             if (mode == 1) take_rows(i);
+                                             g.run();
+                                           }) /
+                     1e9;
+        }
+        std::printf("%-34s %4d %10.1f %6.1f%% %10.1f %6.1f%%\n", g.what, m, gf[0],
+                    100 * gf[0] / peak, gf[1], 100 * gf[1] / peak);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -293,5 +369,8 @@ int main(int argc, char** argv) {
     std::printf("\ngemm_quant: the %s table has none\n", K.gemm_name);
   }
   quant_rows_section(K, peak, quick);
+  lora_section(
+      K, lim.fp32_fma_avx512_gflops > 0 ? lim.fp32_fma_avx512_gflops : lim.fp32_fma_avx2_gflops,
+      quick);
   return 0;
 }
