@@ -35,6 +35,10 @@ const char kUsage[] =
     "  --backend B       weight GEMMs by native (default) or onednn in both\n"
     "  --dx              time forward + backward for dx (the frozen base's\n"
     "                    training step without parameter gradients)\n"
+    "  --lora R          time LoRA training steps at rank R on every projection:\n"
+    "                    forward + backward for dx and the factors' gradients\n"
+    "                    (fp32 factors and gradients, as a trainer binds them;\n"
+    "                    the gradients are compared too)\n"
     "  --tokens T        tokens per forward (default 32)\n"
     "  --shape E,K,H,I   experts, top-k, hidden, intermediate (default\n"
     "                    128,8,2048,768: Qwen3-30B-A3B)\n"
@@ -62,6 +66,7 @@ struct Api {
   decltype(&kt_weight_format_name) format_name = nullptr;
   decltype(&kt_version) version = nullptr;
   decltype(&kt_engine_set_gemm_backend) set_gemm_backend = nullptr;
+  decltype(&kt_moe_bind) bind = nullptr;
 };
 
 template <typename F>
@@ -91,7 +96,8 @@ bool open_api(const char* path, Api* api) {
          bind(h, "kt_last_error", &api->last_error) &&
          bind(h, "kt_weight_format_name", &api->format_name) &&
          bind(h, "kt_version", &api->version) &&
-         bind(h, "kt_engine_set_gemm_backend", &api->set_gemm_backend);
+         bind(h, "kt_engine_set_gemm_backend", &api->set_gemm_backend) &&
+         bind(h, "kt_moe_bind", &api->bind);
 }
 
 DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int64_t* shape) {
@@ -110,6 +116,7 @@ struct Options {
   bool int8 = false;
   bool dx = false;
   bool onednn = false;
+  int64_t lora_rank = 0;  // > 0: LoRA training steps
   int64_t tokens = 32, experts = 128, top_k = 8, hidden = 2048, intermediate = 768;
   int threads = 2, calls = 0, rounds = 3;
   int64_t pause_us = 0;
@@ -157,6 +164,9 @@ bool parse(int argc, char** argv, Options* o) {
         return false;
       }
       o->onednn = std::strcmp(v, "onednn") == 0;
+    } else if (a == "--lora") {
+      if (!number("--lora", &o->lora_rank)) return false;
+      o->dx = true;
     } else if (a == "--dx") {
       o->dx = true;
     } else if (a == "--tokens") {
@@ -246,12 +256,61 @@ int main(int argc, char** argv) {
     mo.num_experts = E, mo.top_k = K, mo.hidden = H, mo.intermediate = I, mo.max_tokens = T;
     mo.weight_format = format;
     if (o.int8) mo.compute = KT_COMPUTE_INT8;
+    if (o.lora_rank > 0) {
+      mo.mode = KT_MODE_LORA;
+      mo.lora_rank = o.lora_rank;
+      mo.lora_alpha = 2.f * static_cast<float>(o.lora_rank);
+    }
     if (api[q].engine_create(&eo, &engine[q]) != KT_OK ||
         (o.onednn && api[q].set_gemm_backend(engine[q], KT_GEMM_ONEDNN) != KT_OK) ||
         api[q].moe_create(engine[q], &mo, &moe[q]) != KT_OK ||
         api[q].load_weights(moe[q], nullptr, load, 3) != KT_OK) {
       std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
       return 1;
+    }
+  }
+  // LoRA: each library its own factors (the same values: A ~ N(0, 1/in),
+  // B non-zero as a trained adapter's) and gradient buffers, fp32.
+  const int64_t R = o.lora_rank;
+  std::vector<float> factors[2][6], grads[2][6];
+  std::vector<DLTensor> lora_tensors[2];
+  std::vector<std::vector<int64_t>> lora_shapes;
+  if (R > 0) {
+    std::normal_distribution<float> nd;
+    for (int p = 0; p < 3; ++p) {
+      const int64_t in = p == 2 ? I : H, out = p == 2 ? H : I;
+      lora_shapes.push_back({E, R, in});
+      lora_shapes.push_back({E, out, R});
+    }
+    for (int f = 0; f < 6; ++f) {
+      const std::vector<int64_t>& sh = lora_shapes[static_cast<size_t>(f)];
+      const size_t n = static_cast<size_t>(sh[0] * sh[1] * sh[2]);
+      factors[0][f].resize(n);
+      for (auto& v : factors[0][f])
+        v = f % 2 == 0 ? nd(rng) / std::sqrt(static_cast<float>(sh[2])) : 0.02f * nd(rng);
+      factors[1][f] = factors[0][f];
+      grads[0][f].assign(n, 0.f);
+      grads[1][f].assign(n, 0.f);
+    }
+    for (int q = 0; q < 2; ++q) {
+      std::vector<kt_arg> bind;
+      lora_tensors[q].reserve(12);
+      for (int f = 0; f < 6; ++f) {
+        int64_t* sh = lora_shapes[static_cast<size_t>(f)].data();
+        lora_tensors[q].push_back(tensor(factors[q][f].data(), kDLFloat, 32, 3, sh));
+        lora_tensors[q].push_back(tensor(grads[q][f].data(), kDLFloat, 32, 3, sh));
+      }
+      for (int p = 0; p < 3; ++p)
+        for (int which = 0; which < 2; ++which) {
+          const int f = 2 * p + which;
+          bind.push_back({KT_ARG_LORA_A_GATE + f, &lora_tensors[q][static_cast<size_t>(2 * f)]});
+          bind.push_back(
+              {KT_ARG_GRAD_LORA_A_GATE + f, &lora_tensors[q][static_cast<size_t>(2 * f + 1)]});
+        }
+      if (api[q].bind(moe[q], bind.data(), bind.size()) != KT_OK) {
+        std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
+        return 1;
+      }
     }
   }
   std::vector<uint16_t> x(static_cast<size_t>(T * H)), y(x.size()), dy(x.size()), dx(x.size());
@@ -274,7 +333,12 @@ int main(int argc, char** argv) {
       o.lib[0].c_str(), api[0].version(), o.lib[1].c_str(), api[1].version(),
       static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(H),
       static_cast<long long>(I), o.format.c_str(), o.int8 ? "/int8" : "", static_cast<long long>(T),
-      o.threads, o.calls, o.dx ? "forward + backward (dx) steps" : "calls",
+      o.threads, o.calls,
+      R > 0 ? ("LoRA r" + std::to_string(R) +
+               " steps (forward + backward: dx, the factors' gradients)")
+                  .c_str()
+      : o.dx ? "forward + backward (dx) steps"
+             : "calls",
       o.pause_us > 0 ? (", " + std::to_string(o.pause_us) + " us pause before each").c_str() : "");
   std::vector<int> perm(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) perm[static_cast<size_t>(e)] = static_cast<int>(e);
@@ -310,7 +374,7 @@ int main(int argc, char** argv) {
         if (ok && o.dx) {
           kt_backward_options bo;
           api[q].backward_defaults(&bo, sizeof(bo));
-          bo.param_grads = 0;
+          bo.param_grads = R > 0 ? 1 : 0;
           ok = api[q].backward(moe[q], saved, &bo, backward_args, 2) == KT_OK;
         }
         if (saved) api[q].context_release(saved);
@@ -324,17 +388,26 @@ int main(int argc, char** argv) {
         if (o.dx) outs[q][1] = dx;
       }
       ratio[call % 2].push_back(t[1].back() / t[0].back());
+      const auto compare = [&](double a, double b, bool same) {
+        ++compared;
+        const double d = std::abs(b - a);
+        norm2 += a * a;
+        if (same) return;
+        ++differ;
+        diff2 += d * d;
+        worst = std::max(worst, d / std::max(std::abs(a), 1e-30));
+      };
       for (int i = 0; i < (o.dx ? 2 : 1); ++i)
         for (size_t j = 0; j < outs[0][i].size(); ++j) {
           const uint16_t av = outs[0][i][j], bv = outs[1][i][j];
-          ++compared;
-          const double a = bf16_value(av), d = std::abs(bf16_value(bv) - a);
-          norm2 += a * a;
-          if (av == bv) continue;
-          ++differ;
-          diff2 += d * d;
-          worst = std::max(worst, d / std::max(std::abs(a), 1e-30));
+          compare(bf16_value(av), bf16_value(bv), av == bv);
         }
+      if (R > 0 && call == o.calls - 1)  // the last step's gradients (each call overwrites them)
+        for (int f = 0; f < 6; ++f)
+          for (size_t j = 0; j < grads[0][f].size(); ++j) {
+            const float av = grads[0][f][j], bv = grads[1][f][j];
+            compare(av, bv, std::memcmp(&av, &bv, sizeof(float)) == 0);
+          }
     }
     const auto median = [](std::vector<double>& v) {
       std::sort(v.begin(), v.end());
