@@ -24,6 +24,7 @@
 namespace emulated {
 
 using kt::bf16_t;
+using kt::PrefetchCursor;
 using kt::PrefetchRegion;
 
 struct Tiles {
