@@ -159,7 +159,8 @@ CheckedSize kt_moe::weight_bytes(const kt_moe_options& o) {
          static_cast<int64_t>(sizeof(bf16_t));
 }
 
-CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a) {
+CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a,
+                                 bool rows_by_route) {
   const int64_t E = o.num_experts, K = o.top_k, H = o.hidden, I = o.intermediate, T = o.max_tokens;
   const int64_t r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
   const LayerShapes sh(o);
@@ -195,6 +196,11 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   bytes += tokens_h * f32 + CheckedSize(T) * ds.padded_rows() * a + routes * I * f32 * 3 +
            routes * gs.padded_rows() * a * 2 + routes * ceil_div(I, kBlockCols) * f32 +
            routes * H * f32 + routes * r * f32 * 5;
+  // x's rows in route order, and dy's (no backward with int8 compute), for
+  // GEMMs that read only equally spaced rows in place.
+  if (rows_by_route)
+    bytes += o.compute == KT_COMPUTE_INT8 ? routes * int8_row_bytes(sh.gate_q.kq, sh.gate_q.group)
+                                          : routes * gs.kp * a + routes * ds.padded_rows() * a;
   return bytes;
 }
 
