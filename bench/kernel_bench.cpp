@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kernels/kernels.h"
 #include "machine_limits.h"
@@ -207,6 +208,51 @@ void quant_rows_section(const kt::Kernels& K, double peak, bool quick) {
   }
 }
 
+// transpose_panels, which backward's dx and da' stages run before their
+// GEMMs (the W^T panels of a block of 64 columns, built in cache from a
+// slice of every panel of the expert): Qwen3-30B-A3B's gate/up (48 panels of
+// K = 2048: dx's columns of H) and down (128 panels of K = 768: da''s
+// columns of I). Hot: the same slice every call; cold: as dx takes them,
+// 4 consecutive blocks of an expert, then the next expert's, from a large
+// buffer. GB/s of the slices read, against the thread's DRAM read rate.
+void transpose_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, bool quick) {
+  std::printf(
+      "\ntranspose_panels (W^T panels of 64 columns in cache), GB/s of the source slices; DRAM "
+      "read %.1f GB/s\n",
+      lim.dram_read_gbs);
+  std::printf("%-8s %4s %6s %10s %10s\n", "shape", "np", "K", "hot", "cold");
+  const size_t buffer_bytes = (quick ? 64ull : 512ull) << 20;
+  struct T {
+    const char* what;
+    int64_t out, k;  // panels' rows (16 * np) and K
+  };
+  for (const T& t : {T{"gate/up", 768, 2048}, T{"down", 2048, 768}}) {
+    const kt::PanelShape s = kt::PanelShape::of(t.out, t.k);
+    const int64_t experts = std::max<int64_t>(
+        2, static_cast<int64_t>(buffer_bytes / sizeof(kt::bf16_t)) / s.elements());
+    kt::Buffer<kt::bf16_t> w(static_cast<size_t>(experts * s.elements()));
+    for (int64_t i = 0; i < experts * s.elements(); ++i)
+      w[static_cast<size_t>(i)] = static_cast<kt::bf16_t>(0x3f80 + (i % 7));
+    kt::Buffer<kt::bf16_t> dst(static_cast<size_t>(s.np * kt::kPanelRows * kt::kBlockCols));
+    const double slice =
+        static_cast<double>(s.np) * kt::kPanelRows * kt::kBlockCols * sizeof(kt::bf16_t);
+    const int64_t per_expert = std::min<int64_t>(4, t.k / kt::kBlockCols);
+    double gbs[2];
+    for (int mode = 0; mode < 2; ++mode) {
+      const int64_t calls = mode == 0 ? (quick ? 50 : 2000) : experts * per_expert;
+      const double best = best_seconds_per_call(calls, quick ? 1 : 3, [&](int64_t i) {
+        const int64_t e = mode == 0 ? 0 : i / per_expert;
+        const int64_t c0 = mode == 0 ? 0 : i % per_expert * kt::kBlockCols;
+        K.transpose_panels(w.data() + e * s.elements(), s.np, s.panel_stride(), c0, kt::kBlockCols,
+                           dst.data());
+      });
+      gbs[mode] = slice / best / 1e9;
+    }
+    std::printf("%-8s %4lld %6lld %10.1f %10.1f\n", t.what, static_cast<long long>(s.np),
+                static_cast<long long>(t.k), gbs[0], gbs[1]);
+  }
+}
+
 // The fp32 GEMMs of LoRA at rank r on the Qwen3-30B-A3B shapes, m rows of
 // one expert: the A-projections (sgemm_nt: x . A^T, k = H; the backward's
 // dg . sB, k = I), the B-projections added into the C tile (sgemm_nn, 64
@@ -369,6 +415,7 @@ int main(int argc, char** argv) {
     std::printf("\ngemm_quant: the %s table has none\n", K.gemm_name);
   }
   quant_rows_section(K, peak, quick);
+  transpose_section(K, lim, quick);
   lora_section(
       K, lim.fp32_fma_avx512_gflops > 0 ? lim.fp32_fma_avx512_gflops : lim.fp32_fma_avx2_gflops,
       quick);
