@@ -3,7 +3,8 @@
 // can do (weights hot in cache) from what it does when its weights stream
 // from memory (cold), with and without the prefetch of the next block that
 // the MoE stages pass it; then the same for the quantized bases' gemm_quant
-// at decode's row counts, and at prefill's against dequantizing into cache. Read with kt_bench's
+// at decode's row counts, and at prefill's against dequantizing into cache;
+// then transpose_panels (backward's W^T panels) and the LoRA fp32 GEMMs. Read with kt_bench's
 // per-stage profile: a stage below its kernel's cold figure loses time outside the kernel.
 //
 // usage: kt_kernel_bench [--isa NAME] [--quick]
