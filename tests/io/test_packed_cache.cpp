@@ -234,7 +234,7 @@ class PackedCache : public ::testing::Test {
 };
 
 TEST_F(PackedCache, RoundTripIsBitIdenticalOnEveryIsa) {
-  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
   for (bool bias : {false, true}) {
     const kt_moe_options o = options(bias);
     const Weights w(o, bias ? 11 : 5);
@@ -456,7 +456,7 @@ std::vector<float> read_back(kt_moe* m, const kt_moe_options& o) {
 }
 
 TEST_F(PackedCache, QuantizedLayersRoundTripBitIdenticalOnEveryIsa) {
-  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
   for (kt_weight_format format : {KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128})
     for (bool bias : {false, true}) {
       const kt_moe_options o = quantized_options(format, bias);
@@ -649,7 +649,7 @@ class PackedStored : public PackedCache {
 };
 
 TEST_F(PackedStored, CheckpointFormatsRoundTripAsStoredBitIdenticalOnEveryIsa) {
-  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16};
+  const kt_isa isas[] = {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX};
   for (const StoredCase& c : stored_cases()) {
     const std::string ckpt = path(std::to_string(c.layer) + "_" + kt_weight_format_name(c.format) + "_" +
                                   std::to_string(c.q.H));

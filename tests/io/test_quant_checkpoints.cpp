@@ -955,7 +955,7 @@ kt_test::Case checkpoint_case(const QuantCase& qc, const QuantCkpt& q, const cha
 TEST_P(QuantForwardBackward, MatchesTheReferenceOnTheCheckpointsWeights) {
   const kt_isa isa = std::get<0>(GetParam());
   QuantCase qc = std::get<1>(GetParam());
-  if (isa == KT_ISA_AVX512BF16) qc.bf16_act = true;
+  if (isa >= KT_ISA_AVX512BF16) qc.bf16_act = true;
   char tmpl[] = "/tmp/kt_quant_fb.XXXXXX";
   const char* dir = mkdtemp(tmpl);
   ASSERT_NE(dir, nullptr);
@@ -1094,7 +1094,8 @@ std::string case_name(const ::testing::TestParamInfo<std::tuple<kt_isa, QuantCas
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, QuantForwardBackward,
-                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(small_cases())),
                          case_name);
 
@@ -1118,7 +1119,8 @@ std::vector<QuantCase> real_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(RealShape, QuantForwardBackward,
-                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16,
+                                                              KT_ISA_AMX),
                                             ::testing::ValuesIn(real_cases())),
                          case_name);
 
@@ -1206,7 +1208,7 @@ std::vector<QuantCase> int8_compute_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Isa, Int8ComputeFromCheckpoints,
                          ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
-                                                              KT_ISA_AVX512BF16),
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(int8_compute_cases())),
                          case_name);
 

@@ -68,12 +68,14 @@ std::string param_name(const ::testing::TestParamInfo<Param>& info) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, MoeVsReference,
-                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(core_cases())),
                          param_name);
 
 INSTANTIATE_TEST_SUITE_P(RealShape, MoeVsReference,
-                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16,
+                                                              KT_ISA_AMX),
                                             ::testing::Values(qwen3_30b_a3b_slice())),
                          param_name);
 
@@ -117,7 +119,8 @@ std::vector<Case> quant_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Quantized, MoeVsReference,
-                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(quant_cases())),
                          param_name);
 
@@ -133,7 +136,8 @@ std::vector<Case> quant_real_shapes() {
 }
 
 INSTANTIATE_TEST_SUITE_P(QuantizedRealShape, MoeVsReference,
-                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16,
+                                                              KT_ISA_AMX),
                                             ::testing::ValuesIn(quant_real_shapes())),
                          param_name);
 
@@ -283,7 +287,7 @@ std::vector<Case> int8_compute_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Formats, Int8Compute,
                          ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
-                                                              KT_ISA_AVX512BF16),
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(int8_compute_cases())),
                          param_name);
 
@@ -303,7 +307,8 @@ std::vector<Case> int8_compute_real_shapes() {
 }
 
 INSTANTIATE_TEST_SUITE_P(RealShape, Int8Compute,
-                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                         ::testing::Combine(::testing::Values(KT_ISA_AVX2, KT_ISA_AVX512BF16,
+                                                              KT_ISA_AMX),
                                             ::testing::ValuesIn(int8_compute_real_shapes())),
                          param_name);
 
@@ -468,7 +473,7 @@ std::vector<DecodePath> decode_paths() {
 
 INSTANTIATE_TEST_SUITE_P(Formats, QuantizedDecodePath,
                          ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2,
-                                                              KT_ISA_AVX512BF16),
+                                                              KT_ISA_AVX512BF16, KT_ISA_AMX),
                                             ::testing::ValuesIn(decode_paths())),
                          [](const ::testing::TestParamInfo<std::tuple<kt_isa, DecodePath>>& info) {
                            return std::string(kt_isa_name(std::get<0>(info.param))) + "_" +

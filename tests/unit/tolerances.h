@@ -54,7 +54,9 @@ inline Tolerance tolerance_for(kt_isa isa, bool bf16_activations) {
 // Qwen3-30B-A3B slice).
 inline Tolerance quant_tolerance_for(kt_isa isa, bool bf16_activations) {
   const Tolerance base = tolerance_for(isa, bf16_activations);
-  const Tolerance goal = isa == KT_ISA_AVX512BF16 && !bf16_activations ? kBf16OperandsFp32Io : kBf16OperandsBf16Io;
+  const Tolerance goal = (isa == KT_ISA_AVX512BF16 || isa == KT_ISA_AMX) && !bf16_activations
+                             ? kBf16OperandsFp32Io
+                             : kBf16OperandsBf16Io;
   return {base.forward, goal.dx, 1.5e-2, goal.lora, goal.full};
 }
 
