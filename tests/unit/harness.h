@@ -128,8 +128,10 @@ inline std::ostream& operator<<(std::ostream& o, const Case& c) { return o << c.
 class Runner {
  public:
   // backend KT_GEMM_ONEDNN: not available (skip) when this build or CPU
-  // cannot run it.
-  Runner(const Case& c, kt_isa isa, int threads = 2, kt_gemm_backend backend = KT_GEMM_AUTO);
+  // cannot run it. By default an ISA's cases run kt's own kernels
+  // (KT_GEMM_NATIVE): on AMX CPUs KT_GEMM_AUTO may take oneDNN's by a
+  // timing, and the oneDNN backend has cases of its own.
+  Runner(const Case& c, kt_isa isa, int threads = 2, kt_gemm_backend backend = KT_GEMM_NATIVE);
   ~Runner();
   bool isa_available() const { return available_; }
   kt_engine* engine() { return engine_; }

@@ -28,7 +28,7 @@ void expect_close(const char* what, const std::vector<double>& got, const std::v
 
 void check_run(Runner& run, const Tolerance& tol);
 
-void check_case(kt_isa isa, const Case& c, kt_gemm_backend backend = KT_GEMM_AUTO) {
+void check_case(kt_isa isa, const Case& c, kt_gemm_backend backend = KT_GEMM_NATIVE) {
   Runner run(c, isa, 2, backend);
   if (!run.isa_available())
     GTEST_SKIP() << kt_isa_name(isa) << (backend == KT_GEMM_ONEDNN ? " with the oneDNN backend" : "")
@@ -413,6 +413,19 @@ std::vector<Case> onednn_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Cases, OneDnnBackend, ::testing::ValuesIn(onednn_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// The same over the amx table (oneDNN's brgemm on AMX tiles where the CPU
+// has them; kt's tiles where oneDNN's layout does not take the shape).
+class OneDnnBackendOnAmx : public ::testing::TestWithParam<Case> {};
+
+TEST_P(OneDnnBackendOnAmx, ForwardBackwardMatch) {
+  check_case(KT_ISA_AMX, GetParam(), KT_GEMM_ONEDNN);
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, OneDnnBackendOnAmx, ::testing::ValuesIn(onednn_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return info.param.name;
+                         });
 
 // Decode on a quantized base takes one of two forward paths (moe_forward.cpp):
 // the expert pass, where each work item runs a whole expert's gate/up and
