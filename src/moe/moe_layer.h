@@ -249,13 +249,13 @@ struct kt_moe {
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
   // (expert, column block of `width`) items over the columns [0, cols).
   void block_items(const kt::Routing& R, int64_t cols, int64_t width);
-  // out[pos] = row(pos) . M[e]^T for every position, M = mats + e*r*in
-  // ([r, in] per expert); row(pos) = src + token(pos)*ld when by_token, else
-  // src + pos*ld.
   // The row of each route's token (src: rows row_bytes apart, by token)
   // into dst in route order.
   void rows_by_route(const kt::Routing& R, const char* src, int64_t row_bytes,
                      kt::Buffer<char>* dst);
+  // out[pos] = row(pos) . M[e]^T for every position, M = mats + e*r*in
+  // ([r, in] per expert); row(pos) = src + token(pos)*ld when by_token, else
+  // src + pos*ld.
   void project_rows(const kt::Routing& R, const float* mats, int64_t in, bool by_token,
                     const float* src, int64_t ld, float* out);
   void check_bound_memory(const std::vector<std::pair<int, kt::View>>& accepted, const char* where) const;

@@ -221,6 +221,13 @@ using kt_test::view2d;
 // lays them out in route order (whole tiles loaded where they lie).
 enum class RowLayout { kScattered, kSpaced };
 
+// Counts the tile loads within [data, data + bytes) from here on.
+void watch_loads(const void* data, size_t bytes) {
+  emulated::g.lo = static_cast<const char*>(data);
+  emulated::g.hi = emulated::g.lo + bytes;
+  emulated::g.loads_in_place = 0;
+}
+
 struct Rows {
   std::vector<kt::bf16_t> data;
   std::vector<const void*> ptrs;
@@ -237,12 +244,7 @@ struct Rows {
           &data[static_cast<size_t>(i * step)];
     }
   }
-  // Counts the tile loads within the rows' memory from here on.
-  void watch() const {
-    emulated::g.lo = reinterpret_cast<const char*>(data.data());
-    emulated::g.hi = reinterpret_cast<const char*>(data.data() + data.size());
-    emulated::g.loads_in_place = 0;
-  }
+  void watch() const { watch_loads(data.data(), data.size() * sizeof(kt::bf16_t)); }
 };
 
 // Spaced rows: every whole 16-row tile of a block is loaded in place (not
@@ -447,9 +449,7 @@ TEST(AmxEmulated, Int8GemmMatchesReferenceBits) {
                   layout == RowLayout::kSpaced ? op.rows : reversed;
               std::vector<float> got(static_cast<size_t>(m * ldc), 0.25f), want(got);
               const int before = emulated::g.dot_products;
-              emulated::g.lo = reinterpret_cast<const char*>(op.row_data.data());
-              emulated::g.hi = emulated::g.lo + op.row_data.size();
-              emulated::g.loads_in_place = 0;
+              watch_loads(op.row_data.data(), op.row_data.size());
               emulated::gemm_int8(op.panels(), rows.data(), m, np, got.data(), ldc, acc,
                                   kt::PrefetchRegion{});
               tiled_calls += emulated::g.dot_products > before;

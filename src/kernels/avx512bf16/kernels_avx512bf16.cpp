@@ -553,7 +553,7 @@ static inline void nt_rows(int n, int k, const float* const* a_rows, const float
 
 // 4 rows x 4 columns a tile: each B row read per 4 rows of A (2 x 8 read
 // all of B per pair of rows, past L1 at LoRA's n = r = 16 and k = H:
-// kt_kernel_bench's LoRA section, one thread, 1.3-1.4x the GFLOP/s at
+// kt_kernel_bench's LoRA section, one thread, 1.3-1.6x the GFLOP/s at
 // k = 2048, 1.2-1.3x at k = 768).
 static void sgemm_nt(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
                      int64_t ldc, bool accumulate) {
