@@ -59,6 +59,23 @@ def check_profile(row, what):
         fail(f"{what}: a negative stage time in {stages}")
 
 
+def check_kernels(row, what, tables):
+    """The kernels a case ran (always reported): each named entry__table
+    with a table the engine may run, calls per call, GFLOP per call."""
+    kernels = row.get("kernels")
+    if not kernels:
+        fail(f"{what}: no kernels")
+    for k in kernels:
+        require(k, ["stage", "kernel", "calls", "gflop"], what + " kernels")
+        if k["kernel"].rsplit("__", 1)[-1] not in tables:
+            fail(f"{what}: kernel {k['kernel']} is from none of the tables {sorted(tables)}")
+        if not k["calls"] > 0 or k["gflop"] < 0:
+            fail(f"{what}: kernel {k['kernel']} has {k['calls']} calls, {k['gflop']} GFLOP")
+    total = sum(k["gflop"] for k in kernels) * 1e9
+    if not total > 0:
+        fail(f"{what}: the kernels computed no flops")
+
+
 def check_read_beside(r, what):
     """The plain read timed beside a format's calls: its GB/s and the
     format's GB/s against it (null only where it could not run)."""
@@ -97,7 +114,7 @@ def check_read_beside_case(r, what):
              f"over read_gbs_alternating ({want:.2f})")
 
 
-def check_formats(model, formats, where, profile):
+def check_formats(model, formats, where, profile, tables):
     """--format: every listed format has a row per (case, T) of the bf16
     results but train_full, with the stored bytes per weight, a time, GB/s
     and %bw that agree with each other, and a plausible quantization error."""
@@ -137,6 +154,7 @@ def check_formats(model, formats, where, profile):
         check_read_beside(r, what)
         if profile:
             check_profile(r, what)
+        check_kernels(r, what, tables)
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
@@ -206,6 +224,10 @@ def main():
         fail("no DRAM bandwidth measured")
     if not doc["models"]:
         fail("no model was benchmarked")
+    # The tables kt's kernels come from: the engine's, the AVX-512 BF16 one
+    # that the amx table leaves few rows to, oneDNN's with --backend onednn.
+    tables = {doc["kt"]["isa"]} | ({"avx512bf16"} if doc["kt"]["isa"] == "amx" else set()) | \
+        ({"onednn"} if "onednn" in args else set())
     for model in doc["models"]:
         where = f"model {model.get('name')}"
         require(model, ["name", "hidden", "intermediate", "experts", "top_k", "experts_held", "slice", "note",
@@ -228,12 +250,13 @@ def main():
                 require(r[b], ["ms", "speedup_of_kt"], f"{where} {r['case']} {b}")
             if "--profile" in args:
                 check_profile(r["kt"], f"{where} {r['case']} T={r['tokens']} kt")
+            check_kernels(r["kt"], f"{where} {r['case']} T={r['tokens']} kt", tables)
             seen.add(r["case"])
         if seen != CASES:
             fail(f"{where}: cases {sorted(seen)}, expected {sorted(CASES)}")
         require(model["linearity"], ["touched_experts_sweep"] + sorted(CASES), where + " linearity")
         if formats:
-            check_formats(model, formats, where, "--profile" in args)
+            check_formats(model, formats, where, "--profile" in args, tables)
     require(doc, ["optimizer"], "the document (the optimizer case runs by default)")
     optimizer = doc["optimizer"]
     require(optimizer, ["model", "algorithm", "bytes_per_param", "torch", "results"], "optimizer")

@@ -291,7 +291,9 @@ struct Row {
   // Relative L2 distance of oneDNN's result from kt's on the first batch:
   // y for forward, dx for fwd+bwd dx (NaN when not compared).
   double onednn_rel_l2 = NAN;
-  std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile: ms per call by stage
+  // The kernels each stage ran (one untimed call) and, with --profile, ms
+  // per call by stage.
+  CaseProfile kt_profile;
 };
 
 [[maybe_unused]] double rel_l2(const std::vector<float>& got, const std::vector<float>& ref) {
@@ -319,7 +321,7 @@ struct FormatRow {
   // stall now and then: a ratio compares medians with medians, or the
   // fastest with the fastest.
   double read_s = NAN, read_best_s = NAN, kt_best_s = NAN;
-  std::vector<std::pair<std::string, double>> kt_stage_ms;  // with --profile
+  CaseProfile kt_profile;  // as Row's
   std::string error;
 };
 
@@ -394,6 +396,14 @@ Floors floors_of(double flops, double bytes, const Limits& lim) {
 
 // Whether the case's floor is its bytes rather than its FLOPs (the roofline's
 // `*` in the table).
+// kt's profile of a case after its timed calls: the kernels it ran (one
+// call; with --profile the stages' times too, over --reps calls).
+void profile(KtRunner& kt, Case which, const Workload& work, const Options& o, CaseProfile* out,
+             std::string* error) {
+  kt.profile_case(which, work, o.profile ? o.reps : 1, out, error);
+  if (!o.profile) out->stage_ms.clear();
+}
+
 bool memory_bound(double flops, double bytes, const Limits& lim) {
   const Floors f = floors_of(flops, bytes, lim);
   return f.memory > f.compute;
@@ -514,7 +524,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
             r.read_s = a.beside;
           }
         }
-        if (o.profile && s >= 0) kt.profile_case(c, w, o.reps, &r.kt_stage_ms, &error);
+        if (s >= 0) profile(kt, c, w, o, &r.kt_profile, &error);
         if (compare_onednn && (c == Case::kForward || c == Case::kTrainDx)) {
           std::vector<float> y, dx;
           if (kt.outputs(c, w, &y, &dx, &error)) kt_results[{c, w.tokens}] = c == Case::kForward ? y : dx;
@@ -593,7 +603,7 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
             fr.read_s = s.beside;
             fr.kt_best_s = s.mine_best;
             fr.read_best_s = s.beside_best;
-            if (o.profile) fmt_kt.profile_case(c, w, o.reps, &fr.kt_stage_ms, &fr.error);
+            profile(fmt_kt, c, w, o, &fr.kt_profile, &fr.error);
           }
           // case_bytes counts bf16 weights: the same reads in this format's bytes.
           fr.bytes_per_weight = fmt_kt.expert_weight_bytes() / weights_per_expert;
@@ -828,10 +838,17 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
         agreement += std::string(agreement.empty() ? "" : ", ") + (r.which == Case::kForward ? "y" : "dx") + " T=" +
                      std::to_string(r.tokens) + " " + fmt("%.1e", r.onednn_rel_l2);
     for (const Row& r : mr.rows) {
-      if (r.kt_stage_ms.empty()) continue;
-      std::printf("   profile %s T=%lld, ms per call:", case_key(r.which), static_cast<long long>(r.tokens));
-      for (const auto& st : r.kt_stage_ms) std::printf(" %s %.3f", st.first.c_str(), st.second);
-      std::printf("\n");
+      if (!r.kt_profile.stage_ms.empty()) {
+        std::printf("   profile %s T=%lld, ms per call:", case_key(r.which),
+                    static_cast<long long>(r.tokens));
+        for (const auto& st : r.kt_profile.stage_ms)
+          std::printf(" %s %.3f", st.first.c_str(), st.second);
+        std::printf("\n");
+      }
+      if (!r.kt_profile.kernels.empty())
+        std::printf("   kernels %s T=%lld, share of the GEMM flops (calls per call): %s\n",
+                    case_key(r.which), static_cast<long long>(r.tokens),
+                    kernel_summary(r.kt_profile.kernels).c_str());
     }
     if (!agreement.empty()) std::printf("   oneDNN vs kt, relative L2 on the first batch: %s\n", agreement.c_str());
     for (const Row& r : mr.rows)
@@ -892,11 +909,14 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                       fmt("%.2f", f.paired).c_str(), fmt("%.1f", f.bytes / f.read_s / 1e9).c_str(),
                       fmt("%.0f", 100 * f.read_s / f.kt_s).c_str(),
                       fmt("%.0f", 100 * f.read_best_s / f.kt_best_s).c_str());
-          if (!f.kt_stage_ms.empty()) {
+          if (!f.kt_profile.stage_ms.empty()) {
             std::printf("      profile, ms per call:");
-            for (const auto& st : f.kt_stage_ms) std::printf(" %s %.3f", st.first.c_str(), st.second);
+            for (const auto& st : f.kt_profile.stage_ms)
+              std::printf(" %s %.3f", st.first.c_str(), st.second);
             std::printf("\n");
           }
+          if (!f.kt_profile.kernels.empty())
+            std::printf("      kernels: %s\n", kernel_summary(f.kt_profile.kernels).c_str());
           if (!f.error.empty()) std::printf("      %s\n", f.error.c_str());
         }
       }
@@ -964,6 +984,25 @@ void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limit
   }
   j.end_array();
   j.end_object();
+}
+
+// A case's stage times (with --profile) and kernels, per call.
+void write_profile(JsonWriter& j, const CaseProfile& p) {
+  if (!p.stage_ms.empty()) {
+    j.key("stage_ms").begin_object();
+    for (const auto& st : p.stage_ms) j.key(st.first).value(st.second);
+    j.end_object();
+  }
+  j.key("kernels").begin_array();
+  for (const KernelUse& k : p.kernels) {
+    j.begin_object();
+    j.key("stage").value(k.stage);
+    j.key("kernel").value(k.kernel);
+    j.key("calls").value(k.calls);
+    j.key("gflop").value(k.gflop);
+    j.end_object();
+  }
+  j.end_array();
 }
 
 void write_json(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models,
@@ -1070,11 +1109,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
         j.key("pct_read_bandwidth").value(100 * r.read_s / r.kt_beside_read_s);
       }
       if (!r.kt_error.empty()) j.key("error").value(r.kt_error);
-      if (!r.kt_stage_ms.empty()) {
-        j.key("stage_ms").begin_object();
-        for (const auto& st : r.kt_stage_ms) j.key(st.first).value(st.second);
-        j.end_object();
-      }
+      write_profile(j, r.kt_profile);
       j.end_object();
       auto baseline = [&](const char* name, double seconds, const std::string& error, double rel_l2_vs_kt) {
         j.key(name).begin_object();
@@ -1131,11 +1166,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("pct_read_bandwidth").value(100 * f.read_s / f.kt_s);
       j.key("read_gbs_alternating_best").value(f.bytes / f.read_best_s / 1e9);
       j.key("pct_read_bandwidth_best").value(100 * f.read_best_s / f.kt_best_s);
-      if (!f.kt_stage_ms.empty()) {
-        j.key("stage_ms").begin_object();
-        for (const auto& st : f.kt_stage_ms) j.key(st.first).value(st.second);
-        j.end_object();
-      }
+      write_profile(j, f.kt_profile);
       if (!f.error.empty()) j.key("error").value(f.error);
       j.end_object();
     }

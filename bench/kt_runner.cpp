@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 namespace kt_bench {
 
@@ -245,8 +246,35 @@ KtRunner::Alternating KtRunner::time_alternating(KtRunner* other, Case which, co
           other ? median(ratios) : NAN};
 }
 
-bool KtRunner::profile_case(Case which, const Workload& work, int calls,
-                            std::vector<std::pair<std::string, double>>* stage_ms, std::string* error) {
+std::string kernel_summary(const std::vector<KernelUse>& kernels) {
+  std::vector<KernelUse> by_kernel;  // in order of first use
+  double total = 0;
+  for (const KernelUse& k : kernels) {
+    auto it = std::find_if(by_kernel.begin(), by_kernel.end(),
+                           [&](const KernelUse& b) { return b.kernel == k.kernel; });
+    if (it == by_kernel.end())
+      it = by_kernel.insert(by_kernel.end(), KernelUse{"", k.kernel, 0, 0});
+    it->calls += k.calls;
+    it->gflop += k.gflop;
+    total += k.gflop;
+  }
+  std::stable_sort(by_kernel.begin(), by_kernel.end(),
+                   [](const KernelUse& a, const KernelUse& b) { return a.gflop > b.gflop; });
+  std::string s;
+  char buf[160];
+  for (const KernelUse& k : by_kernel) {
+    if (k.gflop > 0)
+      std::snprintf(buf, sizeof buf, "%s %.1f%% (%.0f calls)", k.kernel.c_str(),
+                    100 * k.gflop / total, k.calls);
+    else
+      std::snprintf(buf, sizeof buf, "%s (%.0f calls)", k.kernel.c_str(), k.calls);
+    s += (s.empty() ? "" : ", ") + std::string(buf);
+  }
+  return s;
+}
+
+bool KtRunner::profile_case(Case which, const Workload& work, int calls, CaseProfile* profile,
+                            std::string* error) {
   if (!prepare(mode_of(which), error)) return false;
   kt_status st = kt_engine_reset_profile(engine_);
   if (st == KT_OK) st = kt_engine_set_profiling(engine_, 1);
@@ -257,12 +285,19 @@ bool KtRunner::profile_case(Case which, const Workload& work, int calls,
   const bool ran = time_case(which, work, 0, calls, error) >= 0;
   kt_engine_set_profiling(engine_, 0);
   if (!ran) return false;
-  stage_ms->clear();
+  *profile = CaseProfile{};
   for (int stage = 0; kt_stage_name(stage) != nullptr; ++stage) {
     int64_t count = 0;
     double seconds = 0;
-    if (kt_engine_profile_stage(engine_, stage, &count, &seconds) == KT_OK && count > 0)
-      stage_ms->emplace_back(kt_stage_name(stage), seconds * 1e3 / calls);
+    if (kt_engine_profile_stage(engine_, stage, &count, &seconds) != KT_OK || count == 0) continue;
+    profile->stage_ms.emplace_back(kt_stage_name(stage), seconds * 1e3 / calls);
+    for (int kernel = 0; kt_kernel_name(kernel) != nullptr; ++kernel) {
+      int64_t n = 0, flops = 0;
+      if (kt_engine_profile_kernel(engine_, stage, kernel, &n, &flops) == KT_OK && n > 0)
+        profile->kernels.push_back(KernelUse{kt_stage_name(stage), kt_kernel_name(kernel),
+                                             static_cast<double>(n) / calls,
+                                             static_cast<double>(flops) * 1e-9 / calls});
+    }
   }
   return true;
 }

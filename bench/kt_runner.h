@@ -14,6 +14,20 @@
 
 namespace kt_bench {
 
+// A kernel a stage ran (kt_engine_profile_kernel), per call of the case.
+struct KernelUse {
+  std::string stage, kernel;
+  double calls = 0, gflop = 0;
+};
+struct CaseProfile {
+  std::vector<std::pair<std::string, double>> stage_ms;  // ms per call by stage
+  std::vector<KernelUse> kernels;
+};
+// "gemm_bf16w__amx 96.1% (1536 calls), gemm_bf16w__avx512bf16 3.9% (40),
+// transpose_panels__avx512bf16 (96)": each kernel's share of the case's
+// GEMM flops and its calls per case call, over the stages.
+std::string kernel_summary(const std::vector<KernelUse>& kernels);
+
 class KtRunner {
  public:
   // format: how the layer stores the base weights (kt_moe_options.weight_format);
@@ -52,8 +66,8 @@ class KtRunner {
                                const std::function<double()>& beside = nullptr);
   // kt's per-stage profile over `calls` further calls (profiling is on only
   // for them, so the timed calls never pay for it): (stage, ms per call) of
-  // every stage that ran.
-  bool profile_case(Case which, const Workload& work, int calls, std::vector<std::pair<std::string, double>>* stage_ms,
+  // every stage that ran, and the kernels each stage ran.
+  bool profile_case(Case which, const Workload& work, int calls, CaseProfile* profile,
                     std::string* error);
   // One call on the workload's first batch: y and (training cases) dx as floats.
   bool outputs(Case which, const Workload& work, std::vector<float>* y, std::vector<float>* dx, std::string* error);

@@ -581,8 +581,25 @@ KT_API kt_status kt_engine_set_profiling(kt_engine* engine, int enabled);
  * reset; KT_ERR_INVALID_ARGUMENT past the last stage. */
 KT_API kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* calls,
                                          double* seconds);
-/* Zeroes every stage's time and count. */
+/* Zeroes every stage's time and count, and the kernel counts. */
 KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
+/* Which kernels each stage ran while profiling was on. Every call of a
+ * kernel table's GEMM (and W^T panel build) counts as the kernel that
+ * computed it, named entry__table: "gemm_bf16w__amx" for the calls that ran
+ * on AMX tiles, "gemm_bf16w__avx512bf16" for those an amx engine leaves to
+ * the AVX-512 kernel (fewer than 16 rows, a K remainder),
+ * "gemm_bf16w__onednn" for oneDNN's, "sgemm_nt__avx512bf16" for an fp32
+ * LoRA projection. Name of kernel number `kernel`, or NULL past the last:
+ * hosts iterate from 0 until NULL (numbers may change between versions,
+ * names do not). Static storage. */
+KT_API const char* kt_kernel_name(int kernel);
+/* Calls of a kernel in a stage since creation or the last reset, and the
+ * flops they computed (2 m n k per GEMM call of m x k times k x n, with K and
+ * N as the kernels see them: padded to the panel layout; 0 for panel
+ * builds). Either pointer may be NULL. KT_ERR_INVALID_ARGUMENT past the
+ * last stage or kernel. */
+KT_API kt_status kt_engine_profile_kernel(const kt_engine* engine, int stage, int kernel,
+                                          int64_t* calls, int64_t* flops);
 
 /* ----------------------------------------------------------- packed cache */
 

@@ -11,6 +11,7 @@
 #include "api/guard.h"
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/kernel_tally.h"
 #include "core/sized_struct.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
@@ -794,6 +795,15 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
   });
 }
 
+namespace {
+// A profile index: KT_ERR_INVALID_ARGUMENT outside [0, count).
+void check_in_range(const char* where, const char* what, int value, int count) {
+  KT_CHECK(value >= 0 && value < count, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + what + " " + std::to_string(value) + " is outside [0, " +
+               std::to_string(count) + ")");
+}
+}  // namespace
+
 const char* kt_stage_name(int stage) {
   static const char* const names[kt_engine::kStages] = {
       "route",    "pack_input", "lora_a",    "gate_up",    "down",       "bwd_down",
@@ -813,9 +823,7 @@ kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* c
   const char* w = "kt_engine_profile_stage";
   return guarded(w, [&] {
     const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    KT_CHECK(stage >= 0 && stage < kt_engine::kStages, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": stage " + std::to_string(stage) + " is outside [0, " +
-                 std::to_string(kt_engine::kStages) + ")");
+    check_in_range(w, "stage", stage, kt_engine::kStages);
     if (calls) *calls = eng->stage_calls[stage].load();
     if (seconds) *seconds = static_cast<double>(eng->stage_ns[stage].load()) * 1e-9;
   });
@@ -828,7 +836,25 @@ kt_status kt_engine_reset_profile(kt_engine* engine) {
     for (int i = 0; i < kt_engine::kStages; ++i) {
       eng->stage_ns[i].store(0);
       eng->stage_calls[i].store(0);
+      eng->stage_kernels[i].reset();
     }
+  });
+}
+
+const char* kt_kernel_name(int kernel) {
+  return kt::kernel_id_name(kernel);
+}
+
+kt_status kt_engine_profile_kernel(const kt_engine* engine, int stage, int kernel, int64_t* calls,
+                                   int64_t* flops) {
+  const char* w = "kt_engine_profile_kernel";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
+    check_in_range(w, "stage", stage, kt_engine::kStages);
+    check_in_range(w, "kernel", kernel, kt::kKernelIds);
+    const kt::KernelTally& t = eng->stage_kernels[stage];
+    if (calls) *calls = t.calls[kernel].load();
+    if (flops) *flops = t.flops[kernel].load();
   });
 }
 

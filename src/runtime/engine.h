@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "core/kernel_tally.h"
 #include "kernels/kernels.h"
 #include "kt_c_api.h"
 #include "runtime/thread_pool.h"
@@ -93,6 +94,7 @@ struct kt_engine {
   std::atomic<bool> profiling{false};
   std::atomic<int64_t> stage_ns[kStages] = {};
   std::atomic<int64_t> stage_calls[kStages] = {};
+  kt::KernelTally stage_kernels[kStages];  // the kernels each stage ran
 
   explicit kt_engine(const kt_engine_options& options);
   ~kt_engine();
@@ -106,11 +108,13 @@ namespace kt {
 
 // Times consecutive stages into the engine's profile when profiling is on:
 // enter(stage) ends the previous stage and starts the next; destruction ends
-// the last one.
+// the last one. While a stage runs, the kernels this thread (and the pool's
+// runs it starts) calls count into that stage's tally.
 class StageClock {
  public:
   explicit StageClock(kt_engine* engine)
-      : engine_(engine->profiling.load(std::memory_order_relaxed) ? engine : nullptr) {}
+      : engine_(engine->profiling.load(std::memory_order_relaxed) ? engine : nullptr),
+        saved_tally_(current_kernel_tally()) {}
   ~StageClock() { stop(); }
   StageClock(const StageClock&) = delete;
   StageClock& operator=(const StageClock&) = delete;
@@ -119,6 +123,7 @@ class StageClock {
     if (!engine_) return;
     stop();
     stage_ = stage;
+    current_kernel_tally() = &engine_->stage_kernels[stage];
     start_ = std::chrono::steady_clock::now();
   }
   void stop() {
@@ -127,11 +132,13 @@ class StageClock {
                         std::chrono::steady_clock::now() - start_).count();
     engine_->stage_ns[stage_].fetch_add(ns, std::memory_order_relaxed);
     engine_->stage_calls[stage_].fetch_add(1, std::memory_order_relaxed);
+    current_kernel_tally() = saved_tally_;
     stage_ = -1;
   }
 
  private:
   kt_engine* engine_;
+  KernelTally* saved_tally_;
   int stage_ = -1;
   std::chrono::steady_clock::time_point start_;
 };

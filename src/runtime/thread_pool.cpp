@@ -103,6 +103,7 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
     std::lock_guard<std::mutex> lock(mutex_);
     thunk_ = thunk;
     fn_ = fn;
+    tally_ = current_kernel_tally();
     n_ = n;
     next_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
@@ -137,6 +138,7 @@ void ThreadPool::worker_loop(int index) {
   for (;;) {
     Thunk thunk;
     void* fn;
+    KernelTally* tally;
     int64_t n;
     const auto ready = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
     if (!spin_until(ready, worker_spin())) {
@@ -149,9 +151,13 @@ void ThreadPool::worker_loop(int index) {
       seen = generation_.load(std::memory_order_relaxed);
       thunk = thunk_;
       fn = fn_;
+      tally = tally_;
       n = n_;
     }
-    take_items(thunk, fn, n, index);
+    {
+      const KernelTallyScope counting(tally);
+      take_items(thunk, fn, n, index);
+    }
     // The last worker out wakes the caller (under the lock, so a caller
     // between its check and its wait cannot miss it).
     if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {

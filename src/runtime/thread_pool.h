@@ -12,6 +12,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/kernel_tally.h"
+
 namespace kt {
 
 class ThreadPool {
@@ -78,6 +80,7 @@ class ThreadPool {
   std::atomic<int64_t> worker_spin_us_{kMinSpin.count()};
   Thunk thunk_ = nullptr;
   void* fn_ = nullptr;
+  KernelTally* tally_ = nullptr;  // the caller's, which the workers count into for the run
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;

@@ -33,18 +33,48 @@ typedef void (*any_fn)(void);
 /* Every function of the core ABI, by address (checked against the exported
  * symbol list by tests/abi/check_exports.py). */
 static const any_fn core_abi[] = {
-    (any_fn)kt_version, (any_fn)kt_version_number, (any_fn)kt_abi_version, (any_fn)kt_build_info,
-    (any_fn)kt_status_string, (any_fn)kt_last_error, (any_fn)kt_clear_error, (any_fn)kt_cpu_isa,
-    (any_fn)kt_isa_name, (any_fn)kt_engine_options_defaults, (any_fn)kt_engine_create,
-    (any_fn)kt_engine_destroy, (any_fn)kt_engine_get_info, (any_fn)kt_engine_set_gemm_backend, (any_fn)kt_moe_options_defaults,
-    (any_fn)kt_moe_create, (any_fn)kt_moe_destroy, (any_fn)kt_moe_lora_scale,
-    (any_fn)kt_load_options_defaults, (any_fn)kt_moe_load_weights, (any_fn)kt_moe_load_expert,
-    (any_fn)kt_moe_set_skipped, (any_fn)kt_moe_num_loaded, (any_fn)kt_moe_bind,
-    (any_fn)kt_moe_params_changed, (any_fn)kt_moe_set_grad_hook, (any_fn)kt_moe_forward,
-    (any_fn)kt_backward_options_defaults, (any_fn)kt_moe_backward, (any_fn)kt_context_release,
-    (any_fn)kt_moe_forward_submit, (any_fn)kt_moe_backward_submit, (any_fn)kt_job_run,
-    (any_fn)kt_job_wait, (any_fn)kt_job_done, (any_fn)kt_job_destroy, (any_fn)kt_stage_name,
-    (any_fn)kt_engine_set_profiling, (any_fn)kt_engine_profile_stage, (any_fn)kt_engine_reset_profile,
+    (any_fn)kt_version,
+    (any_fn)kt_version_number,
+    (any_fn)kt_abi_version,
+    (any_fn)kt_build_info,
+    (any_fn)kt_status_string,
+    (any_fn)kt_last_error,
+    (any_fn)kt_clear_error,
+    (any_fn)kt_cpu_isa,
+    (any_fn)kt_isa_name,
+    (any_fn)kt_engine_options_defaults,
+    (any_fn)kt_engine_create,
+    (any_fn)kt_engine_destroy,
+    (any_fn)kt_engine_get_info,
+    (any_fn)kt_engine_set_gemm_backend,
+    (any_fn)kt_moe_options_defaults,
+    (any_fn)kt_moe_create,
+    (any_fn)kt_moe_destroy,
+    (any_fn)kt_moe_lora_scale,
+    (any_fn)kt_load_options_defaults,
+    (any_fn)kt_moe_load_weights,
+    (any_fn)kt_moe_load_expert,
+    (any_fn)kt_moe_set_skipped,
+    (any_fn)kt_moe_num_loaded,
+    (any_fn)kt_moe_bind,
+    (any_fn)kt_moe_params_changed,
+    (any_fn)kt_moe_set_grad_hook,
+    (any_fn)kt_moe_forward,
+    (any_fn)kt_backward_options_defaults,
+    (any_fn)kt_moe_backward,
+    (any_fn)kt_context_release,
+    (any_fn)kt_moe_forward_submit,
+    (any_fn)kt_moe_backward_submit,
+    (any_fn)kt_job_run,
+    (any_fn)kt_job_wait,
+    (any_fn)kt_job_done,
+    (any_fn)kt_job_destroy,
+    (any_fn)kt_stage_name,
+    (any_fn)kt_engine_set_profiling,
+    (any_fn)kt_engine_profile_stage,
+    (any_fn)kt_engine_reset_profile,
+    (any_fn)kt_kernel_name,
+    (any_fn)kt_engine_profile_kernel,
     (any_fn)kt_moe_read_weights,
 };
 
@@ -252,6 +282,19 @@ int main(void) {
     CHECK(kt_engine_profile_stage(engine, KT_STAGE_GATE_UP, &calls, &seconds) == KT_OK);
     CHECK(calls == 1 && seconds >= 0);
     CHECK(kt_engine_profile_stage(engine, stages, &calls, &seconds) == KT_ERR_INVALID_ARGUMENT);
+    {
+      /* the gate/up GEMMs' flops, by the kernels that ran them */
+      int64_t kernel_calls = 0, flops = 0, gate_up_flops = 0;
+      int kernel = 0;
+      for (; kt_kernel_name(kernel) != NULL; ++kernel) {
+        CHECK(kt_engine_profile_kernel(engine, KT_STAGE_GATE_UP, kernel, &kernel_calls, &flops) ==
+              KT_OK);
+        gate_up_flops += flops;
+      }
+      CHECK(gate_up_flops > 0);
+      CHECK(kt_engine_profile_kernel(engine, KT_STAGE_GATE_UP, kernel, &kernel_calls, &flops) ==
+            KT_ERR_INVALID_ARGUMENT);
+    }
     CHECK(kt_engine_reset_profile(engine) == KT_OK);
     CHECK(kt_engine_profile_stage(engine, KT_STAGE_GATE_UP, &calls, &seconds) == KT_OK && calls == 0);
     CHECK(kt_engine_set_profiling(engine, 0) == KT_OK);

@@ -18,6 +18,7 @@
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
 #include "int8_operands.h"
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 #include "views.h"
 
@@ -112,9 +113,12 @@ void configure_int8_tiles(int k_bytes) {
 }
 void release_tiles() { g.configured = false; }
 
-// The fallback: plain loops over the packed panels.
+// The fallback: plain loops over the packed panels (counted as the ref
+// kernel, so the tests see what the tiles left to it).
 void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride, int np,
                    float* c, int64_t ldc, bool accumulate, const PrefetchRegion&) {
+  kt::count_kernel(kt::kernel_id(kt::KernelTable::kRef, kt::KernelEntry::kGemmBf16w),
+                   kt::entry_flops::gemm(m, 16 * np, kp));
   for (int r = 0; r < m; ++r) {
     const bf16_t* a = static_cast<const bf16_t*>(a_rows[r]);
     for (int p = 0; p < np; ++p)
@@ -261,6 +265,23 @@ void expect_loads(RowLayout layout, int m, int64_t k_full, int np, const char* w
         << what << " m=" << m << " np=" << np << " k=" << k_full;
 }
 
+// What a call counted: on tiles, one amx call of the whole K's flops (in
+// tile steps); the rest, the fallback's.
+void expect_tally(const kt::KernelTally& t, bool tiled, int m, int np, int64_t kp,
+                  const char* what) {
+  using kt::KernelEntry;
+  using kt::KernelTable;
+  const int amx = kt::kernel_id(KernelTable::kAmx, KernelEntry::kGemmBf16w);
+  const int ref = kt::kernel_id(KernelTable::kRef, KernelEntry::kGemmBf16w);
+  const int64_t k_tiles = tiled ? kp / 32 * 32 : 0;
+  EXPECT_EQ(t.calls[amx].load(), tiled ? 1 : 0) << what << " m=" << m << " kp=" << kp;
+  EXPECT_EQ(t.flops[amx].load(), 2 * int64_t{m} * 16 * np * k_tiles)
+      << what << " m=" << m << " kp=" << kp;
+  EXPECT_EQ(t.calls[ref].load(), k_tiles < kp ? 1 : 0) << what << " m=" << m << " kp=" << kp;
+  EXPECT_EQ(t.flops[ref].load(), 2 * int64_t{m} * 16 * np * (kp - k_tiles))
+      << what << " m=" << m << " kp=" << kp;
+}
+
 TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
@@ -281,9 +302,15 @@ TEST(AmxEmulated, WeightGemmMatchesDoubleLoops) {
             std::vector<float> c(static_cast<size_t>(m * ldc), 0.25f);
             const int before = emulated::g.dot_products;
             a.watch();
-            emulated::gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np,
-                                 c.data(), ldc, acc, kt::PrefetchRegion{});
-            tiled_calls += emulated::g.dot_products > before;
+            kt::KernelTally tally;
+            {
+              const kt::KernelTallyScope counting(&tally);
+              emulated::gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np,
+                                   c.data(), ldc, acc, kt::PrefetchRegion{});
+            }
+            const bool tiled = emulated::g.dot_products > before;
+            tiled_calls += tiled;
+            expect_tally(tally, tiled, m, np, s.kp, "gemm_bf16w");
             EXPECT_FALSE(emulated::g.configured) << "tiles not released";
             expect_loads(layout, m, s.kp / 32 * 32, np, "gemm_bf16w");
             for (int i = 0; i < m; ++i) {

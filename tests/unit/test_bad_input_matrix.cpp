@@ -709,6 +709,22 @@ void add_engine_cases(const Adder& add) {
     add("stage_" + std::to_string(stage < 0 ? 1 : stage) + (stage < 0 ? "_negative" : ""), L, INV,
         "kt_engine_profile_stage", "stage",
         [stage](World& w) { return kt_engine_profile_stage(w.engine(), stage, nullptr, nullptr); });
+  add("engine_null", L, KT_ERR_INVALID_HANDLE, "kt_engine_profile_kernel", "engine is NULL",
+      [](World&) { return kt_engine_profile_kernel(nullptr, 0, 0, nullptr, nullptr); });
+  for (int stage : {-1, KT_STAGE_EXPERTS + 1})
+    add("stage_" + std::to_string(stage < 0 ? 1 : stage) + (stage < 0 ? "_negative" : ""), L, INV,
+        "kt_engine_profile_kernel", "stage", [stage](World& w) {
+          return kt_engine_profile_kernel(w.engine(), stage, 0, nullptr, nullptr);
+        });
+  {
+    int kernels = 0;
+    while (kt_kernel_name(kernels)) ++kernels;
+    for (int kernel : {-1, kernels})  // one past the last kernel
+      add("kernel_" + std::to_string(kernel < 0 ? 1 : kernel) + (kernel < 0 ? "_negative" : ""), L,
+          INV, "kt_engine_profile_kernel", "kernel", [kernel](World& w) {
+            return kt_engine_profile_kernel(w.engine(), 0, kernel, nullptr, nullptr);
+          });
+  }
   // Destroyed engine: needs handles checked without reading freed memory.
   add.destroyed("engine_destroyed", L, KT_ERR_INVALID_HANDLE, "kt_engine_get_info", "engine", [](World&) {
     kt_engine* e = nullptr;
@@ -1602,19 +1618,56 @@ INSTANTIATE_TEST_SUITE_P(Matrix, BadInput, ::testing::ValuesIn(all_cases()),
 TEST(BadInputMatrix, CoversEveryCallThatCanFail) {
   std::set<std::string> calls;
   for (const BadCase& c : all_cases()) calls.insert(c.call);
-  for (const char* f :
-       {"kt_engine_create", "kt_engine_destroy", "kt_engine_get_info", "kt_engine_set_gemm_backend",
-        "kt_engine_set_profiling", "kt_engine_profile_stage", "kt_engine_reset_profile", "kt_moe_create",
-        "kt_moe_lora_scale", "kt_moe_load_weights", "kt_moe_load_expert", "kt_moe_set_skipped", "kt_moe_num_loaded",
-        "kt_moe_bind", "kt_moe_params_changed", "kt_moe_set_grad_hook", "kt_moe_forward", "kt_moe_backward",
-        "kt_moe_forward_submit", "kt_moe_backward_submit", "kt_job_wait", "kt_moe_save_packed", "kt_moe_load_packed",
-        "kt_ckpt_open", "kt_ckpt_get_info", "kt_ckpt_get_layer_info", "kt_ckpt_moe_options", "kt_ckpt_load_layer",
-        "kt_ckpt_read_layer", "kt_ckpt_tensor_at", "kt_ckpt_find_tensor", "kt_ckpt_write_experts",
-        "kt_ckpt_adapter_write", "kt_ckpt_adapter_read_config", "kt_ckpt_adapter_read", "kt_optimizer_create",
-        "kt_optimizer_create_for_layer", "kt_optimizer_set_options", "kt_optimizer_get_options",
-        "kt_optimizer_set_grad", "kt_optimizer_step", "kt_optimizer_step_submit", "kt_optimizer_grad_sq_norm",
-        "kt_optimizer_num_params", "kt_optimizer_get_step", "kt_optimizer_set_step", "kt_optimizer_state",
-        "kt_optimizer_save", "kt_optimizer_load"})
+  for (const char* f : {"kt_engine_create",
+                        "kt_engine_destroy",
+                        "kt_engine_get_info",
+                        "kt_engine_set_gemm_backend",
+                        "kt_engine_set_profiling",
+                        "kt_engine_profile_stage",
+                        "kt_engine_profile_kernel",
+                        "kt_engine_reset_profile",
+                        "kt_moe_create",
+                        "kt_moe_lora_scale",
+                        "kt_moe_load_weights",
+                        "kt_moe_load_expert",
+                        "kt_moe_set_skipped",
+                        "kt_moe_num_loaded",
+                        "kt_moe_bind",
+                        "kt_moe_params_changed",
+                        "kt_moe_set_grad_hook",
+                        "kt_moe_forward",
+                        "kt_moe_backward",
+                        "kt_moe_forward_submit",
+                        "kt_moe_backward_submit",
+                        "kt_job_wait",
+                        "kt_moe_save_packed",
+                        "kt_moe_load_packed",
+                        "kt_ckpt_open",
+                        "kt_ckpt_get_info",
+                        "kt_ckpt_get_layer_info",
+                        "kt_ckpt_moe_options",
+                        "kt_ckpt_load_layer",
+                        "kt_ckpt_read_layer",
+                        "kt_ckpt_tensor_at",
+                        "kt_ckpt_find_tensor",
+                        "kt_ckpt_write_experts",
+                        "kt_ckpt_adapter_write",
+                        "kt_ckpt_adapter_read_config",
+                        "kt_ckpt_adapter_read",
+                        "kt_optimizer_create",
+                        "kt_optimizer_create_for_layer",
+                        "kt_optimizer_set_options",
+                        "kt_optimizer_get_options",
+                        "kt_optimizer_set_grad",
+                        "kt_optimizer_step",
+                        "kt_optimizer_step_submit",
+                        "kt_optimizer_grad_sq_norm",
+                        "kt_optimizer_num_params",
+                        "kt_optimizer_get_step",
+                        "kt_optimizer_set_step",
+                        "kt_optimizer_state",
+                        "kt_optimizer_save",
+                        "kt_optimizer_load"})
     EXPECT_EQ(calls.count(f), 1u) << f << " has no bad-input case";
   std::cout << "bad-input matrix: " << all_cases().size() << " cases\n";
 }

@@ -3,6 +3,9 @@
 // backward, async submit/wait (queued and deferred), the gradient hook,
 // parameter updates, determinism, and weight-loading variants.
 #include <atomic>
+#include <map>
+#include <set>
+#include <string>
 #include <thread>
 
 #include "cases.h"
@@ -361,6 +364,113 @@ TEST(Profile, CountsStagesOnlyWhenOn) {
   EXPECT_EQ(calls(KT_STAGE_FULL_GRADS), 0);  // a LoRA layer
   ASSERT_EQ(kt_engine_reset_profile(run.engine()), KT_OK);
   EXPECT_EQ(calls(KT_STAGE_GATE_UP), 0);
+}
+
+// The kernels a stage ran: flops and calls by kernel name.
+struct StageKernels {
+  std::map<std::string, int64_t> flops, calls;
+  int64_t total_flops() const {
+    int64_t s = 0;
+    for (const auto& f : flops) s += f.second;
+    return s;
+  }
+};
+StageKernels stage_kernels(kt_engine* engine, int stage) {
+  StageKernels k;
+  for (int id = 0; kt_kernel_name(id); ++id) {
+    int64_t calls = -1, flops = -1;
+    EXPECT_EQ(kt_engine_profile_kernel(engine, stage, id, &calls, &flops), KT_OK)
+        << kt_last_error();
+    if (calls > 0) {
+      k.calls[kt_kernel_name(id)] = calls;
+      k.flops[kt_kernel_name(id)] = flops;
+    } else {
+      EXPECT_EQ(flops, 0) << kt_kernel_name(id);
+    }
+  }
+  return k;
+}
+
+class KernelProfile : public ::testing::TestWithParam<kt_isa> {};
+
+// Every weight GEMM of a forward and a dx backward is counted once, by the
+// kernel of the engine's table that computed it (the worker threads' calls
+// included): each stage's flops are the layer's, exactly.
+TEST_P(KernelProfile, CountsEachStagesFlopsByTheKernelsThatRanThem) {
+  const kt_isa isa = GetParam();
+  Case c;
+  c.name = "kernel_profile";
+  c.E = 8;
+  c.K = 2;
+  c.H = 256;
+  c.I = 96;
+  c.T = 128;  // 32 rows per expert on average: the amx table's tiles take them
+  Runner run(c, isa);
+  if (!run.isa_available())
+    GTEST_SKIP() << kt_isa_name(isa) << " is not available on this CPU/build";
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
+  kt_context_release(ctx);
+  for (int st = 0; kt_stage_name(st); ++st)
+    EXPECT_TRUE(stage_kernels(run.engine(), st).calls.empty())
+        << "counted with profiling off: " << kt_stage_name(st);
+
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 1), KT_OK);
+  ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
+  ASSERT_EQ(run.backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+  kt_context_release(ctx);
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 0), KT_OK);
+
+  const int64_t routes = c.T * c.K, gemm = 2 * routes * c.H * c.I;  // one projection's flops
+  const std::string table = std::string("__") + kt_isa_name(isa);
+  int64_t all = 0;
+  for (int st = 0; kt_stage_name(st); ++st) {
+    const StageKernels k = stage_kernels(run.engine(), st);
+    all += k.total_flops();
+    for (const auto& n : k.calls) {
+      const bool own = n.first.size() > table.size() &&
+                       n.first.compare(n.first.size() - table.size(), table.size(), table) == 0;
+      // The amx table leaves few rows to the AVX-512 BF16 kernels.
+      const bool fallback = isa == KT_ISA_AMX && n.first.find("__avx512bf16") != std::string::npos;
+      EXPECT_TRUE(own || fallback) << kt_stage_name(st) << " ran " << n.first;
+    }
+  }
+  EXPECT_EQ(stage_kernels(run.engine(), KT_STAGE_GATE_UP).total_flops(), 2 * gemm);
+  EXPECT_EQ(stage_kernels(run.engine(), KT_STAGE_DOWN).total_flops(), gemm);
+  EXPECT_EQ(stage_kernels(run.engine(), KT_STAGE_BWD_DOWN).total_flops(), gemm);
+  EXPECT_EQ(stage_kernels(run.engine(), KT_STAGE_BWD_DX).total_flops(), 2 * gemm);
+  EXPECT_EQ(all, 6 * gemm);
+  const StageKernels gate_up = stage_kernels(run.engine(), KT_STAGE_GATE_UP);
+  EXPECT_GT(gate_up.calls.count("gemm_bf16w" + table), 0u)
+      << "gate/up ran none of the table's own GEMMs";
+  // dx reads W^T panels built in cache.
+  EXPECT_GT(
+      stage_kernels(run.engine(), KT_STAGE_BWD_DX).calls.count("transpose_panels" + table) +
+          stage_kernels(run.engine(), KT_STAGE_BWD_DX).calls.count("transpose_panels__avx512bf16"),
+      0u);
+
+  ASSERT_EQ(kt_engine_reset_profile(run.engine()), KT_OK);
+  for (int st = 0; kt_stage_name(st); ++st)
+    EXPECT_TRUE(stage_kernels(run.engine(), st).calls.empty())
+        << "not reset: " << kt_stage_name(st);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isas, KernelProfile,
+                         ::testing::Values(KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX),
+                         [](const ::testing::TestParamInfo<kt_isa>& info) {
+                           return std::string(kt_isa_name(info.param));
+                         });
+
+TEST(KernelProfile, NamesAreUniqueAndEndAfterTheLast) {
+  std::set<std::string> names;
+  int n = 0;
+  for (; kt_kernel_name(n); ++n)
+    EXPECT_TRUE(names.insert(kt_kernel_name(n)).second) << kt_kernel_name(n);
+  EXPECT_GT(n, 0);
+  EXPECT_EQ(kt_kernel_name(-1), nullptr);
+  EXPECT_EQ(names.count("gemm_bf16w__amx"), 1u);
+  EXPECT_EQ(names.count("gemm_bf16w__onednn"), 1u);
+  EXPECT_EQ(names.count("sgemm_nt__avx512bf16"), 1u);
 }
 
 // Every loading form gives the same layer as stacked bf16 tensors.

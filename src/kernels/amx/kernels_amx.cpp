@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 
 namespace kt {

@@ -7,6 +7,7 @@
 
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -250,18 +251,22 @@ static void transpose_panels(const bf16_t* packed, int64_t np, int64_t panel_str
 
 }  // namespace avx2
 
+// Entries that run a GEMM count their calls (kernels/counted.h).
+constexpr KernelTable kTable = KernelTable::kAvx2;
+using E = KernelEntry;
+
 extern const Kernels kernels_avx2 = {
     KT_ISA_AVX2,
     "gemm_bf16w_f32_f32_3x16__avx2_fma",
     4,
-    avx2::gemm_bf16w,
+    counted<kTable, E::kGemmBf16w, avx2::gemm_bf16w>,
     nullptr,
     nullptr,
     avx2::pack_a_f32_copy,
-    avx2::sgemm_nn_generic,
-    avx2::sgemm_nt_generic,
-    avx2::sgemm_tn_generic,
-    avx2::transpose_panels,
+    counted<kTable, E::kSgemmNn, avx2::sgemm_nn_generic>,
+    counted<kTable, E::kSgemmNt, avx2::sgemm_nt_generic>,
+    counted<kTable, E::kSgemmTn, avx2::sgemm_tn_generic>,
+    counted<kTable, E::kTransposePanels, avx2::transpose_panels>,
     avx2::act_forward_generic,
     avx2::act_backward_generic,
     avx2::dequant_i8,
@@ -269,8 +274,8 @@ extern const Kernels kernels_avx2 = {
     avx2::dequant_e4m3,
     avx2::dequant_e2m1,
     avx2::dequant_i4_zero,
-    avx2::gemm_bf16w_grouped,
-    avx2::gemm_quant,
+    counted<kTable, E::kGemmBf16wGrouped, avx2::gemm_bf16w_grouped>,
+    counted<kTable, E::kGemmQuant, avx2::gemm_quant>,
     // Past these rows dequantizing once into cache and the grouped GEMM
     // take less time. 8-bit codes: one thread, codes in cache, 8 panels x K
     // 2048: int8 per channel 0.69x still at 4 rows, e4m3 1.16x at 3 and
@@ -282,7 +287,7 @@ extern const Kernels kernels_avx2 = {
     // and 0.98-1.05 -> 0.85-0.96 from 2 to 6.
     4,
     6,
-    avx2::gemm_int8,
+    counted<kTable, E::kGemmInt8, avx2::gemm_int8>,
     false,
     false,
 };
@@ -291,7 +296,7 @@ extern const Kernels kernels_avx2 = {
 // by vpmaddubsw and vpmaddwd), for the tests to run both wherever it is.
 extern const Kernels kernels_avx2_no_vnni = [] {
   Kernels k = kernels_avx2;
-  k.gemm_int8 = avx2::gemm_int8_no_vnni;
+  k.gemm_int8 = counted<kTable, E::kGemmInt8, avx2::gemm_int8_no_vnni>;
   return k;
 }();
 

@@ -7,6 +7,7 @@
 
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -749,18 +750,22 @@ static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t pa
 
 }  // namespace avx512bf16
 
+// Entries that run a GEMM count their calls (kernels/counted.h).
+constexpr KernelTable kTable = KernelTable::kAvx512Bf16;
+using E = KernelEntry;
+
 extern const Kernels kernels_avx512bf16 = {
     KT_ISA_AVX512BF16,
     "gemm_bf16w_bf16_f32_6x64__avx512bf16",
     2,
-    avx512bf16::gemm_bf16w,
-    avx512bf16::gemm_zip_bf16,
+    counted<kTable, E::kGemmBf16w, avx512bf16::gemm_bf16w>,
+    counted<kTable, E::kGemmZipBf16, avx512bf16::gemm_zip_bf16>,
     avx512bf16::zip_rows_bf16,
     avx512bf16::pack_a_f32,
-    avx512bf16::sgemm_nn,
-    avx512bf16::sgemm_nt,
-    avx512bf16::sgemm_tn,
-    avx512bf16::transpose_panels_avx512,
+    counted<kTable, E::kSgemmNn, avx512bf16::sgemm_nn>,
+    counted<kTable, E::kSgemmNt, avx512bf16::sgemm_nt>,
+    counted<kTable, E::kSgemmTn, avx512bf16::sgemm_tn>,
+    counted<kTable, E::kTransposePanels, avx512bf16::transpose_panels_avx512>,
     avx512bf16::act_forward_generic,
     avx512bf16::act_backward_generic,
     avx512bf16::dequant_i8,
@@ -768,14 +773,14 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::dequant_e4m3,
     avx512bf16::dequant_e2m1,
     avx512bf16::dequant_i4_zero,
-    avx512bf16::gemm_bf16w_grouped,
-    avx512bf16::gemm_quant,
+    counted<kTable, E::kGemmBf16wGrouped, avx512bf16::gemm_bf16w_grouped>,
+    counted<kTable, E::kGemmQuant, avx512bf16::gemm_quant>,
     // Measured against dequant_* + gemm_bf16w_grouped on one thread
     // (Zen4): int8 codes break even near 28 rows, 4-bit codes stay ahead
     // up to a full row chunk (1.06x the bf16 GEMM at 32 rows, int4 g32).
     24,
     1 << 30,
-    avx512bf16::gemm_int8,
+    counted<kTable, E::kGemmInt8, avx512bf16::gemm_int8>,
     true,
     false,
 };

@@ -5,6 +5,7 @@
 
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -36,18 +37,22 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 
 }  // namespace ref
 
+// Entries that run a GEMM count their calls (kernels/counted.h).
+constexpr KernelTable kTable = KernelTable::kRef;
+using E = KernelEntry;
+
 extern const Kernels kernels_ref = {
     KT_ISA_REF,
     "gemm_bf16w_f32_f32_1x16__ref",
     4,
-    ref::gemm_bf16w,
+    counted<kTable, E::kGemmBf16w, ref::gemm_bf16w>,
     nullptr,
     nullptr,
     ref::pack_a_f32_copy,
-    ref::sgemm_nn_generic,
-    ref::sgemm_nt_generic,
-    ref::sgemm_tn_generic,
-    ref::transpose_panels_generic,
+    counted<kTable, E::kSgemmNn, ref::sgemm_nn_generic>,
+    counted<kTable, E::kSgemmNt, ref::sgemm_nt_generic>,
+    counted<kTable, E::kSgemmTn, ref::sgemm_tn_generic>,
+    counted<kTable, E::kTransposePanels, ref::transpose_panels_generic>,
     ref::act_forward_generic,
     ref::act_backward_generic,
     ref::dequant_i8_generic,
@@ -55,11 +60,11 @@ extern const Kernels kernels_ref = {
     ref::dequant_e4m3_generic,
     ref::dequant_e2m1_generic,
     ref::dequant_i4_zero_generic,
-    ref::gemm_bf16w_grouped_fp32a,
+    counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a>,
     nullptr,
     0,
     0,
-    ref::gemm_int8_generic,
+    counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>,
     false,
     false,
 };

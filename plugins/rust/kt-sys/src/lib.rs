@@ -578,6 +578,8 @@ kt_functions! {
     pub fn kt_engine_set_profiling(engine: *mut kt_engine, enabled: c_int) -> kt_status;
     pub fn kt_engine_profile_stage(engine: *const kt_engine, stage: c_int, calls: *mut i64, seconds: *mut f64) -> kt_status;
     pub fn kt_engine_reset_profile(engine: *mut kt_engine) -> kt_status;
+    pub fn kt_kernel_name(kernel: c_int) -> *const c_char;
+    pub fn kt_engine_profile_kernel(engine: *const kt_engine, stage: c_int, kernel: c_int, calls: *mut i64, flops: *mut i64) -> kt_status;
 
     pub fn kt_moe_save_packed(moe: *mut kt_moe, path: *const c_char) -> kt_status;
     pub fn kt_moe_load_packed(moe: *mut kt_moe, path: *const c_char, flags: c_uint) -> kt_status;
