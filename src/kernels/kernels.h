@@ -266,7 +266,7 @@ struct Kernels {
   bool gemm_bf16w_fetches_panels;
   // The weight GEMMs read A rows where they lie only when they are equally
   // spaced (AMX tiles: gemm_bf16w at any spacing, and gemm_int8 where the
-  // CPU has AMX-INT8; oneDNN: gemm_bf16w, rows kp apart) and gather others
+  // CPU has AMX-INT8; oneDNN: gemm_bf16w, at least kp apart) and gather others
   // into a block first, on every call: a caller that would hand the same
   // scattered rows to many calls lays them out in order once instead. The
   // vector kernels read each row through its pointer (false).

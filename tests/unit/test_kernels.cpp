@@ -292,22 +292,29 @@ TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
         for (auto& v : w) v = nd(rng);
         kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
         kt::pack_bf16_panels(view2d(w.data(), np * 16, k), 0, 1, s, packed.data());
-        // Rows twice over: contiguous, and gathered in reverse order.
+        // Rows three times over: contiguous, gathered in reverse order, and
+        // equally spaced wider than K (K chunks of longer rows; read in place).
         std::vector<bf16_t> a(static_cast<size_t>(m * s.kp));
         std::vector<float> row(static_cast<size_t>(k));
         for (int i = 0; i < m; ++i) {
           for (auto& v : row) v = nd(rng);
           base->pack_a_f32(row.data(), k, s.kp, &a[static_cast<size_t>(i * s.kp)]);
         }
-        for (bool gathered : {false, true}) {
+        for (const char* layout : {"contiguous", "gathered", "spaced"}) {
+          const std::string how = layout;
           std::vector<const void*> rows(static_cast<size_t>(m));
-          std::vector<bf16_t> rev(a.size());
+          const int64_t lda = s.kp + 40;
+          std::vector<bf16_t> moved(static_cast<size_t>(m * lda), kt::f32_to_bf16(1e30f));
           for (int i = 0; i < m; ++i) {
-            if (gathered) {
-              std::copy_n(&a[static_cast<size_t>(i * s.kp)], s.kp, &rev[static_cast<size_t>((m - 1 - i) * s.kp)]);
-              rows[static_cast<size_t>(i)] = &rev[static_cast<size_t>((m - 1 - i) * s.kp)];
+            const bf16_t* src = &a[static_cast<size_t>(i * s.kp)];
+            if (how == "gathered") {
+              std::copy_n(src, s.kp, &moved[static_cast<size_t>((m - 1 - i) * s.kp)]);
+              rows[static_cast<size_t>(i)] = &moved[static_cast<size_t>((m - 1 - i) * s.kp)];
+            } else if (how == "spaced") {
+              std::copy_n(src, s.kp, &moved[static_cast<size_t>(i * lda)]);
+              rows[static_cast<size_t>(i)] = &moved[static_cast<size_t>(i * lda)];
             } else {
-              rows[static_cast<size_t>(i)] = &a[static_cast<size_t>(i * s.kp)];
+              rows[static_cast<size_t>(i)] = src;
             }
           }
           const int64_t ldc = np * 16 + 8;
@@ -316,8 +323,10 @@ TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
             d->gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np, cd.data(), ldc, acc, {});
             base->gemm_bf16w(rows.data(), m, s.kp, packed.data(), s.panel_stride(), np, cb.data(), ldc, acc, {});
             for (size_t i = 0; i < cd.size(); ++i)
-              ASSERT_NEAR(cd[i], cb[i], 1e-5f * (1.f + std::fabs(cb[i])) * std::sqrt(static_cast<float>(k)))
-                  << "k=" << k << " m=" << m << " np=" << np << " gathered=" << gathered << " acc=" << acc << " at " << i;
+              ASSERT_NEAR(cd[i], cb[i],
+                          1e-5f * (1.f + std::fabs(cb[i])) * std::sqrt(static_cast<float>(k)))
+                  << "k=" << k << " m=" << m << " np=" << np << " " << how << " acc=" << acc
+                  << " at " << i;
           }
         }
       }

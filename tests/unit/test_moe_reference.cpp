@@ -405,10 +405,46 @@ class OneDnnBackend : public ::testing::TestWithParam<Case> {};
 
 TEST_P(OneDnnBackend, ForwardBackwardMatch) { check_case(KT_ISA_AVX512BF16, GetParam(), KT_GEMM_ONEDNN); }
 
+// Quantized bases dequantize K chunks of 256 into cache: oneDNN reads the
+// chunks of x's rows where they lie (rows H apart, wider than the chunk).
+Case k_chunks_case(kt_weight_format f) {
+  Case c;
+  c.name = std::string(kt_weight_format_name(f)) + "_k_chunks_h768";
+  c.format = f;
+  c.E = 4;
+  c.K = 2;
+  c.H = 768;
+  c.I = 256;
+  c.T = 96;  // ~48 rows per expert: past gemm_quant's rows, the chunks
+  c.bf16_act = true;
+  return c;
+}
+
 std::vector<Case> onednn_cases() {
   std::vector<Case> v = core_cases();
   v.push_back(qwen3_30b_a3b_slice());
+  v.push_back(k_chunks_case(KT_FORMAT_INT8_CHANNEL));
   return v;
+}
+
+// An int8 base on the oneDNN backend: every gate/up flop of the K chunks
+// goes through oneDNN (kt_engine_profile_kernel), and matches the reference.
+TEST(OneDnnBackendQuantized, KChunksRunOnOneDnn) {
+  const Case c = k_chunks_case(KT_FORMAT_INT8_CHANNEL);
+  Runner run(c, KT_ISA_AVX512BF16, 2, KT_GEMM_ONEDNN);
+  if (!run.isa_available())
+    GTEST_SKIP() << "avx512bf16 with the oneDNN backend is not available on this CPU/build";
+  ASSERT_EQ(kt_engine_set_profiling(run.engine(), 1), KT_OK);
+  check_run(run, quant_tolerance_for(KT_ISA_AVX512BF16, c.bf16_act));
+  int64_t onednn_flops = -1, all_flops = 0;
+  for (int id = 0; kt_kernel_name(id); ++id) {
+    int64_t calls = 0, flops = 0;
+    ASSERT_EQ(kt_engine_profile_kernel(run.engine(), KT_STAGE_GATE_UP, id, &calls, &flops), KT_OK);
+    all_flops += flops;
+    if (std::string(kt_kernel_name(id)) == "gemm_bf16w__onednn") onednn_flops = flops;
+  }
+  EXPECT_EQ(onednn_flops, 2 * (2 * c.T * c.K * c.H * c.I));
+  EXPECT_EQ(all_flops, onednn_flops);
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, OneDnnBackend, ::testing::ValuesIn(onednn_cases()),

@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernels/counted.h"
+
 namespace kt {
 namespace {
 
@@ -28,11 +30,13 @@ const Kernels* g_bases[2] = {nullptr, nullptr};
 struct Shape {
   int m;
   int64_t kp;
+  int64_t lda;  // A's rows, lda >= kp values apart
   int64_t n;
   int64_t ldc;
   bool accumulate;
   bool operator<(const Shape& o) const {
-    return std::tie(m, kp, n, ldc, accumulate) < std::tie(o.m, o.kp, o.n, o.ldc, o.accumulate);
+    return std::tie(m, kp, lda, n, ldc, accumulate) <
+           std::tie(o.m, o.kp, o.lda, o.n, o.ldc, o.accumulate);
   }
 };
 
@@ -59,7 +63,7 @@ const Plan& plan_for(WorkerState& w, const Shape& s) {
   if (it != w.plans.end()) return it->second;
   using dt = dnnl::memory::data_type;
   Plan p;
-  p.a = dnnl::memory::desc({s.m, s.kp}, dt::bf16, dnnl::memory::dims{s.kp, 1});
+  p.a = dnnl::memory::desc({s.m, s.kp}, dt::bf16, dnnl::memory::dims{s.lda, 1});
   p.b = dnnl::memory::desc({s.kp, s.n}, dt::bf16, dnnl::memory::format_tag::BA16a16b2a);
   p.c = dnnl::memory::desc({s.m, s.n}, dt::f32, dnnl::memory::dims{s.ldc, 1});
   dnnl::primitive_attr attr;
@@ -81,17 +85,27 @@ void gemm_onednn(const Kernels& base, const void* const* a_rows, int m, int64_t 
     base.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
     return;
   }
+  count_kernel(kernel_id(KernelTable::kOneDnn, KernelEntry::kGemmBf16w),
+               entry_flops::gemm(m, int64_t{kPanelRows} * np, kp));
   WorkerState& w = worker_state();
   const bf16_t* a = static_cast<const bf16_t*>(a_rows[0]);
-  bool contiguous = true;
-  for (int r = 1; r < m && contiguous; ++r) contiguous = a_rows[r] == a + r * kp;
-  if (!contiguous) {
-    w.rows.resize(static_cast<size_t>(m * kp));
-    for (int r = 0; r < m; ++r)
-      std::memcpy(w.rows.data() + r * kp, a_rows[r], static_cast<size_t>(kp) * sizeof(bf16_t));
-    a = w.rows.data();
+  // Rows equally spaced at least kp apart (x's rows in route order, or K
+  // chunks of them) are read where they lie; others are gathered first.
+  int64_t lda = kp;
+  if (m > 1) {
+    const std::ptrdiff_t step = static_cast<const bf16_t*>(a_rows[1]) - a;
+    bool spaced = step >= kp;
+    for (int r = 2; r < m && spaced; ++r) spaced = a_rows[r] == a + r * step;
+    if (spaced) {
+      lda = step;
+    } else {
+      w.rows.resize(static_cast<size_t>(m * kp));
+      for (int r = 0; r < m; ++r)
+        std::memcpy(w.rows.data() + r * kp, a_rows[r], static_cast<size_t>(kp) * sizeof(bf16_t));
+      a = w.rows.data();
+    }
   }
-  const Plan& p = plan_for(w, Shape{m, kp, int64_t{np} * kPanelRows, ldc, accumulate});
+  const Plan& p = plan_for(w, Shape{m, kp, lda, int64_t{np} * kPanelRows, ldc, accumulate});
   dnnl::memory am(p.a, w.engine, const_cast<bf16_t*>(a));
   dnnl::memory bm(p.b, w.engine, const_cast<bf16_t*>(panels));
   dnnl::memory cm(p.c, w.engine, c);
