@@ -59,9 +59,13 @@ def check_profile(row, what):
         fail(f"{what}: a negative stage time in {stages}")
 
 
-def check_kernels(row, what, tables):
+def check_kernels(row, what, tables, case, flops):
     """The kernels a case ran (always reported): each named entry__table
-    with a table the engine may run, calls per call, GFLOP per call."""
+    with a table the engine may run, calls per call, GFLOP per call; their
+    FLOPs per call are the case's, counted over the same batches. The
+    full-weight gradient kernels step over tokens in pairs, so an expert
+    with an odd token count computes one zero token more: train_full counts
+    up to a third more (every gradient K doubled) and never less."""
     kernels = row.get("kernels")
     if not kernels:
         fail(f"{what}: no kernels")
@@ -74,6 +78,9 @@ def check_kernels(row, what, tables):
     total = sum(k["gflop"] for k in kernels) * 1e9
     if not total > 0:
         fail(f"{what}: the kernels computed no flops")
+    high = flops * (4 / 3 if case == "train_full" else 1)
+    if not flops * (1 - 1e-4) <= total <= high * (1 + 1e-4):
+        fail(f"{what}: the kernels computed {total:.6g} flops per call, the case {flops:.6g}")
 
 
 def check_read_beside(r, what):
@@ -154,7 +161,7 @@ def check_formats(model, formats, where, profile, tables):
         check_read_beside(r, what)
         if profile:
             check_profile(r, what)
-        check_kernels(r, what, tables)
+        check_kernels(r, what, tables, case, base["flops"])
         want_source = "checkpoint" if fmt in FROM_CHECKPOINT else "quantized_at_load"
         if r["source"] != want_source:
             fail(f"{what}: source {r['source']!r}, expected {want_source!r}")
@@ -250,7 +257,7 @@ def main():
                 require(r[b], ["ms", "speedup_of_kt"], f"{where} {r['case']} {b}")
             if "--profile" in args:
                 check_profile(r["kt"], f"{where} {r['case']} T={r['tokens']} kt")
-            check_kernels(r["kt"], f"{where} {r['case']} T={r['tokens']} kt", tables)
+            check_kernels(r["kt"], f"{where} {r['case']} T={r['tokens']} kt", tables, r["case"], r["flops"])
             seen.add(r["case"])
         if seen != CASES:
             fail(f"{where}: cases {sorted(seen)}, expected {sorted(CASES)}")

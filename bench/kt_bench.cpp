@@ -291,8 +291,8 @@ struct Row {
   // Relative L2 distance of oneDNN's result from kt's on the first batch:
   // y for forward, dx for fwd+bwd dx (NaN when not compared).
   double onednn_rel_l2 = NAN;
-  // The kernels each stage ran (one untimed call) and, with --profile, ms
-  // per call by stage.
+  // The kernels each stage ran (one untimed round of the batches) and,
+  // with --profile, ms per call by stage.
   CaseProfile kt_profile;
 };
 

@@ -282,6 +282,11 @@ bool KtRunner::profile_case(Case which, const Workload& work, int calls, CasePro
     *error = kt_error("kt_engine_set_profiling", st);
     return false;
   }
+  // Whole rounds of the workload's batches, so the counts per call are the
+  // mean over the same batches as the case's routes and FLOPs.
+  const int batches = static_cast<int>(work.batches.size());
+  calls = std::max(calls, batches);
+  calls = (calls + batches - 1) / batches * batches;
   const bool ran = time_case(which, work, 0, calls, error) >= 0;
   kt_engine_set_profiling(engine_, 0);
   if (!ran) return false;
