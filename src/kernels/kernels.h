@@ -300,6 +300,12 @@ bool amx_kernels_verified();
 // oneDNN or base's A format is not bf16.
 const Kernels* onednn_kernels(const Kernels& base);
 bool onednn_compiled();
+// The oneDNN implementation a weight GEMM of that shape (with those A rows)
+// runs on the calling thread, with " (rows gathered)" where the rows are
+// copied first; "" where kt's own kernel runs it (shapes outside oneDNN's
+// layout, or those oneDNN has only its reference loop for).
+std::string onednn_gemm_impl(const void* const* a_rows, int m, int64_t kp, int np, int64_t ldc,
+                             bool accumulate);
 
 // Best-of-reps seconds of one weight GEMM of m rows x kp x (16 * np) with
 // table k on the calling thread (synthetic operands).

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/buffer.h"
+#include "core/kernel_tally.h"
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "int8_operands.h"
@@ -330,6 +331,65 @@ TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
           }
         }
       }
+}
+
+// oneDNN 2.6 answers some shapes with its reference matmul (a plain loop,
+// tens of times slower than kt's kernel): strided A rows (the K chunks of a
+// quantized base, 256 values of rows 2048 apart) and single-panel N. The
+// backend must never run it: it gathers the rows or leaves the call to kt's
+// kernel, and the profile names whichever computed it.
+TEST(OneDnnBackend, NeverRunsOneDnnsReferenceLoop) {
+  const kt::Kernels* base = kt::kernels_for(KT_ISA_AVX512BF16);
+  if (!base || kt::detect_cpu_isa() < KT_ISA_AVX512BF16)
+    GTEST_SKIP() << "no avx512bf16 kernels on this CPU/build";
+  if (!kt::onednn_compiled()) GTEST_SKIP() << "built without oneDNN";
+  const kt::Kernels& d = *kt::onednn_kernels(*base);
+  const int onednn = kt::kernel_id(kt::KernelTable::kOneDnn, kt::KernelEntry::kGemmBf16w);
+  const int own = kt::kernel_id(kt::KernelTable::kAvx512Bf16, kt::KernelEntry::kGemmBf16w);
+  std::mt19937 rng(8);
+  std::normal_distribution<float> nd;
+  struct Case {
+    int m;
+    int64_t k, lda;
+    int np;
+  };
+  // The K chunk of an int8 base at T=512 (29 rows of a 2048-wide x), whole
+  // rows, a decode row, single panels.
+  for (const Case& t : {Case{29, 256, 2048, 4}, Case{32, 2048, 2048, 4}, Case{1, 768, 768, 4},
+                        Case{5, 256, 2048, 1}, Case{1, 64, 64, 1}, Case{17, 768, 800, 3}}) {
+    const std::string what = "m=" + std::to_string(t.m) + " k=" + std::to_string(t.k) +
+                             " lda=" + std::to_string(t.lda) + " np=" + std::to_string(t.np);
+    const kt::PanelShape s = kt::PanelShape::of(t.np * 16, t.k);
+    std::vector<float> w(static_cast<size_t>(t.np * 16 * t.k));
+    for (auto& v : w) v = nd(rng);
+    kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+    kt::pack_bf16_panels(view2d(w.data(), t.np * 16, t.k), 0, 1, s, packed.data());
+    std::vector<bf16_t> x(static_cast<size_t>(t.m * t.lda));
+    for (auto& v : x) v = kt::f32_to_bf16(nd(rng));
+    std::vector<const void*> rows(static_cast<size_t>(t.m));
+    for (int i = 0; i < t.m; ++i) rows[static_cast<size_t>(i)] = &x[static_cast<size_t>(i * t.lda)];
+    const int64_t ldc = t.np * 16;
+    const std::string impl = kt::onednn_gemm_impl(rows.data(), t.m, s.kp, t.np, ldc, false);
+    EXPECT_NE(impl.compare(0, 3, "ref"), 0) << what << ": " << impl;
+    if (t.m == 29) {
+      EXPECT_NE(impl, "") << what << ": the K chunks of a quantized base run on oneDNN";
+    }
+    std::vector<float> cd(static_cast<size_t>(t.m * ldc)), cb = cd;
+    kt::KernelTally tally;
+    {
+      const kt::KernelTallyScope counting(&tally);
+      d.gemm_bf16w(rows.data(), t.m, s.kp, packed.data(), s.panel_stride(), t.np, cd.data(), ldc,
+                   false, {});
+    }
+    EXPECT_EQ(tally.calls[onednn].load(), impl.empty() ? 0 : 1) << what << ": " << impl;
+    EXPECT_EQ(tally.calls[own].load(), impl.empty() ? 1 : 0) << what << ": " << impl;
+    base->gemm_bf16w(rows.data(), t.m, s.kp, packed.data(), s.panel_stride(), t.np, cb.data(), ldc,
+                     false, {});
+    for (size_t i = 0; i < cd.size(); ++i)
+      ASSERT_NEAR(cd[i], cb[i],
+                  1e-5f * (1.f + std::fabs(cb[i])) * std::sqrt(static_cast<float>(t.k)))
+          << what << " at " << i;
+  }
 }
 
 TEST_P(GemmKernels, Fp32GemmsMatchPlainLoops) {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <dnnl.hpp>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -43,6 +44,11 @@ struct Shape {
 struct Plan {
   dnnl::memory::desc a, b, c;
   dnnl::matmul matmul;
+  // oneDNN's implementation for the shape; "ref:..." is its plain C++ loop
+  // (oneDNN 2.6 takes it for strided A rows and single-panel N), tens of
+  // times slower than kt's kernel, so such a plan never runs.
+  std::string impl;
+  bool reference() const { return impl.compare(0, 3, "ref") == 0; }
 };
 
 struct WorkerState {
@@ -72,8 +78,40 @@ const Plan& plan_for(WorkerState& w, const Shape& s) {
     ops.append_sum(1.f);
     attr.set_post_ops(ops);
   }
-  p.matmul = dnnl::matmul(dnnl::matmul::primitive_desc(dnnl::matmul::desc(p.a, p.b, p.c), attr, w.engine));
+  const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(p.a, p.b, p.c), attr, w.engine);
+  p.impl = pd.impl_info_str();
+  p.matmul = dnnl::matmul(pd);
   return w.plans.emplace(s, std::move(p)).first->second;
+}
+
+// Rows equally spaced at least kp apart (x's rows in route order, or K
+// chunks of them): their spacing, else 0.
+int64_t row_spacing(const void* const* a_rows, int m, int64_t kp) {
+  const bf16_t* a = static_cast<const bf16_t*>(a_rows[0]);
+  if (m == 1) return kp;
+  const std::ptrdiff_t step = static_cast<const bf16_t*>(a_rows[1]) - a;
+  if (step < kp) return 0;
+  for (int r = 2; r < m; ++r)
+    if (a_rows[r] != a + r * step) return 0;
+  return step;
+}
+
+// The plan a call runs: rows read in place where they are equally spaced
+// and oneDNN has a kernel for that, else gathered (lda = kp); nullptr where
+// oneDNN has only its reference loop for the shape (kt's kernel runs).
+const Plan* choose_plan(WorkerState& w, const void* const* a_rows, int m, int64_t kp, int np,
+                        int64_t ldc, bool accumulate, bool* gather) {
+  const int64_t n = int64_t{np} * kPanelRows;
+  const int64_t lda = row_spacing(a_rows, m, kp);
+  *gather = lda == 0;
+  if (lda != 0) {
+    const Plan& p = plan_for(w, Shape{m, kp, lda, n, ldc, accumulate});
+    if (!p.reference()) return &p;
+    if (lda == kp) return nullptr;
+    *gather = true;
+  }
+  const Plan& p = plan_for(w, Shape{m, kp, kp, n, ldc, accumulate});
+  return p.reference() ? nullptr : &p;
 }
 
 void gemm_onednn(const Kernels& base, const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
@@ -85,27 +123,23 @@ void gemm_onednn(const Kernels& base, const void* const* a_rows, int m, int64_t 
     base.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
     return;
   }
+  WorkerState& w = worker_state();
+  bool gather = false;
+  const Plan* plan = choose_plan(w, a_rows, m, kp, np, ldc, accumulate, &gather);
+  if (!plan) {
+    base.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+    return;
+  }
   count_kernel(kernel_id(KernelTable::kOneDnn, KernelEntry::kGemmBf16w),
                entry_flops::gemm(m, int64_t{kPanelRows} * np, kp));
-  WorkerState& w = worker_state();
   const bf16_t* a = static_cast<const bf16_t*>(a_rows[0]);
-  // Rows equally spaced at least kp apart (x's rows in route order, or K
-  // chunks of them) are read where they lie; others are gathered first.
-  int64_t lda = kp;
-  if (m > 1) {
-    const std::ptrdiff_t step = static_cast<const bf16_t*>(a_rows[1]) - a;
-    bool spaced = step >= kp;
-    for (int r = 2; r < m && spaced; ++r) spaced = a_rows[r] == a + r * step;
-    if (spaced) {
-      lda = step;
-    } else {
-      w.rows.resize(static_cast<size_t>(m * kp));
-      for (int r = 0; r < m; ++r)
-        std::memcpy(w.rows.data() + r * kp, a_rows[r], static_cast<size_t>(kp) * sizeof(bf16_t));
-      a = w.rows.data();
-    }
+  if (gather) {
+    w.rows.resize(static_cast<size_t>(m * kp));
+    for (int r = 0; r < m; ++r)
+      std::memcpy(w.rows.data() + r * kp, a_rows[r], static_cast<size_t>(kp) * sizeof(bf16_t));
+    a = w.rows.data();
   }
-  const Plan& p = plan_for(w, Shape{m, kp, lda, int64_t{np} * kPanelRows, ldc, accumulate});
+  const Plan& p = *plan;
   dnnl::memory am(p.a, w.engine, const_cast<bf16_t*>(a));
   dnnl::memory bm(p.b, w.engine, const_cast<bf16_t*>(panels));
   dnnl::memory cm(p.c, w.engine, c);
@@ -134,6 +168,14 @@ Kernels table_over(const Kernels& base) {
 
 bool onednn_compiled() { return true; }
 
+std::string onednn_gemm_impl(const void* const* a_rows, int m, int64_t kp, int np, int64_t ldc,
+                             bool accumulate) {
+  if (m <= 0 || kp % 32 != 0) return "";
+  bool gather = false;
+  const Plan* p = choose_plan(worker_state(), a_rows, m, kp, np, ldc, accumulate, &gather);
+  return p ? p->impl + (gather ? " (rows gathered)" : "") : "";
+}
+
 const Kernels* onednn_kernels(const Kernels& base) {
   if (base.a_elem_size != 2) return nullptr;  // oneDNN's bf16 matmul needs bf16 activations
   // One table per base with bf16 activations (avx512bf16, amx): shapes
@@ -153,6 +195,9 @@ const Kernels* onednn_kernels(const Kernels& base) {
 namespace kt {
 bool onednn_compiled() { return false; }
 const Kernels* onednn_kernels(const Kernels&) { return nullptr; }
+std::string onednn_gemm_impl(const void* const*, int, int64_t, int, int64_t, bool) {
+  return "";
+}
 }  // namespace kt
 
 #endif
