@@ -422,9 +422,15 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
         rows[static_cast<size_t>(i)] = p == kDown ? act_.data() + pos * I
                                                   : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
       }
-      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(in), n, lbs + p0 * r, r, rows.data(), out_buf, in, false);
-      write_grad(bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view, e, 0, out_buf, r, in, false,
-                 c.opt.grad_scale, accumulate);
+      // fp32 rows overwritten unscaled: the GEMM writes them where they lie
+      // (the same bits as through out_buf, without its second pass).
+      const View& ga = bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view;
+      const bool direct = !accumulate && c.opt.grad_scale == 1.f && ga.dtype == DType::kF32 &&
+                          ga.strides[2] == 1 && ga.strides[1] >= in;
+      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(in), n, lbs + p0 * r, r, rows.data(),
+                  direct ? reinterpret_cast<float*>(ga.at(e, 0, 0)) : out_buf,
+                  direct ? ga.strides[1] : in, false);
+      if (!direct) write_grad(ga, e, 0, out_buf, r, in, false, c.opt.grad_scale, accumulate);
     } else {
       // dB^T [r, out] = sum_rows (A z) (x) delta, times s
       const float* las = p == kDown ? scaled_[1].data() : ctx->la[p].data();

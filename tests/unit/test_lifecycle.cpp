@@ -204,6 +204,67 @@ TEST(Training, Bf16ParametersAndGradientBuffers) {
   }
 }
 
+// LoRA A gradients bound as rows wider than the gradient (a slice of a
+// larger host buffer): overwritten unscaled fp32 rows are written by the
+// GEMM where they lie, scaled or accumulated ones through a buffer; both
+// fill the rows and leave the gaps between them alone.
+TEST(Training, LoraAGradientsIntoSpacedRows) {
+  for (kt_isa isa : {KT_ISA_AVX2, KT_ISA_AVX512BF16}) {
+    Runner run(lora_case(), isa);
+    if (!run.isa_available()) continue;
+    const Case& c = run.c();
+    constexpr int64_t kGap = 8;
+    constexpr float kUntouched = 7.f;
+    TensorPtr spaced[3];
+    std::vector<kt_arg> bind;
+    for (int p = 0; p < 3; ++p) {
+      const int64_t in = p == 2 ? c.I : c.H;
+      spaced[p] = Tensor::make(kF32, {c.E, c.rank, in + kGap});
+      std::fill_n(spaced[p]->f32(), spaced[p]->numel(), kUntouched);
+      spaced[p]->shape = {c.E, c.rank, in};
+      spaced[p]->strides = {c.rank * (in + kGap), in + kGap, 1};
+      spaced[p]->t.shape = spaced[p]->shape.data();
+      spaced[p]->t.strides = spaced[p]->strides.data();
+      bind.push_back({KT_ARG_GRAD_LORA_A_GATE + 2 * p, spaced[p]->dl()});
+    }
+    ASSERT_EQ(kt_moe_bind(run.moe(), bind.data(), bind.size()), KT_OK) << kt_last_error();
+    // Overwrite unscaled, overwrite scaled, then accumulate: 1, 0.5, 1.5 dA.
+    const struct {
+      float scale;
+      kt_grad_accumulate mode;
+      double want;
+    } steps[] = {{1.f, KT_GRAD_OVERWRITE, 1.0},
+                 {0.5f, KT_GRAD_OVERWRITE, 0.5},
+                 {1.f, KT_GRAD_ACCUMULATE, 1.5}};
+    for (const auto& step : steps) {
+      SCOPED_TRACE(std::string(isa == KT_ISA_AVX2 ? "avx2" : "avx512bf16") + " scale " +
+                   std::to_string(step.scale) +
+                   (step.mode == KT_GRAD_ACCUMULATE ? " accumulate" : " overwrite"));
+      kt_context* ctx = nullptr;
+      ASSERT_EQ(run.forward(&ctx), KT_OK) << kt_last_error();
+      ASSERT_EQ(run.backward(ctx, step.scale, step.mode), KT_OK) << kt_last_error();
+      kt_context_release(ctx);
+      const kt::reference::Grads g = run.ref_backward();
+      for (int p = 0; p < 3; ++p) {
+        const int64_t in = p == 2 ? c.I : c.H, row = in + kGap;
+        std::vector<double> got;
+        int64_t gaps_changed = 0;
+        for (int64_t i = 0; i < c.E * c.rank; ++i)
+          for (int64_t j = 0; j < row; ++j) {
+            const float v = spaced[p]->f32()[i * row + j];
+            if (j < in)
+              got.push_back(v);
+            else
+              gaps_changed += v != kUntouched;
+          }
+        EXPECT_LE(rel_l2(got, scale(g.dla[p], step.want)), tolerance_for(isa, c.bf16_act).lora)
+            << "projection " << p;
+        EXPECT_EQ(gaps_changed, 0) << "projection " << p;
+      }
+    }
+  }
+}
+
 TEST(Training, OverwriteZeroesExpertsNoTokenReached) {
   // Small blocks, and blocks of KBs at offsets that are not multiples of
   // 64 bytes (those are zeroed with streaming stores).
