@@ -6,7 +6,8 @@
 # peak, the 16-row threshold, cold against +pf), and the layer side by side
 # with the AVX-512 table, oneDNN's backend and torch (forward, dx and LoRA
 # training at T = 1, 32, 512, 2048, with the per-stage profile; the
-# quantized bases at decode and prefill).
+# quantized bases at decode and prefill), and which oneDNN implementations
+# the oneDNN backend ran.
 #
 #   tools/amx_check.sh [OUT_DIR]      (default amx-check/; build dir $KT_BUILD_DIR or build/)
 #
@@ -64,6 +65,18 @@ step bench_bf16_onednn_backend "$build/bench/kt_bench" --backend onednn --tokens
   --cases forward,train_dx,train_lora --reps 5 --no-torch --no-onednn --profile
 step bench_quant "$build/bench/kt_bench" --tokens 1,512 --cases forward,train_lora \
   --format fp8_b128,int4_g32,int4_g128,mxfp4,int4_g32/int8,int8_channel/int8 --reps 5 --no-torch --no-onednn
+
+# The oneDNN implementations the backend's plans got, with counts of calls
+# (brg:avx512_core_amx expected; never ref: kt's kernel runs those shapes).
+DNNL_VERBOSE=1 "$build/bench/kt_bench" --backend onednn --tokens 1,512 --cases forward,train_dx \
+  --format int8_channel --reps 1 --warmup 0 --no-torch --no-onednn 2>/dev/null |
+  awk -F, '/^onednn_verbose,exec/ { n[$4 "," $5]++ } END { for (k in n) print n[k], k }' |
+  sort -rn >"$out/onednn_impls.txt"
+echo "== onednn_impls: $(head -n 3 "$out/onednn_impls.txt" | tr '\n' ' ')"
+if grep -q ',ref' "$out/onednn_impls.txt"; then
+  failed+=(onednn_impls)
+  echo "   failed: the oneDNN backend ran a reference implementation ($out/onednn_impls.txt)"
+fi
 
 if [ ${#failed[@]} -gt 0 ]; then
   echo "amx_check: failed: ${failed[*]} (outputs in $out/)"
