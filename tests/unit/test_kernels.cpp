@@ -334,10 +334,10 @@ TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {
 }
 
 // oneDNN 2.6 answers some shapes with its reference matmul (a plain loop,
-// tens of times slower than kt's kernel): strided A rows (the K chunks of a
-// quantized base, 256 values of rows 2048 apart) and single-panel N. The
-// backend must never run it: it gathers the rows or leaves the call to kt's
-// kernel, and the profile names whichever computed it.
+// far slower than kt's kernel): strided A rows (the K chunks of a quantized
+// base, 256 values of rows 2048 apart) and some single-row calls (1 x 768 x
+// 64). The backend must never run it: it gathers the rows or leaves the call
+// to kt's kernel, and the profile names whichever computed it.
 TEST(OneDnnBackend, NeverRunsOneDnnsReferenceLoop) {
   const kt::Kernels* base = kt::kernels_for(KT_ISA_AVX512BF16);
   if (!base || kt::detect_cpu_isa() < KT_ISA_AVX512BF16)

@@ -45,8 +45,9 @@ struct Plan {
   dnnl::memory::desc a, b, c;
   dnnl::matmul matmul;
   // oneDNN's implementation for the shape; "ref:..." is its plain C++ loop
-  // (oneDNN 2.6 takes it for strided A rows and single-panel N), tens of
-  // times slower than kt's kernel, so such a plan never runs.
+  // (oneDNN 2.6 takes it for strided A rows and for some single-row calls,
+  // e.g. 1 x 768 x 64), far slower than kt's kernel, so such a plan never
+  // runs.
   std::string impl;
   bool reference() const { return impl.compare(0, 3, "ref") == 0; }
 };
