@@ -114,9 +114,16 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // rather than 6,6,6,6,6,2): a low tile has too few accumulators to cover the
 // dot-product latency yet streams the panels as often as a full one.
 // With two tiles or more, the first streams the panels from memory and the
-// others find them in cache; all of them prefetch the caller's next region,
-// a share each. A single tile (decode) is bound by the stream itself and
-// prefetches nothing more.
+// others find them in cache. From kMinPrefetchTiles tiles on, all of them
+// also prefetch the caller's next region, a share each; with fewer, that
+// prefetch crowds the call's own stream more than it saves the next call
+// (Qwen3-30B-A3B layer, 2 threads, two builds alternated in one process,
+// from 4 tiles rather than 2: fwd+bwd dx, whose W^T panels are built from
+// the next region, T=128 0.92-0.94x the time, T=256 0.96-0.97x, T=512
+// within noise; int8_channel forward T=128 0.95-0.98x). A single tile
+// (decode) is bound by its own stream.
+constexpr int kMinPrefetchTiles = 4;
+
 template <int NP, bool Grouped>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines,
@@ -124,7 +131,7 @@ static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int
   constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
   static_assert(MR <= kGemmSingleTileRows, "kernels.h: the most rows of one tile");
   const int tiles = (m + MR - 1) / MR;
-  if (tiles < 2) lines = 0;
+  if (tiles < kMinPrefetchTiles) lines = 0;
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int h = (m - r) / (tiles - t);
     const int64_t quota = lines * (t + 1) / tiles - lines * t / tiles;
