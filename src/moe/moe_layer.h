@@ -222,7 +222,8 @@ struct kt_moe {
   const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
   // What the base GEMM of panels [r0, r0 + rb) of expert e reads (prefetch).
   kt::PrefetchRegion weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const;
-  // What transposed_panels(proj, e, c0, cb) reads.
+  // What transposed_panels(proj, e, c0, cb) reads, to fetch ahead (of bf16
+  // panels the head of each slice).
   kt::PrefetchRegion transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const;
   // C[m, 16 np] (leading dimension ldc) = rows . W^T over packed rows [16 p0,
   // 16 (p0 + np)) of projection proj of expert e, in any storage format
