@@ -757,7 +757,7 @@ PrefetchRegion kt_moe::weight_block(int proj, int64_t e, int64_t r0, int64_t rb)
 // dx and da' GEMMs crowded the GEMMs' own loads more than they saved the
 // transposes after them, which stream the rest of each slice from its head
 // on (Qwen3-30B-A3B layer, 2 threads, AVX-512, two builds alternated in one
-// process, 10 rounds: fwd+bwd dx T=512 0.87-0.96x the time, T=128 and
+// process, 8-10 rounds: fwd+bwd dx T=512 0.87-0.96x the time, T=128 and
 // T=1024 within noise; LoRA r16 T=512 0.87-1.11x).
 constexpr int64_t kTransposeHeadBytes = 256;
 
