@@ -38,11 +38,12 @@ def make_case(E, k, H, I, T, *, dtype=torch.float32, mode="inference", bias=Fals
 
 
 def build_module(case, E, k, H, I, *, mode, kind="silu", limit=0.0, bias=False, rank=4,
-                 alpha=8.0, engine=None, param_dtype=torch.float32, max_tokens=1024):
+                 alpha=8.0, use_rslora=False, engine=None, param_dtype=torch.float32,
+                 max_tokens=1024):
     import kt.torch as ktt
     m = ktt.MoEExperts(E, k, H, I, activation=kind, act_limit=limit, bias=bias, mode=mode,
-                       lora_rank=rank, lora_alpha=alpha, engine=engine, param_dtype=param_dtype,
-                       max_tokens=max_tokens)
+                       lora_rank=rank, lora_alpha=alpha, use_rslora=use_rslora, engine=engine,
+                       param_dtype=param_dtype, max_tokens=max_tokens)
     w = case["w"]
     kwargs = dict(gate=w["gate"], up=w["up"], down=w["down"])
     if bias:

@@ -3,12 +3,31 @@
 Everything runs in float64 from the exact values kt is given (base weights
 rounded to bf16 first, as kt stores them), so differences measure kt alone.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
 
 def bf16_round(t):
     return t.to(torch.bfloat16).to(t.dtype)
+
+
+def lora_scale(rank, alpha, use_rslora=False):
+    """DESIGN.md §2: s = alpha / r, or alpha / sqrt(r) with rsLoRA, from the
+    layer's options (never from the layer)."""
+    return alpha / (math.sqrt(rank) if use_rslora else rank)
+
+
+def checked_lora_scale(kt_scale, rank, alpha, use_rslora=False):
+    """The scale the reference must use: lora_scale() of the options, after
+    checking that kt reports the same (kt computes it in fp32: 1e-6 relative
+    is a few of its roundings; alpha / r for alpha / sqrt(r) is off by sqrt(r))."""
+    want = lora_scale(rank, alpha, use_rslora)
+    assert math.isclose(kt_scale, want, rel_tol=1e-6), (
+        "kt's LoRA scale is %r; r=%d, alpha=%g, use_rslora=%s give %r"
+        % (kt_scale, rank, alpha, bool(use_rslora), want))
+    return want
 
 
 def activation(g, u, kind, alpha, limit):

@@ -5,9 +5,10 @@ import torch
 
 import tolerances
 from cases import build_module, make_case
-from reference import reference_grads, rel_l2
+from reference import checked_lora_scale, reference_grads, rel_l2
 
 E, K, H, I, T = 5, 2, 40, 24, 9
+R, ALPHA = 4, 8.0  # build_module's LoRA options (alpha / r = 2)
 
 
 def _param_keys(mode):
@@ -22,7 +23,8 @@ def test_three_micro_batches_with_grad_scale(mode, fp32_engine):
     cases = [make_case(E, K, H, I, T, mode=mode, seed=s) for s in range(3)]
     for c in cases[1:]:  # one model: same weights and LoRA factors, new data
         c["w"], c["lora"] = cases[0]["w"], cases[0]["lora"]
-    module = build_module(cases[0], E, K, H, I, mode=mode, engine=fp32_engine)
+    module = build_module(cases[0], E, K, H, I, mode=mode, rank=R, alpha=ALPHA, engine=fp32_engine)
+    scale = checked_lora_scale(module.lora_scale, R, ALPHA) if mode == "lora" else 0.0
     module.grad_scale = 0.25
     keys = _param_keys(mode)
     want = {k: 0 for k in keys}
@@ -31,7 +33,7 @@ def test_three_micro_batches_with_grad_scale(mode, fp32_engine):
         module(x, c["ids"], c["weights"]).backward(c["dy"])
         _, ref = reference_grads(c["x"], c["ids"], c["weights"], c["w"], c["dy"],
                                  lora=c["lora"], weight_grads=(mode == "full"),
-                                 lora_scale=module.lora_scale)
+                                 lora_scale=scale)
         for k, rk in keys.items():
             want[k] = want[k] + 0.25 * ref[rk]
         # dx goes back into autograd unscaled
@@ -46,7 +48,7 @@ def test_three_micro_batches_with_grad_scale(mode, fp32_engine):
     c = cases[2]
     module(c["x"], c["ids"], c["weights"].clone().requires_grad_(True)).backward(c["dy"])
     _, ref = reference_grads(c["x"], c["ids"], c["weights"], c["w"], c["dy"], lora=c["lora"],
-                             weight_grads=(mode == "full"), lora_scale=module.lora_scale)
+                             weight_grads=(mode == "full"), lora_scale=scale)
     for k, rk in keys.items():
         g = getattr(module, k).grad
         assert g is buffers[k]
@@ -72,14 +74,15 @@ def test_frozen_parameters_get_no_grad(fp32_engine):
 def test_optimizer_step_is_seen_by_kt(fp32_engine):
     # After an in-place update of the LoRA factors the next forward uses them.
     c = make_case(E, K, H, I, T, mode="lora")
-    module = build_module(c, E, K, H, I, mode="lora", engine=fp32_engine)
+    module = build_module(c, E, K, H, I, mode="lora", rank=R, alpha=ALPHA, engine=fp32_engine)
     y0 = module(c["x"], c["ids"], c["weights"])
     with torch.no_grad():
         module.lora_B_down.mul_(3.0)
     y1 = module(c["x"], c["ids"], c["weights"])
     lora = dict(c["lora"], B_down=c["lora"]["B_down"] * 3.0)
     ref1, _ = reference_grads(c["x"], c["ids"], c["weights"], c["w"], c["dy"], lora=lora,
-                              weight_grads=False, lora_scale=module.lora_scale)
+                              weight_grads=False,
+                              lora_scale=checked_lora_scale(module.lora_scale, R, ALPHA))
     assert rel_l2(y1, ref1) <= tolerances.FP32
     assert rel_l2(y0, ref1) > 100 * tolerances.FP32
     # Replacing the tensor (not in place) is seen as well.

@@ -16,7 +16,7 @@ import tolerances
 from kt import _hf_names
 from hf_shaped import (DeepseekV3MoE, Decoder, FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock,
                        Qwen3MoeSparseMoeBlock, round_params_to_bf16)
-from reference import rel_l2
+from reference import checked_lora_scale, rel_l2
 
 H, I, E, K = 32, 24, 8, 2
 BLOCKS = {
@@ -280,6 +280,7 @@ def test_lora_mode_matches_torch_lora_on_the_unreplaced_model(fp32_engine):
     kt.hf.replace_moe_experts(model, mode="lora", lora_rank=4, lora_alpha=8, engine=fp32_engine,
                               torch_experts=[0, 2, 7])
     experts = the_experts(model)
+    scale = checked_lora_scale(experts.lora_scale, 4, 8.0)
     torch.manual_seed(3)
     with torch.no_grad():
         for _, p in experts.trainable_parameters():
@@ -290,7 +291,7 @@ def test_lora_mode_matches_torch_lora_on_the_unreplaced_model(fp32_engine):
     for e, ex in enumerate(ref.mlp.experts):
         for proj, name in zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj")):
             setattr(ex, name, LoraLinear(getattr(ex, name), getattr(experts, "lora_A_" + proj)[e].detach(),
-                                         getattr(experts, "lora_B_" + proj)[e].detach(), experts.lora_scale))
+                                         getattr(experts, "lora_B_" + proj)[e].detach(), scale))
     x, dy = routed_inputs()
     y0, dx0 = run(ref, x, dy)
     y, dx = run(model, x, dy)

@@ -5,7 +5,7 @@ import torch
 import measured
 import tolerances
 from cases import build_module, make_case
-from reference import reference_grads, rel_l2
+from reference import checked_lora_scale, reference_grads, rel_l2
 
 ACTIVATIONS = {
     "silu": dict(kind="silu", limit=0.0, x_scale=1.0),
@@ -18,23 +18,26 @@ QWEN_LIKE = (4, 2, 2048, 768, 12)
 AWKWARD = [(5, 3, 72, 40, 17), (3, 2, 33, 19, 5), (6, 1, 130, 70, 1)]
 
 
-def run_case(shape, mode, act, precision, engine, bias=False, max_tokens=1024, seed=0):
+def run_case(shape, mode, act, precision, engine, bias=False, max_tokens=1024, seed=0,
+             rank=4, alpha=8.0, use_rslora=False):
     E, k, H, I, T = shape
     a = ACTIVATIONS[act]
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     case = make_case(E, k, H, I, T, dtype=dtype, mode=mode, bias=bias, x_scale=a["x_scale"],
-                     seed=seed)
+                     rank=rank, seed=seed)
     module = build_module(case, E, k, H, I, mode=mode, kind=a["kind"], limit=a["limit"],
-                          bias=bias, engine=engine, param_dtype=dtype, max_tokens=max_tokens)
+                          bias=bias, rank=rank, alpha=alpha, use_rslora=use_rslora, engine=engine,
+                          param_dtype=dtype, max_tokens=max_tokens)
     x = case["x"].clone().requires_grad_(True)
     weights = case["weights"].clone().requires_grad_(True)
     y = module(x, case["ids"], weights)
     y.backward(case["dy"])
 
     lora_ref = case["lora"]
+    scale = checked_lora_scale(module.lora_scale, rank, alpha, use_rslora) if mode == "lora" else 0.0
     ref_y, ref = reference_grads(case["x"], case["ids"], case["weights"], case["w"], case["dy"],
                                  lora=lora_ref, weight_grads=(mode == "full"), kind=a["kind"], limit=a["limit"],
-                                 lora_scale=module.lora_scale)
+                                 lora_scale=scale)
     tol = tolerances.FP32 if precision == "fp32" else tolerances.BF16
     assert y.dtype == dtype and x.grad.dtype == dtype
     got = {"forward": (y, ref_y), "dx": (x.grad, ref["x"]),
@@ -86,6 +89,16 @@ def test_qwen3_30b_a3b_like(mode, precision, fp32_engine):
 def test_single_token_single_route(precision, fp32_engine):
     engine = fp32_engine if precision == "fp32" else None
     run_case(AWKWARD[2], "lora", "silu", precision, engine)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("use_rslora", [False, True], ids=["lora", "rslora"])
+def test_lora_scale_from_the_options(use_rslora, precision, fp32_engine):
+    # r = 16, alpha = 8: alpha / r = 0.5 and rsLoRA's alpha / sqrt(r) = 2, so
+    # either formula in place of the other is 4x off in every LoRA term (the
+    # other cases' r = 4, alpha = 8 also tell them apart, by 2x).
+    engine = fp32_engine if precision == "fp32" else None
+    run_case(AWKWARD[0], "lora", "silu", precision, engine, rank=16, alpha=8.0, use_rslora=use_rslora)
 
 
 def test_tokens_beyond_max_tokens_are_chunked(fp32_engine):

@@ -21,6 +21,7 @@ import kt.hf
 import kt.optim
 import tolerances
 from hf_shaped import Decoder, Qwen3MoeSparseMoeBlock, round_params_to_bf16
+from reference import checked_lora_scale
 from test_training import LoraLinear
 
 VOCAB, H, HEADS, LAYERS, E, K, I, R, ALPHA = 64, 32, 4, 2, 8, 2, 48, 4, 8.0
@@ -100,13 +101,14 @@ def torch_model(mode, reference):
             p.requires_grad_(False)
         for layer_t, layer_kt in zip(model.layers, reference.layers):
             experts = layer_kt.mlp.experts
+            scale = checked_lora_scale(experts.lora_scale, R, ALPHA)
             for e, expert in enumerate(layer_t.mlp.experts):
                 for p in ("gate", "up", "down"):
                     name = p + "_proj"
                     setattr(expert, name, LoraLinear(getattr(expert, name),
                                                      getattr(experts, "lora_A_" + p)[e].detach(),
                                                      getattr(experts, "lora_B_" + p)[e].detach(),
-                                                     experts.lora_scale))
+                                                     scale))
             layer_t.mlp.gate.weight.requires_grad_(True)
     return model
 

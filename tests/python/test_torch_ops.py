@@ -6,12 +6,13 @@ import torch
 
 import tolerances
 from cases import make_case
-from reference import reference_grads, rel_l2
+from reference import checked_lora_scale, reference_grads, rel_l2
 
 OPS = os.environ.get("KT_TORCH_OPS_LIBRARY")
 pytestmark = pytest.mark.skipif(not OPS, reason="KT_TORCH_OPS_LIBRARY not set (libtorch plugin not built)")
 
 E, K, H, I, T, R = 6, 2, 72, 40, 13, 4
+ALPHA = 8.0  # MoeLayer takes no rsLoRA option: s = alpha / r = 2
 NAMES = ["lora_A_gate", "lora_B_gate", "lora_A_up", "lora_B_up", "lora_A_down", "lora_B_down"]
 
 
@@ -26,7 +27,7 @@ def make_layer(case, mode="lora"):
     old = os.environ.get("KT_MAX_ISA")
     os.environ["KT_MAX_ISA"] = "avx2"
     try:
-        layer = torch.classes.kt.MoeLayer(E, K, H, I, "silu", 0.0, mode, R, 8.0, 64, 0)
+        layer = torch.classes.kt.MoeLayer(E, K, H, I, "silu", 0.0, mode, R, ALPHA, 64, 0)
     finally:
         if old is None:
             del os.environ["KT_MAX_ISA"]
@@ -50,7 +51,8 @@ def test_moe_op_grads_match_reference(ops):
     y = ops.moe(layer, x, c["ids"], w)
     y.backward(c["dy"])
     ref_y, ref = reference_grads(c["x"], c["ids"], c["weights"], c["w"], c["dy"], lora=c["lora"],
-                                 weight_grads=False, lora_scale=layer.lora_scale())
+                                 weight_grads=False,
+                                 lora_scale=checked_lora_scale(layer.lora_scale(), R, ALPHA))
     assert rel_l2(y, ref_y) <= tolerances.FP32
     assert rel_l2(x.grad, ref["x"]) <= tolerances.FP32
     assert rel_l2(w.grad, ref["weights"]) <= tolerances.FP32

@@ -2,6 +2,7 @@
 from the same init and data, follows the same loss curve."""
 import copy
 
+import pytest
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 import kt.hf
 import tolerances
 from hf_shaped import Decoder, Qwen3MoeSparseMoeBlock, round_params_to_bf16
+from reference import checked_lora_scale
 
 VOCAB, H, HEADS, LAYERS, E, K, I, R, ALPHA = 64, 32, 4, 2, 8, 2, 48, 4, 8.0
 STEPS, BATCH, SEQ = 32, 4, 16
@@ -50,7 +52,11 @@ def train(model, params):
     return losses
 
 
-def test_kt_and_torch_training_agree(fp32_engine):
+# rsLoRA with R = 4: alpha / sqrt(r) = 4 where alpha / r = 2, so the torch side
+# (given the scale computed from the options) parts from kt at once if kt
+# used the other formula.
+@pytest.mark.parametrize("use_rslora", [False, True], ids=["lora", "rslora"])
+def test_kt_and_torch_training_agree(use_rslora, fp32_engine):
     torch.manual_seed(0)
     base = round_params_to_bf16(
         Decoder(VOCAB, H, HEADS, LAYERS, lambda: Qwen3MoeSparseMoeBlock(H, I, E, K)))
@@ -59,10 +65,11 @@ def test_kt_and_torch_training_agree(fp32_engine):
     kt_model, torch_model = copy.deepcopy(base), copy.deepcopy(base)
 
     kt.hf.replace_moe_experts(kt_model, mode="lora", lora_rank=R, lora_alpha=ALPHA,
-                              engine=fp32_engine)
+                              use_rslora=use_rslora, engine=fp32_engine)
     kt_params = []
     for layer_kt, layer_t in zip(kt_model.layers, torch_model.layers):
         experts = layer_kt.mlp.experts
+        scale = checked_lora_scale(experts.lora_scale, R, ALPHA, use_rslora)
         with torch.no_grad():  # B = 0 (PEFT); non-zero B so step 0 already tests the LoRA path
             for p in ("gate", "up", "down"):
                 getattr(experts, "lora_B_" + p).normal_(0, 0.05)
@@ -72,7 +79,7 @@ def test_kt_and_torch_training_agree(fp32_engine):
                 setattr(expert, name, LoraLinear(getattr(expert, name),
                                                  getattr(experts, "lora_A_" + p)[e].detach(),
                                                  getattr(experts, "lora_B_" + p)[e].detach(),
-                                                 experts.lora_scale))
+                                                 scale))
         # The routers train too, so the routing-weight gradients matter.
         layer_kt.mlp.gate.weight.requires_grad_(True)
         layer_t.mlp.gate.weight.requires_grad_(True)
