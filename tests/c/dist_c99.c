@@ -1,7 +1,8 @@
 /* A C99 host of kt's communicators and distributed layers: every kt_comm_*
  * and kt_dist_* call through the public header, in a world of one rank
  * (the multi-process tests are tests/dist). A distributed layer of one rank
- * must give the bits of a plain layer on the same tokens. */
+ * must give the bits of a plain layer on the same tokens. A kt built without
+ * Gloo checks its refusals and exits 77 (skipped). */
 #define _POSIX_C_SOURCE 200809L
 #include <stddef.h>
 #include <stdio.h>
@@ -216,7 +217,14 @@ int main(void) {
     CHECK(kt_dist_ckpt_save(NULL, dir, NULL, 0, NULL) == KT_ERR_INVALID_HANDLE);
     CHECK(kt_dist_ckpt_load(NULL, dir, NULL, 0, NULL) == KT_ERR_INVALID_HANDLE);
     rmdir(dir);
-    return failures ? 1 : 0;
+    if (failures) {
+      fprintf(stderr, "%d checks failed\n", failures);
+      return 1;
+    }
+    /* The calls that need a communicator did not run: skipped (CTest's
+     * SKIP_RETURN_CODE), not passed. */
+    printf("skipped: kt built without Gloo; only the refusals were checked\n");
+    return 77;
   }
   CHECK(st == KT_OK);
   info.struct_size = sizeof(info);
