@@ -42,11 +42,31 @@ def activation(g, u, kind, alpha, limit):
     return g * torch.sigmoid(alpha * g) * (u + 1)
 
 
+class _BackwardThrough(torch.autograd.Function):
+    """z W^T whose backward multiplies by other weights: dz = dy W_back.
+    W itself gets no gradient (a frozen base)."""
+
+    @staticmethod
+    def forward(ctx, z, w, w_back):
+        ctx.save_for_backward(w_back)
+        return z @ w.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        (w_back,) = ctx.saved_tensors
+        return dy @ w_back, None, None
+
+
 def moe_forward(x, ids, weights, w, *, kind="silu", alpha=1.702, limit=0.0, lora=None,
-                lora_scale=0.0):
+                lora_scale=0.0, w_backward=None):
     """x [T,H], ids [T,k] (-1 = none), weights [T,k]; w: dict gate/up/down
     [E,out,in] and optional b_gate/b_up/b_down; lora: dict A_<p> [E,r,in],
-    B_<p> [E,out,r]. Returns y [T,H]."""
+    B_<p> [E,out,r]. w_backward (optional, like w): the base weights the
+    backward multiplies by where they differ from the forward's (kt_c_api.h:
+    a quantized base's W'^T panels are W' rounded to bf16 once); the base
+    then gets no gradient, and the routing weight scales the down
+    projection's input instead of its output (the same product), so that
+    its gradient, like kt's, comes from W_back^T dy. Returns y [T,H]."""
     T, H = x.shape
     y = x.new_zeros(T, H)
     for e in torch.unique(ids).tolist():
@@ -55,18 +75,24 @@ def moe_forward(x, ids, weights, w, *, kind="silu", alpha=1.702, limit=0.0, lora
         t, j = torch.nonzero(ids == e, as_tuple=True)
         xe = x[t]
 
-        def proj(p, z):
+        def proj(p, z, bias_scale=1.0):
             # z (W + s B A)^T, with the low-rank term kept factored (same value).
-            out = z @ w[p][e].t()
+            if w_backward is None:
+                out = z @ w[p][e].t()
+            else:
+                out = _BackwardThrough.apply(z, w[p][e], w_backward[p][e].to(z.dtype))
             if lora is not None and ("A_" + p) in lora:
                 out = out + lora_scale * (z @ lora["A_" + p][e].t()) @ lora["B_" + p][e].t()
             if ("b_" + p) in w:
-                out = out + w["b_" + p][e]
+                out = out + bias_scale * w["b_" + p][e]
             return out
 
         a = activation(proj("gate", xe), proj("up", xe), kind, alpha, limit)
-        o = proj("down", a)
-        y = y.index_add(0, t, weights[t, j].unsqueeze(1) * o)
+        rw = weights[t, j].unsqueeze(1)
+        if w_backward is None:
+            y = y.index_add(0, t, rw * proj("down", a))
+        else:
+            y = y.index_add(0, t, proj("down", rw * a, bias_scale=rw))
     return y
 
 

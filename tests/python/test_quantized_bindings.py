@@ -16,9 +16,10 @@ import kt.torch
 import tolerances
 from cases import make_case
 from hf_shaped import Qwen3MoeSparseMoeBlock, round_params_to_bf16
-from reference import moe_forward, rel_l2
+from reference import bf16_round, checked_lora_scale, moe_forward, reference_grads, rel_l2
 
 E, K, H, I, T = 6, 2, 96, 48, 24
+R, ALPHA = 4, 8.0  # the LoRA of the training test (alpha / r = 2)
 # kt_c_api.h ("Quantized frozen bases"): the relative L2 error of W' against
 # W is 0.8 % (int8 per channel) and 9.7 % (int4, groups of 32) on Gaussian
 # rows. y = Wd (silu(Wg x) * Wu x): to first order the relative errors of
@@ -98,29 +99,71 @@ def test_moe_layer_in_each_format(fmt, fp32_engine):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_torch_module_trains_lora_on_a_quantized_base(fmt, fp32_engine):
-    case = make_case(E, K, H, I, T, seed=12)
-    w, x, ids, rw = case["w"], case["x"], case["ids"], case["weights"]
+    """LoRA on a quantized base: y, dx, the routing-weight and every LoRA
+    gradient are torch autograd's of the float64 reference on W' (the
+    dequantized base kt computes with) at the fp32 bound; an SGD step moves
+    the LoRA factors, kt's next forward computes with the new ones and the
+    loss goes down; the frozen base is untouched."""
+    case = make_case(E, K, H, I, T, mode="lora", rank=R, seed=12)
+    w, x, ids, rw, dy = case["w"], case["x"], case["ids"], case["weights"], case["dy"]
     mods = {}
     for f in ("bf16", fmt):
-        m = kt.torch.MoEExperts(E, K, H, I, mode="lora", lora_rank=4, lora_alpha=8.0, max_tokens=T,
+        m = kt.torch.MoEExperts(E, K, H, I, mode="lora", lora_rank=R, lora_alpha=ALPHA, max_tokens=T,
                                 engine=fp32_engine, weight_format=f)
         m.load_weights(gate=w["gate"], up=w["up"], down=w["down"])
-        torch.manual_seed(3)
         with torch.no_grad():
-            for p in ("gate", "up", "down"):
-                getattr(m, "lora_B_" + p).normal_(0, 0.1)
+            for key, t in case["lora"].items():
+                getattr(m, "lora_" + key).copy_(t)
         mods[f] = m
-    assert mods[fmt].kt_layer.info()["weight_format"] == fmt
-    assert "weight_format=%s" % fmt in repr(mods[fmt])
-    # Same LoRA factors: the outputs differ by the base's quantization only.
-    mods[fmt].load_state_dict(mods["bf16"].state_dict())
-    xs = x.clone().requires_grad_(True)
-    y_q = mods[fmt](xs, ids, rw)
-    y_b = mods["bf16"](x, ids, rw)
-    assert rel_l2(y_q.detach(), y_b.detach()) <= 3 * STATED_WEIGHT_ERROR[fmt]
-    y_q.square().sum().backward()
-    assert xs.grad is not None and torch.isfinite(xs.grad).all()
-    assert mods[fmt].lora_A_gate.grad is not None and mods[fmt].lora_A_gate.grad.abs().sum() > 0
+    m = mods[fmt]
+    assert m.kt_layer.info()["weight_format"] == fmt
+    assert "weight_format=%s" % fmt in repr(m)
+    scale = checked_lora_scale(m.lora_scale, R, ALPHA)
+    w_q = dequantized(m.kt_layer)
+
+    # Same LoRA factors: the outputs differ from the bf16 base's by the quantization only.
+    with torch.no_grad():
+        y_b = mods["bf16"](x, ids, rw)
+    xs, rws = x.clone().requires_grad_(True), rw.clone().requires_grad_(True)
+    y_q = m(xs, ids, rws)
+    assert 0 < rel_l2(y_q.detach(), y_b) <= 3 * STATED_WEIGHT_ERROR[fmt]
+
+    # The loss <y, dy>: its gradients against the reference's on W', whose
+    # backward multiplies by W' rounded to bf16 once, as kt_c_api.h says kt's
+    # W'^T panels are (W' = code x bf16 scale has more bits than bf16: with W'
+    # itself dx is off by ~1e-3, a bf16 rounding).
+    y_q.backward(dy)
+    ref_y, ref = reference_grads(x, ids, rw, w_q, dy, lora=case["lora"], weight_grads=False,
+                                 lora_scale=scale, w_backward={p: bf16_round(w_q[p]) for p in w_q})
+    assert rel_l2(y_q.detach(), ref_y) <= tolerances.FP32
+    assert rel_l2(xs.grad, ref["x"]) <= tolerances.FP32
+    assert rel_l2(rws.grad, ref["weights"]) <= tolerances.FP32
+    params = dict(m.named_parameters())
+    assert sorted(params) == sorted("lora_" + k for k in case["lora"])
+    for name, p in params.items():
+        assert p.grad is not None, name
+        assert rel_l2(p.grad, ref[name[len("lora_"):]]) <= tolerances.FP32, name
+
+    # One SGD step: p <- p - lr grad, exactly (kt's parameters are torch's tensors).
+    lr = 1e-3
+    before = {name: p.detach().clone() for name, p in params.items()}
+    torch.optim.SGD(params.values(), lr=lr).step()
+    lora_after = {}
+    for name, p in params.items():
+        assert torch.equal(p.detach(), before[name].add(p.grad, alpha=-lr)), name
+        assert not torch.equal(p.detach(), before[name]), name
+        lora_after[name[len("lora_"):]] = p.detach().clone()
+    # The next forward uses the stepped factors and the same W'; the loss went down.
+    with torch.no_grad():
+        y_next = m(x, ids, rw)
+    ref_next = moe_forward(x.double(), ids, rw.double(), {k: v.double() for k, v in w_q.items()},
+                           lora={k: v.double() for k, v in lora_after.items()}, lora_scale=scale)
+    assert rel_l2(y_next, ref_next) <= tolerances.FP32
+    loss_before, loss_after = (y_q.detach() * dy).sum().item(), (y_next * dy).sum().item()
+    assert loss_after < loss_before, (loss_before, loss_after)
+    w_again = dequantized(m.kt_layer)
+    for p in w_q:
+        assert torch.equal(w_again[p], w_q[p]), p
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
