@@ -96,38 +96,76 @@ fn declarations_match_the_header() {
     );
 }
 
-/// Names the header declares and this crate does not (yet): reported, so a
-/// binding that lags behind additions to the header is visible, not fatal
-/// (additions are compatible; the ABI gate guards the rest).
-#[test]
-fn report_undeclared_names() {
-    let header = std::fs::read_to_string(PathBuf::from(INCLUDE_DIR).join("kt_c_api.h")).unwrap();
-    let declared: BTreeSet<&str> = kt_sys::DECLARED_FUNCTIONS
-        .iter()
-        .map(|f| f.0)
-        .chain(kt_sys::DECLARED_CONSTANTS.iter().map(|c| c.0))
-        .collect();
-    let mut missing = BTreeSet::new();
+/// Parts of the header this crate does not declare yet, by name prefix, each
+/// with its reason. Every other function and enum value of the header must
+/// be declared here: a header addition fails this test until it is bound or
+/// listed. A prefix that no longer leaves anything out fails too, so the list
+/// stays true.
+const NOT_BOUND_YET: &[(&str, &str)] = &[
+    ("kt_comm_", "communicators: the multi-process API has no Rust binding yet"),
+    ("KT_COMM_", "communicator backends (kt_comm_*)"),
+    ("kt_dist_", "distributed layers and their checkpoints: no Rust binding yet"),
+    ("KT_DIST_", "distributed-layer modes (kt_dist_*)"),
+];
+
+/// Every `KT_API ... kt_name(` function and every `KT_NAME = value` enum
+/// value of the header.
+fn header_names(header: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut functions, mut values) = (BTreeSet::new(), BTreeSet::new());
     for line in header.lines() {
         let line = line.trim_start();
         if let Some(rest) = line.strip_prefix("KT_API ") {
             if let Some(open) = rest.find('(') {
                 if let Some(name) = rest[..open].split(|c: char| !(c.is_alphanumeric() || c == '_')).last() {
-                    if name.starts_with("kt_") && !declared.contains(name) {
-                        missing.insert(name.to_string());
+                    if name.starts_with("kt_") {
+                        functions.insert(name.to_string());
                     }
                 }
             }
         } else if line.starts_with("KT_") && line.contains('=') {
             let name: String = line.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
-            if !declared.contains(name.as_str()) {
-                missing.insert(name);
-            }
+            values.insert(name);
         }
     }
-    if missing.is_empty() {
-        println!("kt-sys declares every function and enum value of the header");
-    } else {
-        println!("the header has {} name(s) kt-sys does not declare: {:?}", missing.len(), missing);
+    (functions, values)
+}
+
+/// The names the header has and this crate does not declare are exactly
+/// those NOT_BOUND_YET leaves out (they are printed); the scan of the header
+/// finds every function this crate declares, so an empty report cannot come
+/// from a scan that found nothing.
+#[test]
+fn report_undeclared_names() {
+    let header = std::fs::read_to_string(PathBuf::from(INCLUDE_DIR).join("kt_c_api.h")).unwrap();
+    let (functions, values) = header_names(&header);
+    let declared: BTreeSet<&str> = kt_sys::DECLARED_FUNCTIONS
+        .iter()
+        .map(|f| f.0)
+        .chain(kt_sys::DECLARED_CONSTANTS.iter().map(|c| c.0))
+        .collect();
+    let unseen: Vec<&str> =
+        kt_sys::DECLARED_FUNCTIONS.iter().map(|f| f.0).filter(|n| !functions.contains(*n)).collect();
+    assert!(unseen.is_empty(), "the scan of kt_c_api.h missed functions kt-sys declares: {:?}", unseen);
+    assert!(values.contains("KT_OK") && values.contains("KT_ARG_X"), "the scan of kt_c_api.h found no enum values");
+
+    let missing: BTreeSet<&str> =
+        functions.iter().chain(values.iter()).map(|n| n.as_str()).filter(|n| !declared.contains(n)).collect();
+    let unexplained: Vec<&str> =
+        missing.iter().copied().filter(|n| !NOT_BOUND_YET.iter().any(|(p, _)| n.starts_with(p))).collect();
+    assert!(
+        unexplained.is_empty(),
+        "kt_c_api.h has names kt-sys neither declares nor lists in NOT_BOUND_YET: {:?}",
+        unexplained
+    );
+    for (prefix, reason) in NOT_BOUND_YET {
+        let left_out: Vec<&str> = missing.iter().copied().filter(|n| n.starts_with(prefix)).collect();
+        assert!(!left_out.is_empty(), "NOT_BOUND_YET lists {} ({}), but kt-sys leaves none of it out", prefix, reason);
+        println!("not declared yet, {} ({}): {:?}", prefix, reason, left_out);
     }
+    println!(
+        "the header has {} functions and {} enum values; kt-sys declares all but the {} listed",
+        functions.len(),
+        values.len(),
+        missing.len()
+    );
 }
