@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kernels/counted.h"
+#include "kernels/amx/amx_entries.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -112,7 +113,7 @@ inline void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m
 #include "kernels/amx/amx_int8.inc"
 
 bool has_amx_int8() {
-  __builtin_cpu_init();  // also called before constructors run (make_table)
+  __builtin_cpu_init();
   return __builtin_cpu_supports("amx-int8");
 }
 
@@ -231,30 +232,12 @@ bool self_test() {
   return !has_amx_int8() || int8_self_test();
 }
 
-// The AVX-512 BF16 table (constant-initialised, so it is complete before
-// this one is made) with the weight GEMM on tiles.
-Kernels make_table() {
-  Kernels k = kernels_avx512bf16;
-  k.isa = KT_ISA_AMX;
-  k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
-  k.gemm_bf16w = gemm_bf16w;
-  k.gemm_bf16w_fetches_panels = false;
-  k.gemm_reads_spaced_rows = true;
-  k.gemm_bf16w_grouped = gemm_bf16w_grouped;
-  // From a tile's rows on, quantized bases dequantize into cache for the
-  // tile GEMMs (plain, or grouped) instead of multiplying straight from the
-  // codes on vdpbf16ps, which has a twelfth of the tiles' throughput; fewer
-  // rows (decode) stay on the AVX-512 kernel. The threshold follows from
-  // the two units' throughputs; it has not been timed on an AMX CPU yet.
-  k.gemm_quant_rows_8bit = kMinRows - 1;
-  k.gemm_quant_rows_4bit = kMinRows - 1;
-  k.gemm_zip_bf16 = gemm_zip_bf16;
-  if (has_amx_int8()) k.gemm_int8 = gemm_int8;
-  return k;
-}
-
 }  // namespace amx
 
-extern const Kernels kernels_amx = amx::make_table();
+// The tile kernels for table_amx.cpp, constant-initialised: no code of this
+// file (compiled for AVX-512 and AMX) may run while the library loads, on a
+// CPU that has neither.
+extern const AmxEntries amx_entries = {amx::gemm_bf16w, amx::gemm_bf16w_grouped, amx::gemm_zip_bf16, amx::gemm_int8,
+                                       amx::kMinRows};
 
 }  // namespace kt

@@ -1,0 +1,45 @@
+// The AMX kernel table: the AVX-512 BF16 table with the weight GEMMs on
+// tiles. Compiled for the baseline ISA: the table is made while the library
+// loads, on every CPU, and copying it must not use AVX-512 registers.
+#include <cpuid.h>
+
+#include "kernels/amx/amx_entries.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+
+extern const Kernels kernels_avx512bf16;
+extern const AmxEntries amx_entries;
+
+namespace {
+
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+}
+
+// kernels_avx512bf16 and amx_entries are constant-initialised, so both are
+// complete before this runs.
+Kernels make_amx_table() {
+  Kernels k = kernels_avx512bf16;
+  k.isa = KT_ISA_AMX;
+  k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
+  k.gemm_bf16w = amx_entries.gemm_bf16w;
+  k.gemm_bf16w_fetches_panels = false;
+  k.gemm_reads_spaced_rows = true;
+  k.gemm_bf16w_grouped = amx_entries.gemm_bf16w_grouped;
+  // From a tile's rows on, quantized bases dequantize into cache for the
+  // tile GEMMs (plain, or grouped) instead of multiplying straight from the
+  // codes on vdpbf16ps; fewer rows (decode) stay on the AVX-512 kernel.
+  k.gemm_quant_rows_8bit = amx_entries.min_rows - 1;
+  k.gemm_quant_rows_4bit = amx_entries.min_rows - 1;
+  k.gemm_zip_bf16 = amx_entries.gemm_zip_bf16;
+  if (cpu_has_amx_int8()) k.gemm_int8 = amx_entries.gemm_int8;
+  return k;
+}
+
+}  // namespace
+
+extern const Kernels kernels_amx = make_amx_table();
+
+}  // namespace kt
