@@ -32,6 +32,16 @@
  * handle destroyed while another thread's call on it runs is freed when that
  * call returns; calls that start after the destroy are refused.
  *
+ * fork(): a process forked from one that holds kt handles (DataLoader workers,
+ * multiprocessing's "fork" start method) inherits none of the engines' worker
+ * and job threads, so every handle made before the fork is refused there at
+ * once, by every call: calls returning kt_status give KT_ERR_INVALID_HANDLE
+ * (destroy calls too), calls returning void do nothing, and kt_last_error()
+ * says that the handle was made before this process was forked and names the
+ * parent's pid. The child never frees what it inherited (the parent still owns
+ * it). Engines, layers and everything else the child creates work as usual.
+ * A child that only exec()s, or never calls kt, is not affected.
+ *
  * Tensors cross as DLPack DLTensor (borrowed): dtype, shape, strides and device
  * are checked against what each argument requires; NULL strides mean compact
  * row-major. Only kDLCPU (and kDLCUDAHost) memory is accepted. A tensor's
@@ -108,7 +118,8 @@ typedef enum kt_status {
   KT_OK = 0,
   KT_ERR_INVALID_ARGUMENT = 1, /* a value out of its allowed set or range */
   KT_ERR_NULL_POINTER = 2,     /* a required pointer or tensor is NULL */
-  KT_ERR_INVALID_HANDLE = 3,   /* NULL, destroyed or never-issued handle, or one of another kind */
+  KT_ERR_INVALID_HANDLE = 3,   /* NULL, destroyed or never-issued handle, one of another kind, or
+                                  one made before this process was forked */
   KT_ERR_DTYPE = 4,            /* tensor dtype not accepted for that argument */
   KT_ERR_SHAPE = 5,            /* tensor rank or extents wrong */
   KT_ERR_STRIDE = 6,           /* strides not supported for that argument */

@@ -425,7 +425,9 @@ void kt_moe_destroy(kt_moe* moe) {
     std::shared_ptr<kt_moe> m =
         std::static_pointer_cast<kt_moe>(kt::remove_handle(kt::handle_id(moe), HandleKind::kMoe));
     if (!m) {
-      set_error("kt_moe_destroy: moe is not a live kt_moe (destroyed?)");
+      set_error(kt::issued_before_fork(kt::handle_id(moe))
+                    ? kt::not_live_message(moe, HandleKind::kMoe, "kt_moe_destroy", "moe")
+                    : "kt_moe_destroy: moe is not a live kt_moe (destroyed?)");
       return;
     }
     // Jobs that never started are cancelled so they cannot touch the layer:
@@ -683,8 +685,10 @@ void kt_context_release(kt_context* ctx) {
     if (const HandleId owner = kt::context_owner(id))
       layer = std::static_pointer_cast<kt_moe>(kt::find_handle(owner, HandleKind::kMoe));
     if (!layer || !layer->release_context(id))
-      set_error("kt_context_release: ctx is not a live kt_context (released already, or its layer "
-                "was destroyed); nothing was released");
+      set_error(kt::issued_before_fork(id)
+                    ? kt::not_live_message(ctx, HandleKind::kContext, "kt_context_release", "ctx")
+                    : "kt_context_release: ctx is not a live kt_context (released already, or its layer "
+                      "was destroyed); nothing was released");
   } catch (...) {
     // Release cannot report; nothing here throws in practice.
   }
@@ -860,6 +864,8 @@ kt_status kt_engine_profile_kernel(const kt_engine* engine, int stage, int kerne
 
 void kt_job_run(void* job) {
   std::shared_ptr<kt_job> j = live_job(static_cast<const kt_job*>(job));
+  if (!j && kt::issued_before_fork(kt::handle_id(job)))
+    set_error(kt::not_live_message(job, HandleKind::kJob, "kt_job_run", "job"));
   if (!j || !j->deferred) return;
   // Returns when the job has ended, also when another thread runs it (a
   // backward job that started its forward): a host stream that runs this
@@ -891,7 +897,7 @@ void kt_job_destroy(kt_job* job) {
   std::shared_ptr<kt_job> j =
       std::static_pointer_cast<kt_job>(kt::remove_handle(kt::handle_id(job), HandleKind::kJob));
   if (!j) {
-    set_error("kt_job_destroy: job is not a live kt_job (destroyed?)");
+    set_error(kt::not_live_message(job, HandleKind::kJob, "kt_job_destroy", "job"));
     return;
   }
   j->wait();

@@ -4,7 +4,9 @@
 // to its object; a value is never given out twice. So a destroyed, released
 // or never-issued handle is found missing in the table without reading the
 // memory it once named, and a stale handle can never reach a newer object
-// that happens to live at the same address (no ABA).
+// that happens to live at the same address (no ABA). In a process forked
+// from one that held handles, the inherited ones are not live: calls on them
+// are refused, saying so, and their objects are left alone.
 //
 // The table owns every object but a layer's contexts through shared
 // pointers; a call looks its handle up and keeps the object alive for the
@@ -15,6 +17,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace kt {
 
@@ -47,8 +50,16 @@ std::shared_ptr<void> remove_handle(HandleId handle, HandleKind kind);
 // Ends a context handle; false if it was not live.
 bool remove_context_handle(HandleId context);
 
+// Whether handle was issued before this process was forked (by the parent,
+// or an ancestor): such handles are never live here (see handles.cpp).
+bool issued_before_fork(HandleId handle);
+
+// Why handle is not a live one of that kind: NULL, ended, or made before
+// fork() in the parent; names the call (where) and the argument (name).
+std::string not_live_message(const void* handle, HandleKind kind, const char* where, const char* name);
+
 // The object of a live handle, or a kt::Error (KT_ERR_INVALID_HANDLE) whose
-// message names the call (where) and the argument (name) and says why.
+// message is not_live_message's.
 std::shared_ptr<void> live_handle(const void* handle, HandleKind kind, const char* where,
                                   const char* name);
 

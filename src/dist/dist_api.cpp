@@ -283,7 +283,7 @@ void kt_comm_destroy(kt_comm* comm) {
   if (!comm) return;
   try {
     if (!kt::remove_handle(kt::handle_id(comm), HandleKind::kComm))
-      kt::set_last_error("kt_comm_destroy: comm is not a live kt_comm (destroyed?)");
+      kt::set_last_error(kt::not_live_message(comm, HandleKind::kComm, "kt_comm_destroy", "comm"));
   } catch (...) {
     // Destruction cannot report; nothing here throws in practice.
   }
@@ -421,7 +421,7 @@ void kt_dist_moe_destroy(kt_dist_moe* dist) {
   try {
     const std::shared_ptr<void> d = kt::remove_handle(kt::handle_id(dist), HandleKind::kDistMoe);
     if (!d) {
-      kt::set_last_error("kt_dist_moe_destroy: dist is not a live kt_dist_moe (destroyed?)");
+      kt::set_last_error(kt::not_live_message(dist, HandleKind::kDistMoe, "kt_dist_moe_destroy", "dist"));
       return;
     }
     std::static_pointer_cast<kt_dist_moe>(d)->end_contexts();

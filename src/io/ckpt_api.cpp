@@ -129,7 +129,9 @@ void kt_ckpt_close(kt_ckpt* ckpt) {
   if (!ckpt) return;
   // Unmapped here, or when another thread's call on it returns.
   if (!kt::remove_handle(kt::handle_id(ckpt), kt::HandleKind::kCkpt))
-    kt::set_last_error("kt_ckpt_close: ckpt is not an open kt_ckpt (closed already?)");
+    kt::set_last_error(kt::issued_before_fork(kt::handle_id(ckpt))
+                           ? kt::not_live_message(ckpt, kt::HandleKind::kCkpt, "kt_ckpt_close", "ckpt")
+                           : "kt_ckpt_close: ckpt is not an open kt_ckpt (closed already?)");
 }
 
 kt_status kt_ckpt_get_info(const kt_ckpt* ckpt, kt_ckpt_info* info) {

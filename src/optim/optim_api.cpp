@@ -122,7 +122,7 @@ void kt_optimizer_destroy(kt_optimizer* opt) {
     const std::shared_ptr<kt_optimizer> op =
         std::static_pointer_cast<kt_optimizer>(kt::remove_handle(kt::handle_id(opt), kt::HandleKind::kOptimizer));
     if (!op) {
-      kt::set_last_error("kt_optimizer_destroy: opt is not a live kt_optimizer (destroyed?)");
+      kt::set_last_error(kt::not_live_message(opt, kt::HandleKind::kOptimizer, "kt_optimizer_destroy", "opt"));
       return;
     }
     // Steps that never started are cancelled so they cannot touch the

@@ -151,12 +151,27 @@ _default_lock = threading.Lock()
 
 
 def default_engine():
-    """The process-wide engine that layers use unless given one."""
+    """The process-wide engine that layers use unless given one. A process
+    forked from one that had it (DataLoader workers, multiprocessing's "fork")
+    gets its own on first use: kt refuses the parent's there."""
     global _default_engine
     with _default_lock:
         if _default_engine is None:
             _default_engine = Engine()
         return _default_engine
+
+
+def _forget_default_engine_in_child():
+    # The parent's engine and everything made on it are refused in the child
+    # (KT_ERR_INVALID_HANDLE, "made before this process was forked"); the
+    # Python objects stay, their close/__del__ get that error and free nothing.
+    global _default_engine, _default_lock
+    _default_engine = None
+    _default_lock = threading.Lock()  # another thread may have held it at fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_default_engine_in_child)
 
 
 def _args(pairs):
