@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <chrono>
 #include <cstdlib>
 #include <cstdio>
@@ -289,9 +290,14 @@ int run_matches_one_process(const Problem& pb, int rank, int world, const std::s
     spec.limit = pb.limit;
     spec.bias = pb.bias;
     spec.rank = pb.mode == KT_MODE_LORA ? pb.lora_rank : 0;
-    float s = 0.f;
-    kt_moe_lora_scale(one, &s);
-    spec.lora_scale = s;
+    // alpha / r (layer_options: alpha 8, no rsLoRA), computed here; kt's own
+    // scale must agree.
+    if (pb.mode == KT_MODE_LORA) {
+      spec.lora_scale = 8.0 / static_cast<double>(pb.lora_rank);
+      float s = 0.f;
+      RCHECK(kt_moe_lora_scale(one, &s) == KT_OK && std::fabs(s - spec.lora_scale) <= 1e-6 * spec.lora_scale,
+             "kt's LoRA scale is alpha / r");
+    }
     kt::reference::Params params;
     for (int p = 0; p < 3; ++p) {
       for (double v : d.w[p]->values()) params.w[p].push_back(static_cast<float>(v));

@@ -5,6 +5,41 @@ namespace kt_test {
 static int64_t in_dim(const Case& c, int p) { return p == 2 ? c.I : c.H; }
 static int64_t out_dim(const Case& c, int p) { return p == 2 ? c.H : c.I; }
 
+// W' of the formats kt quantizes at load, from the header's contract and
+// nothing of kt's: per row and group of inputs, s = the smallest bf16 >=
+// max|W| / qmax, W' = round_half_even(W / s) * s clamped to [-qmax, qmax].
+// Empty for formats not made at load.
+static std::vector<double> quantized_at_load(kt_weight_format f, const std::vector<double>& w, int64_t in) {
+  int64_t group = 0;
+  double qmax = 7;
+  switch (f) {
+    case KT_FORMAT_INT8_CHANNEL: group = in; qmax = 127; break;
+    case KT_FORMAT_INT4_G32: group = 32; break;
+    case KT_FORMAT_INT4_G128: group = 128; break;
+    default: return {};
+  }
+  auto bf16_at_least = [](double v) {  // bf16 values are floats with 16 low zero bits
+    float f = static_cast<float>(v);
+    if (static_cast<double>(f) < v) f = std::nextafter(f, INFINITY);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    if (bits & 0xffffu) bits = (bits | 0xffffu) + 1;  // up to the next bf16 (v >= 0)
+    std::memcpy(&f, &bits, 4);
+    return static_cast<double>(f);
+  };
+  std::vector<double> out(w.size());
+  for (size_t r0 = 0; r0 < w.size(); r0 += static_cast<size_t>(in))
+    for (int64_t c0 = 0; c0 < in; c0 += group) {
+      const size_t a = r0 + static_cast<size_t>(c0), b = r0 + static_cast<size_t>(std::min(in, c0 + group));
+      double amax = 0;
+      for (size_t i = a; i < b; ++i) amax = std::max(amax, std::fabs(w[i]));
+      const double s = bf16_at_least(amax / qmax);
+      for (size_t i = a; i < b; ++i)
+        out[i] = s > 0 ? std::min(qmax, std::max(-qmax, std::nearbyint(w[i] / s))) * s : 0.0;
+    }
+  return out;
+}
+
 Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) : c_(c) {
   kt_engine_options eo;
   kt_engine_options_init(&eo);
@@ -51,9 +86,16 @@ Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) 
   spec.limit = c.limit;
   spec.bias = c.bias;
   spec.rank = c.mode == KT_MODE_LORA ? c.rank : 0;
-  float scale = 0.f;
-  kt_moe_lora_scale(moe_, &scale);
-  spec.lora_scale = scale;
+  // The reference's LoRA scale comes from the options (alpha/r, or
+  // alpha/sqrt(r) with rsLoRA), never from the code under test; kt's own
+  // must agree with it.
+  if (c.mode == KT_MODE_LORA) {
+    const double r = static_cast<double>(mo.lora_rank), alpha = mo.lora_alpha;
+    spec.lora_scale = c.rslora ? alpha / std::sqrt(r) : alpha / r;
+    float kt_scale = 0.f;
+    EXPECT_EQ(kt_moe_lora_scale(moe_, &kt_scale), KT_OK) << kt_last_error();
+    EXPECT_NEAR(kt_scale, spec.lora_scale, 1e-6 * spec.lora_scale) << "kt's LoRA scale";
+  }
   spec.targets = c.targets;
 
   std::mt19937 rng(c.seed);
@@ -152,6 +194,17 @@ void Runner::load_random(std::mt19937& rng) {
       std::vector<double> given(params.w[p].begin(), params.w[p].end());
       const std::vector<double> held = deq->values();
       quant_error[p] = rel_l2(held, given);
+      // The reference computes from what kt holds; that must be the
+      // header's quantization of what was loaded, made here independently.
+      const std::vector<double> want = quantized_at_load(c.format, given, in_dim(c, p));
+      if (!want.empty()) {
+        size_t differ = 0, first = 0;
+        for (size_t i = 0; i < held.size(); ++i)
+          if (held[i] != want[i] && differ++ == 0) first = i;
+        EXPECT_EQ(differ, 0u) << kt_weight_format_name(c.format) << " projection " << p << ": first at " << first
+                              << ", kt holds " << (differ ? held[first] : 0.0) << ", the contract gives "
+                              << (differ ? want[first] : 0.0);
+      }
       for (size_t i = 0; i < held.size(); ++i) params.w[p][i] = static_cast<float>(held[i]);
     }
   }
@@ -246,6 +299,42 @@ kt::reference::Grads Runner::ref_backward() const {
   std::vector<int64_t> ids(static_cast<size_t>(ids_->numel()));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(ids_->get(static_cast<int64_t>(i)));
   return kt::reference::backward(spec, params, c_.T, x_->values(), ids, w_->values(), dy_->values());
+}
+
+std::vector<std::pair<std::string, const Tensor*>> Runner::host_tensors() const {
+  std::vector<std::pair<std::string, const Tensor*>> v = {{"x", x_.get()},   {"ids", ids_.get()}, {"route_weights", w_.get()},
+                                                          {"y", y_.get()},   {"dy", dy_.get()},   {"dx", dx_.get()},
+                                                          {"droute_weights", dw_.get()}};
+  const char* proj[3] = {"gate", "up", "down"};
+  for (int p = 0; p < 3; ++p) {
+    const std::pair<const char*, const TensorPtr*> per[] = {{"W_", W_},         {"B_", B_},          {"lora_A_", la_},
+                                                            {"lora_B_", lb_},   {"grad_lora_A_", gla_}, {"grad_lora_B_", glb_},
+                                                            {"grad_W_", gW_},   {"grad_B_", gb_}};
+    for (const auto& q : per)
+      if (q.second[p]) v.emplace_back(std::string(q.first) + proj[p], q.second[p].get());
+  }
+  return v;
+}
+
+Runner::Snapshot Runner::snapshot() const {
+  Snapshot s;
+  for (const auto& t : host_tensors()) s.emplace_back(t.first, t.second->bytes);
+  return s;
+}
+
+std::vector<std::string> Runner::changed_since(const Snapshot& before) const {
+  std::vector<std::string> changed;
+  const auto now = host_tensors();
+  for (const auto& b : before) {
+    bool found = false;
+    for (const auto& t : now)
+      if (t.first == b.first) {
+        found = true;
+        if (t.second->bytes != b.second) changed.push_back(b.first);
+      }
+    if (!found) changed.push_back(b.first + " (gone)");
+  }
+  return changed;
 }
 
 void Runner::perturb_lora(int p, bool b, double delta) {

@@ -156,6 +156,15 @@ class Runner {
   // Changes LoRA param p (A or B) in place and tells kt.
   void perturb_lora(int p, bool b, double delta);
 
+  // Every host tensor the runner owns (inputs, outputs, weights, LoRA
+  // factors, gradient buffers), by name.
+  std::vector<std::pair<std::string, const Tensor*>> host_tensors() const;
+  // Their bytes now; and the names of those whose bytes differ from a
+  // snapshot (a refused call must write none of the caller's memory).
+  using Snapshot = std::vector<std::pair<std::string, std::vector<unsigned char>>>;
+  Snapshot snapshot() const;
+  std::vector<std::string> changed_since(const Snapshot& before) const;
+
   kt::reference::Spec spec;
   // The reference's weights: the bf16 tensors kt loaded, or for a quantized
   // base the dequantized weights the layer reads back (kt_moe_read_weights).
