@@ -25,13 +25,17 @@ class Errors : public ::testing::Test {
     tol_ = tolerance_for(info.isa, false);
   }
 
-  // The call fails with status and a message containing `needle`; afterwards
+  // The call fails with status and a message containing `needle`, writes
+  // none of the caller's tensors (their bytes before and after); afterwards
   // a forward + backward still match the reference.
   void expect_error(kt_status status, const char* needle, const std::function<kt_status()>& call) {
+    const Runner::Snapshot before = run_->snapshot();
     kt_clear_error();
     EXPECT_EQ(call(), status) << "message: " << kt_last_error();
     EXPECT_NE(std::string(kt_last_error()).find(needle), std::string::npos)
         << "message '" << kt_last_error() << "' lacks '" << needle << "'";
+    for (const std::string& name : run_->changed_since(before))
+      ADD_FAILURE() << "the refused call ('" << needle << "') wrote the caller's " << name;
     expect_still_valid();
   }
 
