@@ -338,11 +338,11 @@ struct Adapter {
       ra.push_back({kB[p], got.back()->dl()});
     }
     if (kt_ckpt_adapter_read(dir.c_str(), 3, ra.data(), ra.size()) != KT_OK) return false;
+    // Every element of every factor (A and B have different sizes).
     for (int p = 0; p < 3; ++p)
-      for (int64_t i = 0; i < a[p]->numel(); ++i)
-        if (got[static_cast<size_t>(2 * p)]->get(i) != a[p]->get(i) ||
-            (i < b[p]->numel() && got[static_cast<size_t>(2 * p + 1)]->get(i) != b[p]->get(i)))
-          return false;
+      if (got[static_cast<size_t>(2 * p)]->values() != a[p]->values() ||
+          got[static_cast<size_t>(2 * p + 1)]->values() != b[p]->values())
+        return false;
     return true;
   }
 };
@@ -417,11 +417,13 @@ struct Experts {
   }
   bool matches(const kt_ckpt* ck) const {
     for (int64_t L : {0, 1}) {
-      TensorPtr gg = Tensor::make(kt_test::kF32, g->shape), dd = Tensor::make(kt_test::kF32, d->shape);
-      kt_arg r[2] = {{KT_ARG_W_GATE, gg->dl()}, {KT_ARG_W_DOWN, dd->dl()}};
-      if (kt_ckpt_read_layer(ck, L, r, 2) != KT_OK) return false;
-      for (int64_t i = 0; i < g->numel(); ++i)
-        if (gg->get(i) != g->get(i) || dd->get(i) != d->get(i)) return false;
+      // All three projections: a reader that mixes any one of them from two
+      // versions is caught.
+      TensorPtr gg = Tensor::make(kt_test::kF32, g->shape), uu = Tensor::make(kt_test::kF32, u->shape),
+                dd = Tensor::make(kt_test::kF32, d->shape);
+      kt_arg r[3] = {{KT_ARG_W_GATE, gg->dl()}, {KT_ARG_W_UP, uu->dl()}, {KT_ARG_W_DOWN, dd->dl()}};
+      if (kt_ckpt_read_layer(ck, L, r, 3) != KT_OK) return false;
+      if (gg->values() != g->values() || uu->values() != u->values() || dd->values() != d->values()) return false;
     }
     return true;
   }
