@@ -78,19 +78,19 @@ std::chrono::microseconds ThreadPool::worker_spin() const {
   return std::chrono::microseconds(worker_spin_us_.load(std::memory_order_relaxed));
 }
 
-void ThreadPool::note_gap(std::chrono::microseconds gap) {
-  gaps_us_[gap_at_] = gap.count();
-  gap_at_ = (gap_at_ + 1) % kGaps;
+std::chrono::microseconds PauseMemory::note(std::chrono::microseconds pause) {
+  gaps_us_[at_] = pause.count();
+  at_ = (at_ + 1) % kGaps;
   int64_t longest = 0;
   for (int64_t g : gaps_us_)
     if (g <= kMaxSpin.count() / 2) longest = std::max(longest, g);
-  worker_spin_us_.store(std::min(std::max(2 * longest, kMinSpin.count()), kMaxSpin.count()),
-                        std::memory_order_relaxed);
+  return std::chrono::microseconds(std::min(std::max(2 * longest, kMinSpin.count()), kMaxSpin.count()));
 }
 
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
   const auto start = std::chrono::steady_clock::now();
-  note_gap(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_));
+  worker_spin_us_.store(pauses_.note(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_)).count(),
+                        std::memory_order_relaxed);
   struct Ended {
     ThreadPool* pool;
     ~Ended() { pool->last_end_ = std::chrono::steady_clock::now(); }

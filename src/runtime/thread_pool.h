@@ -16,6 +16,24 @@
 
 namespace kt {
 
+// The recent pauses between a pool's runs and how long idle workers spin
+// after them: twice the longest of the last kGaps pauses (not counting those
+// past half of kMaxSpin), within [kMinSpin, kMaxSpin]. A host that calls
+// layer after layer with its own work between them (attention on the GPU)
+// then finds the workers awake. A plain value, so the policy is the same
+// whatever clock feeds it.
+class PauseMemory {
+ public:
+  static constexpr std::chrono::microseconds kMinSpin{100}, kMaxSpin{5000};
+  static constexpr int kGaps = 16;  // pauses remembered: a few layers' runs
+  // Records a pause and returns the spin it calls for.
+  std::chrono::microseconds note(std::chrono::microseconds pause);
+
+ private:
+  int64_t gaps_us_[kGaps] = {};
+  int at_ = 0;
+};
+
 class ThreadPool {
  public:
   // cpus: CPU ids to pin worker i to cpus[i] (empty = not pinned).
@@ -27,15 +45,10 @@ class ThreadPool {
   // Threads that compute: the workers, or the caller alone in a pool of one.
   int size() const { return size_; }
 
-  // How long an idle worker spins before it sleeps: twice the longest of
-  // the recent pauses between runs (not counting those past half of
-  // kMaxSpin), within [kMinSpin, kMaxSpin]. A host that calls layer after
-  // layer with its own work between them (attention on the GPU) then finds
-  // the workers awake: waking a sleeping one cost 60-100 us per call on a
-  // 2-core VM.
+  // How long an idle worker spins before it sleeps (PauseMemory, fed with
+  // the pauses between this pool's runs).
   std::chrono::microseconds worker_spin() const;
-  static constexpr std::chrono::microseconds kMinSpin{100}, kMaxSpin{5000};
-  static constexpr int kGaps = 16;  // pauses remembered: a few layers' runs
+  static constexpr std::chrono::microseconds kMinSpin = PauseMemory::kMinSpin, kMaxSpin = PauseMemory::kMaxSpin;
 
   // Runs fn(item, thread_index) for item in [0, n) on the workers (a single
   // item, or all in a pool of one, on the caller as index 0) and returns when all are done.
@@ -56,8 +69,6 @@ class ThreadPool {
   // exception is kept (the first) and the next item taken.
   void take_items(Thunk thunk, void* fn, int64_t n, int index);
 
-  void note_gap(std::chrono::microseconds gap);
-
   // Waits up to `limit` (yielding the CPU) for cond before the thread falls
   // back to its condition variable: runs come in quick succession (a
   // layer's stages), and a sleep/wake pair costs tens of microseconds.
@@ -75,8 +86,7 @@ class ThreadPool {
   // The caller's (runs are serialised): when the last run ended (the
   // pool's start before the first), the recent pauses between runs.
   std::chrono::steady_clock::time_point last_end_ = std::chrono::steady_clock::now();
-  int64_t gaps_us_[kGaps] = {};
-  int gap_at_ = 0;
+  PauseMemory pauses_;
   std::atomic<int64_t> worker_spin_us_{kMinSpin.count()};
   Thunk thunk_ = nullptr;
   void* fn_ = nullptr;

@@ -267,9 +267,13 @@ TEST(AutoGemm, TimesOnlyTheAmxTables) {
 TEST(AutoGemm, TimesAWeightGemm) {
   const kt::Kernels& k = kt::select_kernels(KT_ISA_AMX);  // the best table this CPU runs
   if (k.a_elem_size != 2) GTEST_SKIP() << "the timed GEMM has bf16 operands; " << k.gemm_name << " takes fp32";
+  // The best of the timed calls after the warm-up call: a measured time
+  // (finite, positive), whatever the machine's speed; how long it takes is
+  // the benchmark's business, not the test's.
   const double s = kt::time_weight_gemm(k, 16, 256, 4, 2);
+  EXPECT_TRUE(std::isfinite(s)) << s;
   EXPECT_GT(s, 0.0);
-  EXPECT_LT(s, 1.0);
+  EXPECT_LT(s, 1e30) << "no timed call after the warm-up";
 }
 
 TEST(OneDnnBackend, WeightGemmMatchesKtKernel) {

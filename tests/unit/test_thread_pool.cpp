@@ -97,28 +97,35 @@ TEST(ThreadPool, AnExceptionReachesTheCallerAfterTheOtherItems) {
   }
 }
 
-TEST(ThreadPool, IdleWorkersSpinThroughTheRecentPausesBetweenRuns) {
+TEST(PauseMemory, SpinsThroughTheRecentPausesBetweenRuns) {
   using std::chrono::microseconds;
-  ThreadPool pool(2, {});
-  EXPECT_EQ(pool.worker_spin(), ThreadPool::kMinSpin);
-  const auto runs_after = [&](microseconds pause, int runs) {
-    for (int i = 0; i < runs; ++i) {
-      std::this_thread::sleep_for(pause);
-      pool.run(4, [](int64_t, int) {});
-    }
-  };
-  // Pauses of at least 300 us (a sleep may overshoot; one of three within
-  // half the cap is enough): twice the longest.
-  runs_after(microseconds(300), 3);
-  EXPECT_GE(pool.worker_spin(), microseconds(600));
-  EXPECT_LE(pool.worker_spin(), ThreadPool::kMaxSpin);
+  using kt::PauseMemory;
+  PauseMemory m;
+  // Pauses of 300 us: twice the longest.
+  EXPECT_EQ(m.note(microseconds(300)), microseconds(600));
+  EXPECT_EQ(m.note(microseconds(120)), microseconds(600));
   // Back to back: the longest recent pause still counts.
-  runs_after(microseconds(0), 4);
-  EXPECT_GE(pool.worker_spin(), microseconds(600));
-  // Pauses longer than half the cap are not spun through: once they fill
-  // the memory of pauses, the workers sleep after the shortest spin.
-  runs_after(ThreadPool::kMaxSpin + microseconds(1000), ThreadPool::kGaps);
-  EXPECT_EQ(pool.worker_spin(), ThreadPool::kMinSpin);
+  for (int i = 0; i < PauseMemory::kGaps - 2; ++i) EXPECT_EQ(m.note(microseconds(0)), microseconds(600)) << i;
+  // Once it has left the memory of kGaps pauses, the next longest counts.
+  EXPECT_EQ(m.note(microseconds(0)), microseconds(240));
+  EXPECT_EQ(m.note(microseconds(0)), PauseMemory::kMinSpin);
+  // Within [kMinSpin, kMaxSpin]: half the cap is spun through (capped) ...
+  EXPECT_EQ(m.note(PauseMemory::kMaxSpin / 2), PauseMemory::kMaxSpin);
+  // ... longer pauses are not: once they fill the memory, the shortest spin.
+  for (int i = 0; i < PauseMemory::kGaps - 1; ++i) m.note(PauseMemory::kMaxSpin + microseconds(1000));
+  EXPECT_EQ(m.note(PauseMemory::kMaxSpin + microseconds(1000)), PauseMemory::kMinSpin);
+  EXPECT_EQ(m.note(microseconds(10)), PauseMemory::kMinSpin);
+  EXPECT_EQ(m.note(microseconds(70)), microseconds(140));
+}
+
+TEST(ThreadPool, WorkerSpinIsThePauseMemorysWithinItsBounds) {
+  kt::ThreadPool pool(2, {});
+  EXPECT_EQ(pool.worker_spin(), kt::ThreadPool::kMinSpin);  // no run yet
+  for (int i = 0; i < 8; ++i) {
+    pool.run(4, [](int64_t, int) {});
+    EXPECT_GE(pool.worker_spin(), kt::ThreadPool::kMinSpin);
+    EXPECT_LE(pool.worker_spin(), kt::ThreadPool::kMaxSpin);
+  }
 }
 
 TEST(ThreadPool, WorkerIRunsOnTheIthCpu) {
@@ -132,7 +139,6 @@ TEST(ThreadPool, WorkerIRunsOnTheIthCpu) {
       std::lock_guard<std::mutex> lock(mutex);
       where.emplace_back(index, sched_getcpu());
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
   });
   ASSERT_EQ(where.size(), 400u);
   for (const auto& w : where)
