@@ -954,8 +954,7 @@ kt_test::Case checkpoint_case(const QuantCase& qc, const QuantCkpt& q, const cha
 
 TEST_P(QuantForwardBackward, MatchesTheReferenceOnTheCheckpointsWeights) {
   const kt_isa isa = std::get<0>(GetParam());
-  QuantCase qc = std::get<1>(GetParam());
-  if (isa >= KT_ISA_AVX512BF16) qc.bf16_act = true;
+  const QuantCase qc = std::get<1>(GetParam());
   char tmpl[] = "/tmp/kt_quant_fb.XXXXXX";
   const char* dir = mkdtemp(tmpl);
   ASSERT_NE(dir, nullptr);

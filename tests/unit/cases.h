@@ -17,7 +17,12 @@ inline std::vector<Case> core_cases() {
   c = Case{}; c.name = "awkward_odd_dims"; c.E = 3; c.K = 2; c.H = 37; c.I = 19; c.T = 5; add(c);
   c = Case{}; c.name = "one_expert_E1"; c.E = 1; c.K = 1; c.H = 48; c.I = 40; c.T = 3; add(c);
   c = Case{}; c.name = "k_equals_E"; c.E = 4; c.K = 4; c.H = 64; c.I = 33; c.T = 6; add(c);
+  // No tokens: y, dx and the routing-weight gradient are empty; what is
+  // checked is that the call succeeds and that an overwriting backward sets
+  // every parameter gradient to zero (check_run fills them with stale values).
   c = Case{}; c.name = "zero_tokens"; c.T = 0; add(c);
+  c = Case{}; c.name = "zero_tokens_lora"; c.T = 0; c.mode = KT_MODE_LORA; c.rank = 4; add(c);
+  c = Case{}; c.name = "zero_tokens_full_bias"; c.T = 0; c.mode = KT_MODE_FULL; c.bias = true; add(c);
   c = Case{}; c.name = "one_token"; c.T = 1; c.E = 6; c.K = 3; c.H = 80; c.I = 24; add(c);
   c = Case{}; c.name = "many_tokens"; c.T = 300; c.E = 8; c.K = 2; c.H = 64; c.I = 48; add(c);
   c = Case{}; c.name = "all_routes_one_expert"; c.E = 4; c.K = 1; c.T = 150; c.one_expert = true; add(c);
