@@ -95,8 +95,14 @@ class _Retained:
 def _recompute_key(x, ids, weights):
     # A recompute sees the same bits as the first forward (checkpointing
     # restores the RNG state): exact routing plus sums of x identify it.
-    return (tuple(x.shape), x.dtype, ids.clone(), weights.clone(),
-            float(torch.sum(x, dtype=torch.float64)), float(torch.sum(x.abs(), dtype=torch.float64)))
+    # Computed outside autograd: x.abs() would save x for a backward, which
+    # torch 2's non-reentrant checkpointing counts (the first forward makes
+    # the key with grad enabled, the recompute inside _MoEFunction.forward
+    # without), refusing the recompute for saving fewer tensors.
+    with torch.no_grad():
+        x, ids, weights = x.detach(), ids.detach(), weights.detach()
+        return (tuple(x.shape), x.dtype, ids.clone(), weights.clone(),
+                float(torch.sum(x, dtype=torch.float64)), float(torch.sum(x.abs(), dtype=torch.float64)))
 
 
 def _same_key(a, b):
