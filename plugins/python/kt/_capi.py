@@ -43,7 +43,7 @@ ACT_SILU, ACT_SWIGLU_OAI = 0, 1
 MODE_INFERENCE, MODE_LORA, MODE_FULL = 0, 1, 2
 SUBMIT_DEFERRED = 1  # KT_SUBMIT_DEFERRED
 # projection bits
-PROJ_GATE, PROJ_UP, PROJ_DOWN = 1, 2, 4
+PROJ_GATE, PROJ_UP, PROJ_DOWN, PROJ_ALL = 1, 2, 4, 7
 # kt_weight_orientation / kt_gate_up_order / kt_grad_accumulate
 ORIENT_OUT_IN, ORIENT_IN_OUT = 0, 1
 GATE_UP_CONCAT, GATE_UP_INTERLEAVED = 0, 1
@@ -229,8 +229,9 @@ class OptimizerParam(ctypes.Structure):
     _fields_ = [("param", ctypes.POINTER(DLTensor)), ("grad", ctypes.POINTER(DLTensor))]
 
 
-# kt_ckpt_dtype / kt_ckpt_layout / kt_ckpt_format
-CKPT_DTYPES = {"F32": 1, "F16": 2, "BF16": 3}
+# kt_ckpt_dtype (every value; the writers take F32, F16, BF16) / kt_ckpt_layout
+CKPT_DTYPES = {"UNKNOWN": 0, "F32": 1, "F16": 2, "BF16": 3, "F64": 4, "F8_E4M3": 5, "F8_E5M2": 6, "E8M0": 7,
+               "I8": 8, "U8": 9, "I16": 10, "U16": 11, "I32": 12, "U32": 13, "I64": 14, "U64": 15, "BOOL": 16}
 CKPT_LAYOUT_NONE, CKPT_LAYOUT_PER_EXPERT, CKPT_LAYOUT_MIXTRAL = 0, 1, 2
 CKPT_LAYOUT_FUSED, CKPT_LAYOUT_FUSED_IN_OUT, CKPT_LAYOUT_GPT_OSS = 3, 4, 5
 PACKED_SKIP_CHECKSUMS = 1
