@@ -90,11 +90,8 @@ struct CombineSplit {
   // rows) fits the scratch, each call then spanning the item's columns: a
   // 64-column call of int4 codes reads 27 KiB, a quarter of bf16's, and
   // each call's streams start anew (gemm_quant's strided tiles run them on
-  // within a call). Qwen3-30B-A3B, int4_g32, 2 threads, two builds
-  // alternated in one process, both ways round: 256-column items 0.99x the
-  // time at T=1, 0.98x at T=8 and T=32; then 512 columns (2 items per
-  // worker) 0.96x at T=1 and T=32, 0.98x at T=8; one item per worker 0.99x
-  // at T=1.
+  // within a call). Two items per worker rather than one, so that the
+  // workers still end together.
   void widen_for_quantized_decode(int64_t T, int64_t n, int threads, int64_t max_rows) {
     if (T > kRowChunk || token_ranges != 1 || max_rows < 1 || cols < kBlockCols) return;
     const int64_t want = 2 * static_cast<int64_t>(threads);
@@ -110,11 +107,9 @@ struct CombineSplit {
 // items as leave every worker at least 4 (ItemRanges then still ends the
 // workers together), and the item's C tile of max_rows rows within
 // kRowChunk x kBlockCols floats. At decode each call then streams more
-// panels: two libkt builds alternated in one process (Qwen3-30B-A3B, 2
-// threads, int4_g32, both ways round) ran T=1 0.89-0.99x the time with
-// items of 6 blocks (8 items per worker), T=8 0.93-0.99x, T=32
-// 0.92-1.00x; once gemm_quant's strided tiles ran a call's streams on,
-// whole experts at T=1 (12 blocks, 4 items per worker) 0.96x again.
+// panels, in longer streams that start cold less often; with gemm_quant's
+// strided tiles running a call's streams on, items as wide as whole
+// experts pay at T=1.
 inline int64_t gate_up_item_cols(int64_t active, int64_t max_rows, int64_t n, int threads) {
   const int64_t blocks = ceil_div(n, kBlockCols);
   const int64_t want = 4 * static_cast<int64_t>(std::max(threads, 1));

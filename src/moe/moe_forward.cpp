@@ -267,9 +267,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     max_rows = std::max(max_rows,
                         R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)]);
   // Items of W columns; their C tiles hold row_chunk rows of W (ldc W).
-  // Quantized bases only: a bf16 block already streams 3.6-4x the bytes of
-  // an int4/mxfp4 one per call, and wider bf16 items ran 1.00-1.02x the time
-  // at T=1 (coarser items end the workers less evenly).
+  // Quantized bases only: a bf16 block already streams about four times the
+  // bytes of an int4/mxfp4 one per call, and wider bf16 items did not pay at
+  // T=1 (coarser items end the workers less evenly).
   const int64_t W =
       quantized ? gate_up_item_cols(static_cast<int64_t>(R.active.size()), max_rows, I, pool.size())
                 : kBlockCols;
@@ -342,11 +342,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
   if (whole_experts) {
     // Each expert's down right after its gate/up (whose last up call
-    // fetches the down's first panels): no stage boundary between them.
-    // Qwen3-30B-A3B, 2 threads, two builds alternated in one process, both
-    // ways round: int4_g32 T=1 0.93-0.95x the time, T=8 0.97x; int8_channel
-    // T=1 0.96x; int4_g32 with int8 activations T=1 0.90x; AVX2 int4_g32
-    // T=1 0.98x.
+    // fetches the down's first panels): no stage boundary between them, so
+    // no hand-off and no wait for the slowest worker between the stages.
     const int64_t ldy = round_up(H, kPanelRows);
     yr_.reserve(static_cast<size_t>(std::max<int64_t>(routes * ldy, 1)));
     if (int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(routes * aq_stride, 1)));

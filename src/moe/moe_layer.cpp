@@ -756,9 +756,7 @@ PrefetchRegion kt_moe::weight_block(int proj, int64_t e, int64_t r0, int64_t rb)
 // slices (96-256 KiB of scattered 2 KiB pieces per block) fetched during the
 // dx and da' GEMMs crowded the GEMMs' own loads more than they saved the
 // transposes after them, which stream the rest of each slice from its head
-// on (Qwen3-30B-A3B layer, 2 threads, AVX-512, two builds alternated in one
-// process, 8-10 rounds: fwd+bwd dx T=512 0.87-0.96x the time, T=128 and
-// T=1024 within noise; LoRA r16 T=512 0.87-1.11x).
+// on.
 constexpr int64_t kTransposeHeadBytes = 256;
 
 PrefetchRegion kt_moe::transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const {
@@ -775,12 +773,9 @@ void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np
   const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
   if (!quantized) {
     // These panels stream from memory. Where the tiles fetch them ahead
-    // themselves, the next block spread over the tiles only crowded those
-    // fetches (AVX-512, two builds alternated in one process, Qwen3-30B-A3B
-    // layer, bf16: T=128 0.75-0.89x the time, T=256 0.93-0.96x, T=1, 32 and
-    // 512 within noise). The AVX2 tiles fetch ahead too, but there the
-    // spread still paid (without it T=32 1.03-1.04x the time, T=128
-    // 1.02-1.13x).
+    // themselves (AVX-512), the next block spread over the tiles only
+    // crowded those fetches. The AVX2 tiles fetch ahead too, but there the
+    // spread still pays, so that table keeps it (gemm_bf16w_fetches_panels).
     K_.gemm_bf16w(rows, m, ps.kp, wp_[proj] + e * ps.elements() + p0 * ps.panel_stride(),
                   ps.panel_stride(), np, c, ldc, false,
                   K_.gemm_bf16w_fetches_panels ? PrefetchRegion{} : next);

@@ -44,8 +44,8 @@ struct GroupScales {
 // each group C (in L1) takes them times the group's scales, as in the
 // AVX-512 kernel. Running sums in registers too leave room for 2 rows only,
 // or need the even/odd split folded (FMA latency exposed): on the layer's
-// chunks (9-64 rows x K 256 x 4 panels, Zen, one thread) 1.2-1.4x and
-// 1.4-2.3x the plain tile's time, against 1.02-1.10x for this one.
+// chunks both run well behind the plain tile, where this one stays close
+// to it.
 template <int MR, int NP, bool Grouped>
 static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
                         float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
@@ -146,11 +146,8 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   // The first tile of a panel fetches it 2 KiB ahead (the others find it in
   // cache), as the AVX-512 tiles do 1 KiB, and the caller's next region is
   // spread over the tiles as well (kernels.h, gemm_bf16w_fetches_panels).
-  // Qwen3-30B-A3B layer, bf16, against one-panel tiles that fetched nothing
-  // (two builds alternated in one process, geometric mean of both orders):
-  // T=1 0.90x the time, T=32 0.92x, T=128 and T=512 the same; 2 KiB ahead
-  // against 1 KiB 0.90-0.95x at T=1. Grouped GEMMs run on panels
-  // dequantized into cache.
+  // 2 KiB rather than the AVX-512 tiles' 1 KiB: decode ran faster so.
+  // Grouped GEMMs run on panels dequantized into cache.
   const bool fetch_ahead = !Grouped;
   if (m == 1) {
     for (int p = 0; p < np; p += 2) {
@@ -277,14 +274,9 @@ extern const Kernels kernels_avx2 = {
     counted<kTable, E::kGemmBf16wGrouped, avx2::gemm_bf16w_grouped>,
     counted<kTable, E::kGemmQuant, avx2::gemm_quant>,
     // Past these rows dequantizing once into cache and the grouped GEMM
-    // take less time. 8-bit codes: one thread, codes in cache, 8 panels x K
-    // 2048: int8 per channel 0.69x still at 4 rows, e4m3 1.16x at 3 and
-    // 0.95x at 4. 4-bit codes, since they go as offset words: the
-    // Qwen3-30B-A3B layer, int4_g32, two builds alternated in one process,
-    // both orders: up to 3 rows against 2, T=32 0.96x the time, T=64 0.975x;
-    // 4 against 3, 0.96x and 0.97x; 6 against 4, T=64 0.97-0.985x, T=128
-    // 1.00x; mxfp4 and int4_g32_zp t/t_bf16 at T=64 1.15-1.22 -> 0.93-1.03
-    // and 0.98-1.05 -> 0.85-0.96 from 2 to 6.
+    // take less time (bench/README.md): 8-bit codes past 4 rows; 4-bit
+    // codes, which go as offset words, past 6 (each step from 2 rows up
+    // paid in the layer, the last one still at T=64).
     4,
     6,
     counted<kTable, E::kGemmInt8, avx2::gemm_int8>,

@@ -54,11 +54,9 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
       __m512bh b[NP];
       for (int p = 0; p < NP; ++p) {
         // The weights stream from DRAM with little compute to hide it at
-        // decode and small batches: fetch 1 KiB ahead of the hardware
-        // prefetcher (Qwen3-30B-A3B layer, two builds alternated in one
-        // process: T=32 0.93x the time with every tile fetching rather than
-        // one-row tiles only, T=128 and T=512 the same; 512 B and 2 KiB
-        // ahead 1.02-1.09x slower).
+        // decode and small batches: every tile, not only one-row ones,
+        // fetches 1 KiB ahead of the hardware prefetcher. The distance is
+        // tuned: half and twice it both ran slower (bench/README.md).
         if (!Grouped)
           _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
         b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
@@ -116,12 +114,9 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // With two tiles or more, the first streams the panels from memory and the
 // others find them in cache. From kMinPrefetchTiles tiles on, all of them
 // also prefetch the caller's next region, a share each; with fewer, that
-// prefetch crowds the call's own stream more than it saves the next call
-// (Qwen3-30B-A3B layer, 2 threads, two builds alternated in one process,
-// from 4 tiles rather than 2: fwd+bwd dx, whose W^T panels are built from
-// the next region, T=128 0.92-0.94x the time, T=256 0.96-0.97x, T=512
-// within noise; int8_channel forward T=128 0.95-0.98x). A single tile
-// (decode) is bound by its own stream.
+// prefetch crowds the call's own panel stream more than it saves the next
+// call, backward's dx (which builds its W^T panels from that region)
+// included. A single tile (decode) is bound by its own stream.
 constexpr int kMinPrefetchTiles = 4;
 
 template <int NP, bool Grouped>
@@ -351,8 +346,8 @@ static void dequant_e4m3_table(const uint8_t* codes, int64_t code_panel_bytes, i
 // magnitude's bf16 from two 128-entry tables (vpermi2b reads the 7 low
 // bits of each code), the sign onto the high byte, and the two bytes
 // interleaved into words. The codes are first reordered so that the
-// in-lane interleave leaves the words in code order. About half the work
-// of the word-table expansion on Zen4.
+// in-lane interleave leaves the words in code order. Less work than the
+// word-table expansion, which the CPUs without VBMI keep.
 struct E4m3ByteTables {
   __m512i lo0, lo1, hi0, hi1, order;
   E4m3ByteTables() {
@@ -559,10 +554,9 @@ static inline void nt_rows(int n, int k, const float* const* a_rows, const float
   for (; j < n; ++j) nt_tile<MR, 1>(k, a_rows, b + j * ldb, ldb, c + j, ldc, accumulate);
 }
 
-// 4 rows x 4 columns a tile: each B row read per 4 rows of A (2 x 8 read
-// all of B per pair of rows, past L1 at LoRA's n = r = 16 and k = H:
-// kt_kernel_bench's LoRA section, one thread, 1.3-1.6x the GFLOP/s at
-// k = 2048, 1.2-1.3x at k = 768).
+// 4 rows x 4 columns a tile: each B row read per 4 rows of A. Tiles of
+// 2 x 8 read all of B per pair of rows, which at LoRA's n = r = 16 and
+// k = H lies past L1 (kt_kernel_bench's LoRA section).
 static void sgemm_nt(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb, float* c,
                      int64_t ldc, bool accumulate) {
   int r = 0;
@@ -782,9 +776,9 @@ extern const Kernels kernels_avx512bf16 = {
     avx512bf16::dequant_i4_zero,
     counted<kTable, E::kGemmBf16wGrouped, avx512bf16::gemm_bf16w_grouped>,
     counted<kTable, E::kGemmQuant, avx512bf16::gemm_quant>,
-    // Measured against dequant_* + gemm_bf16w_grouped on one thread
-    // (Zen4): int8 codes break even near 28 rows, 4-bit codes stay ahead
-    // up to a full row chunk (1.06x the bf16 GEMM at 32 rows, int4 g32).
+    // Against dequant_* + gemm_bf16w_grouped: 8-bit codes from the codes
+    // up to 24 rows, short of where the two break even; 4-bit codes stay
+    // ahead up to a full row chunk, so they never dequantize.
     24,
     1 << 30,
     counted<kTable, E::kGemmInt8, avx512bf16::gemm_int8>,
