@@ -4,7 +4,8 @@
 (``kt.RawTensor``) or torch tensors; ``kt.torch`` adds autograd and
 ``nn.Module``s, ``kt.hf`` swaps the routed experts of HF-shaped models.
 The library is found through $KT_LIBRARY, the build tree registered by
-install_dev.sh, a copy next to this package, or the system loader.
+install_dev.sh, a copy next to this package (where the wheel puts it), or the
+system loader.
 """
 from . import _capi
 from .core import WEIGHT_FORMATS, Context, Engine, Job, MoE, check, default_engine, lib, library_path, packed_info
@@ -27,6 +28,10 @@ def version():
     return lib().kt_version().decode()
 
 
+# The loaded library's version (kt_version()), e.g. "1.0.0".
+__version__ = version()
+
+
 def build_info():
     return lib().kt_build_info().decode()
 
@@ -36,5 +41,5 @@ def cpu_isa():
     return lib().kt_isa_name(lib().kt_cpu_isa()).decode()
 
 
-__all__ = ["ABI_VERSION", "Checkpoint", "Context", "DLView", "Engine", "Job", "KtError", "MoE", "RawTensor",
+__all__ = ["ABI_VERSION", "__version__", "Checkpoint", "Context", "DLView", "Engine", "Job", "KtError", "MoE", "RawTensor",
            "WEIGHT_FORMATS", "build_info", "check", "cpu_isa", "default_engine", "library_path", "packed_info", "version"]

@@ -1,0 +1,25 @@
+# The Python wheel (pyproject.toml at the top, built by scikit-build-core):
+# everything it needs is installed as the component "wheel", under the
+# package directory kt/ of the wheel's platlib:
+#   kt/libkt.so.<abi>               the library, one real file under its SONAME
+#                                   (wheels hold no symlinks), found by kt._capi
+#   kt/bin/kt                       the kt tool (RUNPATH $ORIGIN/..), run by the
+#                                   `kt` console command (kt._cli)
+#   kt/libexec/kt/kt_bench          `kt bench` and its torch baseline scripts
+# The Python sources of kt/ come from plugins/python/kt (wheel.packages).
+if(NOT TARGET kt_cli)
+  message(FATAL_ERROR "kt: the Python wheel needs the kt tool (tools/CMakeLists.txt)")
+endif()
+
+install(FILES "$<TARGET_FILE:kt>" DESTINATION kt RENAME "libkt.so.${KT_ABI_VERSION}"
+  PERMISSIONS OWNER_READ OWNER_WRITE OWNER_EXECUTE GROUP_READ GROUP_EXECUTE WORLD_READ WORLD_EXECUTE
+  COMPONENT wheel)
+
+set_target_properties(kt_cli PROPERTIES INSTALL_RPATH "\$ORIGIN/..")
+install(TARGETS kt_cli RUNTIME DESTINATION kt/bin COMPONENT wheel)
+if(TARGET kt_bench)
+  set_target_properties(kt_bench PROPERTIES INSTALL_RPATH "\$ORIGIN/../..")
+  install(TARGETS kt_bench RUNTIME DESTINATION kt/libexec/kt COMPONENT wheel)
+  install(FILES "${PROJECT_SOURCE_DIR}/bench/torch_baseline.py" "${PROJECT_SOURCE_DIR}/bench/torch_optim_baseline.py"
+    DESTINATION kt/libexec/kt COMPONENT wheel)
+endif()

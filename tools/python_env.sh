@@ -1,0 +1,77 @@
+#!/bin/sh
+# A Python environment of the pip route: a venv with kt installed from this
+# checkout by pip (pyproject.toml: CMake builds libkt and the kt tool into the
+# wheel) and the pinned torch, numpy and pytest of
+# packaging/python/requirements-torch2.txt.
+#
+#   tools/python_env.sh [create]   make or update the venv (default command)
+#   tools/python_env.sh test [ARGS] run tests/python with the venv's python
+#                                   against the wheel's libkt (ARGS go to pytest;
+#                                   default: the whole directory)
+#
+# Environment:
+#   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
+#   KT_PIP_CACHE  where downloaded wheels are kept, so a second run downloads
+#                 nothing (default: ~/.cache/kt/wheels); pip's own cache is
+#                 used as well
+#   KT_PYTHON_FOR_VENV  the interpreter the venv is made from (default python3;
+#                 on Debian it needs python3-venv)
+#   KT_JOBS       parallel compile jobs of the kt build (default 2)
+# The kt build is kept in <checkout>/build-pip (scikit-build-core's build
+# directory) and compiles through ccache when installed, so an unchanged
+# checkout rebuilds in seconds.
+set -eu
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${KT_VENV:-$root/build-venv}
+cache=${KT_PIP_CACHE:-$HOME/.cache/kt/wheels}
+python=${KT_PYTHON_FOR_VENV:-python3}
+requirements=$root/packaging/python/requirements-torch2.txt
+cmd=${1:-create}
+[ $# -gt 0 ] && shift
+
+create() {
+  if [ ! -x "$venv/bin/python" ]; then
+    echo "python_env: creating $venv with $($python --version 2>&1)"
+    if ! "$python" -m venv "$venv"; then
+      echo "python_env: '$python -m venv' failed (Debian: apt-get install python3-venv)" >&2
+      exit 1
+    fi
+  fi
+  mkdir -p "$cache"
+  # Downloads only what the cache lacks; then installs from the cache alone.
+  "$venv/bin/pip" download --quiet --dest "$cache" -r "$requirements"
+  "$venv/bin/pip" install --quiet --no-index --find-links "$cache" -r "$requirements"
+  echo "python_env: building and installing kt from $root"
+  # The build backend (scikit-build-core) comes from the index, or the cache.
+  "$venv/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
+  CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
+    PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
+    "$venv/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+  "$venv/bin/python" -c 'import kt, torch; print("python_env: kt", kt.__version__, "from", kt.library_path(), "| torch", torch.__version__)'
+  "$venv/bin/kt" --help >/dev/null
+  echo "python_env: ready: $venv (kt command: $venv/bin/kt)"
+}
+
+case "$cmd" in
+  create)
+    create
+    ;;
+  test)
+    [ -x "$venv/bin/python" ] || create
+    lib=$("$venv/bin/python" -c 'import kt; print(kt.library_path())')
+    case "$lib" in
+      "$venv"/*) ;;
+      *) echo "python_env: kt in $venv loads $lib, not the wheel's libkt" >&2; exit 1 ;;
+    esac
+    # The tests import the checkout's kt package (tests/python/conftest.py);
+    # KT_LIBRARY points them at the library of the installed wheel.
+    cd "$root"
+    if [ $# -eq 0 ]; then set -- tests/python; fi
+    KT_LIBRARY=$lib exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    ;;
+  *)
+    echo "usage: $0 [create | test [PYTEST_ARGS...]]" >&2
+    exit 2
+    ;;
+esac
