@@ -12,7 +12,7 @@
 
 namespace kt {
 
-// Makes message the calling thread's kt_last_error() (defined in c_api.cpp,
+// Makes message the calling thread's kt_last_error() (defined in api/moe.cpp,
 // which owns the thread-local message).
 void set_last_error(const std::string& message) noexcept;
 

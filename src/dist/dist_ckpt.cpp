@@ -15,7 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "api/handles.h"
+#include "runtime/handles.h"
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "dist/comm.h"

@@ -11,7 +11,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "api/handles.h"
+#include "runtime/handles.h"
 #include "core/dtype.h"
 #include "dist/comm.h"
 #include "kt_c_api.h"

@@ -1,5 +1,5 @@
-# Communicators and distributed layers (src/dist) and their kt_comm_* /
-# kt_dist_* ABI. Both collective engines are optional, each found without
+# Communicators and distributed layers (src/dist; their kt_comm_* /
+# kt_dist_* calls are in src/api/dist.cpp). Both collective engines are optional, each found without
 # letting the configure step fail, and each reported by one status line:
 # - Gloo (Debian libgloo-dev): headers and libgloo, linked into libkt.
 # - NCCL: nccl.h and the CUDA runtime headers (CUDA's include directory,
@@ -42,7 +42,6 @@ list(APPEND KT_CORE_SOURCES
   src/dist/backend.cpp
   src/dist/comm.cpp
   src/dist/dist_ckpt.cpp
-  src/dist/dist_api.cpp
   src/dist/dist_moe.cpp
   src/dist/gloo_transport.cpp
   src/dist/nccl_transport.cpp

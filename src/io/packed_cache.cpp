@@ -8,10 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "api/handles.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
-#include "io/io_guard.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 #include "moe/moe_layer.h"
@@ -425,46 +423,3 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
 
 }  // namespace io
 }  // namespace kt
-
-namespace {
-
-// The layer behind a live handle, kept for the call.
-std::shared_ptr<kt_moe> live_moe(const kt_moe* m, const char* where) {
-  return kt::live(m, kt::HandleKind::kMoe, where, "moe");
-}
-
-void check_path_arg(const char* path, const char* where) {
-  KT_CHECK(path != nullptr, KT_ERR_NULL_POINTER, std::string(where) + ": path is NULL");
-  KT_CHECK(path[0] != '\0', KT_ERR_INVALID_ARGUMENT, std::string(where) + ": path is empty");
-}
-
-}  // namespace
-
-kt_status kt_moe_save_packed(kt_moe* moe, const char* path) {
-  const char* w = "kt_moe_save_packed";
-  return kt::io::guarded(w, [&] {
-    const std::shared_ptr<kt_moe> m = live_moe(moe, w);
-    check_path_arg(path, w);
-    kt::io::save_packed(m.get(), path, w);
-  });
-}
-
-kt_status kt_packed_read_info(const char* path, kt_packed_info* info) {
-  const char* w = "kt_packed_read_info";
-  return kt::io::guarded(w, [&] {
-    check_path_arg(path, w);
-    KT_CHECK(info != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": info is NULL");
-    kt::io::read_info(path, info, w);
-  });
-}
-
-kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags) {
-  const char* w = "kt_moe_load_packed";
-  return kt::io::guarded(w, [&] {
-    const std::shared_ptr<kt_moe> m = live_moe(moe, w);
-    check_path_arg(path, w);
-    KT_CHECK((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": flags has bits this kt does not know");
-    kt::io::load_packed(m.get(), path, flags, w);
-  });
-}

@@ -1,4 +1,4 @@
-# Checkpoint I/O (safetensors, model layouts, writers) and its kt_ckpt_* ABI.
+# Checkpoint I/O (safetensors, model layouts, writers); its kt_ckpt_* calls are in src/api/ckpt.cpp.
 # nlohmann-json is header-only (Debian nlohmann-json3-dev); its directory is
 # added for the core sources when it is not a default one.
 find_path(KT_NLOHMANN_JSON_INCLUDE nlohmann/json.hpp REQUIRED)
@@ -6,7 +6,6 @@ if(NOT KT_NLOHMANN_JSON_INCLUDE STREQUAL "/usr/include")
   include_directories(SYSTEM ${KT_NLOHMANN_JSON_INCLUDE})
 endif()
 list(APPEND KT_CORE_SOURCES
-  src/io/ckpt_api.cpp
   src/io/elements.cpp
   src/io/exporters.cpp
   src/io/layout.cpp

@@ -14,7 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "api/handles.h"
+#include "runtime/handles.h"
 #include "core/buffer.h"
 #include "core/checked.h"
 #include "core/tensor.h"

@@ -8,7 +8,7 @@
 //     layer match the reference, and (where the case used one) a checkpoint
 //     read gives back the weights it holds.
 // Destroyed-handle cases run too: handles are looked up in kt's table, never
-// dereferenced (src/api/handles.h).
+// dereferenced (src/runtime/handles.h).
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>

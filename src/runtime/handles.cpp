@@ -1,4 +1,4 @@
-#include "api/handles.h"
+#include "runtime/handles.h"
 
 #include <pthread.h>
 #include <unistd.h>

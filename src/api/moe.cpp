@@ -1,6 +1,6 @@
-// The ABI boundary: every exported function checks its handles and options,
-// calls the core, and turns every exception into a status + thread-local
-// message. Nothing thrown crosses this file.
+// The layer and job calls of the ABI (kt_moe_*, kt_context_release, kt_job_*):
+// every one checks its handles and options, calls the core, and turns every
+// exception into a status + thread-local message (kt::guarded).
 #include <unistd.h>
 
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <string>
 
 #include "api/guard.h"
+#include "api/live.h"
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/kernel_tally.h"
@@ -18,28 +19,6 @@
 #include "optim/optimizer.h"
 #include "runtime/engine.h"
 
-#ifdef KT_HAVE_BUILD_INFO_H
-#include "kt_build_info.h"
-#endif
-#ifndef KT_BUILD_INFO
-#define KT_BUILD_INFO "unknown build"
-#endif
-
-namespace {
-thread_local std::string t_last_error;
-}  // namespace
-
-namespace kt {
-
-void set_last_error(const std::string& message) noexcept {
-  try {
-    t_last_error = message;
-  } catch (...) {
-    t_last_error.clear();  // out of memory for the message: the status still reports
-  }
-}
-
-}  // namespace kt
 
 namespace {
 
@@ -50,15 +29,8 @@ using kt::guarded;
 using kt::HandleId;
 using kt::HandleKind;
 
-// The object behind a live handle (kept alive for the caller's call), or
-// KT_ERR_INVALID_HANDLE. Handles are looked up, never dereferenced.
-std::shared_ptr<kt_engine> live_engine(const kt_engine* e, const char* where) {
-  return kt::live(e, HandleKind::kEngine, where, "engine");
-}
-
-std::shared_ptr<kt_moe> live_moe(const kt_moe* m, const char* where) {
-  return kt::live(m, HandleKind::kMoe, where, "moe");
-}
+using kt::live_engine;
+using kt::live_moe;
 
 bool finite(float v) { return std::isfinite(v); }
 
@@ -226,154 +198,6 @@ class ContextHold {
 }  // namespace
 
 extern "C" {
-
-const char* kt_version(void) {
-#define KT_STR2(x) #x
-#define KT_STR(x) KT_STR2(x)
-  return KT_STR(KT_VERSION_MAJOR) "." KT_STR(KT_VERSION_MINOR) "." KT_STR(KT_VERSION_PATCH);
-}
-
-int kt_version_number(void) {
-  return KT_VERSION_MAJOR * 10000 + KT_VERSION_MINOR * 100 + KT_VERSION_PATCH;
-}
-
-int kt_abi_version(void) { return KT_ABI_VERSION; }
-
-const char* kt_build_info(void) { return KT_BUILD_INFO; }
-
-const char* kt_status_string(kt_status status) {
-  switch (kt::enum_bits(status)) {
-    case KT_OK: return "KT_OK";
-    case KT_ERR_INVALID_ARGUMENT: return "KT_ERR_INVALID_ARGUMENT";
-    case KT_ERR_NULL_POINTER: return "KT_ERR_NULL_POINTER";
-    case KT_ERR_INVALID_HANDLE: return "KT_ERR_INVALID_HANDLE";
-    case KT_ERR_DTYPE: return "KT_ERR_DTYPE";
-    case KT_ERR_SHAPE: return "KT_ERR_SHAPE";
-    case KT_ERR_STRIDE: return "KT_ERR_STRIDE";
-    case KT_ERR_DEVICE: return "KT_ERR_DEVICE";
-    case KT_ERR_EXPERT_ID: return "KT_ERR_EXPERT_ID";
-    case KT_ERR_TOO_MANY_TOKENS: return "KT_ERR_TOO_MANY_TOKENS";
-    case KT_ERR_CONTEXT: return "KT_ERR_CONTEXT";
-    case KT_ERR_NOT_BOUND: return "KT_ERR_NOT_BOUND";
-    case KT_ERR_NOT_LOADED: return "KT_ERR_NOT_LOADED";
-    case KT_ERR_MODE: return "KT_ERR_MODE";
-    case KT_ERR_UNSUPPORTED: return "KT_ERR_UNSUPPORTED";
-    case KT_ERR_OUT_OF_MEMORY: return "KT_ERR_OUT_OF_MEMORY";
-    case KT_ERR_IO: return "KT_ERR_IO";
-    case KT_ERR_INTERNAL: return "KT_ERR_INTERNAL";
-    case KT_ERR_COMM: return "KT_ERR_COMM";
-  }
-  return "KT_ERR_UNKNOWN";
-}
-
-const char* kt_last_error(void) { return t_last_error.c_str(); }
-
-void kt_clear_error(void) { t_last_error.clear(); }
-
-kt_isa kt_cpu_isa(void) {
-  try {
-    return kt::detect_cpu_isa();
-  } catch (...) {
-    return KT_ISA_REF;
-  }
-}
-
-const char* kt_isa_name(kt_isa isa) {
-  switch (kt::enum_bits(isa)) {
-    case KT_ISA_AUTO: return "auto";
-    case KT_ISA_REF: return "ref";
-    case KT_ISA_AVX2: return "avx2";
-    case KT_ISA_AVX512BF16: return "avx512bf16";
-    case KT_ISA_AMX: return "amx";
-  }
-  return "unknown";
-}
-
-namespace {
-void set_engine_options_defaults(kt_engine_options& o) {
-  o.num_threads = 0;
-  o.pin_threads = 1;
-  o.max_isa = KT_ISA_AUTO;
-  o.verbosity = -1;
-  o.precision = KT_PRECISION_DEFAULT;
-}
-}  // namespace
-
-void kt_engine_options_defaults(kt_engine_options* o, size_t struct_size) {
-  kt::write_defaults(o, struct_size, set_engine_options_defaults);
-}
-
-kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine) {
-  const char* w = "kt_engine_create";
-  return guarded(w, [&] {
-    KT_CHECK(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
-    kt_engine_options o = kt::read_sized(options, set_engine_options_defaults, w, "options");
-    KT_CHECK(o.num_threads >= 0 && o.num_threads <= 4096, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->num_threads = " + std::to_string(o.num_threads) +
-                 " is outside [0, 4096]");
-    kt::check_enum(o.max_isa, KT_ISA_AUTO, KT_ISA_AMX, std::string(w) + ": options->max_isa", "kt_isa");
-    KT_CHECK(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->pin_threads must be 0 or 1");
-    int precision;  // the raw value: a C caller may pass any int
-    static_assert(sizeof(precision) == sizeof(o.precision), "kt_precision is int-sized");
-    std::memcpy(&precision, &o.precision, sizeof(precision));
-    KT_CHECK(precision == KT_PRECISION_DEFAULT || precision == KT_PRECISION_FP32,
-             KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->precision = " + std::to_string(precision) +
-                 " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
-    auto e = std::make_shared<kt_engine>(o);
-    *engine = kt::handle_value<kt_engine>(kt::add_handle(HandleKind::kEngine, e));
-  });
-}
-
-kt_status kt_engine_destroy(kt_engine* engine) {
-  const char* w = "kt_engine_destroy";
-  if (!engine) return KT_OK;
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    {
-      std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
-      KT_CHECK(eng->num_layers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-               std::string(w) + ": " + std::to_string(eng->num_layers.load()) +
-                   " layer(s) still use this engine; destroy them first");
-      KT_CHECK(eng->num_optimizers.load() == 0, KT_ERR_INVALID_ARGUMENT,
-               std::string(w) + ": " + std::to_string(eng->num_optimizers.load()) +
-                   " optimizer(s) still use this engine; destroy them first");
-      KT_CHECK(!eng->destroyed, KT_ERR_INVALID_HANDLE,
-               std::string(w) + ": engine is being destroyed by another thread");
-      eng->destroyed = true;
-    }
-    kt::remove_handle(kt::handle_id(engine), HandleKind::kEngine);
-    eng->jobs.drain();
-    // Freed here, or when another thread's call on it returns.
-  });
-}
-
-kt_status kt_engine_set_gemm_backend(kt_engine* engine, kt_gemm_backend backend) {
-  const char* w = "kt_engine_set_gemm_backend";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    kt::check_enum(backend, KT_GEMM_AUTO, KT_GEMM_ONEDNN, std::string(w) + ": backend", "kt_gemm_backend");
-    eng->set_gemm_backend(backend);
-  });
-}
-
-kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
-  const char* w = "kt_engine_get_info";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    kt_engine_info full;
-    std::memset(&full, 0, sizeof(full));
-    full.struct_size = sizeof(full);
-    full.num_threads = eng->pool->size();
-    full.isa = eng->kernels->isa;
-    full.cpu_isa = eng->cpu_isa;
-    full.kernel_name = eng->kernels->gemm_name;
-    full.gemm_backend = eng->gemm_backend;
-    full.precision = eng->precision;
-    kt::write_sized(info, full, w, "info");
-  });
-}
 
 namespace {
 void set_moe_options_defaults(kt_moe_options& o) {
@@ -796,69 +620,6 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
       hook.call();
     };
     *job = start_job(layer.get(), j);
-  });
-}
-
-namespace {
-// A profile index: KT_ERR_INVALID_ARGUMENT outside [0, count).
-void check_in_range(const char* where, const char* what, int value, int count) {
-  KT_CHECK(value >= 0 && value < count, KT_ERR_INVALID_ARGUMENT,
-           std::string(where) + ": " + what + " " + std::to_string(value) + " is outside [0, " +
-               std::to_string(count) + ")");
-}
-}  // namespace
-
-const char* kt_stage_name(int stage) {
-  static const char* const names[kt_engine::kStages] = {
-      "route",    "pack_input", "lora_a",    "gate_up",    "down",       "bwd_down",
-      "bwd_lora", "bwd_dx",     "bwd_route", "lora_grads", "full_grads", "experts"};
-  return stage >= 0 && stage < kt_engine::kStages ? names[stage] : nullptr;
-}
-
-kt_status kt_engine_set_profiling(kt_engine* engine, int enabled) {
-  const char* w = "kt_engine_set_profiling";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    eng->profiling.store(enabled != 0);
-  });
-}
-
-kt_status kt_engine_profile_stage(const kt_engine* engine, int stage, int64_t* calls, double* seconds) {
-  const char* w = "kt_engine_profile_stage";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    check_in_range(w, "stage", stage, kt_engine::kStages);
-    if (calls) *calls = eng->stage_calls[stage].load();
-    if (seconds) *seconds = static_cast<double>(eng->stage_ns[stage].load()) * 1e-9;
-  });
-}
-
-kt_status kt_engine_reset_profile(kt_engine* engine) {
-  const char* w = "kt_engine_reset_profile";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    for (int i = 0; i < kt_engine::kStages; ++i) {
-      eng->stage_ns[i].store(0);
-      eng->stage_calls[i].store(0);
-      eng->stage_kernels[i].reset();
-    }
-  });
-}
-
-const char* kt_kernel_name(int kernel) {
-  return kt::kernel_id_name(kernel);
-}
-
-kt_status kt_engine_profile_kernel(const kt_engine* engine, int stage, int kernel, int64_t* calls,
-                                   int64_t* flops) {
-  const char* w = "kt_engine_profile_kernel";
-  return guarded(w, [&] {
-    const std::shared_ptr<kt_engine> eng = live_engine(engine, w);
-    check_in_range(w, "stage", stage, kt_engine::kStages);
-    check_in_range(w, "kernel", kernel, kt::kKernelIds);
-    const kt::KernelTally& t = eng->stage_kernels[stage];
-    if (calls) *calls = t.calls[kernel].load();
-    if (flops) *flops = t.flops[kernel].load();
   });
 }
 

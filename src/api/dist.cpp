@@ -6,7 +6,7 @@
 #include <string>
 
 #include "api/guard.h"
-#include "api/handles.h"
+#include "runtime/handles.h"
 #include "core/checked.h"
 #include "core/sized_struct.h"
 #include "core/tensor.h"

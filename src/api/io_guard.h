@@ -1,4 +1,4 @@
-// The ABI shims of src/io use the boundary guard of src/api, and every
+// The checkpoint and packed-cache calls use the boundary guard, and every
 // message names the kt call: errors raised deep in the readers and writers
 // (which name the file) get the call's name in front.
 #pragma once

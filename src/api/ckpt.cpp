@@ -5,12 +5,12 @@
 #include <memory>
 #include <string>
 
-#include "api/handles.h"
+#include "runtime/handles.h"
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
 #include "io/exporters.h"
-#include "io/io_guard.h"
+#include "api/io_guard.h"
 #include "io/layout.h"
 #include "io/safetensors.h"
 #include "kt_c_api.h"
