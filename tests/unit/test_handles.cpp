@@ -18,7 +18,9 @@
 #define KT_TEST_ASAN 0
 #endif
 #if KT_TEST_ASAN
-#include <sanitizer/allocator_interface.h>
+// The sanitizer runtime's count of bytes its allocator has handed out
+// (declared here: GCC does not ship compiler-rt's allocator_interface.h).
+extern "C" size_t __sanitizer_get_current_allocated_bytes(void);
 #endif
 
 #include <cstdio>
