@@ -8,6 +8,13 @@
 #   tools/python_env.sh test [ARGS] run tests/python with the venv's python
 #                                   against the wheel's libkt (ARGS go to pytest;
 #                                   default: the whole directory)
+#   tools/python_env.sh peers       add the optional peers of the benchmarks
+#                                   (packaging/python/requirements-peers.txt:
+#                                   DeepSpeed for bench/optim_peers.py), resolved
+#                                   together with the torch pin, through the same
+#                                   wheel cache; DeepSpeed's C++ ops are not built
+#                                   at install (DS_BUILD_OPS=0): its CPU Adam is
+#                                   compiled by torch's JIT loader on first use
 #
 # Environment:
 #   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
@@ -27,6 +34,7 @@ venv=${KT_VENV:-$root/build-venv}
 cache=${KT_PIP_CACHE:-$HOME/.cache/kt/wheels}
 python=${KT_PYTHON_FOR_VENV:-python3}
 requirements=$root/packaging/python/requirements-torch2.txt
+peers=$root/packaging/python/requirements-peers.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
 
@@ -53,9 +61,27 @@ create() {
   echo "python_env: ready: $venv (kt command: $venv/bin/kt)"
 }
 
+peers() {
+  [ -x "$venv/bin/python" ] || create
+  mkdir -p "$cache"
+  # Both files in one resolve, so a peer's "torch>=" cannot move torch off its
+  # pin. DeepSpeed is an sdist: its metadata step needs setuptools, which the
+  # download puts in the cache too; the install builds it against the venv's
+  # torch (--no-build-isolation) with its ops left to the JIT.
+  "$venv/bin/pip" download --quiet --dest "$cache" -r "$requirements" -r "$peers" "setuptools>=70" wheel
+  "$venv/bin/pip" install --quiet --no-index --find-links "$cache" "setuptools>=70" wheel
+  DS_BUILD_OPS=0 "$venv/bin/pip" install --quiet --no-index --find-links "$cache" --no-build-isolation \
+    -r "$requirements" -r "$peers"
+  "$venv/bin/python" -c 'import deepspeed, torch; print("python_env: deepspeed", deepspeed.__version__, "| torch", torch.__version__)'
+  echo "python_env: peers ready in $venv (DeepSpeedCPUAdam builds its op on first use)"
+}
+
 case "$cmd" in
   create)
     create
+    ;;
+  peers)
+    peers
     ;;
   test)
     [ -x "$venv/bin/python" ] || create
@@ -71,7 +97,7 @@ case "$cmd" in
     KT_LIBRARY=$lib exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   *)
-    echo "usage: $0 [create | test [PYTEST_ARGS...]]" >&2
+    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers]" >&2
     exit 2
     ;;
 esac
