@@ -119,7 +119,7 @@ def make_tensors(shapes, seed):
 
 
 # ---------------------------------------------------------------- peers
-# Each peer: name, variant, and make(params, grads) -> (step, set_grads)
+# Each peer: name, variant; setup(params, grads), set_grads(grads), step(), values().
 
 
 class Peer:
@@ -131,70 +131,56 @@ class Peer:
         return "%s %s" % (self.peer, self.variant)
 
 
-class TorchPeer(Peer):
+class ParamsPeer(Peer):
+    """A peer that steps a torch.optim-style optimizer (self.opt) over
+    torch Parameters (self.params) holding the case's tensors."""
+
+    def setup(self, params, grads):
+        self.params = [torch.nn.Parameter(p) for p in params]
+        self.set_grads(grads)
+        self.opt = self.make_optimizer(self.params)
+
+    def set_grads(self, grads):
+        for p, g in zip(self.params, grads):
+            p.grad = g
+
+    def step(self):
+        self.opt.step()
+
+    def values(self):
+        return [p.detach() for p in self.params]
+
+
+class TorchPeer(ParamsPeer):
     def __init__(self, variant, kwargs):
         super().__init__("torch", variant, "torch " + torch.__version__)
         self.kwargs = kwargs
 
-    def setup(self, params, grads):
-        self.params = [torch.nn.Parameter(p) for p in params]
-        self.set_grads(grads)
-        self.opt = torch.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **self.kwargs)
-
-    def set_grads(self, grads):
-        for p, g in zip(self.params, grads):
-            p.grad = g
-
-    def step(self):
-        self.opt.step()
-
-    def values(self):
-        return [p.detach() for p in self.params]
+    def make_optimizer(self, params):
+        return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **self.kwargs)
 
 
-class DeepSpeedPeer(Peer):
+
+class DeepSpeedPeer(ParamsPeer):
     def __init__(self, cls, version, build_flags):
         super().__init__("deepspeed", "DeepSpeedCPUAdam", "deepspeed %s, op built with %s" % (version, build_flags))
         self.cls = cls
 
-    def setup(self, params, grads):
-        self.params = [torch.nn.Parameter(p) for p in params]
-        self.set_grads(grads)
+    def make_optimizer(self, params):
         with stdout_to_stderr():
-            self.opt = self.cls(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True,
-                                bias_correction=True, fp32_optimizer_states=True)
-
-    def set_grads(self, grads):
-        for p, g in zip(self.params, grads):
-            p.grad = g
-
-    def step(self):
-        self.opt.step()
-
-    def values(self):
-        return [p.detach() for p in self.params]
+            return self.cls(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True,
+                            bias_correction=True, fp32_optimizer_states=True)
 
 
-class KtTorchPeer(Peer):
+
+class KtTorchPeer(ParamsPeer):
     def __init__(self, kt, engine):
         super().__init__("kt", "kt.optim.AdamW", "kt %s, engine %s" % (kt.__version__, engine.info()["kernel_name"]))
         self.kt, self.engine = kt, engine
 
-    def setup(self, params, grads):
-        self.params = [torch.nn.Parameter(p) for p in params]
-        self.set_grads(grads)
-        self.opt = self.kt.optim.AdamW(self.params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                       engine=self.engine)
+    def make_optimizer(self, params):
+        return self.kt.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, engine=self.engine)
 
-    def set_grads(self, grads):
-        for p, g in zip(self.params, grads):
-            p.grad = g
-
-    def step(self):
-        self.opt.step()
-
-    def values(self):
-        return [p.detach() for p in self.params]
 
     def close(self):
         for entry in self.opt._kt.values():
