@@ -64,6 +64,11 @@ bool cpu_has_avx_vnni() {
   return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
 }
 
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
+}
+
 #if KT_HAVE_AVX2
 extern const Kernels kernels_avx2_no_vnni;
 const Kernels* avx2_without_vnni() {

@@ -288,6 +288,9 @@ const Kernels* avx512bf16_without_vbmi();
 // its ymm state is the AVX state the AVX2 level requires): the AVX2 table's
 // gemm_int8 uses it there.
 bool cpu_has_avx_vnni();
+// Whether the CPU has AMX-INT8 (cpuid leaf 7 EDX bit 25): the amx table's
+// gemm_int8 runs on tiles there.
+bool cpu_has_amx_int8();
 // The AVX2 table as a CPU without AVX-VNNI runs it; nullptr when not
 // compiled in. For the tests, to run both paths.
 const Kernels* avx2_without_vnni();

@@ -112,11 +112,6 @@ inline void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m
 
 #include "kernels/amx/amx_int8.inc"
 
-bool has_amx_int8() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("amx-int8");
-}
-
 // The int8 tile GEMM against the AVX-512 kernel, bit for bit, on 40 rows x
 // 3 panels x K 128 in each code kind (int8 per channel, int4 in groups of
 // 32 and of 128 with zero points, e2m1): both compute the generic kernel's
@@ -229,7 +224,7 @@ bool self_test() {
   kernels_avx512bf16.gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, want.data(),
                                    ldc, false, 0.5f, false);
   if (!close()) return false;
-  return !has_amx_int8() || int8_self_test();
+  return !cpu_has_amx_int8() || int8_self_test();
 }
 
 }  // namespace amx

@@ -1,8 +1,6 @@
 // The AMX kernel table: the AVX-512 BF16 table with the weight GEMMs on
 // tiles. Compiled for the baseline ISA: the table is made while the library
 // loads, on every CPU, and copying it must not use AVX-512 registers.
-#include <cpuid.h>
-
 #include "kernels/amx/amx_entries.h"
 #include "kernels/kernels.h"
 
@@ -12,11 +10,6 @@ extern const Kernels kernels_avx512bf16;
 extern const AmxEntries amx_entries;
 
 namespace {
-
-bool cpu_has_amx_int8() {
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
-}
 
 // kernels_avx512bf16 and amx_entries are constant-initialised, so both are
 // complete before this runs.
