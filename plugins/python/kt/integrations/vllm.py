@@ -1,0 +1,423 @@
+"""vLLM plugin: the routed experts of MoE models computed by kt.
+
+Installed with kt (pyproject.toml registers ``register`` under vLLM's
+``vllm.general_plugins`` entry points), it is loaded by every vLLM process
+and does nothing until a server is asked for it::
+
+    vllm serve /models/Qwen3-30B-A3B --additional-config '{"kt": {}}'
+    LLM(model=..., additional_config={"kt": {"threads": 16}})
+
+Then every routed-experts layer of the model (vLLM's ``RoutedExperts``,
+the part of a ``FusedMoE`` block that holds the expert weights) is kt's:
+its weights load straight from the checkpoint directory into kt
+(``kt.Checkpoint.load_layer``: memory-mapped, packed once; quantized
+checkpoints stay in their stored format) and its forward runs
+``kt_moe_forward`` on the tokens, expert ids and routing weights that vLLM's
+router chose. Attention, KV cache, scheduler, sampling, the router and the
+shared experts stay vLLM's. vLLM never allocates the expert weights of a kt
+layer.
+
+Options (the dict under "kt"; all optional):
+
+  threads         kt worker threads (default 0: every CPU of the process)
+  precision       "auto" (default: fp32 activations stay fp32 when the model
+                  runs in float32, else kt's default), "default" or "fp32"
+  weight_format   how kt stores the experts: default the checkpoint's own
+                  ("bf16" for bf16/fp16/fp32 checkpoints, the stored format
+                  of a quantized one); "int8_channel", "int4_g32",
+                  "int4_g128" quantize a dense checkpoint at load
+  dequantize      load a quantized checkpoint into bf16 (default false)
+  compute         "bf16" (default) or "int8" (see kt.MoE)
+  max_tokens      tokens per kt call (default: vLLM's max_num_batched_tokens,
+                  at most 8192); longer batches are cut into calls
+  strict          true (default): a layer kt cannot take stops the server
+                  with the reason; false: that layer stays vLLM's (a warning
+                  names it and says why) and the others are kt's
+
+A layer kt cannot take: tensor/expert/data parallel sharding of the
+experts, redundant experts (EPLB), an activation other than SiLU-gated or
+gpt-oss's clamped SwiGLU, routing weights applied to the input, a
+checkpoint whose expert tensors kt does not recognise or cannot load
+(kt.Checkpoint says which), shapes that differ from vLLM's, or a vLLM
+quantization method over a dense checkpoint (kt would compute other numbers
+than the ones asked for).
+"""
+import logging
+import os
+import re
+import threading
+
+# Under vLLM's logger, so its handlers and VLLM_LOGGING_LEVEL apply.
+logger = logging.getLogger("vllm.kt")
+
+CONFIG_KEY = "kt"
+_OPTIONS = ("threads", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict")
+
+_lock = threading.Lock()
+_classes = None
+_engines = {}      # (threads, precision) -> kt.Engine of this process
+_checkpoints = {}  # directory -> [kt.Checkpoint, layers still to load]
+_layers = {}       # key -> _KtExperts (the custom op finds its layer here)
+
+
+class KtVllmError(ValueError):
+    """A layer that kt cannot take, with strict on (the default)."""
+
+
+def settings_of(vllm_config):
+    """The plugin's options of this server, or None when kt is not asked for."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict) or CONFIG_KEY not in extra:
+        return None
+    s = extra[CONFIG_KEY]
+    if s is True or s is None:
+        s = {}
+    if s is False:
+        return None
+    if not isinstance(s, dict):
+        raise KtVllmError("kt: additional_config[%r] must be a dict of options, not %r" % (CONFIG_KEY, s))
+    unknown = sorted(set(s) - set(_OPTIONS))
+    if unknown:
+        raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
+                          % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
+    out = dict(threads=0, precision="auto", weight_format=None, dequantize=False, compute="bf16",
+               max_tokens=None, strict=True)
+    out.update(s)
+    if out["precision"] not in ("auto", "default", "fp32"):
+        raise KtVllmError("kt: precision must be 'auto', 'default' or 'fp32', not %r" % (out["precision"],))
+    return out
+
+
+def _layer_number(name):
+    found = re.findall(r"(?:^|\.)layers\.(\d+)(?=\.|$)", name)
+    return int(found[-1]) if found else None
+
+
+def checkpoint_directory(model_config):
+    """The local directory of the served checkpoint."""
+    model = model_config.model
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, revision=getattr(model_config, "revision", None),
+                                 local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the reason goes into the message
+        raise KtVllmError("kt: cannot find the checkpoint files of %r on this machine (%s)" % (model, e))
+
+
+def _checkpoint(directory):
+    import kt
+    with _lock:
+        entry = _checkpoints.get(directory)
+        if entry is None:
+            entry = _checkpoints[directory] = [kt.Checkpoint(directory), 0]
+        return entry
+
+
+def _checkpoint_loaded(directory):
+    with _lock:
+        entry = _checkpoints.get(directory)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            entry[0].close()
+            del _checkpoints[directory]
+
+
+def _engine(threads, precision):
+    import kt
+    key = (int(threads), precision)
+    with _lock:
+        e = _engines.get(key)
+        if e is None:
+            e = _engines[key] = kt.Engine(num_threads=int(threads), precision=precision)
+        return e
+
+
+def _activation(moe_config):
+    """kt's activation arguments for vLLM's, or (None, reason)."""
+    act = getattr(moe_config.activation, "value", str(moe_config.activation))
+    limit = moe_config.swiglu_limit
+    if act == "silu":
+        return dict(activation="silu", act_limit=float(limit or 0.0)), None
+    if act == "swigluoai":
+        beta = moe_config.swiglu_beta
+        if beta is not None and float(beta) != 1.0:
+            return None, "swigluoai with beta %g (kt computes (up + 1))" % beta
+        alpha = moe_config.swiglu_alpha
+        return dict(activation="swiglu_oai", act_alpha=float(1.702 if alpha is None else alpha),
+                    act_limit=float(7.0 if limit is None else limit)), None
+    return None, "activation %r (kt computes SiLU-gated and gpt-oss's clamped SwiGLU)" % act
+
+
+class _Plan:
+    """What a kt layer needs, decided when vLLM creates the layer."""
+
+    def __init__(self, layer_name, layer, directory, kt_layer, settings, dtype):
+        self.layer_name, self.layer, self.directory = layer_name, layer, directory
+        self.kt_layer, self.settings, self.dtype = kt_layer, settings, dtype
+
+
+def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_input, vllm_config,
+               settings):
+    """A _Plan for kt, or raises KtVllmError saying why kt cannot take the
+    layer (the caller then refuses or leaves the layer to vLLM)."""
+    import torch
+    import kt
+
+    def refuse(why):
+        raise KtVllmError("kt: %s: %s" % (layer_name, why))
+
+    par = moe_config.moe_parallel_config
+    if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1 or par.pcp_size != 1:
+        refuse("the experts are sharded (tp %d, ep %d, dp %d, pcp %d); kt holds whole layers of one process"
+               % (par.tp_size, par.ep_size, par.dp_size, par.pcp_size))
+    if moe_config.num_local_experts != moe_config.num_experts or \
+            moe_config.num_experts != moe_config.num_logical_experts:
+        refuse("%d physical experts for %d logical ones (EPLB redundant experts)"
+               % (moe_config.num_experts, moe_config.num_logical_experts))
+    if apply_router_weight_on_input:
+        refuse("routing weights applied to the input (kt weights the experts' outputs)")
+    act, why = _activation(moe_config)
+    if act is None:
+        refuse(why)
+    layer = _layer_number(layer_name)
+    if layer is None:
+        refuse("no layer number (layers.<L>.) in the module name, so its checkpoint tensors are unknown")
+    directory = checkpoint_directory(vllm_config.model_config)
+    try:
+        ckpt = _checkpoint(directory)[0]
+    except kt.KtError as e:
+        refuse("kt cannot read the checkpoint %s: %s" % (directory, e))
+    info = ckpt.layers.get(layer)
+    if info is None:
+        refuse("the checkpoint %s has no MoE layer %d that kt recognises (its expert layout: %s; kt "
+               "reads per-expert gate/up/down_proj, Mixtral's w1/w3/w2, fused gate_up_proj/down_proj "
+               "and gpt-oss tensors)" % (directory, layer, ckpt.info["layout"]))
+    if not info["loadable"]:
+        refuse("kt cannot load the checkpoint's layer %d (layout %s, format %s, weights %s)"
+               % (layer, info["layout"], info["format"], info["weight_dtype"]))
+    E, H, I = moe_config.num_logical_experts, moe_config.hidden_dim_unpadded or moe_config.hidden_dim, \
+        moe_config.intermediate_size
+    if (info["num_experts"], info["hidden"], info["intermediate"]) != (E, H, I):
+        refuse("the checkpoint's layer %d has %d experts of %dx%d, vLLM's layer %d of %dx%d"
+               % (layer, info["num_experts"], info["hidden"], info["intermediate"], E, H, I))
+    if bool(info["bias"]) != bool(moe_config.has_bias):
+        refuse("expert biases in the checkpoint: %s, in vLLM's layer: %s" % (info["bias"], moe_config.has_bias))
+    opts = ckpt.moe_options(layer)
+    stored = opts["weight_format"]
+    if quant_config is not None and stored == "bf16":
+        refuse("vLLM quantizes this dense checkpoint with %s; kt would compute with the stored weights"
+               % quant_config.get_name())
+    if opts["activation"] != act["activation"]:
+        refuse("the checkpoint's experts use %s, vLLM's layer %s" % (opts["activation"], act["activation"]))
+    fmt = settings["weight_format"] or ("bf16" if settings["dequantize"] else stored)
+    if fmt != stored and stored != "bf16" and not (fmt == "bf16" and settings["dequantize"]):
+        refuse("the checkpoint holds %s experts; kt loads them as stored (weight_format %r), or into bf16 "
+               "with dequantize, never re-quantized into %s" % (stored, stored, fmt))
+    precision = settings["precision"]
+    if precision == "auto":
+        precision = "fp32" if moe_config.in_dtype == torch.float32 else "default"
+    max_tokens = settings["max_tokens"] or min(int(moe_config.max_num_tokens or 8192), 8192)
+    try:
+        kt_layer = kt.MoE(E, moe_config.experts_per_token, H, I, max_tokens=int(max_tokens),
+                          bias=bool(info["bias"]), weight_format=fmt, compute=settings["compute"],
+                          engine=_engine(settings["threads"], precision), **act)
+    except (kt.KtError, ValueError, TypeError) as e:
+        refuse("kt cannot make the layer (weight_format %s, compute %s): %s" % (fmt, settings["compute"], e))
+    return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype)
+
+
+class _KtExperts:
+    """One layer's routed experts in kt, as the custom op runs them."""
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.kt_layer = plan.kt_layer
+        self.loaded = False
+        self.calls = 0   # forwards run, and the tokens they covered
+        self.tokens = 0
+
+    def load(self):
+        import kt
+        p = self.plan
+        entry = _checkpoint(p.directory)
+        try:
+            entry[0].load_layer(p.layer, self.kt_layer, dequantize=bool(p.settings["dequantize"]))
+        except kt.KtError as e:
+            raise KtVllmError("kt: %s: loading layer %d of %s failed: %s" % (p.layer_name, p.layer, p.directory, e))
+        finally:
+            _checkpoint_loaded(p.directory)
+        self.loaded = True
+        logger.info("kt: %s: %d experts of layer %d loaded from %s (%s)", p.layer_name,
+                    self.kt_layer.num_experts, p.layer, p.directory, self.kt_layer.weight_format)
+
+    def run(self, x, topk_ids, topk_weights):
+        import torch
+        if not self.loaded:
+            raise RuntimeError("kt: %s: the experts were not loaded" % self.plan.layer_name)
+        dtype = x.dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        x = x.contiguous()
+        ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
+        ids = ids.contiguous()
+        w = topk_weights if topk_weights.dtype in (torch.float32, torch.bfloat16) else topk_weights.float()
+        w = w.contiguous()
+        y = torch.empty_like(x)
+        self.calls += 1
+        self.tokens += x.shape[0]
+        step = self.kt_layer.max_tokens
+        n = x.shape[0]
+        for s in range(0, n, step):
+            e = min(s + step, n)
+            self.kt_layer.forward(x[s:e], ids[s:e], w[s:e], y[s:e])
+        return y if y.dtype == dtype else y.to(dtype)
+
+
+def _define_op():
+    """kt.vllm_experts(x, topk_ids, topk_weights, key): an opaque torch op, so
+    that vLLM's torch.compile keeps the call to kt out of its graphs."""
+    import torch
+
+    @torch.library.custom_op("kt::vllm_experts", mutates_args=())
+    def vllm_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     key: int) -> torch.Tensor:
+        return _layers[key].run(x, topk_ids, topk_weights)
+
+    @vllm_experts.register_fake
+    def _(x, topk_ids, topk_weights, key):
+        return torch.empty_like(x)
+
+    return vllm_experts
+
+
+def _make_classes():
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    op = _define_op()
+
+    class KtMoEMethod(FusedMoEMethodBase):
+        """vLLM's expert-method interface over a kt layer: no weights in
+        torch; process_weights_after_loading loads kt from the checkpoint;
+        apply runs kt on vLLM's routing."""
+
+        def __init__(self, moe, plan):
+            super().__init__(moe)
+            self.kt = _KtExperts(plan)
+            self.key = id(self.kt)
+            _layers[self.key] = self.kt
+
+        def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                           params_dtype, **extra_weight_attrs):
+            pass  # kt holds the weights
+
+        def get_fused_moe_quant_config(self, layer):
+            return FusedMoEQuantConfig.make()
+
+        @property
+        def is_monolithic(self):
+            return False
+
+        def process_weights_after_loading(self, layer):
+            if not self.kt.loaded:
+                self.kt.load()
+
+        def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+            return op(x, topk_ids, topk_weights, self.key)
+
+    class KtRoutedExperts(RoutedExperts):
+        """vLLM's RoutedExperts, with kt computing the experts when the
+        server asked for kt and kt can take the layer."""
+
+        def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
+            plan = None
+            vllm_config = get_current_vllm_config()
+            settings = settings_of(vllm_config)
+            if settings is not None:
+                try:
+                    plan = plan_layer(layer_name, moe_config, quant_config,
+                                      kwargs.get("apply_router_weight_on_input", False), vllm_config,
+                                      settings)
+                except KtVllmError as e:
+                    if settings["strict"]:
+                        raise
+                    logger.warning("%s; the layer stays with vLLM's experts (strict: false)", e)
+                    plan = None
+            object.__setattr__(self, "_kt_plan", plan)
+            super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
+            if plan is not None:
+                _checkpoint(plan.directory)[1] += 1
+                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d)",
+                            layer_name, moe_config.num_experts, moe_config.experts_per_token,
+                            plan.kt_layer.hidden, plan.kt_layer.intermediate)
+
+        @property
+        def computed_by_kt(self):
+            return self._kt_plan is not None
+
+        def _get_quant_method(self, prefix, quant_config, moe_config):
+            if self._kt_plan is not None:
+                return KtMoEMethod(moe_config, self._kt_plan)
+            return super()._get_quant_method(prefix, quant_config, moe_config)
+
+        def load_weights(self, weights):
+            if self._kt_plan is None:
+                yield from super().load_weights(weights)
+                return
+            # The checkpoint's expert tensors are kt's: drained here, loaded
+            # by kt from the mapped files after vLLM's loading.
+            for _ in weights:
+                pass
+            return
+
+        def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id,
+                          return_success=False):
+            if self._kt_plan is None:
+                return super().weight_loader(param, loaded_weight, weight_name, shard_id, expert_id,
+                                             return_success)
+            return True if return_success else None
+
+    KtRoutedExperts.weight_loader.supports_moe_loading = True
+    return KtRoutedExperts, KtMoEMethod
+
+
+def classes():
+    """(KtRoutedExperts, KtMoEMethod), defined on first use (imports vLLM)."""
+    global _classes
+    if _classes is None:
+        _classes = _make_classes()
+    return _classes
+
+
+def register():
+    """vLLM's general-plugin entry point: puts KtRoutedExperts in place of
+    vLLM's RoutedExperts (it behaves as vLLM's unless the server's
+    additional_config has "kt")."""
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    cls = classes()[0]
+    current = op_registry_oot.get("RoutedExperts")
+    if current is cls:
+        return
+    if current is not None:
+        raise KtVllmError("kt: another vLLM plugin already replaces RoutedExperts (%s)" % current)
+    PluggableLayer.register_oot(cls, name="RoutedExperts")
+
+
+def kt_layers(model):
+    """The routed-experts modules of a vLLM model that kt computes."""
+    cls = classes()[0]
+    return [m for m in model.modules() if isinstance(m, cls) and m.computed_by_kt]
+
+
+def kt_stats(model):
+    """{layer name: (forwards, tokens)} of the kt layers of a vLLM model (for
+    LLM.apply_model: shows which layers kt computed and how much)."""
+    return {m.layer_name: (m.quant_method.kt.calls, m.quant_method.kt.tokens) for m in kt_layers(model)}

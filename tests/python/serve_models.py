@@ -1,0 +1,104 @@
+"""Small random-weight MoE checkpoints for the serving tests and the serving
+bench: built from transformers' own config classes, written with
+save_pretrained (safetensors) next to a word-level tokenizer, nothing
+downloaded.
+
+  build(directory, kind, dtype="float32", **shape) -> directory
+
+kind: "qwen3_moe", "deepseek_v3" or "gpt_oss". The weights are drawn with a
+fixed seed and rounded to bf16 values (also when stored as fp32), so that kt,
+which keeps its expert weights as bf16, computes with the same numbers as the
+server does.
+"""
+import json
+import os
+
+# A vocabulary of plain words "w0 w1 ..." plus the special tokens: prompts are
+# "w12 w7 w99", and every token id the model can produce decodes to text.
+SPECIAL = ["<unk>", "<s>", "</s>"]
+
+
+def prompt_text(ids):
+    return " ".join("w%d" % i for i in ids)
+
+
+def write_tokenizer(directory, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIAL)}
+    for i in range(vocab_size - len(SPECIAL)):
+        vocab["w%d" % i] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", model_max_length=4096)
+    # A chat template, so that the chat endpoint can be served too.
+    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    fast.save_pretrained(directory)
+
+
+def _config(kind, vocab, hidden, intermediate, moe_intermediate, experts, top_k, layers, heads,
+            dtype):
+    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, max_position_embeddings=4096, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    if kind == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        return Qwen3MoeConfig(intermediate_size=intermediate, moe_intermediate_size=moe_intermediate,
+                              num_experts=experts, num_experts_per_tok=top_k, num_key_value_heads=heads // 2,
+                              head_dim=hidden // heads, norm_topk_prob=True, decoder_sparse_step=1,
+                              mlp_only_layers=[], **common)
+    if kind == "deepseek_v3":
+        from transformers import DeepseekV3Config
+        # First layer dense, the others MoE with one shared expert and
+        # grouped top-k routing with sigmoid scores and the correction bias.
+        return DeepseekV3Config(intermediate_size=intermediate, moe_intermediate_size=moe_intermediate,
+                                n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
+                                n_group=4 if experts % 4 == 0 else 1, topk_group=2 if experts % 4 == 0 else 1,
+                                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                num_key_value_heads=heads, q_lora_rank=64, kv_lora_rank=32,
+                                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                rope_scaling=None, **common)
+    if kind == "gpt_oss":
+        from transformers import GptOssConfig
+        return GptOssConfig(intermediate_size=moe_intermediate, num_local_experts=experts,
+                            num_experts_per_tok=top_k, num_key_value_heads=heads // 2,
+                            head_dim=hidden // heads, sliding_window=128,
+                            layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+                            + ["sliding_attention"] * (layers % 2), **common)
+    raise ValueError("unknown kind %r" % (kind,))
+
+
+def build(directory, kind="qwen3_moe", dtype="float32", *, vocab=512, hidden=128, intermediate=256,
+          moe_intermediate=64, experts=16, top_k=4, layers=2, heads=4, seed=0, weight_scale=None):
+    """Writes a random-weight model of ``kind`` into ``directory``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(directory, exist_ok=True)
+    config = _config(kind, vocab, hidden, intermediate, moe_intermediate, experts, top_k, layers,
+                     heads, dtype)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    scale = weight_scale if weight_scale is not None else 0.5 / hidden ** 0.5
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and ("norm" in name or name.endswith("layernorm.weight")):
+                p.fill_(1.0)
+            elif "bias" in name or "sinks" in name:
+                p.normal_(0.0, 0.02)
+            else:
+                p.normal_(0.0, scale if "embed" not in name else 1.0)
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b).mul_(0.01).to(torch.bfloat16).to(torch.float32))
+    model = model.to(getattr(torch, dtype))
+    model.config.torch_dtype = dtype
+    model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory, vocab)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
+    return directory
