@@ -15,6 +15,12 @@
 #                                   wheel cache; DeepSpeed's C++ ops are not built
 #                                   at install (DS_BUILD_OPS=0): its CPU Adam is
 #                                   compiled by torch's JIT loader on first use
+#   tools/python_env.sh hosts       add the host libraries kt.hf is tested
+#                                   against (packaging/python/requirements-hosts.txt:
+#                                   transformers, PEFT, accelerate,
+#                                   compressed-tensors; tests/python/test_real_*.py),
+#                                   resolved together with the torch pin, through
+#                                   the same wheel cache
 #
 # Environment:
 #   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
@@ -35,6 +41,7 @@ cache=${KT_PIP_CACHE:-$HOME/.cache/kt/wheels}
 python=${KT_PYTHON_FOR_VENV:-python3}
 requirements=$root/packaging/python/requirements-torch2.txt
 peers=$root/packaging/python/requirements-peers.txt
+hosts=$root/packaging/python/requirements-hosts.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
 
@@ -76,12 +83,25 @@ peers() {
   echo "python_env: peers ready in $venv (DeepSpeedCPUAdam builds its op on first use)"
 }
 
+hosts() {
+  [ -x "$venv/bin/python" ] || create
+  mkdir -p "$cache"
+  # Both files in one resolve, so a host's "torch>=" cannot move torch off its pin.
+  "$venv/bin/pip" download --quiet --dest "$cache" -r "$requirements" -r "$hosts"
+  "$venv/bin/pip" install --quiet --no-index --find-links "$cache" -r "$requirements" -r "$hosts"
+  "$venv/bin/python" -c 'import transformers, peft, compressed_tensors, torch; print("python_env: transformers", transformers.__version__, "| peft", peft.__version__, "| compressed-tensors", compressed_tensors.__version__, "| torch", torch.__version__)'
+  echo "python_env: hosts ready in $venv"
+}
+
 case "$cmd" in
   create)
     create
     ;;
   peers)
     peers
+    ;;
+  hosts)
+    hosts
     ;;
   test)
     [ -x "$venv/bin/python" ] || create
@@ -97,7 +117,7 @@ case "$cmd" in
     KT_LIBRARY=$lib exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   *)
-    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers]" >&2
+    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers | hosts]" >&2
     exit 2
     ;;
 esac

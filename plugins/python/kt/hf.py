@@ -626,3 +626,110 @@ def load_adapter(model, directory):
                     raise ValueError("kt.hf: %s: %s has shape %s, the model's %s" % (
                         name, attr, tuple(t.shape), tuple(target.shape)))
                 target.copy_(t)
+
+
+# ------------------------------------------------------------ from_pretrained
+
+
+class _ParametersOnMeta:
+    """Within it, every nn.Module parameter is created on the meta device
+    while buffers stay real, so buffers that checkpoints do not hold (rotary
+    inv_freq and other non-persistent ones) keep the values __init__ gave
+    them."""
+
+    def __enter__(self):
+        self._register = nn.Module.register_parameter
+
+        def register_on_meta(module, name, param):
+            if param is not None and param.device.type != "meta":
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            self._register(module, name, param)
+
+        nn.Module.register_parameter = register_on_meta
+        return self
+
+    def __exit__(self, *exc):
+        nn.Module.register_parameter = self._register
+
+
+def _checkpoint_files(directory):
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return sorted({os.path.join(directory, v) for v in json.load(f)["weight_map"].values()})
+    single = os.path.join(directory, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError("kt.hf: %s holds neither model.safetensors nor its index" % directory)
+    return [single]
+
+
+def _key_renamer(model):
+    """Checkpoint key -> model key, by transformers' own conversion table
+    (v5 renames legacy keys, e.g. Mixtral's block_sparse_moe -> mlp); v4
+    checkpoints use the model's names."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return lambda key: key
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    return lambda key: rename_source_key(key, renamings, converters)[0]
+
+
+def _set_tensor(model, name, value):
+    owner_name, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    if leaf in owner._parameters:
+        old = owner._parameters[leaf]
+        owner._parameters[leaf] = nn.Parameter(value.to(old.dtype), requires_grad=old.requires_grad)
+    else:
+        old = owner._buffers[leaf]
+        owner._buffers[leaf] = value.to(old.dtype)
+
+
+def from_pretrained(directory, *, model_class=None, dtype=None, **options):
+    """A transformers model from a checkpoint directory with its routed
+    experts in kt, read by kt straight from the checkpoint's files: the
+    model is built with its parameters on the meta device, the MoE blocks are
+    replaced (``replace_moe_experts(model, checkpoint=directory,
+    **options)``), and only the tensors the model still holds (attention,
+    routers, shared experts, embeddings, norms) are read into torch, so the
+    expert weights never exist as torch tensors. ``model_class`` defaults to
+    AutoModelForCausalLM; ``dtype`` is the torch dtype of the non-expert
+    parameters (default: the config's). Needs transformers and safetensors.
+    Returns the model in eval mode, as transformers' from_pretrained does."""
+    import transformers
+    from safetensors import safe_open
+
+    directory = os.fspath(directory)
+    config = transformers.AutoConfig.from_pretrained(directory)
+    model_class = model_class or transformers.AutoModelForCausalLM
+    kw = {} if dtype is None else {"dtype": dtype}
+    with _ParametersOnMeta():
+        if hasattr(model_class, "from_config"):
+            model = model_class.from_config(config, **kw)
+        else:
+            model = model_class(config, **kw)
+    replace_moe_experts(model, checkpoint=directory, strict=True, **options)
+    wanted = {n for n, p in model.named_parameters() if p.device.type == "meta"}
+    wanted |= {n for n, b in model.named_buffers() if b.device.type == "meta"}
+    rename = _key_renamer(model)
+    persistent = {n for n, _ in model.named_buffers()}
+    with torch.no_grad():
+        for path in _checkpoint_files(directory):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    name = rename(key)
+                    if name in wanted or (name in persistent and name not in wanted):
+                        _set_tensor(model, name, f.get_tensor(key))
+                        wanted.discard(name)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    left = sorted(n for n, p in list(model.named_parameters()) + list(model.named_buffers())
+                  if p.device.type == "meta")
+    if left:
+        raise ValueError("kt.hf: %s holds no tensor for %s" % (directory, ", ".join(left)))
+    model.eval()
+    return model

@@ -1,0 +1,165 @@
+"""kt under real transformers models (Qwen2-MoE, Qwen3-MoE, Mixtral,
+DeepSeek-V3, gpt-oss), each a tiny random model of its real config class
+saved with save_pretrained: kt.hf.from_pretrained loads the experts from the
+checkpoint files without a torch copy, and logits, loss and every gradient
+equal transformers' own within the project's bounds (tolerances.py).
+Versions: packaging/python/requirements-hosts.txt."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+transformers = pytest.importorskip(
+    "transformers", reason="the real-host tests need transformers (tools/python_env.sh hosts)")
+import torch  # noqa: E402
+
+import kt  # noqa: E402
+import kt.hf  # noqa: E402
+import measured  # noqa: E402
+import real_models  # noqa: E402
+import tolerances  # noqa: E402
+from kt import _hf_names  # noqa: E402
+from reference import rel_l2  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+PRECISIONS = {"fp32": (torch.float32, tolerances.FP32), "bf16": (torch.bfloat16, tolerances.BF16_TORCH)}
+# Gradients of a bf16 model pass torch's bf16 roundings twice (forward and
+# backward, every layer and every expert's intermediate), so a bf16 gradient
+# of the torch model is twice as far from kt's as an output is; fp32
+# gradients keep tolerances.FP32. Measured: 2.5e-2 worst (the gate weight of
+# DeepSeek-V3's router, whose gradient sums every routed expert's), 1.1e-6 in fp32.
+GRAD_BOUND = {"fp32": tolerances.FP32, "bf16": 2 * tolerances.BF16_TORCH}
+
+
+@pytest.fixture(scope="module", params=real_models.ARCHITECTURES)
+def arch_dir(request, tmp_path_factory):
+    return request.param, real_models.checkpoint_dir(tmp_path_factory, request.param)
+
+
+def _engine(precision, fp32_engine):
+    return fp32_engine if precision == "fp32" else None
+
+
+def _torch_model(directory, dtype):
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+
+
+def test_experts_are_loaded_by_kt_from_the_checkpoint(arch_dir):
+    arch, directory = arch_dir
+    model = kt.hf.from_pretrained(directory, dtype=torch.float32)
+    blocks = kt.hf.kt_experts_modules(model)
+    assert len(blocks) == real_models.LAYERS
+    E, I, H = real_models.EXPERTS, real_models.MOE_I, real_models.HIDDEN
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        assert t.device.type == "cpu", name
+        assert not (t.dim() == 3 and t.shape[0] == E), "%s: a torch copy of stacked experts" % name
+        assert not (t.dim() == 2 and sorted(t.shape) == sorted((I, H)) and ".experts." in name), name
+    reference = _torch_model(directory, torch.float32).state_dict()
+    for layer, block in enumerate(blocks):
+        assert block.kt_layer.weights_source == ("checkpoint", directory, layer)
+        # What kt computes with is the checkpoint's tensors, in the host's layout.
+        got = _hf_names.weights_to_hf(block.hf_naming, block.read_weights(torch.float32))
+        prefix = next(n for n, m in model.named_modules() if m is block) + "."
+        for key, value in got.items():
+            assert torch.equal(value.to(reference[prefix + key].dtype), reference[prefix + key]), prefix + key
+
+
+def test_loading_holds_no_torch_copy_of_the_experts(tmp_path):
+    """Peak resident memory of the load, in a fresh process each: kt's part
+    is its own bf16 copy of the experts; the bound leaves half of that again
+    for kt's load staging and mapped checkpoint pages, less than any torch
+    copy of the experts would take (bf16: 1x, fp32: 2x)."""
+    directory = str(tmp_path / "wide")
+    E, H, I = 64, 256, 256
+    real_models.save("qwen3_moe", directory, num_experts=E, hidden_size=H, moe_intermediate_size=I,
+                     intermediate_size=256, head_dim=32)
+    expert_bf16 = real_models.LAYERS * E * 3 * H * I * 2
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(os.path.dirname(os.path.dirname(HERE)),
+                                                                    "plugins", "python"), HERE]))
+    runs = {}
+    for how in ("kt", "transformers"):
+        out = subprocess.run([sys.executable, os.path.join(HERE, "real_load_memory.py"), directory, how],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs[how] = json.loads(out.stdout.strip().splitlines()[-1])
+    kt_run, torch_run = runs["kt"], runs["transformers"]
+    kt_delta = kt_run["after"] - kt_run["before"]
+    torch_delta = torch_run["after"] - torch_run["before"]
+    print("peak RSS of the load: kt %.1f MiB, transformers %.1f MiB; experts %.1f MiB in bf16"
+          % (kt_delta / 2**20, torch_delta / 2**20, expert_bf16 / 2**20))
+    assert kt_run["kt_blocks"] == real_models.LAYERS
+    assert kt_run["torch_bytes"] < expert_bf16 / 20, "the kt model holds expert-sized torch tensors"
+    assert kt_delta <= 1.5 * expert_bf16 + kt_run["torch_bytes"], (kt_delta, expert_bf16)
+    assert torch_delta >= 2 * expert_bf16  # the fp32 torch copy, for scale
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_logits_equal_transformers(arch_dir, precision, fp32_engine):
+    arch, directory = arch_dir
+    dtype, bound = PRECISIONS[precision]
+    reference = _torch_model(directory, dtype)
+    model = kt.hf.from_pretrained(directory, dtype=dtype, engine=_engine(precision, fp32_engine))
+    assert len(kt.hf.kt_experts_modules(model)) == real_models.LAYERS
+    tokens = real_models.token_batch()
+    with torch.no_grad():
+        want = reference(tokens).logits
+        got = model(tokens).logits
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = rel_l2(got, want)
+    measured.record(precision, "real %s logits" % arch, err)
+    assert err <= bound, (arch, precision, err)
+
+
+def _named_grads(model):
+    """{name in the transformers model: gradient}; kt's full-mode expert
+    gradients are given the host's names and layout."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None and not isinstance(model.get_submodule(name.rpartition(".")[0]),
+                                                 kt.torch.MoEExperts):
+            out[name] = p.grad
+    for name, m in model.named_modules():
+        if isinstance(m, kt.torch.MoEExperts):
+            grads = {k: getattr(m, attr).grad for k, attr in (("gate", "w_gate"), ("up", "w_up"),
+                                                               ("down", "w_down"), ("bias_gate", "b_gate"),
+                                                               ("bias_up", "b_up"), ("bias_down", "b_down"))
+                     if getattr(m, attr, None) is not None}
+            for key, g in _hf_names.weights_to_hf(m.hf_naming, grads).items():
+                out[name + "." + key] = g
+    return out
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "grad_checkpointing"])
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpointing, fp32_engine):
+    """Full fine-tuning (mode="full": kt trains the expert weights), one
+    step's loss and the gradient of every parameter, with transformers'
+    gradient checkpointing on and off in both models."""
+    arch, directory = arch_dir
+    dtype, bound = PRECISIONS[precision]
+    reference = _torch_model(directory, dtype)
+    model = kt.hf.from_pretrained(directory, dtype=dtype, engine=_engine(precision, fp32_engine),
+                                  mode="full", param_dtype=dtype, bias="all")
+    losses = []
+    tokens = real_models.token_batch()
+    for m in (reference, model):
+        m.train()
+        if checkpointing:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert m.is_gradient_checkpointing
+        out = m(tokens, labels=tokens)
+        out.loss.backward()
+        losses.append(out.loss.detach().float())
+    err = abs(float(losses[1] - losses[0])) / abs(float(losses[0]))
+    measured.record(precision, "real loss", err)
+    assert err <= bound, (arch, losses)
+    want, got = _named_grads(reference), _named_grads(model)
+    assert sorted(got) == sorted(want)
+    worst = max((rel_l2(got[n], want[n]), n) for n in want)
+    measured.record(precision, "real grads", worst[0])
+    assert worst[0] <= GRAD_BOUND[precision], (arch, worst)
+    experts = [n for n in want if ".experts." in n]
+    assert experts and all(want[n].abs().sum() > 0 for n in experts)
