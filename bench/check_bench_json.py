@@ -1,10 +1,36 @@
 #!/usr/bin/env python3
 """Runs kt_bench with the given arguments and checks that its JSON output
 parses and holds every expected key (the benchmark's smoke test; it judges
-the structure, never the timings)."""
+the structure, never the timings).
+
+Peers: with --peers-python PY among the arguments, the check asks PY itself
+which peers import (torch, kt_kernel, deepspeed) and requires each one that
+does to have run, named with its version, and each one that does not to be
+reported as skipped with a reason; with --no-peers, kt-kernel and DeepSpeed
+must be skipped with a reason."""
 import json
 import subprocess
 import sys
+
+# Asked of the peers' interpreter: what of each peer imports, and its version.
+PROBE = r"""
+import json, os, sys
+sys.stdout = sys.stderr
+found = {}
+try:
+    import torch
+    found["torch"] = torch.__version__
+    import kt_kernel
+    found["kt-kernel"] = kt_kernel.__version__
+except Exception:
+    pass
+try:
+    import deepspeed
+    found["deepspeed"] = deepspeed.__version__
+except Exception:
+    pass
+os.write(1, (json.dumps(found) + "\n").encode())
+"""
 
 CASES = {"forward", "train_dx", "train_lora", "train_full"}
 
@@ -182,6 +208,131 @@ def check_formats(model, formats, where, profile, tables):
         fail(f"{where}: synthetic checkpoints written for {sorted(written)}")
 
 
+def probe_peers(python):
+    """{peer name: version} of the peers `python` imports ({} when it does not run)."""
+    try:
+        proc = subprocess.run([python, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              timeout=300)
+    except OSError:
+        return {}
+    lines = proc.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
+
+
+def check_peers(doc, args):
+    """The peers that import ran and are named with their versions; those
+    that do not are skipped with a reason; kt-kernel's rows and DeepSpeed's
+    optimizer figures are there and consistent."""
+    require(doc, ["peers", "peers_skipped"], "the document")
+    for p in doc["peers"]:
+        require(p, ["name", "version", "python", "role"], "peers[]")
+        if not p["version"]:
+            fail(f"peer {p['name']} ran without a version")
+    for sk in doc["peers_skipped"]:
+        require(sk, ["name", "what", "reason"], "peers_skipped[]")
+        if not sk["reason"] or not sk["reason"].strip():
+            fail(f"peer {sk['name']} {sk['what']} skipped without a reason")
+    ran = {(p["name"], p["python"]): p["version"] for p in doc["peers"]}
+    skipped = {sk["name"]: sk for sk in doc["peers_skipped"] if sk["what"] == "all" or sk["what"].startswith("--")}
+    cases = {r["case"] for m in doc["models"] for r in m["results"]}
+    optimizer = doc.get("optimizer")
+
+    def must_skip(name):
+        if name not in skipped:
+            fail(f"peer {name} neither ran nor is reported as skipped with a reason "
+                 f"(peers {sorted(ran)}, skipped {sorted(skipped)})")
+        if any(n == name for n, _ in ran):
+            fail(f"peer {name} both ran and is reported as skipped")
+
+    if "--no-peers" in args:
+        for name in ("kt-kernel", "deepspeed"):
+            must_skip(name)
+        return "no peers (--no-peers)"
+    if "--peers-python" not in args:
+        return "peers not checked (no --peers-python)"
+    python = args[args.index("--peers-python") + 1]
+    present = probe_peers(python)
+    # kt-kernel: every forward T of each model, beside kt, with both errors
+    # against the double-precision reference.
+    if "kt-kernel" in present and "forward" in cases:
+        if ran.get(("kt-kernel", python)) != present["kt-kernel"]:
+            fail(f"kt-kernel {present['kt-kernel']} imports in {python} but is not among the peers that ran "
+                 f"with that version: {doc['peers']}")
+        for m in doc["models"]:
+            rows = {r["tokens"]: r for r in m.get("peer_results", [])
+                    if r["peer"] == "kt-kernel" and r["variant"] == "bf16" and r["case"] == "forward"}
+            want = {r["tokens"] for r in m["results"] if r["case"] == "forward"}
+            if set(rows) != want:
+                fail(f"model {m['name']}: kt-kernel bf16 forward rows for T {sorted(rows)}, expected {sorted(want)}")
+            for T, r in rows.items():
+                what = f"model {m['name']} kt-kernel forward T={T}"
+                require(r, ["ms", "kt_ms", "speedup_of_kt", "speedup_of_kt_paired", "rel_l2_vs_f64",
+                            "kt_rel_l2_vs_f64", "rows_compared", "timing"], what)
+                if "error" in r:
+                    fail(f"{what}: {r['error']}")
+                if not (r["ms"] or 0) > 0 or not (r["kt_ms"] or 0) > 0:
+                    fail(f"{what}: no time ({r['ms']}, kt {r['kt_ms']})")
+                if abs(r["speedup_of_kt"] - r["ms"] / r["kt_ms"]) > 1e-3 * r["speedup_of_kt"]:
+                    fail(f"{what}: speedup_of_kt {r['speedup_of_kt']} is not ms / kt_ms")
+                if not r["rows_compared"] > 0:
+                    fail(f"{what}: no rows compared")
+                # bf16 rounding of y and of the intermediate: about 1e-3 to 1e-2.
+                for key in ("rel_l2_vs_f64", "kt_rel_l2_vs_f64"):
+                    if r[key] is None or not 0 < r[key] < 0.05:
+                        fail(f"{what}: {key} {r[key]} is not in (0, 0.05)")
+            for variant in ("int8", "int4"):
+                has_rows = any(r["peer"] == "kt-kernel" and r["variant"] == variant for r in m.get("peer_results", []))
+                if not has_rows and not any(sk["name"] == "kt-kernel" and sk["what"] == "forward " + variant
+                                            for sk in doc["peers_skipped"]):
+                    fail(f"model {m['name']}: kt-kernel {variant}: neither rows nor a skip with a reason")
+        for case in ("train_dx", "train_lora", "train_full"):
+            if case in cases and not any(sk["name"] == "kt-kernel" and sk["what"] == case
+                                         for sk in doc["peers_skipped"]):
+                fail(f"kt-kernel {case}: not run and not reported as skipped")
+    elif "forward" in cases:
+        must_skip("kt-kernel")
+    # DeepSpeed: the optimizer case, beside kt.
+    if optimizer is not None:
+        require(optimizer, ["deepspeed"], "optimizer")
+        ds = optimizer["deepspeed"]
+        if "deepspeed" in present:
+            if ran.get(("deepspeed", python)) != present["deepspeed"] or not ds.get("ran"):
+                fail(f"deepspeed {present['deepspeed']} imports in {python} but did not run: "
+                     f"{ds.get('reason', doc['peers'])}")
+            if ds.get("version") != present["deepspeed"]:
+                fail(f"optimizer deepspeed version {ds.get('version')}, {python} has {present['deepspeed']}")
+            for r in optimizer["results"]:
+                for key in ("deepspeed_ms", "kt_beside_deepspeed_ms", "deepspeed_gparams_per_s",
+                            "deepspeed_pct_floor", "kt_beside_deepspeed_pct_floor", "deepspeed_speedup_of_kt",
+                            "deepspeed_speedup_of_kt_paired"):
+                    if not (r.get(key) or 0) > 0:
+                        fail(f"optimizer {r['experts']} experts: {key} is {r.get(key)!r}")
+                want = r["deepspeed_ms"] / r["kt_beside_deepspeed_ms"]
+                if abs(r["deepspeed_speedup_of_kt"] - want) > 1e-3 * want:
+                    fail(f"optimizer: deepspeed_speedup_of_kt {r['deepspeed_speedup_of_kt']} is not "
+                         f"deepspeed_ms / kt_beside_deepspeed_ms")
+        else:
+            must_skip("deepspeed")
+            if ds.get("ran") or not ds.get("reason"):
+                fail(f"optimizer deepspeed: {ds}, expected ran false with a reason")
+    # torch: the peers' interpreter's, where it differs from --python's.
+    baseline = [p for p in doc["peers"] if p["name"] == "torch" and p["role"] == "baseline"]
+    if "--no-torch" not in args:
+        if "torch" not in present:
+            if not any(sk["name"] == "torch" and python in sk["what"] for sk in doc["peers_skipped"]):
+                fail(f"{python} has no torch, and no skip says so")
+        elif not baseline or baseline[0]["version"] != present["torch"]:
+            if ran.get(("torch", python)) != present["torch"]:
+                fail(f"torch {present['torch']} imports in {python} but did not run: {doc['peers']}")
+            for m in doc["models"]:
+                rows = {(r["case"], r["tokens"]) for r in m.get("peer_results", []) if r["peer"] == "torch"}
+                want = {(r["case"], r["tokens"]) for r in m["results"]}
+                if rows != want:
+                    fail(f"model {m['name']}: torch {present['torch']} rows {sorted(rows)}, expected {sorted(want)}")
+    return (f"peers in {python}: {', '.join(f'{k} {v}' for k, v in sorted(present.items())) or 'none'}; "
+            f"skipped: {', '.join(sk['name'] + ' ' + sk['what'] for sk in doc['peers_skipped']) or 'none'}")
+
+
 def fail(message):
     print("check_bench_json: " + message, file=sys.stderr)
     sys.exit(1)
@@ -281,8 +432,9 @@ def main():
         for k in ("kt_ms", "layer_step_ms", "repack_ms", "fwd_bwd_ms"):
             if not r[k] or r[k] <= 0:
                 fail(f"optimizer {r['experts']} experts: no {k}")
+    peers = check_peers(doc, args)
     print(f"check_bench_json: OK ({len(doc['models'])} model(s), "
-          f"{sum(len(m['results']) for m in doc['models'])} results)")
+          f"{sum(len(m['results']) for m in doc['models'])} results; {peers})")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 //   kt_bench [--json] [--quick] [--models LIST|all] [--tokens LIST] [--cases LIST]
 //            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
 //            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
-//            [--optim-params LIST]
+//            [--optim-params LIST] [--no-peers] [--peers-python PATH]
 //            [--format LIST]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -27,6 +28,7 @@
 #include "machine_limits.h"
 #include "model_shapes.h"
 #include "optimizer_bench.h"
+#include "peer_runner.h"
 #include "quant_checkpoint.h"
 #include "torch_runner.h"
 #include "workload.h"
@@ -54,6 +56,11 @@ std::string default_torch_script() {
 // torch_optim_baseline.py, found like torch_baseline.py.
 std::string optimizer_script_of(const std::string& torch_script) {
   return torch_script.substr(0, torch_script.find_last_of('/') + 1) + "torch_optim_baseline.py";
+}
+
+// peers_baseline.py, found like torch_baseline.py.
+std::string peers_script_of(const std::string& torch_script) {
+  return torch_script.substr(0, torch_script.find_last_of('/') + 1) + "peers_baseline.py";
 }
 
 // A --format entry: the storage format, and KT_COMPUTE_INT8 for "name/int8".
@@ -84,6 +91,10 @@ struct Options {
   bool torch = true;
   std::string python = "/usr/bin/python3";
   std::string torch_script = default_torch_script();
+  // The interpreter of the optional peers (kt-kernel, DeepSpeed, torch 2):
+  // the venv of tools/python_env.sh peers in the source tree by default.
+  bool peers = true;
+  std::string peers_python = KT_BENCH_PEERS_PYTHON;
   // Storage formats (with how the layer multiplies) compared side by side
   // with bf16 (kt only).
   std::vector<FormatChoice> formats;
@@ -109,7 +120,13 @@ const char* kUsage =
     "  --no-onednn          skip the oneDNN baseline\n"
     "  --no-torch           skip the torch baseline\n"
     "  --python PATH        interpreter for the torch baseline (default /usr/bin/python3)\n"
-    "  --torch-script PATH  torch_baseline.py to run\n"
+    "  --torch-script PATH  torch_baseline.py to run (peers_baseline.py and torch_optim_baseline.py\n"
+    "                       are taken from its directory)\n"
+    "  --peers-python PATH  interpreter of the optional peers, each run where it imports:\n"
+    "                       kt-kernel (forward beside kt's, int8/int4 with its own quantization),\n"
+    "                       DeepSpeed's CPU Adam (optimizer case) and its torch when that is not\n"
+    "                       --python's (default " KT_BENCH_PEERS_PYTHON ")\n"
+    "  --no-peers           skip those peers\n"
     "  --format LIST        also run kt with these weight storage formats, side by side with bf16\n"
     "                       on the same layer and workloads (not train_full: a quantized base is\n"
     "                       frozen): int8_channel, int4_g32, int4_g128 (kt quantizes the bf16\n"
@@ -148,6 +165,7 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
     else if (a == "--profile") o->profile = true;
     else if (a == "--no-onednn") o->onednn = false;
     else if (a == "--no-torch") o->torch = false;
+    else if (a == "--no-peers") o->peers = false;
     else if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
@@ -193,6 +211,7 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
     else if (a == "--max-weight-gb") o->max_weight_gb = std::atof(v.c_str());
     else if (a == "--python") o->python = v;
     else if (a == "--torch-script") o->torch_script = v;
+    else if (a == "--peers-python") o->peers_python = v;
     else if (a == "--backend") {
       if (v == "native") {
         o->backend = KT_GEMM_NATIVE;
@@ -355,6 +374,27 @@ struct LinearFit {
   double ms_per_expert = NAN, us_per_route = NAN, max_rel_residual = NAN;
 };
 
+// A peer's time on a row's workload, each call beside one of kt's (the two
+// taking turns, same batches), and both results against a double-precision
+// reference on the first rows of the first batch.
+struct PeerRow {
+  std::string peer, variant;  // "kt-kernel", "bf16" | "int8" | "int4"
+  std::string peer_class;     // the peer's class that ran
+  std::string kt_format;      // the kt layer it is compared with
+  Case which = Case::kForward;
+  int64_t tokens = 0;
+  double kt_s = NAN, peer_s = NAN;  // medians over the rounds
+  double ratio = NAN;               // median of each round's peer / kt
+  double kt_rel_l2 = NAN, peer_rel_l2 = NAN;
+  int64_t rows_compared = 0;
+  std::string error;
+};
+
+// A peer, or part of one, that did not run, and why.
+struct PeerSkip {
+  std::string peer, what, reason;
+};
+
 struct ModelReport {
   ModelShape shape;
   int64_t experts_held;
@@ -368,6 +408,8 @@ struct ModelReport {
   std::map<Case, LinearFit> fits;
   std::string onednn_reason;  // empty when it ran
   TorchRun torch;
+  TorchRun torch2;             // the peers' interpreter's torch, when not --python's
+  std::vector<PeerRow> peer_rows;
 };
 
 struct Limits {
@@ -455,8 +497,128 @@ LinearFit fit_cost(const std::vector<Row>& rows, Case which) {
   return fit;
 }
 
+void add_skip(std::vector<PeerSkip>* skips, const std::string& peer, const std::string& what,
+              const std::string& reason) {
+  for (const PeerSkip& s : *skips)
+    if (s.peer == peer && s.what == what) return;
+  skips->push_back({peer, what, reason});
+}
+
+// kt-kernel's MoE beside kt on the same layer, routing and inputs: for each
+// T of the run, a forward of each per round; then both outputs of the first
+// batch's first rows against the double-precision reference. Variants: its
+// bf16 MoE against kt's bf16 layer, and its int8 and int4 MoEs (which
+// quantize the bf16 weights themselves at load) against kt's int8_channel
+// and int4_g32 layers, where its build has them.
+void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                     kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
+                     const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
+  const char* name = "kt-kernel";
+  if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) == o.cases.end()) {
+    add_skip(skips, name, "forward", "not in --cases");
+  }
+  for (Case c : {Case::kTrainDx, Case::kTrainLora}) {
+    if (std::find(o.cases.begin(), o.cases.end(), c) == o.cases.end()) continue;
+    const std::string reason = peer->said(std::string("kt_kernel_") + case_key(c) + "_reason");
+    add_skip(skips, name, case_key(c), reason.empty() ? "not run by kt_bench" : reason);
+  }
+  if (std::find(o.cases.begin(), o.cases.end(), Case::kTrainFull) != o.cases.end())
+    add_skip(skips, name, "train_full", "kt-kernel trains LoRA factors only (no full-weight gradients)");
+  if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) == o.cases.end()) return;
+  std::string error;
+  if (!write_layer_for_peer(peer_dir, layer, work, &error)) {
+    add_skip(skips, name, "forward", error);
+    return;
+  }
+  struct Variant {
+    const char* name;
+    kt_weight_format kt_format;
+  };
+  const Variant variants[] = {{"bf16", KT_FORMAT_BF16}, {"int8", KT_FORMAT_INT8_CHANNEL}, {"int4", KT_FORMAT_INT4_G32}};
+  for (const Variant& v : variants) {
+    Fields reply;
+    if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, v.name);
+    const bool asked = peer->ask({{"cmd", "moe_load"},
+                                  {"dir", peer_dir},
+                                  {"experts", std::to_string(layer.experts)},
+                                  {"top_k", std::to_string(layer.shape.top_k)},
+                                  {"hidden", std::to_string(layer.shape.hidden)},
+                                  {"intermediate", std::to_string(layer.shape.intermediate)},
+                                  {"max_tokens", std::to_string(max_tokens)},
+                                  {"variant", v.name}},
+                                 &reply, &error);
+    if (!asked || !reply.count("ok")) {
+      add_skip(skips, name, std::string("forward ") + v.name, asked ? reply["reason"] : error);
+      if (!asked) return;  // the process is gone
+      continue;
+    }
+    std::unique_ptr<KtRunner> quantized;
+    if (v.kt_format != KT_FORMAT_BF16)
+      quantized = std::make_unique<KtRunner>(engine, layer, std::max<int64_t>(max_tokens, 16), v.kt_format);
+    KtRunner& kt = quantized ? *quantized : bf16;
+    for (const Workload& w : work) {
+      if (!o.json)
+        std::fprintf(stderr, "kt_bench: %s: kt-kernel %s forward T=%lld beside kt\n", layer.shape.name, v.name,
+                     static_cast<long long>(w.tokens));
+      PeerRow r;
+      r.peer = name;
+      r.variant = v.name;
+      r.peer_class = reply["class"];
+      r.kt_format = kt_weight_format_name(v.kt_format);
+      r.which = Case::kForward;
+      r.tokens = w.tokens;
+      int batch = 0;
+      std::string peer_error;
+      // Each call starts after the other side's workers have gone to sleep
+      // (kPeerGap before and after the peer's call): kt-kernel's spin for
+      // 20-30 ms after a call, kt's for at most 5 ms, and on as many cores
+      // as threads a spinning pool slows the other's call (up to 3x here).
+      const KtRunner::Alternating a = kt.time_alternating(
+          nullptr, Case::kForward, w, o.warmup, o.reps, &r.error, [&] {
+            usleep(kPeerGapUs);
+            const double t = peer->seconds_of({{"cmd", "moe_call"},
+                                               {"variant", v.name},
+                                               {"T", std::to_string(w.tokens)},
+                                               {"batch", std::to_string(batch++)}},
+                                              &peer_error);
+            usleep(kPeerGapUs);
+            return t;
+          });
+      if (a.mine >= 0) {
+        r.kt_s = a.mine;
+        r.peer_s = a.beside;
+        r.ratio = a.beside_ratio;
+      }
+      if (!peer_error.empty()) r.error = "kt-kernel: " + peer_error;
+      // Both against the double-precision reference, first rows of batch 0.
+      r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
+      const std::vector<double> ref = reference_y(layer, w.batches.front(), r.rows_compared);
+      std::vector<float> y, unused;
+      if (kt.outputs(Case::kForward, w, &y, &unused, &r.error)) r.kt_rel_l2 = rel_l2_to(y.data(), ref);
+      const std::string path = peer_dir + "/y.f32";
+      Fields out;
+      if (peer->ask({{"cmd", "moe_output"},
+                     {"variant", v.name},
+                     {"T", std::to_string(w.tokens)},
+                     {"batch", "0"},
+                     {"rows", std::to_string(r.rows_compared)},
+                     {"path", path}},
+                    &out, &peer_error)) {
+        std::vector<float> peer_y(ref.size());
+        std::ifstream f(path, std::ios::binary);
+        f.read(reinterpret_cast<char*>(peer_y.data()), static_cast<std::streamsize>(peer_y.size() * 4));
+        if (f) r.peer_rel_l2 = rel_l2_to(peer_y.data(), ref);
+        std::remove(path.c_str());
+      }
+      rep->peer_rows.push_back(r);
+    }
+    peer->ask({{"cmd", "moe_free"}, {"variant", v.name}}, &reply, &error);
+  }
+}
+
 ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
-                        const Limits& lim, const std::string& torch_reason) {
+                        const Limits& lim, const std::string& torch_reason, PeerProcess* peer,
+                        const std::string& peer_dir, std::vector<PeerSkip>* skips) {
   ModelReport rep;
   rep.shape = shape;
   const double expert_bytes = 3.0 * shape.hidden * shape.intermediate * 2;
@@ -633,6 +795,8 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
         rep.loads.emplace_back(choice.label() + " " + l.first, l.second);
     }
     rep.loads.insert(rep.loads.begin(), bf16.loads().begin(), bf16.loads().end());
+    if (peer && peer->ok() && !peer->said("kt_kernel").empty())
+      bench_kt_kernel(layer, work, o, engine, bf16, std::max<int64_t>(max_tokens, 16), peer, peer_dir, &rep, skips);
   }
   for (Case c : o.cases) rep.fits[c] = fit_cost(rep.rows, c);
 
@@ -677,10 +841,93 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
       if (rep.torch.errors.count(key)) r.torch_error = rep.torch.errors[key];
     }
   }
+  // torch 2 from the peers' interpreter, where it is not the torch above:
+  // the same script, routing and threads.
+  const std::string peer_torch = peer && peer->ok() ? peer->said("torch") : "";
+  if (o.torch && !peer_torch.empty() && peer_torch != rep.torch.version) {
+    if (!o.json) std::fprintf(stderr, "kt_bench: %s: torch %s eager (peers' interpreter)\n", shape.name, peer_torch.c_str());
+    rep.torch2 = run_torch_baseline(o.peers_python, o.torch_script, layer, work, o.cases, threads, o.warmup, o.reps);
+  }
   return rep;
 }
 
 // ------------------------------------------------------------------ report
+
+// A peer that ran, by name ("kt-kernel", "deepspeed", "torch"), its version
+// and the interpreter it ran in.
+struct PeerEntry {
+  std::string name, version, python, role, detail;
+};
+
+// Which peers ran, and adds a skip for each one that did not (with why).
+std::vector<PeerEntry> summarize_peers(const Options& o, PeerProcess* peer, const std::vector<ModelReport>& models,
+                                       const OptimizerReport* optimizer, std::vector<PeerSkip>* skips) {
+  std::vector<PeerEntry> ran;
+  const bool started = peer && peer->ok();
+  const std::string no_peer = !o.peers ? "--no-peers" : !started ? peer->reason() : "";
+  // kt-kernel
+  if (!started || peer->said("kt_kernel").empty()) {
+    add_skip(skips, "kt-kernel", "all", started ? peer->said("kt_kernel_reason") : no_peer);
+  } else {
+    bool any = false;
+    for (const ModelReport& m : models)
+      for (const PeerRow& r : m.peer_rows) any = any || std::isfinite(r.peer_s);
+    if (any) {
+      ran.push_back({"kt-kernel", peer->said("kt_kernel"), o.peers_python, "peer",
+                     peer->said("kt_kernel_variant") + " build, int8 kernel: " + peer->said("kt_kernel_int8")});
+    } else if (models.empty()) {
+      add_skip(skips, "kt-kernel", "all", "no MoE case in --cases");
+    } else {
+      std::string why;
+      for (const ModelReport& m : models)
+        for (const PeerRow& r : m.peer_rows)
+          if (why.empty() && !r.error.empty()) why = r.error;
+      add_skip(skips, "kt-kernel", "all", why.empty() ? "it did not run (see the other kt-kernel lines)" : why);
+    }
+  }
+  // deepspeed
+  if (!optimizer) {
+    add_skip(skips, "deepspeed", "all", "the optimizer case is not in --cases");
+  } else if (!optimizer->deepspeed_reason.empty() || optimizer->deepspeed_version.empty()) {
+    add_skip(skips, "deepspeed", "all",
+             optimizer->deepspeed_reason.empty() ? "not run" : optimizer->deepspeed_reason);
+  } else {
+    ran.push_back({"deepspeed", optimizer->deepspeed_version, o.peers_python, "peer",
+                   "DeepSpeedCPUAdam, op built with " + optimizer->deepspeed_flags});
+  }
+  // torch: --python's, and the peers' interpreter's where it differs
+  std::string torch_version, torch_reason = !o.torch ? "--no-torch" : "";
+  for (const ModelReport& m : models) {
+    if (m.torch.ran) torch_version = m.torch.version;
+    else if (torch_reason.empty()) torch_reason = m.torch.reason;
+  }
+  if (optimizer && !optimizer->torch_version.empty()) torch_version = optimizer->torch_version;
+  if (!torch_version.empty()) ran.push_back({"torch", torch_version, o.python, "baseline", "eager"});
+  else add_skip(skips, "torch", "--python " + o.python, torch_reason.empty() ? "not run" : torch_reason);
+  std::string torch2;
+  for (const ModelReport& m : models)
+    if (m.torch2.ran) torch2 = m.torch2.version;
+  if (!torch2.empty()) {
+    ran.push_back({"torch", torch2, o.peers_python, "peer", "eager"});
+  } else if (o.torch) {
+    const std::string said = started ? peer->said("torch") : "";
+    if (said.empty())
+      add_skip(skips, "torch", "--peers-python " + o.peers_python,
+               started ? peer->said("torch_reason") : no_peer);
+    else if (said != torch_version && !models.empty())
+      add_skip(skips, "torch", "--peers-python " + o.peers_python, "torch " + said + " did not run");
+  }
+  return ran;
+}
+
+std::string skip_line(const std::vector<PeerSkip>& skips) {
+  if (skips.empty()) return "peers skipped: none";
+  std::string line = "peers skipped:";
+  for (size_t i = 0; i < skips.size(); ++i)
+    line += std::string(i ? ";" : "") + " " + skips[i].peer + (skips[i].what == "all" ? "" : " " + skips[i].what) +
+            " (" + skips[i].reason + ")";
+  return line;
+}
 
 struct Rates {
   double gflops, pct_peak, gbs, pct_bw, pct_roofline;
@@ -745,6 +992,25 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
                 fmt("%.2f", fore * 1e3).c_str(), fmt("%.2f", fore / kt).c_str(), fmt("%.2f", layer * 1e3).c_str(),
                 fmt("%.2f", layer / kt).c_str(), fmt("%.2f", positive_or_nan(r.repack_s) * 1e3).c_str());
   }
+  if (std::any_of(rep.rows.begin(), rep.rows.end(), [](const OptimizerRow& r) { return r.deepspeed_s > 0; })) {
+    std::printf("   DeepSpeed %s DeepSpeedCPUAdam (op built with %s) on the same tensors, a step of each per round\n"
+                "   beside kt's (taking turns); x = DeepSpeed / kt (medians; pair: median of each round's ratio):\n",
+                rep.deepspeed_version.c_str(), rep.deepspeed_flags.c_str());
+    std::printf("   %4s %8s %9s %8s %7s %9s %8s %7s %6s %6s\n", "exp", "Mparams", "kt ms", "Gparam/s", "%floor", "DS ms",
+                "Gparam/s", "%floor", "x", "pair");
+    for (const OptimizerRow& r : rep.rows) {
+      const double kt = positive_or_nan(r.kt_beside_deepspeed_s), ds = positive_or_nan(r.deepspeed_s);
+      const double floor = memory_floor_s(r.params, kAdamwBytesPerParam, lim);
+      const double p = static_cast<double>(r.params);
+      std::printf("   %4lld %8.1f %9s %8s %7s %9s %8s %7s %6s %6s\n", static_cast<long long>(r.experts), p / 1e6,
+                  fmt("%.2f", kt * 1e3).c_str(), fmt("%.3f", p / kt / 1e9).c_str(),
+                  fmt("%.1f", 100 * floor / kt).c_str(), fmt("%.2f", ds * 1e3).c_str(),
+                  fmt("%.3f", p / ds / 1e9).c_str(), fmt("%.1f", 100 * floor / ds).c_str(),
+                  fmt("%.2f", ds / kt).c_str(), fmt("%.2f", positive_or_nan(r.deepspeed_ratio)).c_str());
+    }
+  } else {
+    std::printf("   DeepSpeed: %s\n", rep.deepspeed_reason.empty() ? "not run" : rep.deepspeed_reason.c_str());
+  }
   std::printf("   full fine-tune step of those experts at T=%lld (routes to other experts dropped):\n",
               static_cast<long long>(rep.tokens));
   for (const OptimizerRow& r : rep.rows) {
@@ -763,8 +1029,41 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
               kAdamwBytesPerParam, kLayerStepBytesPerParam);
 }
 
+// kt-kernel beside kt, and torch from the peers' interpreter, per row.
+void print_peer_rows(const ModelReport& mr) {
+  if (mr.peer_rows.empty() && !mr.torch2.ran) return;
+  std::printf("peers on the same layer, routing and inputs (x = peer time / kt time: above 1, kt is faster):\n");
+  if (!mr.peer_rows.empty()) {
+    std::printf(
+        "   kt-kernel, a call of each per round beside kt's (taking turns; same batches); x: medians, pair:\n"
+        "   the median of each round's ratio; err: y's relative L2 from the double-precision reference\n"
+        "   (first rows of the first batch, from the bf16 weights):\n");
+    std::printf("   %-9s %-5s %-13s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
+                "kt-kernel ms", "x", "pair", "err kt", "err kt-k");
+    for (const PeerRow& r : mr.peer_rows) {
+      std::printf("   %-9s %-5s %-13s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
+                  r.kt_format.c_str(), static_cast<long long>(r.tokens), fmt("%.3f", r.kt_s * 1e3).c_str(),
+                  fmt("%.3f", r.peer_s * 1e3).c_str(), fmt("%.2f", r.peer_s / r.kt_s).c_str(),
+                  fmt("%.2f", r.ratio).c_str(), fmt("%.1e", r.kt_rel_l2).c_str(), fmt("%.1e", r.peer_rel_l2).c_str());
+      if (!r.error.empty()) std::printf("      %s\n", r.error.c_str());
+    }
+  }
+  if (mr.torch2.ran) {
+    std::printf("   torch %s eager (peers' interpreter, %d threads), run after kt, against kt's time above:\n",
+                mr.torch2.version.c_str(), mr.torch2.threads);
+    for (const Row& r : mr.rows) {
+      const auto key = std::make_pair(std::string(case_key(r.which)), r.tokens);
+      const auto t = mr.torch2.seconds.find(key);
+      const double sec = t == mr.torch2.seconds.end() ? NAN : t->second;
+      std::printf("   %-19s %6lld %9s ms  x%s\n", case_label(r.which), static_cast<long long>(r.tokens),
+                  fmt("%.3f", sec * 1e3).c_str(), fmt("%.2f", sec / r.kt_s).c_str());
+    }
+  }
+}
+
 void print_table(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models,
-                 const OptimizerReport* optimizer) {
+                 const OptimizerReport* optimizer, const std::vector<PeerEntry>& peers,
+                 const std::vector<PeerSkip>& skips) {
   const MachineLimits& m = lim.machine;
   std::printf("kt %s (abi %d), kernels %s (%s), %d threads\n", kt_version(), kt_abi_version(), kt_isa_name(info.isa),
               info.kernel_name ? info.kernel_name : "?", info.num_threads);
@@ -802,6 +1101,11 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                      : "none");
   std::printf("peak used for %%peak: %s = %.0f GFLOP/s; medians of %d reps after %d warm-up%s\n", lim.peak_kind.c_str(),
               lim.peak_gflops, o.reps, o.warmup, o.quick ? " (quick: smoke only, not a measurement)" : "");
+  std::string ran;
+  for (const PeerEntry& p : peers)
+    ran += (ran.empty() ? "" : "; ") + p.name + " " + p.version + " (" + p.role + ", " + p.python +
+           (p.detail.empty() ? "" : ", " + p.detail) + ")";
+  std::printf("peers: %s\n%s\n", ran.empty() ? "none ran" : ran.c_str(), skip_line(skips).c_str());
   for (const ModelReport& mr : models) {
     const ModelShape& s = mr.shape;
     std::printf("\n== %s: H=%lld I=%lld E=%lld k=%lld, bf16, %s, %.2f GB\n", s.name, static_cast<long long>(s.hidden),
@@ -926,6 +1230,7 @@ void print_table(const Options& o, const Limits& lim, const kt_engine_info& info
                       [](const FormatChoice& fc) { return fc.compute == KT_COMPUTE_INT8; }))
         std::printf("   /int8 (KT_COMPUTE_INT8, int8 activations): forward only\n");
     }
+    print_peer_rows(mr);
     if (!mr.sweep.empty()) {
       std::printf("   forward at T=%lld vs touched experts:", static_cast<long long>(mr.sweep.front().tokens));
       for (const TouchedRow& t : mr.sweep)
@@ -962,6 +1267,12 @@ void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limit
   }
   if (!rep.torch_reason.empty()) j.key("reason").value(rep.torch_reason);
   j.end_object();
+  j.key("deepspeed").begin_object();
+  j.key("ran").value(rep.deepspeed_reason.empty() && !rep.deepspeed_version.empty());
+  if (!rep.deepspeed_version.empty()) j.key("version").value(rep.deepspeed_version);
+  if (!rep.deepspeed_flags.empty()) j.key("build_flags").value(rep.deepspeed_flags);
+  if (!rep.deepspeed_reason.empty()) j.key("reason").value(rep.deepspeed_reason);
+  j.end_object();
   j.key("results").begin_array();
   for (const OptimizerRow& r : rep.rows) {
     const double kt = positive_or_nan(r.kt_plain_s);
@@ -979,6 +1290,16 @@ void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limit
     j.key("layer_over_plain").value(positive_or_nan(r.kt_layer_s) / kt);
     j.key("repack_ms").value(positive_or_nan(r.repack_s) * 1e3);
     j.key("fwd_bwd_ms").value(positive_or_nan(r.fwd_bwd_s) * 1e3);
+    // DeepSpeed beside kt, a step of each per round (NaN where it did not run).
+    const double ds = positive_or_nan(r.deepspeed_s), kt_ds = positive_or_nan(r.kt_beside_deepspeed_s);
+    j.key("deepspeed_ms").value(ds * 1e3);
+    j.key("deepspeed_gparams_per_s").value(static_cast<double>(r.params) / ds / 1e9);
+    j.key("deepspeed_pct_floor").value(100 * floor / ds);
+    j.key("kt_beside_deepspeed_ms").value(kt_ds * 1e3);
+    j.key("kt_beside_deepspeed_gparams_per_s").value(static_cast<double>(r.params) / kt_ds / 1e9);
+    j.key("kt_beside_deepspeed_pct_floor").value(100 * floor / kt_ds);
+    j.key("deepspeed_speedup_of_kt").value(ds / kt_ds);
+    j.key("deepspeed_speedup_of_kt_paired").value(positive_or_nan(r.deepspeed_ratio));
     if (!r.error.empty()) j.key("error").value(r.error);
     j.end_object();
   }
@@ -1006,7 +1327,8 @@ void write_profile(JsonWriter& j, const CaseProfile& p) {
 }
 
 void write_json(const Options& o, const Limits& lim, const kt_engine_info& info, const std::vector<ModelReport>& models,
-                const OptimizerReport* optimizer) {
+                const OptimizerReport* optimizer, const std::vector<PeerEntry>& peers,
+                const std::vector<PeerSkip>& skips) {
   JsonWriter j;
   const MachineLimits& m = lim.machine;
   j.begin_object();
@@ -1052,6 +1374,26 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
   for (int64_t t : o.tokens) j.value(t);
   j.end_array();
   j.end_object();
+  j.key("peers").begin_array();
+  for (const PeerEntry& p : peers) {
+    j.begin_object();
+    j.key("name").value(p.name);
+    j.key("version").value(p.version);
+    j.key("python").value(p.python);
+    j.key("role").value(p.role);
+    j.key("detail").value(p.detail);
+    j.end_object();
+  }
+  j.end_array();
+  j.key("peers_skipped").begin_array();
+  for (const PeerSkip& sk : skips) {
+    j.begin_object();
+    j.key("name").value(sk.peer);
+    j.key("what").value(sk.what);
+    j.key("reason").value(sk.reason);
+    j.end_object();
+  }
+  j.end_array();
   j.key("models").begin_array();
   for (const ModelReport& mr : models) {
     const ModelShape& s = mr.shape;
@@ -1146,6 +1488,48 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
     }
     j.end_array();
     j.end_object();
+    // Peers: kt-kernel timed call by call beside kt (timing "alternating"),
+    // torch from the peers' interpreter run after kt ("separate").
+    j.key("peer_results").begin_array();
+    for (const PeerRow& r : mr.peer_rows) {
+      j.begin_object();
+      j.key("peer").value(r.peer);
+      j.key("variant").value(r.variant);
+      j.key("class").value(r.peer_class);
+      j.key("kt_format").value(r.kt_format);
+      j.key("case").value(case_key(r.which));
+      j.key("tokens").value(r.tokens);
+      j.key("timing").value("alternating");
+      j.key("ms").value(r.peer_s * 1e3);
+      j.key("kt_ms").value(r.kt_s * 1e3);
+      j.key("speedup_of_kt").value(r.peer_s / r.kt_s);
+      j.key("speedup_of_kt_paired").value(r.ratio);
+      j.key("rows_compared").value(r.rows_compared);
+      j.key("rel_l2_vs_f64").value(r.peer_rel_l2);
+      j.key("kt_rel_l2_vs_f64").value(r.kt_rel_l2);
+      if (!r.error.empty()) j.key("error").value(r.error);
+      j.end_object();
+    }
+    if (mr.torch2.ran) {
+      for (const Row& r : mr.rows) {
+        const auto key = std::make_pair(std::string(case_key(r.which)), r.tokens);
+        const auto t = mr.torch2.seconds.find(key);
+        j.begin_object();
+        j.key("peer").value("torch");
+        j.key("variant").value(mr.torch2.version);
+        j.key("case").value(case_key(r.which));
+        j.key("tokens").value(r.tokens);
+        j.key("timing").value("separate");
+        const double sec = t == mr.torch2.seconds.end() ? NAN : t->second;
+        j.key("ms").value(sec * 1e3);
+        j.key("kt_ms").value(r.kt_s * 1e3);
+        j.key("speedup_of_kt").value(sec / r.kt_s);
+        const auto e = mr.torch2.errors.find(key);
+        if (e != mr.torch2.errors.end()) j.key("error").value(e->second);
+        j.end_object();
+      }
+    }
+    j.end_array();
     j.key("weight_formats").begin_array();
     for (const FormatRow& f : mr.formats) {
       j.begin_object();
@@ -1250,13 +1634,26 @@ int main(int argc, char** argv) {
   const std::string torch_reason = o.torch ? torch_unavailable_reason(o.python) : "";
   if (o.torch && !torch_reason.empty() && !o.json) std::fprintf(stderr, "kt_bench: torch baseline skipped: %s\n", torch_reason.c_str());
 
+  // The peers' subprocess and the directory it reads the shared data from.
+  std::string peer_dir;
+  std::unique_ptr<PeerProcess> peer;
+  if (o.peers) {
+    char dir_template[] = "/tmp/kt_bench_peers_XXXXXX";
+    const char* dir = mkdtemp(dir_template);
+    if (dir) peer_dir = dir;
+    if (!o.json) std::fprintf(stderr, "kt_bench: peers: starting %s\n", o.peers_python.c_str());
+    peer = std::make_unique<PeerProcess>(o.peers_python, peers_script_of(o.torch_script), info.num_threads,
+                                         (peer_dir.empty() ? std::string("/tmp") : peer_dir) + "/peers.log");
+  }
+  std::vector<PeerSkip> skips;
   std::vector<ModelReport> models;
   auto shape_of = [](const std::string& name) -> const ModelShape& {
     return *std::find_if(std::begin(kModelShapes), std::end(kModelShapes), [&](const ModelShape& s) { return name == s.name; });
   };
   if (!o.cases.empty())
     for (const std::string& name : o.models)
-      models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, lim, torch_reason));
+      models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, lim, torch_reason, peer.get(),
+                                   peer_dir, &skips));
   OptimizerReport optimizer;
   if (o.optimizer) {
     OptimizerBenchOptions oo;
@@ -1269,10 +1666,20 @@ int main(int argc, char** argv) {
     oo.torch = o.torch;
     oo.python = o.python;
     oo.torch_script = optimizer_script_of(o.torch_script);
+    oo.peer = peer.get();
+    oo.peer_dir = peer_dir;
     optimizer = run_optimizer_bench(engine, oo, torch_reason);
   }
-  if (o.json) write_json(o, lim, info, models, o.optimizer ? &optimizer : nullptr);
-  else print_table(o, lim, info, models, o.optimizer ? &optimizer : nullptr);
+  const std::vector<PeerEntry> peers = summarize_peers(o, peer.get(), models, o.optimizer ? &optimizer : nullptr, &skips);
+  if (peer) {
+    const std::string log = peer_dir + "/peers.log";
+    peer.reset();  // ends the subprocess
+    std::remove(log.c_str());
+    rmdir(peer_dir.c_str());
+  }
+  std::fprintf(stderr, "kt_bench: %s\n", skip_line(skips).c_str());
+  if (o.json) write_json(o, lim, info, models, o.optimizer ? &optimizer : nullptr, peers, skips);
+  else print_table(o, lim, info, models, o.optimizer ? &optimizer : nullptr, peers, skips);
 
   bool kt_failed = !lim.call_error.empty();
   for (const ModelReport& mr : models)

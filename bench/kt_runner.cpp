@@ -237,13 +237,16 @@ KtRunner::Alternating KtRunner::time_alternating(KtRunner* other, Case which, co
   };
   std::vector<double> ratios;
   for (size_t i = 0; other && i < mine.size(); ++i) ratios.push_back(mine[i] / theirs[i]);
+  std::vector<double> beside_ratios;
+  for (size_t i = 0; beside_ran && i < mine.size(); ++i) beside_ratios.push_back(besides[i] / mine[i]);
   return {median(mine),
           other ? median(theirs) : NAN,
           beside_ran ? median(besides) : NAN,
           best(mine),
           other ? best(theirs) : NAN,
           beside_ran ? best(besides) : NAN,
-          other ? median(ratios) : NAN};
+          other ? median(ratios) : NAN,
+          beside_ran ? median(beside_ratios) : NAN};
 }
 
 std::string kernel_summary(const std::vector<KernelUse>& kernels) {

@@ -60,6 +60,8 @@ class KtRunner {
     // machine's load within the run leaves it, where the medians of each
     // side may catch it on different calls.
     double ratio = -1;
+    // The same for the call beside: the median of each round's beside / mine.
+    double beside_ratio = -1;
   };
   Alternating time_alternating(KtRunner* other, Case which, const Workload& work, int warmup,
                                int reps, std::string* error,

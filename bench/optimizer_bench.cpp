@@ -1,8 +1,11 @@
 #include "optimizer_bench.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 
 #include "bench_common.h"
 #include "kt_runner.h"
@@ -108,6 +111,98 @@ bool time_layer_step(kt_engine* engine, const LayerWeights& layer, int warmup, i
   return st == KT_OK;
 }
 
+
+double median_of(std::vector<double> v) {
+  if (v.empty()) return -1;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// kt_optimizer_step and DeepSpeed's CPU Adam on the same tensors (written
+// to o.peer_dir for it, before either has stepped), a step of each per
+// round, taking turns at going first: the two see the machine in the same
+// state. Hyperparameters: kt's defaults (lr 1e-3, betas 0.9/0.999, eps
+// 1e-8, weight decay 1e-2), which DeepSpeed is given.
+void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, int64_t experts, OptimizerRow* row,
+                           OptimizerReport* rep) {
+  Rng rng(11);
+  std::vector<HostTensor> params, grads;
+  std::vector<kt_optimizer_param> pairs;
+  Fields load{{"cmd", "adam_load"}, {"dir", o.peer_dir}, {"lr", "0.001"}, {"wd", "0.01"}};
+  int index = 0;
+  for (const std::vector<int64_t>& dims : weight_shapes(o.shape, experts)) {
+    params.emplace_back(kDLFloat, 32, dims);
+    grads.emplace_back(kDLFloat, 32, dims);
+    fill(params.back(), rng, 0.02f);
+    fill(grads.back(), rng, 1e-3f);
+    std::string shape;
+    for (int64_t d : dims) shape += (shape.empty() ? "" : "x") + std::to_string(d);
+    load["shape_" + std::to_string(index)] = shape;
+    const std::string i = std::to_string(index++);
+    std::ofstream p(o.peer_dir + "/p_" + i + ".f32", std::ios::binary), g(o.peer_dir + "/g_" + i + ".f32", std::ios::binary);
+    p.write(static_cast<const char*>(params.back().dl()->data), params.back().numel() * 4);
+    g.write(static_cast<const char*>(grads.back().dl()->data), grads.back().numel() * 4);
+    if (!p || !g) {
+      rep->deepspeed_reason = "cannot write the tensors to " + o.peer_dir;
+      return;
+    }
+  }
+  load["count"] = std::to_string(index);
+  std::fprintf(stderr, "kt_bench: optimizer: DeepSpeedCPUAdam on the same tensors (its op is built on first use)\n");
+  Fields reply;
+  std::string error;
+  const bool asked = o.peer->ask(load, &reply, &error);
+  for (int i = 0; i < index; ++i) {
+    std::remove((o.peer_dir + "/p_" + std::to_string(i) + ".f32").c_str());
+    std::remove((o.peer_dir + "/g_" + std::to_string(i) + ".f32").c_str());
+  }
+  if (!asked || !reply.count("ok")) {
+    rep->deepspeed_reason = asked ? reply["reason"] : error;
+    return;
+  }
+  rep->deepspeed_flags = reply["build_flags"];
+  for (size_t i = 0; i < params.size(); ++i) pairs.push_back({params[i].dl(), grads[i].dl()});
+  kt_optimizer* opt = nullptr;
+  kt_status st = kt_optimizer_create(engine, nullptr, pairs.data(), pairs.size(), &opt);
+  if (st != KT_OK) {
+    row->error = kt_error("kt_optimizer_create", st);
+    return;
+  }
+  std::vector<double> kt_times, ds_times, ratios;
+  for (int i = 0; i < o.warmup + o.reps; ++i) {
+    double t_kt = -1, t_ds = -1;
+    const auto kt_step = [&] {
+      const double start = now_seconds();
+      st = kt_optimizer_step(opt, nullptr);
+      t_kt = now_seconds() - start;
+      return st == KT_OK;
+    };
+    const auto ds_step = [&] {
+      usleep(kPeerGapUs);  // after kt's workers, and before kt's next step after DeepSpeed's
+      t_ds = o.peer->seconds_of({{"cmd", "adam_step"}}, &error);
+      usleep(kPeerGapUs);
+      return t_ds >= 0;
+    };
+    const bool ok = i % 2 ? (ds_step() && kt_step()) : (kt_step() && ds_step());
+    if (!ok) {
+      if (st != KT_OK) row->error = kt_error("kt_optimizer_step", st);
+      else rep->deepspeed_reason = "DeepSpeedCPUAdam failed: " + error;
+      kt_optimizer_destroy(opt);
+      return;
+    }
+    if (i < o.warmup) continue;
+    kt_times.push_back(t_kt);
+    ds_times.push_back(t_ds);
+    ratios.push_back(t_ds / t_kt);
+  }
+  kt_optimizer_destroy(opt);
+  o.peer->ask({{"cmd", "adam_free"}}, &reply, &error);
+  row->kt_beside_deepspeed_s = median_of(kt_times);
+  row->deepspeed_s = median_of(ds_times);
+  row->deepspeed_ratio = median_of(ratios);
+}
+
 }  // namespace
 
 OptimizerReport run_optimizer_bench(kt_engine* engine, const OptimizerBenchOptions& o, const std::string& torch_reason) {
@@ -120,6 +215,10 @@ OptimizerReport run_optimizer_bench(kt_engine* engine, const OptimizerBenchOptio
     // A layer needs at least top_k experts.
     const int64_t e = std::max<int64_t>(o.shape.top_k, (n + per_expert / 2) / per_expert);
     if (std::find(expert_counts.begin(), expert_counts.end(), e) == expert_counts.end()) expert_counts.push_back(e);
+  }
+  if (o.peer && o.peer->ok()) {
+    rep.deepspeed_version = o.peer->said("deepspeed");
+    if (rep.deepspeed_version.empty()) rep.deepspeed_reason = o.peer->said("deepspeed_reason");
   }
   for (int64_t e : expert_counts) {
     OptimizerRow row;
@@ -140,7 +239,13 @@ OptimizerReport run_optimizer_bench(kt_engine* engine, const OptimizerBenchOptio
       row.fwd_bwd_s = kt.time_case(Case::kTrainFull, work, o.warmup, o.reps, &error);
       if (row.fwd_bwd_s < 0) row.error = error;
     }
+    if (!rep.deepspeed_version.empty() && rep.deepspeed_reason.empty()) time_beside_deepspeed(engine, o, e, &row, &rep);
     rep.rows.push_back(row);
+  }
+  if (!o.peer) {
+    rep.deepspeed_reason = "no peers' interpreter (--no-peers)";
+  } else if (!o.peer->ok()) {
+    rep.deepspeed_reason = o.peer->reason();
   }
   if (!o.torch) {
     rep.torch_reason = "skipped (--no-torch)";

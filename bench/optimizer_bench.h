@@ -10,6 +10,7 @@
 
 #include "kt_c_api.h"
 #include "model_shapes.h"
+#include "peer_runner.h"
 
 namespace kt_bench {
 
@@ -29,6 +30,10 @@ struct OptimizerRow {
   double fwd_bwd_s = -1;     // forward + backward with full-weight gradients at `tokens`
   double torch_forloop_s = -1;  // torch.optim.AdamW(foreach=False)
   double torch_foreach_s = -1;  // torch.optim.AdamW(foreach=True)
+  // DeepSpeed's DeepSpeedCPUAdam on the same tensors, a step of each in
+  // every round (taking turns at going first): its median, kt's median in
+  // those rounds, and the median of each round's DeepSpeed / kt.
+  double deepspeed_s = -1, kt_beside_deepspeed_s = -1, deepspeed_ratio = -1;
   std::string error;         // the first kt failure, if any
 };
 
@@ -38,6 +43,7 @@ struct OptimizerReport {
   std::vector<OptimizerRow> rows;
   std::string torch_version, torch_reason;  // reason: why torch did not run
   int torch_threads = 0;
+  std::string deepspeed_version, deepspeed_flags, deepspeed_reason;  // reason: why it did not run
 };
 
 struct OptimizerBenchOptions {
@@ -49,6 +55,8 @@ struct OptimizerBenchOptions {
   int threads = 1;
   bool torch = true;
   std::string python, torch_script;
+  PeerProcess* peer = nullptr;  // DeepSpeed's CPU Adam, where the peers' interpreter has it
+  std::string peer_dir;         // where the tensors are written for it
 };
 
 OptimizerReport run_optimizer_bench(kt_engine* engine, const OptimizerBenchOptions& o, const std::string& torch_reason);

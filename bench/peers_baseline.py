@@ -1,0 +1,326 @@
+#!/usr/bin/env python3
+"""kt_bench's peers in one subprocess: kt-kernel's MoE and DeepSpeed's CPU Adam.
+
+kt_bench starts this script with the interpreter of --peers-python and talks
+to it one flat JSON object a line: a command on stdin, one reply on stdout
+(everything else the libraries print goes to stderr). The peers run on the
+data kt_bench writes to a directory (the same weights, routing, inputs and
+optimizer tensors kt runs on) and kt_bench calls them one call at a time,
+between its own calls, so both are timed in the same rounds.
+
+First line out, unasked: {"hello": 1, "python", "threads", "torch" or
+"torch_reason", "kt_kernel" (version) or "kt_kernel_reason",
+"kt_kernel_variant", "kt_kernel_int8", "deepspeed" or "deepspeed_reason"}.
+
+Commands ({"cmd": ...}):
+  moe_load  dir, experts, top_k, hidden, intermediate, max_tokens, variant
+            (bf16 | int8 | int4): builds kt-kernel's MoE of that variant from
+            dir/{gate,up,down}.bf16 -> {"ok", "class", "load_s"} or {"reason"}
+  moe_call  variant, T, batch: one forward of batch `batch` of dir/*_T.* ->
+            {"s": seconds}
+  moe_output variant, T, batch, rows, path: y of the first `rows` tokens of
+            that batch, fp32, written to path -> {"ok"}
+  moe_free  variant
+  adam_load dir, count, shape_<i> ("d0xd1x..."), lr, wd: DeepSpeedCPUAdam over
+            the fp32 tensors dir/p_<i>.f32 with gradients dir/g_<i>.f32 (its
+            op JIT-built or loaded here) -> {"ok", "build_flags"} or {"reason"}
+  adam_step -> {"s": seconds}
+  adam_free
+  quit
+
+kt-kernel is driven through its extension's classes (kt_kernel_ext.moe:
+the AVX2/AMX BF16 MoE, and for int8/int4 AMXInt8_MOE/AMXInt4_MOE, which
+quantize bf16 weights themselves at load) with the MOEConfig, CPUInfer and
+forward_task calls its KTMoEWrapper makes. The wrapper itself cannot be used
+on a CPU-only machine: it allocates its buffers with pin_memory=True, which
+needs an NVIDIA driver, and its BF16 method reads weights only from a
+safetensors path. Pinned buffers serve only copies to a GPU, so the plain
+buffers here change nothing on the CPU side.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, required=True, help="threads of every peer")
+    return p.parse_args()
+
+
+ARGS = parse_args()
+# Before torch (and DeepSpeed's OpenMP op) load their runtimes.
+os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+
+# Replies go to the original stdout; everything printed afterwards (by
+# Python or by the libraries' C++ code) goes to stderr.
+_REPLY = os.fdopen(os.dup(1), "w", buffering=1)
+os.dup2(2, 1)
+sys.stdout = sys.stderr
+
+
+def reply(obj):
+    _REPLY.write(json.dumps(obj) + "\n")
+    _REPLY.flush()
+
+
+def first_line(e):
+    text = str(e).strip().splitlines()
+    return "%s: %s" % (type(e).__name__, text[0] if text else "")
+
+
+HELLO = {"hello": 1, "python": sys.version.split()[0], "threads": ARGS.threads}
+try:
+    import torch
+
+    torch.set_num_threads(ARGS.threads)
+    HELLO["torch"] = torch.__version__
+except Exception as e:  # noqa: BLE001 - any failure to import is a reason
+    torch = None
+    HELLO["torch_reason"] = first_line(e)
+
+ktk = None
+if torch is not None:
+    try:
+        import kt_kernel
+
+        ktk = kt_kernel.kt_kernel_ext
+        HELLO["kt_kernel"] = kt_kernel.__version__
+        HELLO["kt_kernel_variant"] = str(kt_kernel.__cpu_variant__)
+        HELLO["kt_kernel_int8"] = str(getattr(kt_kernel, "__int8_kernel__", "unknown"))
+        # Its training (SFT) classes: what the LoRA and dx-only cases would
+        # run on, which kt_bench does not drive yet (see the reasons).
+        sft = sorted(n for n in dir(ktk.moe) if "SFT" in n and n.endswith("_MOE"))
+        amx_sft = [n for n in sft if n.startswith("AMX")]
+        if amx_sft:
+            HELLO["kt_kernel_train_lora_reason"] = (
+                "its SFT classes (%s) are not driven by kt_bench yet" % ", ".join(sft))
+            HELLO["kt_kernel_train_dx_reason"] = HELLO["kt_kernel_train_lora_reason"]
+        else:
+            HELLO["kt_kernel_train_lora_reason"] = (
+                "this build (%s variant) has no bf16 SFT class (AMXBF16_SFT needs its amx build); its SFT "
+                "classes: %s (LoRA over an MXFP4 base with a clamped SwiGLU, not this bf16 layer)"
+                % (kt_kernel.__cpu_variant__, ", ".join(sft) or "none"))
+            HELLO["kt_kernel_train_dx_reason"] = (
+                "its dx-only training (the *_SFT_SkipLoRA methods) needs the AMX SFT classes, absent from "
+                "this build (%s variant)" % kt_kernel.__cpu_variant__)
+    except Exception as e:  # noqa: BLE001
+        HELLO["kt_kernel_reason"] = first_line(e)
+else:
+    HELLO["kt_kernel_reason"] = "needs torch: " + HELLO["torch_reason"]
+
+ds_adam = None
+if torch is not None:
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam as ds_adam
+
+        HELLO["deepspeed"] = deepspeed.__version__
+    except Exception as e:  # noqa: BLE001
+        HELLO["deepspeed_reason"] = first_line(e)
+else:
+    HELLO["deepspeed_reason"] = "needs torch: " + HELLO["torch_reason"]
+
+
+# ---------------------------------------------------------------- kt-kernel
+
+_CPU_INFER = None
+
+
+def cpu_infer():
+    """One CPUInfer (kt-kernel's worker pool) of --threads threads, one subpool."""
+    global _CPU_INFER
+    if _CPU_INFER is None:
+        wc = ktk.WorkerPoolConfig()
+        wc.subpool_count = 1
+        wc.subpool_numa_map = [0]
+        wc.subpool_thread_count = [ARGS.threads]
+        _CPU_INFER = ktk.CPUInfer(wc)
+    return _CPU_INFER
+
+
+def read_tensor(path, dtype, shape):
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    return torch.frombuffer(data, dtype=dtype).view(*shape)
+
+
+class KtKernelMoE:
+    """kt-kernel's MoE of one variant on the layer kt_bench wrote."""
+
+    def __init__(self, c):
+        moe = ktk.moe
+        self.dir, self.E, self.k = c["dir"], int(c["experts"]), int(c["top_k"])
+        self.H, self.I = int(c["hidden"]), int(c["intermediate"])
+        variant = c["variant"]
+        E, H, I = self.E, self.H, self.I
+        if variant == "bf16":
+            cls_name = "AMXBF16_MOE" if getattr(moe, "AMXBF16_MOE", None) else "AVX2BF16_MOE"
+        elif variant == "int8":
+            cls_name = "AMXInt8_MOE"
+        elif variant == "int4":
+            cls_name = "AMXInt4_MOE"
+        else:
+            raise ValueError("unknown variant " + variant)
+        cls = getattr(moe, cls_name, None)
+        if cls is None:
+            have = sorted(n for n in dir(moe) if n.endswith("_MOE"))
+            raise LookupError("this build (%s variant) has no %s (its %s path with its own quantization "
+                              "from bf16); its MoE classes: %s" % (HELLO.get("kt_kernel_variant"), cls_name,
+                                                                    variant, ", ".join(have)))
+        self.cls_name = cls_name
+        self.gate = read_tensor(os.path.join(self.dir, "gate.bf16"), torch.bfloat16, (E, I, H))
+        self.up = read_tensor(os.path.join(self.dir, "up.bf16"), torch.bfloat16, (E, I, H))
+        self.down = read_tensor(os.path.join(self.dir, "down.bf16"), torch.bfloat16, (E, H, I))
+        self.mask = torch.zeros(E, dtype=torch.bool)  # no expert on a GPU
+        cfg = moe.MOEConfig(E, self.k, H, I, self.mask.data_ptr())
+        cfg.layer_idx = 0
+        cfg.pool = cpu_infer().backend_
+        cfg.max_len = int(c["max_tokens"])
+        if variant == "bf16":
+            # The native wrapper's per-expert pointers; bf16 has no scales.
+            cfg.gate_projs = [[self.gate[e].data_ptr() for e in range(E)]]
+            cfg.up_projs = [[self.up[e].data_ptr() for e in range(E)]]
+            cfg.down_projs = [[self.down[e].data_ptr() for e in range(E)]]
+            cfg.gate_scales = [[0] * E]
+            cfg.up_scales = [[0] * E]
+            cfg.down_scales = [[0] * E]
+        else:
+            # AMXMoEWrapper.load_weights_from_tensors: online quantization.
+            cfg.save = True
+            cfg.load = False
+            cfg.gate_proj = self.gate.data_ptr()
+            cfg.up_proj = self.up.data_ptr()
+            cfg.down_proj = self.down.data_ptr()
+            cfg.path = os.path.join(self.dir, "ktk_" + variant)
+        self.moe = cls(cfg)
+        self.cfg = cfg
+        self.p2l = torch.arange(E, dtype=torch.long)
+        start = time.perf_counter()
+        cpu_infer().submit(self.moe.load_weights_task(self.p2l.data_ptr()))
+        cpu_infer().sync()
+        self.load_s = time.perf_counter() - start
+        self.batches = {}
+
+    def batch(self, T, b):
+        if T not in self.batches:
+            ids = read_tensor(os.path.join(self.dir, "ids_%d.i32" % T), torch.int32, (-1, T, self.k)).long()
+            rw = read_tensor(os.path.join(self.dir, "rw_%d.f32" % T), torch.float32, (-1, T, self.k))
+            x = read_tensor(os.path.join(self.dir, "x_%d.bf16" % T), torch.bfloat16, (-1, T, self.H))
+            n = ids.shape[0]
+            self.batches[T] = ([ids[i].contiguous() for i in range(n)], [rw[i].contiguous() for i in range(n)],
+                               [x[i].contiguous() for i in range(n)], torch.zeros(T, self.H, dtype=torch.bfloat16),
+                               torch.tensor([T], dtype=torch.int32))
+        ids, rw, x, out, bsz = self.batches[T]
+        i = b % len(ids)
+        return ids[i], rw[i], x[i], out, bsz
+
+    def call(self, T, b):
+        ids, rw, x, out, bsz = self.batch(T, b)
+        ci = cpu_infer()
+        start = time.perf_counter()
+        ci.submit(self.moe.forward_task(bsz.data_ptr(), self.k, ids.data_ptr(), rw.data_ptr(), x.data_ptr(),
+                                        out.data_ptr(), False))
+        ci.sync()
+        return time.perf_counter() - start, out
+
+
+# ---------------------------------------------------------------- DeepSpeed
+
+def deepspeed_build_flags():
+    """The flags DeepSpeed's JIT build compiled cpu_adam with (build.ninja
+    torch's extension loader left)."""
+    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    for root, _, files in os.walk(base):
+        if os.path.basename(root) == "cpu_adam" and "build.ninja" in files:
+            with open(os.path.join(root, "build.ninja")) as f:
+                text = f.read()
+            return " ".join(x for x in ("-O3", "-march=native", "-fopenmp", "-D__AVX512__", "-D__AVX256__")
+                            if x in text)
+    return "unknown flags"
+
+
+class DeepSpeedAdam:
+    def __init__(self, c):
+        self.params = []
+        for i in range(int(c["count"])):
+            shape = tuple(int(d) for d in c["shape_%d" % i].split("x"))
+            p = torch.nn.Parameter(read_tensor(os.path.join(c["dir"], "p_%d.f32" % i), torch.float32, shape))
+            p.grad = read_tensor(os.path.join(c["dir"], "g_%d.f32" % i), torch.float32, shape)
+            self.params.append(p)
+        self.opt = ds_adam(self.params, lr=float(c["lr"]), betas=(0.9, 0.999), eps=1e-8,
+                           weight_decay=float(c["wd"]), adamw_mode=True, bias_correction=True,
+                           fp32_optimizer_states=True)
+
+    def step(self):
+        start = time.perf_counter()
+        self.opt.step()
+        return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- loop
+
+def main():
+    reply(HELLO)
+    moes, adam = {}, None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            c = json.loads(line)
+        except json.JSONDecodeError as e:
+            reply({"error": "not JSON: " + str(e)})
+            continue
+        cmd = c.get("cmd")
+        try:
+            if cmd == "quit":
+                reply({"ok": 1})
+                break
+            if cmd == "moe_load":
+                if ktk is None:
+                    reply({"reason": HELLO.get("kt_kernel_reason", "kt-kernel not loaded")})
+                    continue
+                try:
+                    m = KtKernelMoE(c)
+                except (LookupError, RuntimeError, ValueError, MemoryError, OSError) as e:
+                    reply({"reason": first_line(e)})
+                    continue
+                moes[c["variant"]] = m
+                reply({"ok": 1, "class": m.cls_name, "load_s": m.load_s})
+            elif cmd == "moe_call":
+                s, _ = moes[c["variant"]].call(int(c["T"]), int(c["batch"]))
+                reply({"s": s})
+            elif cmd == "moe_output":
+                _, out = moes[c["variant"]].call(int(c["T"]), int(c["batch"]))
+                out[: int(c["rows"])].float().numpy().tofile(c["path"])
+                reply({"ok": 1})
+            elif cmd == "moe_free":
+                moes.pop(c["variant"], None)
+                reply({"ok": 1})
+            elif cmd == "adam_load":
+                if ds_adam is None:
+                    reply({"reason": HELLO.get("deepspeed_reason", "deepspeed not loaded")})
+                    continue
+                try:
+                    adam = DeepSpeedAdam(c)
+                    adam.step()  # builds or loads the op, outside any timing
+                except Exception as e:  # noqa: BLE001 - a machine that cannot build the op
+                    adam = None
+                    reply({"reason": first_line(e)})
+                    continue
+                reply({"ok": 1, "build_flags": deepspeed_build_flags()})
+            elif cmd == "adam_step":
+                reply({"s": adam.step()})
+            elif cmd == "adam_free":
+                adam = None
+                reply({"ok": 1})
+            else:
+                reply({"error": "unknown command %r" % cmd})
+        except Exception as e:  # noqa: BLE001 - reported to kt_bench, which stops using the peer
+            reply({"error": first_line(e)})
+
+
+if __name__ == "__main__":
+    main()
