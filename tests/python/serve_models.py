@@ -52,15 +52,21 @@ def _config(kind, vocab, hidden, intermediate, moe_intermediate, experts, top_k,
                               mlp_only_layers=[], **common)
     if kind == "deepseek_v3":
         from transformers import DeepseekV3Config
+        # Latent KV of 512 + rope 64: the one size vLLM's CPU MLA kernel has.
         # First layer dense, the others MoE with one shared expert and
         # grouped top-k routing with sigmoid scores and the correction bias.
-        return DeepseekV3Config(intermediate_size=intermediate, moe_intermediate_size=moe_intermediate,
+        config = DeepseekV3Config(intermediate_size=intermediate, moe_intermediate_size=moe_intermediate,
                                 n_routed_experts=experts, num_experts_per_tok=top_k, n_shared_experts=1,
                                 n_group=4 if experts % 4 == 0 else 1, topk_group=2 if experts % 4 == 0 else 1,
                                 first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                                num_key_value_heads=heads, q_lora_rank=64, kv_lora_rank=32,
-                                qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                                num_key_value_heads=heads, q_lora_rank=64, kv_lora_rank=512,
+                                qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                                 rope_scaling=None, **common)
+        # DeepSeek-V3's own config.json names its routing ("noaux_tc": the
+        # correction bias picks the experts, sigmoid scores weight them).
+        config.topk_method = "noaux_tc"
+        config.scoring_func = "sigmoid"
+        return config
     if kind == "gpt_oss":
         from transformers import GptOssConfig
         return GptOssConfig(intermediate_size=moe_intermediate, num_local_experts=experts,

@@ -208,6 +208,11 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
         refuse("expert biases in the checkpoint: %s, in vLLM's layer: %s" % (info["bias"], moe_config.has_bias))
     opts = ckpt.moe_options(layer)
     stored = opts["weight_format"]
+    if act["activation"] == "swiglu_oai":  # vLLM's values where it has them, else the checkpoint's
+        if moe_config.swiglu_alpha is None:
+            act["act_alpha"] = float(opts["act_alpha"])
+        if moe_config.swiglu_limit is None:
+            act["act_limit"] = float(opts["act_limit"])
     if quant_config is not None and stored == "bf16":
         refuse("vLLM quantizes this dense checkpoint with %s; kt would compute with the stored weights"
                % quant_config.get_name())
@@ -316,7 +321,21 @@ def _make_classes():
 
         def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                            params_dtype, **extra_weight_attrs):
-            pass  # kt holds the weights
+            # kt holds the weights. Models that load experts through their
+            # own params_dict (DeepSeek, gpt-oss) look these names up and
+            # copy into them: parameters of vLLM's shapes on the meta device
+            # (no memory; a copy into them does nothing) whose weight_loader
+            # (the layer's) drops the data.
+            I, H = intermediate_size_per_partition, hidden_size
+            shapes = {"w13_weight": (num_experts, 2 * I, H), "w2_weight": (num_experts, H, I)}
+            if self.moe.has_bias:
+                shapes.update(w13_bias=(num_experts, 2 * I), w2_bias=(num_experts, H))
+            for name, shape in shapes.items():
+                p = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"),
+                                       requires_grad=False)
+                for k, v in extra_weight_attrs.items():
+                    setattr(p, k, v)
+                layer.register_parameter(name, p)
 
         def get_fused_moe_quant_config(self, layer):
             return FusedMoEQuantConfig.make()
@@ -332,9 +351,10 @@ def _make_classes():
         def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
             return op(x, topk_ids, topk_weights, self.key)
 
-    class KtRoutedExperts(RoutedExperts):
-        """vLLM's RoutedExperts, with kt computing the experts when the
-        server asked for kt and kt can take the layer."""
+    class KtExpertsMixin:
+        """Put before a vLLM RoutedExperts class: kt computes the experts
+        when the server asked for kt and kt can take the layer; otherwise
+        the layer is the vLLM class's own."""
 
         def __init__(self, layer_name, params_dtype, moe_config, quant_config, *args, **kwargs):
             plan = None
@@ -354,9 +374,9 @@ def _make_classes():
             super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
             if plan is not None:
                 _checkpoint(plan.directory)[1] += 1
-                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d)",
+                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s)",
                             layer_name, moe_config.num_experts, moe_config.experts_per_token,
-                            plan.kt_layer.hidden, plan.kt_layer.intermediate)
+                            plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format)
 
         @property
         def computed_by_kt(self):
@@ -375,7 +395,8 @@ def _make_classes():
             # by kt from the mapped files after vLLM's loading.
             for _ in weights:
                 pass
-            return
+            for name, _ in self.named_parameters(recurse=False):
+                yield name
 
         def weight_loader(self, param, loaded_weight, weight_name, shard_id, expert_id,
                           return_success=False):
@@ -384,12 +405,24 @@ def _make_classes():
                                              return_success)
             return True if return_success else None
 
-    KtRoutedExperts.weight_loader.supports_moe_loading = True
-    return KtRoutedExperts, KtMoEMethod
+    KtExpertsMixin.weight_loader.supports_moe_loading = True
+
+    def kt_class(base):
+        cls = type("Kt" + base.__name__, (KtExpertsMixin, base), {"__module__": __name__})
+        return cls
+
+    targets = [RoutedExperts]
+    try:  # gpt-oss makes its own RoutedExperts subclass
+        from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
+        targets.append(GptOssRoutedExperts)
+    except Exception as e:  # noqa: BLE001 - a vLLM without it serves no gpt-oss
+        logger.debug("kt: no GptOssRoutedExperts in this vLLM (%s)", e)
+    return {base.__name__: kt_class(base) for base in targets}, KtMoEMethod
 
 
 def classes():
-    """(KtRoutedExperts, KtMoEMethod), defined on first use (imports vLLM)."""
+    """({vLLM class name: kt's class in its place}, KtMoEMethod), defined on
+    first use (imports vLLM)."""
     global _classes
     if _classes is None:
         _classes = _make_classes()
@@ -397,24 +430,23 @@ def classes():
 
 
 def register():
-    """vLLM's general-plugin entry point: puts KtRoutedExperts in place of
-    vLLM's RoutedExperts (it behaves as vLLM's unless the server's
-    additional_config has "kt")."""
+    """vLLM's general-plugin entry point: puts kt's classes in place of
+    vLLM's RoutedExperts and its subclass of gpt-oss (they behave as vLLM's
+    unless the server's additional_config has "kt")."""
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 
-    cls = classes()[0]
-    current = op_registry_oot.get("RoutedExperts")
-    if current is cls:
-        return
-    if current is not None:
-        raise KtVllmError("kt: another vLLM plugin already replaces RoutedExperts (%s)" % current)
-    PluggableLayer.register_oot(cls, name="RoutedExperts")
+    for name, cls in classes()[0].items():
+        current = op_registry_oot.get(name)
+        if current is cls:
+            continue
+        if current is not None:
+            raise KtVllmError("kt: another vLLM plugin already replaces %s (%s)" % (name, current))
+        PluggableLayer.register_oot(cls, name=name)
 
 
 def kt_layers(model):
     """The routed-experts modules of a vLLM model that kt computes."""
-    cls = classes()[0]
-    return [m for m in model.modules() if isinstance(m, cls) and m.computed_by_kt]
+    return [m for m in model.modules() if getattr(m, "computed_by_kt", False)]
 
 
 def kt_stats(model):
