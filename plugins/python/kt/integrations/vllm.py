@@ -42,6 +42,7 @@ checkpoint whose expert tensors kt does not recognise or cannot load
 quantization method over a dense checkpoint (kt would compute other numbers
 than the ones asked for).
 """
+import importlib
 import logging
 import os
 import re
@@ -51,6 +52,8 @@ import threading
 logger = logging.getLogger("vllm.kt")
 
 CONFIG_KEY = "kt"
+# What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
+_QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
 _OPTIONS = ("threads", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict")
 
 _lock = threading.Lock()
@@ -219,6 +222,9 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     if opts["activation"] != act["activation"]:
         refuse("the checkpoint's experts use %s, vLLM's layer %s" % (opts["activation"], act["activation"]))
     fmt = settings["weight_format"] or ("bf16" if settings["dequantize"] else stored)
+    if stored == "bf16" and fmt not in _QUANTIZE_AT_LOAD:
+        refuse("weight_format %r: kt quantizes dense (bf16/fp16/fp32) checkpoint weights only into %s at "
+               "load; %s comes from a checkpoint stored in it" % (fmt, ", ".join(_QUANTIZE_AT_LOAD), fmt))
     if fmt != stored and stored != "bf16" and not (fmt == "bf16" and settings["dequantize"]):
         refuse("the checkpoint holds %s experts; kt loads them as stored (weight_format %r), or into bf16 "
                "with dequantize, never re-quantized into %s" % (stored, stored, fmt))
@@ -411,12 +417,17 @@ def _make_classes():
         cls = type("Kt" + base.__name__, (KtExpertsMixin, base), {"__module__": __name__})
         return cls
 
+    # vLLM's RoutedExperts and the subclasses its models make (gpt-oss,
+    # DBRX, the transformers backend): every one is replaced, so that a
+    # layer kt cannot take is reported instead of silently staying vLLM's.
     targets = [RoutedExperts]
-    try:  # gpt-oss makes its own RoutedExperts subclass
-        from vllm.model_executor.models.gpt_oss import GptOssRoutedExperts
-        targets.append(GptOssRoutedExperts)
-    except Exception as e:  # noqa: BLE001 - a vLLM without it serves no gpt-oss
-        logger.debug("kt: no GptOssRoutedExperts in this vLLM (%s)", e)
+    for module, name in (("vllm.model_executor.models.gpt_oss", "GptOssRoutedExperts"),
+                         ("vllm.model_executor.models.dbrx", "DbrxExperts"),
+                         ("vllm.model_executor.models.transformers.moe", "TransformersRoutedExperts")):
+        try:
+            targets.append(getattr(importlib.import_module(module), name))
+        except Exception as e:  # noqa: BLE001 - a vLLM without that model
+            logger.debug("kt: no %s.%s in this vLLM (%s)", module, name, e)
     return {base.__name__: kt_class(base) for base in targets}, KtMoEMethod
 
 
@@ -431,7 +442,7 @@ def classes():
 
 def register():
     """vLLM's general-plugin entry point: puts kt's classes in place of
-    vLLM's RoutedExperts and its subclass of gpt-oss (they behave as vLLM's
+    vLLM's RoutedExperts and its models' subclasses of it (they behave as vLLM's
     unless the server's additional_config has "kt")."""
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
 

@@ -1,0 +1,345 @@
+"""vLLM serving small random-weight MoE models with the routed experts in kt
+(kt.integrations.vllm), compared with the same vLLM serving them alone.
+
+Each configuration runs in its own process (serve_vllm_run.py: vLLM's
+offline engine; or `vllm serve`, its OpenAI-compatible HTTP server, for the
+HTTP tests). The checkpoints come from transformers' config classes with
+bf16-rounded random weights (serve_models.py), nothing downloaded.
+
+* fp32, greedy: kt (fp32 activations, bf16 weights as stored) and vLLM's own
+  CPU experts compute the same numbers up to summation order, so the
+  generated tokens are identical (Qwen3-MoE, DeepSeek-V3).
+* bf16: the log-probabilities of every vocabulary entry at every prompt
+  position differ by at most tolerances.BF16_TORCH (relative L2): vLLM's
+  bf16 experts round their intermediates where kt keeps fp32 (Qwen3-MoE,
+  gpt-oss).
+* kt computed every MoE layer (its forward counters), so a plugin that is
+  not in effect fails.
+* HTTP: `vllm serve` with the plugin loaded through kt's entry point;
+  a batched completion request of mixed prompt lengths and concurrent
+  clients get the same tokens as from the server without kt.
+* Bad input: a layer kt cannot take (a weight format kt does not make
+  from a dense checkpoint; a vLLM model whose checkpoint layout kt does not
+  know) stops the server with kt's reason by default, or stays vLLM's with
+  a warning under "strict": false (then the tokens are vLLM's).
+"""
+import concurrent.futures
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (tools/python_env.sh serve makes a venv with it)")
+pytest.importorskip("transformers", reason="transformers builds the test checkpoints")
+
+import serve_models  # noqa: E402
+import tolerances  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+RUN = os.path.join(HERE, "serve_vllm_run.py")
+TIMEOUT = 900
+
+# Prompts of mixed lengths (token ids of the word-level vocabulary).
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100],
+           list(range(20, 60)), [300, 301, 302, 303, 304, 305, 306]]
+
+
+def _env():
+    env = dict(os.environ)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "plugins", "python"), HERE]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_engine(tmp_path, name, spec):
+    """Runs serve_vllm_run.py on spec; returns its JSON result."""
+    spec_path = tmp_path / ("%s.spec.json" % name)
+    out_path = tmp_path / ("%s.out.json" % name)
+    spec_path.write_text(json.dumps(spec))
+    t = time.time()
+    proc = subprocess.run([sys.executable, RUN, str(spec_path), str(out_path)], env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT)
+    log = proc.stdout.decode(errors="replace")
+    print("%s: %.1f s, exit %d" % (name, time.time() - t, proc.returncode))
+    if not out_path.exists():
+        raise AssertionError("%s: no result (exit %d)\n%s" % (name, proc.returncode, log[-6000:]))
+    result = json.loads(out_path.read_text())
+    result["log"] = log
+    return result
+
+
+def _ok(result, name):
+    assert "error" not in result, "%s failed: %s\n%s" % (name, result.get("error"), result.get("traceback"))
+    return result
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("serve_models")
+    cache = {}
+
+    def get(kind, dtype):
+        key = (kind, dtype)
+        if key not in cache:
+            layers = 3 if kind == "deepseek_v3" else 2
+            cache[key] = serve_models.build(str(base / ("%s_%s" % (kind, dtype))), kind, dtype, layers=layers)
+        return cache[key]
+    return get
+
+
+def _moe_layers(model_dir):
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    first = c.get("first_k_dense_replace", 0)
+    return ["model.layers.%d.mlp.experts" % i for i in range(first, c["num_hidden_layers"])]
+
+
+def _assert_kt_computed(result, model_dir, prompts):
+    stats = result["kt_stats"]
+    assert sorted(stats) == sorted(_moe_layers(model_dir)), stats
+    tokens = sum(len(p) for p in prompts)
+    for layer, (calls, n) in stats.items():
+        assert calls > 0 and n >= tokens, (layer, calls, n)
+
+
+def _rel_l2(a, b):
+    num = den = 0.0
+    for ra, rb in zip(a, b):
+        for pa, pb in zip(ra, rb):
+            for x, y in zip(pa, pb):
+                num += (x - y) ** 2
+                den += y * y
+    return (num / den) ** 0.5
+
+
+# ------------------------------------------------------------ offline engine
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+def test_fp32_greedy_tokens_match_vllm(tmp_path, models, kind):
+    model = models(kind, "float32")
+    spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
+    ref = _ok(run_engine(tmp_path, kind + "-vllm", dict(spec, kt=None)), "vllm")
+    got = _ok(run_engine(tmp_path, kind + "-kt", dict(spec, kt={})), "kt")
+    assert ref["kt_stats"] == {}
+    _assert_kt_computed(got, model, PROMPTS)
+    assert all(len(t) == 16 for t in ref["tokens"])
+    assert got["tokens"] == ref["tokens"]
+    assert got["texts"] == ref["texts"]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_bf16_logprobs_within_bound(tmp_path, models, kind):
+    model = models(kind, "bfloat16")
+    prompts = PROMPTS[:3]
+    spec = dict(model=model, dtype="bfloat16", prompts=prompts, max_tokens=1, prompt_logprobs=True)
+    ref = _ok(run_engine(tmp_path, kind + "-bf16-vllm", dict(spec, kt=None)), "vllm")
+    got = _ok(run_engine(tmp_path, kind + "-bf16-kt", dict(spec, kt={})), "kt")
+    _assert_kt_computed(got, model, prompts)
+    err = _rel_l2(got["prompt_logprobs"], ref["prompt_logprobs"])
+    print("%s bf16: log-probabilities kt vs vLLM, relative L2 %.2e (bound %.0e)"
+          % (kind, err, tolerances.BF16_TORCH))
+    assert 0.0 < err < tolerances.BF16_TORCH  # 0.0 would mean kt was not used
+
+
+def test_quantized_at_load_runs_in_kt(tmp_path, models):
+    """weight_format int8_channel: kt quantizes the dense checkpoint at load
+    (kt_c_api.h states the error); the server generates with it."""
+    model = models("qwen3_moe", "float32")
+    got = _ok(run_engine(tmp_path, "int8", dict(model=model, dtype="float32", prompts=PROMPTS[:2],
+                                                  max_tokens=4, kt={"weight_format": "int8_channel"})), "kt")
+    _assert_kt_computed(got, model, PROMPTS[:2])
+    assert "int8_channel" in got["log"]
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_unsupported_format_refused(tmp_path, models):
+    model = models("qwen3_moe", "float32")
+    spec = dict(model=model, dtype="float32", prompts=PROMPTS[:2], max_tokens=8)
+    bad = run_engine(tmp_path, "fp8-strict", dict(spec, kt={"weight_format": "fp8_b128"}))
+    assert "error" in bad
+    text = bad["error"] + bad.get("traceback", "")
+    assert "kt: model.layers.0.mlp.experts" in text and "fp8_b128" in text, text[-3000:]
+    # Not strict: the layers stay vLLM's, which says so, and its tokens are vLLM's.
+    ref = _ok(run_engine(tmp_path, "fp8-ref", dict(spec, kt=None)), "vllm")
+    loose = _ok(run_engine(tmp_path, "fp8-loose", dict(spec, kt={"weight_format": "fp8_b128",
+                                                                   "strict": False})), "kt")
+    assert loose["kt_stats"] == {}
+    assert "stays with vLLM's experts" in loose["log"]
+    assert loose["tokens"] == ref["tokens"]
+
+
+def test_unknown_option_refused(tmp_path, models):
+    model = models("qwen3_moe", "float32")
+    bad = run_engine(tmp_path, "option", dict(model=model, dtype="float32", prompts=PROMPTS[:1],
+                                              max_tokens=2, kt={"thread": 2}))
+    assert "error" in bad and "unknown option" in bad["error"] and "thread" in bad["error"]
+
+
+def test_unknown_checkpoint_layout_refused(tmp_path, models):
+    """A checkpoint whose expert tensors kt does not recognise (the Qwen3-MoE
+    checkpoint with its experts under other names): the plugin refuses the
+    layer, naming it and the layout kt found. (vLLM's own loader does not
+    read such a checkpoint either, so this is the plugin's decision alone,
+    taken before vLLM loads anything.)"""
+    from safetensors.torch import load_file, save_file
+    import kt.integrations.vllm as ktv
+    model = models("qwen3_moe", "float32")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    tensors = load_file(os.path.join(model, "model.safetensors"))
+    save_file({re.sub(r"\.(gate|up|down)_proj\.", r".w_\1.", k): v for k, v in tensors.items()},
+              str(renamed / "model.safetensors"), metadata={"format": "pt"})
+    (renamed / "config.json").write_text(open(os.path.join(model, "config.json")).read())
+    vllm_config = type("VllmConfig", (), {"additional_config": {"kt": {}}})()
+    vllm_config.model_config = type("ModelConfig", (), {"model": str(renamed), "revision": None})()
+    settings = ktv.settings_of(vllm_config)
+    with pytest.raises(ktv.KtVllmError) as e:
+        ktv.plan_layer("model.layers.0.mlp.experts", _FakeMoeConfig(), None, False, vllm_config, settings)
+    print(e.value)
+    assert "kt: model.layers.0.mlp.experts: the checkpoint %s has no MoE layer 0 that kt recognises" \
+        % renamed in str(e.value)
+    # The original checkpoint passes the same checks.
+    vllm_config.model_config.model = model
+    plan = ktv.plan_layer("model.layers.0.mlp.experts", _FakeMoeConfig(), None, False, vllm_config, settings)
+    assert plan.layer == 0 and plan.kt_layer.num_experts == 16
+
+
+class _FakeParallel:
+    tp_size = ep_size = dp_size = pcp_size = 1
+
+
+class _FakeAct:
+    value = "silu"
+
+
+class _FakeMoeConfig:
+    """The fields of vLLM's FusedMoEConfig that plan_layer reads."""
+    moe_parallel_config = _FakeParallel()
+    num_experts = num_local_experts = num_logical_experts = 16
+    experts_per_token = 4
+    hidden_dim = hidden_dim_unpadded = 128
+    intermediate_size = 64
+    has_bias = False
+    activation = _FakeAct()
+    swiglu_limit = swiglu_alpha = swiglu_beta = None
+    max_num_tokens = 1024
+
+    @property
+    def in_dtype(self):
+        import torch
+        return torch.float32
+
+
+# ------------------------------------------------------------------ HTTP server
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`vllm serve` on loopback, its log in a file."""
+
+    def __init__(self, tmp_path, name, model, extra_args):
+        self.port = _free_port()
+        self.log_path = tmp_path / ("%s.log" % name)
+        self.log = open(self.log_path, "wb")
+        vllm_cli = os.path.join(os.path.dirname(sys.executable), "vllm")
+        cmd = [vllm_cli, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+               "--gpu-memory-utilization", "0.05", "--served-model-name", "moe"] + extra_args
+        self.proc = subprocess.Popen(cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self.base = "http://127.0.0.1:%d" % self.port
+
+    def wait_ready(self):
+        import urllib.request
+        deadline = time.time() + TIMEOUT
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("vllm serve exited %d:\n%s" % (self.proc.returncode, self.text()[-6000:]))
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError("vllm serve did not come up:\n%s" % self.text()[-6000:])
+
+    def text(self):
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()  # the server's own process group: its engine process too
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait()
+        self.log.close()
+
+
+def _entry_point_installed():
+    from importlib.metadata import entry_points
+    eps = entry_points()
+    group = eps.select(group="vllm.general_plugins") if hasattr(eps, "select") else eps.get("vllm.general_plugins", [])
+    return any(ep.name == "kt" and ep.value == "kt.integrations.vllm:register" for ep in group)
+
+
+def _client_runs(base):
+    """A batched request of mixed-length prompts and concurrent clients
+    (completions and chat), through the openai client; returns their texts."""
+    openai = pytest.importorskip("openai", reason="the openai client is not installed")
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=600)
+    texts = [serve_models.prompt_text(p) for p in PROMPTS]
+    out = {}
+    batch = client.completions.create(model="moe", prompt=texts, max_tokens=12, temperature=0)
+    out["batch"] = [c.text for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert all(c.finish_reason in ("length", "stop") for c in batch.choices)
+
+    def one(i):
+        p = texts[i % len(texts)] + " w%d" % i
+        if i % 2:
+            r = client.chat.completions.create(model="moe", messages=[{"role": "user", "content": p}],
+                                               max_tokens=8, temperature=0)
+            return r.choices[0].message.content
+        r = client.completions.create(model="moe", prompt=p, max_tokens=8, temperature=0)
+        return r.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        out["concurrent"] = list(pool.map(one, range(12)))
+    return out
+
+
+def test_http_server_with_and_without_kt(tmp_path, models):
+    if not _entry_point_installed():
+        pytest.skip("kt is installed without its vllm.general_plugins entry point "
+                    "(tools/python_env.sh serve installs the kt wheel that has it)")
+    model = models("qwen3_moe", "float32")
+    results = {}
+    for name, extra in (("kt", ["--additional-config", json.dumps({"kt": {}})]), ("vllm", [])):
+        server = Server(tmp_path, "serve-" + name, model, extra)
+        try:
+            server.wait_ready()
+            results[name] = _client_runs(server.base)
+        finally:
+            server.stop()
+        log = server.text()
+        loaded = re.findall(r"kt: (model\.layers\.\d+\.mlp\.experts): \d+ experts of layer", log)
+        if name == "kt":
+            assert sorted(set(loaded)) == _moe_layers(model), log[-4000:]
+        else:
+            assert not loaded
+    assert all(t.strip() for t in results["vllm"]["batch"])
+    assert results["kt"] == results["vllm"]
