@@ -11,10 +11,11 @@ Namings (``MoEExperts.hf_naming``, set by kt.hf):
 
 PEFT's LoRA on per-expert modules is ``{e}.{proj}.lora_A.weight`` [r,in] and
 ``lora_B.weight`` [out,r]. On fused parameters PEFT targets the parameter
-itself (``target_parameters``): a 3-D parameter [E, d1, d2] gets lora_A
-``nn.Linear(d1, r*E)`` (weight [r*E, d1], row e*r + k) and lora_B
-``nn.Linear(r*E, d2)`` (weight [d2, r*E], column k*E + e); the change of
-expert e's parameter is scaling * (B_e A_e)^T. Several targeted parameters
+itself (``target_parameters``): a 3-D parameter of expert projections
+in -> out gets lora_A ``nn.Linear(in, r*E)`` (weight [r*E, in], row e*r + k)
+and lora_B ``nn.Linear(r*E, out)`` (weight [out, r*E], column k*E + e);
+the change of expert e's projection is scaling * B_e A_e, stored
+transposed for [E, in, out] parameters (gpt-oss). Several targeted parameters
 of one module nest: the first listed is innermost, so with
 ["gate_up_proj", "down_proj"] gate_up_proj's factors are under
 ``base_layer.lora_*`` and down_proj's under ``lora_*``.
@@ -123,38 +124,35 @@ def weights_from_hf(naming, tensors, E, bias):
 
 def _peft_param_factors(delta_A, delta_B, naming_in_out):
     """kt factors of one fused parameter (A [E,R,in], B [E,out,R], nn.Linear
-    sense, delta = B A) -> PEFT's (lora_A.weight, lora_B.weight) of the
-    parameter as stored ([E, d1, d2] with d1 = in for in x out storage)."""
+    sense, delta = B A) -> PEFT's (lora_A.weight, lora_B.weight). PEFT
+    (0.21) gives a 3-D parameter lora_A = Linear(in, R*E) and lora_B =
+    Linear(R*E, out) whichever way it is stored: it reads [E, out, in]
+    (transformers v5 fused experts) or, where the experts module says
+    ``is_transposed`` (gpt-oss), [E, in, out]. So both orientations take
+    kt's factors as they are: row e*R + k of lora_A is A[e, k], column
+    k*E + e of lora_B is B[e, :, k]."""
     E, R = delta_A.shape[0], delta_A.shape[1]
-    # PEFT: delta_param[e] = (Bp_e Ap_e)^T, Ap_e [R, d1], Bp_e [d2, R].
-    if naming_in_out:
-        # param[e] = W_e^T [in, out]; delta^T = B A -> Ap_e = A_e, Bp_e = B_e
-        ap, bp = delta_A, delta_B
-    else:
-        # param[e] = W_e [out, in]; (Bp Ap)^T = B A -> Ap_e = B_e^T, Bp_e = A_e^T
-        ap, bp = delta_B.transpose(1, 2), delta_A.transpose(1, 2)
-    lora_a = ap.reshape(E * R, ap.shape[2]).contiguous()  # row e*R + k
-    lora_b = bp.permute(1, 2, 0).reshape(bp.shape[1], R * E).contiguous()  # column k*E + e
+    lora_a = delta_A.reshape(E * R, delta_A.shape[2]).contiguous()
+    lora_b = delta_B.permute(1, 2, 0).reshape(delta_B.shape[1], R * E).contiguous()
     return lora_a, lora_b
 
 
 def _kt_factors(lora_a, lora_b, E, naming_in_out):
     """Inverse of _peft_param_factors: -> A [E,R,in], B [E,out,R]."""
     R = lora_a.shape[0] // E
-    ap = lora_a.reshape(E, R, lora_a.shape[1])
-    bp = lora_b.reshape(lora_b.shape[0], R, E).permute(2, 0, 1)
-    if naming_in_out:
-        return ap, bp
-    return bp.transpose(1, 2), ap.transpose(1, 2)
+    return lora_a.reshape(E, R, lora_a.shape[1]), lora_b.reshape(lora_b.shape[0], R, E).permute(2, 0, 1)
 
 
-def lora_to_peft(naming, lora, targets):
+def lora_to_peft(naming, lora, targets, per_expert_names=None):
     """kt LoRA {lora_A_<p>: [E,r,in], lora_B_<p>: [E,out,r]} -> {relative
     key: tensor} in PEFT's saved form, plus the rank/alpha factor of each
-    fused parameter ({parameter: rank multiplier})."""
+    fused parameter ({parameter: rank multiplier}). ``per_expert_names``
+    (gate, up, down module names) writes a fused block in the per-expert
+    form of the checkpoints it was converted from (PEFT fuses such adapters
+    when it loads them onto a transformers v5 model)."""
     out, multipliers = {}, {}
-    if naming in PER_EXPERT or not is_fused(naming):
-        names = PER_EXPERT.get(naming, PER_EXPERT["qwen"])
+    if per_expert_names is not None or naming in PER_EXPERT or not is_fused(naming):
+        names = per_expert_names or PER_EXPERT.get(naming, PER_EXPERT["qwen"])
         for p, n in zip(PROJ, names):
             if p not in targets:
                 continue
@@ -195,13 +193,17 @@ def lora_to_peft(naming, lora, targets):
     return out, multipliers
 
 
-def lora_from_peft(naming, tensors, targets, E, r):
+def lora_from_peft(naming, tensors, targets, E, r, per_expert_names=None):
     """PEFT's saved form (relative keys) -> kt LoRA tensors; raises
-    ValueError where PEFT's factors cannot be kt's (fused gate/up factors
-    that are not block-diagonal of rank r each)."""
+    ValueError where PEFT's factors cannot be kt's. A fused gate_up_proj
+    factor pair is either kt's own (rank 2r, B block-diagonal: separate gate
+    and up factors) or PEFT's of rank r (one A for both halves, as PEFT
+    trains it on the fused parameter): kt then gives gate and up that same A
+    and their halves of B, which is exact. ``per_expert_names`` reads a
+    fused block from the per-expert form (see lora_to_peft)."""
     out = {}
-    if not is_fused(naming):
-        names = PER_EXPERT.get(naming, PER_EXPERT["qwen"])
+    if per_expert_names is not None or not is_fused(naming):
+        names = per_expert_names or PER_EXPERT.get(naming, PER_EXPERT["qwen"])
         for p, n in zip(PROJ, names):
             if p in targets:
                 out["lora_A_" + p] = torch.stack([tensors["%d.%s.lora_A.weight" % (e, n)] for e in range(E)])
@@ -218,11 +220,15 @@ def lora_from_peft(naming, tensors, targets, E, r):
                 raise ValueError("kt: down_proj's LoRA has rank %d beyond kt's rank %d" % (a.shape[1], r))
             out["lora_A_down"], out["lora_B_down"] = a[:, :r], b[:, :, :r]
             continue
+        gate_rows, up_rows = split_gate_up(b, _interleaved(naming))
+        rows = {"gate": gate_rows, "up": up_rows}
+        if len(gu) == 2 and a.shape[1] == r:
+            for p in gu:
+                out["lora_A_" + p], out["lora_B_" + p] = a, rows[p]
+            continue
         if a.shape[1] != r * len(gu):
             raise ValueError("kt: gate_up_proj's LoRA has rank %d; kt's layer holds rank %d for each of %s"
                              % (a.shape[1], r, "/".join(gu)))
-        gate_rows, up_rows = split_gate_up(b, _interleaved(naming))
-        rows = {"gate": gate_rows, "up": up_rows}
         for i, p in enumerate(gu):
             cols = slice(i * r, (i + 1) * r)
             others = [rows[q][:, :, cols] for q in ("gate", "up") if q != p]

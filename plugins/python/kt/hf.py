@@ -546,22 +546,103 @@ def _lora_layers(model):
     return layers
 
 
-def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
+def _peft_parts(model):
+    """(the model PEFT wraps, or model itself; PEFT's LoraConfig of the
+    active adapter or None; that adapter's name)."""
+    configs = getattr(model, "peft_config", None)
+    if isinstance(configs, dict) and configs and hasattr(model, "get_base_model"):
+        name = getattr(model, "active_adapter", None)
+        if isinstance(name, (list, tuple)):
+            name = name[0]
+        name = name if name in configs else next(iter(configs))
+        return model.get_base_model(), configs[name], name
+    return model, None, None
+
+
+def get_peft_model(model, peft_config, **kwargs):
+    """``peft.get_peft_model`` over a model whose routed experts are kt LoRA
+    blocks (e.g. PEFT's LoRA on attention, kt's on the experts). PEFT
+    freezes every parameter that is not one of its own adapter layers,
+    kt's LoRA factors among them; they are made trainable again, so one
+    optimizer over the PEFT model's trainable parameters trains both."""
+    import peft
+    wrapped = peft.get_peft_model(model, peft_config, **kwargs)
+    for block in kt_experts_modules(wrapped):
+        if block.mode != "inference":
+            for _, p in block.trainable_parameters():
+                p.requires_grad_(True)
+    return wrapped
+
+
+def _legacy_per_expert_names(model):
+    """(gate, up, down) module names of the per-expert checkpoints a fused
+    transformers v5 block is converted from, read from transformers' own
+    conversion table (Qwen, DeepSeek: gate_proj/up_proj/down_proj; Mixtral:
+    w1/w3/w2); None where the model has no such table (gpt-oss)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+        transforms = get_model_conversion_mapping(model)
+    except (ImportError, AttributeError):
+        return None
+    found = {}
+    for t in transforms:
+        if isinstance(t, WeightRenaming) or len(t.target_patterns) != 1:
+            continue
+        names = [m.group(1) for src in t.source_patterns
+                 for m in [re.search(r"experts\.\*\.([^.]+)\.weight$", src)] if m]
+        if t.target_patterns[0].endswith("experts.gate_up_proj") and len(names) == 2:
+            found["gate"], found["up"] = names
+        elif t.target_patterns[0].endswith("experts.down_proj") and len(names) == 1:
+            found["down"] = names[0]
+    return tuple(found[p] for p in _hf_names.PROJ) if len(found) == 3 else None
+
+
+def _module_regex(names):
+    """PEFT's list form of target_modules (a name matches an entry or ends
+    with "." + entry) as one regex, for a config that also holds kt's."""
+    return r"(?:.*\.)?(?:%s)" % "|".join(re.escape(n) for n in sorted(names))
+
+
+def save_adapter(model, directory, *, base_model=None, dtype=torch.float32, layout=None):
     """Writes the LoRA factors of every kt block of ``model`` as a PEFT adapter
-    (adapter_config.json + adapter_model.safetensors) that PEFT and vLLM load:
-    per-expert blocks as PEFT's LoRA on each expert's modules
-    (``...experts.<e>.gate_proj.lora_A.weight``), fused blocks (transformers
-    v5, gpt-oss) in PEFT's parameter-targeting form (``target_parameters``;
-    kt's separate gate and up factors become one factor pair of gate_up_proj
-    with twice the rank, see kt._hf_names). Keys are
-    ``base_model.model.<module path>``, as PeftModel.save_pretrained writes."""
-    layers = _lora_layers(model)
+    (adapter_config.json + adapter_model.safetensors) that PEFT and vLLM load.
+
+    ``layout``: "per_expert" writes PEFT's LoRA on each expert's modules
+    (``...experts.<e>.gate_proj.lora_A.weight``; for fused transformers v5
+    blocks with the names of the per-expert checkpoints they come from, which
+    PEFT fuses when it loads the adapter onto a v5 model); "fused" writes
+    PEFT's parameter-targeting form (``target_parameters``; kt's separate
+    gate and up factors become one factor pair of gate_up_proj with twice the
+    rank, see kt._hf_names); None takes the blocks' own form (fused for v5
+    and gpt-oss blocks). Keys are ``base_model.model.<module path>``, as
+    PeftModel.save_pretrained writes.
+
+    When ``model`` is a PEFT model (``peft.get_peft_model`` over the model
+    with kt blocks, e.g. LoRA on attention), its active adapter is written to
+    the same directory: one adapter whose config targets both, with PEFT's
+    own r and lora_alpha kept in rank_pattern/alpha_pattern where they
+    differ from the experts'."""
+    inner, peft_config, adapter_name = _peft_parts(model)
+    layers = _lora_layers(inner)
     first = layers[0][1]
     tensors, target_modules, target_parameters, multiplier = {}, set(), [], 1
     fused = _hf_names.is_fused(first.hf_naming)
+    legacy = None
+    if layout == "per_expert" and fused:
+        legacy = _legacy_per_expert_names(inner)
+        if legacy is None or first.hf_naming.startswith("gpt_oss"):
+            raise ValueError("kt.hf: %s blocks have no per-expert form; save them with layout='fused'"
+                             % first.hf_naming)
+        fused = False
+    elif layout == "fused" and not fused:
+        raise ValueError("kt.hf: per-expert blocks (transformers v4 modules) are saved per expert; "
+                         "layout='fused' needs fused experts modules")
+    elif layout not in (None, "per_expert", "fused"):
+        raise ValueError("kt.hf: layout must be 'per_expert', 'fused' or None, not %r" % (layout,))
     for name, m in layers:
         lora = {attr: getattr(m, attr).detach().to(dtype) for _, attr in m._arg_names}
-        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets)
+        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets, per_expert_names=legacy)
         multiplier = max([multiplier] + list(mult.values()))
         for k, t in rel.items():
             tensors["base_model.model.%s.%s" % (name, k)] = t
@@ -572,9 +653,11 @@ def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
                 if key not in target_parameters:
                     target_parameters.append(key)
         else:
-            names = _hf_names.PER_EXPERT.get(m.hf_naming, _hf_names.PER_EXPERT["qwen"])
+            names = legacy or _hf_names.PER_EXPERT.get(m.hf_naming, _hf_names.PER_EXPERT["qwen"])
             wanted = [n for p, n in zip(_hf_names.PROJ, names) if p in m.lora_targets]
-            target_modules.add(r".*\.%s\.experts\.\d+\.(%s)" % (re.escape(parent), "|".join(wanted)))
+            # The expert index is optional: PEFT resolves a regex for a
+            # transformers v5 model by probing <block>.experts.<name>.
+            target_modules.add(r".*\.%s\.experts\.(?:\d+\.)?(%s)" % (re.escape(parent), "|".join(wanted)))
     # gate_up_proj first: PEFT nests the first listed parameter innermost.
     target_parameters.sort(key=lambda k: not k.endswith("gate_up_proj"))
     r = first.lora_rank * multiplier
@@ -584,10 +667,12 @@ def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": alpha,
               "use_rslora": use_rslora, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               "inference_mode": True, "base_model_name_or_path": base_model or "",
-              "modules_to_save": None,
+              "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
               "target_modules": ("|".join(sorted(target_modules)) if target_modules else None)}
     if fused:
         config["target_parameters"] = target_parameters
+    if peft_config is not None:
+        _merge_peft_adapter(model, inner, peft_config, adapter_name, layers, config, tensors, dtype)
     os.makedirs(directory, exist_ok=True)
     _safetensors.save(os.path.join(directory, "adapter_model.safetensors"), tensors, {"format": "pt"})
     _safetensors.write_atomic(os.path.join(directory, "adapter_config.json"),
@@ -595,29 +680,118 @@ def save_adapter(model, directory, *, base_model=None, dtype=torch.float32):
     return config
 
 
-def load_adapter(model, directory):
-    """Loads a PEFT adapter written by save_adapter (or by PEFT for the same
-    layouts) into the LoRA factors of the model's kt blocks. The adapter's
-    r and lora_alpha must give the blocks' rank and scale."""
-    layers = _lora_layers(model)
+def _merge_peft_adapter(model, inner, peft_config, adapter_name, layers, config, tensors, dtype):
+    """Adds PEFT's own adapter (its LoRA layers outside kt) to kt's config and
+    tensors."""
+    from peft import get_peft_model_state_dict
+    if str(getattr(peft_config, "peft_type", "")).rsplit(".", 1)[-1] != "LORA":
+        raise ValueError("kt.hf: the PEFT adapter is %s; kt saves LoRA adapters" % peft_config.peft_type)
+    if bool(peft_config.use_rslora) != config["use_rslora"]:
+        raise ValueError("kt.hf: PEFT's adapter and kt's experts differ in use_rslora; one adapter has one")
+    if getattr(peft_config, "target_parameters", None):
+        raise ValueError("kt.hf: the PEFT adapter targets parameters %s; kt holds the routed experts' LoRA"
+                         % sorted(peft_config.target_parameters))
+    kt_prefixes = tuple("base_model.model.%s." % name for name, _ in layers)
+    own = {k: v.detach().to(dtype) for k, v in get_peft_model_state_dict(model, adapter_name=adapter_name).items()
+           if not k.startswith(kt_prefixes)}
+    modules = sorted({re.sub(r"\.lora_(A|B|embedding_A|embedding_B)(\.weight)?$", "", k)[len("base_model.model."):]
+                      for k in own if ".lora_" in k})
+    if not modules:
+        return
+    leaves = {m.rsplit(".", 1)[-1] for m in modules}
+    pattern = _module_regex(leaves)
+    config["target_modules"] = "|".join(p for p in (config["target_modules"], pattern) if p)
+    if peft_config.r != config["r"] or float(peft_config.lora_alpha) != config["lora_alpha"]:
+        for leaf in leaves:
+            config["rank_pattern"][leaf] = int(peft_config.r)
+            config["alpha_pattern"][leaf] = float(peft_config.lora_alpha)
+    for key, value in (getattr(peft_config, "rank_pattern", None) or {}).items():
+        config["rank_pattern"][key] = value
+    for key, value in (getattr(peft_config, "alpha_pattern", None) or {}).items():
+        config["alpha_pattern"][key] = value
+    tensors.update(own)
+
+
+def _pattern_value(patterns, module, default):
+    for key, value in (patterns or {}).items():
+        if re.match(r"(.*\.)?(%s)$" % key, module):
+            return value
+    return default
+
+
+def _check_adapter_targets(directory, config, name, block, rel, per_expert):
+    """Raises ValueError naming what the adapter trains in block ``name``
+    that the kt block holds no LoRA factors for."""
+    if _hf_names.is_fused(block.hf_naming) and per_expert is None:
+        held = (["gate_up_proj"] if {"gate", "up"} & set(block.lora_targets) else []) + \
+            (["down_proj"] if "down" in block.lora_targets else [])
+        targeted = [t.rsplit(".", 1)[-1] for t in config.get("target_parameters") or []]
+        extra = [t for t in targeted if t not in held]
+        if not targeted and rel:
+            extra = sorted({re.sub(r"\.lora_(A|B)\.weight$", "", k) for k in rel})
+    else:
+        own = {attr: getattr(block, attr).detach() for _, attr in block._arg_names}
+        expected = _hf_names.lora_to_peft(block.hf_naming, own, block.lora_targets,
+                                          per_expert_names=per_expert)[0]
+        extra = sorted({re.sub(r"\.lora_(A|B)\.weight$", "", k) for k in rel if k not in expected})
+    if extra:
+        raise ValueError("kt.hf: %s targets %s, which the model's kt block does not hold LoRA factors for "
+                         "(it trains %s)" % (directory, ", ".join("%s.%s" % (name, e) for e in extra),
+                                             "/".join(block.lora_targets)))
+
+
+def load_adapter(model, directory, *, adapter_name="default"):
+    """Loads a PEFT LoRA adapter (written by save_adapter, or by PEFT on the
+    plain transformers model) into ``model``: the factors of the routed
+    experts into its kt blocks (per-expert or fused form; a fused
+    gate_up_proj factor of PEFT's own, one A for gate and up, loads exactly
+    into kt's separate gate and up factors of the same rank), and the LoRA
+    of every other module through PEFT, which wraps ``model`` if it is not
+    a PEFT model yet. Returns the model to use (the PEFT model where PEFT
+    holds part of the adapter). The adapter's r and lora_alpha (or its
+    rank_pattern/alpha_pattern) must give the blocks' rank and scale; an
+    adapter whose tensors name modules the model does not hold raises
+    ValueError naming them."""
+    inner, peft_config, _ = _peft_parts(model)
+    layers = _lora_layers(inner)
     with open(os.path.join(directory, "adapter_config.json")) as f:
         config = json.load(f)
     tensors = _safetensors.load(os.path.join(directory, "adapter_model.safetensors"))
-    first = layers[0][1]
     if config.get("peft_type") != "LORA":
         raise ValueError("kt.hf: %s is not a LoRA adapter" % directory)
-    if not math.isclose(config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"]),
-                        first.lora_scale, rel_tol=1e-6):
-        raise ValueError("kt.hf: the adapter's scale (lora_alpha %g, r %d) differs from the model's %g"
-                         % (config["lora_alpha"], config["r"], first.lora_scale))
+    kt_prefixes = tuple("base_model.model.%s." % name for name, _ in layers)
+    rest = {k: v for k, v in tensors.items() if not k.startswith(kt_prefixes)}
+    held = dict(inner.named_modules())
+    rest_modules = sorted({re.sub(r"\.lora_(A|B|embedding_A|embedding_B)(\.weight)?$", "", k)
+                           [len("base_model.model."):] for k in rest})
+    unknown = [m for m in rest_modules if m not in held]
+    if unknown or any(not k.startswith("base_model.model.") for k in rest):
+        raise ValueError("kt.hf: %s targets modules the model does not hold (neither kt's routed experts "
+                         "nor a torch module): %s" % (directory, ", ".join(unknown or sorted(rest))))
+    legacy = _legacy_per_expert_names(inner)
     with torch.no_grad():
         for name, m in layers:
             prefix = "base_model.model.%s." % name
             rel = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
             if not rel:
                 raise ValueError("kt.hf: %s holds no LoRA tensors of %s" % (directory, name))
+            module = name + (".gate_up_proj" if _hf_names.is_fused(m.hf_naming) else "")
+            r = _pattern_value(config.get("rank_pattern"), module, config["r"])
+            alpha = _pattern_value(config.get("alpha_pattern"), module, config["lora_alpha"])
+            if not math.isclose(alpha / (r ** 0.5 if config.get("use_rslora") else r), m.lora_scale,
+                                rel_tol=1e-6):
+                raise ValueError("kt.hf: the adapter's scale of %s (lora_alpha %g, r %d) differs from the "
+                                 "model's %g" % (name, alpha, r, m.lora_scale))
+            per_expert = None
+            if _hf_names.is_fused(m.hf_naming) and any(re.match(r"\d+\.", k) for k in rel):
+                per_expert = legacy
+                if per_expert is None:
+                    raise ValueError("kt.hf: %s holds per-expert LoRA of %s, whose experts are fused"
+                                     % (directory, name))
+            _check_adapter_targets(directory, config, name, m, rel, per_expert)
             try:
-                lora = _hf_names.lora_from_peft(m.hf_naming, rel, m.lora_targets, m.num_experts, m.lora_rank)
+                lora = _hf_names.lora_from_peft(m.hf_naming, rel, m.lora_targets, m.num_experts, m.lora_rank,
+                                                per_expert_names=per_expert)
             except KeyError as e:
                 raise ValueError("kt.hf: %s: tensor %s%s is missing" % (directory, prefix, e.args[0])) from None
             for attr, t in lora.items():
@@ -626,6 +800,21 @@ def load_adapter(model, directory):
                     raise ValueError("kt.hf: %s: %s has shape %s, the model's %s" % (
                         name, attr, tuple(t.shape), tuple(target.shape)))
                 target.copy_(t)
+    if not rest:
+        return model
+    import peft
+    if peft_config is None:
+        lora_config = peft.LoraConfig(
+            r=config["r"], lora_alpha=config["lora_alpha"], use_rslora=bool(config.get("use_rslora")),
+            target_modules=rest_modules, rank_pattern=config.get("rank_pattern") or {},
+            alpha_pattern=config.get("alpha_pattern") or {}, lora_dropout=0.0, bias="none",
+            task_type=config.get("task_type"))
+        model = peft.get_peft_model(inner, lora_config, adapter_name=adapter_name)
+    result = peft.set_peft_model_state_dict(model, rest, adapter_name=adapter_name)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if ".lora_" in k]
+    if missing:
+        raise ValueError("kt.hf: PEFT did not take %s from %s" % (", ".join(missing), directory))
+    return model
 
 
 # ------------------------------------------------------------ from_pretrained
