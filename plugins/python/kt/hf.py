@@ -809,7 +809,7 @@ def load_adapter(model, directory, *, adapter_name="default"):
             target_modules=rest_modules, rank_pattern=config.get("rank_pattern") or {},
             alpha_pattern=config.get("alpha_pattern") or {}, lora_dropout=0.0, bias="none",
             task_type=config.get("task_type"))
-        model = peft.get_peft_model(inner, lora_config, adapter_name=adapter_name)
+        model = get_peft_model(inner, lora_config, adapter_name=adapter_name)
     result = peft.set_peft_model_state_dict(model, rest, adapter_name=adapter_name)
     missing = [k for k in getattr(result, "unexpected_keys", []) if ".lora_" in k]
     if missing:
