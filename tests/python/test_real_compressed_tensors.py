@@ -1,0 +1,162 @@
+"""INT4 pack-quantized checkpoints written by the compressed-tensors library
+itself (apply_quantization_config, its own min-max qparams, ModelCompressor
+compress_model and update_config), in groups of 32 and 128, symmetric and
+asymmetric: kt opens them in the matching format, holds exactly the weights
+compressed-tensors' own decompress_model gives back, and its forward is the
+float64 reference of those weights at the fp32 bound. FP8 128x128 blocks
+written the same way (format float-quantized).
+Versions: packaging/python/requirements-hosts.txt."""
+import copy
+import json
+import os
+
+import pytest
+
+ct = pytest.importorskip("compressed_tensors",
+                         reason="the real-host tests need compressed-tensors (tools/python_env.sh hosts)")
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from compressed_tensors.compressors import ModelCompressor  # noqa: E402
+from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig,  # noqa: E402
+                                             QuantizationScheme, apply_quantization_config)
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import kt  # noqa: E402
+import measured  # noqa: E402
+import tolerances  # noqa: E402
+from reference import moe_forward, rel_l2  # noqa: E402
+
+E, K, H, I, T, LAYER = 4, 2, 256, 128, 12, 1
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def _experts_model(dtype):
+    """model.layers.<L>.mlp.experts.<e>.{gate,up,down}_proj as nn.Linear, the
+    per-expert modules compressed-tensors quantizes ("Linear" targets)."""
+    torch.manual_seed(17)
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList()
+    for _ in range(LAYER + 1):
+        layer = nn.Module()
+        layer.mlp = nn.Module()
+        layer.mlp.experts = nn.ModuleList()
+        for _ in range(E):
+            expert = nn.Module()
+            expert.gate_proj = nn.Linear(H, I, bias=False)
+            expert.up_proj = nn.Linear(H, I, bias=False)
+            expert.down_proj = nn.Linear(I, H, bias=False)
+            layer.mlp.experts.append(expert)
+        root.model.layers.append(layer)
+    return root.to(dtype)
+
+
+def _calibrate(model, args):
+    """Each weight's qparams by compressed-tensors' own min-max rule."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            scale, zero = compute_dynamic_scales_and_zp(module.weight, args, module)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            if getattr(module, "weight_zero_point", None) is not None:
+                module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def write_checkpoint(directory, args, fmt, dtype=torch.bfloat16):
+    """Quantizes and compresses the experts with compressed-tensors and saves
+    them as a checkpoint directory; returns the compressed model."""
+    model = _experts_model(dtype)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                                format=fmt)
+    apply_quantization_config(model, config)
+    _calibrate(model, args)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_experts": E,
+                   "num_experts_per_tok": K, "hidden_size": H, "moe_intermediate_size": I,
+                   "num_hidden_layers": LAYER + 1}, f)
+    compressor.update_config(directory)
+    return model, compressor
+
+
+def decompressed_weights(model, compressor):
+    """compressed-tensors' own decompression of the layer, in fp32 (the
+    scales are widened first, so (q - z) * scale is exact)."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in model.modules():
+            for name in ("weight_scale",):
+                t = getattr(module, name, None)
+                if isinstance(t, torch.Tensor) and t.is_floating_point():
+                    module.weight_scale = nn.Parameter(t.float(), requires_grad=False)
+    compressor.decompress_model(model)
+    experts = model.model.layers[LAYER].mlp.experts
+    return {p.split("_")[0]: torch.stack([getattr(experts[e], p).weight.float() for e in range(E)])
+            for p in PROJ}
+
+
+def inputs():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+    return x, ids, torch.rand(T, K, generator=gen)
+
+
+INT4 = [(32, True), (32, False), (128, True), (128, False)]
+
+
+@pytest.mark.parametrize("group,symmetric", INT4, ids=["g32_sym", "g32_asym", "g128_sym", "g128_asym"])
+def test_int4_pack_quantized_checkpoint_of_compressed_tensors(tmp_path, group, symmetric, fp32_engine):
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=symmetric)
+    directory = str(tmp_path / "ckpt")
+    model, compressor = write_checkpoint(directory, args, "pack-quantized")
+    fmt = "int4_g%d%s" % (group, "" if symmetric else "_zp")
+    want = decompressed_weights(model, compressor)
+    with kt.Checkpoint(directory) as ck:
+        assert ck.layers[LAYER]["weight_format"] == fmt and ck.layers[LAYER]["group_size"] == group
+        options = ck.moe_options(LAYER)
+        assert options["weight_format"] == fmt
+        layer = kt.MoE(**options, max_tokens=T, engine=fp32_engine)
+        ck.load_layer(LAYER, layer)
+        bf16 = kt.MoE(**dict(options, weight_format="bf16"), max_tokens=T, engine=fp32_engine)
+        ck.load_layer(LAYER, bf16, dequantize=True)
+    got = {"gate": torch.empty(E, I, H), "up": torch.empty(E, I, H), "down": torch.empty(E, H, I)}
+    layer.read_weights(**got)
+    for p in got:
+        assert torch.equal(got[p], want[p]), p
+    rounded = {p: torch.empty_like(t) for p, t in got.items()}
+    bf16.read_weights(**rounded)
+    for p in got:
+        assert torch.equal(rounded[p], want[p].to(torch.bfloat16).float()), p
+    x, ids, w = inputs()
+    y = torch.empty(T, H)
+    layer.forward(x, ids, w, y)
+    ref = moe_forward(x.double(), ids.long(), w.double(), {p: t.double() for p, t in want.items()})
+    err = rel_l2(y, ref)
+    measured.record("fp32", "real compressed-tensors %s" % fmt, err)
+    assert err <= tolerances.FP32, err
+
+
+def test_fp32_scales_load_only_dequantized(tmp_path):
+    """compressed-tensors computes scales in the weights' dtype: from an
+    fp32 model they are fp32, which kt's int4 layers (bf16 scales) do not
+    hold exactly; the load says so, and dequantize=True loads them into bf16."""
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32, symmetric=True)
+    directory = str(tmp_path / "ckpt")
+    model, compressor = write_checkpoint(directory, args, "pack-quantized", dtype=torch.float32)
+    want = decompressed_weights(model, compressor)
+    with kt.Checkpoint(directory) as ck:
+        options = ck.moe_options(LAYER)
+        layer = kt.MoE(**options, max_tokens=T)
+        with pytest.raises(kt.UnsupportedError, match="not exact in the bf16 scales.*load it dequantized"):
+            ck.load_layer(LAYER, layer)
+        bf16 = kt.MoE(**dict(options, weight_format="bf16"), max_tokens=T)
+        ck.load_layer(LAYER, bf16, dequantize=True)
+    got = {"gate": torch.empty(E, I, H), "up": torch.empty(E, I, H), "down": torch.empty(E, H, I)}
+    bf16.read_weights(**got)
+    for p in got:
+        assert torch.equal(got[p], want[p].to(torch.bfloat16).float()), p
