@@ -981,16 +981,19 @@ KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_a
  *
  * Arithmetic, per element in fp32, with g = (grad * grad_unscale) * clip_coef
  * and the scalars below computed in double and rounded to fp32 once:
- *   AdamW: p = p * (1 - lr*wd); m = fma(g, 1-b1, m*b1);
+ *   AdamW: p = p * (1 - lr*wd); m = fma(g, 1-b1, m*b1) (KT_OPTIM_TORCH1) or
+ *          m = lerp(m, g, 1-b1) (KT_OPTIM_TORCH2: with w = 1-b1,
+ *          w < 0.5 ? fma(w, g-m, m) : fma(w-1, g-m, g));
  *          v = fma((1-b2)*g, g, v*b2); (amsgrad: vmax = max(vmax, v), used for v)
  *          p = p + (-lr/(1-b1^t)) * m / (sqrt(v) / sqrt(1-b2^t) + eps)
  *   SGD:   d = wd ? fma(p, wd, g) : g; with momentum mu: buf = d at its first
  *          step, then fma(d, 1-dampening, buf*mu); d = nesterov ? fma(buf, mu, d)
  *          : buf; p = fma(d, -lr, p)
- * This is the operation order of torch.optim.AdamW and SGD (torch 1.13,
- * for-loop implementation, on AVX2/AVX-512 CPUs): results are the same bits.
- * Elements are independent, so the result does not depend on thread count
- * or kernel ISA. */
+ * This is the operation order of torch.optim.AdamW and SGD (for-loop
+ * implementation, on AVX2/AVX-512 CPUs) of torch 1.13 (KT_OPTIM_TORCH1) and
+ * of torch 2.x (KT_OPTIM_TORCH2, whose AdamW moves m with lerp_): results are
+ * the same bits as that torch's. Elements are independent, so the result
+ * does not depend on thread count or kernel ISA. */
 
 typedef struct kt_optimizer kt_optimizer;
 
@@ -998,6 +1001,12 @@ typedef enum kt_optim_algorithm {
   KT_OPTIM_ADAMW = 0, /* decoupled weight decay, bias correction, optional amsgrad */
   KT_OPTIM_SGD = 1    /* momentum, dampening, nesterov, L2 weight decay */
 } kt_optim_algorithm;
+
+/* Whose arithmetic a step reproduces bit for bit (see above). */
+typedef enum kt_optim_arithmetic {
+  KT_OPTIM_TORCH1 = 0, /* torch 1.x: AdamW m = fma(g, 1-b1, m*b1) */
+  KT_OPTIM_TORCH2 = 1  /* torch 2.x: AdamW m = lerp(m, g, 1-b1) */
+} kt_optim_arithmetic;
 
 typedef struct kt_optimizer_options {
   size_t struct_size;           /* set by _init */
@@ -1010,6 +1019,8 @@ typedef struct kt_optimizer_options {
   double momentum;              /* SGD, >= 0 (default 0) */
   double dampening;             /* SGD (default 0) */
   int nesterov;                 /* SGD, 0/1; needs momentum > 0 and dampening 0 */
+  kt_optim_arithmetic arithmetic; /* default KT_OPTIM_TORCH1; may change with
+                                     kt_optimizer_set_options */
 } kt_optimizer_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past

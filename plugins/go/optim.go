@@ -17,6 +17,16 @@ const (
 	SGD   Algorithm = C.KT_OPTIM_SGD   // momentum, dampening, Nesterov, L2 weight decay
 )
 
+// Arithmetic says whose operation order the steps reproduce bit for bit
+// (kt_optim_arithmetic).
+type Arithmetic int
+
+// Arithmetics of kt_optim_arithmetic.
+const (
+	Torch1 Arithmetic = C.KT_OPTIM_TORCH1 // torch 1.x: AdamW moves exp_avg by mul and add
+	Torch2 Arithmetic = C.KT_OPTIM_TORCH2 // torch 2.x: AdamW moves exp_avg by lerp
+)
+
 // OptimizerOptions are an optimizer's hyperparameters, with torch.optim's
 // meanings. Start from DefaultOptimizerOptions (kt's defaults: AdamW, lr 1e-3,
 // weight decay 1e-2, betas 0.9/0.999, eps 1e-8).
@@ -28,6 +38,7 @@ type OptimizerOptions struct {
 	Momentum          float64 // SGD
 	Dampening         float64 // SGD
 	Nesterov          bool    // SGD
+	Arithmetic        Arithmetic
 }
 
 // DefaultOptimizerOptions returns kt's defaults (kt_optimizer_options_init).
@@ -40,7 +51,8 @@ func DefaultOptimizerOptions() OptimizerOptions {
 func fromC(o *C.kt_optimizer_options) OptimizerOptions {
 	return OptimizerOptions{Algorithm: Algorithm(o.algorithm), AMSGrad: o.amsgrad != 0, LR: float64(o.lr),
 		WeightDecay: float64(o.weight_decay), Beta1: float64(o.beta1), Beta2: float64(o.beta2), Eps: float64(o.eps),
-		Momentum: float64(o.momentum), Dampening: float64(o.dampening), Nesterov: o.nesterov != 0}
+		Momentum: float64(o.momentum), Dampening: float64(o.dampening), Nesterov: o.nesterov != 0,
+		Arithmetic: Arithmetic(o.arithmetic)}
 }
 
 func (opts OptimizerOptions) toC() C.kt_optimizer_options {
@@ -56,6 +68,7 @@ func (opts OptimizerOptions) toC() C.kt_optimizer_options {
 	o.momentum = C.double(opts.Momentum)
 	o.dampening = C.double(opts.Dampening)
 	o.nesterov = boolInt(opts.Nesterov)
+	o.arithmetic = C.kt_optim_arithmetic(opts.Arithmetic)
 	return o
 }
 

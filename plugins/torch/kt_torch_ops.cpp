@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cmath>
@@ -273,6 +274,8 @@ LayerOptimizer::LayerOptimizer(c10::intrusive_ptr<MoeLayer> layer, std::string a
   o.eps = eps;
   o.momentum = momentum;
   o.nesterov = nesterov ? 1 : 0;
+  // The steps reproduce the optimizers of the torch this plugin is built with.
+  o.arithmetic = TORCH_VERSION_MAJOR >= 2 ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
   check(kt_optimizer_create_for_layer(layer_->prepare_optimizer_step(), &o, &opt_));
 }
 

@@ -229,7 +229,7 @@ struct LayerRecord {
   int32_t weight_dtype;   // kt_ckpt_dtype of the saved weights, 0: none
   int32_t lora_dtype[6];  // 0: not saved
   int32_t algorithm, amsgrad, nesterov, momentum_started;
-  int32_t unused;
+  int32_t arithmetic;  // kt_optim_arithmetic
   int64_t step;
   double hyper[7];  // lr, weight_decay, beta1, beta2, eps, momentum, dampening
 };
@@ -237,6 +237,7 @@ struct LayerRecord {
 const char* const kHyperNames[7] = {"lr", "weight_decay", "beta1", "beta2", "eps", "momentum", "dampening"};
 
 const char* algorithm_word(int a) { return a == KT_OPTIM_SGD ? "sgd" : "adamw"; }
+const char* arithmetic_word(int a) { return a == KT_OPTIM_TORCH2 ? "torch2" : "torch1"; }
 
 // The optimizer's state tensors of one parameter, as (file suffix, data).
 std::vector<std::pair<std::string, float*>> state_of(kt_optimizer::Param& p, int algorithm, int amsgrad) {
@@ -383,6 +384,7 @@ void plan_layer(SavePlan& plan, const Local& l, unsigned parts, const char* wher
     rec.algorithm = op.opt.algorithm;
     rec.amsgrad = op.opt.amsgrad;
     rec.nesterov = op.opt.nesterov;
+    rec.arithmetic = op.opt.arithmetic;
     rec.momentum_started = op.momentum_started;
     rec.step = op.step;
     const double hyper[7] = {op.opt.lr, op.opt.weight_decay, op.opt.beta1, op.opt.beta2,
@@ -443,7 +445,7 @@ LayerRecord agreed_record(const std::vector<char>& all, size_t stride, int world
                lname + ": " + pair + " bind " + arg_name(kLoraId[i]) + " in different dtypes");
     if (!ref.has_opt) continue;
     KT_CHECK(rec.algorithm == ref.algorithm && rec.amsgrad == ref.amsgrad &&
-                 rec.nesterov == ref.nesterov,
+                 rec.nesterov == ref.nesterov && rec.arithmetic == ref.arithmetic,
              KT_ERR_INVALID_ARGUMENT,
              lname + ": " + pair + " have optimizers of different algorithms or settings");
     KT_CHECK(rec.step == ref.step && rec.momentum_started == ref.momentum_started,
@@ -503,7 +505,7 @@ json manifest_layer(const Local& l, const LayerRecord& rec, unsigned parts, int 
   if ((parts & KT_DIST_CKPT_OPTIMIZER) && rec.has_opt) {
     p.push_back("optimizer");
     json opt = {{"algorithm", algorithm_word(rec.algorithm)}, {"amsgrad", rec.amsgrad}, {"nesterov", rec.nesterov},
-                {"step", rec.step}, {"momentum_started", rec.momentum_started}};
+                {"arithmetic", arithmetic_word(rec.arithmetic)}, {"step", rec.step}, {"momentum_started", rec.momentum_started}};
     for (int h = 0; h < 7; ++h) opt[kHyperNames[h]] = rec.hyper[h];
     j["optimizer"] = opt;
     for (int id : optimizer_params(o))
@@ -876,6 +878,11 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
                         &load.opt_options.dampening};
     for (int h = 0; h < 7; ++h) *hyper[h] = number_field(oj, kHyperNames[h], c.label);
     load.opt_options.nesterov = static_cast<int>(int_field(oj, "nesterov", c.label));
+    // Manifests written before the field existed were torch 1 arithmetic.
+    const std::string arith = oj.contains("arithmetic") ? text_field(oj, "arithmetic", c.label) : "torch1";
+    if (arith != "torch1" && arith != "torch2")
+      bad_manifest(c.label, "the optimizer's arithmetic '" + arith + "' is not torch1 or torch2");
+    load.opt_options.arithmetic = arith == "torch2" ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
     optim::validate_options(load.opt_options, where);
     load.step = int_field(oj, "step", c.label);
     if (load.step < 0) bad_manifest(c.label, "the optimizer's step is negative");

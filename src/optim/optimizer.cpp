@@ -34,11 +34,13 @@ void set_options_defaults(kt_optimizer_options& o) {
   o.momentum = 0.0;
   o.dampening = 0.0;
   o.nesterov = 0;
+  o.arithmetic = KT_OPTIM_TORCH1;
 }
 
 void validate_options(const kt_optimizer_options& o, const char* where) {
   const std::string w = std::string(where) + ": options->";
   check_enum(o.algorithm, KT_OPTIM_ADAMW, KT_OPTIM_SGD, w + "algorithm", "kt_optim_algorithm");
+  check_enum(o.arithmetic, KT_OPTIM_TORCH1, KT_OPTIM_TORCH2, w + "arithmetic", "kt_optim_arithmetic");
   auto finite_at_least = [&](double v, double lo, const char* name) {
     KT_CHECK(std::isfinite(v) && v >= lo, KT_ERR_INVALID_ARGUMENT,
              w + name + " = " + std::to_string(v) + " must be finite and >= " + std::to_string(lo));
@@ -209,6 +211,11 @@ bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
     c.decay = static_cast<float>(1.0 - opt.lr * opt.weight_decay);
     c.b1 = static_cast<float>(opt.beta1);
     c.one_minus_b1 = static_cast<float>(1.0 - opt.beta1);
+    c.lerp_m = opt.arithmetic == KT_OPTIM_TORCH2;
+    // torch's lerp: weight w = 1-b1 as a float; below 0.5 it steps from m,
+    // otherwise back from g with w-1.
+    c.lerp_small = c.one_minus_b1 < 0.5f;
+    c.lerp_coeff = c.lerp_small ? c.one_minus_b1 : c.one_minus_b1 - 1.0f;
     c.b2 = static_cast<float>(opt.beta2);
     c.one_minus_b2 = static_cast<float>(1.0 - opt.beta2);
     const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(t));
@@ -325,6 +332,7 @@ void kt_optimizer::save(const std::string& path, const char* where) {
       {"momentum", exact(opt.momentum)},
       {"dampening", exact(opt.dampening)},
       {"nesterov", std::to_string(opt.nesterov)},
+      {"arithmetic", std::to_string(static_cast<int>(opt.arithmetic))},
   };
   kt::io::write_safetensors(path, std::move(tensors), meta);  // temp + fsync + rename
 }
@@ -368,6 +376,11 @@ void kt_optimizer::load(const std::string& path, const char* where) {
   loaded.momentum = number("momentum");
   loaded.dampening = number("dampening");
   loaded.nesterov = flag("nesterov");
+  // Files written before the field existed were torch 1 arithmetic.
+  if (meta.count("arithmetic"))
+    loaded.arithmetic = flag("arithmetic") ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
+  else
+    loaded.arithmetic = KT_OPTIM_TORCH1;
   KT_CHECK(loaded.amsgrad == opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
            w + ": saved with amsgrad = " + std::to_string(loaded.amsgrad) +
                ", this optimizer has " + std::to_string(opt.amsgrad));

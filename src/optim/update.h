@@ -31,6 +31,9 @@ struct AdamWScalars {
   float unscale, clip;
   float decay;          // 1 - lr*wd
   float b1, one_minus_b1, b2, one_minus_b2;
+  bool lerp_m;          // m = lerp(m, g, 1-b1) (torch 2) instead of fma(g, 1-b1, m*b1)
+  bool lerp_small;      // 1-b1 < 0.5: lerp steps from m, else back from g
+  float lerp_coeff;     // 1-b1, or 1-b1 - 1 when !lerp_small
   float bc2_sqrt;       // sqrt(1 - b2^t)
   float neg_step_size;  // -lr / (1 - b1^t)
   float eps;

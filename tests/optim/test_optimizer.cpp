@@ -30,9 +30,11 @@ std::string temp_path(const std::string& name) {
   return std::string(tmp && *tmp ? tmp : "/tmp") + "/kt_optim_" + std::to_string(getpid()) + "_" + name;
 }
 
-// torch.optim.AdamW (torch 1.13, for-loop path on an AVX2 CPU) element by
-// element: fp32 tensors, python-float scalars rounded to fp32, add(alpha)
-// and addcmul fused.
+// torch.optim.AdamW (for-loop path on an AVX2 CPU) element by element: fp32
+// tensors, python-float scalars rounded to fp32, add(alpha) and addcmul
+// fused. m moves as torch 1.13's mul_(b1).add_(g, alpha=1-b1), or (options
+// arithmetic KT_OPTIM_TORCH2) as torch 2's lerp_(g, 1-b1), whose CPU kernel
+// steps from m when the weight is below 0.5 and back from g otherwise.
 struct RefAdamW {
   std::vector<float> p, m, v, vmax;
   int64_t t = 0;
@@ -46,8 +48,13 @@ struct RefAdamW {
     for (size_t i = 0; i < p.size(); ++i) {
       const float g = (graw[i] * us) * cc;
       const float pd = p[i] * decay;
-      const float mb = m[i] * b1;
-      m[i] = std::fma(g, omb1, mb);
+      if (o.arithmetic == KT_OPTIM_TORCH2) {
+        const float diff = g - m[i];
+        m[i] = omb1 < 0.5f ? std::fma(omb1, diff, m[i]) : std::fma(-diff, 1.f - omb1, g);
+      } else {
+        const float mb = m[i] * b1;
+        m[i] = std::fma(g, omb1, mb);
+      }
       const float vb = v[i] * b2;
       const float og = omb2 * g;
       v[i] = std::fma(og, g, vb);
@@ -150,11 +157,15 @@ int64_t count_diff(const std::vector<float>& a, const std::vector<float>& b) {
 class AdamWSteps : public ::testing::TestWithParam<int> {};
 
 // 200 steps, random gradients, cosine lr schedule, weight decay: the same
-// bits as the fp32 reference (amsgrad off and on; no engine, 1 and 3 threads).
+// bits as the fp32 reference (amsgrad off and on; no engine, 1 and 3 threads;
+// torch 1 and torch 2 arithmetic, the latter with a lerp weight 1-b1 below
+// and above 0.5).
 TEST_P(AdamWSteps, MatchesReferenceBitForBit) {
   const int variant = GetParam();
   const bool amsgrad = variant & 1;
-  const int threads = variant >> 1;  // 0: no engine
+  const int threads = (variant >> 1) & 3;  // 0: no engine
+  const bool torch2 = variant & 8;
+  const bool small_beta1 = variant & 16;
   kt_engine* engine = nullptr;
   if (threads) {
     kt_engine_options eo;
@@ -170,6 +181,8 @@ TEST_P(AdamWSteps, MatchesReferenceBitForBit) {
   kt_optimizer_options_init(&o);
   o.weight_decay = 0.1;
   o.amsgrad = amsgrad;
+  if (torch2) o.arithmetic = KT_OPTIM_TORCH2;
+  if (small_beta1) o.beta1 = 0.3;
   {
     HostProblem hp({rows, cols}, p0, engine, o);
     RefAdamW ref(p0);
@@ -198,7 +211,7 @@ TEST_P(AdamWSteps, MatchesReferenceBitForBit) {
   EXPECT_EQ(kt_engine_destroy(engine), KT_OK);
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, AdamWSteps, ::testing::Values(0, 1, 2, 3, 6, 7));
+INSTANTIATE_TEST_SUITE_P(Variants, AdamWSteps, ::testing::Values(0, 1, 2, 3, 6, 7, 8, 9, 14, 24, 25, 30));
 
 struct SgdCase {
   double momentum, dampening, weight_decay;
@@ -360,6 +373,7 @@ TEST(OptimizerState, ResumeIsBitIdentical) {
     o.algorithm = static_cast<kt_optim_algorithm>(algorithm);
     o.amsgrad = algorithm == KT_OPTIM_ADAMW;
     o.momentum = algorithm == KT_OPTIM_SGD ? 0.9 : 0.0;
+    o.arithmetic = algorithm == KT_OPTIM_ADAMW ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
     std::vector<std::vector<float>> grads;
     for (int s = 0; s < 100; ++s) grads.push_back(randn(p0.size(), rng));
     const std::string path = temp_path("resume.safetensors");
@@ -387,6 +401,7 @@ TEST(OptimizerState, ResumeIsBitIdentical) {
     ASSERT_EQ(kt_optimizer_get_options(b.opt, &loaded), KT_OK);
     EXPECT_EQ(loaded.lr, lr_at(49));
     EXPECT_EQ(loaded.momentum, o.momentum);
+    EXPECT_EQ(loaded.arithmetic, o.arithmetic);
     for (int s = 50; s < 100; ++s) {
       o.lr = lr_at(s);
       ASSERT_EQ(kt_optimizer_set_options(b.opt, &o), KT_OK);
@@ -506,6 +521,9 @@ TEST(OptimizerBadInput, RefusedWithNamedArguments) {
   o.algorithm = KT_OPTIM_SGD;
   o.nesterov = 1;
   expect(create(p->dl(), g->dl(), &o), KT_ERR_INVALID_ARGUMENT, "nesterov");
+  kt_optimizer_options_init(&o);
+  o.arithmetic = static_cast<kt_optim_arithmetic>(2);
+  expect(create(p->dl(), g->dl(), &o), KT_ERR_INVALID_ARGUMENT, "options->arithmetic");
 
   kt_optimizer_param pp{p->dl(), g->dl()};
   ASSERT_EQ(kt_optimizer_create(nullptr, nullptr, &pp, 1, &opt), KT_OK);

@@ -145,6 +145,7 @@ FAMILIES = {
     "kt_ckpt_dtype": Keyed("CKPT_DTYPES", "KT_CKPT_DTYPE_"),
     "kt_ckpt_layout": Names(),
     "kt_optim_algorithm": Names(),
+    "kt_optim_arithmetic": Names(),
     "kt_optim_state": Names(),
     "kt_comm_backend": Names(),
     "kt_dist_mode": Names(),

@@ -68,7 +68,7 @@ OPTIMIZERS = [
 
 @pytest.mark.parametrize("mode", ["full", "lora"])
 @pytest.mark.parametrize("ours,theirs,kw", OPTIMIZERS)
-def test_layer_step_matches_torch_optim(fp32_engine, mode, ours, theirs, kw):
+def test_layer_step_matches_torch_optim(fp32_engine, mode, ours, theirs, kw, correctly_rounded_sqrt):
     a, b = make_layer(mode, torch.float32, fp32_engine), make_layer(mode, torch.float32, fp32_engine)
     opt_a, opt_b = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
     la, lb = train(a, opt_a, STEPS), train(b, opt_b, STEPS)
@@ -94,7 +94,7 @@ def test_full_mode_step_repacks_nothing(fp32_engine):
     assert len(calls_b) == 3      # torch's step changed the parameters: kt repacks them
 
 
-def test_bf16_parameters_keep_fp32_masters(fp32_engine):
+def test_bf16_parameters_keep_fp32_masters(fp32_engine, correctly_rounded_sqrt):
     """kt's masters against torch.optim.AdamW over fp32 masters whose rounded
     copies are the layer's bf16 parameters (the mixed-precision recipe)."""
     a, b = make_layer("full", torch.bfloat16, fp32_engine), make_layer("full", torch.bfloat16, fp32_engine)
@@ -134,7 +134,7 @@ def test_host_write_to_bf16_parameter_reaches_the_master(fp32_engine):
     assert torch.equal(m.w_up.detach().float(), expected)
 
 
-def test_parameters_split_over_groups_are_stepped_one_by_one(fp32_engine):
+def test_parameters_split_over_groups_are_stepped_one_by_one(fp32_engine, correctly_rounded_sqrt):
     """Not all of a layer's parameters in one group: kt steps each on its own
     and the layer re-reads them at the next forward."""
     a, b = make_layer("full", torch.float32, fp32_engine), make_layer("full", torch.float32, fp32_engine)

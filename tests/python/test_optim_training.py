@@ -184,11 +184,11 @@ def check_mode(mode, engine, tmp_path):
     assert head + tail == kt_losses
 
 
-def test_full_fine_tune_with_kt_optimizer(fp32_engine, tmp_path):
+def test_full_fine_tune_with_kt_optimizer(fp32_engine, tmp_path, correctly_rounded_sqrt):
     check_mode("full", fp32_engine, tmp_path)
 
 
-def test_lora_fine_tune_with_kt_optimizer(fp32_engine, tmp_path):
+def test_lora_fine_tune_with_kt_optimizer(fp32_engine, tmp_path, correctly_rounded_sqrt):
     check_mode("lora", fp32_engine, tmp_path)
 
 

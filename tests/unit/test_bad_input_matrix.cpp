@@ -1499,6 +1499,11 @@ void add_optimizer_cases(const Adder& add) {
   add("amsgrad_two", L, INV, create, "amsgrad", [](World& w) {
     return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) { o.amsgrad = 2; });
   });
+  add("arithmetic_unknown", L, INV, create, "options->arithmetic", [](World& w) {
+    return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) {
+      o.arithmetic = static_cast<kt_optim_arithmetic>(2);
+    });
+  });
   add("nesterov_without_momentum", L, INV, create, "nesterov", [](World& w) {
     return create_optimizer_with(w, [](kt_optimizer_param*, kt_optimizer_options& o) {
       o.algorithm = KT_OPTIM_SGD;

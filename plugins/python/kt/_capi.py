@@ -194,8 +194,9 @@ class Arg(ctypes.Structure):
     _fields_ = [("id", ctypes.c_int), ("tensor", ctypes.POINTER(DLTensor))]
 
 
-# kt_optim_algorithm / kt_optim_state
+# kt_optim_algorithm / kt_optim_arithmetic / kt_optim_state
 OPTIM_ADAMW, OPTIM_SGD = 0, 1
+OPTIM_TORCH1, OPTIM_TORCH2 = 0, 1
 OPTIM_STATE_MASTER, OPTIM_STATE_EXP_AVG, OPTIM_STATE_EXP_AVG_SQ = 0, 1, 2
 OPTIM_STATE_MAX_EXP_AVG_SQ, OPTIM_STATE_MOMENTUM = 3, 4
 
@@ -213,6 +214,7 @@ class OptimizerOptions(ctypes.Structure):
         ("momentum", ctypes.c_double),
         ("dampening", ctypes.c_double),
         ("nesterov", ctypes.c_int),
+        ("arithmetic", ctypes.c_int),
     ]
 
 

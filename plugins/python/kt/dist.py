@@ -282,18 +282,22 @@ class LayerOptimizer(_Handle):
     """kt's fused AdamW or SGD over a layer's bound trainable parameters
     (kt_optimizer_create_for_layer): a DistMoE's ``.layer`` or a kt.MoE.
     Options are kt_optimizer_options' fields (lr, weight_decay, betas,
-    eps, amsgrad, momentum, dampening, nesterov)."""
+    eps, amsgrad, momentum, dampening, nesterov, and arithmetic: "torch1"
+    or "torch2", whose AdamW operation order the steps reproduce)."""
 
     def __init__(self, layer, algorithm="adamw", *, lr=1e-3, weight_decay=None, betas=(0.9, 0.999), eps=1e-8,
-                 amsgrad=False, momentum=0.0, dampening=0.0, nesterov=False):
+                 amsgrad=False, momentum=0.0, dampening=0.0, nesterov=False, arithmetic="torch1"):
         if algorithm not in ("adamw", "sgd"):
             raise ValueError("kt: algorithm must be 'adamw' or 'sgd'")
+        if arithmetic not in ("torch1", "torch2"):
+            raise ValueError("kt: arithmetic must be 'torch1' or 'torch2'")
         o = _capi.OptimizerOptions()
         lib().kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         o.algorithm = _capi.OPTIM_ADAMW if algorithm == "adamw" else _capi.OPTIM_SGD
         o.lr, o.eps, o.momentum, o.dampening = lr, eps, momentum, dampening
         o.beta1, o.beta2 = betas
         o.amsgrad, o.nesterov = int(bool(amsgrad)), int(bool(nesterov))
+        o.arithmetic = _capi.OPTIM_TORCH2 if arithmetic == "torch2" else _capi.OPTIM_TORCH1
         if weight_decay is not None:
             o.weight_decay = weight_decay
         elif algorithm == "sgd":

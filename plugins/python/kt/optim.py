@@ -7,7 +7,8 @@ They are ``torch.optim.Optimizer`` subclasses with torch's hyperparameters,
 between them) and ``zero_grad``. Parameters must be CPU float32 tensors
 (updated in place); gradients float32 or bfloat16. The arithmetic is
 torch.optim's, in its operation order (see kt_c_api.h): the same bits as
-torch's for-loop implementation on AVX2/AVX-512 CPUs.
+the for-loop implementation of the torch they run with (1.x or 2.x, which
+differ in how AdamW moves exp_avg) on AVX2/AVX-512 CPUs.
 
 The parameters of a ``kt.torch.MoEExperts`` (LoRA factors, or full-mode
 weights and biases) are stepped by one kt optimizer over the layer when all
@@ -33,6 +34,13 @@ import torch
 from . import _capi
 from .core import _Handle, check, default_engine, lib
 from ._tensor import DLView
+
+
+def host_arithmetic():
+    """kt_optim_arithmetic of the torch in this process: its optimizers'
+    operation order is the one kt reproduces."""
+    major = int(torch.__version__.split(".")[0])
+    return _capi.OPTIM_TORCH2 if major >= 2 else _capi.OPTIM_TORCH1
 
 
 def _state_view(handle, which, shape, index=0):
@@ -142,6 +150,7 @@ class _KtOptimizer(torch.optim.Optimizer):
         o = _capi.OptimizerOptions()
         lib().kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         o.algorithm = self._ALGORITHM
+        o.arithmetic = host_arithmetic()
         self._fill_options(o, group)
         return o
 

@@ -280,6 +280,7 @@ kt_structs! {
         pub momentum: f64,
         pub dampening: f64,
         pub nesterov: c_int,
+        pub arithmetic: kt_optim_arithmetic,
     }
     /// One host parameter and its gradient, for kt_optimizer_create.
     pub struct kt_optimizer_param {
@@ -314,6 +315,7 @@ pub type kt_ckpt_dtype = c_int;
 pub type kt_ckpt_layout = c_int;
 pub type kt_ckpt_format = c_int;
 pub type kt_optim_algorithm = c_int;
+pub type kt_optim_arithmetic = c_int;
 pub type kt_optim_state = c_int;
 
 /// Log callback: level, message (valid for the call), user pointer.
@@ -513,6 +515,10 @@ kt_constants! {
     kt_optim_algorithm {
         KT_OPTIM_ADAMW = 0,
         KT_OPTIM_SGD = 1,
+    }
+    kt_optim_arithmetic {
+        KT_OPTIM_TORCH1 = 0,
+        KT_OPTIM_TORCH2 = 1,
     }
     kt_optim_state {
         KT_OPTIM_STATE_MASTER = 0,

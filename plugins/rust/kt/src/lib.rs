@@ -23,7 +23,7 @@ use std::ptr;
 use kt_sys as sys;
 
 mod optim;
-pub use optim::{Algorithm, Optimizer, OptimizerOptions};
+pub use optim::{Algorithm, Arithmetic, Optimizer, OptimizerOptions};
 
 /// The ABI major this crate was written for; [`Engine::new`] refuses another.
 pub const ABI_VERSION: i32 = sys::KT_ABI_VERSION;

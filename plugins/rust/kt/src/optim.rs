@@ -15,6 +15,15 @@ pub enum Algorithm {
     Sgd,
 }
 
+/// Whose operation order the steps reproduce bit for bit (kt_optim_arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arithmetic {
+    /// torch 1.x: AdamW moves exp_avg by mul and add.
+    Torch1,
+    /// torch 2.x: AdamW moves exp_avg by lerp.
+    Torch2,
+}
+
 /// Hyperparameters with torch.optim's meanings; `Default` is kt's defaults
 /// (AdamW, lr 1e-3, weight decay 1e-2, betas 0.9/0.999, eps 1e-8).
 #[derive(Clone, Debug, PartialEq)]
@@ -29,6 +38,7 @@ pub struct OptimizerOptions {
     pub momentum: f64,
     pub dampening: f64,
     pub nesterov: bool,
+    pub arithmetic: Arithmetic,
 }
 
 fn raw_defaults() -> sys::kt_optimizer_options {
@@ -52,6 +62,7 @@ impl From<&sys::kt_optimizer_options> for OptimizerOptions {
             momentum: o.momentum,
             dampening: o.dampening,
             nesterov: o.nesterov != 0,
+            arithmetic: if o.arithmetic == sys::KT_OPTIM_TORCH2 { Arithmetic::Torch2 } else { Arithmetic::Torch1 },
         }
     }
 }
@@ -72,6 +83,10 @@ impl OptimizerOptions {
         o.momentum = self.momentum;
         o.dampening = self.dampening;
         o.nesterov = self.nesterov as c_int;
+        o.arithmetic = match self.arithmetic {
+            Arithmetic::Torch1 => sys::KT_OPTIM_TORCH1,
+            Arithmetic::Torch2 => sys::KT_OPTIM_TORCH2,
+        };
         o
     }
 }
