@@ -989,11 +989,11 @@ KT_API kt_status kt_ckpt_adapter_read(const char* dir, int64_t layer, const kt_a
  *   SGD:   d = wd ? fma(p, wd, g) : g; with momentum mu: buf = d at its first
  *          step, then fma(d, 1-dampening, buf*mu); d = nesterov ? fma(buf, mu, d)
  *          : buf; p = fma(d, -lr, p)
- * This is the operation order of torch.optim.AdamW and SGD (for-loop
- * implementation, on AVX2/AVX-512 CPUs) of torch 1.13 (KT_OPTIM_TORCH1) and
- * of torch 2.x (KT_OPTIM_TORCH2, whose AdamW moves m with lerp_): results are
- * the same bits as that torch's. Elements are independent, so the result
- * does not depend on thread count or kernel ISA. */
+ * This is the operation order of torch.optim.AdamW and SGD (for-loop, CPU)
+ * of torch 1.13 (KT_OPTIM_TORCH1; the same bits) and torch 2.x (TORCH2: the
+ * same bits as torch 2 with a correctly rounded sqrt; its MKL sqrt is not, so
+ * p may differ in the last bits, m and v do not). Elements are independent,
+ * so the result does not depend on thread count or kernel ISA. */
 
 typedef struct kt_optimizer kt_optimizer;
 
