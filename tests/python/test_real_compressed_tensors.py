@@ -62,14 +62,14 @@ def _calibrate(model, args):
                 module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
 
 
-def write_checkpoint(directory, args, fmt, dtype=torch.bfloat16):
+def write_checkpoint(directory, args, fmt, dtype=torch.bfloat16, calibrate=None):
     """Quantizes and compresses the experts with compressed-tensors and saves
     them as a checkpoint directory; returns the compressed model."""
     model = _experts_model(dtype)
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
                                 format=fmt)
     apply_quantization_config(model, config)
-    _calibrate(model, args)
+    (calibrate or _calibrate)(model, args)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     os.makedirs(directory, exist_ok=True)
@@ -160,3 +160,42 @@ def test_fp32_scales_load_only_dequantized(tmp_path):
     bf16.read_weights(**got)
     for p in got:
         assert torch.equal(got[p], want[p].to(torch.bfloat16).float()), p
+
+
+def _fp8_block_calibrate(model, args):
+    """compressed-tensors has no dynamic rule for blocks: the scale of each
+    128x128 block is its absmax over e4m3's largest value (448), as
+    llm-compressor's min-max observer gives it."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            w = module.weight.float()
+            out, inp = w.shape
+            amax = w.abs().reshape(out // 128, 128, inp // 128, 128).amax(dim=(1, 3))
+            module.weight_scale.data.copy_((amax / 448).to(module.weight_scale.dtype))
+
+
+@pytest.mark.xfail(strict=True, reason="kt reads fp8 blocks as DeepSeek stores them (weight_scale_inv, "
+                                       "quant_method fp8); compressed-tensors' float-quantized blocks name the "
+                                       "same multiplier weight_scale, and kt reports the layer not loadable")
+def test_fp8_block_checkpoint_of_compressed_tensors(tmp_path, fp32_engine):
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128],
+                            symmetric=True)
+    directory = str(tmp_path / "ckpt")
+    model, compressor = write_checkpoint(directory, args, "float-quantized", calibrate=_fp8_block_calibrate)
+    # The reference: the e4m3 codes compressed-tensors stored, times their
+    # block's scale (decompressed_weights' widened scales do not broadcast
+    # over blocks in its decompress_model).
+    experts = model.model.layers[LAYER].mlp.experts
+    want = {p.split("_")[0]: torch.stack([
+        getattr(experts[e], p).weight.float()
+        * getattr(experts[e], p).weight_scale.float().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        for e in range(E)]) for p in PROJ}
+    with kt.Checkpoint(directory) as ck:
+        assert ck.layers[LAYER]["loadable"], ck.layers[LAYER]
+        assert ck.layers[LAYER]["weight_format"] == "fp8_b128"
+        layer = kt.MoE(**ck.moe_options(LAYER), max_tokens=T, engine=fp32_engine)
+        ck.load_layer(LAYER, layer)
+    got = {"gate": torch.empty(E, I, H), "up": torch.empty(E, I, H), "down": torch.empty(E, H, I)}
+    layer.read_weights(**got)
+    for p in got:
+        assert torch.equal(got[p], want[p]), p
