@@ -5,7 +5,7 @@ downloaded.
 
   build(directory, kind, dtype="float32", **shape) -> directory
 
-kind: "qwen3_moe", "deepseek_v3" or "gpt_oss". The weights are drawn with a
+kind: "qwen3_moe", "deepseek_v3", "gpt_oss" or "dbrx". The weights are drawn with a
 fixed seed and rounded to bf16 values (also when stored as fp32), so that kt,
 which keeps its expert weights as bf16, computes with the same numbers as the
 server does.
@@ -74,6 +74,14 @@ def _config(kind, vocab, hidden, intermediate, moe_intermediate, experts, top_k,
                             head_dim=hidden // heads, sliding_window=128,
                             layer_types=["sliding_attention", "full_attention"] * (layers // 2)
                             + ["sliding_attention"] * (layers % 2), **common)
+    if kind == "dbrx":
+        # DBRX keeps its experts as [E*I, H] blocks under transformer.blocks.<L>.ffn:
+        # a layout kt does not read.
+        from transformers import DbrxConfig
+        return DbrxConfig(d_model=hidden, n_heads=heads, n_layers=layers, max_seq_len=4096, vocab_size=vocab,
+                          attn_config=dict(kv_n_heads=heads // 2, rope_theta=10000.0, clip_qkv=None),
+                          ffn_config=dict(ffn_hidden_size=moe_intermediate, moe_num_experts=experts,
+                                          moe_top_k=top_k), tie_word_embeddings=False)
     raise ValueError("unknown kind %r" % (kind,))
 
 

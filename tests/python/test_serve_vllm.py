@@ -204,12 +204,28 @@ def test_unknown_checkpoint_layout_refused(tmp_path, models):
     with pytest.raises(ktv.KtVllmError) as e:
         ktv.plan_layer("model.layers.0.mlp.experts", _FakeMoeConfig(), None, False, vllm_config, settings)
     print(e.value)
-    assert "kt: model.layers.0.mlp.experts: the checkpoint %s has no MoE layer 0 that kt recognises" \
-        % renamed in str(e.value)
+    # kt's checkpoint reader refuses it (config.json has MoE layers, the
+    # files no expert tensors kt knows), or finds no layer 0.
+    text = str(e.value)
+    assert text.startswith("kt: model.layers.0.mlp.experts: ") and str(renamed) in text, text
+    assert "kt cannot read the checkpoint" in text or "has no MoE layer 0 that kt recognises" in text, text
     # The original checkpoint passes the same checks.
     vllm_config.model_config.model = model
     plan = ktv.plan_layer("model.layers.0.mlp.experts", _FakeMoeConfig(), None, False, vllm_config, settings)
     assert plan.layer == 0 and plan.kt_layer.num_experts == 16
+
+
+def test_unrecognised_model_refused(tmp_path, models):
+    """DBRX: vLLM serves it with its own RoutedExperts subclass, its experts
+    are [E*I, H] blocks under transformer.blocks.<L>.ffn, which kt does not
+    read: the server asked for kt stops, naming the layer and the reason.
+    (vLLM 0.32 cannot load this DBRX checkpoint by itself either, a KeyError
+    in its DBRX loader, so there is no "strict": false run to compare.)"""
+    model = models("dbrx", "float32")
+    bad = run_engine(tmp_path, "dbrx", dict(model=model, dtype="float32", prompts=PROMPTS[:1], max_tokens=2,
+                                            kt={}))
+    assert "error" in bad
+    assert "kt: transformer.blocks.0.ffn: no layer number" in bad["error"], bad["error"]
 
 
 class _FakeParallel:
