@@ -103,7 +103,8 @@ int usage(FILE* to) {
                "                             layer (the error is stated in kt_c_api.h), bf16\n"
                "                             dequantizes a quantized one\n"
                "  bench [options]            the benchmark: kt against this machine's limits,\n"
-               "                             oneDNN and torch eager (kt bench --help lists options)\n"
+               "                             oneDNN, torch eager and the peers installed (kt-kernel,\n"
+               "                             DeepSpeed's CPU Adam; kt bench --help lists options)\n"
                "  version [--json]           library version, ABI, build, CPU ISA\n");
   return to == stderr ? 2 : 0;
 }
