@@ -29,7 +29,8 @@ import traceback
 def _engine(spec):
     from vllm import LLM
     kw = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), max_model_len=spec.get("max_model_len", 1024),
-              enforce_eager=True, seed=0, gpu_memory_utilization=0.05, max_num_seqs=64)
+              enforce_eager=True, seed=0, gpu_memory_utilization=0.05, max_num_seqs=64,
+              kv_cache_memory_bytes=256 << 20)
     if spec.get("prompt_logprobs"):
         kw["max_logprobs"] = -1
     if spec.get("kt") is not None:

