@@ -17,10 +17,14 @@
 #                                   compiled by torch's JIT loader on first use
 #   tools/python_env.sh hosts       add the host libraries kt.hf is tested
 #                                   against (packaging/python/requirements-hosts.txt:
-#                                   transformers, PEFT, accelerate,
+#                                   transformers 5, PEFT, accelerate,
 #                                   compressed-tensors; tests/python/test_real_*.py),
 #                                   resolved together with the torch pin, through
-#                                   the same wheel cache
+#                                   the same wheel cache; and transformers 4
+#                                   (requirements-hosts-v4.txt) in
+#                                   <venv>/transformers4, which the tests take
+#                                   instead of 5 with
+#                                   PYTHONPATH=<venv>/transformers4
 #
 # Environment:
 #   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
@@ -45,6 +49,7 @@ peers=$root/packaging/python/requirements-peers.txt
 serve_venv=${KT_SERVE_VENV:-$root/build-serve}
 serve_requirements=$root/packaging/python/requirements-serve.txt
 hosts=$root/packaging/python/requirements-hosts.txt
+hosts_v4=$root/packaging/python/requirements-hosts-v4.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
 
@@ -93,7 +98,15 @@ hosts() {
   "$venv/bin/pip" download --quiet --dest "$cache" -r "$requirements" -r "$hosts"
   "$venv/bin/pip" install --quiet --no-index --find-links "$cache" -r "$requirements" -r "$hosts"
   "$venv/bin/python" -c 'import transformers, peft, compressed_tensors, torch; print("python_env: transformers", transformers.__version__, "| peft", peft.__version__, "| compressed-tensors", compressed_tensors.__version__, "| torch", torch.__version__)'
-  echo "python_env: hosts ready in $venv"
+  # transformers 4 cannot share the venv with 5: its files (and the
+  # huggingface-hub and tokenizers it needs) go to a directory of their own
+  # that PYTHONPATH puts first.
+  "$venv/bin/pip" download --quiet --dest "$cache" --no-deps -r "$hosts_v4"
+  rm -rf "$venv/transformers4"
+  "$venv/bin/pip" install --quiet --no-index --find-links "$cache" --no-deps --target "$venv/transformers4" \
+    -r "$hosts_v4"
+  PYTHONPATH=$venv/transformers4 "$venv/bin/python" -c 'import transformers; print("python_env: transformers", transformers.__version__, "in '"$venv"'/transformers4")'
+  echo "python_env: hosts ready in $venv (transformers 4: PYTHONPATH=$venv/transformers4)"
 }
 
 serve() {

@@ -104,3 +104,31 @@ def checkpoint_dir(tmp_path_factory, arch, **overrides):
         os.makedirs(d, exist_ok=True)
         save(arch, str(d), **overrides)
     return str(d)
+
+
+def is_fused(arch):
+    """Whether the installed transformers holds arch's experts as fused
+    parameters (v5; gpt-oss in both) instead of one nn.Linear per expert."""
+    return is_v5() or arch == "gpt_oss"
+
+
+PER_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
+
+
+def peft_lora_config(arch, r, alpha, projections=("gate", "up", "down"), attention=("q_proj", "v_proj")):
+    """PEFT's LoraConfig for LoRA on attention and on the routed experts of
+    the plain transformers model: the fused parameters (target_parameters)
+    or, in transformers 4, each expert's modules (a regex that leaves
+    shared experts out)."""
+    import peft
+    kw = {}
+    if is_fused(arch):
+        params = (["mlp.experts.gate_up_proj"] if {"gate", "up"} & set(projections) else []) + \
+            (["mlp.experts.down_proj"] if "down" in projections else [])
+        kw["target_parameters"] = params
+        modules = list(attention)
+    else:
+        names = PER_EXPERT_NAMES.get(arch, ("gate_proj", "up_proj", "down_proj"))
+        wanted = [n for p, n in zip(("gate", "up", "down"), names) if p in projections]
+        modules = r".*\.experts\.\d+\.(%s)|.*\.(%s)" % ("|".join(wanted), "|".join(attention))
+    return peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=modules, **kw)

@@ -23,18 +23,20 @@ import tolerances  # noqa: E402
 from reference import rel_l2  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 # transformers 5.25 maps qwen3_moe, deepseek_v3 and the other Qwen2-style MoE
 # types to "qwen2_moe" in _MODEL_TO_CONVERSION_PATTERN, but not qwen2_moe
 # itself, so PEFT 0.21.2 leaves a per-expert adapter of a Qwen2-MoE model
 # unconverted: its expert LoRA is not loaded onto the fused v5 experts.
 QWEN2_PER_EXPERT = pytest.mark.xfail(
-    strict=True, reason="PEFT 0.21.2 / transformers 5.25: no v4->v5 adapter conversion for qwen2_moe")
-CASES = [("qwen3_moe", "per_expert"), ("qwen3_moe", "fused"), ("mixtral", "per_expert"),
-         ("mixtral", "fused"), ("deepseek_v3", "per_expert"), ("deepseek_v3", "fused"),
-         ("gpt_oss", "fused"), ("qwen2_moe", "fused"),
-         pytest.param("qwen2_moe", "per_expert", marks=QWEN2_PER_EXPERT)]
+    real_models.is_v5(), strict=True,
+    reason="PEFT 0.21.2 / transformers 5.25: no v4->v5 adapter conversion for qwen2_moe")
+# Transformers 4 holds one module per expert (gpt-oss excepted): there the
+# per-expert layout is the only one.
+CASES = [(arch, layout) for arch in real_models.ARCHITECTURES for layout in ("per_expert", "fused")
+         if (arch != "gpt_oss" or layout == "fused")
+         and (real_models.is_v5() or layout == ("fused" if arch == "gpt_oss" else "per_expert"))]
+CASES = [pytest.param(*c, marks=QWEN2_PER_EXPERT) if c == ("qwen2_moe", "per_expert") else c for c in CASES]
 
 
 def _checkpoint(tmp_path_factory, arch):
@@ -81,6 +83,7 @@ def test_one_adapter_of_kt_and_peft_loads_into_real_peft(tmp_path_factory, tmp_p
     config = kt.hf.save_adapter(peft_model, out, layout=layout)
     assert sorted(os.listdir(out)) == ["adapter_config.json", "adapter_model.safetensors"]
     assert bool(config.get("target_parameters")) == (layout == "fused")
+    assert config["task_type"] == "CAUSAL_LM"
 
     plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     without_adapter = _logits(plain, tokens)
@@ -93,13 +96,12 @@ def test_one_adapter_of_kt_and_peft_loads_into_real_peft(tmp_path_factory, tmp_p
     assert rel_l2(without_adapter, want) > 100 * tolerances.FP32
 
 
-def _peft_trained(directory, steps=3):
+def _peft_trained(directory, arch, steps=3, projections=("gate", "up", "down")):
     """A PEFT LoRA on the plain model (attention and the fused experts'
     parameters), trained a few AdamW steps."""
     torch.manual_seed(11)
     plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    model = peft.get_peft_model(plain, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                       target_parameters=EXPERT_TARGETS))
+    model = peft.get_peft_model(plain, real_models.peft_lora_config(arch, 4, 8, projections))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
     tokens = real_models.token_batch(seed=5)
     model.train()
@@ -113,12 +115,12 @@ def _peft_trained(directory, steps=3):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 def test_adapter_trained_by_peft_loads_into_the_kt_model(tmp_path_factory, tmp_path, arch, fp32_engine):
     directory = _checkpoint(tmp_path_factory, arch)
-    trained = _peft_trained(directory)
+    trained = _peft_trained(directory, arch)
     trained.save_pretrained(str(tmp_path / "adapter"))
     tokens = real_models.token_batch()
     want = _logits(trained, tokens)
     model = kt.hf.from_pretrained(directory, dtype=torch.float32, engine=fp32_engine, mode="lora",
-                                  lora_rank=4, lora_alpha=8, target_modules=EXPERT_TARGETS)
+                                  lora_rank=4, lora_alpha=8)
     before = _logits(model, tokens)
     model = kt.hf.load_adapter(model, tmp_path / "adapter")
     assert isinstance(model, peft.PeftModel)  # attention's LoRA is PEFT's
@@ -131,12 +133,12 @@ def test_adapter_trained_by_peft_loads_into_the_kt_model(tmp_path_factory, tmp_p
 
 def test_adapter_for_lora_the_kt_model_lacks_is_refused_by_name(tmp_path_factory, tmp_path, fp32_engine):
     directory = _checkpoint(tmp_path_factory, "qwen3_moe")
-    trained = _peft_trained(directory, steps=1)
+    trained = _peft_trained(directory, "qwen3_moe", steps=1)
     trained.save_pretrained(str(tmp_path / "adapter"))
     # kt's blocks train gate and up only: the adapter's down_proj LoRA has no place.
     model = kt.hf.from_pretrained(directory, dtype=torch.float32, engine=fp32_engine, mode="lora",
-                                  lora_rank=4, lora_alpha=8, target_modules=["gate_up_proj"])
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.down_proj"):
+                                  lora_rank=4, lora_alpha=8, target_modules=["gate_proj", "up_proj"])
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.(0\.)?down_proj"):
         kt.hf.load_adapter(model, tmp_path / "adapter")
 
 

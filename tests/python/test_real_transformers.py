@@ -157,9 +157,15 @@ def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpo
     measured.record(precision, "real loss", err)
     assert err <= bound, (arch, losses)
     want, got = _named_grads(reference), _named_grads(model)
-    assert sorted(got) == sorted(want)
+    # transformers 4 leaves .grad None on the experts no token reached; kt
+    # writes their zeros.
+    assert set(want) <= set(got)
+    for name in set(got) - set(want):
+        assert ".experts." in name and not got[name].any(), name
     worst = max((rel_l2(got[n], want[n]), n) for n in want)
     measured.record(precision, "real grads", worst[0])
     assert worst[0] <= GRAD_BOUND[precision], (arch, worst)
     experts = [n for n in want if ".experts." in n]
-    assert experts and all(want[n].abs().sum() > 0 for n in experts)
+    # The experts' gradients take part (v4 keeps one tensor per expert, and
+    # experts no token reached have zero gradients).
+    assert experts and sum(int(want[n].abs().sum() > 0) for n in experts) >= len(experts) // 2

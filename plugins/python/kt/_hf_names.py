@@ -122,28 +122,35 @@ def weights_from_hf(naming, tensors, E, bias):
 # ------------------------------------------------------------------ LoRA
 
 
-def _peft_param_factors(delta_A, delta_B, naming_in_out):
+def _peft_param_factors(delta_A, delta_B, naming_in_out, peft_in_out=False):
     """kt factors of one fused parameter (A [E,R,in], B [E,out,R], nn.Linear
     sense, delta = B A) -> PEFT's (lora_A.weight, lora_B.weight). PEFT
-    (0.21) gives a 3-D parameter lora_A = Linear(in, R*E) and lora_B =
-    Linear(R*E, out) whichever way it is stored: it reads [E, out, in]
-    (transformers v5 fused experts) or, where the experts module says
-    ``is_transposed`` (gpt-oss), [E, in, out]. So both orientations take
-    kt's factors as they are: row e*R + k of lora_A is A[e, k], column
-    k*E + e of lora_B is B[e, :, k]."""
+    (0.21) reads a 3-D parameter [E, d1, d2] as [E, in, out] where the
+    experts module says ``is_transposed`` (transformers v5 gpt-oss) and as
+    [E, out, in] otherwise, and gives it lora_A = Linear(d_in, R*E) (row
+    e*R + k), lora_B = Linear(R*E, d_out) (column k*E + e), adding
+    B_e A_e to the [d_out, d_in] view. Where that view is the parameter's
+    own orientation, kt's factors go as they are; where it is not
+    (transformers v4 gpt-oss, [E, in, out] without is_transposed), PEFT's
+    product must be the transpose: lora_A from B^T, lora_B from A^T."""
+    if naming_in_out != peft_in_out:
+        delta_A, delta_B = delta_B.transpose(1, 2), delta_A.transpose(1, 2)
     E, R = delta_A.shape[0], delta_A.shape[1]
     lora_a = delta_A.reshape(E * R, delta_A.shape[2]).contiguous()
     lora_b = delta_B.permute(1, 2, 0).reshape(delta_B.shape[1], R * E).contiguous()
     return lora_a, lora_b
 
 
-def _kt_factors(lora_a, lora_b, E, naming_in_out):
+def _kt_factors(lora_a, lora_b, E, naming_in_out, peft_in_out=False):
     """Inverse of _peft_param_factors: -> A [E,R,in], B [E,out,R]."""
     R = lora_a.shape[0] // E
-    return lora_a.reshape(E, R, lora_a.shape[1]), lora_b.reshape(lora_b.shape[0], R, E).permute(2, 0, 1)
+    a, b = lora_a.reshape(E, R, lora_a.shape[1]), lora_b.reshape(lora_b.shape[0], R, E).permute(2, 0, 1)
+    if naming_in_out != peft_in_out:
+        a, b = b.transpose(1, 2), a.transpose(1, 2)
+    return a, b
 
 
-def lora_to_peft(naming, lora, targets, per_expert_names=None):
+def lora_to_peft(naming, lora, targets, per_expert_names=None, peft_in_out=False):
     """kt LoRA {lora_A_<p>: [E,r,in], lora_B_<p>: [E,out,r]} -> {relative
     key: tensor} in PEFT's saved form, plus the rank/alpha factor of each
     fused parameter ({parameter: rank multiplier}). ``per_expert_names``
@@ -188,12 +195,12 @@ def lora_to_peft(naming, lora, targets, per_expert_names=None):
         multipliers["down_proj"] = m
     for depth, (name, a, b) in enumerate(params):
         prefix = "base_layer." * (len(params) - 1 - depth)
-        la, lb = _peft_param_factors(a, b, in_out)
+        la, lb = _peft_param_factors(a, b, in_out, peft_in_out)
         out[prefix + "lora_A.weight"], out[prefix + "lora_B.weight"] = la, lb
     return out, multipliers
 
 
-def lora_from_peft(naming, tensors, targets, E, r, per_expert_names=None):
+def lora_from_peft(naming, tensors, targets, E, r, per_expert_names=None, peft_in_out=False):
     """PEFT's saved form (relative keys) -> kt LoRA tensors; raises
     ValueError where PEFT's factors cannot be kt's. A fused gate_up_proj
     factor pair is either kt's own (rank 2r, B block-diagonal: separate gate
@@ -214,7 +221,8 @@ def lora_from_peft(naming, tensors, targets, E, r, per_expert_names=None):
     order = (["gate_up_proj"] if gu else []) + (["down_proj"] if "down" in targets else [])
     for depth, name in enumerate(order):
         prefix = "base_layer." * (len(order) - 1 - depth)
-        a, b = _kt_factors(tensors[prefix + "lora_A.weight"], tensors[prefix + "lora_B.weight"], E, in_out)
+        a, b = _kt_factors(tensors[prefix + "lora_A.weight"], tensors[prefix + "lora_B.weight"], E, in_out,
+                           peft_in_out)
         if name == "down_proj":
             if a.shape[1] < r or bool(a[:, r:].any()) or bool(b[:, :, r:].any()):
                 raise ValueError("kt: down_proj's LoRA has rank %d beyond kt's rank %d" % (a.shape[1], r))

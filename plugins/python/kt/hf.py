@@ -368,6 +368,8 @@ def _replace_fused(block, options, orientation, source=None, block_name=""):
             raise ValueError("kt.hf: expert activation %s is not SiLU" % type(act).__name__)
     kt_experts = _make_experts(E, k, H, I, options, cls=KtFusedExperts, **layer_kw)
     kt_experts.hf_naming = ("gpt_oss" if oss else "fused") + ("_in_out" if orientation == "in_out" else "")
+    # How PEFT reads the fused parameters of this module (see kt._hf_names).
+    kt_experts.peft_in_out = bool(getattr(ex, "is_transposed", False))
     if source:
         source.fill(kt_experts, _layer_number(block_name), block_name)
         options["placement"].apply(kt_experts, block, block_name, gu.dtype)
@@ -642,7 +644,8 @@ def save_adapter(model, directory, *, base_model=None, dtype=torch.float32, layo
         raise ValueError("kt.hf: layout must be 'per_expert', 'fused' or None, not %r" % (layout,))
     for name, m in layers:
         lora = {attr: getattr(m, attr).detach().to(dtype) for _, attr in m._arg_names}
-        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets, per_expert_names=legacy)
+        rel, mult = _hf_names.lora_to_peft(m.hf_naming, lora, m.lora_targets, per_expert_names=legacy,
+                                           peft_in_out=getattr(m, "peft_in_out", False))
         multiplier = max([multiplier] + list(mult.values()))
         for k, t in rel.items():
             tensors["base_model.model.%s.%s" % (name, k)] = t
@@ -791,7 +794,8 @@ def load_adapter(model, directory, *, adapter_name="default"):
             _check_adapter_targets(directory, config, name, m, rel, per_expert)
             try:
                 lora = _hf_names.lora_from_peft(m.hf_naming, rel, m.lora_targets, m.num_experts, m.lora_rank,
-                                                per_expert_names=per_expert)
+                                                per_expert_names=per_expert,
+                                                peft_in_out=getattr(m, "peft_in_out", False))
             except KeyError as e:
                 raise ValueError("kt.hf: %s: tensor %s%s is missing" % (directory, prefix, e.args[0])) from None
             for attr, t in lora.items():
