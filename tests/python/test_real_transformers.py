@@ -169,3 +169,15 @@ def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpo
     # The experts' gradients take part (v4 keeps one tensor per expert, and
     # experts no token reached have zero gradients).
     assert experts and sum(int(want[n].abs().sum() > 0) for n in experts) >= len(experts) // 2
+
+
+def test_tied_embeddings_stay_tied(tmp_path, fp32_engine):
+    """A checkpoint without lm_head (tie_word_embeddings): the kt model ties
+    it to the embedding as transformers does."""
+    directory = real_models.save("qwen3_moe", str(tmp_path / "tied"), tie_word_embeddings=True)
+    reference = _torch_model(directory, torch.float32)
+    model = kt.hf.from_pretrained(directory, dtype=torch.float32, engine=fp32_engine)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    tokens = real_models.token_batch()
+    with torch.no_grad():
+        assert rel_l2(model(tokens).logits, reference(tokens).logits) <= tolerances.FP32
