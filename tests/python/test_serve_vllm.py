@@ -14,7 +14,8 @@ bf16-rounded random weights (serve_models.py), nothing downloaded.
   bf16 experts round their intermediates where kt keeps fp32 (Qwen3-MoE,
   gpt-oss).
 * kt computed every MoE layer (its forward counters), so a plugin that is
-  not in effect fails.
+  not in effect fails; also in vLLM's compiled mode (torch.compile), where
+  kt is an opaque op in the graph.
 * HTTP: `vllm serve` with the plugin loaded through kt's entry point;
   a batched completion request of mixed prompt lengths and concurrent
   clients get the same tokens as from the server without kt.
@@ -146,6 +147,20 @@ def test_bf16_logprobs_within_bound(tmp_path, models, kind):
     print("%s bf16: log-probabilities kt vs vLLM, relative L2 %.2e (bound %.0e)"
           % (kind, err, tolerances.BF16_TORCH))
     assert 0.0 < err < tolerances.BF16_TORCH  # 0.0 would mean kt was not used
+
+
+def test_compiled_model_calls_kt(tmp_path, models):
+    """vLLM's default mode: the model compiled by torch.compile (Dynamo +
+    inductor); kt's call is an opaque torch op (kt::vllm_experts) inside the
+    graph, so the compiled model still runs kt, with the same tokens as
+    vLLM's own experts."""
+    model = models("qwen3_moe", "float32")
+    spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
+    ref = _ok(run_engine(tmp_path, "eager-vllm", dict(spec, kt=None)), "vllm")
+    got = _ok(run_engine(tmp_path, "compiled-kt", dict(spec, kt={}, llm={"enforce_eager": False})), "kt")
+    assert "compil" in got["log"].lower()
+    _assert_kt_computed(got, model, PROMPTS)
+    assert got["tokens"] == ref["tokens"]
 
 
 def test_quantized_at_load_runs_in_kt(tmp_path, models):
