@@ -328,6 +328,8 @@ type MoEOptions struct {
 	Mode                                   Mode
 	LoRARank                               int64
 	LoRAAlpha                              float32
+	UseRSLoRA                              bool   // scale alpha/sqrt(rank) instead of alpha/rank
+	LoRATargets                            uint32 // ProjGate | ProjUp | ProjDown; 0 = all (ProjAll)
 	WeightFormat                           WeightFormat
 	// Int8Compute: an inference layer on an integer base (int8_channel,
 	// int4_g32, int4_g128, int4_g32_zp, int4_g128_zp, mxfp4) multiplies int8 activations (KT_COMPUTE_INT8; forward
@@ -379,6 +381,12 @@ func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
 	if opts.LoRAAlpha != 0 {
 		o.lora_alpha = C.float(opts.LoRAAlpha)
 	}
+	if opts.UseRSLoRA {
+		o.use_rslora = 1
+	}
+	if opts.LoRATargets != 0 {
+		o.lora_targets = C.uint(opts.LoRATargets)
+	}
 	o.weight_format = C.kt_weight_format(opts.WeightFormat)
 	if opts.Int8Compute {
 		o.compute = C.KT_COMPUTE_INT8
@@ -418,6 +426,7 @@ const (
 	ArgBGate         ArgID = C.KT_ARG_B_GATE
 	ArgBUp           ArgID = C.KT_ARG_B_UP
 	ArgBDown         ArgID = C.KT_ARG_B_DOWN
+	ArgBGateUp       ArgID = C.KT_ARG_B_GATE_UP // [E,2I], the biases of ArgWGateUp
 	ArgExpertMap     ArgID = C.KT_ARG_EXPERT_MAP
 	ArgLoRAAGate     ArgID = C.KT_ARG_LORA_A_GATE
 	ArgLoRABGate     ArgID = C.KT_ARG_LORA_B_GATE
@@ -434,6 +443,9 @@ const (
 	ArgGradWGate     ArgID = C.KT_ARG_GRAD_W_GATE
 	ArgGradWUp       ArgID = C.KT_ARG_GRAD_W_UP
 	ArgGradWDown     ArgID = C.KT_ARG_GRAD_W_DOWN
+	ArgGradBGate     ArgID = C.KT_ARG_GRAD_B_GATE
+	ArgGradBUp       ArgID = C.KT_ARG_GRAD_B_UP
+	ArgGradBDown     ArgID = C.KT_ARG_GRAD_B_DOWN
 )
 
 // Tensor is a compact row-major view of a Go slice with a shape; it borrows
@@ -656,6 +668,7 @@ const (
 	ProjGate uint32 = C.KT_PROJ_GATE
 	ProjUp   uint32 = C.KT_PROJ_UP
 	ProjDown uint32 = C.KT_PROJ_DOWN
+	ProjAll  uint32 = C.KT_PROJ_ALL
 )
 
 // SavePacked writes the layer's packed weights to one file (atomically replaced).

@@ -3,6 +3,7 @@ package kt
 import (
 	"errors"
 	"math"
+	"strings"
 	"testing"
 )
 
@@ -242,5 +243,28 @@ func TestErrorsCarryKtMessage(t *testing.T) {
 	}
 	if err := moe.Forward(Tensor{}, Tensor{}, Tensor{}, Tensor{}); !errors.Is(err, &Error{Status: ErrInvalidHandle}) {
 		t.Fatalf("closed layer: got %v", err)
+	}
+}
+
+// MoEOptions' UseRSLoRA and LoRATargets reach kt_moe_options: kt checks the
+// targets of a LoRA layer (a bit outside ProjAll is refused, naming the field).
+func TestLoRAOptionsReachKt(t *testing.T) {
+	engine, err := NewEngine(&EngineOptions{NumThreads: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	opts := MoEOptions{NumExperts: numExperts, TopK: topK, Hidden: hidden, Intermediate: intermediate,
+		Mode: ModeLoRA, LoRARank: 2, LoRAAlpha: 4, UseRSLoRA: true, LoRATargets: ProjGate | ProjDown}
+	moe, err := engine.NewMoE(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	moe.Close()
+	opts.LoRATargets = ProjAll << 1
+	_, err = engine.NewMoE(opts)
+	var ktErr *Error
+	if !errors.As(err, &ktErr) || ktErr.Status != ErrInvalidArgument || !strings.Contains(ktErr.Message, "lora_targets") {
+		t.Fatalf("LoRATargets %d: got %v, want KT_ERR_INVALID_ARGUMENT naming lora_targets", opts.LoRATargets, err)
 	}
 }
