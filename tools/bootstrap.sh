@@ -3,7 +3,13 @@
 #   tools/bootstrap.sh demo   the main job: a synthetic Qwen3-30B-A3B layer,
 #                             inference + a LoRA training step, checked
 #                             against the reference, with timings
-#   tools/bootstrap.sh test   the whole test suite
+#   tools/bootstrap.sh test   the whole test suite: ctest (C/C++, the
+#                             bindings, the Python suite with Debian's
+#                             torch 1.13), then the Python suite again in a
+#                             venv with torch 2.x, transformers, PEFT and the
+#                             benchmark's peers from the package index and
+#                             kt installed by pip, and vLLM serving through
+#                             kt in a venv of its own (tools/python_env.sh)
 #   tools/bootstrap.sh sanitize
 #                             the whole suite built with ASan+UBSan (leak
 #                             detection on, halt on the first finding) in
@@ -30,7 +36,7 @@ esac
 # libdnnl-dev only recommends ocl-icd-opencl-dev, but its CMake config needs
 # it; `file` is what cpack's Debian generator runs (the package test).
 packages="build-essential cmake ccache pkg-config file libdlpack-dev libgtest-dev libbenchmark-dev \
-nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-torch libtorch-dev \
+nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-venv python3-torch libtorch-dev \
 libdnnl-dev ocl-icd-opencl-dev libgloo-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
 
 missing=""
@@ -76,5 +82,18 @@ if [ -x plugins/python/install_dev.sh ]; then plugins/python/install_dev.sh "$bu
 
 case "$what" in
   demo) "$build/examples/qwen3_layer/kt_qwen3_layer" ;;
-  test) ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500 ;;
+  test)
+    # The pip route's venv first (kt installed by pip, torch 2.x, the real
+    # hosts and the benchmark's peers from the package index): ctest's peer
+    # checks run kt bench with it.
+    KT_JOBS="$jobs" tools/python_env.sh create
+    tools/python_env.sh hosts
+    tools/python_env.sh peers
+    ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500
+    # The Python suite again, with the venv's torch 2.x and the real hosts;
+    # then vLLM serving through kt, in its own venv (its torch pin differs).
+    tools/python_env.sh test
+    tools/python_env.sh serve
+    KT_VENV="$(pwd)/build-serve" tools/python_env.sh test tests/python/test_serve_vllm.py
+    ;;
 esac
