@@ -101,8 +101,13 @@ _QUALIFIERS = {"const", "volatile", "restrict", "struct", "enum", "union", "sign
 
 
 class Field:
-    def __init__(self, name, base, ptr=0, dims=(), fn=None):
+    """One declarator of a record: base type, pointer levels, array extents,
+    function-pointer signature (returns void, nargs), and consts: whether
+    each level (0 = the base type, i = the i-th pointer) is const."""
+
+    def __init__(self, name, base, ptr=0, dims=(), fn=None, consts=None):
         self.name, self.base, self.ptr, self.dims, self.fn = name, base, ptr, tuple(dims), fn
+        self.consts = list(consts) if consts is not None else [False] * (ptr + 1)
 
     def __repr__(self):
         return "Field(%s: %s%s%s%s)" % (self.name, self.base, "*" * self.ptr,
@@ -136,10 +141,12 @@ def parse_fields(body, known):
                 raise ValueError("cannot parse declaration %r" % decl)
             prefix, name, arrays = m.groups()
             words = [w for w in re.findall(r"\w+", prefix) if w not in _QUALIFIERS]
+            _, consts, _ = split_declaration(prefix)
             if base is None:
-                base = " ".join(words)
+                base, base_const = " ".join(words), consts[0]
+            consts[0] = base_const  # "const char *p, *q": q's base is const too
             dims = [c_value(d, known) for d in re.findall(r"\[([^\]]*)\]", arrays)]
-            fields.append(Field(name, base, prefix.count("*"), dims))
+            fields.append(Field(name, base, prefix.count("*"), dims, consts=consts))
     return fields
 
 
@@ -153,6 +160,7 @@ class Header:
         self.bad_defines = []  # KT_ macros that are not integer constants
         self.opaque = set()    # typedef struct X X; without a body
         self.fn_typedefs = {}  # typedef R (*name)(...) -> (returns void, nargs)
+        self.functions = {}    # KT_API function name -> (return type text, [parameter declarations])
         code = strip_comments(text.replace("\\\n", " "))
         known = {}
         for m in re.finditer(r"^[ \t]*#[ \t]*define[ \t]+(\w+)(?:[ \t]+(.*?))?[ \t]*$", code, re.M):
@@ -169,6 +177,10 @@ class Header:
             self.opaque.add(m.group(2))
         for m in re.finditer(r"\btypedef\s+([^;{}()]*?)\(\s*\*\s*(\w+)\s*\)\s*\(([^;]*?)\)\s*;", code):
             self.fn_typedefs[m.group(2)] = _fn_signature(m.group(1), m.group(3))
+        for m in re.finditer(r"\bKT_API\s+([^;{}()]*?)\b(kt_\w+)\s*\(([^;{}]*?)\)\s*;", code):
+            params = _split_top(m.group(3), ",")
+            self.functions[m.group(2)] = (" ".join(m.group(1).split()),
+                                          [] if params == ["void"] else [" ".join(p.split()) for p in params])
         pos = 0
         head = re.compile(r"\b(typedef\s+)?(struct|union|enum)\s*(\w*)\s*\{")
         while True:
@@ -280,3 +292,24 @@ def merged(*headers):
         h.opaque |= x.opaque
         h.fn_typedefs.update(x.fn_typedefs)
     return h
+
+
+def split_declaration(decl):
+    """A parameter or field declaration as (base type, [const of each level],
+    name): level 0 is the base type, level i the i-th pointer. "const char*
+    const* names" -> ("char", [True, True, False], "names"); a declaration
+    without a name ("void*") has name None."""
+    words = re.findall(r"\w+|\*", decl)
+    name = None
+    if len(words) > 1 and re.fullmatch(r"\w+", words[-1]) and words[-1] not in _QUALIFIERS \
+            and words[-2] != "struct":
+        name = words.pop()
+    consts, base = [False], []
+    for w in words:
+        if w == "*":
+            consts.append(False)
+        elif w == "const":
+            consts[-1] = True
+        elif w not in _QUALIFIERS:
+            base.append(w)
+    return " ".join(base), consts, name
