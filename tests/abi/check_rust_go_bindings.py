@@ -49,10 +49,11 @@ and the Go sources (a field dropped, a type changed, a value changed, an
 enumerator, a field, a struct and a #define added to the header, a Go
 conversion or constant removed) and require each difference to be reported.
 
-Needs a C compiler ($CC, else cc) and dlpack.h; the Rust layouts need rustc
-(Debian's /usr/bin/rustc first, as tests/consumers/rust_test.sh; offline, no
-cargo registry). Without rustc the Rust layout checks are skipped and the
-script exits 77 after the others. The Go checks read the sources and need no
+Needs a C compiler ($CC, else cc) and dlpack.h; the Rust layouts and values
+need rustc ($RUSTC, else Debian's /usr/bin/rustc as tests/consumers/rust_test.sh,
+else PATH's; the crate has no dependencies, so rustc compiles lib.rs directly:
+no cargo, no registry, offline). Without rustc those are skipped and the
+script exits 77 after the other checks (1 if any of them failed). The Go checks read the sources and need no
 Go toolchain.
 
     check_rust_go_bindings.py [--no-self-test]
