@@ -29,8 +29,9 @@ PRECISIONS = {"fp32": (torch.float32, tolerances.FP32), "bf16": (torch.bfloat16,
 # Gradients of a bf16 model pass torch's bf16 roundings twice (forward and
 # backward, every layer and every expert's intermediate), so a bf16 gradient
 # of the torch model is twice as far from kt's as an output is; fp32
-# gradients keep tolerances.FP32. Measured: 2.5e-2 worst (the gate weight of
-# DeepSeek-V3's router, whose gradient sums every routed expert's), 1.1e-6 in fp32.
+# gradients keep tolerances.FP32. Measured worst: 2.5e-2 (transformers 5,
+# the gate weight of DeepSeek-V3's router, whose gradient sums every routed
+# expert's), 1.8e-2 (transformers 4); 1.4e-6 in fp32.
 GRAD_BOUND = {"fp32": tolerances.FP32, "bf16": 2 * tolerances.BF16_TORCH}
 
 
@@ -162,8 +163,14 @@ def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpo
     assert set(want) <= set(got)
     for name in set(got) - set(want):
         assert ".experts." in name and not got[name].any(), name
-    worst = max((rel_l2(got[n], want[n]), n) for n in want)
+    # The key bias's gradient is zero in exact arithmetic (softmax does not
+    # change when one query's scores all move by q.b), so what both models
+    # give is rounding noise: it is measured against its weight's gradient.
+    worst = max(((got[n] - want[n]).double().norm().item()
+                 / want[n.replace("k_proj.bias", "k_proj.weight")].double().norm().item()
+                 if n.endswith("k_proj.bias") else rel_l2(got[n], want[n]), n) for n in want)
     measured.record(precision, "real grads", worst[0])
+    print("worst gradient of %s in %s: %.3e (%s)" % (arch, precision, worst[0], worst[1]))
     assert worst[0] <= GRAD_BOUND[precision], (arch, worst)
     experts = [n for n in want if ".experts." in n]
     # The experts' gradients take part (v4 keeps one tensor per expert, and
