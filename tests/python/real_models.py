@@ -11,6 +11,8 @@ import os
 
 import pytest
 
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip(
     "transformers", reason="the real-host tests need transformers (tools/python_env.sh hosts)")
 import torch  # noqa: E402

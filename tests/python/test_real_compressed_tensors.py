@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ct = pytest.importorskip("compressed_tensors",
                          reason="the real-host tests need compressed-tensors (tools/python_env.sh hosts)")
 import torch  # noqa: E402

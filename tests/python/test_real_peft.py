@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip(
     "transformers", reason="the real-host tests need transformers (tools/python_env.sh hosts)")
 peft = pytest.importorskip("peft", reason="the real-host tests need peft (tools/python_env.sh hosts)")
@@ -22,7 +24,6 @@ import real_models  # noqa: E402
 import tolerances  # noqa: E402
 from reference import rel_l2  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # transformers 5.25 maps qwen3_moe, deepseek_v3 and the other Qwen2-style MoE
 # types to "qwen2_moe" in _MODEL_TO_CONVERSION_PATTERN, but not qwen2_moe

@@ -21,6 +21,8 @@ import os
 
 import pytest
 
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip(
     "transformers", reason="the real-host tests need transformers (tools/python_env.sh hosts)")
 peft = pytest.importorskip("peft", reason="the real-host tests need peft (tools/python_env.sh hosts)")
@@ -32,7 +34,6 @@ import kt.optim  # noqa: E402
 import measured  # noqa: E402
 import real_models  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 LOSS_BOUND = 1e-5
 # The trained factors, relative L2 per tensor: Adam divides by sqrt of the
 # second moment, so fp32 summation-order differences of small gradients are

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip(
     "transformers", reason="the real-host tests need transformers (tools/python_env.sh hosts)")
 import torch  # noqa: E402
@@ -23,7 +25,6 @@ import tolerances  # noqa: E402
 from kt import _hf_names  # noqa: E402
 from reference import rel_l2  # noqa: E402
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRECISIONS = {"fp32": (torch.float32, tolerances.FP32), "bf16": (torch.bfloat16, tolerances.BF16_TORCH)}
 # Gradients of a bf16 model pass torch's bf16 roundings twice (forward and
