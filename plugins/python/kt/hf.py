@@ -600,12 +600,6 @@ def _legacy_per_expert_names(model):
     return tuple(found[p] for p in _hf_names.PROJ) if len(found) == 3 else None
 
 
-def _module_regex(names):
-    """PEFT's list form of target_modules (a name matches an entry or ends
-    with "." + entry) as one regex, for a config that also holds kt's."""
-    return r"(?:.*\.)?(?:%s)" % "|".join(re.escape(n) for n in sorted(names))
-
-
 def save_adapter(model, directory, *, base_model=None, dtype=torch.float32, layout=None):
     """Writes the LoRA factors of every kt block of ``model`` as a PEFT adapter
     (adapter_config.json + adapter_model.safetensors) that PEFT and vLLM load.
@@ -701,13 +695,15 @@ def _merge_peft_adapter(model, inner, peft_config, adapter_name, layers, config,
                       for k in own if ".lora_" in k})
     if not modules:
         return
-    leaves = {m.rsplit(".", 1)[-1] for m in modules}
-    pattern = _module_regex(leaves)
+    # The modules by their full names (PEFT fullmatches a string
+    # target_modules), so a leaf name such as a shared expert's gate_proj
+    # never reaches the routed experts' modules of the plain model.
+    pattern = "|".join(re.escape(m) for m in modules)
     config["target_modules"] = "|".join(p for p in (config["target_modules"], pattern) if p)
     if peft_config.r != config["r"] or float(peft_config.lora_alpha) != config["lora_alpha"]:
-        for leaf in leaves:
-            config["rank_pattern"][leaf] = int(peft_config.r)
-            config["alpha_pattern"][leaf] = float(peft_config.lora_alpha)
+        for module in modules:
+            config["rank_pattern"][re.escape(module)] = int(peft_config.r)
+            config["alpha_pattern"][re.escape(module)] = float(peft_config.lora_alpha)
     for key, value in (getattr(peft_config, "rank_pattern", None) or {}).items():
         config["rank_pattern"][key] = value
     for key, value in (getattr(peft_config, "alpha_pattern", None) or {}).items():
