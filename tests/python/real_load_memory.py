@@ -8,6 +8,7 @@ import sys
 import torch
 import transformers  # noqa: F401  (imported before the baseline is taken)
 
+import kt
 import kt.hf
 
 
@@ -37,6 +38,9 @@ def main(directory, how):
     with torch.device("meta"):
         transformers.AutoModelForCausalLM.from_config(config)
     torch.ones(16).sum()
+    # kt's engine (its worker threads and their stacks) is made once per
+    # process, not per load.
+    kt.default_engine()
     reset_peak()
     before, _ = resident()
     if how == "kt":
