@@ -185,7 +185,11 @@ class FusedMoeBlock(nn.Module):
 
 class GptOssExperts(nn.Module):
     """gpt-oss experts (dequantized form): gate_up_proj [E, H, 2I] in x out with
-    gate/up interleaved, biases, clamped swiglu; dense routing weights [N, E]."""
+    gate/up interleaved, biases, clamped swiglu; dense routing weights [N, E].
+    is_transposed as transformers 5 marks it (PEFT reads its parameters as
+    [E, in, out] by it)."""
+
+    is_transposed = True
 
     def __init__(self, H, I, E):
         super().__init__()

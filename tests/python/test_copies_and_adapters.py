@@ -127,11 +127,13 @@ def test_deepcopy_of_a_packed_layer_maps_the_same_file(tmp_path):
 
 # ---------------------------------------------------------------- adapters
 #
-# The reader below follows PEFT's rules, not kt's code: per-expert modules get
-# W + scaling * B @ A; a targeted 3-D parameter [E, d1, d2] gets
-# scaling * einsum("o r e, e r i -> e i o", B.reshape(d2, R, E),
-# A.reshape(E, R, d1)); nested wrappers put the first listed parameter under
-# base_layer; scaling = lora_alpha / r (or / sqrt(r) with use_rslora).
+# The reader below follows PEFT's rules (PEFT 0.21's ParamWrapper), not kt's
+# code: per-expert modules get W + scaling * B @ A; a targeted 3-D parameter
+# [E, d1, d2] is [E, in, out] when its module says is_transposed, else
+# [E, out, in], and gets scaling * einsum over B.reshape(out, R, E) and
+# A.reshape(E, R, in) laid out as the parameter; nested wrappers put the
+# first listed parameter under base_layer; scaling = lora_alpha / r (or
+# / sqrt(r) with use_rslora).
 
 
 def peft_merge(torch_block, adapter_dir, module_path):
@@ -149,7 +151,10 @@ def peft_merge(torch_block, adapter_dir, module_path):
                 A, B = tensors[key + "lora_A.weight"], tensors[key + "lora_B.weight"]
                 param = getattr(ex, pname)
                 n, d1, d2 = param.shape
-                delta = torch.einsum("o r e, e r i -> e i o", B.reshape(d2, -1, n), A.reshape(n, -1, d1))
+                if getattr(ex, "is_transposed", False):  # [E, in, out]
+                    delta = torch.einsum("o r e, e r i -> e i o", B.reshape(d2, -1, n), A.reshape(n, -1, d1))
+                else:  # [E, out, in]
+                    delta = torch.einsum("o r e, e r i -> e o i", B.reshape(d1, -1, n), A.reshape(n, -1, d2))
                 param.add_(scaling * delta)
         else:
             for name, module in torch_block.experts.named_modules():
