@@ -66,13 +66,19 @@ def test_load_state_dict_reports_missing_and_unexpected_keys():
 
 
 @pytest.mark.parametrize("family", list(BLOCKS))
-def test_lora_state_dict_uses_peft_names_and_round_trips(family):
+def test_lora_state_dict_uses_peft_names_and_round_trips(family, tmp_path):
     torch.manual_seed(0)
     model = round_params_to_bf16(Wrapper(BLOCKS[family]()))
     kt.hf.replace_moe_experts(model, mode="lora", lora_rank=4, lora_alpha=8)
     _randomise_lora(model)
     sd = model.state_dict()
     lora_keys = sorted(k for k in sd if "lora" in k)
+    # The same tensors as the adapter save_adapter writes (PEFT's layout,
+    # [E, in, out] factors where the experts module is_transposed).
+    kt.hf.save_adapter(model, tmp_path / "adapter")
+    adapter, _ = st_files.read(tmp_path / "adapter" / "adapter_model.safetensors")
+    for k in lora_keys:
+        assert torch.equal(sd[k], adapter["base_model.model." + k].to(sd[k].dtype)), k
     if family in ("fused_v5", "gpt_oss"):
         assert lora_keys == ["mlp.experts.base_layer.lora_A.weight", "mlp.experts.base_layer.lora_B.weight",
                              "mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight"]

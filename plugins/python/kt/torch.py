@@ -632,7 +632,8 @@ class MoEExperts(nn.Module):
                     for p in (getattr(self, attr),)}
             if naming is None:
                 return lora
-            return _hf_names.lora_to_peft(naming, lora, self.lora_targets)[0]
+            return _hf_names.lora_to_peft(naming, lora, self.lora_targets,
+                                          peft_in_out=getattr(self, "peft_in_out", False))[0]
         if self.mode == "full":
             w = {"gate": self.w_gate, "up": self.w_up, "down": self.w_down}
             if self.has_bias:
@@ -672,7 +673,8 @@ class MoEExperts(nn.Module):
                     lora = tensors
                 else:
                     lora = _hf_names.lora_from_peft(naming, tensors, self.lora_targets, self.num_experts,
-                                                    self.lora_rank)
+                                                    self.lora_rank,
+                                                    peft_in_out=getattr(self, "peft_in_out", False))
                 for attr, t in lora.items():
                     getattr(self, attr).copy_(t)
                 return
