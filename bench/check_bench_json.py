@@ -304,7 +304,8 @@ def check_peers(doc, args):
             for r in optimizer["results"]:
                 for key in ("deepspeed_ms", "kt_beside_deepspeed_ms", "deepspeed_gparams_per_s",
                             "deepspeed_pct_floor", "kt_beside_deepspeed_pct_floor", "deepspeed_speedup_of_kt",
-                            "deepspeed_speedup_of_kt_paired"):
+                            "deepspeed_speedup_of_kt_paired", "floor_beside_ms", "deepspeed_pct_floor_beside",
+                            "kt_beside_deepspeed_pct_floor_beside"):
                     if not (r.get(key) or 0) > 0:
                         fail(f"optimizer {r['experts']} experts: {key} is {r.get(key)!r}")
                 want = r["deepspeed_ms"] / r["kt_beside_deepspeed_ms"]

@@ -994,16 +994,17 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
   }
   if (std::any_of(rep.rows.begin(), rep.rows.end(), [](const OptimizerRow& r) { return r.deepspeed_s > 0; })) {
     std::printf("   DeepSpeed %s DeepSpeedCPUAdam (op built with %s) on the same tensors, a step of each per round\n"
-                "   beside kt's (taking turns); x = DeepSpeed / kt (medians; pair: median of each round's ratio):\n",
+                "   beside kt's (taking turns); x = DeepSpeed / kt (medians; pair: median of each round's ratio);\n"
+                "   floor: a stream with the step's traffic (reads p, g, m, v; writes p, m, v) in the same rounds:\n",
                 rep.deepspeed_version.c_str(), rep.deepspeed_flags.c_str());
-    std::printf("   %4s %8s %9s %8s %7s %9s %8s %7s %6s %6s\n", "exp", "Mparams", "kt ms", "Gparam/s", "%floor", "DS ms",
-                "Gparam/s", "%floor", "x", "pair");
+    std::printf("   %4s %8s %9s %9s %8s %7s %9s %8s %7s %6s %6s\n", "exp", "Mparams", "floor ms", "kt ms", "Gparam/s",
+                "%floor", "DS ms", "Gparam/s", "%floor", "x", "pair");
     for (const OptimizerRow& r : rep.rows) {
       const double kt = positive_or_nan(r.kt_beside_deepspeed_s), ds = positive_or_nan(r.deepspeed_s);
-      const double floor = memory_floor_s(r.params, kAdamwBytesPerParam, lim);
+      const double floor = positive_or_nan(r.floor_beside_s);
       const double p = static_cast<double>(r.params);
-      std::printf("   %4lld %8.1f %9s %8s %7s %9s %8s %7s %6s %6s\n", static_cast<long long>(r.experts), p / 1e6,
-                  fmt("%.2f", kt * 1e3).c_str(), fmt("%.3f", p / kt / 1e9).c_str(),
+      std::printf("   %4lld %8.1f %9s %9s %8s %7s %9s %8s %7s %6s %6s\n", static_cast<long long>(r.experts), p / 1e6,
+                  fmt("%.2f", floor * 1e3).c_str(), fmt("%.2f", kt * 1e3).c_str(), fmt("%.3f", p / kt / 1e9).c_str(),
                   fmt("%.1f", 100 * floor / kt).c_str(), fmt("%.2f", ds * 1e3).c_str(),
                   fmt("%.3f", p / ds / 1e9).c_str(), fmt("%.1f", 100 * floor / ds).c_str(),
                   fmt("%.2f", ds / kt).c_str(), fmt("%.2f", positive_or_nan(r.deepspeed_ratio)).c_str());
@@ -1299,6 +1300,11 @@ void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limit
     j.key("kt_beside_deepspeed_gparams_per_s").value(static_cast<double>(r.params) / kt_ds / 1e9);
     j.key("kt_beside_deepspeed_pct_floor").value(100 * floor / kt_ds);
     j.key("deepspeed_speedup_of_kt").value(ds / kt_ds);
+    // The floor measured in those rounds (an AdamW-shaped stream, 28 B/param).
+    const double floor_beside = positive_or_nan(r.floor_beside_s);
+    j.key("floor_beside_ms").value(floor_beside * 1e3);
+    j.key("deepspeed_pct_floor_beside").value(100 * floor_beside / ds);
+    j.key("kt_beside_deepspeed_pct_floor_beside").value(100 * floor_beside / kt_ds);
     j.key("deepspeed_speedup_of_kt_paired").value(positive_or_nan(r.deepspeed_ratio));
     if (!r.error.empty()) j.key("error").value(r.error);
     j.end_object();
