@@ -69,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kt_header import (HEADER, ROOT, Header, _matching_brace, compile_layouts, dlpack_path,  # noqa: E402
                        merged, read, split_declaration)
+from kt_header import split_top as header_split_top  # noqa: E402
 
 RUST_LIB = os.path.join(ROOT, "plugins", "rust", "kt-sys", "src", "lib.rs")
 GO_DIR = os.path.join(ROOT, "plugins", "go")
@@ -197,20 +198,8 @@ def strip_comments(text):
 
 def split_top(text, sep=","):
     """Split at sep outside (), [], {} and <> (Rust generics; -> is not a bracket)."""
-    text = text.replace("->", "\0")
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch in "([{<":
-            depth += 1
-        elif ch in ")]}>":
-            depth -= 1
-        if ch == sep and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return [p.replace("\0", "->").strip() for p in parts if p.strip()]
+    parts = header_split_top(text.replace("->", "\0"), sep, "([{<)]}>")
+    return [p.replace("\0", "->") for p in parts]
 
 
 def family_of(hdr):

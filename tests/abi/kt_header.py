@@ -69,12 +69,16 @@ def c_value(expr, known):
     return value if isinstance(value, int) else None
 
 
-def _split_top(text, sep):
+def split_top(text, sep, brackets="([{)]}"):
+    """Splits text at sep outside the brackets (the opening half of the
+    string, then the closing half)."""
+    half = len(brackets) // 2
+    opening, closing = brackets[:half], brackets[half:]
     parts, depth, cur = [], 0, []
     for ch in text:
-        if ch in "({[":
+        if ch in opening:
             depth += 1
-        elif ch in ")}]":
+        elif ch in closing:
             depth -= 1
         if ch == sep and depth == 0:
             parts.append("".join(cur))
@@ -116,7 +120,7 @@ class Field:
 
 
 def _fn_signature(ret_text, params_text):
-    params = _split_top(params_text, ",")
+    params = split_top(params_text, ",")
     nargs = 0 if params in ([], ["void"]) else len(params)
     ret_void = re.sub(r"\b(const|volatile)\b", "", ret_text).split() == ["void"]
     return (ret_void, nargs)
@@ -124,7 +128,7 @@ def _fn_signature(ret_text, params_text):
 
 def parse_fields(body, known):
     fields = []
-    for decl in _split_top(body, ";"):
+    for decl in split_top(body, ";"):
         if "{" in decl:  # an anonymous nested struct or union: no rule for it
             names = re.findall(r"\w+", decl[decl.rindex("}") + 1:])
             fields += [Field(n, "<nested record>") for n in names]
@@ -134,7 +138,7 @@ def parse_fields(body, known):
             fields.append(Field(m.group(2), "<function>", fn=_fn_signature(m.group(1), m.group(3))))
             continue
         base = None
-        for part in _split_top(decl, ","):
+        for part in split_top(decl, ","):
             part = re.sub(r":\s*\w+\s*$", "", part)  # bit-field width
             m = re.fullmatch(r"(.*?)(\w+)\s*((?:\[[^\]]*\]\s*)*)", part, re.S)
             if not m:
@@ -178,7 +182,7 @@ class Header:
         for m in re.finditer(r"\btypedef\s+([^;{}()]*?)\(\s*\*\s*(\w+)\s*\)\s*\(([^;]*?)\)\s*;", code):
             self.fn_typedefs[m.group(2)] = _fn_signature(m.group(1), m.group(3))
         for m in re.finditer(r"\bKT_API\s+([^;{}()]*?)\b(kt_\w+)\s*\(([^;{}]*?)\)\s*;", code):
-            params = _split_top(m.group(3), ",")
+            params = split_top(m.group(3), ",")
             self.functions[m.group(2)] = (" ".join(m.group(1).split()),
                                           [] if params == ["void"] else [" ".join(p.split()) for p in params])
         pos = 0
@@ -201,7 +205,7 @@ class Header:
                 continue
             if m.group(2) == "enum":
                 values, nxt = [], 0
-                for item in _split_top(body, ","):
+                for item in split_top(body, ","):
                     e = re.fullmatch(r"(\w+)\s*(?:=\s*(.+))?", item, re.S)
                     v = nxt if e.group(2) is None else c_value(e.group(2), known)
                     values.append((e.group(1), v))
