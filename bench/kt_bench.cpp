@@ -8,6 +8,7 @@
 //            [--format LIST]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
+#include <dirent.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -851,6 +852,19 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
   return rep;
 }
 
+// Removes `dir` and the files in it (the peers' data: weights, batches,
+// outputs, their log).
+void remove_directory(const std::string& dir) {
+  if (DIR* d = opendir(dir.c_str())) {
+    while (const dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      if (name != "." && name != "..") std::remove((dir + "/" + name).c_str());
+    }
+    closedir(d);
+  }
+  rmdir(dir.c_str());
+}
+
 // ------------------------------------------------------------------ report
 
 // A peer that ran, by name ("kt-kernel", "deepspeed", "torch"), its version
@@ -1677,12 +1691,8 @@ int main(int argc, char** argv) {
     optimizer = run_optimizer_bench(engine, oo, torch_reason);
   }
   const std::vector<PeerEntry> peers = summarize_peers(o, peer.get(), models, o.optimizer ? &optimizer : nullptr, &skips);
-  if (peer) {
-    const std::string log = peer_dir + "/peers.log";
-    peer.reset();  // ends the subprocess
-    std::remove(log.c_str());
-    rmdir(peer_dir.c_str());
-  }
+  peer.reset();  // ends the subprocess
+  if (!peer_dir.empty()) remove_directory(peer_dir);
   std::fprintf(stderr, "kt_bench: %s\n", skip_line(skips).c_str());
   if (o.json) write_json(o, lim, info, models, o.optimizer ? &optimizer : nullptr, peers, skips);
   else print_table(o, lim, info, models, o.optimizer ? &optimizer : nullptr, peers, skips);

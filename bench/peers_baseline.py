@@ -40,6 +40,7 @@ buffers here change nothing on the CPU side.
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -171,6 +172,7 @@ class KtKernelMoE:
                               "from bf16); its MoE classes: %s" % (HELLO.get("kt_kernel_variant"), cls_name,
                                                                     variant, ", ".join(have)))
         self.cls_name = cls_name
+        self.save_path = None
         self.gate = read_tensor(os.path.join(self.dir, "gate.bf16"), torch.bfloat16, (E, I, H))
         self.up = read_tensor(os.path.join(self.dir, "up.bf16"), torch.bfloat16, (E, I, H))
         self.down = read_tensor(os.path.join(self.dir, "down.bf16"), torch.bfloat16, (E, H, I))
@@ -194,7 +196,9 @@ class KtKernelMoE:
             cfg.gate_proj = self.gate.data_ptr()
             cfg.up_proj = self.up.data_ptr()
             cfg.down_proj = self.down.data_ptr()
-            cfg.path = os.path.join(self.dir, "ktk_" + variant)
+            # Where it writes what it quantized; removed with the layer.
+            self.save_path = os.path.join(self.dir, "ktk_" + variant)
+            cfg.path = self.save_path
         self.moe = cls(cfg)
         self.cfg = cfg
         self.p2l = torch.arange(E, dtype=torch.long)
@@ -297,7 +301,9 @@ def main():
                 out[: int(c["rows"])].float().numpy().tofile(c["path"])
                 reply({"ok": 1})
             elif cmd == "moe_free":
-                moes.pop(c["variant"], None)
+                m = moes.pop(c["variant"], None)
+                if m is not None and m.save_path:
+                    shutil.rmtree(m.save_path, ignore_errors=True)
                 reply({"ok": 1})
             elif cmd == "adam_load":
                 if ds_adam is None:
