@@ -105,7 +105,7 @@ peers() {
   "$venv/bin/pip" install --quiet --no-index --find-links "$cache" "setuptools>=70" wheel
   DS_BUILD_OPS=0 "$venv/bin/pip" install --quiet --no-index --find-links "$cache" --no-build-isolation \
     -r "$requirements" -r "$peers"
-  "$venv/bin/python" -c 'import deepspeed, torch; print("python_env: deepspeed", deepspeed.__version__, "| torch", torch.__version__)'
+  "$venv/bin/python" -c 'import deepspeed, kt_kernel, torch; print("python_env: deepspeed", deepspeed.__version__, "| kt-kernel", getattr(kt_kernel, "__version__", "?"), getattr(kt_kernel, "__cpu_variant__", ""), "| torch", torch.__version__)'
   echo "python_env: peers ready in $venv (DeepSpeedCPUAdam builds its op on first use)"
 }
 
