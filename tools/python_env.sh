@@ -77,10 +77,11 @@ make_venv() {
 install_kt() {
   echo "python_env: building and installing kt from $root into $1"
   # The build backend (scikit-build-core) comes from the index, or the cache.
+  # --config-settings, not -C: Debian 12's venv pip (23.0) lacks the short form.
   "$1/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
   CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
     PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
-    "$1/bin/pip" install --quiet --force-reinstall --no-deps -C build-dir="$root/build-pip" "$root"
+    "$1/bin/pip" install --quiet --force-reinstall --no-deps --config-settings=build-dir="$root/build-pip" "$root"
 }
 
 create() {
