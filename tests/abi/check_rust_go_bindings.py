@@ -427,34 +427,53 @@ def rust_alias_problems(hdr, crate):
     return problems
 
 
+def family_coverage_problems(fams, have_of, prefix, say, value_of=None):
+    """Every header family mirrored by a binding with all its values, or listed
+    in <prefix>_EXCLUDED_FAMILIES / <prefix>_OMITTED_VALUES (with a reason);
+    have_of(family) is the set of its names the binding has, value_of(name)
+    the binding's value (value_of None: values not checked); say holds the
+    binding's wording of each problem."""
+    excluded, omitted_values = globals()[prefix + "_EXCLUDED_FAMILIES"], globals()[prefix + "_OMITTED_VALUES"]
+    problems = []
+    for fam, values in fams.items():
+        have = have_of(fam)
+        omitted = omitted_values.get(fam, (set(), ""))[0]
+        if fam in excluded:
+            if have:
+                problems.append(say["excluded_but_present"] % (fam, sorted(have)))
+            continue
+        if not have:
+            problems.append(say["not_mirrored"] % (fam, ", ".join(n for n, _ in values)))
+            continue
+        for n, v in values:
+            if n in omitted:
+                if n in have:
+                    problems.append(say["omitted_but_present"] % n)
+            elif n not in have:
+                problems.append(say["missing"] % (fam, n, v))
+            elif value_of is not None and value_of(n) != v:
+                problems.append(say["value"] % (fam, n, v, value_of(n)))
+    problems += list_problems(prefix + "_EXCLUDED_FAMILIES", excluded, fams)
+    problems += list_problems(prefix + "_OMITTED_VALUES", omitted_values, fams)
+    for fam, (names, _) in omitted_values.items():
+        problems += list_problems("%s_OMITTED_VALUES[%s]" % (prefix, fam), names, dict(fams.get(fam, [])))
+    return problems
+
+
 def rust_family_problems(hdr, crate, r_values, dl_values):
     """Families mirrored with every value (values as rustc computes them)."""
     problems = ["#define %s is not an integer constant" % n for n in hdr.bad_defines]
     fams, fam_of = hdr.families(), family_of(hdr)
     declared = set(crate.constants)
-    for fam, values in fams.items():
-        have = [n for n, _ in values if n in declared]
-        omitted = RUST_OMITTED_VALUES.get(fam, (set(), ""))[0]
-        if fam in RUST_EXCLUDED_FAMILIES:
-            if have:
-                problems.append("%s is in RUST_EXCLUDED_FAMILIES, but kt-sys declares %s" % (fam, have))
-            continue
-        if not have:
-            problems.append("header family %s (%s) is not mirrored in kt-sys (declare it in lib.rs, or add it "
-                            "to RUST_EXCLUDED_FAMILIES saying why)" % (fam, ", ".join(n for n, _ in values)))
-            continue
-        for n, v in values:
-            if n in omitted:
-                if n in declared:
-                    problems.append("%s is in RUST_OMITTED_VALUES, but kt-sys declares it" % n)
-            elif n not in declared:
-                problems.append("%s: %s (%s) missing from kt-sys" % (fam, n, v))
-            elif r_values is not None and r_values.get(n) != v:
-                problems.append("%s: %s is %s in the header, %s in kt-sys" % (fam, n, v, r_values.get(n)))
-    problems += list_problems("RUST_EXCLUDED_FAMILIES", RUST_EXCLUDED_FAMILIES, fams)
-    problems += list_problems("RUST_OMITTED_VALUES", RUST_OMITTED_VALUES, fams)
-    for fam, (names, _) in RUST_OMITTED_VALUES.items():
-        problems += list_problems("RUST_OMITTED_VALUES[%s]" % fam, names, dict(fams.get(fam, [])))
+    problems += family_coverage_problems(
+        fams, lambda fam: {n for n, _ in fams[fam] if n in declared}, "RUST", dict(
+            excluded_but_present="%s is in RUST_EXCLUDED_FAMILIES, but kt-sys declares %s",
+            not_mirrored="header family %s (%s) is not mirrored in kt-sys (declare it in lib.rs, or add it "
+                         "to RUST_EXCLUDED_FAMILIES saying why)",
+            omitted_but_present="%s is in RUST_OMITTED_VALUES, but kt-sys declares it",
+            missing="%s: %s (%s) missing from kt-sys",
+            value="%s: %s is %s in the header, %s in kt-sys"),
+        None if r_values is None else r_values.get)
     for n in crate.constants:
         if n.startswith("kDL"):
             if n not in dl_values:
@@ -579,28 +598,13 @@ def go_family_problems(hdr, pkg):
         if gotype in type_family and not re.fullmatch(r"(\w+\()?C\.KT_\w+\)?", expr):
             problems.append("Go constant %s %s = %s: a %s value must be written as C.KT_..."
                             % (name, gotype, expr, type_family[gotype]))
-    for fam, values in fams.items():
-        have = exposed.get(fam, set())
-        omitted = GO_OMITTED_VALUES.get(fam, (set(), ""))[0]
-        if fam in GO_EXCLUDED_FAMILIES:
-            if have:
-                problems.append("%s is in GO_EXCLUDED_FAMILIES, but the Go package has constants for %s"
-                                % (fam, sorted(have)))
-            continue
-        if not have:
-            problems.append("header family %s (%s) has no Go constants (add them, or add the family to "
-                            "GO_EXCLUDED_FAMILIES saying why)" % (fam, ", ".join(n for n, _ in values)))
-            continue
-        for n, v in values:
-            if n in omitted:
-                if n in have:
-                    problems.append("%s is in GO_OMITTED_VALUES, but the Go package has a constant for it" % n)
-            elif n not in have:
-                problems.append("%s: %s (%s) has no Go constant" % (fam, n, v))
-    problems += list_problems("GO_EXCLUDED_FAMILIES", GO_EXCLUDED_FAMILIES, fams)
-    problems += list_problems("GO_OMITTED_VALUES", GO_OMITTED_VALUES, fams)
-    for fam, (names, _) in GO_OMITTED_VALUES.items():
-        problems += list_problems("GO_OMITTED_VALUES[%s]" % fam, names, dict(fams.get(fam, [])))
+    problems += family_coverage_problems(
+        fams, lambda fam: exposed.get(fam, set()), "GO", dict(
+            excluded_but_present="%s is in GO_EXCLUDED_FAMILIES, but the Go package has constants for %s",
+            not_mirrored="header family %s (%s) has no Go constants (add them, or add the family to "
+                         "GO_EXCLUDED_FAMILIES saying why)",
+            omitted_but_present="%s is in GO_OMITTED_VALUES, but the Go package has a constant for it",
+            missing="%s: %s (%s) has no Go constant"))
     return problems
 
 
