@@ -211,11 +211,8 @@ bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
     c.decay = static_cast<float>(1.0 - opt.lr * opt.weight_decay);
     c.b1 = static_cast<float>(opt.beta1);
     c.one_minus_b1 = static_cast<float>(1.0 - opt.beta1);
-    c.lerp_m = opt.arithmetic == KT_OPTIM_TORCH2;
-    // torch's lerp: weight w = 1-b1 as a float; below 0.5 it steps from m,
-    // otherwise back from g with w-1.
-    c.lerp_small = c.one_minus_b1 < 0.5f;
-    c.lerp_coeff = c.lerp_small ? c.one_minus_b1 : c.one_minus_b1 - 1.0f;
+    c.moment_rule = opt.arithmetic != KT_OPTIM_TORCH2 ? 0 : c.one_minus_b1 < 0.5f ? 1 : 2;
+    c.lerp_coeff = c.moment_rule == 2 ? c.one_minus_b1 - 1.0f : c.one_minus_b1;
     c.b2 = static_cast<float>(opt.beta2);
     c.one_minus_b2 = static_cast<float>(1.0 - opt.beta2);
     const double bc1 = 1.0 - std::pow(opt.beta1, static_cast<double>(t));

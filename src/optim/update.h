@@ -31,9 +31,11 @@ struct AdamWScalars {
   float unscale, clip;
   float decay;          // 1 - lr*wd
   float b1, one_minus_b1, b2, one_minus_b2;
-  bool lerp_m;          // m = lerp(m, g, 1-b1) (torch 2) instead of fma(g, 1-b1, m*b1)
-  bool lerp_small;      // 1-b1 < 0.5: lerp steps from m, else back from g
-  float lerp_coeff;     // 1-b1, or 1-b1 - 1 when !lerp_small
+  // How m moves: 0 torch 1's fma(g, 1-b1, m*b1); torch 2's lerp(m, g, 1-b1)
+  // steps from m when 1-b1 < 0.5 (1: fma(1-b1, g-m, m)), else back from g
+  // (2: fma(1-b1 - 1, g-m, g)).
+  int moment_rule;
+  float lerp_coeff;     // 1-b1 (rule 1) or 1-b1 - 1 (rule 2)
   float bc2_sqrt;       // sqrt(1 - b2^t)
   float neg_step_size;  // -lr / (1 - b1^t)
   float eps;
