@@ -34,9 +34,11 @@ case "$what" in
 esac
 
 # libdnnl-dev only recommends ocl-icd-opencl-dev, but its CMake config needs
-# it; `file` is what cpack's Debian generator runs (the package test).
+# it; `file` is what cpack's Debian generator runs (the package test);
+# python3-dev: Python.h for DeepSpeed's CPU Adam op, which the benchmark's
+# peer check builds (tools/python_env.sh peers).
 packages="build-essential cmake ccache pkg-config file libdlpack-dev libgtest-dev libbenchmark-dev \
-nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-venv python3-torch libtorch-dev \
+nlohmann-json3-dev libnuma-dev python3 python3-numpy python3-pytest python3-venv python3-dev python3-torch libtorch-dev \
 libdnnl-dev ocl-icd-opencl-dev libgloo-dev clang libclang-rt-14-dev abigail-tools golang-go cargo rustc"
 
 missing=""

@@ -106,8 +106,12 @@ peers() {
   "$venv/bin/pip" install --quiet --no-index --find-links "$cache" "setuptools>=70" wheel
   DS_BUILD_OPS=0 "$venv/bin/pip" install --quiet --no-index --find-links "$cache" --no-build-isolation \
     -r "$requirements" -r "$peers"
+  # DeepSpeedCPUAdam's op is built now, not inside a benchmark: torch's JIT
+  # loader runs the ninja pip put in the venv (so the venv's bin/ goes on
+  # PATH) and needs Python.h (Debian: python3-dev).
+  PATH="$venv/bin:$PATH" "$venv/bin/python" -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()'
   "$venv/bin/python" -c 'import deepspeed, kt_kernel, torch; print("python_env: deepspeed", deepspeed.__version__, "| kt-kernel", getattr(kt_kernel, "__version__", "?"), getattr(kt_kernel, "__cpu_variant__", ""), "| torch", torch.__version__)'
-  echo "python_env: peers ready in $venv (DeepSpeedCPUAdam builds its op on first use)"
+  echo "python_env: peers ready in $venv (DeepSpeedCPUAdam's op built)"
 }
 
 hosts() {
