@@ -13,8 +13,8 @@
 #                                   DeepSpeed for bench/optim_peers.py), resolved
 #                                   together with the torch pin, through the same
 #                                   wheel cache; DeepSpeed's C++ ops are not built
-#                                   at install (DS_BUILD_OPS=0): its CPU Adam is
-#                                   compiled by torch's JIT loader on first use
+#                                   by pip (DS_BUILD_OPS=0): its CPU Adam is
+#                                   compiled by torch's JIT loader right after
 #   tools/python_env.sh hosts       add the host libraries kt.hf is tested
 #                                   against (packaging/python/requirements-hosts.txt:
 #                                   transformers 5, PEFT, accelerate,
