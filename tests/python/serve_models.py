@@ -116,3 +116,70 @@ def build(directory, kind="qwen3_moe", dtype="float32", *, vocab=512, hidden=128
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}, f)
     return directory
+
+
+def build_int4(dense_dir, directory, group=32):
+    """The routed experts of the dense checkpoint ``dense_dir`` written as an
+    INT4 pack-quantized checkpoint by compressed-tensors (symmetric, groups
+    of ``group`` inputs, bf16 scales), the other tensors as they are; and
+    beside it ``directory + "-dequantized"``: the dense checkpoint with each
+    expert weight replaced by its quantized value (code times scale).
+
+    The scales are powers of two (the smallest that holds the group's
+    absolute maximum in 7 steps), so that every quantized value is exact in
+    bf16 and in fp32: kt computing from the codes and a server computing from
+    the dequantized dense weights multiply the same numbers.
+    Returns (directory, dequantized directory)."""
+    import re
+    import shutil
+    import torch
+    from torch import nn
+    from safetensors.torch import load_file, save_file
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+
+    tensors = load_file(os.path.join(dense_dir, "model.safetensors"))
+    expert = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj)\.weight$")
+    root = nn.Module()
+    linears = {}
+    for key, w in tensors.items():
+        m = expert.match(key)
+        if not m:
+            continue
+        parent = root
+        for part in m.group(1).split(".")[:-1]:
+            if not hasattr(parent, part):
+                parent.add_module(part, nn.Module())
+            parent = getattr(parent, part)
+        lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+        parent.add_module(m.group(2) + "_proj", lin)
+        linears[m.group(1)] = lin
+    args = QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=group, symmetric=True)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"], weights=args)}, format="pack-quantized")
+    apply_quantization_config(root, config)
+    dequantized = dict(tensors)
+    with torch.no_grad():
+        for name, lin in linears.items():
+            w = lin.weight.float()
+            out, inp = w.shape
+            amax = w.reshape(out, inp // group, group).abs().amax(dim=2).clamp_min(2.0 ** -30)
+            scale = torch.exp2(torch.ceil(torch.log2(amax / 7)))
+            lin.weight_scale.data.copy_(scale.to(lin.weight_scale.dtype))
+            q = torch.clamp(torch.round(w.reshape(out, inp // group, group) / scale[..., None]), -8, 7)
+            dequantized[name + ".weight"] = (q * scale[..., None]).reshape(out, inp).to(tensors[name + ".weight"].dtype)
+    compressor = ModelCompressor.from_pretrained_model(root, quantization_format="pack-quantized")
+    compressor.compress_model(root)
+    quantized = {k: v for k, v in tensors.items() if not expert.match(k)}
+    quantized.update({k: v.contiguous() for k, v in root.state_dict().items()})
+    for out_dir, weights in ((directory, quantized), (directory + "-dequantized", dequantized)):
+        os.makedirs(out_dir, exist_ok=True)
+        for f in os.listdir(dense_dir):
+            if f != "model.safetensors" and not f.endswith(".index.json"):
+                shutil.copy(os.path.join(dense_dir, f), out_dir)
+        save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    compressor.update_config(directory)
+    return directory, directory + "-dequantized"

@@ -9,6 +9,9 @@ bf16-rounded random weights (serve_models.py), nothing downloaded.
 * fp32, greedy: kt (fp32 activations, bf16 weights as stored) and vLLM's own
   CPU experts compute the same numbers up to summation order, so the
   generated tokens are identical (Qwen3-MoE, DeepSeek-V3).
+* A quantized checkpoint (INT4 written by compressed-tensors) is served with
+  kt holding the experts as stored; fp32 greedy tokens equal vLLM's own on
+  the same weights dequantized (Qwen3-MoE).
 * bf16: the log-probabilities of every vocabulary entry at every prompt
   position differ by at most tolerances.BF16_TORCH (relative L2): vLLM's
   bf16 experts round their intermediates where kt keeps fp32 (Qwen3-MoE,
@@ -171,6 +174,44 @@ def test_quantized_at_load_runs_in_kt(tmp_path, models):
                                                   max_tokens=4, kt={"weight_format": "int8_channel"})), "kt")
     _assert_kt_computed(got, model, PROMPTS[:2])
     assert "int8_channel" in got["log"]
+
+
+def test_int4_checkpoint_served_as_stored(tmp_path, models):
+    """An INT4 pack-quantized checkpoint written by compressed-tensors
+    (symmetric, groups of 32, power-of-two scales: serve_models.build_int4):
+    kt loads the experts as stored (int4_g32, the codes and scales of the
+    files) and the server generates, in fp32, the tokens vLLM generates
+    alone from the same checkpoint dequantized to dense fp32 weights. (vLLM
+    0.32's CPU build has no int4 MoE kernel: alone it refuses this
+    checkpoint, "No WNA16 MoE backend supports the deployment
+    configuration", so the plugin gives its loader the unquantized method's
+    parameter names.)"""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors writes the int4 checkpoint")
+    import torch
+    import kt
+    from safetensors.torch import load_file
+    dense = models("qwen3_moe", "float32")
+    quantized, dequantized = serve_models.build_int4(dense, str(tmp_path / "int4"), group=32)
+    # kt's experts are the dequantized weights exactly.
+    want = load_file(os.path.join(dequantized, "model.safetensors"))
+    with kt.Checkpoint(quantized) as ck:
+        options = ck.moe_options(0)
+        assert options["weight_format"] == "int4_g32", options
+        layer = kt.MoE(**options, max_tokens=8)
+        ck.load_layer(0, layer)
+    E, I, H = options["num_experts"], options["intermediate"], options["hidden"]
+    got = {"gate": torch.empty(E, I, H), "up": torch.empty(E, I, H), "down": torch.empty(E, H, I)}
+    layer.read_weights(**got)
+    for p, t in got.items():
+        ref = torch.stack([want["model.layers.0.mlp.experts.%d.%s_proj.weight" % (e, p)] for e in range(E)])
+        assert torch.equal(t, ref.float()), p
+    spec = dict(dtype="float32", prompts=PROMPTS, max_tokens=16)
+    ref = _ok(run_engine(tmp_path, "int4-dequantized-vllm", dict(spec, model=dequantized, kt=None)), "vllm")
+    got = _ok(run_engine(tmp_path, "int4-kt", dict(spec, model=quantized, kt={})), "kt")
+    _assert_kt_computed(got, quantized, PROMPTS)
+    assert "int4_g32" in got["log"]
+    assert all(len(t) == 16 for t in ref["tokens"])
+    assert got["tokens"] == ref["tokens"]
 
 
 # ------------------------------------------------------------------ bad input

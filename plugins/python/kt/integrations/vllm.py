@@ -23,6 +23,8 @@ shared experts stay vLLM's. vLLM never allocates the expert weights of a kt
 layer (its expert parameters are empty, on the meta device); its loader
 still reads each expert tensor once while it walks the checkpoint, and the
 plugin drops it.
+A quantized checkpoint whose experts vLLM has no kernel for on the machine
+(int4 MoE on its CPU build) is served all the same: kt computes them.
 
 Options (the dict under "kt"; all optional):
 
@@ -398,10 +400,19 @@ def _make_classes():
             return self._kt_plan is not None
 
         def _get_quant_method(self, prefix, quant_config, moe_config):
-            method = super()._get_quant_method(prefix, quant_config, moe_config)
-            if self._kt_plan is not None:
-                return KtMoEMethod(moe_config, self._kt_plan, method)
-            return method
+            if self._kt_plan is None:
+                return super()._get_quant_method(prefix, quant_config, moe_config)
+            try:
+                method = super()._get_quant_method(prefix, quant_config, moe_config)
+            except (NotImplementedError, ValueError) as e:
+                # vLLM has no kernel of its own for these quantized experts
+                # on this machine (its CPU build has none for int4 MoE, say).
+                # kt computes them; vLLM's method only names the parameters
+                # its loader looks up, so the unquantized one serves.
+                logger.info("kt: %s: vLLM has no kernel for the layer's %s experts here (%s); kt computes them",
+                            prefix, quant_config.get_name(), e)
+                method = super()._get_quant_method(prefix, None, moe_config)
+            return KtMoEMethod(moe_config, self._kt_plan, method)
 
         def load_weights(self, weights):
             if self._kt_plan is None:
