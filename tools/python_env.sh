@@ -32,6 +32,17 @@
 #                                   with its vLLM plugin; run the serving tests
 #                                   with KT_VENV=$KT_SERVE_VENV ... test
 #                                   tests/python/test_serve_vllm.py
+#   tools/python_env.sh llamafactory
+#                                   a third venv ($KT_LLAMAFACTORY_VENV) for
+#                                   LlamaFactory: llamafactory from the index
+#                                   and its pinned environment
+#                                   (packaging/python/requirements-llamafactory.txt,
+#                                   installed with --no-deps; its transformers
+#                                   and PEFT pins differ from the hosts') and
+#                                   the kt wheel with kt.integrations.llamafactory;
+#                                   run its test with
+#                                   KT_VENV=$KT_LLAMAFACTORY_VENV ... test
+#                                   tests/python/test_real_llamafactory.py
 #
 # Environment:
 #   KT_VENV       the venv (default: <checkout>/build-venv; /build*/ is git-ignored)
@@ -42,6 +53,8 @@
 #                 on Debian it needs python3-venv)
 #   KT_JOBS       parallel compile jobs of the kt build (default 2)
 #   KT_SERVE_VENV the venv of `serve` (default: <checkout>/build-serve)
+#   KT_LLAMAFACTORY_VENV the venv of `llamafactory` (default:
+#                 <checkout>/build-llamafactory)
 # The kt build is kept in <checkout>/build-pip (scikit-build-core's build
 # directory) and compiles through ccache when installed, so an unchanged
 # checkout rebuilds in seconds.
@@ -56,6 +69,8 @@ peers=$root/packaging/python/requirements-peers.txt
 serve_venv=${KT_SERVE_VENV:-$root/build-serve}
 serve_requirements=$root/packaging/python/requirements-serve.txt
 hosts=$root/packaging/python/requirements-hosts.txt
+llamafactory_venv=${KT_LLAMAFACTORY_VENV:-$root/build-llamafactory}
+llamafactory_requirements=$root/packaging/python/requirements-llamafactory.txt
 hosts_v4=$root/packaging/python/requirements-hosts-v4.txt
 cmd=${1:-create}
 [ $# -gt 0 ] && shift
@@ -149,6 +164,22 @@ serve() {
   echo "python_env: serving environment ready: $serve_venv"
 }
 
+llamafactory() {
+  make_venv "$llamafactory_venv"
+  # The list is complete and pinned (resolved once with the torch pin), so
+  # nothing is resolved here: --no-deps.
+  "$llamafactory_venv/bin/pip" download --quiet --no-deps --dest "$cache" -r "$llamafactory_requirements"
+  "$llamafactory_venv/bin/pip" install --quiet --no-index --no-deps --find-links "$cache" \
+    -r "$llamafactory_requirements"
+  install_kt "$llamafactory_venv"
+  "$llamafactory_venv/bin/python" -c 'if True:
+    import kt, llamafactory, peft, torch, transformers
+    import kt.integrations.llamafactory
+    print("python_env: kt", kt.__version__, "| llamafactory", llamafactory.__version__, "| transformers",
+          transformers.__version__, "| peft", peft.__version__, "| torch", torch.__version__)'
+  echo "python_env: LlamaFactory environment ready: $llamafactory_venv"
+}
+
 case "$cmd" in
   create)
     create
@@ -161,6 +192,9 @@ case "$cmd" in
     ;;
   hosts)
     hosts
+    ;;
+  llamafactory)
+    llamafactory
     ;;
   test)
     [ -x "$venv/bin/python" ] || create
@@ -176,7 +210,7 @@ case "$cmd" in
     KT_LIBRARY=$lib exec "$venv/bin/python" -m pytest -q -p no:cacheprovider "$@"
     ;;
   *)
-    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers | hosts | serve]" >&2
+    echo "usage: $0 [create | test [PYTEST_ARGS...] | peers | hosts | serve | llamafactory]" >&2
     exit 2
     ;;
 esac

@@ -1,0 +1,188 @@
+"""LlamaFactory's LoRA SFT of a tiny MoE model, started the way its users
+start it (the CLI with a YAML config), with kt computing the routed experts
+(python -m kt.integrations.llamafactory train cfg.yaml) and without kt
+(llamafactory-cli train cfg.yaml). The loss curves agree (fp32) within
+1e-5 relative per logged step.
+
+The model: tests/python/real_models.py's Qwen3-MoE (transformers' own
+config class, random weights rounded to bf16), saved in fp32: LlamaFactory
+loads with torch_dtype "auto" and computes in fp32 on a CPU, so the plain
+run is fp32 only from an fp32 checkpoint. kt keeps its base experts in bf16,
+the same values. The tokenizer is character-level, written here with the
+tokenizers library (nothing downloaded); the dataset is
+tests/data/llamafactory (alpaca format, 32 examples).
+
+What is trained: LlamaFactory's usual `lora_target: all`, which with
+transformers 5's fused experts is LoRA on attention (PEFT) in both runs, the
+routed experts frozen (kt computes their forward and input gradients).
+A second kt run names down_proj in lora_target: kt's LoRA on the experts'
+down projection next to PEFT's on attention, saved as one adapter that
+PEFT loads onto the plain transformers model.
+
+Each run is one process; its peak resident memory (ru_maxrss from wait4)
+is printed for both. At these sizes the process's memory is the imported
+libraries (torch, transformers, datasets, LlamaFactory), not the model, so
+the test bounds only the difference (kt adds its library and engine).
+Versions: packaging/python/requirements-llamafactory.txt
+(tools/python_env.sh llamafactory)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Read by huggingface_hub at import: nothing is fetched from the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+llamafactory = pytest.importorskip(
+    "llamafactory", reason="the LlamaFactory test needs llamafactory (tools/python_env.sh llamafactory)")
+transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+
+import real_models  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+DATA = os.path.join(ROOT, "tests", "data", "llamafactory")
+LOSS_BOUND = 1e-5
+STEPS = 6
+# kt's library and engine on top of the same process (MiB).
+EXTRA_MEMORY_BOUND = 256
+
+# Character-level vocabulary of real_models.VOCAB tokens.
+SPECIAL = ["<unk>", "<pad>", "</s>"]
+CHARS = (" \n.,:;!?'-" + "abcdefghijklmnopqrstuvwxyz" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ" + "0123456789"
+         + "()+=/*\"#%&_<>[]{}|~@")
+
+
+def write_tokenizer(directory):
+    from tokenizers import Tokenizer, decoders, models
+    vocab = {t: i for i, t in enumerate(SPECIAL + list(CHARS))}
+    assert len(vocab) <= real_models.VOCAB
+    # BPE without merges: every character is a token.
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
+                                                eos_token="</s>", model_max_length=4096)
+    fast.save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llamafactory-qwen3_moe")
+    real_models.build("qwen3_moe", max_position_embeddings=256).save_pretrained(str(d))
+    write_tokenizer(str(d))
+    return str(d)
+
+
+def _config(model, output_dir, lora_target="all", kt=None):
+    lines = [
+        "model_name_or_path: %s" % model,
+        "stage: sft",
+        "do_train: true",
+        "finetuning_type: lora",
+        "lora_target: %s" % lora_target,
+        "lora_rank: 4",
+        "lora_alpha: 8",
+        "dataset: kt_alpaca",
+        "dataset_dir: %s" % DATA,
+        "template: default",
+        "cutoff_len: 64",
+        "overwrite_cache: true",
+        "output_dir: %s" % output_dir,
+        "overwrite_output_dir: true",
+        "logging_steps: 1",
+        "save_strategy: 'no'",
+        "report_to: none",
+        "plot_loss: false",
+        "per_device_train_batch_size: 2",
+        "gradient_accumulation_steps: 2",
+        "learning_rate: 1.0e-2",
+        "lr_scheduler_type: linear",
+        "warmup_steps: 0",
+        "max_steps: %d" % STEPS,
+        "seed: 0",
+        "use_cpu: true",
+        "dataloader_num_workers: 0",
+        "disable_tqdm: true",
+    ]
+    if kt is not None:
+        lines.append("kt:")
+        lines += ["  %s: %s" % kv for kv in kt.items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_cli(tmp_path, name, model, with_kt, **config):
+    """Runs one training; returns (logged losses, peak RSS in bytes, its
+    output directory)."""
+    out = tmp_path / name
+    cfg = tmp_path / (name + ".yaml")
+    cfg.write_text(_config(model, out, **config))
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"),
+               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", DISABLE_VERSION_CHECK="0",
+               # The checkout's kt package (KT_LIBRARY names the library).
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "plugins", "python"),
+                                                        env.get("PYTHONPATH")])))
+    if with_kt:
+        cmd = [sys.executable, "-m", "kt.integrations.llamafactory", "train", str(cfg)]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "llamafactory-cli"), "train", str(cfg)]
+    log = tmp_path / (name + ".log")
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(tmp_path))
+        _, status, usage = os.wait4(p.pid, 0)
+        p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        tail = log.read_text()[-6000:]
+        pytest.fail("%s exited with %d:\n%s" % (" ".join(cmd), p.returncode, tail))
+    with open(out / "trainer_state.json") as f:
+        history = json.load(f)["log_history"]
+    losses = [h["loss"] for h in history if "loss" in h]
+    return losses, usage.ru_maxrss * 1024, out
+
+
+def test_llamafactory_lora_sft_loss_curve_with_kt_experts_equals_without(model_dir, tmp_path):
+    want, rss_plain, _ = run_cli(tmp_path, "plain", model_dir, with_kt=False)
+    got, rss_kt, out = run_cli(tmp_path, "kt", model_dir, with_kt=True, kt={"precision": "fp32"})
+    with open(out / "kt_llamafactory.json") as f:
+        report = json.load(f)
+    print("losses (LlamaFactory, with kt):", ["%.7f/%.7f" % p for p in zip(want, got)])
+    errors = [abs(g - w) / abs(w) for g, w in zip(got, want)]
+    print("max relative loss difference: %.3g" % max(errors))
+    print("peak RSS of the training process: without kt %.1f MiB, with kt %.1f MiB"
+          % (rss_plain / 2**20, rss_kt / 2**20))
+    print("kt report:", json.dumps(report))
+    assert len(got) == len(want) == STEPS
+    assert max(errors) <= LOSS_BOUND, list(zip(want, got))
+    # The curve moved: the comparison covers training, not only the start.
+    assert want[-1] < want[0] - 1e-3
+    # kt computed every routed-experts block, frozen (lora_target: all with
+    # fused experts), in every forward (gradient checkpointing recomputes).
+    assert len(report["blocks"]) == real_models.LAYERS
+    assert report["mode"] == "inference" and report["lora_targets"] == []
+    assert report["engine"]["precision"] == "fp32"
+    assert report["calls"] >= STEPS * 2 * real_models.LAYERS
+    assert report["tokens"] > 0
+    assert rss_kt - rss_plain < EXTRA_MEMORY_BOUND * 2**20
+
+
+def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_dir, tmp_path):
+    import peft
+    losses, _, out = run_cli(tmp_path, "kt-experts", model_dir, with_kt=True,
+                             lora_target="q_proj,v_proj,down_proj")
+    with open(out / "kt_llamafactory.json") as f:
+        report = json.load(f)
+    assert report["mode"] == "lora" and report["lora_targets"] == ["down"]
+    assert losses[-1] < losses[0] - 1e-3
+    from safetensors.torch import load_file
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert any("experts" in k for k in tensors) and any("q_proj" in k for k in tensors)
+    # Trained: kt's B factors moved from PEFT's zero start.
+    assert all(tensors[k].abs().sum() > 0 for k in tensors if "experts" in k and "lora_B" in k)
+    # PEFT loads the one adapter onto the plain transformers model.
+    plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(plain, str(out))
+    ids = real_models.token_batch()
+    with torch.no_grad():
+        assert torch.isfinite(loaded(input_ids=ids).logits).all()
