@@ -48,6 +48,9 @@ LOSS_BOUND = 1e-5
 STEPS = 6
 # kt's library and engine on top of the same process (MiB).
 EXTRA_MEMORY_BOUND = 256
+# fp32 logits of the same adapter on the kt model and the plain one
+# (summation order only; tolerances.FP32's order of magnitude).
+ADAPTER_LOGITS_BOUND = 1e-5
 
 # Character-level vocabulary of real_models.VOCAB tokens.
 SPECIAL = ["<unk>", "<pad>", "</s>"]
@@ -167,7 +170,7 @@ def test_llamafactory_lora_sft_loss_curve_with_kt_experts_equals_without(model_d
     assert rss_kt - rss_plain < EXTRA_MEMORY_BOUND * 2**20
 
 
-def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_dir, tmp_path):
+def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_dir, tmp_path, fp32_engine):
     import peft
     losses, _, out = run_cli(tmp_path, "kt-experts", model_dir, with_kt=True,
                              lora_target="q_proj,v_proj,down_proj")
@@ -180,9 +183,22 @@ def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_
     assert any("experts" in k for k in tensors) and any("q_proj" in k for k in tensors)
     # Trained: kt's B factors moved from PEFT's zero start.
     assert all(tensors[k].abs().sum() > 0 for k in tensors if "experts" in k and "lora_B" in k)
-    # PEFT loads the one adapter onto the plain transformers model.
+    # PEFT (LlamaFactory's pin) loads the one adapter onto the plain
+    # transformers model, and it computes what the kt model with the same
+    # adapter computes.
+    import kt
+    import kt.hf
+    from kt.integrations.llamafactory import peft_reads_3d_as_in_out
     plain = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    loaded = peft.PeftModel.from_pretrained(plain, str(out))
+    loaded = peft.PeftModel.from_pretrained(plain, str(out)).eval()
+    model = kt.hf.from_pretrained(model_dir, dtype=torch.float32, engine=fp32_engine, mode="lora", lora_rank=4,
+                                  lora_alpha=8, target_modules=["down_proj"])
+    for block in kt.hf.kt_experts_modules(model):
+        block.peft_in_out = peft_reads_3d_as_in_out()
+    model = kt.hf.load_adapter(model, str(out)).eval()
     ids = real_models.token_batch()
     with torch.no_grad():
-        assert torch.isfinite(loaded(input_ids=ids).logits).all()
+        want, got = loaded(input_ids=ids).logits, model(input_ids=ids).logits
+    error = float((got - want).norm() / want.norm())
+    print("logits of the saved adapter, kt vs PEFT on the plain model: relative L2 %.3g" % error)
+    assert error <= ADAPTER_LOGITS_BOUND

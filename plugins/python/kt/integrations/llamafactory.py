@@ -65,7 +65,10 @@ only; freeze and full tuning are refused):
   on transformers 5, whose PEFT cannot reach fused experts by module name.
   The saved adapter (output_dir and every checkpoint-N) is then written by
   ``kt.hf.save_adapter``: one PEFT adapter with both parts, which PEFT loads
-  onto the plain transformers model.
+  onto the plain transformers model. (The fused experts' factors are written
+  as the installed PEFT reads a 3-D parameter: PEFT 0.18, LlamaFactory's
+  pin, reads [E, in, out] where later ones read transformers 5's
+  [E, out, in]; ``peft_reads_3d_as_in_out``.)
 
 After training, ``<output_dir>/kt_llamafactory.json`` says what kt did: the
 kt blocks, their mode and LoRA targets, how many forward calls and tokens
@@ -121,6 +124,33 @@ def _experts_are_modules(config):
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     return any(isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules())
+
+
+def peft_reads_3d_as_in_out():
+    """Whether the installed PEFT reads every 3-D parameter it targets as
+    [E, in, out]. PEFT 0.18 (LlamaFactory 0.9.5's pin) does; later ones read
+    [E, out, in] unless the experts module says ``is_transposed``, which
+    kt.hf assumes. Asked of PEFT itself, on a [1, 2, 3] parameter."""
+    import warnings
+
+    import peft
+    import torch
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1, 2, 3))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = peft.get_peft_model(Block(), peft.LoraConfig(r=1, target_modules=[],
+                                                               target_parameters=["experts.w"]))
+    return wrapped.base_model.model.experts.in_features == 2
 
 
 def _resolve_dtype(config, requested):
@@ -200,6 +230,12 @@ class KtCausalLM:
         # PEFT's LoRA initialisation that follows is the same.
         torch.random.set_rng_state(rng)
         blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, kt.torch.MoEExperts)]
+        if mode == "lora" and peft_reads_3d_as_in_out():
+            # The saved adapter in the form this PEFT loads onto the plain
+            # model (kt.hf's save_adapter follows the block's peft_in_out).
+            for _, m in blocks:
+                if hasattr(m, "peft_in_out"):
+                    m.peft_in_out = True
         for _, m in blocks:
             m.register_forward_hook(_count)
         _state.update(blocks=[n for n, _ in blocks], mode=mode, targets=projections, engine=engine.info())
