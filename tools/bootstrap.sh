@@ -8,8 +8,10 @@
 #                             torch 1.13), then the Python suite again in a
 #                             venv with torch 2.x, transformers, PEFT and the
 #                             benchmark's peers from the package index and
-#                             kt installed by pip, and vLLM serving through
-#                             kt in a venv of its own (tools/python_env.sh)
+#                             kt installed by pip, vLLM serving through kt
+#                             in a venv of its own, and a LlamaFactory LoRA
+#                             SFT run with kt's experts in a third one
+#                             (tools/python_env.sh)
 #   tools/bootstrap.sh sanitize
 #                             the whole suite built with ASan+UBSan (leak
 #                             detection on, halt on the first finding) in
@@ -92,6 +94,7 @@ case "$what" in
     tools/python_env.sh hosts
     tools/python_env.sh peers
     KT_JOBS="$jobs" tools/python_env.sh serve
+    KT_JOBS="$jobs" tools/python_env.sh llamafactory
     # Every part runs even when one fails, and each failure is named.
     failed=""
     ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500 || failed="$failed ctest"
@@ -103,10 +106,15 @@ case "$what" in
     # with: KT_VENV=build-serve tools/python_env.sh test tests/python/test_serve_vllm.py).
     KT_VENV="$(pwd)/build-serve" tools/python_env.sh test tests/python/test_serve_vllm.py \
       -k "fp32_greedy or http or refused" || failed="$failed vllm"
+    # LlamaFactory's CLI with a YAML config, with kt's experts and without,
+    # in its own venv (llamafactory pins older transformers and PEFT): the
+    # fp32 loss curves, peak memory and the saved adapter (about 3 minutes).
+    KT_VENV="${KT_LLAMAFACTORY_VENV:-$(pwd)/build-llamafactory}" tools/python_env.sh test \
+      tests/python/test_real_llamafactory.py || failed="$failed llamafactory"
     if [ -n "$failed" ]; then
       echo "kt test: FAILED:$failed" >&2
       exit 1
     fi
-    echo "kt test: all parts passed (ctest, python-torch2, vllm)"
+    echo "kt test: all parts passed (ctest, python-torch2, vllm, llamafactory)"
     ;;
 esac

@@ -20,9 +20,12 @@ down projection next to PEFT's on attention, saved as one adapter that
 PEFT loads onto the plain transformers model.
 
 Each run is one process; its peak resident memory (ru_maxrss from wait4)
-is printed for both. At these sizes the process's memory is the imported
-libraries (torch, transformers, datasets, LlamaFactory), not the model, so
-the test bounds only the difference (kt adds its library and engine).
+is printed for both. Most of it is the imported libraries (torch,
+transformers, datasets, LlamaFactory: about 1 GB); the experts are made
+large enough (201 MB in fp32) to show: the plain run holds them as fp32
+torch tensors, kt as bf16 read from the checkpoint, so the kt run's peak is
+lower by at least a quarter of their fp32 bytes (measured: 1343.5 MiB
+without kt, 1191.5 MiB with kt; torch 2.9.1, 2 cores).
 Versions: packaging/python/requirements-llamafactory.txt
 (tools/python_env.sh llamafactory)."""
 import json
@@ -46,11 +49,18 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 DATA = os.path.join(ROOT, "tests", "data", "llamafactory")
 LOSS_BOUND = 1e-5
 STEPS = 6
-# kt's library and engine on top of the same process (MiB).
-EXTRA_MEMORY_BOUND = 256
+# The trained LoRA factors, relative L2 per tensor: Adam divides by the
+# root of the second moment, so fp32 summation-order differences of small
+# gradients are not damped (as in test_real_trainer.py).
+ADAPTER_BOUND = 1e-4
 # fp32 logits of the same adapter on the kt model and the plain one
 # (summation order only; tolerances.FP32's order of magnitude).
 ADAPTER_LOGITS_BOUND = 1e-5
+
+# Experts large enough that their weights (2 layers x 64 x 3 x 64 x 2048
+# fp32 = 201 MB) show in the processes' peak memory next to the libraries.
+MEMORY_SHAPE = dict(num_experts=64, moe_intermediate_size=2048)
+EXPERT_BYTES = real_models.LAYERS * 64 * 3 * real_models.HIDDEN * 2048 * 4
 
 # Character-level vocabulary of real_models.VOCAB tokens.
 SPECIAL = ["<unk>", "<pad>", "</s>"]
@@ -73,7 +83,7 @@ def write_tokenizer(directory):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("llamafactory-qwen3_moe")
-    real_models.build("qwen3_moe", max_position_embeddings=256).save_pretrained(str(d))
+    real_models.build("qwen3_moe", max_position_embeddings=256, **MEMORY_SHAPE).save_pretrained(str(d))
     write_tokenizer(str(d))
     return str(d)
 
@@ -158,8 +168,17 @@ def test_llamafactory_lora_sft_loss_curve_with_kt_experts_equals_without(model_d
     print("kt report:", json.dumps(report))
     assert len(got) == len(want) == STEPS
     assert max(errors) <= LOSS_BOUND, list(zip(want, got))
-    # The curve moved: the comparison covers training, not only the start.
-    assert want[-1] < want[0] - 1e-3
+    # Training happened (each step's loss is of another batch, so the curve
+    # need not fall in 6 steps): the two runs' saved LoRA (PEFT's, on
+    # attention) moved from PEFT's zero B and is the same.
+    from safetensors.torch import load_file
+    theirs = load_file(str(tmp_path / "plain" / "adapter_model.safetensors"))
+    mine = load_file(str(out / "adapter_model.safetensors"))
+    assert sorted(mine) == sorted(theirs) and all("self_attn" in k for k in theirs)
+    assert all(theirs[k].abs().sum() > 0 for k in theirs if "lora_B" in k)
+    worst = max(float((mine[k] - theirs[k]).norm() / theirs[k].norm()) for k in theirs)
+    print("saved adapters, relative L2: %.3g" % worst)
+    assert worst <= ADAPTER_BOUND
     # kt computed every routed-experts block, frozen (lora_target: all with
     # fused experts), in every forward (gradient checkpointing recomputes).
     assert len(report["blocks"]) == real_models.LAYERS
@@ -167,7 +186,8 @@ def test_llamafactory_lora_sft_loss_curve_with_kt_experts_equals_without(model_d
     assert report["engine"]["precision"] == "fp32"
     assert report["calls"] >= STEPS * 2 * real_models.LAYERS
     assert report["tokens"] > 0
-    assert rss_kt - rss_plain < EXTRA_MEMORY_BOUND * 2**20
+    # No torch copy of the experts: kt's bf16 base is half their fp32 bytes.
+    assert rss_plain - rss_kt >= EXPERT_BYTES // 4, (rss_plain, rss_kt)
 
 
 def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_dir, tmp_path, fp32_engine):
@@ -177,7 +197,7 @@ def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_
     with open(out / "kt_llamafactory.json") as f:
         report = json.load(f)
     assert report["mode"] == "lora" and report["lora_targets"] == ["down"]
-    assert losses[-1] < losses[0] - 1e-3
+    assert len(losses) == STEPS
     from safetensors.torch import load_file
     tensors = load_file(str(out / "adapter_model.safetensors"))
     assert any("experts" in k for k in tensors) and any("q_proj" in k for k in tensors)
@@ -202,3 +222,22 @@ def test_llamafactory_lora_on_routed_experts_by_kt_saves_one_peft_adapter(model_
     error = float((got - want).norm() / want.norm())
     print("logits of the saved adapter, kt vs PEFT on the plain model: relative L2 %.3g" % error)
     assert error <= ADAPTER_LOGITS_BOUND
+
+
+def test_llamafactory_lora_target_decides_what_kt_trains():
+    """LlamaFactory's own FinetuningArguments, read as the hook reads them."""
+    from kt.integrations import llamafactory as hook
+
+    def targets(per_expert, **args):
+        return hook._kt_targets(hook._finetuning_arguments(dict(stage="sft", **args)), per_expert)
+
+    # "all": what LlamaFactory's find_all_linear_modules would reach.
+    assert targets(False, finetuning_type="lora", lora_target="all") == ("inference", ())
+    assert targets(True, finetuning_type="lora", lora_target="all") == ("lora", ("gate", "up", "down"))
+    assert targets(False, finetuning_type="lora", lora_target="q_proj,v_proj") == ("inference", ())
+    assert targets(False, finetuning_type="lora", lora_target="q_proj,gate_up_proj") == ("lora", ("gate", "up"))
+    assert targets(False, finetuning_type="lora", lora_target="w2,q_proj") == ("lora", ("down",))
+    with pytest.raises(ValueError, match="LoRA only"):
+        targets(False, finetuning_type="freeze")
+    with pytest.raises(ValueError, match="use_dora"):
+        targets(False, finetuning_type="lora", lora_target="down_proj,q_proj", use_dora=True)
