@@ -4,13 +4,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <vector>
+
 #include "kernels/kernels.h"
 
 namespace kt {
 
-#define KT_KERNELS(isa, symbol, compiled) extern const Kernels symbol;
+#define KT_KERNELS(isa, symbol, compiled, name) extern const Kernels symbol;
+#define KT_KERNEL_VARIANT(isa, symbol, compiled, name, feature, feature_name) extern const Kernels symbol;
 #include "kernels/kernel_list.inc"
-#undef KT_KERNELS
 
 static uint64_t read_xcr0() {
   uint32_t eax, edx;
@@ -52,11 +54,36 @@ kt_isa detect_cpu_isa() {
 }
 
 const Kernels* kernels_for(kt_isa isa) {
-#define KT_KERNELS(level, symbol, compiled) \
+#define KT_KERNELS(level, symbol, compiled, name) \
   if ((compiled) && isa == (level)) return &symbol;
 #include "kernels/kernel_list.inc"
-#undef KT_KERNELS
   return nullptr;
+}
+
+std::vector<KernelTableInfo> compiled_kernel_tables() {
+  std::vector<KernelTableInfo> v;
+  const kt_isa cpu = detect_cpu_isa();
+  const auto add = [&](const Kernels& k, const char* name, bool (*feature)(), const char* feature_name) {
+    KernelTableInfo t{&k, name, ""};
+    if (k.isa > cpu)
+      t.missing = kernel_isa_name(k.isa);
+    else if (feature && !feature())
+      t.missing = feature_name;
+    v.push_back(t);
+  };
+#define KT_KERNELS(level, symbol, compiled, name) \
+  if (compiled) add(symbol, name, nullptr, "");
+#define KT_KERNEL_VARIANT(level, symbol, compiled, name, feature, feature_name) \
+  if (compiled) add(symbol, name, feature, feature_name);
+#include "kernels/kernel_list.inc"
+  return v;
+}
+
+const char* kernel_isa_name(kt_isa isa) {
+#define KT_KERNELS(level, symbol, compiled, name) \
+  if (isa == (level)) return name;
+#include "kernels/kernel_list.inc"
+  return "unknown";
 }
 
 bool cpu_has_avx_vnni() {
@@ -70,7 +97,6 @@ bool cpu_has_amx_int8() {
 }
 
 #if KT_HAVE_AVX2
-extern const Kernels kernels_avx2_no_vnni;
 const Kernels* avx2_without_vnni() {
   return &kernels_avx2_no_vnni;
 }
@@ -81,7 +107,6 @@ const Kernels* avx2_without_vnni() {
 #endif
 
 #if KT_HAVE_AVX512BF16
-extern const Kernels kernels_avx512bf16_no_vbmi;
 const Kernels* avx512bf16_without_vbmi() { return &kernels_avx512bf16_no_vbmi; }
 #else
 const Kernels* avx512bf16_without_vbmi() { return nullptr; }
@@ -103,10 +128,9 @@ const Kernels& select_kernels(kt_isa cap) {
   kt_isa cpu = detect_cpu_isa();
   if (cpu == KT_ISA_AMX && !amx_kernels_verified()) cpu = KT_ISA_AVX512BF16;
   const Kernels* best = &kernels_ref;
-#define KT_KERNELS(level, symbol, compiled) \
+#define KT_KERNELS(level, symbol, compiled, name) \
   if ((compiled) && (level) <= cap && (level) <= cpu) best = &symbol;
 #include "kernels/kernel_list.inc"
-#undef KT_KERNELS
   return *best;
 }
 

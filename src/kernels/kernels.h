@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "kt_c_api.h"
@@ -131,11 +132,22 @@ constexpr int64_t kInt8ComputeMaxK = 65536;
 // max |x|) rounded to the nearest integer, ties to even.
 void quantize_int8_row(const float* x, int64_t k, int64_t kq, int64_t group, bool nibble_order, void* row);
 
+// A kernel table: what a unit (an ISA, or a variant of one) computes with.
+// Each table is made with named fields (ref/kernels_ref.cpp and the others);
+// a member it leaves out keeps the default below (a null entry, an
+// out-of-range tuning number), which KernelRegistry.* (tests/unit/
+// test_kernel_registry.cpp) rejects. Which entries may be null is said at
+// each one.
 struct Kernels {
-  kt_isa isa;
-  const char* gemm_name;  // the contract-naming name of the weight GEMM
+  // ---- what the table is.
+  kt_isa isa = KT_ISA_AUTO;
+  // The weight GEMM's name in the grammar of src/kernels/README.md.
+  const char* gemm_name = nullptr;
   // Element size of the "A format" the GEMM reads: 2 = bf16, 4 = fp32.
-  int a_elem_size;
+  int a_elem_size = 0;
+
+  // ---- entries. Every entry is required unless its comment says where it
+  // is null.
 
   // C[r, 16*p + c] (=|+=) sum_k A[r][k] * W_p[c][k] for r < m, p < np, c < 16.
   // a_rows[r] points at a row in A format of kp elements (kp even, zero
@@ -149,7 +161,7 @@ struct Kernels {
   // extra fetches crowd that stream.
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                      int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
-                     const PrefetchRegion& next);
+                     const PrefetchRegion& next) = nullptr;
 
   // Weight gradients on bf16 operands (NULL where the A format is fp32): both
   // operands come as zipped row pairs, [group][column][2] bf16 with the pair
@@ -160,43 +172,43 @@ struct Kernels {
   // stream: C is written once and not read soon (gradients in memory): the
   // kernel may store around the caches where C is 64-byte aligned.
   void (*gemm_zip_bf16)(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
-                        int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool stream);
+                        int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool stream) = nullptr;
   // dst[2j] = bf16(r0[j]), dst[2j + 1] = bf16(r1[j]) (0 when r1 is NULL) for
   // j < n: one group of the zipped format. NULL with gemm_zip_bf16.
-  void (*zip_rows_bf16)(const float* r0, const float* r1, int64_t n, bf16_t* dst);
+  void (*zip_rows_bf16)(const float* r0, const float* r1, int64_t n, bf16_t* dst) = nullptr;
 
   // Converts k fp32 values to A format, zero padding to kp elements.
-  void (*pack_a_f32)(const float* src, int64_t k, int64_t kp, void* dst);
+  void (*pack_a_f32)(const float* src, int64_t k, int64_t kp, void* dst) = nullptr;
 
   // C[m,n] (=|+=) sum_j A_r[j] * B[j, n], a_rows[r] fp32 rows of k values,
   // B row-major k x n with leading dimension ldb. Vectorised over n.
   void (*sgemm_nn)(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb,
-                   float* c, int64_t ldc, bool accumulate);
+                   float* c, int64_t ldc, bool accumulate) = nullptr;
 
   // C[m,n] (=|+=) sum_j A_r[j] * B[n, j]: dot products of a_rows[r] with the
   // k-value rows of B (row-major n x k, leading dimension ldb).
   void (*sgemm_nt)(int m, int n, int k, const float* const* a_rows, const float* b, int64_t ldb,
-                   float* c, int64_t ldc, bool accumulate);
+                   float* c, int64_t ldc, bool accumulate) = nullptr;
 
   // C[m,n] (=|+=) sum_r A[r, m] * B_r[n] over r < k: outer-product
   // accumulation over rows (weight gradients). A row-major with lda,
   // b_rows[r] fp32 rows of n values. Vectorised over n.
   void (*sgemm_tn)(int m, int n, int k, const float* a, int64_t lda, const float* const* b_rows,
-                   float* c, int64_t ldc, bool accumulate);
+                   float* c, int64_t ldc, bool accumulate) = nullptr;
 
   // W^T panels made in cache (formats/packed_bf16.h, transpose_panels): from
   // np packed panels (panel_stride elements apart) builds the packed panels
   // of columns [c0, c0 + cb) (c0 even) with K' = 16 * np.
   void (*transpose_panels)(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
-                           int64_t cb, bf16_t* dst);
+                           int64_t cb, bf16_t* dst) = nullptr;
 
   // a[j] = act(g[j], u[j]) for j < n.
-  void (*act_forward)(const ActParams& p, const float* g, const float* u, float* a, int64_t n);
+  void (*act_forward)(const ActParams& p, const float* g, const float* u, float* a, int64_t n) = nullptr;
   // From the pre-activations and da' (the gradient of a before the routing
   // weight w): dg = w * da' * da/dg, du = w * da' * da/du (zero where
   // clamped), a_out = a when not NULL; returns sum_j da'[j] * a[j].
   float (*act_backward)(const ActParams& p, const float* g, const float* u, const float* da, float w,
-                        float* dg, float* du, float* a_out, int64_t n);
+                        float* dg, float* du, float* a_out, int64_t n) = nullptr;
 
   // ---- quantized frozen bases (formats/packed_quant.h).
   // Codes of np panels (code_panel_bytes apart), columns [k0, k0 + kc) (both
@@ -207,22 +219,22 @@ struct Kernels {
   // product below the smallest normal fp32 may come out as the zero of its
   // sign instead (the AVX-512 BF16 conversion flushes such inputs).
   void (*dequant_i8)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) = nullptr;
   void (*dequant_i4)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+                     const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) = nullptr;
   // The same for fp8 e4m3 codes (the int8 byte order) and fp4 e2m1 codes
   // (the int4 nibble order); their values are exact in bf16 (e4m3 NaN codes
   // never reach a kernel: loads refuse them).
   void (*dequant_e4m3)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) = nullptr;
   void (*dequant_e2m1)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
-                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst);
+                       const float* scales, int64_t scale_stride, int64_t group, bf16_t* dst) = nullptr;
   // dequant_i4 for asymmetric int4: a code nibble u stands for u - zero,
   // zero the byte zeros[p * zero_stride + ((k - k0) / group) * 16 + lane]
   // (z + 8); (u - zero) is an integer in [-15, 15], exact in bf16.
   void (*dequant_i4_zero)(const uint8_t* codes, int64_t code_panel_bytes, int np, int64_t k0, int64_t kc,
                           const uint8_t* zeros, int64_t zero_stride, const float* scales, int64_t scale_stride,
-                          int64_t group, bf16_t* dst);
+                          int64_t group, bf16_t* dst) = nullptr;
   // gemm_bf16w with a scale per column and group of K: C[r, 16p + c] (=|+=)
   // sum over groups j of scales[p * scale_stride + 16 j + c] * (sum over k
   // in [j * group, (j + 1) * group) of A[r][k] * W_p[c][k]): the scale is
@@ -230,24 +242,21 @@ struct Kernels {
   // that divides kp.
   void (*gemm_bf16w_grouped)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                              int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
-                             int64_t group, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next);
+                             int64_t group, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) = nullptr;
   // C[r, 16p + c] (=|+=) sum over groups j of scale(p, j, c) * (sum over k in
   // group j of A[r][k] * code(p, c, k)) for p < np, straight from the codes
   // (QuantPanels): for few rows (decode), where dequantizing into panels in
   // cache first would leave the code stream from memory waiting. A rows hold
   // w.kq values. nullptr where the unit has none (dequant_* and
-  // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit (8-bit
-  // codes) or gemm_quant_rows_4bit rows: past them expanding the codes once
-  // per row tile costs more than dequantizing once into cache.
+  // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit or
+  // gemm_quant_rows_4bit rows (the tuning below).
   // next: as gemm_bf16w's, but only the first lines of each of its panels
   // are fetched, as this call's streams end (the whole next region on the
   // way crowded this call's own stream): a region of whole panels of the
   // same code_panel_bytes and scale_panel (the next call's codes, with
   // quant_scales and quant_zeros).
   void (*gemm_quant)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
-                     bool accumulate, const PrefetchRegion& next);
-  int gemm_quant_rows_8bit;
-  int gemm_quant_rows_4bit;
+                     bool accumulate, const PrefetchRegion& next) = nullptr;
   // Int8 compute on an integer base (w.code kInt: int8 per channel, group =
   // kq, or int4 groups, with or without zero points; or kE2M1, whose codes
   // doubled are the integers -12..12): for r < m, p < np, c < 16,
@@ -259,19 +268,31 @@ struct Kernels {
   // w.kq (int8_row_bytes(w.kq, w.group); nibble_order for 4-bit codes).
   // Every table computes the same bits. next: as gemm_quant's.
   void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
-                    bool accumulate, const PrefetchRegion& next);
+                    bool accumulate, const PrefetchRegion& next) = nullptr;
+
+  // ---- tuning: where a caller switches between entries, and how the
+  // entries want their operands. Each table says why it chose its numbers;
+  // the measurements behind them are in bench/README.md (kernels).
+
+  // The most rows (m) for which a caller runs gemm_quant; past them
+  // expanding the codes once per row tile costs more than dequantizing once
+  // into cache (dequant_* + gemm_bf16w_grouped). For 8-bit codes (int8,
+  // e4m3) and 4-bit ones (int4, e2m1); 0 where gemm_quant is null; -1:
+  // unset, which the registry test rejects.
+  int gemm_quant_rows_8bit = -1;
+  int gemm_quant_rows_4bit = -1;
   // gemm_bf16w's tiles fetch their own panels ahead at every row count: a
   // caller whose panels stream from memory passes no next region, which
   // would only crowd those fetches; panels built in cache (dequantized,
   // transposed) still take it, as there it is the only stream from memory.
-  bool gemm_bf16w_fetches_panels;
+  bool gemm_bf16w_fetches_panels = false;
   // The weight GEMMs read A rows where they lie only when they are equally
   // spaced (AMX tiles: gemm_bf16w at any spacing, and gemm_int8 where the
   // CPU has AMX-INT8; oneDNN: gemm_bf16w, at least kp apart) and gather others
   // into a block first, on every call: a caller that would hand the same
   // scattered rows to many calls lays them out in order once instead. The
   // vector kernels read each row through its pointer (false).
-  bool gemm_reads_spaced_rows;
+  bool gemm_reads_spaced_rows = false;
 };
 
 // Best ISA the CPU and OS run (cpuid + XCR0 + AMX permission).
@@ -280,6 +301,21 @@ kt_isa detect_cpu_isa();
 const Kernels& select_kernels(kt_isa cap);
 // Kernel table of exactly that ISA, or nullptr when not compiled in.
 const Kernels* kernels_for(kt_isa isa);
+// A compiled table of the registry (kernel_list.inc), as the tests and the
+// kernel bench walk them.
+struct KernelTableInfo {
+  const Kernels* table;
+  const char* name;  // "avx2", "avx2_no_vnni": the registry's name
+  // What this CPU lacks to run the table as meant ("" when nothing): its
+  // ISA, or for a variant the feature without which the ISA's own table
+  // already takes the variant's path.
+  const char* missing;
+};
+// Every compiled table, the ISA tables in increasing order, then the
+// variants; on any CPU (see missing).
+std::vector<KernelTableInfo> compiled_kernel_tables();
+// The registry's name of an ISA ("avx2"), "unknown" for others.
+const char* kernel_isa_name(kt_isa isa);
 // The AVX-512 BF16 table as a CPU without AVX512-VBMI (Cooper Lake) runs
 // it, where that differs from kernels_for(KT_ISA_AVX512BF16) on a CPU with
 // it; nullptr when not compiled in. For the tests, to run both paths.

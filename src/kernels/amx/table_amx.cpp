@@ -18,6 +18,8 @@ Kernels make_amx_table() {
   k.isa = KT_ISA_AMX;
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = amx_entries.gemm_bf16w;
+  // Tiles load their rows where they lie when equally spaced (and gather
+  // others); they fetch no panels ahead of their own.
   k.gemm_bf16w_fetches_panels = false;
   k.gemm_reads_spaced_rows = true;
   k.gemm_bf16w_grouped = amx_entries.gemm_bf16w_grouped;
@@ -27,6 +29,7 @@ Kernels make_amx_table() {
   k.gemm_quant_rows_8bit = amx_entries.min_rows - 1;
   k.gemm_quant_rows_4bit = amx_entries.min_rows - 1;
   k.gemm_zip_bf16 = amx_entries.gemm_zip_bf16;
+  // Without AMX-INT8 the AVX-512 kernel keeps gemm_int8 (same bits).
   if (cpu_has_amx_int8()) k.gemm_int8 = amx_entries.gemm_int8;
   return k;
 }

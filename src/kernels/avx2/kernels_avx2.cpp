@@ -252,44 +252,53 @@ static void transpose_panels(const bf16_t* packed, int64_t np, int64_t panel_str
 constexpr KernelTable kTable = KernelTable::kAvx2;
 using E = KernelEntry;
 
-extern const Kernels kernels_avx2 = {
-    KT_ISA_AVX2,
-    "gemm_bf16w_f32_f32_3x16__avx2_fma",
-    4,
-    counted<kTable, E::kGemmBf16w, avx2::gemm_bf16w>,
-    nullptr,
-    nullptr,
-    avx2::pack_a_f32_copy,
-    counted<kTable, E::kSgemmNn, avx2::sgemm_nn_generic>,
-    counted<kTable, E::kSgemmNt, avx2::sgemm_nt_generic>,
-    counted<kTable, E::kSgemmTn, avx2::sgemm_tn_generic>,
-    counted<kTable, E::kTransposePanels, avx2::transpose_panels>,
-    avx2::act_forward_generic,
-    avx2::act_backward_generic,
-    avx2::dequant_i8,
-    avx2::dequant_i4,
-    avx2::dequant_e4m3,
-    avx2::dequant_e2m1,
-    avx2::dequant_i4_zero,
-    counted<kTable, E::kGemmBf16wGrouped, avx2::gemm_bf16w_grouped>,
-    counted<kTable, E::kGemmQuant, avx2::gemm_quant>,
-    // Past these rows dequantizing once into cache and the grouped GEMM
-    // take less time (bench/README.md): 8-bit codes past 4 rows; 4-bit
-    // codes, which go as offset words, past 6 (each step from 2 rows up
-    // paid in the layer, the last one still at T=64).
-    4,
-    6,
-    counted<kTable, E::kGemmInt8, avx2::gemm_int8>,
-    false,
-    false,
-};
+constexpr Kernels make_kernels_avx2() {
+  Kernels k;
+  k.isa = KT_ISA_AVX2;
+  k.gemm_name = "gemm_bf16w_f32_f32_3x16__avx2_fma";
+  k.a_elem_size = sizeof(float);
+  k.gemm_bf16w = counted<kTable, E::kGemmBf16w, avx2::gemm_bf16w>;
+  // gemm_zip_bf16, zip_rows_bf16: none (the A format is fp32).
+  k.pack_a_f32 = avx2::pack_a_f32_copy;
+  k.sgemm_nn = counted<kTable, E::kSgemmNn, avx2::sgemm_nn_generic>;
+  k.sgemm_nt = counted<kTable, E::kSgemmNt, avx2::sgemm_nt_generic>;
+  k.sgemm_tn = counted<kTable, E::kSgemmTn, avx2::sgemm_tn_generic>;
+  k.transpose_panels = counted<kTable, E::kTransposePanels, avx2::transpose_panels>;
+  k.act_forward = avx2::act_forward_generic;
+  k.act_backward = avx2::act_backward_generic;
+  k.dequant_i8 = avx2::dequant_i8;
+  k.dequant_i4 = avx2::dequant_i4;
+  k.dequant_e4m3 = avx2::dequant_e4m3;
+  k.dequant_e2m1 = avx2::dequant_e2m1;
+  k.dequant_i4_zero = avx2::dequant_i4_zero;
+  k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, avx2::gemm_bf16w_grouped>;
+  k.gemm_quant = counted<kTable, E::kGemmQuant, avx2::gemm_quant>;
+  k.gemm_int8 = counted<kTable, E::kGemmInt8, avx2::gemm_int8>;
+  // Past these rows dequantizing once into cache and the grouped GEMM take
+  // less time (bench/README.md, kernels): 8-bit codes expand to fp32 per
+  // row tile; 4-bit codes, which go as offset words, expand cheaper.
+  k.gemm_quant_rows_8bit = 4;
+  k.gemm_quant_rows_4bit = 6;
+  // The tiles read each row through its pointer and fetch only the caller's
+  // next region.
+  k.gemm_bf16w_fetches_panels = false;
+  k.gemm_reads_spaced_rows = false;
+  return k;
+}
+
+// Constant-initialised (a constant expression, so no AVX2 code runs while
+// the library loads): complete before any code that runs then reads it.
+constexpr Kernels kKernelsAvx2 = make_kernels_avx2();
+extern const Kernels kernels_avx2 = kKernelsAvx2;
 
 // The same kernels as a CPU without AVX-VNNI runs them (int8 activations
 // by vpmaddubsw and vpmaddwd), for the tests to run both wherever it is.
-extern const Kernels kernels_avx2_no_vnni = [] {
-  Kernels k = kernels_avx2;
+constexpr Kernels make_kernels_avx2_no_vnni() {
+  Kernels k = kKernelsAvx2;
   k.gemm_int8 = counted<kTable, E::kGemmInt8, avx2::gemm_int8_no_vnni>;
   return k;
-}();
+}
+constexpr Kernels kKernelsAvx2NoVnni = make_kernels_avx2_no_vnni();
+extern const Kernels kernels_avx2_no_vnni = kKernelsAvx2NoVnni;
 
 }  // namespace kt

@@ -755,43 +755,55 @@ static void transpose_panels_avx512(const bf16_t* packed, int64_t np, int64_t pa
 constexpr KernelTable kTable = KernelTable::kAvx512Bf16;
 using E = KernelEntry;
 
-extern const Kernels kernels_avx512bf16 = {
-    KT_ISA_AVX512BF16,
-    "gemm_bf16w_bf16_f32_6x64__avx512bf16",
-    2,
-    counted<kTable, E::kGemmBf16w, avx512bf16::gemm_bf16w>,
-    counted<kTable, E::kGemmZipBf16, avx512bf16::gemm_zip_bf16>,
-    avx512bf16::zip_rows_bf16,
-    avx512bf16::pack_a_f32,
-    counted<kTable, E::kSgemmNn, avx512bf16::sgemm_nn>,
-    counted<kTable, E::kSgemmNt, avx512bf16::sgemm_nt>,
-    counted<kTable, E::kSgemmTn, avx512bf16::sgemm_tn>,
-    counted<kTable, E::kTransposePanels, avx512bf16::transpose_panels_avx512>,
-    avx512bf16::act_forward_generic,
-    avx512bf16::act_backward_generic,
-    avx512bf16::dequant_i8,
-    avx512bf16::dequant_i4,
-    avx512bf16::dequant_e4m3,
-    avx512bf16::dequant_e2m1,
-    avx512bf16::dequant_i4_zero,
-    counted<kTable, E::kGemmBf16wGrouped, avx512bf16::gemm_bf16w_grouped>,
-    counted<kTable, E::kGemmQuant, avx512bf16::gemm_quant>,
-    // Against dequant_* + gemm_bf16w_grouped: 8-bit codes from the codes
-    // up to 24 rows, short of where the two break even; 4-bit codes stay
-    // ahead up to a full row chunk, so they never dequantize.
-    24,
-    1 << 30,
-    counted<kTable, E::kGemmInt8, avx512bf16::gemm_int8>,
-    true,
-    false,
-};
+constexpr Kernels make_kernels_avx512bf16() {
+  Kernels k;
+  k.isa = KT_ISA_AVX512BF16;
+  k.gemm_name = "gemm_bf16w_bf16_f32_6x64__avx512bf16";
+  k.a_elem_size = sizeof(bf16_t);
+  k.gemm_bf16w = counted<kTable, E::kGemmBf16w, avx512bf16::gemm_bf16w>;
+  k.gemm_zip_bf16 = counted<kTable, E::kGemmZipBf16, avx512bf16::gemm_zip_bf16>;
+  k.zip_rows_bf16 = avx512bf16::zip_rows_bf16;
+  k.pack_a_f32 = avx512bf16::pack_a_f32;
+  k.sgemm_nn = counted<kTable, E::kSgemmNn, avx512bf16::sgemm_nn>;
+  k.sgemm_nt = counted<kTable, E::kSgemmNt, avx512bf16::sgemm_nt>;
+  k.sgemm_tn = counted<kTable, E::kSgemmTn, avx512bf16::sgemm_tn>;
+  k.transpose_panels = counted<kTable, E::kTransposePanels, avx512bf16::transpose_panels_avx512>;
+  k.act_forward = avx512bf16::act_forward_generic;
+  k.act_backward = avx512bf16::act_backward_generic;
+  k.dequant_i8 = avx512bf16::dequant_i8;
+  k.dequant_i4 = avx512bf16::dequant_i4;
+  k.dequant_e4m3 = avx512bf16::dequant_e4m3;
+  k.dequant_e2m1 = avx512bf16::dequant_e2m1;
+  k.dequant_i4_zero = avx512bf16::dequant_i4_zero;
+  k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, avx512bf16::gemm_bf16w_grouped>;
+  k.gemm_quant = counted<kTable, E::kGemmQuant, avx512bf16::gemm_quant>;
+  k.gemm_int8 = counted<kTable, E::kGemmInt8, avx512bf16::gemm_int8>;
+  // Against dequant_* + gemm_bf16w_grouped (bench/README.md, kernels):
+  // 8-bit codes from the codes up to 24 rows, short of where the two break
+  // even; 4-bit codes stay ahead up to a full row chunk, so they never
+  // dequantize (no row count reaches the bound).
+  k.gemm_quant_rows_8bit = 24;
+  k.gemm_quant_rows_4bit = 1 << 30;
+  // The tiles fetch their own panels ahead at every row count
+  // (avx512bf16::gemm_bf16w); each row is read through its pointer.
+  k.gemm_bf16w_fetches_panels = true;
+  k.gemm_reads_spaced_rows = false;
+  return k;
+}
+
+// Constant-initialised (a constant expression, so no AVX-512 code runs
+// while the library loads; the AMX table, made then, copies it).
+constexpr Kernels kKernelsAvx512Bf16 = make_kernels_avx512bf16();
+extern const Kernels kernels_avx512bf16 = kKernelsAvx512Bf16;
 
 // The same kernels as a CPU without AVX512-VBMI runs them (the e4m3
 // expansion by word tables), for the tests to run wherever AVX-512 BF16 is.
-extern const Kernels kernels_avx512bf16_no_vbmi = [] {
-  Kernels k = kernels_avx512bf16;
+constexpr Kernels make_kernels_avx512bf16_no_vbmi() {
+  Kernels k = kKernelsAvx512Bf16;
   k.dequant_e4m3 = avx512bf16::dequant_e4m3_table;
   return k;
-}();
+}
+constexpr Kernels kKernelsAvx512Bf16NoVbmi = make_kernels_avx512bf16_no_vbmi();
+extern const Kernels kernels_avx512bf16_no_vbmi = kKernelsAvx512Bf16NoVbmi;
 
 }  // namespace kt

@@ -41,32 +41,40 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 constexpr KernelTable kTable = KernelTable::kRef;
 using E = KernelEntry;
 
-extern const Kernels kernels_ref = {
-    KT_ISA_REF,
-    "gemm_bf16w_f32_f32_1x16__ref",
-    4,
-    counted<kTable, E::kGemmBf16w, ref::gemm_bf16w>,
-    nullptr,
-    nullptr,
-    ref::pack_a_f32_copy,
-    counted<kTable, E::kSgemmNn, ref::sgemm_nn_generic>,
-    counted<kTable, E::kSgemmNt, ref::sgemm_nt_generic>,
-    counted<kTable, E::kSgemmTn, ref::sgemm_tn_generic>,
-    counted<kTable, E::kTransposePanels, ref::transpose_panels_generic>,
-    ref::act_forward_generic,
-    ref::act_backward_generic,
-    ref::dequant_i8_generic,
-    ref::dequant_i4_generic,
-    ref::dequant_e4m3_generic,
-    ref::dequant_e2m1_generic,
-    ref::dequant_i4_zero_generic,
-    counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a>,
-    nullptr,
-    0,
-    0,
-    counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>,
-    false,
-    false,
-};
+constexpr Kernels make_kernels_ref() {
+  Kernels k;
+  k.isa = KT_ISA_REF;
+  k.gemm_name = "gemm_bf16w_f32_f32_1x16__ref";
+  k.a_elem_size = sizeof(float);
+  k.gemm_bf16w = counted<kTable, E::kGemmBf16w, ref::gemm_bf16w>;
+  // gemm_zip_bf16, zip_rows_bf16: none (the A format is fp32).
+  k.pack_a_f32 = ref::pack_a_f32_copy;
+  k.sgemm_nn = counted<kTable, E::kSgemmNn, ref::sgemm_nn_generic>;
+  k.sgemm_nt = counted<kTable, E::kSgemmNt, ref::sgemm_nt_generic>;
+  k.sgemm_tn = counted<kTable, E::kSgemmTn, ref::sgemm_tn_generic>;
+  k.transpose_panels = counted<kTable, E::kTransposePanels, ref::transpose_panels_generic>;
+  k.act_forward = ref::act_forward_generic;
+  k.act_backward = ref::act_backward_generic;
+  k.dequant_i8 = ref::dequant_i8_generic;
+  k.dequant_i4 = ref::dequant_i4_generic;
+  k.dequant_e4m3 = ref::dequant_e4m3_generic;
+  k.dequant_e2m1 = ref::dequant_e2m1_generic;
+  k.dequant_i4_zero = ref::dequant_i4_zero_generic;
+  k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a>;
+  // gemm_quant: none; quantized bases always dequantize into cache.
+  k.gemm_int8 = counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>;
+  // Tuning: no gemm_quant to switch to.
+  k.gemm_quant_rows_8bit = 0;
+  k.gemm_quant_rows_4bit = 0;
+  // Reads every row through its pointer and fetches nothing ahead.
+  k.gemm_bf16w_fetches_panels = false;
+  k.gemm_reads_spaced_rows = false;
+  return k;
+}
+
+// Constant-initialised (a constant expression): complete before any code
+// that runs while the library loads reads it.
+constexpr Kernels kKernelsRef = make_kernels_ref();
+extern const Kernels kernels_ref = kKernelsRef;
 
 }  // namespace kt
