@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "io/names.h"
+
 namespace kt {
 
 static int64_t align64(int64_t v) { return (v + 63) / 64 * 64; }
@@ -16,17 +18,16 @@ QuantShape QuantShape::of(kt_weight_format f, int64_t n, int64_t k) {
   s.n = n;
   s.k = k;
   s.np = (n + kPanelRows - 1) / kPanelRows;
-  s.zero_points = has_zero_points(f);
-  s.bits = f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_MXFP4 || s.zero_points ? 4 : 8;
-  s.code = f == KT_FORMAT_FP8_B128 ? QuantCode::kE4M3 : f == KT_FORMAT_MXFP4 ? QuantCode::kE2M1 : QuantCode::kInt;
-  s.scale_bytes = f == KT_FORMAT_FP8_B128 ? 4 : 2;
-  const int64_t wide_group =
-      f == KT_FORMAT_FP8_B128 || f == KT_FORMAT_INT4_G128 || f == KT_FORMAT_INT4_G128_ZP ? 128 : 0;
+  const WeightFormat& w = *weight_format_of(f);
+  s.zero_points = w.zero_points;
+  s.bits = w.bits;
+  s.code = w.code;
+  s.scale_bytes = w.scale_bytes;
   // Groups wider than 32 pad K to whole groups, so every chunk of K the
-  // kernels take holds whole groups.
-  const int64_t align = wide_group ? wide_group : kQuantKAlign;
+  // kernels take holds whole groups; one scale per row pads K to 32.
+  const int64_t align = w.group > kQuantKAlign ? w.group : kQuantKAlign;
   s.kq = (k + align - 1) / align * align;
-  s.group = wide_group ? wide_group : s.bits == 4 ? 32 : s.kq;
+  s.group = w.group ? w.group : s.kq;
   s.ngroups = s.kq / s.group;
   s.code_panel_bytes = kPanelRows * s.kq * s.bits / 8;
   s.scale_panel = s.ngroups * kPanelRows;
@@ -214,11 +215,11 @@ SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, c
   auto io = [](std::string t) { return SourceProblem{KT_ERR_IO, std::move(t)}; };
   auto unsupported = [](std::string t) { return SourceProblem{KT_ERR_UNSUPPORTED, std::move(t)}; };
   if (into && src.zeros && !into->zero_points)
-    return unsupported(at + "': zero points (asymmetric int4) have no place in a " + kt_weight_format_name(into->format) +
+    return unsupported(at + "': zero points (asymmetric int4) have no place in a " + weight_format_name(into->format) +
            " layer");
   if (into && !src.zeros && into->zero_points)
     return unsupported(at + "': symmetric int4 (no zero points) goes into int4_g32 or int4_g128, not a " +
-                       kt_weight_format_name(into->format) + " layer");
+                       weight_format_name(into->format) + " layer");
   const int64_t ngroups = (k + src.group - 1) / src.group;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t R = source_row(src, r);
@@ -236,8 +237,8 @@ SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, c
       const float v = scale_value(src, p);
       if (!std::isfinite(v)) return io(where + " is " + std::to_string(v) + ", not finite");
       if (into && into->scale_bytes == 2 && bf16_to_f32(f32_to_bf16(v)) != v)
-        return unsupported(where + " is " + std::to_string(v) + " (" + kt_ckpt_dtype_name(src.scale_dtype) +
-                           "), not exact in the bf16 scales of a " + kt_weight_format_name(into->format) +
+        return unsupported(where + " is " + std::to_string(v) + " (" + io::dtype_name(src.scale_dtype) +
+                           "), not exact in the bf16 scales of a " + weight_format_name(into->format) +
                            " layer; load it dequantized");
     }
   }

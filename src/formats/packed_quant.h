@@ -31,25 +31,13 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "formats/formats.h"
 #include "kernels/kernels.h"
 #include "kt_c_api.h"
 
 namespace kt {
 
 constexpr int64_t kQuantKAlign = 32;
-
-inline bool is_quantized(kt_weight_format f) { return f != KT_FORMAT_BF16; }
-// Formats kt quantizes to from bf16/fp16/fp32 sources (the others come
-// quantized from checkpoints).
-inline bool kt_quantizes_to(kt_weight_format f) {
-  return f == KT_FORMAT_INT8_CHANNEL || f == KT_FORMAT_INT4_G32 || f == KT_FORMAT_INT4_G128;
-}
-// Formats with a zero point per (row, group): asymmetric int4.
-inline bool has_zero_points(kt_weight_format f) { return f == KT_FORMAT_INT4_G32_ZP || f == KT_FORMAT_INT4_G128_ZP; }
-
-// Formats whose codes are integers (e2m1 doubled: -12..12), so that
-// KT_COMPUTE_INT8 can multiply them with int8 activations.
-inline bool int8_compute_takes(kt_weight_format f) { return is_quantized(f) && f != KT_FORMAT_FP8_B128; }
 
 // The value of a raw code (a byte, or a nibble in the low 4 bits).
 inline float quant_code_value(QuantCode code, int bits, uint8_t raw) {

@@ -168,20 +168,6 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
   return h;
 }
 
-uint32_t panel_layout_of(kt_weight_format format) {
-  switch (format) {
-    case KT_FORMAT_BF16: return kPanelLayoutBf16R16K2;
-    case KT_FORMAT_INT8_CHANNEL: return kPanelLayoutInt8R16K32;
-    case KT_FORMAT_INT4_G32: return kPanelLayoutInt4R16G32;
-    case KT_FORMAT_INT4_G128: return kPanelLayoutInt4R16G128;
-    case KT_FORMAT_FP8_B128: return kPanelLayoutFp8R16B128;
-    case KT_FORMAT_MXFP4: return kPanelLayoutMxfp4R16G32;
-    case KT_FORMAT_INT4_G32_ZP: return kPanelLayoutInt4ZpR16G32;
-    case KT_FORMAT_INT4_G128_ZP: return kPanelLayoutInt4ZpR16G128;
-  }
-  return 0;
-}
-
 void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
   const std::vector<uint8_t>& loaded = moe->loaded_mask();
@@ -298,22 +284,15 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
            w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
                std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
   // Compared as numbers: a value outside the enum is never converted to it.
-  const kt_weight_format kKnown[] = {KT_FORMAT_BF16,      KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
-                                     KT_FORMAT_INT4_G128,  KT_FORMAT_FP8_B128,     KT_FORMAT_MXFP4,
-                                     KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP};
-  KT_CHECK(
-      std::any_of(std::begin(kKnown), std::end(kKnown),
-                  [&](kt_weight_format f) { return static_cast<uint32_t>(f) == h.weight_format; }),
-      KT_ERR_IO,
-      w + ": holds weight format " + std::to_string(h.weight_format) +
-          ", which this kt does not know");
+  KT_CHECK(weight_format_of(int64_t{h.weight_format}) != nullptr, KT_ERR_IO,
+           w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
   const kt_weight_format format = static_cast<kt_weight_format>(h.weight_format);
   KT_CHECK(h.panel_layout == panel_layout_of(format) &&
                h.panel_rows == static_cast<uint32_t>(kPanelRows),
            KT_ERR_IO,
            w + ": built for panel layout " + std::to_string(h.panel_layout) + " (" +
                std::to_string(h.panel_rows) + "-row panels); this kt packs " +
-               kt_weight_format_name(format) + " weights in layout " +
+               weight_format_name(format) + " weights in layout " +
                std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
                "-row panels) (rebuild it with kt convert)");
   KT_CHECK(h.experts >= 1 && h.hidden >= 1 && h.intermediate >= 1, KT_ERR_IO,
@@ -378,10 +357,10 @@ void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const cha
   const kt_weight_format format = moe->opt.weight_format;
   const kt_weight_format stored = static_cast<kt_weight_format>(h.weight_format);
   KT_CHECK(stored == format, KT_ERR_INVALID_ARGUMENT,
-           w + ": the cache holds " + kt_weight_format_name(stored) +
-               " weights, the layer stores " + kt_weight_format_name(format) +
-               " (create the layer with weight_format " + kt_weight_format_name(stored) +
-               ", or convert the checkpoint again for " + kt_weight_format_name(format) + ")");
+           w + ": the cache holds " + weight_format_name(stored) +
+               " weights, the layer stores " + weight_format_name(format) +
+               " (create the layer with weight_format " + weight_format_name(stored) +
+               ", or convert the checkpoint again for " + weight_format_name(format) + ")");
   KT_CHECK(h.experts == moe->E && h.hidden == moe->H && h.intermediate == moe->I &&
                (h.has_bias != 0) == (moe->opt.has_bias != 0),
            KT_ERR_SHAPE,

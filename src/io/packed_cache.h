@@ -29,32 +29,16 @@ namespace io {
 
 // Bumped on any change of the file layout below.
 constexpr uint32_t kPackedFormatVersion = 1;
-// Names the panel layout the weight sections hold (kernels/kernels.h: bf16,
-// 16-row panels, K pairs innermost, K padded to even). Every ISA's kernels
-// read this one layout; a new layout gets a new id, and caches of the old
-// one are refused instead of being misread.
-constexpr uint32_t kPanelLayoutBf16R16K2 = 0x31363242u;  // "B216"
-// The quantized formats' layouts (formats/packed_quant.h: 16-row panels of
-// codes as the checkpoint or kt's quantizer gave them, then the scales; K
-// padded to 32, or to 128 for 128-wide groups), one id per format:
-// int8 codes with one bf16 scale per row; int4 codes with a bf16 scale per
-// group of 32 or 128; fp8 e4m3 codes with the fp32 scale of their 128x128
-// block per (row, 128 inputs); e2m1 codes with the e8m0 scale of their 32
-// inputs as bf16 (exact: a power of two).
-constexpr uint32_t kPanelLayoutInt8R16K32 = 0x36313851u;    // "Q816"
-constexpr uint32_t kPanelLayoutInt4R16G32 = 0x36313451u;    // "Q416"
-constexpr uint32_t kPanelLayoutInt4R16G128 = 0x36573451u;   // "Q4W6"
-constexpr uint32_t kPanelLayoutFp8R16B128 = 0x36313846u;    // "F816"
-constexpr uint32_t kPanelLayoutMxfp4R16G32 = 0x3631344Du;   // "M416"
-// Asymmetric int4: the int4 panels and scales, then a zero byte (z + 8)
-// per (row, group) laid out as the scales.
-constexpr uint32_t kPanelLayoutInt4ZpR16G32 = 0x36315A51u;   // "QZ16"
-constexpr uint32_t kPanelLayoutInt4ZpR16G128 = 0x36575A51u;  // "QZW6"
-static_assert(kPanelRows == 16, "the panel layout changed: give it a new kPanelLayout id");
-static_assert(kQuantKAlign == 32, "the quantized layout changed: give it a new kPanelLayout id");
-
-// The panel layout id of a weight format; 0 for a value outside the enum.
-uint32_t panel_layout_of(kt_weight_format format);
+// The header names the panel layout its weight sections hold: the id of
+// the layer's format in formats/formats.inc (kt::panel_layout_of). bf16:
+// kernels/kernels.h's panels (16 rows, K pairs innermost, K padded to even),
+// which every ISA's kernels read. Quantized formats (formats/packed_quant.h):
+// 16-row panels of codes as the checkpoint or kt's quantizer gave them, then
+// the scales (and the zero bytes of the _ZP formats); K padded to 32, or to
+// the group for wider groups. A new layout gets a new id, and caches of the
+// old one are refused instead of being misread.
+static_assert(kPanelRows == 16, "the panel layout changed: give it a new panel layout id (formats.inc)");
+static_assert(kQuantKAlign == 32, "the quantized layout changed: give it a new panel layout id (formats.inc)");
 
 constexpr size_t kPackedHeaderBytes = 512;
 constexpr uint64_t kPackedSectionAlign = 4096;
