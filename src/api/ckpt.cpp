@@ -12,6 +12,7 @@
 #include "io/exporters.h"
 #include "api/io_guard.h"
 #include "io/layout.h"
+#include "io/names.h"
 #include "io/safetensors.h"
 #include "kt_c_api.h"
 
@@ -57,51 +58,11 @@ void fill_tensor(const std::pair<const std::string, kt::io::TensorRef>& kv, kt_c
 
 extern "C" {
 
-const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) {
-  switch (kt::enum_bits(dtype)) {
-    case KT_CKPT_DTYPE_F32: return "F32";
-    case KT_CKPT_DTYPE_F16: return "F16";
-    case KT_CKPT_DTYPE_BF16: return "BF16";
-    case KT_CKPT_DTYPE_F64: return "F64";
-    case KT_CKPT_DTYPE_F8_E4M3: return "F8_E4M3";
-    case KT_CKPT_DTYPE_F8_E5M2: return "F8_E5M2";
-    case KT_CKPT_DTYPE_E8M0: return "E8M0";
-    case KT_CKPT_DTYPE_I8: return "I8";
-    case KT_CKPT_DTYPE_U8: return "U8";
-    case KT_CKPT_DTYPE_I16: return "I16";
-    case KT_CKPT_DTYPE_U16: return "U16";
-    case KT_CKPT_DTYPE_I32: return "I32";
-    case KT_CKPT_DTYPE_U32: return "U32";
-    case KT_CKPT_DTYPE_I64: return "I64";
-    case KT_CKPT_DTYPE_U64: return "U64";
-    case KT_CKPT_DTYPE_BOOL: return "BOOL";
-    case KT_CKPT_DTYPE_UNKNOWN: break;
-  }
-  return "unknown";
-}
+const char* kt_ckpt_dtype_name(kt_ckpt_dtype dtype) { return kt::io::dtype_name(dtype); }
 
-const char* kt_ckpt_layout_name(kt_ckpt_layout layout) {
-  switch (kt::enum_bits(layout)) {
-    case KT_CKPT_LAYOUT_NONE: return "none";
-    case KT_CKPT_LAYOUT_PER_EXPERT: return "per_expert";
-    case KT_CKPT_LAYOUT_MIXTRAL: return "mixtral";
-    case KT_CKPT_LAYOUT_FUSED: return "fused";
-    case KT_CKPT_LAYOUT_FUSED_IN_OUT: return "fused_in_out";
-    case KT_CKPT_LAYOUT_GPT_OSS: return "gpt_oss";
-  }
-  return "unknown";
-}
+const char* kt_ckpt_layout_name(kt_ckpt_layout layout) { return kt::io::layout_name(layout); }
 
-const char* kt_ckpt_format_name(kt_ckpt_format format) {
-  switch (kt::enum_bits(format)) {
-    case KT_CKPT_FORMAT_DENSE: return "dense";
-    case KT_CKPT_FORMAT_FP8_BLOCK: return "fp8_block";
-    case KT_CKPT_FORMAT_INT4_GROUP: return "int4_group";
-    case KT_CKPT_FORMAT_MXFP4: return "mxfp4";
-    case KT_CKPT_FORMAT_OTHER: return "other";
-  }
-  return "unknown";
-}
+const char* kt_ckpt_format_name(kt_ckpt_format format) { return kt::io::format_name(format); }
 
 kt_status kt_ckpt_open(const char* dir, kt_ckpt** ckpt) {
   const char* w = "kt_ckpt_open";
@@ -300,20 +261,8 @@ kt_status kt_ckpt_write_experts(const char* dir, const kt_ckpt_write_options* op
   });
 }
 
-namespace {
-void set_ckpt_adapter_config_defaults(kt_ckpt_adapter_config& o) {
-  o.rank = 16;
-  o.alpha = 32.f;
-  o.use_rslora = 0;
-  o.targets = KT_PROJ_ALL;
-  o.layout = KT_CKPT_LAYOUT_PER_EXPERT;
-  o.dtype = KT_CKPT_DTYPE_F32;
-  o.base_model = nullptr;
-}
-}  // namespace
-
 void kt_ckpt_adapter_config_defaults(kt_ckpt_adapter_config* o, size_t struct_size) {
-  kt::write_defaults(o, struct_size, set_ckpt_adapter_config_defaults);
+  kt::write_defaults(o, struct_size, kt::io::set_adapter_config_defaults);
 }
 
 kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* config,
@@ -323,7 +272,7 @@ kt_status kt_ckpt_adapter_write(const char* dir, const kt_ckpt_adapter_config* c
     check_path(dir, w, "dir");
     KT_CHECK(config != nullptr, KT_ERR_NULL_POINTER,
              std::string(w) + ": config is NULL (rank and alpha are required)");
-    const kt_ckpt_adapter_config c = kt::read_sized(config, set_ckpt_adapter_config_defaults, w, "config");
+    const kt_ckpt_adapter_config c = kt::read_sized(config, kt::io::set_adapter_config_defaults, w, "config");
     check_enum(c.layout, KT_CKPT_LAYOUT_NONE, KT_CKPT_LAYOUT_GPT_OSS, std::string(w) + ": config->layout",
                "kt_ckpt_layout");
     check_enum(c.dtype, KT_CKPT_DTYPE_UNKNOWN, KT_CKPT_DTYPE_BOOL, std::string(w) + ": config->dtype",

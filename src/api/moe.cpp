@@ -1,11 +1,7 @@
 // The layer and job calls of the ABI (kt_moe_*, kt_context_release, kt_job_*):
 // every one checks its handles and options, calls the core, and turns every
 // exception into a status + thread-local message (kt::guarded).
-#include <unistd.h>
-
-#include <cmath>
 #include <cstring>
-#include <new>
 #include <string>
 
 #include "api/guard.h"
@@ -15,15 +11,20 @@
 #include "core/kernel_tally.h"
 #include "core/sized_struct.h"
 #include "kt_c_api.h"
+#include "formats/formats.h"
+#include "moe/args.h"
+#include "moe/layer_calls.h"
 #include "moe/moe_layer.h"
-#include "optim/optimizer.h"
 #include "runtime/engine.h"
-
 
 namespace {
 
 void set_error(const std::string& message) { kt::set_last_error(message); }
 
+using kt::ContextHold;
+using kt::finish_job;
+using kt::GradHook;
+using kt::grad_hook_of;
 using kt::guarded;
 
 using kt::HandleId;
@@ -31,120 +32,6 @@ using kt::HandleKind;
 
 using kt::live_engine;
 using kt::live_moe;
-
-bool finite(float v) { return std::isfinite(v); }
-
-void validate_moe_options(const kt_moe_options& o) {
-  const char* w = "kt_moe_create";
-  auto range = [&](int64_t v, int64_t lo, int64_t hi, const char* name) {
-    KT_CHECK(v >= lo && v <= hi, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->" + name + " = " + std::to_string(v) + " is outside [" +
-                 std::to_string(lo) + ", " + std::to_string(hi) + "]");
-  };
-  range(o.num_experts, 1, 1 << 20, "num_experts");
-  range(o.top_k, 1, o.num_experts, "top_k");
-  range(o.hidden, 1, 1 << 20, "hidden");
-  range(o.intermediate, 1, 1 << 20, "intermediate");
-  range(o.max_tokens, 1, (int64_t{1} << 31) / o.top_k / 64, "max_tokens");
-  // Enum fields as integers first: a C host may store any int in them.
-  kt::check_enum(o.activation, KT_ACT_SILU, KT_ACT_SWIGLU_OAI, std::string(w) + ": options->activation",
-                 "kt_activation");
-  kt::check_enum(o.mode, KT_MODE_INFERENCE, KT_MODE_FULL, std::string(w) + ": options->mode", "kt_mode");
-  const int64_t format = kt::enum_bits(o.weight_format);
-  KT_CHECK(format >= KT_FORMAT_BF16 && format <= KT_FORMAT_INT4_G128_ZP, KT_ERR_UNSUPPORTED,
-           std::string(w) + ": options->weight_format = " + std::to_string(format) +
-               " is not a storage format of this kt (bf16, int8_channel, int4_g32, fp8_b128, "
-               "mxfp4, int4_g128, "
-               "int4_g32_zp, int4_g128_zp)");
-  KT_CHECK(!kt::is_quantized(o.weight_format) || o.mode != KT_MODE_FULL, KT_ERR_MODE,
-           std::string(w) + ": options->weight_format " + kt_weight_format_name(o.weight_format) +
-               " is a frozen quantized base: KT_MODE_FULL trains the base weights and needs "
-               "KT_FORMAT_BF16 "
-               "(train LoRA on the quantized base with KT_MODE_LORA)");
-  kt::check_enum(o.compute, KT_COMPUTE_BF16, KT_COMPUTE_INT8, std::string(w) + ": options->compute",
-                 "kt_compute");
-  if (o.compute == KT_COMPUTE_INT8) {
-    KT_CHECK(kt::int8_compute_takes(o.weight_format), KT_ERR_UNSUPPORTED,
-             std::string(w) +
-                 ": options->compute KT_COMPUTE_INT8 multiplies integer codes (int8_channel, "
-                 "int4_g32, int4_g128, int4_g32_zp, int4_g128_zp, and mxfp4's e2m1 doubled); "
-                 "options->weight_format is " +
-                 kt_weight_format_name(o.weight_format));
-    KT_CHECK(o.mode == KT_MODE_INFERENCE, KT_ERR_MODE,
-             std::string(w) +
-                 ": options->compute KT_COMPUTE_INT8 is for inference: options->mode must be "
-                 "KT_MODE_INFERENCE (int8 activations have no backward)");
-    KT_CHECK(o.hidden <= kt::kInt8ComputeMaxK && o.intermediate <= kt::kInt8ComputeMaxK,
-             KT_ERR_UNSUPPORTED,
-             std::string(w) +
-                 ": options->compute KT_COMPUTE_INT8 takes hidden and intermediate up to " +
-                 std::to_string(kt::kInt8ComputeMaxK) + " (exact int32 sums); the layer has " +
-                 std::to_string(o.hidden) + " and " + std::to_string(o.intermediate));
-  }
-  KT_CHECK(finite(o.act_alpha) && o.act_alpha > 0.f, KT_ERR_INVALID_ARGUMENT,
-           std::string(w) + ": options->act_alpha must be finite and > 0");
-  KT_CHECK(finite(o.act_limit), KT_ERR_INVALID_ARGUMENT,
-           std::string(w) + ": options->act_limit must be finite (<= 0 for none)");
-  range(o.has_bias, 0, 1, "has_bias");
-  if (o.mode == KT_MODE_LORA) {
-    range(o.lora_rank, 1, 1024, "lora_rank");
-    KT_CHECK(finite(o.lora_alpha), KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->lora_alpha must be finite");
-    range(o.use_rslora, 0, 1, "use_rslora");
-    KT_CHECK(o.lora_targets != 0 && (o.lora_targets & ~KT_PROJ_ALL) == 0, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->lora_targets must be a non-empty set of KT_PROJ_* bits");
-  }
-}
-
-// A layer is allocated when it is created: refuse one whose memory cannot be
-// counted in 64 bits or exceeds the machine's physical memory, before any
-// allocation (an allocation that still fails is KT_ERR_OUT_OF_MEMORY).
-void check_layer_fits(const kt_moe_options& o, const kt_engine& engine, const char* w) {
-  const kt::CheckedSize bytes = kt_moe::memory_bytes(
-      o, engine.pool->size(), engine.kernels->a_elem_size, engine.kernels->gemm_reads_spaced_rows);
-  const std::string shape = "E=" + std::to_string(o.num_experts) + ", H=" + std::to_string(o.hidden) +
-                            ", I=" + std::to_string(o.intermediate) +
-                            ", max_tokens=" + std::to_string(o.max_tokens);
-  KT_CHECK(!bytes.overflow(), KT_ERR_INVALID_ARGUMENT,
-           std::string(w) + ": options (" + shape + ") describe a layer of more than 2^63 bytes");
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page <= 0) return;
-  const kt::CheckedSize physical = kt::CheckedSize(pages) * page;
-  KT_CHECK(physical.overflow() || bytes.value() <= physical.value(), KT_ERR_INVALID_ARGUMENT,
-           std::string(w) + ": options (" + shape + ") describe a layer of " +
-               std::to_string(bytes.value()) +
-               " bytes (packed weights, biases, LoRA factors, workspaces), more than the " +
-               std::to_string(physical.value()) + " bytes of this machine's physical memory");
-}
-
-// Ends a submitted job's bookkeeping on its layer. The job's closure keeps
-// the layer alive; after this, kt_moe_destroy may return.
-void finish_job(kt_moe* m, kt_job* job) {
-  std::shared_ptr<kt_job> mine;  // dropped after the lock
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  auto it = m->jobs.find(job);
-  if (it != m->jobs.end()) {
-    mine = std::move(it->second);
-    m->jobs.erase(it);
-  }
-  if (m->jobs.empty()) m->jobs_done.notify_all();
-}
-
-struct GradHook {
-  kt_grad_ready_fn fn = nullptr;
-  void* user = nullptr;
-  HandleId layer = 0;
-  // The hook gets the layer's handle; it runs when kt no longer holds the
-  // layer (it may call kt, even destroy the layer).
-  void call() const {
-    if (fn) fn(kt::handle_value<kt_moe>(layer), user);
-  }
-};
-
-GradHook grad_hook_of(kt_moe* m) {
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  return GradHook{m->grad_hook, m->grad_hook_user, m->handle};
-}
 
 // Marks a submitted forward's context after its run and ends the job's hold
 // (freeing the context if the host released it meanwhile).
@@ -180,41 +67,12 @@ std::shared_ptr<kt_job> live_job(const kt_job* job) {
   return std::static_pointer_cast<kt_job>(kt::find_handle(kt::handle_id(job), HandleKind::kJob));
 }
 
-// Holds a context of a layer for one synchronous call.
-class ContextHold {
- public:
-  ContextHold(kt_moe* m, const kt_context* handle, const char* where)
-      : m_(m), ctx_(m->hold_context(handle, where)) {}
-  ~ContextHold() { m_->drop_hold(ctx_); }
-  ContextHold(const ContextHold&) = delete;
-  ContextHold& operator=(const ContextHold&) = delete;
-  kt_context* get() const { return ctx_; }
-
- private:
-  kt_moe* m_;
-  kt_context* ctx_;
-};
-
 }  // namespace
 
 extern "C" {
 
-namespace {
-void set_moe_options_defaults(kt_moe_options& o) {
-  o.max_tokens = 1024;
-  o.activation = KT_ACT_SILU;
-  o.act_alpha = 1.702f;
-  o.act_limit = 0.f;
-  o.mode = KT_MODE_INFERENCE;
-  o.weight_format = KT_FORMAT_BF16;
-  o.lora_rank = 16;
-  o.lora_alpha = 32.f;
-  o.lora_targets = KT_PROJ_ALL;
-}
-}  // namespace
-
 void kt_moe_options_defaults(kt_moe_options* o, size_t struct_size) {
-  kt::write_defaults(o, struct_size, set_moe_options_defaults);
+  kt::write_defaults(o, struct_size, kt::set_moe_options_defaults);
 }
 
 kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe** moe) {
@@ -224,21 +82,8 @@ kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe
     KT_CHECK(moe != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": moe is NULL");
     KT_CHECK(options != nullptr, KT_ERR_NULL_POINTER,
              std::string(w) + ": options is NULL (the shapes are required)");
-    kt_moe_options o = kt::read_sized(options, set_moe_options_defaults, w, "options");
-    validate_moe_options(o);
-    check_layer_fits(o, *eng, w);
-    std::shared_ptr<kt_moe> m;
-    {
-      std::lock_guard<std::mutex> lock(eng->lifetime_mutex);
-      KT_CHECK(!eng->destroyed, KT_ERR_INVALID_HANDLE,
-               std::string(w) + ": engine is being destroyed by another thread");
-      m = std::make_shared<kt_moe>(eng.get(), o);
-    }
-    m->engine_ref = eng;
-    m->handle = kt::add_handle(HandleKind::kMoe, m);
-    eng->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
-                       " H=" + std::to_string(o.hidden) + " I=" + std::to_string(o.intermediate) +
-                       " mode=" + std::to_string(o.mode) + " kernels " + eng->kernels->gemm_name);
+    const kt_moe_options o = kt::read_sized(options, kt::set_moe_options_defaults, w, "options");
+    const std::shared_ptr<kt_moe> m = kt::create_layer(eng, o, w);
     *moe = kt::handle_value<kt_moe>(m->handle);
   });
 }
@@ -254,36 +99,7 @@ void kt_moe_destroy(kt_moe* moe) {
                     : "kt_moe_destroy: moe is not a live kt_moe (destroyed?)");
       return;
     }
-    // Jobs that never started are cancelled so they cannot touch the layer:
-    // deferred ones, and on the job thread (a hook destroying its layer)
-    // also the queued ones, which could never run before this returns.
-    const bool on_job_thread = m->engine->jobs.on_job_thread();
-    std::vector<std::shared_ptr<kt_job>> pending;
-    {
-      std::lock_guard<std::mutex> lock(m->state_mutex);
-      m->destroyed = true;
-      for (auto& kv : m->jobs)
-        if (kv.second->deferred || on_job_thread) pending.push_back(kv.second);
-    }
-    for (auto& j : pending)
-      if (j->cancel(KT_ERR_INVALID_HANDLE, "kt_job: its layer was destroyed before the job ran"))
-        finish_job(m.get(), j.get());
-    pending.clear();
-    {
-      std::unique_lock<std::mutex> lock(m->state_mutex);
-      m->jobs_done.wait(lock, [&] { return m->jobs.empty(); });
-    }
-    {
-      std::lock_guard<std::mutex> lock(m->engine->compute_mutex);
-      kt::optim::detach_layer(m.get());
-    }
-    m->end_context_handles();
-    {
-      std::lock_guard<std::mutex> lock(m->engine->lifetime_mutex);
-      m->leave_engine();
-    }
-    // Freed here, or when another thread's call (or a job's hook) on the
-    // layer returns; it keeps its engine alive until then.
+    kt::destroy_layer(m);
   } catch (...) {
     // Destruction cannot report; nothing here throws in practice.
   }
@@ -298,19 +114,7 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   });
 }
 
-const char* kt_weight_format_name(kt_weight_format format) {
-  switch (kt::enum_bits(format)) {
-    case KT_FORMAT_BF16: return "bf16";
-    case KT_FORMAT_INT8_CHANNEL: return "int8_channel";
-    case KT_FORMAT_INT4_G32: return "int4_g32";
-    case KT_FORMAT_FP8_B128: return "fp8_b128";
-    case KT_FORMAT_MXFP4: return "mxfp4";
-    case KT_FORMAT_INT4_G128: return "int4_g128";
-    case KT_FORMAT_INT4_G32_ZP: return "int4_g32_zp";
-    case KT_FORMAT_INT4_G128_ZP: return "int4_g128_zp";
-    default: return "unknown";
-  }
-}
+const char* kt_weight_format_name(kt_weight_format format) { return kt::weight_format_name(format); }
 
 kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
   const char* w = "kt_moe_get_info";
@@ -347,15 +151,8 @@ kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_
   });
 }
 
-namespace {
-void set_load_options_defaults(kt_load_options& o) {
-  o.orientation = KT_ORIENT_OUT_IN;
-  o.gate_up_order = KT_GATE_UP_CONCAT;
-}
-}  // namespace
-
 void kt_load_options_defaults(kt_load_options* o, size_t struct_size) {
-  kt::write_defaults(o, struct_size, set_load_options_defaults);
+  kt::write_defaults(o, struct_size, kt::set_load_options_defaults);
 }
 
 kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const kt_arg* args,
@@ -363,7 +160,7 @@ kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const
   const char* w = "kt_moe_load_weights";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
+    kt_load_options o = kt::read_sized(options, kt::set_load_options_defaults, w, "options");
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     layer->load(o, args, num_args, -1, w);
   });
@@ -377,7 +174,7 @@ kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options*
     KT_CHECK(expert >= 0 && expert < layer->E, KT_ERR_EXPERT_ID,
              std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
                  std::to_string(layer->E) + ")");
-    kt_load_options o = kt::read_sized(options, set_load_options_defaults, w, "options");
+    kt_load_options o = kt::read_sized(options, kt::set_load_options_defaults, w, "options");
     std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
     layer->load(o, args, num_args, expert, w);
   });
@@ -434,45 +231,12 @@ kt_status kt_moe_forward(kt_moe* moe, const kt_arg* args, size_t num_args, kt_co
   const char* w = "kt_moe_forward";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
-    kt_moe::ForwardCall call = layer->check_forward(args, num_args, w);
-    if (layer->engine->verbosity >= 2)
-      layer->engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
-    // Held while it is filled: its handle exists (and could be released by
-    // a host guessing it) before the call returns it.
-    kt_context* ctx = saved ? layer->new_context(call, 1) : nullptr;
-    try {
-      layer->forward(call, ctx);
-    } catch (...) {
-      if (ctx) {
-        layer->release_context(ctx->handle);
-        layer->drop_hold(ctx);
-      }
-      throw;
-    }
-    if (ctx) {
-      kt_context* handle;
-      {
-        std::lock_guard<std::mutex> l(layer->state_mutex);
-        ctx->state = kt_context::kReady;
-        handle = kt::handle_value<kt_context>(ctx->handle);
-      }
-      layer->drop_hold(ctx);
-      *saved = handle;
-    }
+    kt::forward_layer(*layer, args, num_args, saved, w);
   });
 }
 
-namespace {
-void set_backward_options_defaults(kt_backward_options& o) {
-  o.grad_scale = 1.f;
-  o.accumulate = KT_GRAD_OVERWRITE;
-  o.param_grads = 1;
-}
-}  // namespace
-
 void kt_backward_options_defaults(kt_backward_options* o, size_t struct_size) {
-  kt::write_defaults(o, struct_size, set_backward_options_defaults);
+  kt::write_defaults(o, struct_size, kt::set_backward_options_defaults);
 }
 
 kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_options* options,
@@ -481,21 +245,7 @@ kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_option
   GradHook hook;
   kt_status st = guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
-    ContextHold held(layer.get(), ctx, w);
-    kt_context* c = held.get();
-    kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w);
-    {
-      std::lock_guard<std::mutex> l(layer->state_mutex);
-      KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
-               std::string(w) + ": ctx already has a backward submitted");
-    }
-    if (layer->engine->verbosity >= 2)
-      layer->engine->log(2, "backward: T=" + std::to_string(c->tokens) +
-                              " grad_scale=" + std::to_string(call.opt.grad_scale) +
-                              (call.opt.accumulate ? " accumulate" : " overwrite"));
-    layer->backward(c, call);
-    if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
+    hook = kt::backward_layer(*layer, ctx, options, args, num_args, w);
   });
   if (st == KT_OK) hook.call();
   return st;
@@ -504,12 +254,8 @@ kt_status kt_moe_backward(kt_moe* moe, kt_context* ctx, const kt_backward_option
 void kt_context_release(kt_context* ctx) {
   if (!ctx) return;
   try {
-    const HandleId id = kt::handle_id(ctx);
-    std::shared_ptr<kt_moe> layer;
-    if (const HandleId owner = kt::context_owner(id))
-      layer = std::static_pointer_cast<kt_moe>(kt::find_handle(owner, HandleKind::kMoe));
-    if (!layer || !layer->release_context(id))
-      set_error(kt::issued_before_fork(id)
+    if (!kt::release_layer_context(ctx))
+      set_error(kt::issued_before_fork(kt::handle_id(ctx))
                     ? kt::not_live_message(ctx, HandleKind::kContext, "kt_context_release", "ctx")
                     : "kt_context_release: ctx is not a live kt_context (released already, or its layer "
                       "was destroyed); nothing was released");

@@ -21,7 +21,9 @@
 #include "dist/comm.h"
 #include "dist/dist_moe.h"
 #include "io/elements.h"
+#include "formats/formats.h"
 #include "io/exporters.h"
+#include "io/names.h"
 #include "io/publish.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
@@ -46,9 +48,15 @@ constexpr size_t kPathBytes = 4096;
 
 size_t usize(int64_t v) { return static_cast<size_t>(v); }
 
-// A kt call on a local layer, its failure thrown as the error it returned.
-void call_ok(kt_status st) {
-  if (st != KT_OK) fail(st, kt_last_error());
+// A call on a local layer under the engine's compute lock, its failure
+// reported as the ABI call `where` reports it.
+template <class F>
+void layer_call(const char* where, kt_moe* handle, F&& fn) {
+  as_call(where, [&] {
+    const std::shared_ptr<kt_moe> m = live(handle, HandleKind::kMoe, where, "moe");
+    std::lock_guard<std::mutex> lock(m->engine->compute_mutex);
+    fn(*m);
+  });
 }
 std::string str(int64_t v) { return std::to_string(v); }
 
@@ -203,7 +211,7 @@ unsigned save_parts(const kt_moe_options& o, unsigned requested, int64_t number,
   const bool bf16 = o.weight_format == KT_FORMAT_BF16, lora = o.mode == KT_MODE_LORA;
   if (requested == 0) return (bf16 ? KT_DIST_CKPT_WEIGHTS : 0u) | (lora ? KT_DIST_CKPT_ADAPTER : 0u) | KT_DIST_CKPT_OPTIMIZER;
   KT_CHECK(!(requested & KT_DIST_CKPT_WEIGHTS) || bf16, KT_ERR_UNSUPPORTED,
-           lname + " stores its base as " + kt_weight_format_name(o.weight_format) +
+           lname + " stores its base as " + weight_format_name(o.weight_format) +
                ": a quantized base is frozen and is not saved (reload it from its source "
                "checkpoint); leave "
                "KT_DIST_CKPT_WEIGHTS out of options->parts");
@@ -357,7 +365,8 @@ void plan_layer(SavePlan& plan, const Local& l, unsigned parts, const char* wher
         dls[i] = dl_of(views[i]);
         args.push_back(kt_arg{i < 3 ? kWeightId[i] : kBiasId[i - 3], &dls[i]});
       }
-      call_ok(kt_moe_read_weights(l.dist->local, args.data(), args.size()));
+      layer_call("kt_moe_read_weights", l.dist->local,
+                 [&](const kt_moe& m) { m.read_weights(args.data(), args.size()); });
       rec.weight_dtype = KT_CKPT_DTYPE_BF16;
       for (int p = 0; p < 3; ++p) {
         add_slices(plan, l, views[p], KT_CKPT_DTYPE_BF16, std::string(kProjKey[p]) + ".weight");
@@ -460,7 +469,7 @@ LayerRecord agreed_record(const std::vector<char>& all, size_t stride, int world
   return ref;
 }
 
-std::string dtype_word(int32_t d) { return kt_ckpt_dtype_name(static_cast<kt_ckpt_dtype>(d)); }
+std::string dtype_word(int32_t d) { return io::dtype_name(static_cast<kt_ckpt_dtype>(d)); }
 
 json manifest_layer(const Local& l, const LayerRecord& rec, unsigned parts, int world) {
   const kt_moe_options& o = l.options();
@@ -476,7 +485,7 @@ json manifest_layer(const Local& l, const LayerRecord& rec, unsigned parts, int 
   j["act_alpha"] = o.act_alpha;
   j["act_limit"] = o.act_limit;
   j["mode"] = o.mode == KT_MODE_LORA ? "lora" : o.mode == KT_MODE_FULL ? "full" : "inference";
-  j["weight_format"] = kt_weight_format_name(o.weight_format);
+  j["weight_format"] = weight_format_name(o.weight_format);
   if (o.mode == KT_MODE_LORA)
     j["lora"] = {{"rank", o.lora_rank}, {"alpha", o.lora_alpha}, {"use_rslora", o.use_rslora != 0},
                  {"targets", o.lora_targets}};
@@ -721,7 +730,7 @@ Copy stored(Opened& c, int rank, const std::string& key, const std::vector<int64
                                        : (e->dtype == KT_CKPT_DTYPE_F32 || e->dtype == KT_CKPT_DTYPE_BF16 ||
                                           e->dtype == KT_CKPT_DTYPE_F16);
   KT_CHECK(ok_dtype, KT_ERR_IO,
-           lname + ": " + f.path() + ": tensor '" + key + "' is " + kt_ckpt_dtype_name(e->dtype) +
+           lname + ": " + f.path() + ": tensor '" + key + "' is " + io::dtype_name(e->dtype) +
                (float_only_f32 ? ", expected F32" : ", expected F32, BF16 or F16"));
   KT_CHECK(e->shape == shape, KT_ERR_SHAPE,
            lname + ": " + f.path() + ": tensor '" + key + "' has shape " + shape_text(e->shape) +
@@ -994,7 +1003,10 @@ void load_checkpoint(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* l
             t[p].shape = shapes[p];
             args[p] = kt_arg{p < 3 ? kWeightId[p] : kBiasId[p - 3], &t[p]};
           }
-          call_ok(kt_moe_load_expert(l.dist->local, static_cast<int64_t>(li), nullptr, args, bias ? 6 : 3));
+          layer_call("kt_moe_load_expert", l.dist->local, [&](kt_moe& m) {
+            m.load(defaults_of<kt_load_options>(set_load_options_defaults), args, bias ? 6 : 3,
+                   static_cast<int64_t>(li), "kt_moe_load_expert");
+          });
         }
         for (const Copy& cp : w) bytes += cp.bytes;
         progress.add(bytes);
@@ -1031,7 +1043,7 @@ void load_checkpoint(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* l
         op.momentum_started = ld.momentum_started != 0;
         changed = true;
       }
-      if (changed) call_ok(kt_moe_params_changed(l.dist->local));
+      if (changed) layer_call("kt_moe_params_changed", l.dist->local, [](kt_moe& m) { m.params_changed(); });
     }
   });
   agree(comm, where, applied, nullptr, 0);

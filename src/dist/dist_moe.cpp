@@ -8,6 +8,7 @@
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "moe/args.h"
+#include "moe/layer_calls.h"
 
 using kt::DType;
 using kt::fail;
@@ -19,9 +20,16 @@ using kt::dist::Outcome;
 
 namespace {
 
-// A kt call on the local layer, its failure thrown as the error it returned.
-void ok(kt_status st) {
-  if (st != KT_OK) fail(st, kt_last_error());
+// The local layer of handle h, kept for a call reported as the ABI call
+// `where` (the handle is the host's too: kt_dist_moe_layer).
+std::shared_ptr<kt_moe> local_layer(kt_moe* h, const char* where) {
+  return kt::live(h, kt::HandleKind::kMoe, where, "moe");
+}
+
+// The local layer's forward, its failure reported as kt_moe_forward's.
+void local_forward(kt_moe* h, const kt_arg* args, size_t n, kt_context** saved) {
+  const char* w = "kt_moe_forward";
+  kt::as_call(w, [&] { kt::forward_layer(*local_layer(h, w), args, n, saved, w); });
 }
 
 DLDataType dl_type(DType d) {
@@ -217,20 +225,36 @@ void kt_dist_moe::create(kt_engine* engine, const char* where) {
       lo.top_k = 1;
       lo.max_tokens = o.max_tokens * W * o.top_k;
     }
-    ok(kt_moe_create(engine, &lo, &local));
+    const char* w = "kt_moe_create";
+    kt::as_call(w, [&] {
+      const std::shared_ptr<kt_moe> m =
+          kt::create_layer(kt::live(engine, kt::HandleKind::kEngine, w, "engine"), lo, w);
+      local = kt::handle_value<kt_moe>(m->handle);
+    });
   });
   try {
     agree(*comm, where, made, nullptr, 0);
   } catch (...) {
-    kt_moe_destroy(local);
-    local = nullptr;
+    destroy_local();
     throw;
   }
 }
 
 kt_dist_moe::~kt_dist_moe() {
   end_contexts();
-  kt_moe_destroy(local);
+  destroy_local();
+}
+
+void kt_dist_moe::destroy_local() noexcept {
+  if (!local) return;
+  try {
+    // Already ended when the host destroyed it (kt_dist_moe_layer gave it out).
+    if (auto m = std::static_pointer_cast<kt_moe>(kt::remove_handle(kt::handle_id(local), kt::HandleKind::kMoe)))
+      kt::destroy_layer(m);
+  } catch (...) {
+    // Destruction cannot report; nothing here throws in practice.
+  }
+  local = nullptr;
 }
 
 void kt_dist_moe::end_contexts() noexcept {
@@ -291,7 +315,7 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
       forward_experts(f, mine, save ? ctx.get() : nullptr, where);
     }
   } catch (...) {
-    if (ctx->local) kt_context_release(ctx->local);
+    if (ctx->local) kt::release_layer_context(ctx->local);
     throw;
   }
   if (!save) return nullptr;
@@ -384,7 +408,7 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
         const DType xd = f.x.dtype;
         Dl X(x, xd, total, H), I(ids, DType::kI32, total, K), Wt(wts, DType::kF32, total, K), Y(y, xd, total, H);
         const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
-        ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
+        local_forward(local, a, 4, ctx ? &ctx->local : nullptr);
       });
       if (!relay.outcome.ok()) relay.rank = owner;
     }
@@ -551,7 +575,7 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
     Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
         Y(y, DType::kF32, nrecv, H);
     const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
-    ok(kt_moe_forward(local, a, 4, ctx ? &ctx->local : nullptr));
+    local_forward(local, a, 4, ctx ? &ctx->local : nullptr);
   });
 
   // Combine: each rank's outcome and its routes' weighted outputs go back.
@@ -624,8 +648,6 @@ GradHead grad_head_at(const char* p) {
   return h;
 }
 
-void set_backward_defaults(kt_backward_options& o) { kt_backward_options_defaults(&o, sizeof(o)); }
-
 }  // namespace
 
 void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* options_in, const kt_arg* args,
@@ -635,7 +657,7 @@ void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* opti
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
   Backward b;
   const Outcome mine = attempt([&] {
-    b.opt = kt::read_sized(options_in, set_backward_defaults, where, "options");
+    b.opt = kt::read_sized(options_in, kt::set_backward_options_defaults, where, "options");
     kt::check_backward_values(b.opt, where);
     KT_CHECK(ctx != nullptr, KT_ERR_CONTEXT,
              std::string(where) +
@@ -732,7 +754,10 @@ void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_opt
   if (dw) a[n++] = kt_arg{KT_ARG_DROUTE_WEIGHTS, &dw->t};
   kt_backward_options o = given;
   if (kt::enum_bits(d.options.grad_average) == KT_DIST_GRAD_MEAN) o.grad_scale /= static_cast<float>(d.comm->world);
-  ok(kt_moe_backward(d.local, ctx, &o, a, n));
+  const char* w = "kt_moe_backward";
+  kt::GradHook hook;
+  kt::as_call(w, [&] { hook = kt::backward_layer(*local_layer(d.local, w), ctx, &o, a, n, w); });
+  hook.call();
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // mode (one rank computes every rank's tokens in one batched call) or
 // expert-parallel mode (experts sharded over the ranks, routes exchanged
 // all-to-all). The local computation is an ordinary kt_moe driven through
-// the C ABI; this file moves rows between ranks and agrees on outcomes.
+// the layer's C++ calls (moe/layer_calls.h); this file moves rows between
+// ranks and agrees on outcomes.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +62,8 @@ struct kt_dist_moe {
                 const char* where);
   // Ends every context handle of the layer (destruction).
   void end_contexts() noexcept;
+  // Ends the local layer's handle and the layer, unless the host did.
+  void destroy_local() noexcept;
 
  private:
   struct Forward;

@@ -8,10 +8,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "io/elements.h"
 #include "moe/args.h"
 #include "io/layout.h"
+#include "io/names.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 
@@ -400,8 +402,7 @@ void read_adapter_config(const std::string& dir, kt_ckpt_adapter_config* out) {
     } else {
       fail(KT_ERR_IO, path + ": target_modules missing");
     }
-    kt_ckpt_adapter_config c;
-    kt_ckpt_adapter_config_init(&c);
+    kt_ckpt_adapter_config c = defaults_of<kt_ckpt_adapter_config>(set_adapter_config_defaults);
     c.rank = j["r"].get<int64_t>();
     c.alpha = j["lora_alpha"].get<float>();
     c.use_rslora = j.contains("use_rslora") && j["use_rslora"].is_boolean() && j["use_rslora"].get<bool>();
@@ -480,7 +481,7 @@ void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, siz
         const auto& s = t->entry->shape;
         const bool float_dt = t->entry->dtype == KT_CKPT_DTYPE_F32 || t->entry->dtype == KT_CKPT_DTYPE_BF16 ||
                               t->entry->dtype == KT_CKPT_DTYPE_F16;
-        const std::string stored = std::string(kt_ckpt_dtype_name(t->entry->dtype)) + " [" +
+        const std::string stored = std::string(dtype_name(t->entry->dtype)) + " [" +
                                    (s.size() == 2 ? std::to_string(s[0]) + "," + std::to_string(s[1])
                                                   : "rank " + std::to_string(s.size())) +
                                    "]";
@@ -496,6 +497,16 @@ void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, siz
     for (const Copy& c : copies) read_expert_slice(c.src->data, c.src->entry->dtype, c.dst, c.e);
     return 0;
   });
+}
+
+void set_adapter_config_defaults(kt_ckpt_adapter_config& c) {
+  c.rank = 16;
+  c.alpha = 32.f;
+  c.use_rslora = 0;
+  c.targets = KT_PROJ_ALL;
+  c.layout = KT_CKPT_LAYOUT_PER_EXPERT;
+  c.dtype = KT_CKPT_DTYPE_F32;
+  c.base_model = nullptr;
 }
 
 }  // namespace io

@@ -28,6 +28,9 @@ void write_adapter(const std::string& dir, const kt_ckpt_adapter_config& config,
 // Fills rank, alpha, use_rslora, targets, layout, dtype (base_model = NULL).
 void read_adapter_config(const std::string& dir, kt_ckpt_adapter_config* config);
 
+// The defaults of kt_ckpt_adapter_config_init (after its struct_size).
+void set_adapter_config_defaults(kt_ckpt_adapter_config& c);
+
 void read_adapter(const std::string& dir, int64_t layer, const kt_arg* args, size_t num_args,
                   const char* where);
 

@@ -11,7 +11,11 @@
 #include "core/checked.h"
 #include "core/error.h"
 #include "core/tensor.h"
+#include "core/sized_struct.h"
+#include "formats/formats.h"
 #include "io/elements.h"
+#include "io/names.h"
+#include "moe/args.h"
 #include "moe/moe_layer.h"
 #include "runtime/engine.h"
 
@@ -93,6 +97,11 @@ int proj_of(const std::string& p, bool mixtral) {
 
 const char* kProjNames[3] = {"gate_proj", "up_proj", "down_proj"};
 const char* kMixtralNames[3] = {"w1", "w3", "w2"};
+// The expert tensors kt recognises, as messages name them.
+const char* const kExpertNames =
+    "kt's expert tensors (mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight, "
+    "block_sparse_moe.experts.{e}.{w1,w3,w2}.weight or ffn.experts.{e}.{w1,w3,w2}.weight, their quantized parts, "
+    "or the fused mlp.experts.gate_up_proj and mlp.experts.down_proj)";
 
 struct Collected {
   std::string base;  // "model.layers.3.mlp.experts"
@@ -100,6 +109,7 @@ struct Collected {
   // per-expert: expert -> proj -> suffix -> tensor
   std::map<int64_t, std::array<std::map<std::string, const TensorRef*>, 3>> experts;
   std::map<std::string, const TensorRef*> fused;  // "gate_up_proj", "down_proj_bias", ...
+  std::string seen;  // the first tensor under the layer's experts, recognised or not
 };
 
 int64_t config_int(const json& c, std::initializer_list<const char*> keys) {
@@ -227,9 +237,9 @@ MoeLayer build_per_expert(int64_t L, const Collected& c, int64_t values_per_word
         first = false;
       }
       if (format != m.format || pt.weight->entry->dtype != m.weight_dtype)
-        io_fail(file + ": tensor '" + pt.weight->entry->name + "': format " + kt_ckpt_format_name(format) +
-                " " + kt_ckpt_dtype_name(pt.weight->entry->dtype) + " differs from the layer's " +
-                kt_ckpt_format_name(m.format) + " " + kt_ckpt_dtype_name(m.weight_dtype));
+        io_fail(file + ": tensor '" + pt.weight->entry->name + "': format " + format_name(format) +
+                " " + dtype_name(pt.weight->entry->dtype) + " differs from the layer's " +
+                format_name(m.format) + " " + dtype_name(m.weight_dtype));
       const int64_t want_out = p == kProjDown ? m.H : m.I, want_in = p == kProjDown ? m.I : m.H;
       // Packed extents of an unknown format need not transpose between projections.
       const bool known = m.format != KT_CKPT_FORMAT_OTHER;
@@ -245,7 +255,7 @@ MoeLayer build_per_expert(int64_t L, const Collected& c, int64_t values_per_word
         const TensorEntry& b = *pt.bias->entry;
         if (!is_float_dtype(b.dtype) || b.shape != std::vector<int64_t>{want_out})
           io_fail(pt.bias->file->path() + ": tensor '" + b.name + "': expected a float [" +
-                  std::to_string(want_out) + "] bias, got " + kt_ckpt_dtype_name(b.dtype) + " " +
+                  std::to_string(want_out) + "] bias, got " + dtype_name(b.dtype) + " " +
                   shape_text(b.shape));
       }
       if ((pt.zero != nullptr) != m.asymmetric && !(e == 0 && p == 0))
@@ -274,7 +284,7 @@ MoeLayer build_fused(int64_t L, const Collected& c, bool gpt_oss_model) {
   };
   auto bad = [&](const TensorRef* t, const std::string& expected) {
     io_fail(t->file->path() + ": tensor '" + t->entry->name + "': expected " + expected + ", got " +
-            kt_ckpt_dtype_name(t->entry->dtype) + " " + shape_text(t->entry->shape));
+            dtype_name(t->entry->dtype) + " " + shape_text(t->entry->shape));
   };
   for (const auto& kv : c.fused) m.bytes += static_cast<int64_t>(kv.second->entry->nbytes());
   m.gate_up_bias = get("gate_up_proj_bias");
@@ -417,7 +427,7 @@ void check_scale_tensor(const TensorRef* sc, const std::string& what, int64_t ro
   const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.dtype) != dtypes.end();
   if (!dtype_ok || t.shape != want)
     io_fail(sc->file->path() + ": tensor '" + t.name + "' (" + what + "): expected " + dtype_text + " " +
-            shape_text(want) + why + ", got " + kt_ckpt_dtype_name(t.dtype) + " " + shape_text(t.shape));
+            shape_text(want) + why + ", got " + dtype_name(t.dtype) + " " + shape_text(t.shape));
 }
 
 int64_t ceil_div64(int64_t a, int64_t b) { return a / b + (a % b != 0); }
@@ -522,15 +532,12 @@ void check_quantized_layer(MoeLayer& m, const QuantConfig& qc) {
     m.group = group;
     // Any group of 4-bit integers decodes; other widths do not.
     m.decodable = m.unsupported.empty();
-    if (m.unsupported.empty()) {
-      if (group != 32 && group != 128)
-        m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of 32 or 128";
-    }
     // Zero points (asymmetric) are held as stored, in the _ZP formats.
-    if (m.asymmetric)
-      m.native_format = group == 128 ? KT_FORMAT_INT4_G128_ZP : KT_FORMAT_INT4_G32_ZP;
-    else
-      m.native_format = group == 128 ? KT_FORMAT_INT4_G128 : KT_FORMAT_INT4_G32;
+    const WeightFormat* held = weight_format_holding(QuantCode::kInt, 4, group, m.asymmetric);
+    if (m.unsupported.empty() && !held)
+      m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of " +
+                      held_groups(QuantCode::kInt, 4);
+    m.native_format = (held ? held : weight_format_holding(QuantCode::kInt, 4, 32, m.asymmetric))->format;
   } else if (m.format == KT_CKPT_FORMAT_MXFP4) {
     method_must_be("mxfp4", "MXFP4 weights (e2m1 with e8m0 scales)");
     if (m.layout != KT_CKPT_LAYOUT_GPT_OSS)
@@ -631,10 +638,11 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
     }
     const std::string base = n.before + "layers." + std::to_string(n.layer) + "." + group;
     Collected& c = by_layer[n.layer];
+    if (c.seen.empty()) c.seen = kv.first;
     auto claim = [&](kt_ckpt_layout l) {
       if (c.layout != KT_CKPT_LAYOUT_NONE && (c.layout != l || c.base != base))
         io_fail(kv.second.file->path() + ": tensor '" + kv.first + "' mixes a second expert layout into layer " +
-                std::to_string(n.layer) + " (already " + kt_ckpt_layout_name(c.layout) + " under '" + c.base + "')");
+                std::to_string(n.layer) + " (already " + layout_name(c.layout) + " under '" + c.base + "')");
       c.layout = l;
       c.base = base;
     };
@@ -681,6 +689,9 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
   const int64_t cfg_e = config_int(config, {"num_experts", "n_routed_experts", "num_local_experts"});
   const int64_t cfg_i = config_int(config, {"moe_intermediate_size"});
   for (const auto& m : info.layers) {
+    if (m.E == 0 && (cfg_h > 0 || cfg_e > 0 || cfg_i > 0))
+      io_fail(dir + ": layer " + std::to_string(m.layer) + " has no recognised expert tensors: '" +
+              by_layer.at(m.layer).seen + "' and the others under its experts are none of " + kExpertNames);
     auto mismatch = [&](const char* key, int64_t cfg, int64_t got) {
       io_fail(config_path + ": " + key + " = " + std::to_string(cfg) + " but layer " +
               std::to_string(m.layer) + "'s expert tensors ('" + m.prefix + "') give " + std::to_string(got));
@@ -724,7 +735,7 @@ void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) 
   KT_CHECK(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
   KT_CHECK(L.loadable() || L.dequantizable(), KT_ERR_UNSUPPORTED,
            std::string(where) + ": layer " + std::to_string(L.layer) + " stores " +
-               kt_ckpt_format_name(L.format) + " " + kt_ckpt_dtype_name(L.weight_dtype) +
+               format_name(L.format) + " " + dtype_name(L.weight_dtype) +
                " weights" +
                (L.unsupported.empty() ? std::string("; this kt cannot read them")
                                       : ": " + L.unsupported));
@@ -755,8 +766,7 @@ void load_chunk(kt_moe* moe, const kt_load_options& lo, std::vector<kt_arg> args
 
 void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
                      const char* where) {
-  kt_load_options lo;
-  kt_load_options_init(&lo);
+  kt_load_options lo = defaults_of<kt_load_options>(set_load_options_defaults);
   constexpr int64_t kMaxRun = 32;
   // Experts in the order their gate tensors sit in the files: writers sort
   // tensor names, so experts 1, 10, 100, ... follow each other at a constant
@@ -857,8 +867,7 @@ void load_per_expert(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progres
 
 void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
                 const char* where) {
-  kt_load_options lo;
-  kt_load_options_init(&lo);
+  kt_load_options lo = defaults_of<kt_load_options>(set_load_options_defaults);
   const bool in_out = L.layout != KT_CKPT_LAYOUT_FUSED;
   lo.orientation = in_out ? KT_ORIENT_IN_OUT : KT_ORIENT_OUT_IN;
   lo.gate_up_order = L.layout == KT_CKPT_LAYOUT_GPT_OSS ? KT_GATE_UP_INTERLEAVED : KT_GATE_UP_CONCAT;
@@ -913,7 +922,7 @@ std::string stored_text(const MoeLayer& L) {
       return std::string("compressed-tensors int4 in groups of ") + std::to_string(L.group) +
              (L.asymmetric ? ", asymmetric" : ", symmetric");
     case KT_CKPT_FORMAT_MXFP4: return "mxfp4 (e2m1 with e8m0 scales per 32)";
-    default: return kt_ckpt_format_name(L.format);
+    default: return format_name(L.format);
   }
 }
 
@@ -1052,8 +1061,7 @@ void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn p
 void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
                       const char* where) {
   check_quant_sources(L, moe, false, where);
-  kt_load_options lo;
-  kt_load_options_init(&lo);
+  kt_load_options lo = defaults_of<kt_load_options>(set_load_options_defaults);
   static const int kW[3] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
   static const int kB[3] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
   constexpr int64_t kChunk = 4;
@@ -1099,7 +1107,7 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
                     void* user, const char* where) {
   const kt_weight_format have = moe->opt.weight_format;
   const std::string head = std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + stored_text(L) +
-                           "; the kt_moe stores " + kt_weight_format_name(have);
+                           "; the kt_moe stores " + weight_format_name(have);
   if (have == L.native_format && L.loadable()) {
     load_quantized_native(L, moe, progress, user, where);
     return;
@@ -1107,7 +1115,7 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
   if (have == KT_FORMAT_BF16) {
     KT_CHECK(o.dequantize != 0, KT_ERR_UNSUPPORTED,
              head + ": create the kt_moe with weight_format " +
-                 kt_weight_format_name(L.native_format) +
+                 weight_format_name(L.native_format) +
                  (L.loadable() ? std::string(" (kt_ckpt_moe_options sets it)")
                                : " (which cannot hold it: " + L.unsupported + ")") +
                  ", or ask for a dequantized load (kt_ckpt_load_options.dequantize = 1)");
@@ -1118,7 +1126,7 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
        head + (have == L.native_format ? ": " + L.unsupported
                                          : std::string(": a quantized checkpoint is never re-quantized; create the "
                                                        "kt_moe with weight_format ") +
-                                               kt_weight_format_name(L.native_format) +
+                                               weight_format_name(L.native_format) +
                                                ", or bf16 with kt_ckpt_load_options.dequantize = 1"));
 }
 
@@ -1140,7 +1148,7 @@ void read_layer(const MoeLayer& L, const kt_arg* args, size_t num_args, const ch
            std::string(where) + ": args is NULL");
   KT_CHECK(L.quantized() ? L.dequantizable() : L.loadable(), KT_ERR_UNSUPPORTED,
            std::string(where) + ": layer " + std::to_string(L.layer) + " stores " +
-               kt_ckpt_format_name(L.format) +
+               format_name(L.format) +
                " weights; only bf16/fp16/fp32 layers and the quantized formats kt decodes can be "
                "read into tensors");
   struct Dest {

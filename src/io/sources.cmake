@@ -9,6 +9,7 @@ list(APPEND KT_CORE_SOURCES
   src/io/elements.cpp
   src/io/exporters.cpp
   src/io/layout.cpp
+  src/io/names.cpp
   src/io/packed_cache.cpp
   src/io/publish.cpp
   src/io/safetensors.cpp

@@ -78,4 +78,27 @@ void check_backward_values(const kt_backward_options& o, const char* where) {
                " must be 0 or 1");
 }
 
+void set_moe_options_defaults(kt_moe_options& o) {
+  o.max_tokens = 1024;
+  o.activation = KT_ACT_SILU;
+  o.act_alpha = 1.702f;
+  o.act_limit = 0.f;
+  o.mode = KT_MODE_INFERENCE;
+  o.weight_format = KT_FORMAT_BF16;
+  o.lora_rank = 16;
+  o.lora_alpha = 32.f;
+  o.lora_targets = KT_PROJ_ALL;
+}
+
+void set_load_options_defaults(kt_load_options& o) {
+  o.orientation = KT_ORIENT_OUT_IN;
+  o.gate_up_order = KT_GATE_UP_CONCAT;
+}
+
+void set_backward_options_defaults(kt_backward_options& o) {
+  o.grad_scale = 1.f;
+  o.accumulate = KT_GRAD_OVERWRITE;
+  o.param_grads = 1;
+}
+
 }  // namespace kt

@@ -27,4 +27,10 @@ struct ArgTable {
 // param_grads in range), for the layer's and the distributed backward.
 void check_backward_values(const kt_backward_options& o, const char* where);
 
+// The defaults of the layer's options structs (what kt_*_init writes after
+// struct_size).
+void set_moe_options_defaults(kt_moe_options& o);
+void set_load_options_defaults(kt_load_options& o);
+void set_backward_options_defaults(kt_backward_options& o);
+
 }  // namespace kt

@@ -8,6 +8,7 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
 #include "moe/moe_layer.h"
@@ -23,7 +24,7 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
                "backward");
   BackwardCall c;
   c.where = where;
-  kt_backward_options_init(&c.opt);
+  c.opt = defaults_of<kt_backward_options>(set_backward_options_defaults);
   if (o) {
     // As every options struct: older callers (smaller struct_size) get the
     // defaults of what they do not know; newer callers' fields past ours

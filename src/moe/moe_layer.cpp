@@ -7,6 +7,7 @@
 
 #include "core/checked.h"
 #include "core/error.h"
+#include "core/sized_struct.h"
 #include "moe/args.h"
 #include "moe/blocking.h"
 
@@ -121,7 +122,7 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     lora_[p].a.resize(static_cast<size_t>(E * r * in));
     lora_[p].sbt.resize(static_cast<size_t>(E * r * out));
   }
-  kt_load_options_init(&bound_load_options_);
+  bound_load_options_ = defaults_of<kt_load_options>(set_load_options_defaults);
   routing_.reserve(0, K, E);
   const int64_t nb = std::max(ceil_div(I, kBlockCols), ceil_div(H, kBlockCols));
   items_.resize(static_cast<size_t>(E * std::max<int64_t>(nb, 3) * 2 + 16));
@@ -329,7 +330,7 @@ static void check_finite_weights(kt_moe& m, const WeightSet& ws, int64_t single,
                std::string(where) + ": " + names[i] +
                    (stacked ? "[" + std::to_string(p) + "]" : std::string()) +
                    " holds inf or NaN (row " + std::to_string(bad[static_cast<size_t>(p)]) +
-                   "): the layer's " + kt_weight_format_name(m.opt.weight_format) +
+                   "): the layer's " + weight_format_name(m.opt.weight_format) +
                    " base cannot store it");
   }
 }
@@ -402,7 +403,7 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
   KT_CHECK(!quantized || kt_quantizes_to(opt.weight_format), KT_ERR_UNSUPPORTED,
-           std::string(where) + ": the layer stores " + kt_weight_format_name(opt.weight_format) +
+           std::string(where) + ": the layer stores " + weight_format_name(opt.weight_format) +
                ", which kt does not quantize to from bf16/fp16/fp32 weights: load it from a "
                "checkpoint stored in "
                "that format (kt_ckpt_load_layer), or create the layer as bf16, int8_channel, "

@@ -636,6 +636,20 @@ std::vector<BadCase> bad_cases() {
                                                                         "num_experts", "moe_intermediate_size", 2));
                },
                {"config.json", "expert count", "model.layers.0.mlp.experts"}});
+  // Tensors under a layer's experts that kt does not recognise: said so,
+  // not as a shape of 0 that disagrees with config.json.
+  c.push_back({"no_recognised_experts", [s](const std::string& d) {
+                 auto ts = per_expert_tensors(0, s, "BF16", false);
+                 for (auto& t : ts) {
+                   const size_t at = t.name.find("_proj.weight");
+                   if (at != std::string::npos) t.name.replace(at, 12, "_linear.weight");
+                 }
+                 kt_io_test::write_file(d + "/model.safetensors", kt_io_test::safetensors_bytes(ts));
+                 kt_io_test::write_text(d + "/config.json", config_json("Qwen3MoeForCausalLM", "qwen3_moe", s,
+                                                                        "num_experts", "moe_intermediate_size", 2));
+               },
+               {"layer 0 has no recognised expert tensors", "'model.layers.0.mlp.experts.0.", "_linear.weight'",
+                "mlp.experts.{e}.{gate_proj,up_proj,down_proj}.weight"}});
   auto index_with = [good](const std::string& d, const std::string& file) {
     kt_io_test::write_file(d + "/model-00001-of-00001.safetensors", good(0));
     nlohmann::json index = {{"weight_map", nlohmann::json::object()}};
