@@ -1,11 +1,11 @@
-// The AMX weight GEMM's blocking (src/kernels/amx/amx_gemm.inc) on emulated
-// tiles, on every machine: the same source as the AMX kernel, with the tile
-// operations done in plain code (tdpbf16ps: C[m][n] += sum over pairs k of
+// The AMX weight GEMM's blocking (src/kernels/amx/amx_gemm.h) on emulated
+// tiles, on every machine: the same templates as the AMX kernel, on a tile
+// machine whose operations are done in plain code (tdpbf16ps: C[m][n] += sum over pairs k of
 // A[m][2k] B[k][n][0] + A[m][2k+1] B[k][n][1]). It checks the gathering of
 // row pointers, the 1-2 row tiles x 1-2 panel blocks, partial blocks, the
 // stores with accumulate, and the K remainder handed to the fallback. The
-// same for the grouped GEMM of quantized bases, the weight gradients (amx_zip.inc) and the AMX-INT8
-// GEMM (amx_int8.inc, tdpbsud on int8 rows and the codes as unsigned bytes). The hardware path
+// same for the grouped GEMM of quantized bases, the weight gradients (amx_zip.h) and the AMX-INT8
+// GEMM (amx_int8.h, tdpbsud on int8 rows and the codes as unsigned bytes). The hardware path
 // itself runs in GemmKernels.* where the CPU has AMX.
 #include <gtest/gtest.h>
 
@@ -18,6 +18,9 @@
 #include "core/tensor.h"
 #include "formats/packed_bf16.h"
 #include "int8_operands.h"
+#include "kernels/amx/amx_gemm.h"
+#include "kernels/amx/amx_int8.h"
+#include "kernels/amx/amx_zip.h"
 #include "kernels/counted.h"
 #include "kernels/kernels.h"
 #include "views.h"
@@ -91,12 +94,6 @@ void tile_dpbf16() {
     }
   ++g.dot_products;
 }
-#define KT_TILE_ZERO(t) tile_zero<t>()
-#define KT_TILE_LOAD(t, base, stride) tile_load<t>(base, stride)
-#define KT_TILE_STORE(t, base, stride) tile_store<t>(base, stride)
-#define KT_TILE_DPBF16(c, a, b) tile_dpbf16<c, a, b>()
-#define KT_TILE_DPBSUD(c, a, b) tile_dpbsud<c, a, b>()
-
 void configure_tiles_as(int a_bytes, int b_rows) {
   for (int t = 0; t < 8; ++t) {
     g.rows[t] = t >= 6 ? b_rows : 16;
@@ -155,8 +152,6 @@ void grouped_fallback(const void* const* a_rows, int m, int64_t kp, const bf16_t
   }
 }
 
-#include "kernels/amx/amx_gemm.inc"
-
 // The weight-gradient fallback: plain loops over the zipped pairs.
 void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
                   int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool) {
@@ -171,8 +166,6 @@ void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t 
       out = accumulate ? out + scale * acc : scale * acc;
     }
 }
-
-#include "kernels/amx/amx_zip.inc"
 
 using kt::QuantCode;
 using kt::QuantPanels;
@@ -212,7 +205,43 @@ void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m, int n
   kt::kernels_for(KT_ISA_REF)->gemm_int8(w, a_rows, m, np, c, ldc, accumulate, next);
 }
 
-#include "kernels/amx/amx_int8.inc"
+// The tile machine of src/kernels/amx/amx_gemm.h, emulated.
+struct EmulatedTiles {
+  template <int T>
+  static void zero() {
+    tile_zero<T>();
+  }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    tile_load<T>(base, stride);
+  }
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    tile_store<T>(base, stride);
+  }
+  template <int C, int A, int B>
+  static void dpbf16() {
+    tile_dpbf16<C, A, B>();
+  }
+  template <int C, int A, int B>
+  static void dpbsud() {
+    tile_dpbsud<C, A, B>();
+  }
+  static void configure() { configure_tiles(); }
+  static void configure_int8(int k_bytes) { configure_int8_tiles(k_bytes); }
+  static void release() { release_tiles(); }
+  static constexpr auto fallback_gemm = emulated::fallback_gemm;
+  static constexpr auto grouped_fallback = emulated::grouped_fallback;
+  static constexpr auto zip_fallback = emulated::zip_fallback;
+  static constexpr auto int8_fallback = emulated::int8_fallback;
+  template <int Bits, QuantCode Code>
+  using B_codes = emulated::B_codes<Bits, Code>;
+};
+
+constexpr auto gemm_bf16w = kt::amx::gemm_bf16w<EmulatedTiles>;
+constexpr auto gemm_bf16w_grouped = kt::amx::gemm_bf16w_grouped<EmulatedTiles>;
+constexpr auto gemm_zip_bf16 = kt::amx::gemm_zip_bf16<EmulatedTiles>;
+constexpr auto gemm_int8 = kt::amx::gemm_int8<EmulatedTiles>;
 
 }  // namespace emulated
 
@@ -403,7 +432,7 @@ TEST(AmxEmulated, GroupedGemmMatchesDoubleLoops) {
   EXPECT_GT(tiled_calls, 100);
 }
 
-// The weight gradients on tiles (amx_zip.inc): D's pairs gathered into A
+// The weight gradients on tiles (amx_zip.h): D's pairs gathered into A
 // rows, Z's groups as B tiles in place (ldz and ldd wider than the data),
 // partial row blocks, odd panels, the groups past the last whole tile,
 // scale and accumulate, against double loops.
@@ -450,7 +479,7 @@ TEST(AmxEmulated, WeightGradientGemmMatchesDoubleLoops) {
   EXPECT_EQ(tiled_calls, 4 * 3 * 3 * 2);
 }
 
-// The AMX-INT8 GEMM (amx_int8.inc) on emulated tiles: bit for bit the
+// The AMX-INT8 GEMM (amx_int8.h) on emulated tiles: bit for bit the
 // reference table's gemm_int8 in every int8 compute format, tile steps of 64
 // and of 32 K bytes (groups of 32, and int8 per channel at K 96), blocks of
 // one and two row tiles and of one and two panels, accumulate, rows equally

@@ -1,8 +1,8 @@
 // AMX kernels: the weight GEMM on tile registers (tdpbf16ps,
-// amx_gemm.inc; plain and with a scale per group of K, for quantized bases
-// dequantized into cache), the weight gradients (amx_zip.inc) and, where the CPU has
+// amx_gemm.h; plain and with a scale per group of K, for quantized bases
+// dequantized into cache), the weight gradients (amx_zip.h) and, where the CPU has
 // AMX-INT8, the int8 compute GEMM
-// (tdpbsud, amx_int8.inc); every other entry of the table from the AVX-512
+// (tdpbsud, amx_int8.h); every other entry of the table from the AVX-512
 // BF16 kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
 // unchanged. Few rows per call (decode) and the K remainder past the last
 // whole tile go to the AVX-512 kernel: a tile needs 16 rows to pay, and tile
@@ -13,8 +13,12 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels/counted.h"
 #include "kernels/amx/amx_entries.h"
+#include "kernels/amx/amx_gemm.h"
+#include "kernels/amx/amx_int8.h"
+#include "kernels/amx/amx_zip.h"
+#include "kernels/avx512bf16/int8_codes.h"
+#include "kernels/counted.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -23,12 +27,6 @@ extern const Kernels kernels_avx512bf16;
 
 namespace amx {
 namespace {
-
-#define KT_TILE_ZERO(t) _tile_zero(t)
-#define KT_TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
-#define KT_TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
-#define KT_TILE_DPBF16(c, a, b) _tile_dpbf16ps(c, a, b)
-#define KT_TILE_DPBSUD(c, a, b) _tile_dpbsud(c, a, b)
 
 // The 64-byte tile configuration of palette 1.
 struct alignas(64) TileConfig {
@@ -58,59 +56,87 @@ void configure_tiles_as(int a_bytes, int b_rows) {
   _tile_loadconfig(&cfg);
 }
 
-void configure_tiles() {
-  configure_tiles_as(64, 16);
-}
-// Int8 tiles of k_bytes (32 or 64) of K: B tiles of k_bytes / 4 rows of 4
-// bytes per column.
-void configure_int8_tiles(int k_bytes) {
-  configure_tiles_as(k_bytes, k_bytes / 4);
-}
-
-inline void release_tiles() { _tile_release(); }
-
-inline void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride,
-                          int np, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
-  kernels_avx512bf16.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
-}
-
-inline void grouped_fallback(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
-                             int64_t panel_stride, int np, const float* scales,
-                             int64_t scale_stride, int64_t group, float* c, int64_t ldc,
-                             bool accumulate, const PrefetchRegion& next) {
-  kernels_avx512bf16.gemm_bf16w_grouped(a_rows, m, kp, panels, panel_stride, np, scales,
-                                        scale_stride, group, c, ldc, accumulate, next);
-}
-
-#include "kernels/amx/amx_gemm.inc"
-
-inline void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
-                         int64_t groups, float* c, int64_t ldc, bool accumulate, float scale,
-                         bool stream) {
-  kernels_avx512bf16.gemm_zip_bf16(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale,
-                                   stream);
-}
-
-#include "kernels/amx/amx_zip.inc"
-
-#include "kernels/avx512bf16/int8_codes.inc"
-
-template <int Bits, QuantCode Code>
-struct B_codes {
-  static constexpr int64_t kStepBytes = Int8Codes<Bits, Code>::kStepBytes;
-  static constexpr int32_t kOffset = Int8Codes<Bits, Code>::kOffset;
-  Int8Codes<Bits, Code> codes;
-  void operator()(const uint8_t* src, uint8_t* out) const {
-    _mm512_store_si512(out, codes.step(src));
+// The tile machine of amx_gemm.h on the hardware. The intrinsics take tile
+// numbers as literal tokens: one case per tile the blocks use (C 0-3, A 4-5,
+// B 6-7; C tile c = 2 i + j takes A tile 4 + i and B tile 6 + j).
+struct Tiles {
+  template <int T>
+  static void zero() {
+    static_assert(T >= 0 && T < 4, "C tiles are 0-3");
+    if constexpr (T == 0) _tile_zero(0);
+    else if constexpr (T == 1) _tile_zero(1);
+    else if constexpr (T == 2) _tile_zero(2);
+    else _tile_zero(3);
   }
+  template <int T>
+  static void load(const void* base, int64_t stride) {
+    static_assert(T >= 4 && T < 8, "A and B tiles are 4-7");
+    if constexpr (T == 4) _tile_loadd(4, base, stride);
+    else if constexpr (T == 5) _tile_loadd(5, base, stride);
+    else if constexpr (T == 6) _tile_loadd(6, base, stride);
+    else _tile_loadd(7, base, stride);
+  }
+  template <int T>
+  static void store(void* base, int64_t stride) {
+    static_assert(T >= 0 && T < 4, "C tiles are 0-3");
+    if constexpr (T == 0) _tile_stored(0, base, stride);
+    else if constexpr (T == 1) _tile_stored(1, base, stride);
+    else if constexpr (T == 2) _tile_stored(2, base, stride);
+    else _tile_stored(3, base, stride);
+  }
+  template <int C, int A, int B>
+  static void dpbf16() {
+    static_assert(C >= 0 && C < 4 && A == 4 + C / 2 && B == 6 + C % 2, "the blocks' tiles");
+    if constexpr (C == 0) _tile_dpbf16ps(0, 4, 6);
+    else if constexpr (C == 1) _tile_dpbf16ps(1, 4, 7);
+    else if constexpr (C == 2) _tile_dpbf16ps(2, 5, 6);
+    else _tile_dpbf16ps(3, 5, 7);
+  }
+  template <int C, int A, int B>
+  static void dpbsud() {
+    static_assert(C >= 0 && C < 4 && A == 4 + C / 2 && B == 6 + C % 2, "the blocks' tiles");
+    if constexpr (C == 0) _tile_dpbsud(0, 4, 6);
+    else if constexpr (C == 1) _tile_dpbsud(1, 4, 7);
+    else if constexpr (C == 2) _tile_dpbsud(2, 5, 6);
+    else _tile_dpbsud(3, 5, 7);
+  }
+
+  static void configure() { configure_tiles_as(64, 16); }
+  // Int8 tiles of k_bytes (32 or 64) of K: B tiles of k_bytes / 4 rows of 4
+  // bytes per column.
+  static void configure_int8(int k_bytes) { configure_tiles_as(k_bytes, k_bytes / 4); }
+  static void release() { _tile_release(); }
+
+  static void fallback_gemm(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                            int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
+                            const PrefetchRegion& next) {
+    kernels_avx512bf16.gemm_bf16w(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+  }
+  static void grouped_fallback(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                               int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
+                               int64_t group, float* c, int64_t ldc, bool accumulate,
+                               const PrefetchRegion& next) {
+    kernels_avx512bf16.gemm_bf16w_grouped(a_rows, m, kp, panels, panel_stride, np, scales, scale_stride,
+                                          group, c, ldc, accumulate, next);
+  }
+  static void zip_fallback(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np,
+                           int64_t groups, float* c, int64_t ldc, bool accumulate, float scale, bool stream) {
+    kernels_avx512bf16.gemm_zip_bf16(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale, stream);
+  }
+  static void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c,
+                            int64_t ldc, bool accumulate, const PrefetchRegion& next) {
+    kernels_avx512bf16.gemm_int8(w, a_rows, m, np, c, ldc, accumulate, next);
+  }
+
+  template <int Bits, QuantCode Code>
+  struct B_codes {
+    static constexpr int64_t kStepBytes = avx512bf16::Int8Codes<Bits, Code>::kStepBytes;
+    static constexpr int32_t kOffset = avx512bf16::Int8Codes<Bits, Code>::kOffset;
+    avx512bf16::Int8Codes<Bits, Code> codes;
+    void operator()(const uint8_t* src, uint8_t* out) const { _mm512_store_si512(out, codes.step(src)); }
+  };
 };
 
-inline void int8_fallback(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c,
-                          int64_t ldc, bool accumulate, const PrefetchRegion& next) {
-  kernels_avx512bf16.gemm_int8(w, a_rows, m, np, c, ldc, accumulate, next);
-}
-
-#include "kernels/amx/amx_int8.inc"
 
 // The int8 tile GEMM against the AVX-512 kernel, bit for bit, on 40 rows x
 // 3 panels x K 128 in each code kind (int8 per channel, int4 in groups of
@@ -163,7 +189,7 @@ bool int8_self_test() {
     }
     const int64_t ldc = 16 * np;
     std::vector<float> got(static_cast<size_t>(m * ldc), 1.f), want(got);
-    gemm_int8(w, rows.data(), m, np, got.data(), ldc, true, PrefetchRegion{});
+    gemm_int8<Tiles>(w, rows.data(), m, np, got.data(), ldc, true, PrefetchRegion{});
     kernels_avx512bf16.gemm_int8(w, rows.data(), m, np, want.data(), ldc, true, PrefetchRegion{});
     if (std::memcmp(got.data(), want.data(), got.size() * sizeof(float)) != 0) return false;
   }
@@ -200,7 +226,7 @@ bool self_test() {
     }
     return true;
   };
-  gemm_bf16w(rows.data(), m, kp, w.data(), panel_stride, np, got.data(), ldc, true, PrefetchRegion{});
+  gemm_bf16w<Tiles>(rows.data(), m, kp, w.data(), panel_stride, np, got.data(), ldc, true, PrefetchRegion{});
   kernels_avx512bf16.gemm_bf16w(rows.data(), m, kp, w.data(), panel_stride, np, want.data(), ldc, true,
                                 PrefetchRegion{});
   if (!close()) return false;
@@ -210,7 +236,7 @@ bool self_test() {
     const int64_t kg = 96, groups = kg / 32;
     std::vector<float> scales(static_cast<size_t>(np * groups * 16));
     for (size_t i = 0; i < scales.size(); ++i) scales[i] = i % 3 == 0 ? 0.5f : 0.25f;
-    gemm_bf16w_grouped(rows.data(), m, kg, w.data(), panel_stride, np, scales.data(), groups * 16,
+    gemm_bf16w_grouped<Tiles>(rows.data(), m, kg, w.data(), panel_stride, np, scales.data(), groups * 16,
                        32, got.data(), ldc, false, PrefetchRegion{});
     kernels_avx512bf16.gemm_bf16w_grouped(rows.data(), m, kg, w.data(), panel_stride, np,
                                           scales.data(), groups * 16, 32, want.data(), ldc, false,
@@ -219,7 +245,7 @@ bool self_test() {
   }
   // The weight-gradient GEMM on the same values: D 50 pair groups of 40
   // columns (three tiles and a remainder), Z 50 groups of 48.
-  gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, got.data(), ldc, false, 0.5f,
+  gemm_zip_bf16<Tiles>(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, got.data(), ldc, false, 0.5f,
                 false);
   kernels_avx512bf16.gemm_zip_bf16(a.data(), 2 * m, m, w.data(), 32 * np, np, kp / 2, want.data(),
                                    ldc, false, 0.5f, false);
@@ -232,7 +258,8 @@ bool self_test() {
 // The tile kernels for table_amx.cpp, constant-initialised: no code of this
 // file (compiled for AVX-512 and AMX) may run while the library loads, on a
 // CPU that has neither.
-extern const AmxEntries amx_entries = {amx::gemm_bf16w, amx::gemm_bf16w_grouped, amx::gemm_zip_bf16, amx::gemm_int8,
+extern const AmxEntries amx_entries = {amx::gemm_bf16w<amx::Tiles>, amx::gemm_bf16w_grouped<amx::Tiles>,
+                                       amx::gemm_zip_bf16<amx::Tiles>, amx::gemm_int8<amx::Tiles>,
                                        amx::kMinRows};
 
 }  // namespace kt

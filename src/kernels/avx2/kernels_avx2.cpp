@@ -7,21 +7,19 @@
 
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
+#include "kernels/avx2/dequant.h"  // the unit's own quantized-panel kernels
+#include "kernels/avx2/gemm_int8.h"
+#include "kernels/avx2/gemm_quant.h"
 #include "kernels/counted.h"
+#include "kernels/generic/activation.h"
+#include "kernels/generic/quant.h"
+#include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
 
 namespace kt {
 namespace avx2 {
 
-#include "kernels/sgemm_generic.inc"
-#include "kernels/activation_generic.inc"
-#include "kernels/quant_generic.inc"
-
-// The unit's own quantized-panel kernels (in place of the generic ones).
-#include "kernels/avx2/dequant.inc"
-#include "kernels/avx2/gemm_quant.inc"
-// After gemm_quant.inc, whose scale and fetch helpers it takes.
-#include "kernels/avx2/gemm_int8.inc"
+using namespace generic;  // the kernels written once, compiled here for AVX2
 
 // Per-group scales of a grouped GEMM (kernels.h, gemm_bf16w_grouped): the
 // 16 scales of the tile's panel p and group j at scales + p * stride + 16 j;

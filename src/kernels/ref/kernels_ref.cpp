@@ -6,14 +6,15 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kernels/counted.h"
+#include "kernels/generic/activation.h"
+#include "kernels/generic/quant.h"
+#include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
 
 namespace kt {
 namespace ref {
 
-#include "kernels/sgemm_generic.inc"
-#include "kernels/activation_generic.inc"
-#include "kernels/quant_generic.inc"
+using namespace generic;  // the kernels written once, compiled here as portable code
 
 static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                        int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
@@ -60,7 +61,7 @@ constexpr Kernels make_kernels_ref() {
   k.dequant_e4m3 = ref::dequant_e4m3_generic;
   k.dequant_e2m1 = ref::dequant_e2m1_generic;
   k.dequant_i4_zero = ref::dequant_i4_zero_generic;
-  k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a>;
+  k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a<ref::gemm_bf16w>>;
   // gemm_quant: none; quantized bases always dequantize into cache.
   k.gemm_int8 = counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>;
   // Tuning: no gemm_quant to switch to.

@@ -1,6 +1,18 @@
 // The quantized-panel kernels written once (contracts in kernels.h), compiled
-// in each ISA translation unit with its flags. Included inside the unit's
-// namespace.
+// in each ISA translation unit with its flags. Static functions: each unit
+// that includes this header compiles its own copy (generic/sgemm.h).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace generic {
 
 // Value of the code at (lane, column c) of a panel, and the bf16 that the
 // dequantized panels hold for it.
@@ -115,17 +127,14 @@ static void gemm_grouped_by_calls(Gemm gemm, const void* const* a_rows, int m, i
 }
 
 // The grouped GEMM of the units whose A format is fp32, over their own
-// gemm_bf16w.
-static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride,
-                       int np, float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next);
-
-[[maybe_unused]] static void gemm_bf16w_grouped_fp32a(const void* const* a_rows, int m, int64_t kp,
-                                                      const bf16_t* panels, int64_t panel_stride, int np,
-                                                      const float* scales, int64_t scale_stride, int64_t group,
-                                                      float* c, int64_t ldc, bool accumulate,
-                                                      const PrefetchRegion& /*next*/) {
-  gemm_grouped_by_calls<sizeof(float)>(gemm_bf16w, a_rows, m, kp, panels, panel_stride, np, scales, scale_stride,
-                                       group, c, ldc, accumulate);
+// gemm_bf16w (Gemm).
+template <auto Gemm>
+static void gemm_bf16w_grouped_fp32a(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
+                                     int64_t panel_stride, int np, const float* scales, int64_t scale_stride,
+                                     int64_t group, float* c, int64_t ldc, bool accumulate,
+                                     const PrefetchRegion& /*next*/) {
+  gemm_grouped_by_calls<sizeof(float)>(Gemm, a_rows, m, kp, panels, panel_stride, np, scales, scale_stride, group,
+                                       c, ldc, accumulate);
 }
 
 // gemm_int8 (kernels.h), written once: the reference twin of the vector
@@ -164,3 +173,6 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
     }
   }
 }
+
+}  // namespace generic
+}  // namespace kt

@@ -4,7 +4,19 @@
 // multiplied at once, so the code stream from memory never waits for a
 // dequantized copy in cache (without it, decode on a quantized base ran
 // many times the time of bf16). Each group's partial sums times the
-// group's scale go into C. Included inside namespace avx2.
+// group's scale go into C.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx2 {
 
 enum class Avx2Code { kInt4, kInt4Zero, kE2m1, kInt8, kE4m3 };
 
@@ -306,3 +318,6 @@ static void gemm_quant(const QuantPanels& w, const void* const* a_rows, int m, i
   if (w.bits == 4) return avx2_gemm_quant_kind<Avx2Code::kInt4>(w, a, m, np, c, ldc, accumulate, next);
   avx2_gemm_quant_kind<Avx2Code::kInt8>(w, a, m, np, c, ldc, accumulate, next);
 }
+
+}  // namespace avx2
+}  // namespace kt

@@ -5,7 +5,21 @@
 // offset 128; int4: the nibble, offset 8, or with zero points the stored zero
 // byte; e2m1: twice its value from a byte table, offset 12). vpdpbusd and
 // AMX's tdpbsud take them as their unsigned operand. Included by the
-// AVX-512 BF16 and AMX units (AVX512BW).
+// AVX-512 BF16 and AMX units (AVX512BW); in an unnamed namespace, so each
+// unit compiles its own copy with its own flags.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx512bf16 {
+namespace {
 
 template <int Bits, QuantCode Code>
 struct Int8Codes {
@@ -39,3 +53,7 @@ struct Int8Codes {
     }
   }
 };
+
+}  // namespace
+}  // namespace avx512bf16
+}  // namespace kt

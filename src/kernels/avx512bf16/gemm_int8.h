@@ -5,8 +5,22 @@
 // sum x * q = sum x * u - off * sum x with the row's code sums (exact in
 // int32: |sum x * u| <= 127 * 255 * group, and the layer keeps K <= 65536).
 // Tiles of up to 4 rows x 4 panels: a step of 4 K values expands each
-// panel's codes once for all rows. Included inside namespace avx512bf16
-// after gemm_quant.inc (group_scales, with_count) and int8_codes.inc.
+// panel's codes once for all rows. Takes group_scales and with_count from
+// gemm_quant.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/avx512bf16/gemm_quant.h"
+#include "kernels/avx512bf16/int8_codes.h"
+#include "kernels/generic/quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx512bf16 {
 
 constexpr int64_t kInt8Ahead = 2048;  // bytes of codes fetched ahead into L1
 
@@ -199,7 +213,7 @@ static void gemm_int8(const QuantPanels& w, const void* const* a_rows, int m, in
                       bool accumulate, const PrefetchRegion& next) {
   static const bool vnni = __builtin_cpu_supports("avx512vnni");
   if (!vnni) {
-    gemm_int8_generic(w, a_rows, m, np, c, ldc, accumulate, next);
+    generic::gemm_int8_generic(w, a_rows, m, np, c, ldc, accumulate, next);
   } else if (w.bits == 8) {
     gemm_int8_bits<8, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate, next);
   } else if (w.code == QuantCode::kE2M1) {
@@ -210,3 +224,6 @@ static void gemm_int8(const QuantPanels& w, const void* const* a_rows, int m, in
     gemm_int8_bits<4, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate, next);
   }
 }
+
+}  // namespace avx512bf16
+}  // namespace kt

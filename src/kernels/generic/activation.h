@@ -1,6 +1,15 @@
 // The gated activations over rows of a C tile, written once and compiled per
 // ISA so the loops vectorise (exp by a polynomial instead of a libm call).
-// Included inside the unit's namespace after sgemm_generic.inc.
+// Static functions: each unit that includes this header compiles its own
+// copy with its flags (generic/sgemm.h).
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace generic {
 
 // exp(x) for x in [-87, 88]: 2^i * p(r), r = x - i*ln2 in [-ln2/2, ln2/2],
 // degree-6 minimax-like Taylor polynomial; relative error < 2e-7.
@@ -96,3 +105,6 @@ static float act_backward_generic(const ActParams& ap, const float* __restrict g
   return a_out ? act_backward_rows<true>(L, oai, alpha, g, u, da, w, dg, du, a_out, n)
                : act_backward_rows<false>(L, oai, alpha, g, u, da, w, dg, du, a_out, n);
 }
+
+}  // namespace generic
+}  // namespace kt

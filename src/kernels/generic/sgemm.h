@@ -1,6 +1,17 @@
 // fp32 GEMMs written once, compiled in each ISA translation unit with that
-// unit's flags so the compiler vectorises the n loops for it. Included inside
-// the unit's namespace.
+// unit's flags so the compiler vectorises the n loops for it: every function
+// here is static (or a static template), so each unit that includes this
+// header gets its own copy, built with its flags. A unit takes them into its
+// namespace by `using namespace generic;`.
+#pragma once
+
+#include <cstdint>
+
+#include "formats/packed_bf16.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace generic {
 
 // The fp32 A format: a copy, zero padded to kp.
 [[maybe_unused]] static void pack_a_f32_copy(const float* src, int64_t k, int64_t kp, void* dst) {
@@ -106,3 +117,6 @@ static void transpose_panels_by_blocks(const bf16_t* packed, int64_t np, int64_t
     }
   }
 }
+
+}  // namespace generic
+}  // namespace kt

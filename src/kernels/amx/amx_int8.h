@@ -1,26 +1,22 @@
 // gemm_int8 (kernels.h) on AMX-INT8 tiles, written once against a small set
-// of operations that the includer defines, as amx_gemm.inc is: the hardware
+// of operations of a tile machine, as amx_gemm.h is: the hardware
 // ones in kernels_amx.cpp, a plain emulation in the tests. Bit for bit the
 // generic kernel's result: tdpbsud sums the products of signed A bytes (the
 // int8 rows) and unsigned B bytes (the codes as Int8Codes gives them, u =
 // value + offset) exactly in int32, as vpdpbusd does, and each group's sums
 // go through the same fp32 operations in the same order.
-// The includer provides (macros: the hardware intrinsics take tile numbers
-// as literal tokens):
-//   KT_TILE_ZERO(t); KT_TILE_LOAD(t, base, stride_bytes);
-//   KT_TILE_STORE(t, base, stride_bytes);
-//   KT_TILE_DPBSUD(c, a, b)  // C(int32) += A(signed bytes) . B(unsigned bytes)
-// and in the enclosing namespace:
-//   void configure_int8_tiles(int k_bytes);  // C: 16 x 64 bytes; A (4, 5):
+// The tile machine M (amx_gemm.h) provides, besides zero, load and store:
+//   template <int C, int A, int B> dpbsud();  // C(int32) += A(signed bytes) . B(unsigned bytes)
+//   configure_int8(int k_bytes);  // C: 16 x 64 bytes; A (4, 5):
 //       16 rows x k_bytes; B (6, 7): k_bytes / 4 rows x 64 bytes
-//   void release_tiles();
-//   template <int Bits, QuantCode Code> struct B_codes { B_codes();
+//   release();
+//   template <int Bits, QuantCode Code> B_codes { B_codes();
 //       void operator()(const uint8_t* src, uint8_t* out) const; kStepBytes;
 //       kOffset; }: the 64 unsigned code bytes (value + kOffset) of the
 //       step of kStepBytes at src, in Int8Codes' order;
 //   int8_fallback(...): a Kernels::gemm_int8, for fewer than kInt8MinRows rows.
-// Included after amx_gemm.inc (kTileRows, kBlockRows, row_spacing,
-// block_rows: whole tiles of equally spaced rows are loaded where they lie).
+// Takes kTileRows, kBlockRows, row_spacing and block_rows from amx_gemm.h
+// (whole tiles of equally spaced rows are loaded where they lie).
 //
 // Blocks of up to 32 rows (two A tiles) x 2 panels (two B tiles). A group's
 // K goes in tile steps of kt = 64 bytes (32 where the group is not a
@@ -29,20 +25,36 @@
 // whole K into cache once before its row blocks. At a group's end the
 // four int32 C tiles are stored and taken into fp32 sums: (d - offset * the
 // row's code sum) * the group's scales, by fma, as the generic kernel does.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/amx/amx_gemm.h"
+#include "kernels/counted.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace amx {
+namespace {
 
 constexpr int kInt8MinRows = 16;  // fewer rows: the AVX-512 VNNI kernel
 
-template <int Bits, QuantCode Code, bool Zero>
+template <class M, int Bits, QuantCode Code, bool Zero>
 void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                      bool accumulate) {
-  using Codes = B_codes<Bits, Code>;
+  using Codes = typename M::template B_codes<Bits, Code>;
   static const Codes expand;
   constexpr int64_t kStepBytes = Codes::kStepBytes;  // a panel's codes of one step (4 K values)
   constexpr int32_t kOffset = Codes::kOffset;
   const int kt = w.group % 64 == 0 ? 64 : 32;  // K bytes per tile step
   const int64_t tiles_per_group = w.group / kt;
   const int64_t groups = w.kq / w.group;
-  configure_int8_tiles(kt);
+  M::configure_int8(kt);
   // Every row block's A tiles, gathered once (whole tiles of spaced rows
   // stay where they lie), and a panel pair's codes expanded over the whole
   // K once: the pair loop is outside the row blocks, so no block expands
@@ -76,28 +88,28 @@ void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int
       const bool two_row_tiles = rows > kTileRows;
       std::memset(part, 0, sizeof(part));
       for (int64_t j = 0; j < groups; ++j) {
-        KT_TILE_ZERO(0);
-        KT_TILE_ZERO(1);
-        KT_TILE_ZERO(2);
-        KT_TILE_ZERO(3);
+        M::template zero<0>();
+        M::template zero<1>();
+        M::template zero<2>();
+        M::template zero<3>();
         for (int64_t t = 0; t < tiles_per_group; ++t) {
           const int64_t k0 = (j * tiles_per_group + t) * kt;  // K bytes of the A rows
-          KT_TILE_LOAD(6, b_codes.data() + k0 / 4 * 64, 64);
-          if (panels > 1) KT_TILE_LOAD(7, b_codes.data() + (steps + k0 / 4) * 64, 64);
-          KT_TILE_LOAD(4, a.a[0] + k0, a.ld[0]);
-          KT_TILE_DPBSUD(0, 4, 6);
-          if (panels > 1) KT_TILE_DPBSUD(1, 4, 7);
+          M::template load<6>(b_codes.data() + k0 / 4 * 64, 64);
+          if (panels > 1) M::template load<7>(b_codes.data() + (steps + k0 / 4) * 64, 64);
+          M::template load<4>(a.a[0] + k0, a.ld[0]);
+          M::template dpbsud<0, 4, 6>();
+          if (panels > 1) M::template dpbsud<1, 4, 7>();
           if (two_row_tiles) {
-            KT_TILE_LOAD(5, a.a[1] + k0, a.ld[1]);
-            KT_TILE_DPBSUD(2, 5, 6);
-            if (panels > 1) KT_TILE_DPBSUD(3, 5, 7);
+            M::template load<5>(a.a[1] + k0, a.ld[1]);
+            M::template dpbsud<2, 5, 6>();
+            if (panels > 1) M::template dpbsud<3, 5, 7>();
           }
         }
-        KT_TILE_STORE(0, d, 128);
-        if (panels > 1) KT_TILE_STORE(1, d + 16, 128);
+        M::template store<0>(d, 128);
+        if (panels > 1) M::template store<1>(d + 16, 128);
         if (two_row_tiles) {
-          KT_TILE_STORE(2, d + kTileRows * 32, 128);
-          if (panels > 1) KT_TILE_STORE(3, d + kTileRows * 32 + 16, 128);
+          M::template store<2>(d + kTileRows * 32, 128);
+          if (panels > 1) M::template store<3>(d + kTileRows * 32 + 16, 128);
         }
         alignas(64) float scale[2][kTileRows];
         alignas(64) int32_t offset[2][kTileRows];  // times the row's code sum
@@ -130,24 +142,29 @@ void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int
       }
     }
   }
-  release_tiles();
+  M::release();
 }
 
+template <class M>
 void gemm_int8(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                bool accumulate, const PrefetchRegion& next) {
   if (m < kInt8MinRows) {
-    int8_fallback(w, a_rows, m, np, c, ldc, accumulate, next);
+    M::int8_fallback(w, a_rows, m, np, c, ldc, accumulate, next);
     return;
   }
   kt::count_kernel(kt::kernel_id(kt::KernelTable::kAmx, kt::KernelEntry::kGemmInt8),
                    kt::entry_flops::gemm(m, int64_t{kTileRows} * np, w.kq));
   if (w.bits == 8) {
-    gemm_int8_tiles<8, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate);
+    gemm_int8_tiles<M, 8, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate);
   } else if (w.code == QuantCode::kE2M1) {
-    gemm_int8_tiles<4, QuantCode::kE2M1, false>(w, a_rows, m, np, c, ldc, accumulate);
+    gemm_int8_tiles<M, 4, QuantCode::kE2M1, false>(w, a_rows, m, np, c, ldc, accumulate);
   } else if (w.zeros) {
-    gemm_int8_tiles<4, QuantCode::kInt, true>(w, a_rows, m, np, c, ldc, accumulate);
+    gemm_int8_tiles<M, 4, QuantCode::kInt, true>(w, a_rows, m, np, c, ldc, accumulate);
   } else {
-    gemm_int8_tiles<4, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate);
+    gemm_int8_tiles<M, 4, QuantCode::kInt, false>(w, a_rows, m, np, c, ldc, accumulate);
   }
 }
+
+}  // namespace
+}  // namespace amx
+}  // namespace kt

@@ -3,8 +3,21 @@
 // registers into bf16 pair groups (exact: the codes' values are exact in
 // bf16) and multiplied at once, so the code stream from memory never waits
 // for a dequantized copy in cache; each group's partial sums are added to the
-// accumulators times the group's fp32 scale. Included inside namespace
-// avx512bf16 after the dequant helpers.
+// accumulators times the group's fp32 scale. Takes the code expansions of
+// dequant.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/avx512bf16/dequant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx512bf16 {
 
 // Int4 codes under few rows (decode) go without a table: the word 0x4300 | u
 // is the bf16 of 128 + u, exactly, so a group's sum over these is the sum
@@ -499,3 +512,6 @@ static void gemm_quant(const QuantPanels& w, const void* const* a_rows, int m, i
     gemm_quant_code<8, QuantCode::kInt, false>(w, a, m, np, c, ldc, accumulate, next);
   }
 }
+
+}  // namespace avx512bf16
+}  // namespace kt

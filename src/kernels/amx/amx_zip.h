@@ -1,11 +1,25 @@
-// Weight gradients (Kernels::gemm_zip_bf16) on tiles, with amx_gemm.inc's
-// block product and the includer's tile operations (see there) and
+// Weight gradients (Kernels::gemm_zip_bf16) on tiles, with amx_gemm.h's
+// block product and tile machine M (see there), which also provides
 //   zip_fallback(...): a Kernels::gemm_zip_bf16, for fewer than kMinRows
 //   rows or pair groups, and the pair groups past the last whole tile.
 // Z's pair groups are AMX B tiles as they are (16 columns x 2 bf16 a group,
 // ldz apart); D's are gathered once per block of 32 rows into A rows (row o:
 // the pairs D[g][o] of every group g, K = 2 x groups), which every panel of
 // the block then reads.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kernels/amx/amx_gemm.h"
+#include "kernels/counted.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace amx {
+namespace {
 
 // D's pairs [0, groups) of rows [o0, o0 + rows) as A rows of 2 * groups
 // values, zero rows up to whole tiles.
@@ -19,16 +33,17 @@ inline void gather_zip_rows(const bf16_t* d, int64_t ldd, int o0, int rows, int6
   std::memset(block + rows * k, 0, static_cast<size_t>((padded - rows) * k) * sizeof(bf16_t));
 }
 
+template <class M>
 void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np, int64_t groups,
                    float* c, int64_t ldc, bool accumulate, float scale, bool stream) {
   const int64_t full = groups / kTileRows * kTileRows;  // pair groups in whole tiles (K 32)
   if (m < kMinRows || full == 0) {
-    zip_fallback(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale, stream);
+    M::zip_fallback(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale, stream);
     return;
   }
   kt::count_kernel(kt::kernel_id(kt::KernelTable::kAmx, kt::KernelEntry::kGemmZipBf16),
                    kt::entry_flops::gemm(m, int64_t{kTileRows} * np, 2 * full));
-  configure_tiles();
+  M::configure();
   thread_local std::vector<bf16_t> block;
   block.resize(static_cast<size_t>(kBlockRows * 2 * full));
   alignas(64) float out[kBlockRows * 32];
@@ -39,11 +54,15 @@ void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t
     const BlockRows a{{block.data(), block.data() + kTileRows * 2 * full}, {2 * full, 2 * full}};
     for (int p = 0; p < np; p += 2) {
       const bool two_panels = p + 1 < np;
-      block_product_of(rows > kTileRows, two_panels, a, 0, 2 * full, z + p * 32, ldz, 32, out, none, 0);
+      block_product_of<M>(rows > kTileRows, two_panels, a, 0, 2 * full, z + p * 32, ldz, 32, out, none, 0);
       store_block(out, rows, two_panels ? 2 : 1, c + o0 * ldc + 16 * p, ldc, accumulate, scale);
     }
   }
-  release_tiles();
+  M::release();
   if (full < groups)  // the last groups (fewer than a tile) on AVX-512, added in
-    zip_fallback(d + full * ldd, ldd, m, z + full * ldz, ldz, np, groups - full, c, ldc, true, scale, stream);
+    M::zip_fallback(d + full * ldd, ldd, m, z + full * ldz, ldz, np, groups - full, c, ldc, true, scale, stream);
 }
+
+}  // namespace
+}  // namespace amx
+}  // namespace kt

@@ -3,8 +3,8 @@
 // multiplies unsigned code bytes by the row's signed bytes and sums pairs in
 // 16 bits; vpmaddwd sums a lane's two pairs in 32 bits. Each group's int32
 // sums are exact, so only the order of the fp32 steps after them matters,
-// and that is the generic kernel's. Included inside namespace avx2 after
-// gemm_quant.inc (avx2_group_scales, Avx2Ahead).
+// and that is the generic kernel's. Takes avx2_group_scales and Avx2Ahead
+// from gemm_quant.h.
 //
 // - 4-bit codes (int4, with or without zero points; e2m1 doubled, offset
 //   12): the nibbles u (0..24) against |x| <= 127 make pair sums of at most
@@ -21,6 +21,18 @@
 //   sums are the same, so are the bits (past K of some 66000 per group the
 //   offset sums wrap modulo 2^32, as vpdpbusd, vpmulld and vpsubd do, and
 //   the difference, which fits, comes back exact).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/avx2/gemm_quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx2 {
 
 // vpdpbusd in its VEX form (AVX-VNNI), as inline assembly: an intrinsic
 // would need the whole tile compiled for AVX-VNNI, which not every AVX2 CPU
@@ -245,3 +257,6 @@ static void gemm_int8_no_vnni(const QuantPanels& w, const void* const* a_rows, i
                               int64_t ldc, bool accumulate, const PrefetchRegion& next) {
   gemm_int8_isa<false>(w, a_rows, m, np, c, ldc, accumulate, next);
 }
+
+}  // namespace avx2
+}  // namespace kt

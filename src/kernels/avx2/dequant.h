@@ -1,11 +1,23 @@
 // Quantized panels to bf16 panels (kernels.h, dequant_*) in AVX2: the same
-// bits as quant_generic.inc's dequant_*_generic (the ref table's), at vector
-// speed. Included inside namespace avx2 after quant_generic.inc.
+// bits as generic/quant.h's dequant_*_generic (the ref table's), at vector
+// speed.
 //
 // 32 code bytes at a time. Scaled values go through fp32 as even and odd
 // words: the dword of lane l holds words 2l (low half) and 2l + 1 (high
 // half), both times lane l's scale, so 8 consecutive scales serve 16 words
 // as they are loaded.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "formats/packed_quant.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace avx2 {
 
 // Rounds to bf16 as f32_to_bf16 does (nearest even; subnormals kept), the
 // result in the high half of each dword. No NaN case: the values are
@@ -315,3 +327,6 @@ static void dequant_i4_zero(const uint8_t* codes, int64_t code_panel_bytes, int 
           : dequant_i4_zero_points<false>)(codes, code_panel_bytes, np, k0, kc, zeros, zero_stride,
                                            scales, scale_stride, group, dst);
 }
+
+}  // namespace avx2
+}  // namespace kt

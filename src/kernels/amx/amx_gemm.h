@@ -1,21 +1,20 @@
-// The AMX weight GEMM over the packed panels, written once against a small
-// set of tile operations that the includer defines: the hardware ones in
-// kernels_amx.cpp, a plain emulation in the tests (so the blocking, the
-// gathering of rows and the K remainder are checked on every machine).
-// The includer provides (macros: the hardware intrinsics take tile numbers
-// as literal tokens):
-//   KT_TILE_ZERO(t); KT_TILE_LOAD(t, base, stride_bytes);
-//   KT_TILE_STORE(t, base, stride_bytes);
-//   KT_TILE_DPBF16(c, a, b)  // C += A . B, bf16 pairs into fp32
-// and in the enclosing namespace:
-//   void configure_tiles();  // every tile 16 rows x 64 bytes
-//   void release_tiles();
+// The AMX weight GEMM over the packed panels, written once against a tile
+// machine M: the hardware one in kernels_amx.cpp, a plain emulation in the
+// tests (so the blocking, the gathering of rows and the K remainder are
+// checked on every machine). M provides, as static members:
+//   template <int T> zero(); template <int T> load(base, stride_bytes);
+//   template <int T> store(base, stride_bytes);
+//   template <int C, int A, int B> dpbf16();  // C += A . B, bf16 pairs into fp32
+//   configure();  // every tile 16 rows x 64 bytes
+//   release();
 //   fallback_gemm(...): a Kernels::gemm_bf16w on bf16 rows, for few rows
 //   and the K remainder;
 //   grouped_fallback(...): a Kernels::gemm_bf16w_grouped, for few rows.
+// Everything here has internal linkage (an unnamed namespace): each unit
+// that includes it compiles its own copy with its own flags.
 //
-// Calls that run on tiles count as the amx kernels' (kernels/counted.h,
-// which the includer includes); those left to the fallbacks count as theirs.
+// Calls that run on tiles count as the amx kernels' (kernels/counted.h);
+// those left to the fallbacks count as theirs.
 //
 // A packed panel (16 output rows, K in pairs: 64 bytes per pair of K) is
 // already the layout of an AMX B tile: 16 consecutive pair groups are one
@@ -24,6 +23,19 @@
 // otherwise they are gathered from their row pointers into a compact block,
 // 32 K values per tile row.
 // Tiles 0-3 hold C (2 x 2 blocks of 16 x 16 fp32), 4-5 A, 6-7 B.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/dtype.h"
+#include "kernels/counted.h"
+#include "kernels/kernels.h"
+
+namespace kt {
+namespace amx {
+namespace {
 
 constexpr int kTileRows = 16;
 constexpr int64_t kTileK = 32;  // bf16 values per tile row (64 bytes)
@@ -118,13 +130,13 @@ TileRows<E> block_rows(const void* const* a_rows, int64_t spacing, int r0, int r
 // packed panel: b_row 32, b_panel its stride).
 // ahead: per tile step, `per_step` lines of the region the caller reads
 // next are fetched (spread over the call's steps).
-template <int MT, int NT>
+template <class M, int MT, int NT>
 void block_product(const BlockRows& rows, int64_t off, int64_t k, const bf16_t* b, int64_t b_row, int64_t b_panel,
                    float* out, PrefetchCursor& ahead, int64_t per_step) {
-  KT_TILE_ZERO(0);
-  if (NT > 1) KT_TILE_ZERO(1);
-  if (MT > 1) KT_TILE_ZERO(2);
-  if (MT > 1 && NT > 1) KT_TILE_ZERO(3);
+  M::template zero<0>();
+  if (NT > 1) M::template zero<1>();
+  if (MT > 1) M::template zero<2>();
+  if (MT > 1 && NT > 1) M::template zero<3>();
   const bf16_t* a0 = rows.a[0] + off;
   const bf16_t* a1 = MT > 1 ? rows.a[1] + off : nullptr;
   const int64_t a0_stride = rows.ld[0] * static_cast<int64_t>(sizeof(bf16_t));
@@ -135,31 +147,32 @@ void block_product(const BlockRows& rows, int64_t off, int64_t k, const bf16_t* 
     ahead.issue(per_step);
     // A tile is 16 pair groups of 16 columns x 2 bf16.
     const bf16_t* b0 = b + t * kTileRows * b_row;
-    KT_TILE_LOAD(6, b0, b_stride);
-    if (NT > 1) KT_TILE_LOAD(7, b0 + b_panel, b_stride);
-    KT_TILE_LOAD(4, a0 + t * kTileK, a0_stride);
-    KT_TILE_DPBF16(0, 4, 6);
-    if (NT > 1) KT_TILE_DPBF16(1, 4, 7);
+    M::template load<6>(b0, b_stride);
+    if (NT > 1) M::template load<7>(b0 + b_panel, b_stride);
+    M::template load<4>(a0 + t * kTileK, a0_stride);
+    M::template dpbf16<0, 4, 6>();
+    if (NT > 1) M::template dpbf16<1, 4, 7>();
     if (MT > 1) {
-      KT_TILE_LOAD(5, a1 + t * kTileK, a1_stride);
-      KT_TILE_DPBF16(2, 5, 6);
-      if (NT > 1) KT_TILE_DPBF16(3, 5, 7);
+      M::template load<5>(a1 + t * kTileK, a1_stride);
+      M::template dpbf16<2, 5, 6>();
+      if (NT > 1) M::template dpbf16<3, 5, 7>();
     }
   }
   // out: [MT * 16 rows][NT * 16 columns], 128 bytes per row.
-  KT_TILE_STORE(0, out, 128);
-  if (NT > 1) KT_TILE_STORE(1, out + 16, 128);
-  if (MT > 1) KT_TILE_STORE(2, out + 16 * 32, 128);
-  if (MT > 1 && NT > 1) KT_TILE_STORE(3, out + 16 * 32 + 16, 128);
+  M::template store<0>(out, 128);
+  if (NT > 1) M::template store<1>(out + 16, 128);
+  if (MT > 1) M::template store<2>(out + 16 * 32, 128);
+  if (MT > 1 && NT > 1) M::template store<3>(out + 16 * 32 + 16, 128);
 }
 
+template <class M>
 void block_product_of(bool two_row_tiles, bool two_panels, const BlockRows& rows, int64_t off, int64_t k,
                       const bf16_t* b, int64_t b_row, int64_t b_panel, float* out, PrefetchCursor& ahead,
                       int64_t per_step) {
-  if (two_row_tiles && two_panels) block_product<2, 2>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
-  else if (two_row_tiles) block_product<2, 1>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
-  else if (two_panels) block_product<1, 2>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
-  else block_product<1, 1>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
+  if (two_row_tiles && two_panels) block_product<M, 2, 2>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
+  else if (two_row_tiles) block_product<M, 2, 1>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
+  else if (two_panels) block_product<M, 1, 2>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
+  else block_product<M, 1, 1>(rows, off, k, b, b_row, b_panel, out, ahead, per_step);
 }
 
 // The tile path of the weight GEMMs: K values [0, k) of the rows in blocks
@@ -171,13 +184,13 @@ void block_product_of(bool two_row_tiles, bool two_panels, const BlockRows& rows
 // The lines of `next` (the region the caller reads after this call: its
 // next block of panels, which stream from memory) are fetched spread over
 // the call's tile steps, so they arrive while this call computes.
-template <class Take>
+template <class M, class Take>
 void tile_products(const void* const* a_rows, int m, int64_t k, const bf16_t* panels, int64_t panel_stride, int np,
                    int64_t group, const PrefetchRegion& next, Take&& take) {
   PrefetchCursor ahead(next);
   const int64_t steps = (m + kBlockRows - 1) / kBlockRows * ((np + 1) / 2) * (k / kTileK);
   const int64_t per_step = steps > 0 ? (next.lines() + steps - 1) / steps : 0;
-  configure_tiles();
+  M::configure();
   thread_local std::vector<bf16_t> block;
   block.resize(static_cast<size_t>(kBlockRows * k));
   alignas(64) float out[kBlockRows * 32];
@@ -190,26 +203,27 @@ void tile_products(const void* const* a_rows, int m, int64_t k, const bf16_t* pa
     for (int p = 0; p < np; p += 2) {
       const bool two_panels = p + 1 < np;
       for (int64_t j = 0; j < groups; ++j) {
-        block_product_of(two_row_tiles, two_panels, a, j * group, group,
+        block_product_of<M>(two_row_tiles, two_panels, a, j * group, group,
                          panels + p * panel_stride + j * group / 2 * 32, 32, panel_stride, out, ahead, per_step);
         take(static_cast<const float*>(out), r0, rows, p, two_panels ? 2 : 1, j);
       }
     }
   }
-  release_tiles();
+  M::release();
 }
 
+template <class M>
 void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride, int np,
                 float* c, int64_t ldc, bool accumulate, const PrefetchRegion& next) {
   const int64_t k_full = kp / kTileK * kTileK;
   if (m < kMinRows || k_full == 0) {
-    fallback_gemm(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
+    M::fallback_gemm(a_rows, m, kp, panels, panel_stride, np, c, ldc, accumulate, next);
     return;
   }
   kt::count_kernel(kt::kernel_id(kt::KernelTable::kAmx, kt::KernelEntry::kGemmBf16w),
                    kt::entry_flops::gemm(m, int64_t{kTileRows} * np, k_full));
   // With a K remainder the fallback that follows takes `next`.
-  tile_products(a_rows, m, k_full, panels, panel_stride, np, k_full, k_full < kp ? PrefetchRegion{} : next,
+  tile_products<M>(a_rows, m, k_full, panels, panel_stride, np, k_full, k_full < kp ? PrefetchRegion{} : next,
                 [&](const float* out, int r0, int rows, int p, int n, int64_t) {
                   store_block(out, rows, n, c + r0 * ldc + 16 * p, ldc, accumulate);
                 });
@@ -217,7 +231,7 @@ void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* pane
     // The remaining K values (fewer than a tile) on AVX-512, added in.
     std::vector<const void*> tail(static_cast<size_t>(m));
     for (int r = 0; r < m; ++r) tail[static_cast<size_t>(r)] = static_cast<const bf16_t*>(a_rows[r]) + k_full;
-    fallback_gemm(tail.data(), m, kp - k_full, panels + k_full / 2 * 32, panel_stride, np, c, ldc, true, next);
+    M::fallback_gemm(tail.data(), m, kp - k_full, panels + k_full / 2 * 32, panel_stride, np, c, ldc, true, next);
   }
 }
 
@@ -225,16 +239,17 @@ void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* pane
 // tiles (group / 32 tile steps), then times the group's scales into c in
 // fp32, as the vector kernels take each group's partial sums. group divides
 // kp, so no K remainder is left.
+template <class M>
 void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels, int64_t panel_stride,
                         int np, const float* scales, int64_t scale_stride, int64_t group, float* c, int64_t ldc,
                         bool accumulate, const PrefetchRegion& next) {
   if (m < kMinRows || group % kTileK != 0 || kp % group != 0) {
-    grouped_fallback(a_rows, m, kp, panels, panel_stride, np, scales, scale_stride, group, c, ldc, accumulate, next);
+    M::grouped_fallback(a_rows, m, kp, panels, panel_stride, np, scales, scale_stride, group, c, ldc, accumulate, next);
     return;
   }
   kt::count_kernel(kt::kernel_id(kt::KernelTable::kAmx, kt::KernelEntry::kGemmBf16wGrouped),
                    kt::entry_flops::gemm(m, int64_t{kTileRows} * np, kp));
-  tile_products(a_rows, m, kp, panels, panel_stride, np, group, next,
+  tile_products<M>(a_rows, m, kp, panels, panel_stride, np, group, next,
                 [&](const float* out, int r0, int rows, int p, int n, int64_t j) {
                   const bool add = accumulate || j > 0;
                   for (int r = 0; r < rows; ++r)
@@ -246,3 +261,7 @@ void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, const bf16
                     }
                 });
 }
+
+}  // namespace
+}  // namespace amx
+}  // namespace kt
