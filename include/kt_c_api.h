@@ -1021,6 +1021,18 @@ typedef struct kt_optimizer_options {
   int nesterov;                 /* SGD, 0/1; needs momentum > 0 and dampening 0 */
   kt_optim_arithmetic arithmetic; /* default KT_OPTIM_TORCH1; may change with
                                      kt_optimizer_set_options */
+  int assume_finite;            /* 0/1 (default 0; may change with
+                                   kt_optimizer_set_options). 0: a step first
+                                   reads every gradient and is skipped when
+                                   some g is inf or NaN (kt_optimizer_step).
+                                   1: the host has checked the gradients
+                                   itself (as torch's GradScaler does before
+                                   its step): a step reads each gradient once,
+                                   in the update, and does not check it;
+                                   found_nonfinite is written 0, and a
+                                   non-finite g goes into p, m and v as in
+                                   torch.optim's step (inf/NaN there, only
+                                   at its own elements) */
 } kt_optimizer_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past

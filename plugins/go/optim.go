@@ -39,6 +39,10 @@ type OptimizerOptions struct {
 	Dampening         float64 // SGD
 	Nesterov          bool    // SGD
 	Arithmetic        Arithmetic
+	// AssumeFinite: the host has checked the gradients
+	// (kt_optimizer_options.assume_finite); a step reads them once and does
+	// not skip on inf/NaN.
+	AssumeFinite bool
 }
 
 // DefaultOptimizerOptions returns kt's defaults (kt_optimizer_options_init).
@@ -52,7 +56,7 @@ func fromC(o *C.kt_optimizer_options) OptimizerOptions {
 	return OptimizerOptions{Algorithm: Algorithm(o.algorithm), AMSGrad: o.amsgrad != 0, LR: float64(o.lr),
 		WeightDecay: float64(o.weight_decay), Beta1: float64(o.beta1), Beta2: float64(o.beta2), Eps: float64(o.eps),
 		Momentum: float64(o.momentum), Dampening: float64(o.dampening), Nesterov: o.nesterov != 0,
-		Arithmetic: Arithmetic(o.arithmetic)}
+		Arithmetic: Arithmetic(o.arithmetic), AssumeFinite: o.assume_finite != 0}
 }
 
 func (opts OptimizerOptions) toC() C.kt_optimizer_options {
@@ -69,6 +73,7 @@ func (opts OptimizerOptions) toC() C.kt_optimizer_options {
 	o.dampening = C.double(opts.Dampening)
 	o.nesterov = boolInt(opts.Nesterov)
 	o.arithmetic = C.kt_optim_arithmetic(opts.Arithmetic)
+	o.assume_finite = boolInt(opts.AssumeFinite)
 	return o
 }
 

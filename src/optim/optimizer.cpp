@@ -1,6 +1,6 @@
 // kt_optimizer's core: parameter set-up (host pairs or a layer's bindings),
-// the step in two passes (check every gradient, then update), the gradient
-// norm, and the state file.
+// the step in two passes (check every gradient, then update; one with
+// assume_finite), the gradient norm, and the state file.
 #include "optim/optimizer.h"
 
 #include <algorithm>
@@ -35,6 +35,7 @@ void set_options_defaults(kt_optimizer_options& o) {
   o.dampening = 0.0;
   o.nesterov = 0;
   o.arithmetic = KT_OPTIM_TORCH1;
+  o.assume_finite = 0;
 }
 
 void validate_options(const kt_optimizer_options& o, const char* where) {
@@ -56,6 +57,8 @@ void validate_options(const kt_optimizer_options& o, const char* where) {
   KT_CHECK(o.amsgrad == 0 || o.amsgrad == 1, KT_ERR_INVALID_ARGUMENT, w + "amsgrad must be 0 or 1");
   KT_CHECK(o.nesterov == 0 || o.nesterov == 1, KT_ERR_INVALID_ARGUMENT,
            w + "nesterov must be 0 or 1");
+  KT_CHECK(o.assume_finite == 0 || o.assume_finite == 1, KT_ERR_INVALID_ARGUMENT,
+           w + "assume_finite must be 0 or 1");
   if (o.algorithm == KT_OPTIM_SGD && o.nesterov)
     KT_CHECK(o.momentum > 0.0 && o.dampening == 0.0, KT_ERR_INVALID_ARGUMENT,
              w + "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
@@ -120,8 +123,10 @@ void kt_optimizer::plan_items() {
 }
 
 template <class F>
-void kt_optimizer::for_chunks(F&& fn) {
-  auto run = [&](int64_t index) {
+void kt_optimizer::for_chunks(F&& fn, bool backwards) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  auto run = [&](int64_t order) {
+    const int64_t index = backwards ? n - 1 - order : order;
     const Item& item = items[static_cast<size_t>(index)];
     const Param& p = params[item.param];
     const int64_t o = item.offset;
@@ -136,7 +141,6 @@ void kt_optimizer::for_chunks(F&& fn) {
     if (p.bf16_copy) s.p_bf16 = p.bf16_copy + o;
     fn(static_cast<size_t>(index), s);
   };
-  const int64_t n = static_cast<int64_t>(items.size());
   if (engine && n > 1) {
     engine->pool->run(n, [&](int64_t index, int) { run(index); });
   } else {
@@ -189,10 +193,16 @@ void kt_optimizer::layer_params_changed() {
 
 bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
   check_layer(where);
-  std::vector<uint8_t> finite(items.size(), 0);
-  for_chunks([&](size_t item, const Span& s) { finite[item] = kernels->all_finite(s, unscale, clip); });
-  for (uint8_t f : finite)
-    if (!f) return false;
+  if (!opt.assume_finite) {
+    // Every gradient is read before anything changes. Last item first: the
+    // update pass then starts on gradients this pass has just left in the
+    // caches.
+    std::vector<uint8_t> finite(items.size(), 0);
+    for_chunks([&](size_t item, const Span& s) { finite[item] = kernels->all_finite(s, unscale, clip); },
+               /*backwards=*/true);
+    for (uint8_t f : finite)
+      if (!f) return false;
+  }
   const int64_t t = step + 1;
   // Full mode: each work item packs the rows it updated while they are in
   // cache, instead of a separate repack of every weight.

@@ -57,7 +57,8 @@ struct kt_optimizer {
 
   // Sets up state for every param (after params are filled).
   void allocate_state();
-  // The whole step, under lock_compute(); returns false when skipped.
+  // The whole step, under lock_compute(); returns false when skipped (never
+  // with opt.assume_finite, which makes no check).
   bool step_now(float unscale, float clip, const char* where);
   double grad_sq_norm(const char* where);
   void save(const std::string& path, const char* where);
@@ -82,9 +83,9 @@ struct kt_optimizer {
   void write_layer_item(const Item& item, kt::bf16_t* const packed[3], float* const biases[3]) const;
 
   // Runs fn(item index, span) over every item (on the pool when there is
-  // an engine).
+  // an engine), handed out from the first item or from the last.
   template <class F>
-  void for_chunks(F&& fn);
+  void for_chunks(F&& fn, bool backwards = false);
 };
 
 namespace kt {

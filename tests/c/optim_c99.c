@@ -10,7 +10,7 @@
 #include "kt_c_api.h"
 
 #define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
-LAYOUT(optimizer_options_size, sizeof(kt_optimizer_options) == 80);
+LAYOUT(optimizer_options_size, sizeof(kt_optimizer_options) == 88);
 LAYOUT(optimizer_options_momentum, offsetof(kt_optimizer_options, momentum) == 56 && offsetof(kt_optimizer_options, amsgrad) == 12);
 LAYOUT(step_options_size, sizeof(kt_optimizer_step_options) == 24);
 LAYOUT(optimizer_param_size, sizeof(kt_optimizer_param) == 16);

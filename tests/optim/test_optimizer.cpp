@@ -12,6 +12,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "harness.h"
@@ -146,6 +147,20 @@ struct HostProblem {
   }
 };
 
+// An engine of `threads` unpinned workers with kernels capped at isa, or
+// null for threads 0 (steps on the calling thread).
+kt_engine* make_engine(int threads, kt_isa isa = KT_ISA_AUTO) {
+  if (!threads) return nullptr;
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = threads;
+  eo.pin_threads = 0;
+  eo.max_isa = isa;
+  kt_engine* engine = nullptr;
+  EXPECT_EQ(kt_engine_create(&eo, &engine), KT_OK) << kt_last_error();
+  return engine;
+}
+
 double lr_at(int step) { return 1e-2 * (0.5 + 0.5 * std::cos(3.14159 * step / 200.0)); }
 
 int64_t count_diff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -166,14 +181,8 @@ TEST_P(AdamWSteps, MatchesReferenceBitForBit) {
   const int threads = (variant >> 1) & 3;  // 0: no engine
   const bool torch2 = variant & 8;
   const bool small_beta1 = variant & 16;
-  kt_engine* engine = nullptr;
-  if (threads) {
-    kt_engine_options eo;
-    kt_engine_options_init(&eo);
-    eo.num_threads = threads;
-    eo.pin_threads = 0;
-    ASSERT_EQ(kt_engine_create(&eo, &engine), KT_OK);
-  }
+  kt_engine* engine = make_engine(threads);
+  ASSERT_TRUE(engine || !threads);
   std::mt19937 rng(7 + variant);
   const int64_t rows = 300, cols = 250;  // 75000 elements: three work items, one partial
   const std::vector<float> p0 = randn(rows * cols, rng);
@@ -328,14 +337,166 @@ TEST(Optimizer, NonFiniteGradientSkipsTheStep) {
   EXPECT_EQ(count_diff(values_of(*hp.param), ref.p), 0);
 }
 
+// Equal bits, or both NaN (a NaN's payload may depend on operand order).
+int64_t count_diff_nan(const std::vector<float>& a, const std::vector<float>& b) {
+  int64_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    n += !(std::memcmp(&a[i], &b[i], sizeof(float)) == 0 || (std::isnan(a[i]) && std::isnan(b[i])));
+  return n;
+}
+
+// (kernel ISA, threads: 0 = no engine).
+class NonFiniteLast : public ::testing::TestWithParam<std::tuple<kt_isa, int>> {};
+
+// Three parameters (fp32 and bf16 gradients, several work items each), a
+// non-finite g in the last element of the last one: the step changes no
+// parameter, moment or momentum buffer and keeps the step count, whichever
+// kernels and threads run it. With assume_finite the same gradients go
+// through in one pass: every other element as the reference, the bad one
+// non-finite, nothing skipped.
+TEST_P(NonFiniteLast, ChangesNothingUnlessAssumedFinite) {
+  const kt_isa isa = std::get<0>(GetParam());
+  const int threads = std::get<1>(GetParam());
+  if (isa > kt_cpu_isa()) GTEST_SKIP() << kt_isa_name(isa) << " does not run on this CPU";
+  kt_engine* engine = make_engine(threads, isa);
+  ASSERT_TRUE(engine || !threads);
+  for (const kt_optim_algorithm algo : {KT_OPTIM_ADAMW, KT_OPTIM_SGD}) {
+    SCOPED_TRACE(algo == KT_OPTIM_ADAMW ? "adamw" : "sgd");
+    const bool adamw = algo == KT_OPTIM_ADAMW;
+    std::mt19937 rng(31 + threads);
+    const std::vector<std::vector<int64_t>> shapes = {{70000}, {3, 5}, {300, 250}};
+    // The last gradient is fp32 for AdamW, bf16 for SGD; the middle one bf16.
+    const DLDataType gdt[3] = {kF32, kBF16, adamw ? kF32 : kBF16};
+    std::vector<TensorPtr> params, grads;
+    std::vector<kt_optimizer_param> pairs;
+    std::vector<RefAdamW> ref_a;
+    std::vector<RefSgd> ref_s;
+    for (int t = 0; t < 3; ++t) {
+      int64_t n = 1;
+      for (int64_t d : shapes[t]) n *= d;
+      const std::vector<float> p0 = randn(static_cast<size_t>(n), rng);
+      params.push_back(f32_tensor(shapes[t], p0));
+      grads.push_back(Tensor::make(gdt[t], shapes[t]));
+      pairs.push_back({params.back()->dl(), grads.back()->dl()});
+      ref_a.emplace_back(p0);
+      ref_s.emplace_back(p0);
+    }
+    kt_optimizer_options o;
+    kt_optimizer_options_init(&o);
+    o.algorithm = algo;
+    o.weight_decay = 0.1;
+    if (adamw) o.amsgrad = 1;
+    else o.momentum = 0.9;
+    kt_optimizer* opt = nullptr;
+    if (!threads) setenv("KT_MAX_ISA", kt_isa_name(isa), 1);
+    ASSERT_EQ(kt_optimizer_create(engine, &o, pairs.data(), pairs.size(), &opt), KT_OK) << kt_last_error();
+    if (!threads) unsetenv("KT_MAX_ISA");
+
+    // Fresh gradients (bad in the last element of the last tensor), also
+    // given to the references as the values kt reads.
+    auto step = [&](float bad, bool give_ref, int* nonfinite, float unscale = 1.f) {
+      std::normal_distribution<float> normal(0.f, 0.1f);
+      std::vector<std::vector<float>> g(3);
+      for (int t = 0; t < 3; ++t) {
+        const int64_t n = grads[t]->numel();
+        for (int64_t i = 0; i < n; ++i) {
+          float v = normal(rng);
+          if (t == 2 && i == n - 1) v = bad == 0.f ? 0.05f : bad;  // bad 0: a finite step
+          grads[t]->set(i, v);
+          g[t].push_back(static_cast<float>(grads[t]->get(i)));
+        }
+        if (give_ref) {
+          if (adamw) ref_a[t].step(g[t], o, unscale);
+          else {
+            std::vector<float> scaled(g[t]);
+            for (float& x : scaled) x *= unscale;
+            ref_s[t].step(scaled, o);
+          }
+        }
+      }
+      kt_optimizer_step_options so;
+      kt_optimizer_step_options_init(&so);
+      so.grad_unscale = unscale;
+      so.found_nonfinite = nonfinite;
+      return kt_optimizer_step(opt, &so);
+    };
+    const std::vector<kt_optim_state> kinds =
+        adamw ? std::vector<kt_optim_state>{KT_OPTIM_STATE_EXP_AVG, KT_OPTIM_STATE_EXP_AVG_SQ,
+                                            KT_OPTIM_STATE_MAX_EXP_AVG_SQ}
+              : std::vector<kt_optim_state>{KT_OPTIM_STATE_MOMENTUM};
+    // Every parameter and state tensor, in order.
+    auto snapshot = [&] {
+      std::vector<std::vector<float>> all;
+      for (int t = 0; t < 3; ++t) {
+        all.push_back(values_of(*params[t]));
+        for (kt_optim_state k : kinds) {
+          DLTensor st;
+          EXPECT_EQ(kt_optimizer_state(opt, static_cast<size_t>(t), k, &st), KT_OK) << kt_last_error();
+          const float* d = static_cast<const float*>(st.data);
+          all.emplace_back(d, d + params[t]->numel());
+        }
+      }
+      return all;
+    };
+    auto steps_made = [&] {
+      int64_t s = -1;
+      EXPECT_EQ(kt_optimizer_get_step(opt, &s), KT_OK);
+      return s;
+    };
+    auto expect_reference = [&](const char* when) {
+      for (int t = 0; t < 3; ++t)
+        EXPECT_EQ(count_diff_nan(values_of(*params[t]), adamw ? ref_a[t].p : ref_s[t].p), 0) << when << " " << t;
+    };
+
+    int nonfinite = -1;
+    ASSERT_EQ(step(0.f, true, &nonfinite), KT_OK) << kt_last_error();
+    EXPECT_EQ(nonfinite, 0);
+    const std::vector<std::vector<float>> before = snapshot();
+    for (float bad : {NAN, INFINITY, -INFINITY, 3e38f}) {
+      nonfinite = -1;
+      // 3e38 is finite, 3e38 * 10 is not.
+      ASSERT_EQ(step(bad, false, &nonfinite, bad == 3e38f ? 10.f : 1.f), KT_OK) << kt_last_error();
+      EXPECT_EQ(nonfinite, 1) << bad;
+      const std::vector<std::vector<float>> after = snapshot();
+      for (size_t k = 0; k < before.size(); ++k) EXPECT_EQ(count_diff(after[k], before[k]), 0) << bad << " " << k;
+      EXPECT_EQ(steps_made(), 1) << bad;
+    }
+    expect_reference("after the skipped steps");
+
+    // assume_finite: a finite step is the same step; a non-finite g goes in.
+    o.assume_finite = 1;
+    ASSERT_EQ(kt_optimizer_set_options(opt, &o), KT_OK) << kt_last_error();
+    ASSERT_EQ(step(0.f, true, &nonfinite), KT_OK);
+    EXPECT_EQ(nonfinite, 0);
+    expect_reference("assume_finite, finite g");
+    nonfinite = -1;
+    ASSERT_EQ(step(NAN, true, &nonfinite), KT_OK);
+    EXPECT_EQ(nonfinite, 0);
+    EXPECT_EQ(steps_made(), 3);
+    expect_reference("assume_finite, a NaN g");
+    EXPECT_TRUE(std::isnan(params[2]->f32()[params[2]->numel() - 1]));
+    // Only its own element: the others of that tensor are finite.
+    int64_t bad_elements = 0;
+    for (int t = 0; t < 3; ++t)
+      for (int64_t i = 0; i < params[t]->numel(); ++i) bad_elements += !std::isfinite(params[t]->f32()[i]);
+    EXPECT_EQ(bad_elements, 1);
+    kt_optimizer_options got;
+    kt_optimizer_options_init(&got);
+    ASSERT_EQ(kt_optimizer_get_options(opt, &got), KT_OK);
+    EXPECT_EQ(got.assume_finite, 1);
+    kt_optimizer_destroy(opt);
+  }
+  EXPECT_EQ(kt_engine_destroy(engine), KT_OK);
+}
+
+INSTANTIATE_TEST_SUITE_P(IsasAndThreads, NonFiniteLast,
+                         ::testing::Combine(::testing::Values(KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16),
+                                            ::testing::Values(0, 1, 3)));
+
 TEST(Optimizer, GradSqNormIsTheSumOfSquares) {
   std::mt19937 rng(9);
-  kt_engine_options eo;
-  kt_engine_options_init(&eo);
-  eo.num_threads = 2;
-  eo.pin_threads = 0;
-  kt_engine* engine = nullptr;
-  ASSERT_EQ(kt_engine_create(&eo, &engine), KT_OK);
+  kt_engine* engine = make_engine(2);
+  ASSERT_NE(engine, nullptr);
   TensorPtr p1 = f32_tensor({100000}, randn(100000, rng)), g1 = f32_tensor({100000}, randn(100000, rng));
   TensorPtr p2 = f32_tensor({3, 5}, randn(15, rng));
   TensorPtr g2 = Tensor::make(kBF16, {3, 5});
@@ -559,12 +720,8 @@ TEST(OptimizerBadInput, RefusedWithNamedArguments) {
 
 // A submitted step gives what a direct step gives.
 TEST(Optimizer, SubmittedStepEqualsDirectStep) {
-  kt_engine_options eo;
-  kt_engine_options_init(&eo);
-  eo.num_threads = 2;
-  eo.pin_threads = 0;
-  kt_engine* engine = nullptr;
-  ASSERT_EQ(kt_engine_create(&eo, &engine), KT_OK);
+  kt_engine* engine = make_engine(2);
+  ASSERT_NE(engine, nullptr);
   std::mt19937 rng(31);
   const std::vector<float> p0 = randn(50000, rng);
   const std::vector<float> g = randn(p0.size(), rng);

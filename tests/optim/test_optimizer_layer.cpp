@@ -97,6 +97,20 @@ struct Inputs {
   }
 };
 
+// A full-mode layer (no biases) loaded with w, w's tensors bound as its
+// weights and g's as their gradients.
+kt_moe* bound_full_layer(kt_engine* engine, Weights& w, Weights& g) {
+  kt_moe* layer = make_layer(engine, KT_MODE_FULL);
+  load(layer, w);
+  std::vector<kt_arg> bind;
+  for (int p = 0; p < 3; ++p) {
+    bind.push_back({KT_ARG_W_GATE + p, w.w[p]->dl()});
+    bind.push_back({KT_ARG_GRAD_W_GATE + p, g.w[p]->dl()});
+  }
+  EXPECT_EQ(kt_moe_bind(layer, bind.data(), bind.size()), KT_OK) << kt_last_error();
+  return layer;
+}
+
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
@@ -207,6 +221,50 @@ TEST_P(FullMode, StepLeavesPackedWeightsConsistentWithMasters) {
 INSTANTIATE_TEST_SUITE_P(DtypesAndBiases, FullMode,
                          ::testing::Combine(::testing::Values(false, true), ::testing::Values(false, true)));
 
+// assume_finite on a full-mode layer with bf16 weights: a NaN gradient
+// whose payload would carry a plain rounding into a zero (all bits set) or an
+// infinity leaves a NaN in the bf16 copy and the packed panel, the bits
+// kt_moe_params_changed packs from that copy; every other element is finite.
+TEST(LayerOptimizer, AssumedFiniteNaNStaysNaNInBf16) {
+  Engine engine;
+  std::mt19937 rng(53);
+  Weights w(kBF16, rng);
+  Inputs in(rng);
+  Weights g(kF32, rng);
+  kt_moe* layer = bound_full_layer(engine.e, w, g);
+  kt_optimizer_options o;
+  kt_optimizer_options_init(&o);
+  o.assume_finite = 1;
+  kt_optimizer* opt = nullptr;
+  ASSERT_EQ(kt_optimizer_create_for_layer(layer, &o, &opt), KT_OK) << kt_last_error();
+  const uint32_t payloads[] = {0xffffffffu, 0x7fffffffu, 0x7f808000u};
+  for (int p = 0; p < 3; ++p) std::memcpy(&g.w[p]->f32()[5 + p], &payloads[p], 4);
+  kt_optimizer_step_options so;
+  kt_optimizer_step_options_init(&so);
+  int nonfinite = -1;
+  so.found_nonfinite = &nonfinite;
+  ASSERT_EQ(kt_optimizer_step(opt, &so), KT_OK) << kt_last_error();
+  EXPECT_EQ(nonfinite, 0);
+  for (int p = 0; p < 3; ++p) {
+    DLTensor master;
+    ASSERT_EQ(kt_optimizer_state(opt, static_cast<size_t>(p), KT_OPTIM_STATE_MASTER, &master), KT_OK);
+    const float* m = static_cast<const float*>(master.data);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < w.w[p]->numel(); ++i) {
+      bad += !std::isfinite(m[i]);
+      ASSERT_EQ(w.w[p]->u16()[i], kt::f32_to_bf16(m[i])) << p << " " << i;
+    }
+    EXPECT_EQ(bad, 1) << p;
+    EXPECT_TRUE(std::isnan(m[5 + p])) << p;
+    EXPECT_EQ(w.w[p]->u16()[5 + p] & 0x7fffu, (w.w[p]->u16()[5 + p] & 0x7fffu) | 0x7fc0u) << p << ": not a quiet NaN";
+  }
+  const std::vector<float> y_step = in.forward(layer);
+  ASSERT_EQ(kt_moe_params_changed(layer), KT_OK) << kt_last_error();
+  EXPECT_TRUE(same_bits(y_step, in.forward(layer)));
+  kt_optimizer_destroy(opt);
+  kt_moe_destroy(layer);
+}
+
 // The overlap pattern: the layer's gradient hook submits the optimizer step
 // while the backward job ends; the step equals a host optimizer's on the
 // same gradients.
@@ -226,13 +284,8 @@ TEST(LayerOptimizer, GradHookSubmitsTheStep) {
   std::mt19937 rng(59);
   Weights w(kF32, rng);
   Inputs in(rng);
-  kt_moe* layer = make_layer(engine.e, KT_MODE_FULL);
-  load(layer, w);
   Weights g(kF32, rng);
-  kt_arg bind[] = {{KT_ARG_W_GATE, w.w[0]->dl()},  {KT_ARG_W_UP, w.w[1]->dl()},
-                   {KT_ARG_W_DOWN, w.w[2]->dl()},  {KT_ARG_GRAD_W_GATE, g.w[0]->dl()},
-                   {KT_ARG_GRAD_W_UP, g.w[1]->dl()}, {KT_ARG_GRAD_W_DOWN, g.w[2]->dl()}};
-  ASSERT_EQ(kt_moe_bind(layer, bind, 6), KT_OK) << kt_last_error();
+  kt_moe* layer = bound_full_layer(engine.e, w, g);
   TensorPtr host[3];
   kt_optimizer_param pairs[3];
   for (int p = 0; p < 3; ++p) {

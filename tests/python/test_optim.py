@@ -152,6 +152,41 @@ def test_zero_grad_and_params_without_grad():
     assert p.grad is None or not p.grad.any()
 
 
+def test_assume_finite_reads_the_gradient_once_and_lets_nan_in(correctly_rounded_sqrt):
+    """By default a NaN gradient skips the step (nothing changes); with
+    assume_finite=True it goes in, as in torch.optim.AdamW, at its own
+    element only; finite steps are the same either way."""
+    init = make_params(3, shapes=((70000,),))[0]
+    a, b = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    checked, assumed = kt.optim.AdamW([a], lr=1e-2), kt.optim.AdamW([b], lr=1e-2, assume_finite=True)
+    theirs = torch.nn.Parameter(init.clone())
+    topt = torch.optim.AdamW([theirs], lr=1e-2)
+    g = torch.Generator().manual_seed(4)
+    for bad in (False, False, True):
+        grad = torch.randn(init.shape, generator=g) * 0.1
+        if bad:
+            grad[-1] = float("nan")
+        before = a.detach().clone()
+        for p, o in ((a, checked), (b, assumed), (theirs, topt)):
+            p.grad = grad.clone()
+            o.step()
+        if bad:
+            assert torch.equal(a.detach(), before)
+            assert checked.state[a]["step"].item() == 2
+            assert assumed.state[b]["step"].item() == 3
+            assert torch.isnan(b[-1]) and torch.isnan(theirs[-1])
+            assert torch.equal(b.detach()[:-1], theirs.detach()[:-1])
+            assert torch.isfinite(b.detach()[:-1]).all()
+        else:
+            assert torch.equal(a.detach(), b.detach())
+    # The attribute changes the following steps.
+    assumed.assume_finite = False
+    b.grad = torch.full(init.shape, float("inf"))
+    kept = b.detach().clone()
+    assumed.step()
+    assert torch.equal(b.detach()[:-1], kept[:-1])
+
+
 def test_unsupported_parameters_are_refused_by_name():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
     p.grad = torch.ones(4, dtype=torch.float64)

@@ -215,6 +215,7 @@ class OptimizerOptions(ctypes.Structure):
         ("dampening", ctypes.c_double),
         ("nesterov", ctypes.c_int),
         ("arithmetic", ctypes.c_int),
+        ("assume_finite", ctypes.c_int),
     ]
 
 

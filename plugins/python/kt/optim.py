@@ -21,6 +21,14 @@ rounded; an in-place change of the parameter by the host is taken into the
 master before the next step). Any other parameter, float32 on the CPU, gets
 a kt optimizer of its own.
 
+A step first reads every gradient and is skipped, changing nothing, when
+one is inf or NaN. ``assume_finite=True`` (a keyword of both optimizers, or
+the attribute of that name between steps) is for a host that has checked the
+gradients itself, as torch's ``GradScaler`` does (its ``step`` calls
+``step()`` only when ``unscale_`` found no inf/NaN): each step then reads
+the gradients once, and a non-finite one goes into the parameter and state
+as in torch.optim's step (kt_optimizer_options.assume_finite).
+
 kt owns the state; ``state[p]`` holds views of it, and ``state_dict()``
 returns copies. kt keeps the parameter's storage from its first step on:
 replacing ``p.data`` with another tensor afterwards is not followed.
@@ -138,10 +146,11 @@ def _layer_of(p):
 class _KtOptimizer(torch.optim.Optimizer):
     _ALGORITHM = None
 
-    def __init__(self, params, defaults, engine=None):
+    def __init__(self, params, defaults, engine=None, assume_finite=False):
         if defaults.get("maximize"):
             raise ValueError("kt.optim: maximize=True is not supported")
         super().__init__(params, defaults)
+        self.assume_finite = bool(assume_finite)
         self._engine = engine if engine is not None else default_engine()
         self._kt = {}       # parameter -> _KtParamState
         self._layers = {}   # id(MoEExperts) -> _KtLayerState
@@ -151,6 +160,7 @@ class _KtOptimizer(torch.optim.Optimizer):
         lib().kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         o.algorithm = self._ALGORITHM
         o.arithmetic = host_arithmetic()
+        o.assume_finite = 1 if self.assume_finite else 0
         self._fill_options(o, group)
         return o
 
@@ -339,7 +349,7 @@ class AdamW(_KtOptimizer):
     _ALGORITHM = _capi.OPTIM_ADAMW
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-                 *, maximize=False, engine=None):
+                 *, maximize=False, engine=None, assume_finite=False):
         if not 0.0 <= lr:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if not 0.0 <= eps:
@@ -350,7 +360,7 @@ class AdamW(_KtOptimizer):
             raise ValueError("Invalid weight_decay value: {}".format(weight_decay))
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
-        super().__init__(params, defaults, engine)
+        super().__init__(params, defaults, engine, assume_finite)
 
     def _fill_options(self, o, group):
         o.lr = group["lr"]
@@ -383,7 +393,7 @@ class SGD(_KtOptimizer):
     _ALGORITHM = _capi.OPTIM_SGD
 
     def __init__(self, params, lr, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, engine=None):
+                 maximize=False, engine=None, assume_finite=False):
         if lr < 0.0:
             raise ValueError("Invalid learning rate: {}".format(lr))
         if momentum < 0.0:
@@ -394,7 +404,7 @@ class SGD(_KtOptimizer):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                         nesterov=nesterov, maximize=maximize)
-        super().__init__(params, defaults, engine)
+        super().__init__(params, defaults, engine, assume_finite)
 
     def _fill_options(self, o, group):
         o.lr = group["lr"]

@@ -281,6 +281,7 @@ kt_structs! {
         pub dampening: f64,
         pub nesterov: c_int,
         pub arithmetic: kt_optim_arithmetic,
+        pub assume_finite: c_int,
     }
     /// One host parameter and its gradient, for kt_optimizer_create.
     pub struct kt_optimizer_param {

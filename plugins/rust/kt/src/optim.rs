@@ -39,6 +39,9 @@ pub struct OptimizerOptions {
     pub dampening: f64,
     pub nesterov: bool,
     pub arithmetic: Arithmetic,
+    /// The host has checked the gradients (kt_optimizer_options.assume_finite):
+    /// a step reads them once and does not skip on inf/NaN.
+    pub assume_finite: bool,
 }
 
 fn raw_defaults() -> sys::kt_optimizer_options {
@@ -63,6 +66,7 @@ impl From<&sys::kt_optimizer_options> for OptimizerOptions {
             dampening: o.dampening,
             nesterov: o.nesterov != 0,
             arithmetic: if o.arithmetic == sys::KT_OPTIM_TORCH2 { Arithmetic::Torch2 } else { Arithmetic::Torch1 },
+            assume_finite: o.assume_finite != 0,
         }
     }
 }
@@ -87,6 +91,7 @@ impl OptimizerOptions {
             Arithmetic::Torch1 => sys::KT_OPTIM_TORCH1,
             Arithmetic::Torch2 => sys::KT_OPTIM_TORCH2,
         };
+        o.assume_finite = self.assume_finite as c_int;
         o
     }
 }
