@@ -1,8 +1,9 @@
 // The per-ISA micro-kernels behind one dispatch table. Everything above this
 // table (routing, tiling, packing loops, threading, LoRA, gradients) is written
-// once in src/moe; only these functions differ per ISA.
+// once in src/moe; only these functions differ per ISA. The registry, the
+// names and what a new ISA or kernel adds: src/kernels/README.md.
 //
-// Packed weight layout (formats/packed.h): a logical [N, K] (out x in) matrix
+// Packed weight layout (formats/packed_bf16.h, PanelShape): a logical [N, K] (out x in) matrix
 // is stored as ceil(N/16) panels of 16 rows; a panel holds K_pad/2 groups of
 // 16 x 2 bf16 (row-lane major, the K pair innermost), 64 bytes per group.
 // K_pad = K rounded up to even, zero padded; rows past N are zero.
@@ -80,10 +81,6 @@ enum class QuantCode { kInt, kE4M3, kE2M1 };
 // fp32 when scale_bytes is 4). Asymmetric int4: the 16 zero bytes (z + 8)
 // of panel p and group j at zeros + p * scale_panel + 16 j, and a code
 // nibble u stands for u - zero byte; zeros is NULL for the other formats.
-// The most rows any weight GEMM kernel takes in a single row tile
-// (AVX-512 BF16, one panel).
-constexpr int kGemmSingleTileRows = 16;
-
 struct QuantPanels {
   const uint8_t* codes = nullptr;
   int64_t code_panel_bytes = 0;
@@ -96,6 +93,10 @@ struct QuantPanels {
   int64_t kq = 0;     // K of the codes and of the A rows
   int64_t group = 0;  // K per scale, a multiple of 32 dividing kq
 };
+
+// The most rows any weight GEMM kernel takes in a single row tile
+// (AVX-512 BF16, one panel).
+constexpr int kGemmSingleTileRows = 16;
 
 // A stored scale (fp32, or bf16 when scale_bytes is 2) as fp32.
 inline float stored_scale(const uint8_t* at, int scale_bytes) {
