@@ -7,7 +7,9 @@
 // then transpose_panels (backward's W^T panels) and the LoRA fp32 GEMMs. Read with kt_bench's
 // per-stage profile: a stage below its kernel's cold figure loses time outside the kernel.
 //
-// usage: kt_kernel_bench [--isa NAME] [--quick]
+// usage: kt_kernel_bench [--isa NAME] [--quick]; NAME: a table of the kernel
+// registry (src/kernels/kernel_list.inc: ref, avx2, avx2_no_vnni, ...); by
+// default the best this CPU runs.
 #include <pthread.h>
 #include <sched.h>
 
@@ -330,20 +332,35 @@ void lora_section(const kt::Kernels& K, double peak, bool quick) {
   }
 }
 
+// The registry's table of that name, or nullptr.
+const kt::KernelTableInfo* registry_table(const std::vector<kt::KernelTableInfo>& tables, const std::string& name) {
+  for (const kt::KernelTableInfo& t : tables)
+    if (name == t.name) return &t;
+  return nullptr;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   bool quick = false;
-  kt_isa cap = KT_ISA_AMX;  // no cap: the best this CPU runs
+  const std::vector<kt::KernelTableInfo> tables = kt::compiled_kernel_tables();
+  const kt::Kernels* chosen = &kt::select_kernels(KT_ISA_AMX);  // no cap: the best this CPU runs
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
+    const kt::KernelTableInfo* t = a == "--isa" && i + 1 < argc ? registry_table(tables, argv[i + 1]) : nullptr;
     if (a == "--quick") {
       quick = true;
-    } else if (a == "--isa" && i + 1 < argc) {
-      const std::string v = argv[++i];
-      cap = v == "ref" ? KT_ISA_REF : v == "avx2" ? KT_ISA_AVX2 : v == "avx512bf16" ? KT_ISA_AVX512BF16 : KT_ISA_AMX;
+    } else if (t) {
+      ++i;
+      if (*t->missing) {
+        std::printf("kt_kernel_bench: %s not run: this CPU has no %s\n", t->name, t->missing);
+        return 0;
+      }
+      chosen = t->table;
     } else {
-      std::fprintf(stderr, "usage: kt_kernel_bench [--isa ref|avx2|avx512bf16] [--quick]\n");
+      std::string names;
+      for (const kt::KernelTableInfo& r : tables) names += std::string(names.empty() ? "" : "|") + r.name;
+      std::fprintf(stderr, "usage: kt_kernel_bench [--isa %s] [--quick]\n", names.c_str());
       return a == "-h" || a == "--help" ? 0 : 2;
     }
   }
@@ -354,7 +371,7 @@ int main(int argc, char** argv) {
   CPU_SET(cpus.front(), &set);
   pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 
-  const kt::Kernels& K = kt::select_kernels(cap);
+  const kt::Kernels& K = *chosen;
   const kt_bench::MachineLimits lim = kt_bench::measure_machine_limits(1, quick);
   const bool bf16 = K.a_elem_size == 2;
   // The AMX table's peak is the tiles' (tdpbf16ps), measured beside the rest.

@@ -96,22 +96,6 @@ bool cpu_has_amx_int8() {
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));
 }
 
-#if KT_HAVE_AVX2
-const Kernels* avx2_without_vnni() {
-  return &kernels_avx2_no_vnni;
-}
-#else
-const Kernels* avx2_without_vnni() {
-  return nullptr;
-}
-#endif
-
-#if KT_HAVE_AVX512BF16
-const Kernels* avx512bf16_without_vbmi() { return &kernels_avx512bf16_no_vbmi; }
-#else
-const Kernels* avx512bf16_without_vbmi() { return nullptr; }
-#endif
-
 #if KT_HAVE_AMX
 namespace amx {
 bool self_test();

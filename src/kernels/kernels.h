@@ -317,10 +317,6 @@ struct KernelTableInfo {
 std::vector<KernelTableInfo> compiled_kernel_tables();
 // The registry's name of an ISA ("avx2"), "unknown" for others.
 const char* kernel_isa_name(kt_isa isa);
-// The AVX-512 BF16 table as a CPU without AVX512-VBMI (Cooper Lake) runs
-// it, where that differs from kernels_for(KT_ISA_AVX512BF16) on a CPU with
-// it; nullptr when not compiled in. For the tests, to run both paths.
-const Kernels* avx512bf16_without_vbmi();
 // Whether the CPU has AVX-VNNI (the VEX vpdpbusd; cpuid leaf 7.1 EAX bit 4;
 // its ymm state is the AVX state the AVX2 level requires): the AVX2 table's
 // gemm_int8 uses it there.
@@ -328,9 +324,6 @@ bool cpu_has_avx_vnni();
 // Whether the CPU has AMX-INT8 (cpuid leaf 7 EDX bit 25): the amx table's
 // gemm_int8 runs on tiles there.
 bool cpu_has_amx_int8();
-// The AVX2 table as a CPU without AVX-VNNI runs it; nullptr when not
-// compiled in. For the tests, to run both paths.
-const Kernels* avx2_without_vnni();
 // Whether the AMX kernels, on this CPU, computed a known product right
 // (checked once; select_kernels uses AVX-512 BF16 instead when not). Only
 // call where detect_cpu_isa() is KT_ISA_AMX.

@@ -22,34 +22,51 @@ namespace {
 
 using kt::bf16_t;
 
-std::vector<const kt::Kernels*> compiled_kernels() {
+// The compiled tables of the kernel registry (src/kernels/kernel_list.inc),
+// on any CPU: a test on a table this CPU does not run skips, saying why.
+const std::vector<kt::KernelTableInfo>& registry() {
+  static const std::vector<kt::KernelTableInfo> tables = kt::compiled_kernel_tables();
+  return tables;
+}
+const kt::KernelTableInfo& registry_entry(const kt::Kernels* k) {
+  for (const kt::KernelTableInfo& t : registry())
+    if (t.table == k) return t;
+  static const kt::KernelTableInfo none{nullptr, "unlisted", "a place in the registry"};
+  return none;
+}
+// An ISA's own table, not a variant of it.
+bool isa_table(const kt::KernelTableInfo& t) { return kt::kernels_for(t.table->isa) == t.table; }
+
+// The ISA tables (with_variants false), or all: the GEMM and dequantization
+// tests also run each ISA's table as a CPU without an optional feature runs
+// it (avx2_no_vnni, avx512bf16_no_vbmi).
+std::vector<const kt::Kernels*> registry_tables(bool with_variants) {
   std::vector<const kt::Kernels*> v;
-  const kt_isa cpu = kt::detect_cpu_isa();
-  for (kt_isa isa : {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX}) {
-    const kt::Kernels* k = kt::kernels_for(isa);
-    if (k && isa <= cpu) v.push_back(k);
-  }
+  for (const kt::KernelTableInfo& t : registry())
+    if (with_variants || isa_table(t)) v.push_back(t.table);
   return v;
 }
-
-// The GEMM and dequantization tests also run the AVX-512 BF16 table as a
-// CPU without AVX512-VBMI runs it, and the AVX2 table as one without
-// AVX-VNNI (where this CPU has them).
-std::vector<const kt::Kernels*> compiled_kernel_variants() {
-  std::vector<const kt::Kernels*> v = compiled_kernels();
-  const kt::Kernels* no_vbmi = kt::avx512bf16_without_vbmi();
-  if (no_vbmi && kt::detect_cpu_isa() >= KT_ISA_AVX512BF16) v.push_back(no_vbmi);
-  const kt::Kernels* no_vnni = kt::avx2_without_vnni();
-  if (no_vnni && kt::detect_cpu_isa() >= KT_ISA_AVX2 && kt::cpu_has_avx_vnni())
-    v.push_back(no_vnni);
+// The ISA tables this CPU runs.
+std::vector<const kt::Kernels*> runnable_isa_tables() {
+  std::vector<const kt::Kernels*> v;
+  for (const kt::KernelTableInfo& t : registry())
+    if (isa_table(t) && !*t.missing) v.push_back(t.table);
   return v;
 }
 
 std::string kernels_test_name(const ::testing::TestParamInfo<const kt::Kernels*>& i) {
-  if (i.param == kt::avx512bf16_without_vbmi()) return "avx512bf16_no_vbmi";
-  if (i.param == kt::avx2_without_vnni()) return "avx2_no_vnni";
-  return kt_isa_name(i.param->isa);
+  return registry_entry(i.param).name;
 }
+
+// Tests over the registry's tables: skipped where this CPU lacks what the
+// table needs.
+class RegistryTables : public ::testing::TestWithParam<const kt::Kernels*> {
+ protected:
+  void SetUp() override {
+    const kt::KernelTableInfo& t = registry_entry(GetParam());
+    if (*t.missing) GTEST_SKIP() << t.name << " not run: this CPU has no " << t.missing;
+  }
+};
 
 // m rows of k values (a, row-major) in table K's A format, and pointers to
 // them. The data lives in the returned object.
@@ -102,7 +119,7 @@ TEST(PackedPanels, PackAndReadBackEveryElement) {
   }
 }
 
-class TransposeKernels : public ::testing::TestWithParam<const kt::Kernels*> {};
+class TransposeKernels : public RegistryTables {};
 
 TEST_P(TransposeKernels, TransposedPanelsHoldTheTranspose) {
   const kt::Kernels& K = *GetParam();
@@ -131,7 +148,7 @@ TEST_P(TransposeKernels, TransposedPanelsHoldTheTranspose) {
   }
 }
 
-class GemmKernels : public ::testing::TestWithParam<const kt::Kernels*> {};
+class GemmKernels : public RegistryTables {};
 
 // gemm_bf16w against the scalar twin on operands both represent exactly
 // (bf16 values), so results agree to fp32 accumulation-order error.
@@ -252,7 +269,7 @@ TEST(AmxKernels, RunWhereTheCpuHasAmx) {
 // choice, with nothing timed.
 TEST(AutoGemm, TimesOnlyTheAmxTables) {
   std::string note;
-  for (const kt::Kernels* k : compiled_kernels()) {
+  for (const kt::Kernels* k : runnable_isa_tables()) {
     if (k->isa == KT_ISA_AMX) continue;
     EXPECT_EQ(&kt::auto_gemm_kernels(*k, &note), k) << k->gemm_name;
     EXPECT_EQ(note, "") << k->gemm_name;
@@ -1159,9 +1176,9 @@ TEST_P(GemmKernels, QuantGemmLongKMatchesPlainLoops) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(compiled_kernels()), kernels_test_name);
+INSTANTIATE_TEST_SUITE_P(Compiled, TransposeKernels, ::testing::ValuesIn(registry_tables(false)), kernels_test_name);
 
-INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(compiled_kernel_variants()), kernels_test_name);
+INSTANTIATE_TEST_SUITE_P(Compiled, GemmKernels, ::testing::ValuesIn(registry_tables(true)), kernels_test_name);
 
 TEST(Bf16, RoundTripAndNearestEven) {
   EXPECT_EQ(kt::f32_to_bf16(1.0f), 0x3f80);
