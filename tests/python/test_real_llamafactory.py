@@ -133,7 +133,7 @@ def run_cli(tmp_path, name, model, with_kt, **config):
     cfg.write_text(_config(model, out, **config))
     env = dict(os.environ)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "datasets"),
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", DISABLE_VERSION_CHECK="0",
+               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false",
                # The checkout's kt package (KT_LIBRARY names the library).
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.join(ROOT, "plugins", "python"),
                                                         env.get("PYTHONPATH")])))

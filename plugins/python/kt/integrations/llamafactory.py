@@ -74,11 +74,12 @@ After training, ``<output_dir>/kt_llamafactory.json`` says what kt did: the
 kt blocks, their mode and LoRA targets, how many forward calls and tokens
 they computed, and the engine.
 
-Not covered: other stages than those that load a causal LM through
-``load_model`` (sft, pt, dpo, ... share it, only sft is tested), a
-``model_name_or_path`` that is not a local directory is fetched with
-huggingface_hub first; ``train_from_scratch`` is refused (kt loads the
-experts from a checkpoint); tested on the CPU only.
+A ``model_name_or_path`` that is not a local directory is fetched with
+huggingface_hub first (kt reads the files). ``train_from_scratch`` is
+refused (kt loads the experts from a checkpoint), and so is USE_RAY (Ray's
+workers would not have the hook). The other stages (pt, dpo, ...) load the
+model through the same ``load_model`` but only sft is tested; LlamaFactory's
+``device_map`` is not applied by the hook, and only the CPU is tested.
 Versions: packaging/python/requirements-llamafactory.txt.
 """
 import json
@@ -115,14 +116,14 @@ def _kt_targets(finetuning, per_expert):
     return ("lora" if projections else "inference"), projections
 
 
-def _experts_are_modules(config):
+def _experts_are_modules(config, trust_remote_code=False):
     """Whether the plain transformers model holds its routed experts as a
     list of per-expert modules (transformers 4) rather than fused parameters."""
     import torch
     import transformers
     from torch import nn
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     return any(isinstance(getattr(m, "experts", None), nn.ModuleList) for m in model.modules())
 
 
@@ -208,7 +209,8 @@ class KtCausalLM:
         finetuning = _state["finetuning"]
         # The plain model's expert form decides what lora_target "all" means.
         rng = torch.random.get_rng_state()
-        per_expert = _experts_are_modules(config)
+        remote = bool(kwargs.get("trust_remote_code", False))
+        per_expert = _experts_are_modules(config, remote)
         mode, projections = _kt_targets(finetuning, per_expert)
         lora = {}
         if mode == "lora":
@@ -221,7 +223,7 @@ class KtCausalLM:
             # not the one kt.hf would read from the directory again.
             @staticmethod
             def from_config(_config, **kw):
-                return transformers.AutoModelForCausalLM.from_config(config, **kw)
+                return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=remote, **kw)
 
         model = kt.hf.from_pretrained(directory, model_class=_WithConfig, dtype=dtype, engine=engine,
                                       mode=mode, **lora, **opts)
@@ -327,6 +329,9 @@ def install(options=None, finetuning=None):
 
 def train(argv):
     """``llamafactory-cli train ARGV...`` in this process, with kt."""
+    if os.environ.get("USE_RAY", "0").lower() in ("true", "y", "1"):
+        raise ValueError("kt.integrations.llamafactory: USE_RAY would train in Ray's workers, without kt; "
+                         "kt trains in this one process")
     sys.argv = [sys.argv[0]] + list(argv)
     from llamafactory.hparams import read_args
     from llamafactory.train.tuner import run_exp
