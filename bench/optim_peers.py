@@ -5,7 +5,10 @@ Peers, each an optional import (a line says which were skipped and why):
   kt         kt.optim.AdamW (one kt optimizer per parameter, as the torch
              optimizer makes them), and, where a case has several tensors,
              kt's C ABI with one kt_optimizer over all of them (what
-             kt.torch.MoEExperts gets for a layer's parameters)
+             kt.torch.MoEExperts gets for a layer's parameters); and in
+             every case that optimizer with assume_finite = 1 (a host that
+             has checked the gradients itself: one pass over them, where
+             kt's default first reads them all for inf/NaN)
   deepspeed  deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode, fp32 states;
              its C++ op is JIT-built on first use)
   torch      torch.optim.AdamW: the default (for-loop on CPU), foreach=True
@@ -188,11 +191,14 @@ class KtTorchPeer(ParamsPeer):
 
 
 class KtHandlePeer(Peer):
-    """One kt_optimizer over every tensor of the case, through the C ABI."""
+    """One kt_optimizer over every tensor of the case, through the C ABI;
+    with assume_finite, the step of a host that has checked the gradients
+    itself (one pass, no skip on inf/NaN)."""
 
-    def __init__(self, kt, engine):
-        super().__init__("kt", "C ABI, one optimizer", "kt_optimizer_create over all tensors")
-        self.kt, self.engine = kt, engine
+    def __init__(self, kt, engine, assume_finite=False):
+        super().__init__("kt", "C ABI, assume_finite" if assume_finite else "C ABI, one optimizer",
+                         "kt_optimizer_create over all tensors" + (", assume_finite = 1" if assume_finite else ""))
+        self.kt, self.engine, self.assume_finite = kt, engine, assume_finite
         from kt import _capi
         from kt._tensor import DLView
         from kt.core import check, lib
@@ -211,6 +217,7 @@ class KtHandlePeer(Peer):
         self.lib.kt_optimizer_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         o.algorithm = capi.OPTIM_ADAMW
         o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, o.amsgrad = LR, BETAS[0], BETAS[1], EPS, WD, 0
+        o.assume_finite = 1 if self.assume_finite else 0
         handle = ctypes.c_void_p()
         self.check(self.lib.kt_optimizer_create(self.engine.handle, ctypes.byref(o), pairs, len(self.views),
                                                 ctypes.byref(handle)))
@@ -254,6 +261,11 @@ def load_peers(wanted, skipped):
             engine = kt.Engine(num_threads=ARGS.threads)
             peers.append(KtTorchPeer(kt, engine))
             peers.append(KtHandlePeer(kt, engine))
+            if any(name == "assume_finite" for name, _ in kt._capi.OptimizerOptions._fields_):
+                peers.append(KtHandlePeer(kt, engine, assume_finite=True))
+            else:
+                skipped.append({"peer": "kt C ABI, assume_finite", "reason": "this kt has no "
+                                "kt_optimizer_options.assume_finite"})
         except Exception as e:  # ImportError, or a library that does not load
             skipped.append({"peer": "kt", "reason": "%s: %s" % (type(e).__name__, str(e).splitlines()[0])})
     if "deepspeed" in wanted:
@@ -431,7 +443,9 @@ def run_case(case, peers, bw, failures):
     p0 = make_tensors(shapes, 1)
     g1 = [g.mul_(1e-3) for g in make_tensors(shapes, 2)]
     g2 = [g.mul_(1e-3) for g in make_tensors(shapes, 3)]
-    active = [pr for pr in peers if not (isinstance(pr, KtHandlePeer) and len(shapes) == 1)]
+    # One tensor: kt.optim.AdamW is already one kt optimizer over it.
+    active = [pr for pr in peers
+              if not (isinstance(pr, KtHandlePeer) and not pr.assume_finite and len(shapes) == 1)]
     log("optim_peers: case %s: %d tensors, %.2f M params; checking %d peers" % (
         case, len(shapes), nparams / 1e6, len(active)))
 

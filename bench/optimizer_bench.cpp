@@ -1,11 +1,14 @@
 #include "optimizer_bench.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
+#include <new>
 #include <thread>
 
 #include "bench_common.h"
@@ -117,11 +120,31 @@ bool time_layer_step(kt_engine* engine, const LayerWeights& layer, int warmup, i
 // g, m, v and writes p, m, v in place, 28 bytes per element, on `threads`
 // threads (as optim_peers.py's stream). A plain read reaches about half
 // this rate on the 2-core VMs, so it is no floor for a step that writes.
+// The arrays lie in transparent huge pages where the OS gives them, as kt's
+// own state does (core/buffer.h; on a VM a 4 KiB page costs a nested page
+// walk, and hardware prefetchers stop at page ends), with their starts a few
+// cache lines apart so the four streams do not share cache sets: the best
+// case of this traffic, which a floor must be.
 class AdamwStream {
  public:
-  AdamwStream(int64_t n, int threads)
-      : n_(n), threads_(std::max(threads, 1)), p_(static_cast<size_t>(n), 0.f), g_(static_cast<size_t>(n), 1e-3f),
-        m_(static_cast<size_t>(n), 0.f), v_(static_cast<size_t>(n), 0.f) {}
+  AdamwStream(int64_t n, int threads) : n_(n), threads_(std::max(threads, 1)) {
+    float** arrays[4] = {&p_, &g_, &m_, &v_};
+    const size_t huge = size_t{2} << 20;
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(float) + 4 * 1024 + huge - 1) / huge * huge;
+    for (int a = 0; a < 4; ++a) {
+      void* raw = std::aligned_alloc(huge, bytes);
+      if (!raw) throw std::bad_alloc();
+      madvise(raw, bytes, MADV_HUGEPAGE);
+      blocks_[a] = raw;
+      *arrays[a] = static_cast<float*>(raw) + 16 * 5 * a;  // 320 bytes apart
+      std::fill(*arrays[a], *arrays[a] + n, a == 1 ? 1e-3f : 0.f);
+    }
+  }
+  ~AdamwStream() {
+    for (void* b : blocks_) std::free(b);
+  }
+  AdamwStream(const AdamwStream&) = delete;
+  AdamwStream& operator=(const AdamwStream&) = delete;
   double seconds() {
     const double start = now_seconds();
     std::vector<std::thread> workers;
@@ -129,10 +152,10 @@ class AdamwStream {
       workers.emplace_back([this, t] {
         // Distinct arrays: restrict lets the compiler vectorise the loop (a
         // scalar one is bound by its instructions, not by the memory).
-        float* __restrict__ p = p_.data();
-        const float* __restrict__ g = g_.data();
-        float* __restrict__ m = m_.data();
-        float* __restrict__ v = v_.data();
+        float* __restrict__ p = p_;
+        const float* __restrict__ g = g_;
+        float* __restrict__ m = m_;
+        float* __restrict__ v = v_;
         // Chunks of 32 Ki elements dealt round-robin, as kt's step hands out
         // its chunks: the threads stream neighbouring addresses (two halves,
         // one a thread, read 20-25 % slower here).
@@ -154,7 +177,8 @@ class AdamwStream {
  private:
   int64_t n_;
   int threads_;
-  std::vector<float> p_, g_, m_, v_;
+  float *p_ = nullptr, *g_ = nullptr, *m_ = nullptr, *v_ = nullptr;
+  void* blocks_[4] = {nullptr, nullptr, nullptr, nullptr};
 };
 
 double median_of(std::vector<double> v) {
@@ -167,7 +191,8 @@ double median_of(std::vector<double> v) {
 // kt_optimizer_step and DeepSpeed's CPU Adam on the same tensors (written
 // to o.peer_dir for it, before either has stepped), a step of each per
 // round, taking turns at going first: the two see the machine in the same
-// state. Hyperparameters: kt's defaults (lr 1e-3, betas 0.9/0.999, eps
+// state. kt steps twice a round, with its default check of every gradient
+// and with assume_finite (a host that checked them: one pass). Hyperparameters: kt's defaults (lr 1e-3, betas 0.9/0.999, eps
 // 1e-8, weight decay 1e-2), which DeepSpeed is given.
 void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, int64_t experts, OptimizerRow* row,
                            OptimizerReport* rep) {
@@ -215,14 +240,26 @@ void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, in
     return;
   }
   AdamwStream stream(static_cast<int64_t>(row->params), o.threads);
-  std::vector<double> kt_times, ds_times, ratios, floors;
+  kt_optimizer_options checked, assumed;
+  kt_optimizer_options_init(&checked);
+  kt_optimizer_get_options(opt, &checked);
+  assumed = checked;
+  assumed.assume_finite = 1;
+  std::vector<double> kt_times, kt_assumed_times, ds_times, ratios, assumed_ratios, floors;
   for (int i = 0; i < o.warmup + o.reps; ++i) {
-    double t_kt = -1, t_ds = -1;
-    const auto kt_step = [&] {
+    double t_kt = -1, t_kt_assumed = -1, t_ds = -1;
+    const auto kt_one = [&](const kt_optimizer_options& options, double* t) {
+      st = kt_optimizer_set_options(opt, &options);
+      if (st != KT_OK) return false;
       const double start = now_seconds();
       st = kt_optimizer_step(opt, nullptr);
-      t_kt = now_seconds() - start;
+      *t = now_seconds() - start;
       return st == KT_OK;
+    };
+    // Both of kt's steps, taking turns at going first.
+    const auto kt_step = [&] {
+      return i / 2 % 2 ? kt_one(assumed, &t_kt_assumed) && kt_one(checked, &t_kt)
+                       : kt_one(checked, &t_kt) && kt_one(assumed, &t_kt_assumed);
     };
     const auto ds_step = [&] {
       usleep(kPeerGapUs);  // after kt's workers, and before kt's next step after DeepSpeed's
@@ -243,8 +280,10 @@ void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, in
     if (i < o.warmup) continue;
     floors.push_back(t_floor);
     kt_times.push_back(t_kt);
+    kt_assumed_times.push_back(t_kt_assumed);
     ds_times.push_back(t_ds);
     ratios.push_back(t_ds / t_kt);
+    assumed_ratios.push_back(t_ds / t_kt_assumed);
   }
   kt_optimizer_destroy(opt);
   o.peer->ask({{"cmd", "adam_free"}}, &reply, &error);
@@ -252,6 +291,19 @@ void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, in
   row->deepspeed_s = median_of(ds_times);
   row->deepspeed_ratio = median_of(ratios);
   row->floor_beside_s = median_of(floors);
+  row->kt_assume_finite_beside_s = median_of(kt_assumed_times);
+  row->deepspeed_ratio_assume_finite = median_of(assumed_ratios);
+  const double count = static_cast<double>(row->params), floor = row->floor_beside_s;
+  std::fprintf(stderr,
+               "kt_bench: optimizer: %lld experts, the same rounds (medians): floor %.2f ms; kt %.2f ms (%.0f %% of "
+               "the floor, x DeepSpeed %.2f, pair %.2f); kt assume_finite %.2f ms (%.0f %%, x DeepSpeed %.2f, pair "
+               "%.2f); DeepSpeed %.2f ms (%.0f %%); Gparam/s %.3f / %.3f / %.3f\n",
+               static_cast<long long>(row->experts), floor * 1e3, row->kt_beside_deepspeed_s * 1e3,
+               100 * floor / row->kt_beside_deepspeed_s, row->deepspeed_s / row->kt_beside_deepspeed_s,
+               row->deepspeed_ratio, row->kt_assume_finite_beside_s * 1e3, 100 * floor / row->kt_assume_finite_beside_s,
+               row->deepspeed_s / row->kt_assume_finite_beside_s, row->deepspeed_ratio_assume_finite,
+               row->deepspeed_s * 1e3, 100 * floor / row->deepspeed_s, count / row->kt_beside_deepspeed_s / 1e9,
+               count / row->kt_assume_finite_beside_s / 1e9, count / row->deepspeed_s / 1e9);
 }
 
 }  // namespace

@@ -34,6 +34,9 @@ struct OptimizerRow {
   // every round (taking turns at going first): its median, kt's median in
   // those rounds, and the median of each round's DeepSpeed / kt.
   double deepspeed_s = -1, kt_beside_deepspeed_s = -1, deepspeed_ratio = -1;
+  // kt's step with assume_finite in those rounds (one pass over the
+  // gradients; printed on stderr, kt_bench's table has no column for it).
+  double kt_assume_finite_beside_s = -1, deepspeed_ratio_assume_finite = -1;
   // The floor in those rounds: a stream with an fp32 AdamW step's traffic
   // (reads p, g, m, v; writes p, m, v; 28 B/param) on as many threads, the
   // third call of each round (median).

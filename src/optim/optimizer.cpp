@@ -88,17 +88,23 @@ std::unique_lock<std::mutex> kt_optimizer::lock_compute() {
 
 void kt_optimizer::allocate_state() {
   const bool adamw = opt.algorithm == KT_OPTIM_ADAMW;
+  constexpr size_t kAlign = 64 / sizeof(float);
+  std::vector<size_t> offsets;
+  size_t total = 0;
   for (Param& p : params) {
     p.shape.assign(p.param.shape, p.param.shape + p.param.ndim);
-    const size_t n = static_cast<size_t>(p.numel);
-    auto zeroed = [n](kt::Buffer<float>& b) {
-      b.resize(n);
-      if (n) std::memset(b.data(), 0, n * sizeof(float));
-    };
-    zeroed(p.m);
-    if (adamw) zeroed(p.v);
-    if (adamw && opt.amsgrad) zeroed(p.vmax);
+    offsets.push_back(total);
+    total += (static_cast<size_t>(p.numel) + kAlign - 1) / kAlign * kAlign;
   }
+  auto arena = [&](kt::Buffer<float>& b, kt_optimizer::StateSlice Param::*slice) {
+    b.resize(total);
+    if (total) std::memset(b.data(), 0, total * sizeof(float));
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].*slice = {b.data() + offsets[i], static_cast<size_t>(params[i].numel)};
+  };
+  arena(m_arena, &Param::m);
+  if (adamw) arena(v_arena, &Param::v);
+  if (adamw && opt.amsgrad) arena(vmax_arena, &Param::vmax);
   plan_items();
 }
 
@@ -135,9 +141,9 @@ void kt_optimizer::for_chunks(F&& fn, bool backwards) {
     s.p = p.master + o;
     s.g_bf16 = p.grad.dtype == kt::DType::kBF16;
     s.g = p.grad.data + o * static_cast<int64_t>(p.grad.elem_size());
-    s.m = const_cast<float*>(p.m.data()) + o;
-    if (p.v.size()) s.v = const_cast<float*>(p.v.data()) + o;
-    if (p.vmax.size()) s.vmax = const_cast<float*>(p.vmax.data()) + o;
+    s.m = p.m.ptr + o;
+    if (p.v.ptr) s.v = p.v.ptr + o;
+    if (p.vmax.ptr) s.vmax = p.vmax.ptr + o;
     if (p.bf16_copy) s.p_bf16 = p.bf16_copy + o;
     fn(static_cast<size_t>(index), s);
   };
@@ -285,9 +291,9 @@ std::string exact(double v) {
 const char* algorithm_name(kt_optim_algorithm a) { return a == KT_OPTIM_SGD ? "sgd" : "adamw"; }
 
 // The state tensors of one parameter, in file-name order: (suffix, buffer).
-std::vector<std::pair<std::string, kt::Buffer<float>*>> state_buffers(kt_optimizer::Param& p,
-                                                                       const kt_optimizer_options& o) {
-  std::vector<std::pair<std::string, kt::Buffer<float>*>> out;
+std::vector<std::pair<std::string, kt_optimizer::StateSlice*>> state_buffers(kt_optimizer::Param& p,
+                                                                              const kt_optimizer_options& o) {
+  std::vector<std::pair<std::string, kt_optimizer::StateSlice*>> out;
   if (o.algorithm == KT_OPTIM_ADAMW) {
     out.emplace_back("exp_avg", &p.m);
     out.emplace_back("exp_avg_sq", &p.v);

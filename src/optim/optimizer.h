@@ -18,6 +18,14 @@
 #include "optim/update.h"
 
 struct kt_optimizer {
+  // One parameter's slice of a state arena (or empty).
+  struct StateSlice {
+    float* ptr = nullptr;
+    size_t n = 0;
+    float* data() { return ptr; }
+    const float* data() const { return ptr; }
+    size_t size() const { return n; }
+  };
   struct Param {
     std::string name;             // "W_GATE", "param.3": names its tensors in state files
     int param_id = 0, grad_id = 0;  // the layer's kt_arg ids (layer mode)
@@ -26,7 +34,7 @@ struct kt_optimizer {
     float* master = nullptr;      // param's own data (fp32) or own_master
     kt::Buffer<float> own_master; // for a bf16 parameter
     uint16_t* bf16_copy = nullptr;  // the bf16 parameter written back, or null
-    kt::Buffer<float> m, v, vmax; // AdamW moments / SGD momentum (m)
+    StateSlice m, v, vmax;        // AdamW moments / SGD momentum (m), in the arenas
     std::vector<int64_t> shape;   // kt_optimizer_state's DLTensor shape
     // Full mode: the step packs each updated run of rows into the layer's
     // panels (projection proj, [experts][rows, cols] per parameter), or
@@ -43,6 +51,10 @@ struct kt_optimizer {
   int64_t step = 0;
   bool momentum_started = false;  // SGD: buffers hold a previous step's value
   std::vector<Param> params;
+  // Each state kind of every parameter in one buffer (huge pages when
+  // large), each parameter's slice 64-byte aligned: a step over many small
+  // tensors (LoRA factors) streams its state as one array.
+  kt::Buffer<float> m_arena, v_arena, vmax_arena;
   const kt::optim::UpdateKernels* kernels = nullptr;
 
   // Submitted steps not yet ended.
