@@ -84,14 +84,7 @@ kt_isa kt_cpu_isa(void) {
 }
 
 const char* kt_isa_name(kt_isa isa) {
-  switch (kt::enum_bits(isa)) {
-    case KT_ISA_AUTO: return "auto";
-    case KT_ISA_REF: return "ref";
-    case KT_ISA_AVX2: return "avx2";
-    case KT_ISA_AVX512BF16: return "avx512bf16";
-    case KT_ISA_AMX: return "amx";
-  }
-  return "unknown";
+  return kt::enum_bits(isa) == KT_ISA_AUTO ? "auto" : kt::kernel_isa_name(isa);
 }
 
 }  // extern "C"

@@ -12,14 +12,13 @@
 namespace kt {
 
 bool parse_isa(const char* text, kt_isa* out) {
-  static const struct {
-    const char* name;
-    kt_isa isa;
-  } names[] = {{"auto", KT_ISA_AUTO}, {"ref", KT_ISA_REF}, {"avx2", KT_ISA_AVX2},
-               {"avx512bf16", KT_ISA_AVX512BF16}, {"amx", KT_ISA_AMX}};
-  for (const auto& n : names)
-    if (strcasecmp(text, n.name) == 0) {
-      *out = n.isa;
+  if (strcasecmp(text, "auto") == 0) {
+    *out = KT_ISA_AUTO;
+    return true;
+  }
+  for (kt_isa isa : {KT_ISA_REF, KT_ISA_AVX2, KT_ISA_AVX512BF16, KT_ISA_AMX})
+    if (strcasecmp(text, kernel_isa_name(isa)) == 0) {
+      *out = isa;
       return true;
     }
   return false;
@@ -116,8 +115,8 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   std::vector<int> cpus = kt::allowed_cpus();
   int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
   pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
-  log(1, std::string("engine: cpu isa ") + kt_isa_name(cpu_isa) + ", kernels " +
-             kt_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
+  log(1, std::string("engine: cpu isa ") + kt::kernel_isa_name(cpu_isa) + ", kernels " +
+             kt::kernel_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
              (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " +
              std::to_string(n) + " threads" + (o.pin_threads && n > 1 ? " pinned" : ""));
   if (!auto_note.empty()) log(1, "engine: " + auto_note);
@@ -137,7 +136,7 @@ void kt_engine::set_gemm_backend(kt_gemm_backend backend) {
              std::string(w) + ": KT_GEMM_ONEDNN needs " +
                  (kt::onednn_compiled()
                       ? "the avx512bf16 or amx kernels (bf16 operands); the engine runs " +
-                            std::string(kt_isa_name(native_kernels->isa))
+                            std::string(kt::kernel_isa_name(native_kernels->isa))
                       : std::string("a build with oneDNN (libdnnl-dev); this one has none")));
     kernels = dnnl;
     gemm_backend = KT_GEMM_ONEDNN;

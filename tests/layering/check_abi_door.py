@@ -17,8 +17,6 @@ import sys
 ALLOWED = {
     # src/optim/optimizer.cpp: moves to kt::io::dtype_name (io/names.h)
     "src/optim/optimizer.cpp": {"kt_ckpt_dtype_name"},
-    # src/runtime/engine.cpp: moves to kt::kernel_isa_name (kernels/kernels.h)
-    "src/runtime/engine.cpp": {"kt_isa_name"},
 }
 
 
