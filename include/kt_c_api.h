@@ -229,7 +229,7 @@ typedef struct kt_engine_info {
   int num_threads;         /* worker threads */
   kt_isa isa;              /* kernels in use */
   kt_isa cpu_isa;          /* best the CPU runs */
-  const char* kernel_name; /* e.g. "gemm_bf16_bf16_f32_8x64__avx512bf16"; owned by the engine */
+  const char* kernel_name; /* e.g. "gemm_bf16w_bf16_f32_6x64__avx512bf16" (grammar: src/kernels/README.md); owned by the engine */
   kt_gemm_backend gemm_backend; /* KT_GEMM_NATIVE or KT_GEMM_ONEDNN (never AUTO) */
   kt_precision precision;  /* as created */
 } kt_engine_info;
