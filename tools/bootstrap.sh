@@ -101,11 +101,12 @@ case "$what" in
     # The Python suite again, with the venv's torch 2.x and the real hosts.
     tools/python_env.sh test || failed="$failed python-torch2"
     # vLLM serving through kt, in its own venv (its torch pin differs): the
-    # fp32 token checks, the HTTP server and the refusals (each engine start
-    # costs a minute on 2 cores; the bf16, compiled-mode and int8 cases run
-    # with: KT_VENV=build-serve tools/python_env.sh test tests/python/test_serve_vllm.py).
+    # fp32 token checks (dense and an int4 checkpoint), the HTTP server and
+    # the refusals (each engine start costs half a minute on 2 cores; the
+    # bf16, compiled-mode and int8 cases run with:
+    # KT_VENV=$(pwd)/build-serve tools/python_env.sh test tests/python/test_serve_vllm.py).
     KT_VENV="$(pwd)/build-serve" tools/python_env.sh test tests/python/test_serve_vllm.py \
-      -k "fp32_greedy or http or refused" || failed="$failed vllm"
+      -k "fp32_greedy or int4 or http or refused" || failed="$failed vllm"
     # LlamaFactory's CLI with a YAML config, with kt's experts and without,
     # in its own venv (llamafactory pins older transformers and PEFT): the
     # fp32 loss curves, peak memory and the saved adapter (about 3 minutes).
