@@ -13,6 +13,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "harness.h"
@@ -392,16 +393,17 @@ TEST_P(NonFiniteLast, ChangesNothingUnlessAssumedFinite) {
     ASSERT_EQ(kt_optimizer_create(engine, &o, pairs.data(), pairs.size(), &opt), KT_OK) << kt_last_error();
     if (!threads) unsetenv("KT_MAX_ISA");
 
-    // Fresh gradients (bad in the last element of the last tensor), also
-    // given to the references as the values kt reads.
-    auto step = [&](float bad, bool give_ref, int* nonfinite, float unscale = 1.f) {
+    // Fresh gradients (bad at element at of tensor `in`, by default the last
+    // element of the last tensor), also given to the references as the
+    // values kt reads.
+    auto step = [&](float bad, bool give_ref, int* nonfinite, float unscale = 1.f, int in = 2, int64_t at = -1) {
       std::normal_distribution<float> normal(0.f, 0.1f);
       std::vector<std::vector<float>> g(3);
       for (int t = 0; t < 3; ++t) {
         const int64_t n = grads[t]->numel();
         for (int64_t i = 0; i < n; ++i) {
           float v = normal(rng);
-          if (t == 2 && i == n - 1) v = bad == 0.f ? 0.05f : bad;  // bad 0: a finite step
+          if (t == in && i == (at < 0 ? n - 1 : at)) v = bad == 0.f ? 0.05f : bad;  // bad 0: a finite step
           grads[t]->set(i, v);
           g[t].push_back(static_cast<float>(grads[t]->get(i)));
         }
@@ -460,6 +462,16 @@ TEST_P(NonFiniteLast, ChangesNothingUnlessAssumedFinite) {
       const std::vector<std::vector<float>> after = snapshot();
       for (size_t k = 0; k < before.size(); ++k) EXPECT_EQ(count_diff(after[k], before[k]), 0) << bad << " " << k;
       EXPECT_EQ(steps_made(), 1) << bad;
+    }
+    // Elsewhere: the first element, the last of a 15-element tensor, one in
+    // the middle of a work item.
+    for (const std::pair<int, int64_t>& at : {std::make_pair(0, int64_t{0}), std::make_pair(1, int64_t{14}),
+                                             std::make_pair(0, int64_t{40000})}) {
+      nonfinite = -1;
+      ASSERT_EQ(step(NAN, false, &nonfinite, 1.f, at.first, at.second), KT_OK) << kt_last_error();
+      EXPECT_EQ(nonfinite, 1) << at.first << " " << at.second;
+      const std::vector<std::vector<float>> after = snapshot();
+      for (size_t k = 0; k < before.size(); ++k) EXPECT_EQ(count_diff(after[k], before[k]), 0) << k;
     }
     expect_reference("after the skipped steps");
 
