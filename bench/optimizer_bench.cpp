@@ -192,8 +192,9 @@ double median_of(std::vector<double> v) {
 // to o.peer_dir for it, before either has stepped), a step of each per
 // round, taking turns at going first: the two see the machine in the same
 // state. kt steps twice a round, with its default check of every gradient
-// and with assume_finite (a host that checked them: one pass). Hyperparameters: kt's defaults (lr 1e-3, betas 0.9/0.999, eps
-// 1e-8, weight decay 1e-2), which DeepSpeed is given.
+// and with assume_finite (a host that checked them: one pass).
+// Hyperparameters: kt's defaults (lr 1e-3, betas 0.9/0.999, eps 1e-8,
+// weight decay 1e-2), which DeepSpeed is given.
 void time_beside_deepspeed(kt_engine* engine, const OptimizerBenchOptions& o, int64_t experts, OptimizerRow* row,
                            OptimizerReport* rep) {
   Rng rng(11);
