@@ -9,8 +9,8 @@
 
 namespace kt {
 
-// Makes message the calling thread's kt_last_error() (defined in api/moe.cpp,
-// which owns the thread-local message).
+// Makes message the calling thread's kt_last_error() (defined in
+// api/library.cpp, which owns the thread-local message).
 void set_last_error(const std::string& message) noexcept;
 
 template <class F>

@@ -1,6 +1,7 @@
 // The layer and job calls of the ABI (kt_moe_*, kt_context_release, kt_job_*):
-// every one checks its handles and options, calls the core, and turns every
-// exception into a status + thread-local message (kt::guarded).
+// every one checks its handles and options, calls the core (jobs:
+// runtime/jobs.h), and turns every exception into a status + thread-local
+// message (kt::guarded).
 #include <cstring>
 #include <string>
 
@@ -16,56 +17,18 @@
 #include "moe/layer_calls.h"
 #include "moe/moe_layer.h"
 #include "runtime/engine.h"
+#include "runtime/jobs.h"
 
 namespace {
 
 void set_error(const std::string& message) { kt::set_last_error(message); }
 
-using kt::ContextHold;
-using kt::finish_job;
 using kt::GradHook;
-using kt::grad_hook_of;
 using kt::guarded;
-
-using kt::HandleId;
 using kt::HandleKind;
 
 using kt::live_engine;
 using kt::live_moe;
-
-// Marks a submitted forward's context after its run and ends the job's hold
-// (freeing the context if the host released it meanwhile).
-void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
-  std::shared_ptr<kt_job> forward_job;
-  {
-    std::lock_guard<std::mutex> lock(m->state_mutex);
-    ctx->state = ok ? kt_context::kReady : kt_context::kFailed;
-    forward_job.swap(ctx->forward_job);
-  }
-  m->drop_hold(ctx);
-}
-
-// A new job of layer m; refused once the layer's destruction has begun.
-std::shared_ptr<kt_job> new_job(kt_moe* m, unsigned flags, const char* where) {
-  auto job = std::make_shared<kt_job>();
-  job->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  KT_CHECK(!m->destroyed, KT_ERR_INVALID_HANDLE,
-           std::string(where) + ": moe is being destroyed by another thread");
-  m->jobs.emplace(job.get(), job);
-  return job;
-}
-
-// Gives the job its handle and starts it (unless deferred).
-kt_job* start_job(kt_moe* m, const std::shared_ptr<kt_job>& job) {
-  kt_job* handle = kt::handle_value<kt_job>(kt::add_handle(HandleKind::kJob, job));
-  if (!job->deferred) m->engine->jobs.enqueue(job);
-  return handle;
-}
-
-std::shared_ptr<kt_job> live_job(const kt_job* job) {
-  return std::static_pointer_cast<kt_job>(kt::find_handle(kt::handle_id(job), HandleKind::kJob));
-}
 
 }  // namespace
 
@@ -272,37 +235,7 @@ kt_status kt_moe_forward_submit(kt_moe* moe, const kt_arg* args, size_t num_args
     KT_CHECK(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
     KT_CHECK((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
              std::string(w) + ": unknown flags");
-    kt_moe::ForwardCall call = layer->check_forward(args, num_args, w);
-    std::shared_ptr<kt_job> j = new_job(layer.get(), flags, w);
-    // The job holds the context until it ends.
-    kt_context* ctx = nullptr;
-    if (saved) {
-      try {
-        ctx = layer->new_context(call, 1);
-      } catch (...) {
-        finish_job(layer.get(), j.get());
-        throw;
-      }
-      std::lock_guard<std::mutex> lock(layer->state_mutex);
-      ctx->forward_job = j;
-    }
-    kt_job* raw = j.get();
-    j->work = [layer, call, ctx, raw] {
-      bool ok = false;
-      try {
-        std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
-        layer->forward(call, ctx);
-        ok = true;
-      } catch (...) {
-        if (ctx) settle_context(layer.get(), ctx, false);
-        finish_job(layer.get(), raw);
-        throw;
-      }
-      if (ctx) settle_context(layer.get(), ctx, ok);
-      finish_job(layer.get(), raw);
-    };
-    if (saved) *saved = kt::handle_value<kt_context>(ctx->handle);
-    *job = start_job(layer.get(), j);
+    *job = kt::submit_forward(layer, args, num_args, saved, (flags & KT_SUBMIT_DEFERRED) != 0, w);
   });
 }
 
@@ -315,99 +248,30 @@ kt_status kt_moe_backward_submit(kt_moe* moe, kt_context* ctx, const kt_backward
     KT_CHECK(job != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": job is NULL");
     KT_CHECK((flags & ~KT_SUBMIT_DEFERRED) == 0, KT_ERR_INVALID_ARGUMENT,
              std::string(w) + ": unknown flags");
-    // The job holds the context until it ends (a release meanwhile frees it
-    // then). A context whose forward job has not ended may be submitted
-    // against: the backward job runs or waits for that forward first.
-    ContextHold held(layer.get(), ctx, w);
-    kt_context* c = held.get();
-    const kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, w, true);
-    {
-      std::lock_guard<std::mutex> lock(layer->state_mutex);
-      KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
-               std::string(w) + ": ctx already has a backward submitted");
-      c->backward_queued = true;
-      ++c->holds;  // the job's own
-    }
-    std::shared_ptr<kt_job> j;
-    try {
-      j = new_job(layer.get(), flags, w);
-    } catch (...) {
-      {
-        std::lock_guard<std::mutex> lock(layer->state_mutex);
-        c->backward_queued = false;
-      }
-      layer->drop_hold(c);
-      throw;
-    }
-    kt_job* raw = j.get();
-    j->work = [layer, call, c, raw] {
-      GradHook hook;
-      try {
-        std::shared_ptr<kt_job> forward_job;
-        {
-          std::lock_guard<std::mutex> lock(layer->state_mutex);
-          forward_job = c->forward_job;
-        }
-        if (forward_job) forward_job->wait();  // runs a deferred forward nobody ran yet
-        std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
-        layer->backward(c, call);
-        if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
-      } catch (...) {
-        {
-          std::lock_guard<std::mutex> l(layer->state_mutex);
-          c->backward_queued = false;
-        }
-        layer->drop_hold(c);
-        finish_job(layer.get(), raw);
-        throw;
-      }
-      layer->drop_hold(c);
-      finish_job(layer.get(), raw);
-      hook.call();
-    };
-    *job = start_job(layer.get(), j);
+    *job = kt::submit_backward(layer, ctx, options, args, num_args, (flags & KT_SUBMIT_DEFERRED) != 0, w);
   });
 }
 
 void kt_job_run(void* job) {
-  std::shared_ptr<kt_job> j = live_job(static_cast<const kt_job*>(job));
-  if (!j && kt::issued_before_fork(kt::handle_id(job)))
+  if (!kt::run_job(job) && kt::issued_before_fork(kt::handle_id(job)))
     set_error(kt::not_live_message(job, HandleKind::kJob, "kt_job_run", "job"));
-  if (!j || !j->deferred) return;
-  // Returns when the job has ended, also when another thread runs it (a
-  // backward job that started its forward): a host stream that runs this
-  // may read the job's outputs next.
-  j->wait();
 }
 
 kt_status kt_job_wait(kt_job* job) {
   const char* w = "kt_job_wait";
   std::shared_ptr<kt_job> j;
-  const kt_status st = guarded(w, [&] {
-    j = std::static_pointer_cast<kt_job>(kt::live_handle(job, HandleKind::kJob, w, "job"));
-  });
+  const kt_status st = guarded(w, [&] { j = kt::live_job(job, w); });
   if (st != KT_OK) return st;
   j->wait();
   if (j->status != KT_OK) set_error(j->message);
   return j->status;
 }
 
-int kt_job_done(const kt_job* job) {
-  std::shared_ptr<kt_job> j = live_job(job);
-  if (!j) return 1;
-  std::lock_guard<std::mutex> lock(j->mutex);
-  return j->state == 2;
-}
+int kt_job_done(const kt_job* job) { return kt::job_done(job) ? 1 : 0; }
 
 void kt_job_destroy(kt_job* job) {
   if (!job) return;
-  std::shared_ptr<kt_job> j =
-      std::static_pointer_cast<kt_job>(kt::remove_handle(kt::handle_id(job), HandleKind::kJob));
-  if (!j) {
-    set_error(kt::not_live_message(job, HandleKind::kJob, "kt_job_destroy", "job"));
-    return;
-  }
-  j->wait();
+  if (!kt::destroy_job(job)) set_error(kt::not_live_message(job, HandleKind::kJob, "kt_job_destroy", "job"));
 }
 
 }  // extern "C"

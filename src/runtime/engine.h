@@ -1,72 +1,20 @@
 // kt_engine: kernels chosen for this CPU, the worker pool, the job thread
-// that runs submitted (asynchronous) work, and logging. No globals: two
+// that runs submitted (asynchronous) work (runtime/jobs.h), and logging. No globals: two
 // engines in one process are independent.
 #pragma once
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 
 #include "core/kernel_tally.h"
 #include "kernels/kernels.h"
 #include "kt_c_api.h"
+#include "runtime/jobs.h"
 #include "runtime/thread_pool.h"
-
-// A unit of submitted work. Its closure owns copies of the argument
-// descriptors (and keeps its layer alive); the tensors' memory stays the
-// host's. Shared by its handle, the queue that runs it, and the layer's list
-// of pending jobs, so whichever lets go last frees it.
-struct kt_job {
-  std::function<void()> work;  // throws kt::Error on failure
-  bool deferred = false;
-  std::mutex mutex;
-  std::condition_variable cv;
-  int state = 0;  // 0 waiting, 1 running, 2 ended
-  kt_status status = KT_OK;
-  std::string message;
-
-  // Runs the work on the calling thread once; later calls return at once.
-  void execute();
-  // Waits until the job ended; runs a deferred job nobody started.
-  void wait();
-  // Ends a job that has not started with status and message (its work is
-  // dropped); false when it already started.
-  bool cancel(kt_status status, const std::string& message);
-};
-
-namespace kt {
-
-// The engine's job thread and its queue. The thread shares the queue's
-// state, so the runner may be destroyed from the job thread itself (a hook
-// that destroys the last layer and the engine): the thread is then
-// detached and ends once its current job returns.
-class JobRunner {
- public:
-  JobRunner();
-  ~JobRunner();
-  JobRunner(const JobRunner&) = delete;
-  JobRunner& operator=(const JobRunner&) = delete;
-
-  void enqueue(std::shared_ptr<kt_job> job);
-  // Blocks until every queued job has ended (returns at once on the job
-  // thread, which cannot wait for itself).
-  void drain();
-  bool on_job_thread() const;
-
- private:
-  struct State;
-  static void loop(std::shared_ptr<State> s);
-  std::shared_ptr<State> s_;
-};
-
-}  // namespace kt
 
 struct kt_engine {
   int verbosity = 0;

@@ -1,0 +1,296 @@
+#include "runtime/jobs.h"
+
+#include <deque>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+#include "moe/layer_calls.h"
+#include "moe/moe_layer.h"
+#include "runtime/engine.h"
+#include "runtime/handles.h"
+
+void kt_job::execute() {
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (state != 0) return;
+    state = 1;
+  }
+  kt_status st = KT_OK;
+  std::string msg;
+  try {
+    work();
+  } catch (const kt::Error& e) {
+    st = e.status();
+    msg = e.what();
+  } catch (const std::bad_alloc&) {
+    st = KT_ERR_OUT_OF_MEMORY;
+    msg = "out of memory while running a job";
+  } catch (const std::exception& e) {
+    st = KT_ERR_INTERNAL;
+    msg = std::string("internal error in a job: ") + e.what();
+  } catch (...) {
+    st = KT_ERR_INTERNAL;
+    msg = "internal error in a job";
+  }
+  work = nullptr;  // drop captured state (and with it references to handles)
+  std::lock_guard<std::mutex> lock(mutex);
+  status = st;
+  message = msg;
+  state = 2;
+  cv.notify_all();
+}
+
+bool kt_job::cancel(kt_status st, const std::string& msg) {
+  std::function<void()> dropped;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (state != 0) return false;
+    state = 2;
+    status = st;
+    message = msg;
+    dropped.swap(work);
+    cv.notify_all();
+  }
+  return true;  // the work (and what it holds) is dropped here, unlocked
+}
+
+void kt_job::wait() {
+  bool run_here;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    run_here = deferred && state == 0;
+  }
+  if (run_here) execute();
+  std::unique_lock<std::mutex> lock(mutex);
+  cv.wait(lock, [this] { return state == 2; });
+}
+
+bool kt_job::done() {
+  std::lock_guard<std::mutex> lock(mutex);
+  return state == 2;
+}
+
+namespace kt {
+
+struct JobRunner::State {
+  std::mutex mutex;
+  std::condition_variable work_cv;
+  std::condition_variable idle_cv;
+  std::deque<std::shared_ptr<kt_job>> queue;
+  bool busy = false;
+  bool stop = false;
+  std::thread thread;  // started by the first job
+  std::thread::id thread_id;
+};
+
+JobRunner::JobRunner() : s_(std::make_shared<State>()) {}
+
+JobRunner::~JobRunner() {
+  {
+    std::lock_guard<std::mutex> lock(s_->mutex);
+    s_->stop = true;
+  }
+  s_->work_cv.notify_all();
+  if (!s_->thread.joinable()) return;
+  if (s_->thread.get_id() == std::this_thread::get_id())
+    s_->thread.detach();  // it finishes its current job, then leaves the loop
+  else
+    s_->thread.join();
+}
+
+void JobRunner::enqueue(std::shared_ptr<kt_job> job) {
+  std::lock_guard<std::mutex> lock(s_->mutex);
+  if (!s_->thread.joinable()) {
+    s_->thread = std::thread(&JobRunner::loop, s_);
+    s_->thread_id = s_->thread.get_id();
+  }
+  s_->queue.push_back(std::move(job));
+  s_->work_cv.notify_all();
+}
+
+void JobRunner::drain() {
+  std::unique_lock<std::mutex> lock(s_->mutex);
+  if (s_->thread_id == std::this_thread::get_id()) return;
+  s_->idle_cv.wait(lock, [this] { return s_->queue.empty() && !s_->busy; });
+}
+
+bool JobRunner::on_job_thread() const {
+  std::lock_guard<std::mutex> lock(s_->mutex);
+  return s_->thread_id == std::this_thread::get_id();
+}
+
+void JobRunner::loop(std::shared_ptr<State> s) {
+  std::unique_lock<std::mutex> lock(s->mutex);
+  for (;;) {
+    s->work_cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+    if (s->queue.empty()) return;  // stop requested and nothing left
+    std::shared_ptr<kt_job> job = std::move(s->queue.front());
+    s->queue.pop_front();
+    s->busy = true;
+    lock.unlock();
+    job->execute();
+    job.reset();
+    lock.lock();
+    s->busy = false;
+    if (s->queue.empty()) s->idle_cv.notify_all();
+  }
+}
+
+namespace {
+
+// Marks a submitted forward's context after its run and ends the job's hold
+// (freeing the context if the host released it meanwhile).
+void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
+  std::shared_ptr<kt_job> forward_job;
+  {
+    std::lock_guard<std::mutex> lock(m->state_mutex);
+    ctx->state = ok ? kt_context::kReady : kt_context::kFailed;
+    forward_job.swap(ctx->forward_job);
+  }
+  m->drop_hold(ctx);
+}
+
+// A new job of layer m; refused once the layer's destruction has begun.
+std::shared_ptr<kt_job> new_job(kt_moe* m, bool deferred, const char* where) {
+  auto job = std::make_shared<kt_job>();
+  job->deferred = deferred;
+  std::lock_guard<std::mutex> lock(m->state_mutex);
+  KT_CHECK(!m->destroyed, KT_ERR_INVALID_HANDLE,
+           std::string(where) + ": moe is being destroyed by another thread");
+  m->jobs.emplace(job.get(), job);
+  return job;
+}
+
+// Gives the job its handle and starts it (unless deferred).
+kt_job* start_job(kt_moe* m, const std::shared_ptr<kt_job>& job) {
+  kt_job* handle = handle_value<kt_job>(add_handle(HandleKind::kJob, job));
+  if (!job->deferred) m->engine->jobs.enqueue(job);
+  return handle;
+}
+
+}  // namespace
+
+kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args, size_t num_args,
+                       kt_context** saved, bool deferred, const char* where) {
+  kt_moe::ForwardCall call = layer->check_forward(args, num_args, where);
+  std::shared_ptr<kt_job> j = new_job(layer.get(), deferred, where);
+  // The job holds the context until it ends.
+  kt_context* ctx = nullptr;
+  if (saved) {
+    try {
+      ctx = layer->new_context(call, 1);
+    } catch (...) {
+      finish_job(layer.get(), j.get());
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(layer->state_mutex);
+    ctx->forward_job = j;
+  }
+  kt_job* raw = j.get();
+  j->work = [layer, call, ctx, raw] {
+    bool ok = false;
+    try {
+      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      layer->forward(call, ctx);
+      ok = true;
+    } catch (...) {
+      if (ctx) settle_context(layer.get(), ctx, false);
+      finish_job(layer.get(), raw);
+      throw;
+    }
+    if (ctx) settle_context(layer.get(), ctx, ok);
+    finish_job(layer.get(), raw);
+  };
+  if (saved) *saved = handle_value<kt_context>(ctx->handle);
+  return start_job(layer.get(), j);
+}
+
+kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
+                        const kt_backward_options* options, const kt_arg* args, size_t num_args,
+                        bool deferred, const char* where) {
+  // The call holds the context while it checks; the job takes its own hold.
+  ContextHold held(layer.get(), ctx, where);
+  kt_context* c = held.get();
+  const kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, where, true);
+  {
+    std::lock_guard<std::mutex> lock(layer->state_mutex);
+    KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
+             std::string(where) + ": ctx already has a backward submitted");
+    c->backward_queued = true;
+    ++c->holds;  // the job's own
+  }
+  std::shared_ptr<kt_job> j;
+  try {
+    j = new_job(layer.get(), deferred, where);
+  } catch (...) {
+    {
+      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      c->backward_queued = false;
+    }
+    layer->drop_hold(c);
+    throw;
+  }
+  kt_job* raw = j.get();
+  j->work = [layer, call, c, raw] {
+    GradHook hook;
+    try {
+      std::shared_ptr<kt_job> forward_job;
+      {
+        std::lock_guard<std::mutex> lock(layer->state_mutex);
+        forward_job = c->forward_job;
+      }
+      if (forward_job) forward_job->wait();  // runs a deferred forward nobody ran yet
+      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      layer->backward(c, call);
+      if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
+    } catch (...) {
+      {
+        std::lock_guard<std::mutex> l(layer->state_mutex);
+        c->backward_queued = false;
+      }
+      layer->drop_hold(c);
+      finish_job(layer.get(), raw);
+      throw;
+    }
+    layer->drop_hold(c);
+    finish_job(layer.get(), raw);
+    hook.call();
+  };
+  return start_job(layer.get(), j);
+}
+
+std::shared_ptr<kt_job> find_job(const void* handle) {
+  return std::static_pointer_cast<kt_job>(find_handle(handle_id(handle), HandleKind::kJob));
+}
+
+std::shared_ptr<kt_job> live_job(const kt_job* handle, const char* where) {
+  return live(handle, HandleKind::kJob, where, "job");
+}
+
+bool run_job(const void* handle) {
+  const std::shared_ptr<kt_job> j = find_job(handle);
+  if (!j) return false;
+  // Returns when the job has ended, also when another thread runs it (a
+  // backward job that started its forward): a host stream that runs this
+  // may read the job's outputs next.
+  if (j->deferred) j->wait();
+  return true;
+}
+
+bool job_done(const kt_job* handle) {
+  const std::shared_ptr<kt_job> j = find_job(handle);
+  return !j || j->done();
+}
+
+bool destroy_job(const kt_job* handle) {
+  const std::shared_ptr<kt_job> j =
+      std::static_pointer_cast<kt_job>(remove_handle(handle_id(handle), HandleKind::kJob));
+  if (!j) return false;
+  j->wait();
+  return true;
+}
+
+}  // namespace kt
