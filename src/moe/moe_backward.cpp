@@ -215,7 +215,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   // What the W^T panels of an item are built from.
   const auto down_source = [&](int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    return transpose_block(kDown, e, col0, std::min(kBlockCols, I - col0));
+    return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
   };
   const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
   // One item: da' for a block of I over all of the expert's rows; `next` is
@@ -226,7 +226,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     const int64_t col0 = ib * kBlockCols;
     const int64_t ncols = std::min(kBlockCols, I - col0);
     const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    transposed_panels(s, kDown, e, col0, ncols, s.panels[0].data());
+    operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
     float* cda = s.c[0].data();
     const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
     for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
@@ -291,10 +291,10 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
       const auto next_source = [&](int q, size_t ai, int64_t sc0) {
         const int proj = q == 0 ? kGate : kUp;
         if (sc0 + kBlockCols < col0 + ncols)
-          return transpose_block(proj, R.active[ai], sc0 + kBlockCols,
-                                 std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
+          return operand_[proj].transposed_block(R.active[ai], sc0 + kBlockCols,
+                                                 std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
         if (ai + 1 < R.active.size())
-          return transpose_block(proj, R.active[ai + 1], col0, std::min(kBlockCols, ncols));
+          return operand_[proj].transposed_block(R.active[ai + 1], col0, std::min(kBlockCols, ncols));
         return PrefetchRegion{};
       };
       for (size_t ai = 0; ai < R.active.size(); ++ai) {
@@ -308,8 +308,8 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
         for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
           const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
           const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-          transposed_panels(s, kGate, e, sc0, sn, s.panels[0].data());
-          transposed_panels(s, kUp, e, sc0, sn, s.panels[1].data());
+          operand_[kGate].transposed(s.operand, e, sc0, sn, s.panels[0].data());
+          operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
           for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
             const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
             for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;

@@ -145,8 +145,8 @@ void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, floa
 }
 
 void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, int64_t ld,
-                           const QuantShape& qs, Buffer<uint8_t>* dst) {
-  const int64_t stride = int8_row_bytes(qs.kq, qs.group);
+                           const WeightOperand& w, Buffer<uint8_t>* dst) {
+  const int64_t stride = w.int8_row_stride();
   dst->reserve(static_cast<size_t>(std::max<int64_t>(n * stride, 1)));
   uint8_t* out = dst->data();
   engine->pool->run(ceil_div(n, 16), [&](int64_t blk, int tid) {
@@ -160,7 +160,7 @@ void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, i
         for (int64_t j = 0; j < k; ++j) tmp[j] = bf16_to_f32(b[j]);
         row = tmp;
       }
-      quantize_int8_row(row, k, qs.kq, qs.group, qs.bits == 4, out + i * stride);
+      w.quantize_row(row, k, out + i * stride);
     }
   });
 }
@@ -215,13 +215,15 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     xf = xf_.data();
   }
-  // KT_COMPUTE_INT8: the GEMMs read int8 rows of x and of the activations.
-  const bool int8 = opt.compute == KT_COMPUTE_INT8;
-  const int64_t xq_stride = int8 ? int8_row_bytes(gate_q.kq, gate_q.group) : 0;
-  const int64_t aq_stride = int8 ? int8_row_bytes(down_q.kq, down_q.group) : 0;
+  // Operands that read int8 rows: the GEMMs read int8 rows of x and of the
+  // activations.
+  const WeightOperand &gate_w = operand_[kGate], &up_w = operand_[kUp], &down_w = operand_[kDown];
+  const bool int8 = gate_w.int8_rows();
+  const int64_t xq_stride = int8 ? gate_w.int8_row_stride() : 0;
+  const int64_t aq_stride = int8 ? down_w.int8_row_stride() : 0;
   if (int8) {
     // Row t of x at t * strides[0] elements (the inner stride is 1: checked).
-    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, c.x.strides[0], gate_q, &xq_);
+    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, c.x.strides[0], gate_w, &xq_);
   } else {
     xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
     pack_rows_a(c.x, T, kpH, xa_.data(), xf);
@@ -267,21 +269,21 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     max_rows = std::max(max_rows,
                         R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)]);
   // Items of W columns; their C tiles hold row_chunk rows of W (ldc W).
-  // Quantized bases only: a bf16 block already streams about four times the
-  // bytes of an int4/mxfp4 one per call, and wider bf16 items did not pay at
-  // T=1 (coarser items end the workers less evenly).
+  // Compact operands only: a block of codes streams fewer bytes per call
+  // than a bf16 block, so wider items pay there; over bf16 panels coarser
+  // items end the workers less evenly (bench/README.md).
   const int64_t W =
-      quantized ? gate_up_item_cols(static_cast<int64_t>(R.active.size()), max_rows, I, pool.size())
-                : kBlockCols;
+      gate_w.compact() ? gate_up_item_cols(static_cast<int64_t>(R.active.size()), max_rows, I, pool.size())
+                       : kBlockCols;
   // Whole experts as items at decode: down follows in the same pass.
-  const bool whole_experts = quantized && T <= kRowChunk && W >= I;
+  const bool whole_experts = gate_w.compact() && T <= kRowChunk && W >= I;
   clock.enter(whole_experts ? KT_STAGE_EXPERTS : KT_STAGE_GATE_UP);
   const int64_t row_chunk = kRowChunk * kBlockCols / W;
   block_items(R, I, W);
   // The gate (q = kGate) or up panels of an item's first block of I.
   const auto block_of = [&](int q, int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * W;
-    return weight_block(q, e, col0, std::min(kBlockCols, I - col0));
+    return operand_[q].block(e, col0, std::min(kBlockCols, I - col0));
   };
   // One item: gate and up panels of W columns of I for all of the expert's
   // rows; `next` is the gate block the worker takes next.
@@ -304,8 +306,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
                        : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
       }
       const bool last = p0 + row_chunk >= pend;
-      base_gemm(s, kGate, e, col0 / kPanelRows, np, s.rows.data(), m, cg, W, up);
-      base_gemm(s, kUp, e, col0 / kPanelRows, np, s.rows.data(), m, cu, W,
+      gate_w.gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cg, W, up);
+      up_w.gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cu, W,
                 last ? next : PrefetchRegion{});
       for (int q = kGate; q <= kUp; ++q) {
         if (!lora_on(q)) continue;
@@ -351,7 +353,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
       ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
       for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
         const int64_t item = items_[static_cast<size_t>(it)];
-        gate_up_item(s, item, weight_block(kDown, item >> 32, 0, std::min(kBlockCols, H)));
+        gate_up_item(s, item, down_w.block(item >> 32, 0, std::min(kBlockCols, H)));
         down_rows(s, R, item >> 32, la[kDown], ldy,
                   it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
                                              : PrefetchRegion{});
@@ -369,9 +371,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
                                               : PrefetchRegion{});
   });
 
-  // KT_COMPUTE_INT8: each route's activation as an int8 row, now that it is
-  // whole (still the gate/up stage, which packs a for the bf16 GEMMs).
-  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_q, &aq_);
+  // int8 rows: each route's activation as an int8 row, now that it is whole
+  // (still the gate/up stage, which packs a for the bf16 GEMMs).
+  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_w, &aq_);
 
   // Stage 3: LoRA A-projection of a.
   clock.enter(KT_STAGE_LORA_A);
@@ -383,14 +385,14 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
   float* acc = acc_.data();
   CombineSplit split = CombineSplit::plan(T, H, pool.size());
-  if (quantized) split.widen_for_quantized_decode(T, H, pool.size(), max_rows);
+  if (down_w.compact()) split.widen_for_quantized_decode(T, H, pool.size(), max_rows);
   const int64_t call_cols = split.call_cols;
   // The first down panels of an item: the first active expert's, the
   // item's first block of columns.
   const auto first_block_of = [&](int64_t item) {
     if (R.active.empty()) return PrefetchRegion{};
     const int64_t col0 = (item % split.col_blocks) * split.cols;
-    return weight_block(kDown, R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
+    return down_w.block(R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
   };
   // One item; `after` is the first block of the item the worker takes next.
   const auto down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& after) {
@@ -405,7 +407,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
     // The down panels of expert e for the columns [sc0, sc0 + call_cols)
     // of the item.
     const auto block_of_down = [&](int64_t e, int64_t sc0) {
-      return weight_block(kDown, e, sc0, std::min(call_cols, col0 + ncols - sc0));
+      return down_w.block(e, sc0, std::min(call_cols, col0 + ncols - sc0));
     };
     for (size_t ai = 0; ai < R.active.size(); ++ai) {
       const int32_t e = R.active[ai];
@@ -428,8 +430,8 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
             s.rows[static_cast<size_t>(i)] =
                 int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * aq_stride)
                      : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
-          base_gemm(s, kDown, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
-                    p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+          down_w.gemm(s.operand, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
+                      p0 + kRowChunk >= pend ? next : PrefetchRegion{});
           if (lora_on(kDown)) {
             for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
             K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
@@ -460,8 +462,9 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
 // panels the worker reads next.
 void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_down, int64_t ldy,
                        const PrefetchRegion& next) {
-  const bool int8 = opt.compute == KT_COMPUTE_INT8;
-  const int64_t aq_stride = int8 ? int8_row_bytes(down_q.kq, down_q.group) : 0;
+  const WeightOperand& down_w = operand_[kDown];
+  const bool int8 = down_w.int8_rows();
+  const int64_t aq_stride = int8 ? down_w.int8_row_stride() : 0;
   const int64_t kpI = down_shape.kp;
   const int np = static_cast<int>(ceil_div(H, kPanelRows));
   const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
@@ -475,16 +478,15 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
     for (int i = 0; i < m; ++i) {
       const int64_t p = p0 + i;
       if (int8) {
-        quantize_int8_row(act_.data() + p * I, I, down_q.kq, down_q.group, down_q.bits == 4,
-                          aq_.data() + p * aq_stride);
+        down_w.quantize_row(act_.data() + p * I, I, aq_.data() + p * aq_stride);
         s.rows[static_cast<size_t>(i)] = aq_.data() + p * aq_stride;
       } else {
         s.rows[static_cast<size_t>(i)] = aa_.data() + p * kpI * a_size_;
       }
     }
     float* yp = yr_.data() + p0 * ldy;
-    base_gemm(s, kDown, e, 0, np, s.rows.data(), m, yp, ldy,
-              p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+    down_w.gemm(s.operand, e, 0, np, s.rows.data(), m, yp, ldy,
+                p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
       for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la_down + (p0 + i) * r;
       K_.sgemm_nn(m, static_cast<int>(H), static_cast<int>(r), s.frows.data(),

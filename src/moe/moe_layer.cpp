@@ -38,44 +38,6 @@ struct LayerShapes {
   }
 };
 
-// The kernel that turns a format's codes into bf16 panels.
-using DequantKernel = decltype(Kernels::dequant_i8);
-static DequantKernel dequant_kernel(const Kernels& k, const QuantShape& qs) {
-  switch (qs.code) {
-    case QuantCode::kE4M3: return k.dequant_e4m3;
-    case QuantCode::kE2M1: return k.dequant_e2m1;
-    case QuantCode::kInt: break;
-  }
-  return qs.bits == 4 ? k.dequant_i4 : k.dequant_i8;
-}
-
-// Per-thread scratch of a quantized base, in elements: dequantized panels
-// (a K chunk of a column block, or W'^T slices of up to kBlockCols + 32
-// columns for transposed_panels), their fp32 scales, and zero points.
-struct QuantScratchSizes {
-  int64_t deq, scales, zeros;
-  QuantScratchSizes(int64_t kpad, bool zero_points) {
-    const int64_t deq_cols = kBlockCols + kQuantKAlign;
-    deq = std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad);
-    scales = std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad);
-    zeros = zero_points ? deq_cols / kQuantKAlign * kpad : 0;
-  }
-};
-
-// Whether every e2m1 value (magnitudes 0.5 to 6) times each of these e8m0
-// scales is a normal fp32 number, so exact in bf16 (2 significant bits) and
-// kept by the bf16 conversion, which flushes subnormals: powers of two 2^e
-// with -125 <= e <= 125.
-static bool scaled_e2m1_exact(const float* scales, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t bits;
-    std::memcpy(&bits, scales + i, 4);
-    const uint32_t exponent = (bits >> 23) & 0xff;
-    if ((bits & 0x807fffffu) != 0 || exponent < 2 || exponent > 252) return false;
-  }
-  return true;
-}
-
 }  // namespace kt
 
 using namespace kt;
@@ -108,7 +70,10 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
   for (int p = 0; p < 3; ++p) {
     wp_[p] = w_[p].data();
     qp_[p] = q_[p].data();
+    operand_[p] = WeightOperand(K_, p == kDown ? down_shape : gate_shape, p == kDown ? down_q : gate_q, quantized,
+                                o.compute == KT_COMPUTE_INT8);
   }
+  bind_operands();
   if (o.has_bias) {
     b_[kGate].resize(static_cast<size_t>(E * I));
     b_[kUp].resize(static_cast<size_t>(E * I));
@@ -135,13 +100,7 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     s.grad.resize(static_cast<size_t>(std::max<int64_t>(kRowChunk, r) * wide));
     s.rows.resize(static_cast<size_t>(kRowChunk));
     s.frows.resize(static_cast<size_t>(kRowChunk));
-    if (quantized) {
-      const QuantScratchSizes q(kpad, gate_q.zero_points);
-      s.deq.resize(static_cast<size_t>(q.deq));
-      s.qscale.resize(static_cast<size_t>(q.scales));
-      s.qzero.resize(static_cast<size_t>(q.zeros));
-      s.qrows.resize(static_cast<size_t>(kRowChunk));
-    }
+    operand_[kGate].size_scratch(&s.operand, kpad, kRowChunk);
   }
   engine->num_layers.fetch_add(1);
   counted_ = true;
@@ -178,10 +137,7 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   bytes += CheckedSize(threads) * (CheckedSize(2) * kBlockCols * kpad * b16 +
                                    CheckedSize(3) * kRowChunk * kBlockCols * f32 +
                                    CheckedSize(std::max<int64_t>(kRowChunk, r)) * wide * f32);
-  if (sh.quantized) {
-    const QuantScratchSizes q(kpad, sh.gate_q.zero_points);
-    bytes += CheckedSize(threads) * (CheckedSize(q.deq) * b16 + CheckedSize(q.scales) * f32 + CheckedSize(q.zeros));
-  }
+  if (sh.quantized) bytes += CheckedSize(threads) * WeightOperand::scratch_bytes(true, kpad, sh.gate_q.zero_points);
   const CheckedSize routes = CheckedSize(T) * K;
   const CheckedSize tokens_h = CheckedSize(T) * H;
   // forward: x in fp32 and A format, g and u, LoRA projections, a, a in A
@@ -459,6 +415,7 @@ void kt_moe::own_weights() {
     }
   }
   mapping_.reset();
+  bind_operands();
 }
 
 void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* const weights[3],
@@ -485,6 +442,7 @@ void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* co
       }
     }
     mapping_ = std::move(mapping);
+    bind_operands();
   }
   if (opt.has_bias)
     for (int p = 0; p < 3; ++p)
@@ -747,151 +705,8 @@ void kt_moe::recycle_context(kt_context* c) {
 
 // ------------------------------------------------------------ base weights
 
-PrefetchRegion kt_moe::weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const {
-  if (quantized) return quant_panel_block(qexpert(proj, e), qshape(proj), r0, rb);
-  const PanelShape& s = proj == kDown ? down_shape : gate_shape;
-  return panel_block(wp_[proj] + e * s.elements(), s, r0, rb);
-}
-
-// Of bf16 panels only the head of each slice is fetched ahead: the whole
-// slices (96-256 KiB of scattered 2 KiB pieces per block) fetched during the
-// dx and da' GEMMs crowded the GEMMs' own loads more than they saved the
-// transposes after them, which stream the rest of each slice from its head
-// on.
-constexpr int64_t kTransposeHeadBytes = 256;
-
-PrefetchRegion kt_moe::transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const {
-  if (quantized) return quant_column_source(qexpert(proj, e), qshape(proj), c0, cb);
-  const PanelShape& s = proj == kDown ? down_shape : gate_shape;
-  PrefetchRegion r = transpose_source(wp_[proj] + e * s.elements(), s, c0, cb);
-  r.chunk_bytes = std::min(r.chunk_bytes, kTransposeHeadBytes);
-  return r;
-}
-
-void kt_moe::base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np,
-                       const void* const* rows, int m, float* c, int64_t ldc,
-                       const PrefetchRegion& next) {
-  const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
-  if (!quantized) {
-    // These panels stream from memory. Where the tiles fetch them ahead
-    // themselves (AVX-512), the next block spread over the tiles only
-    // crowded those fetches. The AVX2 tiles fetch ahead too, but there the
-    // spread still pays, so that table keeps it (gemm_bf16w_fetches_panels).
-    K_.gemm_bf16w(rows, m, ps.kp, wp_[proj] + e * ps.elements() + p0 * ps.panel_stride(),
-                  ps.panel_stride(), np, c, ldc, false,
-                  K_.gemm_bf16w_fetches_panels ? PrefetchRegion{} : next);
-    return;
-  }
-  const QuantShape& qs = qshape(proj);
-  const uint8_t* ex = qexpert(proj, e);
-  if (opt.compute == KT_COMPUTE_INT8) {  // rows are int8 A rows
-    K_.gemm_int8(qs.panels(ex, p0), rows, m, np, c, ldc, false, next);
-    return;
-  }
-  if (K_.gemm_quant && m <= (qs.bits == 4 ? K_.gemm_quant_rows_4bit : K_.gemm_quant_rows_8bit)) {
-    K_.gemm_quant(qs.panels(ex, p0), rows, m, np, c, ldc, false, next);
-    return;
-  }
-  // Dequantized in cache: kBlockPanels panels at a time (the scratch's size).
-  if (np > kBlockPanels) {
-    for (int j = 0; j < np; j += static_cast<int>(kBlockPanels)) {
-      const int n = std::min(np - j, static_cast<int>(kBlockPanels));
-      base_gemm(s, proj, e, p0 + j, n, rows, m, c + j * kPanelRows, ldc,
-                j + n < np ? weight_block(proj, e, (p0 + j + n) * kPanelRows,
-                                          std::min<int64_t>(kBlockCols, (np - j - n) * kPanelRows))
-                           : next);
-    }
-    return;
-  }
-  const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
-  const uint8_t* zeros = qs.zero_points ? ex + qs.zeros_offset + p0 * qs.scale_panel : nullptr;
-  const auto dequant = dequant_kernel(K_, qs);
-  // One scale per row (int8 per channel, or one group spanning K): applied
-  // to the whole sum; otherwise each group's partial sum times its scale.
-  // Zero points go per group (chunks hold whole groups: kQuantChunk is a
-  // multiple of 128).
-  const bool per_row = qs.group == qs.kq && !zeros;
-  float* scales = s.qscale.data();
-  bf16_t* deq = s.deq.data();
-  // The next region comes in over the chunks, a share per chunk. With rows
-  // for several tiles the GEMM spreads the share over its K loop (from a
-  // contiguous region); otherwise (a single tile prefetches nothing) it is
-  // issued at the chunk's start. At once, a chunk's share of 8-bit codes
-  // (256 lines and more) stalled the dequantization behind it.
-  PrefetchCursor ahead(next);
-  const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
-  const bool spread = m > kGemmSingleTileRows && next.chunks == 1;
-  if (per_row) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
-  for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
-    const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
-    const int64_t l0 = lines * i / chunks, l1 = lines * (i + 1) / chunks;
-    PrefetchRegion share;
-    if (spread) {
-      share = PrefetchRegion::block(static_cast<const char*>(next.base) + l0 * 64, (l1 - l0) * 64);
-    } else {
-      ahead.issue(l1 - l0);
-    }
-    for (int r = 0; r < m; ++r) s.qrows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
-    if (per_row) {
-      dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
-      continue;
-    }
-    const int64_t scale_stride = (kc / qs.group) * kPanelRows;
-    quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
-    if (qs.code == QuantCode::kE2M1 && scaled_e2m1_exact(scales, np * scale_stride)) {
-      // Scaled e2m1 values are exact in bf16: the plain GEMM on them adds
-      // no rounding and saves the per-group sums.
-      dequant(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
-      K_.gemm_bf16w(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
-    } else {
-      if (zeros) {
-        K_.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows,
-                           qs.scale_panel, nullptr, 0, qs.group, deq);
-      } else {
-        dequant(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
-      }
-      K_.gemm_bf16w_grouped(s.qrows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride,
-                            qs.group, c, ldc, k0 > 0, share);
-    }
-  }
-  if (per_row)
-    for (int r = 0; r < m; ++r) {
-      float* cr = c + r * ldc;
-      for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
-    }
-}
-
-void kt_moe::transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, bf16_t* dst) {
-  if (!quantized) {
-    const PanelShape& ps = proj == kDown ? down_shape : gate_shape;
-    K_.transpose_panels(wp_[proj] + e * ps.elements(), ps.np, ps.panel_stride(), c0, cb, dst);
-    return;
-  }
-  // Whole 32-column slices of every panel around [c0, c0 + cb), scaled (one
-  // bf16 rounding), then the wanted columns transposed as bf16 panels are.
-  // Scales go per 32 columns, whatever the group: the slices start on a
-  // multiple of 32 so that each column takes its own group's scale, and end
-  // inside the stored codes (kq is a multiple of 32; c0 may be a multiple of
-  // 16 only).
-  const QuantShape& qs = qshape(proj);
-  const uint8_t* ex = qexpert(proj, e);
-  const int64_t start = c0 / kQuantKAlign * kQuantKAlign;
-  const int64_t kc = round_up(c0 + cb - start, kQuantKAlign);
-  float* scales = s.qscale.data();
-  bf16_t* deq = s.deq.data();
-  quant_scales_cols(ex, qs, start, kc, scales);
-  const int64_t stride = (kc / kQuantKAlign) * kPanelRows;
-  if (qs.zero_points) {
-    uint8_t* zeros = s.qzero.data();
-    quant_zeros_cols(ex, qs, start, kc, zeros);
-    K_.dequant_i4_zero(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, zeros, stride, scales, stride,
-                       kQuantKAlign, deq);
-  } else {
-    dequant_kernel(K_, qs)(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, scales, stride, kQuantKAlign,
-                           deq);
-  }
-  K_.transpose_panels(deq, qs.np, kPanelRows * kc, c0 - start, cb, dst);
+void kt_moe::bind_operands() {
+  for (int p = 0; p < 3; ++p) operand_[p].set_weights(stored_weights(p));
 }
 
 void kt_moe::read_weights(const kt_arg* args, size_t n) const {

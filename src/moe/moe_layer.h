@@ -21,6 +21,7 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kt_c_api.h"
+#include "moe/weight_operand.h"
 #include "runtime/engine.h"
 
 namespace kt {
@@ -220,27 +221,14 @@ struct kt_moe {
   struct ThreadScratch;
   const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q : gate_q; }
   const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
-  // What the base GEMM of panels [r0, r0 + rb) of expert e reads (prefetch).
-  kt::PrefetchRegion weight_block(int proj, int64_t e, int64_t r0, int64_t rb) const;
-  // What transposed_panels(proj, e, c0, cb) reads, to fetch ahead (of bf16
-  // panels the head of each slice).
-  kt::PrefetchRegion transpose_block(int proj, int64_t e, int64_t c0, int64_t cb) const;
-  // C[m, 16 np] (leading dimension ldc) = rows . W^T over packed rows [16 p0,
-  // 16 (p0 + np)) of projection proj of expert e, in any storage format
-  // (quantized: dequantized panel blocks in cache, scales applied per group
-  // in fp32); rows are A-format rows of the shape's kp.
-  void base_gemm(ThreadScratch& s, int proj, int64_t e, int64_t p0, int np, const void* const* rows,
-                 int m, float* c, int64_t ldc, const kt::PrefetchRegion& next);
-  // The packed W^T panels of columns [c0, c0 + cb) (c0 a multiple of 16) of
-  // projection proj of expert e, built in cache (transposed_panels contract
-  // of kernels.h); quantized weights are dequantized (one bf16 rounding).
-  void transposed_panels(ThreadScratch& s, int proj, int64_t e, int64_t c0, int64_t cb, kt::bf16_t* dst);
+  // Points the weight operands at the stored weights (after wp_ or qp_ change).
+  void bind_operands();
   void route(const ForwardCall& call, kt::Routing* out);
   void pack_rows_a(const kt::View& src, int64_t T, int64_t kp, void* dst, float* f32_copy);
-  // KT_COMPUTE_INT8: rows [0, n) of src (fp32 or bf16, ld elements apart) as
-  // int8 A rows for the weights of shape qs, stride int8_row_bytes.
+  // Rows [0, n) of src (fp32 or bf16, ld elements apart) as int8 A rows of
+  // operand w (w.int8_rows()), w.int8_row_stride() apart.
   void quantize_rows(const void* src, kt::DType dtype, int64_t n, int64_t k, int64_t ld,
-                     const kt::QuantShape& qs, kt::Buffer<uint8_t>* dst);
+                     const kt::WeightOperand& w, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).
@@ -285,6 +273,9 @@ struct kt_moe {
   const kt::bf16_t* wp_[3] = {nullptr, nullptr, nullptr};
   const uint8_t* qp_[3] = {nullptr, nullptr, nullptr};
   std::shared_ptr<const void> mapping_;
+  // The base weights of each projection as the GEMMs read them (gate, up,
+  // down), made with the layer from its format, compute and kernels.
+  kt::WeightOperand operand_[3];
   kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
   std::vector<uint8_t> loaded_, skipped_;
   kt::LoraFactors lora_[3];
@@ -314,10 +305,7 @@ struct kt_moe {
     kt::Buffer<float> c[3];
     kt::Buffer<float> grad;
     kt::Buffer<kt::bf16_t> zip[2];  // zipped operands of the weight gradients
-    kt::Buffer<kt::bf16_t> deq;     // dequantized panels of a quantized base
-    kt::Buffer<float> qscale;       // their fp32 scales
-    kt::Buffer<uint8_t> qzero;      // their zero bytes (formats with zero points, W^T panels)
-    std::vector<const void*> qrows; // A rows shifted to a K chunk
+    kt::OperandScratch operand;     // of the weight operands
     std::vector<const void*> rows;
     std::vector<const float*> frows;
   };

@@ -1,0 +1,226 @@
+#include "moe/weight_operand.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "moe/blocking.h"
+
+namespace kt {
+
+namespace {
+
+// The kernel that turns a format's codes into bf16 panels.
+decltype(Kernels::dequant_i8) dequant_kernel(const Kernels& k, const QuantShape& qs) {
+  switch (qs.code) {
+    case QuantCode::kE4M3: return k.dequant_e4m3;
+    case QuantCode::kE2M1: return k.dequant_e2m1;
+    case QuantCode::kInt: break;
+  }
+  return qs.bits == 4 ? k.dequant_i4 : k.dequant_i8;
+}
+
+// Per-thread scratch of a quantized base, in elements: dequantized panels
+// (a K chunk of a column block, or W'^T slices of up to kBlockCols + 32
+// columns for transposed), their fp32 scales, and zero points.
+struct QuantScratchSizes {
+  int64_t deq, scales, zeros;
+  QuantScratchSizes(int64_t kpad, bool zero_points) {
+    const int64_t deq_cols = kBlockCols + kQuantKAlign;
+    deq = std::max(kBlockPanels * kPanelRows * kQuantChunk, deq_cols * kpad);
+    scales = std::max(kBlockPanels * kQuantChunk, deq_cols / kQuantKAlign * kpad);
+    zeros = zero_points ? deq_cols / kQuantKAlign * kpad : 0;
+  }
+};
+
+// Whether every e2m1 value (magnitudes 0.5 to 6) times each of these e8m0
+// scales is a normal fp32 number, so exact in bf16 (2 significant bits) and
+// kept by the bf16 conversion, which flushes subnormals: powers of two 2^e
+// with -125 <= e <= 125.
+bool scaled_e2m1_exact(const float* scales, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, scales + i, 4);
+    const uint32_t exponent = (bits >> 23) & 0xff;
+    if ((bits & 0x807fffffu) != 0 || exponent < 2 || exponent > 252) return false;
+  }
+  return true;
+}
+
+// Of bf16 panels only the head of each slice is fetched ahead: the
+// transposes stream the rest of each slice from its head on, and whole
+// slices fetched during the GEMMs before them crowd those GEMMs' own loads
+// (bench/README.md).
+constexpr int64_t kTransposeHeadBytes = 256;
+
+}  // namespace
+
+WeightOperand::WeightOperand(const Kernels& k, const PanelShape& ps, const QuantShape& qs, bool quantized,
+                             bool int8_rows)
+    : k_(&k), ps_(ps), qs_(qs), a_size_(k.a_elem_size) {
+  if (!quantized) {
+    path_ = Path::kPanels;
+    expert_bytes_ = ps.elements() * static_cast<int64_t>(sizeof(bf16_t));
+    return;
+  }
+  path_ = int8_rows ? Path::kInt8 : Path::kCodes;
+  expert_bytes_ = qs.expert_bytes;
+  if (k.gemm_quant) quant_rows_ = qs.bits == 4 ? k.gemm_quant_rows_4bit : k.gemm_quant_rows_8bit;
+  dequant_ = dequant_kernel(k, qs);
+  per_row_ = qs.group == qs.kq && !qs.zero_points;
+  e2m1_ = qs.code == QuantCode::kE2M1;
+}
+
+void WeightOperand::size_scratch(OperandScratch* s, int64_t kpad, int64_t max_rows) const {
+  if (path_ == Path::kPanels) return;
+  const QuantScratchSizes q(kpad, qs_.zero_points);
+  s->deq.resize(static_cast<size_t>(q.deq));
+  s->scale.resize(static_cast<size_t>(q.scales));
+  s->zero.resize(static_cast<size_t>(q.zeros));
+  s->rows.resize(static_cast<size_t>(max_rows));
+}
+
+CheckedSize WeightOperand::scratch_bytes(bool quantized, int64_t kpad, bool zero_points) {
+  if (!quantized) return CheckedSize(0);
+  const QuantScratchSizes q(kpad, zero_points);
+  return CheckedSize(q.deq) * static_cast<int64_t>(sizeof(bf16_t)) +
+         CheckedSize(q.scales) * static_cast<int64_t>(sizeof(float)) + CheckedSize(q.zeros);
+}
+
+PrefetchRegion WeightOperand::block(int64_t e, int64_t r0, int64_t rb) const {
+  if (path_ != Path::kPanels) return quant_panel_block(expert(e), qs_, r0, rb);
+  return panel_block(panels(e), ps_, r0, rb);
+}
+
+PrefetchRegion WeightOperand::transposed_block(int64_t e, int64_t c0, int64_t cb) const {
+  if (path_ != Path::kPanels) return quant_column_source(expert(e), qs_, c0, cb);
+  PrefetchRegion r = transpose_source(panels(e), ps_, c0, cb);
+  r.chunk_bytes = std::min(r.chunk_bytes, kTransposeHeadBytes);
+  return r;
+}
+
+void WeightOperand::gemm(OperandScratch& s, int64_t e, int64_t p0, int np, const void* const* rows, int m,
+                         float* c, int64_t ldc, const PrefetchRegion& next) const {
+  const Kernels& K = *k_;
+  switch (path_) {
+    case Path::kPanels:
+      // Panels that stream from memory: pass no next region when the tiles
+      // fetch the panels ahead themselves (gemm_bf16w_fetches_panels).
+      K.gemm_bf16w(rows, m, ps_.kp, panels(e) + p0 * ps_.panel_stride(), ps_.panel_stride(), np, c, ldc, false,
+                   K.gemm_bf16w_fetches_panels ? PrefetchRegion{} : next);
+      return;
+    case Path::kInt8:  // rows are int8 A rows
+      K.gemm_int8(qs_.panels(expert(e), p0), rows, m, np, c, ldc, false, next);
+      return;
+    case Path::kCodes:
+      break;
+  }
+  if (K.gemm_quant && m <= quant_rows_) {
+    K.gemm_quant(qs_.panels(expert(e), p0), rows, m, np, c, ldc, false, next);
+    return;
+  }
+  // Dequantized in cache: kBlockPanels panels at a time (the scratch's size).
+  if (np > kBlockPanels) {
+    for (int j = 0; j < np; j += static_cast<int>(kBlockPanels)) {
+      const int n = std::min(np - j, static_cast<int>(kBlockPanels));
+      gemm_dequantized(s, e, p0 + j, n, rows, m, c + j * kPanelRows, ldc,
+                       j + n < np ? block(e, (p0 + j + n) * kPanelRows,
+                                          std::min<int64_t>(kBlockCols, (np - j - n) * kPanelRows))
+                                  : next);
+    }
+    return;
+  }
+  gemm_dequantized(s, e, p0, np, rows, m, c, ldc, next);
+}
+
+void WeightOperand::gemm_dequantized(OperandScratch& s, int64_t e, int64_t p0, int np, const void* const* rows,
+                                     int m, float* c, int64_t ldc, const PrefetchRegion& next) const {
+  const Kernels& K = *k_;
+  const QuantShape& qs = qs_;
+  const uint8_t* ex = expert(e);
+  const uint8_t* codes = ex + p0 * qs.code_panel_bytes;
+  const uint8_t* zeros = qs.zero_points ? ex + qs.zeros_offset + p0 * qs.scale_panel : nullptr;
+  // Zero points go per group (chunks hold whole groups: kQuantChunk is a
+  // multiple of 128).
+  float* scales = s.scale.data();
+  bf16_t* deq = s.deq.data();
+  // The next region comes in over the chunks, a share per chunk. With rows
+  // for several tiles the GEMM spreads the share over its K loop (from a
+  // contiguous region); otherwise (a single tile prefetches nothing) it is
+  // issued at the chunk's start, so that a chunk's share of codes does not
+  // stall the dequantization behind it.
+  PrefetchCursor ahead(next);
+  const int64_t lines = next.lines(), chunks = ceil_div(qs.kq, kQuantChunk);
+  const bool spread = m > kGemmSingleTileRows && next.chunks == 1;
+  if (per_row_) quant_scales_f32(ex, qs, p0, np, 0, 1, scales);
+  for (int64_t k0 = 0, i = 0; k0 < qs.kq; k0 += kQuantChunk, ++i) {
+    const int64_t kc = std::min(kQuantChunk, qs.kq - k0);
+    const int64_t l0 = lines * i / chunks, l1 = lines * (i + 1) / chunks;
+    PrefetchRegion share;
+    if (spread) {
+      share = PrefetchRegion::block(static_cast<const char*>(next.base) + l0 * 64, (l1 - l0) * 64);
+    } else {
+      ahead.issue(l1 - l0);
+    }
+    for (int r = 0; r < m; ++r) s.rows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
+    if (per_row_) {
+      dequant_(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      K.gemm_bf16w(s.rows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
+      continue;
+    }
+    const int64_t scale_stride = (kc / qs.group) * kPanelRows;
+    quant_scales_f32(ex, qs, p0, np, k0 / qs.group, kc / qs.group, scales);
+    if (e2m1_ && scaled_e2m1_exact(scales, np * scale_stride)) {
+      // Scaled e2m1 values are exact in bf16: the plain GEMM on them adds
+      // no rounding and saves the per-group sums.
+      dequant_(codes, qs.code_panel_bytes, np, k0, kc, scales, scale_stride, qs.group, deq);
+      K.gemm_bf16w(s.rows.data(), m, kc, deq, kPanelRows * kc, np, c, ldc, k0 > 0, share);
+    } else {
+      if (zeros) {
+        K.dequant_i4_zero(codes, qs.code_panel_bytes, np, k0, kc, zeros + (k0 / qs.group) * kPanelRows,
+                          qs.scale_panel, nullptr, 0, qs.group, deq);
+      } else {
+        dequant_(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);
+      }
+      K.gemm_bf16w_grouped(s.rows.data(), m, kc, deq, kPanelRows * kc, np, scales, scale_stride, qs.group, c,
+                           ldc, k0 > 0, share);
+    }
+  }
+  if (per_row_)
+    for (int r = 0; r < m; ++r) {
+      float* cr = c + r * ldc;
+      for (int64_t j = 0; j < np * kPanelRows; ++j) cr[j] *= scales[j];
+    }
+}
+
+void WeightOperand::transposed(OperandScratch& s, int64_t e, int64_t c0, int64_t cb, bf16_t* dst) const {
+  const Kernels& K = *k_;
+  if (path_ == Path::kPanels) {
+    K.transpose_panels(panels(e), ps_.np, ps_.panel_stride(), c0, cb, dst);
+    return;
+  }
+  // Whole 32-column slices of every panel around [c0, c0 + cb), scaled (one
+  // bf16 rounding), then the wanted columns transposed as bf16 panels are.
+  // Scales go per 32 columns, whatever the group: the slices start on a
+  // multiple of 32 so that each column takes its own group's scale, and end
+  // inside the stored codes (kq is a multiple of 32; c0 may be a multiple of
+  // 16 only).
+  const QuantShape& qs = qs_;
+  const uint8_t* ex = expert(e);
+  const int64_t start = c0 / kQuantKAlign * kQuantKAlign;
+  const int64_t kc = round_up(c0 + cb - start, kQuantKAlign);
+  float* scales = s.scale.data();
+  bf16_t* deq = s.deq.data();
+  quant_scales_cols(ex, qs, start, kc, scales);
+  const int64_t stride = (kc / kQuantKAlign) * kPanelRows;
+  if (qs.zero_points) {
+    uint8_t* zeros = s.zero.data();
+    quant_zeros_cols(ex, qs, start, kc, zeros);
+    K.dequant_i4_zero(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, zeros, stride, scales, stride,
+                      kQuantKAlign, deq);
+  } else {
+    dequant_(ex, qs.code_panel_bytes, static_cast<int>(qs.np), start, kc, scales, stride, kQuantKAlign, deq);
+  }
+  K.transpose_panels(deq, qs.np, kPanelRows * kc, c0 - start, cb, dst);
+}
+
+}  // namespace kt
