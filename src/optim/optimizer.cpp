@@ -14,6 +14,7 @@
 #include "core/checked.h"
 #include "core/error.h"
 #include "formats/packed_bf16.h"
+#include "io/names.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 #include "moe/args.h"
@@ -429,7 +430,7 @@ void kt_optimizer::load(const std::string& path, const char* where) {
                w + ": has no tensor '" + n.first + "': it was saved from another optimizer");
       KT_CHECK(
           e->dtype == KT_CKPT_DTYPE_F32, KT_ERR_DTYPE,
-          w + ": tensor '" + n.first + "' is " + kt_ckpt_dtype_name(e->dtype) + ", expected F32");
+          w + ": tensor '" + n.first + "' is " + kt::io::dtype_name(e->dtype) + ", expected F32");
       const std::vector<int64_t> want = shape_of(p.param);
       KT_CHECK(
           e->shape == want, KT_ERR_SHAPE,

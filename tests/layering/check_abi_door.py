@@ -12,12 +12,8 @@ import re
 import subprocess
 import sys
 
-# Calls below src/api still waiting for their owners, each with where it
-# moves. Nothing else may be added here.
-ALLOWED = {
-    # src/optim/optimizer.cpp: moves to kt::io::dtype_name (io/names.h)
-    "src/optim/optimizer.cpp": {"kt_ckpt_dtype_name"},
-}
+# Calls below src/api that are allowed (source file -> exported names): none.
+ALLOWED = {}
 
 
 def source_of(obj):
