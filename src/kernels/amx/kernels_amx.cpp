@@ -133,7 +133,9 @@ struct Tiles {
     static constexpr int64_t kStepBytes = avx512bf16::Int8Codes<Bits, Code>::kStepBytes;
     static constexpr int32_t kOffset = avx512bf16::Int8Codes<Bits, Code>::kOffset;
     avx512bf16::Int8Codes<Bits, Code> codes;
-    void operator()(const uint8_t* src, uint8_t* out) const { _mm512_store_si512(out, codes.step(src)); }
+    // out: a thread's expanded-codes buffer, 64-byte steps from an address
+    // the allocator chose (16-byte aligned at least): unaligned store.
+    void operator()(const uint8_t* src, uint8_t* out) const { _mm512_storeu_si512(out, codes.step(src)); }
   };
 };
 
