@@ -388,9 +388,12 @@ def main():
     if not doc["models"] and cases:
         fail("no model was benchmarked")
     # The tables kt's kernels come from: the engine's, the AVX-512 BF16 one
-    # that the amx table leaves few rows to, oneDNN's with --backend onednn.
-    tables = {doc["kt"]["isa"]} | ({"avx512bf16"} if doc["kt"]["isa"] == "amx" else set()) | \
-        ({"onednn"} if "onednn" in args else set())
+    # that the amx table leaves few rows to, oneDNN's with --backend onednn
+    # or, on the amx table, by the default backend (KT_GEMM_AUTO times kt's
+    # tiles against oneDNN and takes the faster).
+    amx = doc["kt"]["isa"] == "amx"
+    tables = {doc["kt"]["isa"]} | ({"avx512bf16"} if amx else set()) | \
+        ({"onednn"} if "onednn" in args or (amx and "native" not in args) else set())
     for model in doc["models"]:
         where = f"model {model.get('name')}"
         require(model, ["name", "hidden", "intermediate", "experts", "top_k", "experts_held", "slice", "note",

@@ -115,7 +115,8 @@ const char* kUsage =
     "  --reps N             timed repetitions per result, median reported (default 5)\n"
     "  --warmup N           untimed calls before them (default 1)\n"
     "  --isa NAME           cap kt's kernels: ref, avx2, avx512bf16, amx\n"
-    "  --backend NAME       kt's weight GEMMs: native (default) or onednn (kt_gemm_backend)\n"
+    "  --backend NAME       kt's weight GEMMs: auto (default: on the amx table the faster of\n"
+    "                       kt's tiles and oneDNN, measured once), native or onednn (kt_gemm_backend)\n"
     "  --max-weight-gb X    bf16 weights held per layer; larger models run a slice (default 1.25)\n"
     "  --profile            also report kt's per-stage profile (extra, untimed calls)\n"
     "  --no-onednn          skip the oneDNN baseline\n"
@@ -214,12 +215,14 @@ bool parse_options(int argc, char** argv, Options* o, std::string* error) {
     else if (a == "--torch-script") o->torch_script = v;
     else if (a == "--peers-python") o->peers_python = v;
     else if (a == "--backend") {
-      if (v == "native") {
+      if (v == "auto") {
+        o->backend = KT_GEMM_AUTO;
+      } else if (v == "native") {
         o->backend = KT_GEMM_NATIVE;
       } else if (v == "onednn") {
         o->backend = KT_GEMM_ONEDNN;
       } else {
-        *error = "unknown GEMM backend " + v + " (native, onednn)";
+        *error = "unknown GEMM backend " + v + " (auto, native, onednn)";
         return false;
       }
     } else if (a == "--format") {

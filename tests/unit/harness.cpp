@@ -289,16 +289,25 @@ kt_status Runner::backward(kt_context* ctx, float grad_scale, kt_grad_accumulate
   return kt_moe_backward(moe_, ctx, &bo, args, 3);
 }
 
-std::vector<double> Runner::ref_forward() const {
+namespace {
+std::vector<double> maybe_bf16(std::vector<double> v, bool round) {
+  if (round)
+    for (double& e : v) e = kt::bf16_to_f32(kt::f32_to_bf16(static_cast<float>(e)));
+  return v;
+}
+}  // namespace
+
+std::vector<double> Runner::ref_forward(bool bf16_operands) const {
   std::vector<int64_t> ids(static_cast<size_t>(ids_->numel()));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(ids_->get(static_cast<int64_t>(i)));
-  return kt::reference::forward(spec, params, c_.T, x_->values(), ids, w_->values());
+  return kt::reference::forward(spec, params, c_.T, maybe_bf16(x_->values(), bf16_operands), ids, w_->values());
 }
 
-kt::reference::Grads Runner::ref_backward() const {
+kt::reference::Grads Runner::ref_backward(bool bf16_operands) const {
   std::vector<int64_t> ids(static_cast<size_t>(ids_->numel()));
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>(ids_->get(static_cast<int64_t>(i)));
-  return kt::reference::backward(spec, params, c_.T, x_->values(), ids, w_->values(), dy_->values());
+  return kt::reference::backward(spec, params, c_.T, maybe_bf16(x_->values(), bf16_operands), ids, w_->values(),
+                                 maybe_bf16(dy_->values(), bf16_operands));
 }
 
 std::vector<std::pair<std::string, const Tensor*>> Runner::host_tensors() const {

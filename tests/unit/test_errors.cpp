@@ -367,10 +367,14 @@ TEST(Engine, IsaCapInEnvironmentIgnoresCase) {
     ASSERT_EQ(kt_engine_get_info(e, &info), KT_OK);
     const std::string lower = cap[0] == 'A' && cap[1] == 'u' ? "auto" : cap[0] == 'R' ? "ref" : "avx2";
     const bool has512 = std::strstr(kt_build_info(), "avx512bf16") != nullptr;
+    const bool has_amx = std::strstr(kt_build_info(), " amx") != nullptr;
+    // "auto": the best table the build has and the CPU runs.
     const kt_isa want = lower == "ref"    ? KT_ISA_REF
                         : lower == "avx2" ? (cpu >= KT_ISA_AVX2 ? KT_ISA_AVX2 : KT_ISA_REF)
-                                          : (cpu >= KT_ISA_AVX512BF16 && has512 ? KT_ISA_AVX512BF16
-                                             : cpu >= KT_ISA_AVX2 ? KT_ISA_AVX2 : KT_ISA_REF);
+                                          : (cpu >= KT_ISA_AMX && has_amx          ? KT_ISA_AMX
+                                             : cpu >= KT_ISA_AVX512BF16 && has512 ? KT_ISA_AVX512BF16
+                                             : cpu >= KT_ISA_AVX2                 ? KT_ISA_AVX2
+                                                                                  : KT_ISA_REF);
     EXPECT_EQ(info.isa, want) << cap;
     EXPECT_EQ(kt_engine_destroy(e), KT_OK);
   }
