@@ -745,7 +745,7 @@ typedef enum kt_ckpt_layout {
 /* How a layer's expert weights are stored. Pinned. */
 typedef enum kt_ckpt_format {
   KT_CKPT_FORMAT_DENSE = 0,      /* bf16/fp16/fp32 (loadable) */
-  KT_CKPT_FORMAT_FP8_BLOCK = 1,  /* F8_E4M3 + weight_scale_inv [out/128, in/128] */
+  KT_CKPT_FORMAT_FP8_BLOCK = 1,  /* F8_E4M3 + weight_scale_inv (or weight_scale) [out/128, in/128] */
   KT_CKPT_FORMAT_INT4_GROUP = 2, /* compressed-tensors weight_packed int32 [out, in/8] + weight_scale */
   KT_CKPT_FORMAT_MXFP4 = 3,      /* e2m1 pairs (U8) + E8M0 scales per 32 */
   KT_CKPT_FORMAT_OTHER = 4       /* a weight format kt does not know; hidden and
@@ -1590,7 +1590,11 @@ KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size
  *   and `weight_scale_inv` (float) [ceil(out/128), ceil(in/128)]; W = code
  *   * scale_inv of its block. quantization_config: quant_method "fp8",
  *   fmt "e4m3", weight_block_size [128, 128], activation_scheme "dynamic"
- *   or "static" (activations stay bf16/fp32 in kt). Held as
+ *   or "static" (activations stay bf16/fp32 in kt). The same blocks as
+ *   compressed-tensors writes them ("float-quantized"): the multiplier is
+ *   named `weight_scale`, and the experts' config group says weights
+ *   num_bits 8, type "float", strategy "block", block_structure [128, 128],
+ *   symmetric (quant_method "compressed-tensors"). Held as
  *   KT_FORMAT_FP8_B128 (codes as stored, scales fp32: exact).
  * - compressed-tensors int4 "pack-quantized" (Kimi-K2-Thinking):
  *   `weight_packed` I32 [out, ceil(in/8)] (element c in bits 4(c%8).. of

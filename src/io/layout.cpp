@@ -181,8 +181,13 @@ void describe_proj(const std::map<std::string, const TensorRef*>& parts, const s
     *in = t.shape[1];
     if (is_float_dtype(t.dtype)) {
       *format = KT_CKPT_FORMAT_DENSE;
-    } else if (t.dtype == KT_CKPT_DTYPE_F8_E4M3 && get("weight_scale_inv")) {
-      pt->scale = get("weight_scale_inv");
+    } else if (t.dtype == KT_CKPT_DTYPE_F8_E4M3 &&
+               (get("weight_scale_inv") ||
+                (get("weight_scale") && get("weight_scale")->entry->shape.size() == 2))) {
+      // The multiplier of each block: DeepSeek names it weight_scale_inv,
+      // compressed-tensors (float-quantized) weight_scale; a scale of rank
+      // 0 or 1 (per tensor) is not a block grid: "other".
+      pt->scale = get("weight_scale_inv") ? get("weight_scale_inv") : get("weight_scale");
       *format = KT_CKPT_FORMAT_FP8_BLOCK;
     } else if ((t.dtype == KT_CKPT_DTYPE_U8 || t.dtype == KT_CKPT_DTYPE_I8) && get("scale")) {
       pt->scale = get("scale");
@@ -448,10 +453,45 @@ void check_quantized_layer(MoeLayer& m, const QuantConfig& qc) {
   };
   const std::initializer_list<kt_ckpt_dtype> kFloat = {KT_CKPT_DTYPE_F32, KT_CKPT_DTYPE_BF16, KT_CKPT_DTYPE_F16};
   if (m.format == KT_CKPT_FORMAT_FP8_BLOCK) {
-    method_must_be("fp8", "F8_E4M3 weights with weight_scale_inv (fp8 blocks)");
+    // weight_scale_inv: DeepSeek's fp8 (quant_method fp8); weight_scale:
+    // compressed-tensors' float-quantized, whose config says the blocks.
+    const std::string& scale_name = m.experts[0][kProjGate].scale->entry->name;
+    const bool ct = scale_name.size() < 4 || scale_name.compare(scale_name.size() - 4, 4, "_inv") != 0;
+    if (!ct) method_must_be("fp8", "F8_E4M3 weights with weight_scale_inv (fp8 blocks)");
+    if (ct && !qc.q) {
+      m.unsupported = "F8_E4M3 weights with weight_scale and no quantization_config: kt reads fp8 blocks that "
+                      "a config says (compressed-tensors float-quantized, or DeepSeek's weight_scale_inv)";
+      return;
+    }
+    if (ct) method_must_be("compressed-tensors", "F8_E4M3 weights with weight_scale (float-quantized)");
     int64_t b0 = 128, b1 = 128;
     std::string from = " (blocks of 128 x 128: config.json has no quantization_config)";
-    if (qc.q) {
+    if (ct) {
+      // compressed-tensors float-quantized: the weights of the experts'
+      // config group say the blocks; anything but e4m3 in symmetric
+      // 128 x 128 blocks is described, not loaded.
+      if (!qc.ct_format.empty() && qc.ct_format != "float-quantized")
+        io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + layer +
+                " holds F8_E4M3 weights with weight_scale (format 'float-quantized')");
+      const json* w = qc.weights;
+      auto is = [&](const char* k, const json& want) { return w && w->contains(k) && (*w)[k] == want; };
+      if (!w || !is("num_bits", 8) || !is("type", "float") || !is("strategy", "block") ||
+          (w->contains("symmetric") && !is("symmetric", true))) {
+        m.unsupported = "config_groups weights are " + (w ? json_text(*w) : std::string("absent")) +
+                        ": kt holds fp8 (num_bits 8, type float) in symmetric blocks (strategy block)";
+        return;
+      }
+      const json* bs = w->contains("block_structure") ? &(*w)["block_structure"] : nullptr;
+      const bool sizes = bs && bs->is_array() && bs->size() == 2 && (*bs)[0].is_number_integer() &&
+                         (*bs)[1].is_number_integer() && (*bs)[0].get<int64_t>() >= 1 && (*bs)[1].get<int64_t>() >= 1;
+      if (!sizes || (*bs)[0].get<int64_t>() != 128 || (*bs)[1].get<int64_t>() != 128)
+        m.unsupported = "config_groups weights block_structure is " + (bs ? json_text(*bs) : std::string("absent")) +
+                        ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
+      if (!sizes) return;
+      b0 = (*bs)[0].get<int64_t>();
+      b1 = (*bs)[1].get<int64_t>();
+      from = " (block_structure " + json_text(*bs) + ")";
+    } else if (qc.q) {
       const json& q = *qc.q;
       if (q.contains("fmt") && !(q["fmt"].is_string() && q["fmt"].get<std::string>() == "e4m3"))
         io_fail(qc.path + ".fmt is " + json_text(q["fmt"]) + " but " + layer + " holds F8_E4M3 weights");
@@ -916,8 +956,7 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
 std::string stored_text(const MoeLayer& L) {
   switch (L.format) {
     case KT_CKPT_FORMAT_FP8_BLOCK:
-      return "fp8 e4m3 with weight_scale_inv per " + std::to_string(L.block_rows) + " x " + std::to_string(L.group) +
-             " block";
+      return "fp8 e4m3 with a scale per " + std::to_string(L.block_rows) + " x " + std::to_string(L.group) + " block";
     case KT_CKPT_FORMAT_INT4_GROUP:
       return std::string("compressed-tensors int4 in groups of ") + std::to_string(L.group) +
              (L.asymmetric ? ", asymmetric" : ", symmetric");

@@ -9,6 +9,7 @@ Versions: packaging/python/requirements-hosts.txt."""
 import copy
 import json
 import os
+import re
 
 import pytest
 
@@ -176,9 +177,6 @@ def _fp8_block_calibrate(model, args):
             module.weight_scale.data.copy_((amax / 448).to(module.weight_scale.dtype))
 
 
-@pytest.mark.xfail(strict=True, reason="kt reads fp8 blocks as DeepSeek stores them (weight_scale_inv, "
-                                       "quant_method fp8); compressed-tensors' float-quantized blocks name the "
-                                       "same multiplier weight_scale, and kt reports the layer not loadable")
 def test_fp8_block_checkpoint_of_compressed_tensors(tmp_path, fp32_engine):
     args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128],
                             symmetric=True)
@@ -201,3 +199,45 @@ def test_fp8_block_checkpoint_of_compressed_tensors(tmp_path, fp32_engine):
     layer.read_weights(**got)
     for p in got:
         assert torch.equal(got[p], want[p]), p
+    x, ids, w = inputs()
+    y = torch.empty(T, H)
+    layer.forward(x, ids, w, y)
+    ref = moe_forward(x.double(), ids.long(), w.double(), {p: t.double() for p, t in want.items()})
+    err = rel_l2(y, ref)
+    measured.record("fp32", "real compressed-tensors fp8_b128", err)
+    assert err <= tolerances.FP32, err
+
+
+def _fp8_checkpoint_with_config(tmp_path, change):
+    """The fp8 block checkpoint with its config group's weights changed."""
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128],
+                            symmetric=True)
+    directory = str(tmp_path / "ckpt")
+    write_checkpoint(directory, args, "float-quantized", calibrate=_fp8_block_calibrate)
+    path = os.path.join(directory, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return directory
+
+
+def test_fp8_per_channel_config_is_described_not_loaded(tmp_path):
+    """A config that says per-channel fp8 scales: kt describes the layer and
+    a load refuses, saying what kt holds."""
+    directory = _fp8_checkpoint_with_config(tmp_path, {"strategy": "channel", "block_structure": None})
+    with kt.Checkpoint(directory) as ck:
+        assert not ck.layers[LAYER]["loadable"], ck.layers[LAYER]
+        layer = kt.MoE(**dict(ck.moe_options(LAYER), weight_format="fp8_b128"), max_tokens=T)
+        with pytest.raises(kt.KtError, match=re.escape("in symmetric blocks (strategy block)")):
+            ck.load_layer(LAYER, layer)
+
+
+def test_fp8_config_contradicting_the_scales_fails_the_open(tmp_path):
+    """block_structure [64, 64] over scales of 128 x 128 blocks: the open
+    fails, naming the scale tensor and what the config implies."""
+    directory = _fp8_checkpoint_with_config(tmp_path, {"block_structure": [64, 64]})
+    with pytest.raises(kt.IOFailure, match=r"weight_scale' \(fp8 block scales\): expected float \[2,4\] "
+                                           r"\(block_structure \[64,64\]\)"):
+        kt.Checkpoint(directory)
