@@ -7,7 +7,9 @@ Peers: with --peers-python PY among the arguments, the check asks PY itself
 which peers import (torch, kt_kernel, deepspeed) and requires each one that
 does to have run, named with its version, and each one that does not to be
 reported as skipped with a reason; with --no-peers, kt-kernel and DeepSpeed
-must be skipped with a reason."""
+must be skipped with a reason. kt-kernel's rows: its forward on every T, and
+where its bf16 SFT classes import (AMX builds) its train_dx and train_lora on
+every T as well; without them those cases must be skipped with a reason."""
 import json
 import subprocess
 import sys
@@ -22,6 +24,10 @@ try:
     found["torch"] = torch.__version__
     import kt_kernel
     found["kt-kernel"] = kt_kernel.__version__
+    # Its bf16 SFT classes (AMX builds): kt_bench drives them in the training cases.
+    moe = kt_kernel.kt_kernel_ext.moe
+    if getattr(moe, "AMXBF16_SFT_MOE", None) and getattr(moe, "AMXBF16_SFT_MOE_SkipLoRA", None):
+        found["kt-kernel-sft"] = "AMXBF16_SFT_MOE"
 except Exception:
     pass
 try:
@@ -252,44 +258,64 @@ def check_peers(doc, args):
         return "peers not checked (no --peers-python)"
     python = args[args.index("--peers-python") + 1]
     present = probe_peers(python)
-    # kt-kernel: every forward T of each model, beside kt, with both errors
-    # against the double-precision reference.
-    if "kt-kernel" in present and "forward" in cases:
+    sft = present.pop("kt-kernel-sft", None)
+
+    def check_kt_kernel_rows(m, case):
+        """kt-kernel's bf16 rows of `case`: every T of the model, beside kt,
+        with both errors (y for the forward, dx for training) against the
+        double-precision reference."""
+        rows = {r["tokens"]: r for r in m.get("peer_results", [])
+                if r["peer"] == "kt-kernel" and r["variant"] == "bf16" and r["case"] == case}
+        want = {r["tokens"] for r in m["results"] if r["case"] == case}
+        if set(rows) != want:
+            fail(f"model {m['name']}: kt-kernel bf16 {case} rows for T {sorted(rows)}, expected {sorted(want)}")
+        for T, r in rows.items():
+            what = f"model {m['name']} kt-kernel {case} T={T}"
+            require(r, ["ms", "kt_ms", "speedup_of_kt", "speedup_of_kt_paired", "rel_l2_vs_f64",
+                        "kt_rel_l2_vs_f64", "rows_compared", "timing", "class"], what)
+            if case != "forward":
+                require(r, ["note"], what)
+            if "error" in r:
+                fail(f"{what}: {r['error']}")
+            if not (r["ms"] or 0) > 0 or not (r["kt_ms"] or 0) > 0:
+                fail(f"{what}: no time ({r['ms']}, kt {r['kt_ms']})")
+            if abs(r["speedup_of_kt"] - r["ms"] / r["kt_ms"]) > 1e-3 * r["speedup_of_kt"]:
+                fail(f"{what}: speedup_of_kt {r['speedup_of_kt']} is not ms / kt_ms")
+            if not (r["speedup_of_kt_paired"] or 0) > 0:
+                fail(f"{what}: no paired ratio ({r['speedup_of_kt_paired']})")
+            if not r["rows_compared"] > 0:
+                fail(f"{what}: no rows compared")
+            # bf16 rounding of y (dx) and of the intermediates: about 1e-3 to 1e-2.
+            for key in ("rel_l2_vs_f64", "kt_rel_l2_vs_f64"):
+                if r[key] is None or not 0 < r[key] < 0.05:
+                    fail(f"{what}: {key} {r[key]} is not in (0, 0.05)")
+
+    # kt-kernel: every forward T of each model, beside kt; with its SFT
+    # classes, every train_dx and train_lora T too.
+    if "kt-kernel" in present and cases & {"forward", "train_dx", "train_lora"}:
         if ran.get(("kt-kernel", python)) != present["kt-kernel"]:
             fail(f"kt-kernel {present['kt-kernel']} imports in {python} but is not among the peers that ran "
                  f"with that version: {doc['peers']}")
         for m in doc["models"]:
-            rows = {r["tokens"]: r for r in m.get("peer_results", [])
-                    if r["peer"] == "kt-kernel" and r["variant"] == "bf16" and r["case"] == "forward"}
-            want = {r["tokens"] for r in m["results"] if r["case"] == "forward"}
-            if set(rows) != want:
-                fail(f"model {m['name']}: kt-kernel bf16 forward rows for T {sorted(rows)}, expected {sorted(want)}")
-            for T, r in rows.items():
-                what = f"model {m['name']} kt-kernel forward T={T}"
-                require(r, ["ms", "kt_ms", "speedup_of_kt", "speedup_of_kt_paired", "rel_l2_vs_f64",
-                            "kt_rel_l2_vs_f64", "rows_compared", "timing"], what)
-                if "error" in r:
-                    fail(f"{what}: {r['error']}")
-                if not (r["ms"] or 0) > 0 or not (r["kt_ms"] or 0) > 0:
-                    fail(f"{what}: no time ({r['ms']}, kt {r['kt_ms']})")
-                if abs(r["speedup_of_kt"] - r["ms"] / r["kt_ms"]) > 1e-3 * r["speedup_of_kt"]:
-                    fail(f"{what}: speedup_of_kt {r['speedup_of_kt']} is not ms / kt_ms")
-                if not r["rows_compared"] > 0:
-                    fail(f"{what}: no rows compared")
-                # bf16 rounding of y and of the intermediate: about 1e-3 to 1e-2.
-                for key in ("rel_l2_vs_f64", "kt_rel_l2_vs_f64"):
-                    if r[key] is None or not 0 < r[key] < 0.05:
-                        fail(f"{what}: {key} {r[key]} is not in (0, 0.05)")
+            for case in ("forward", "train_dx", "train_lora"):
+                if case in cases and (case == "forward" or sft):
+                    check_kt_kernel_rows(m, case)
+            if "forward" not in cases:
+                continue
             for variant in ("int8", "int4"):
                 has_rows = any(r["peer"] == "kt-kernel" and r["variant"] == variant for r in m.get("peer_results", []))
                 if not has_rows and not any(sk["name"] == "kt-kernel" and sk["what"] == "forward " + variant
                                             for sk in doc["peers_skipped"]):
                     fail(f"model {m['name']}: kt-kernel {variant}: neither rows nor a skip with a reason")
         for case in ("train_dx", "train_lora", "train_full"):
-            if case in cases and not any(sk["name"] == "kt-kernel" and sk["what"] == case
-                                         for sk in doc["peers_skipped"]):
+            if case not in cases or (sft and case != "train_full"):
+                continue
+            if not any(sk["name"] == "kt-kernel" and sk["what"] == case for sk in doc["peers_skipped"]):
                 fail(f"kt-kernel {case}: not run and not reported as skipped")
-    elif "forward" in cases:
+            if any(r["peer"] == "kt-kernel" and r["case"] == case for m in doc["models"]
+                   for r in m.get("peer_results", [])):
+                fail(f"kt-kernel {case}: both rows and a skip")
+    elif cases & {"forward", "train_dx", "train_lora"}:
         must_skip("kt-kernel")
     # DeepSpeed: the optimizer case, beside kt.
     if optimizer is not None:
@@ -330,7 +356,8 @@ def check_peers(doc, args):
                 want = {(r["case"], r["tokens"]) for r in m["results"]}
                 if rows != want:
                     fail(f"model {m['name']}: torch {present['torch']} rows {sorted(rows)}, expected {sorted(want)}")
-    return (f"peers in {python}: {', '.join(f'{k} {v}' for k, v in sorted(present.items())) or 'none'}; "
+    return (f"peers in {python}: {', '.join(f'{k} {v}' for k, v in sorted(present.items())) or 'none'}"
+            f"{' (with its SFT classes)' if sft else ''}; "
             f"skipped: {', '.join(sk['name'] + ' ' + sk['what'] for sk in doc['peers_skipped']) or 'none'}")
 
 

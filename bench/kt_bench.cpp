@@ -391,6 +391,7 @@ struct PeerRow {
   double ratio = NAN;               // median of each round's peer / kt
   double kt_rel_l2 = NAN, peer_rel_l2 = NAN;
   int64_t rows_compared = 0;
+  std::string note;  // what the two calls share or do not (training cases)
   std::string error;
 };
 
@@ -508,37 +509,178 @@ void add_skip(std::vector<PeerSkip>* skips, const std::string& peer, const std::
   skips->push_back({peer, what, reason});
 }
 
-// kt-kernel's MoE beside kt on the same layer, routing and inputs: for each
-// T of the run, a forward of each per round; then both outputs of the first
-// batch's first rows against the double-precision reference. Variants: its
-// bf16 MoE against kt's bf16 layer, and its int8 and int4 MoEs (which
-// quantize the bf16 weights themselves at load) against kt's int8_channel
-// and int4_g32 layers, where its build has them.
-void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
-                     kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
-                     const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
+// The LoRA factors KtRunner binds in LoRA mode, made by the same generator
+// (Rng(77); per projection gate, up, down: A [E,r,in] ~ N(0, 1/in), then
+// B [E,out,r] ~ N(0, 0.02^2)), fp32, in the order gate A, gate B, up A,
+// up B, down A, down B.
+std::vector<std::vector<float>> kt_runner_lora_factors(const LayerWeights& layer) {
+  const ModelShape& s = layer.shape;
+  const int64_t E = layer.experts, r = kLoraRank;
+  std::vector<std::vector<float>> f;
+  Rng rng(77);
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = p == 2 ? s.intermediate : s.hidden, out = p == 2 ? s.hidden : s.intermediate;
+    std::vector<float> a(static_cast<size_t>(E * r * in)), b(static_cast<size_t>(E * out * r));
+    for (float& v : a) v = rng.normal() / std::sqrt(static_cast<float>(in));
+    for (float& v : b) v = 0.02f * rng.normal();
+    f.push_back(std::move(a));
+    f.push_back(std::move(b));
+  }
+  return f;
+}
+
+// kt's LoRA scale: kt_moe_options.lora_alpha / rank as KtRunner sets them.
+constexpr double kLoraAlpha = 2.0 * kLoraRank;
+
+// dx of the first `rows` tokens of batch b in double precision from the bf16
+// weights: the backward for dy of y = sum_j w_j down(silu(gate x) * up x),
+// each projection W + (alpha / r) B A where `lora` holds the factors (in
+// kt_runner_lora_factors' order), W alone where it is null.
+std::vector<double> reference_dx(const LayerWeights& layer, const Batch& b, int64_t rows,
+                                 const std::vector<std::vector<float>>* lora) {
+  const int64_t H = layer.shape.hidden, I = layer.shape.intermediate, k = layer.shape.top_k, R = kLoraRank;
+  const double scale = kLoraAlpha / static_cast<double>(R);
+  const uint16_t* x = static_cast<const uint16_t*>(b.x.dl()->data);
+  const uint16_t* dy = static_cast<const uint16_t*>(b.dy.dl()->data);
+  const int32_t* ids = static_cast<const int32_t*>(b.ids.dl()->data);
+  const float* rw = static_cast<const float*>(b.route_weights.dl()->data);
+  const uint16_t* gate = layer.gate.u16();
+  const uint16_t* up = layer.up.u16();
+  const uint16_t* down = layer.down.u16();
+  std::vector<double> dx(static_cast<size_t>(rows * H), 0.0), xt(static_cast<size_t>(H)), wdy(static_cast<size_t>(H));
+  std::vector<double> g(static_cast<size_t>(I)), u(static_cast<size_t>(I)), dh(static_cast<size_t>(I));
+  std::vector<double> ag(static_cast<size_t>(R)), au(static_cast<size_t>(R)), t_r(static_cast<size_t>(R));
+  // A [r,in] times v, and B [out,r] times v, of expert e's factor pair p.
+  const auto a_times = [&](int p, int64_t e, int64_t in, const double* v, double* out) {
+    const float* a = (*lora)[static_cast<size_t>(2 * p)].data() + e * R * in;
+    for (int64_t q = 0; q < R; ++q) {
+      double acc = 0;
+      for (int64_t c = 0; c < in; ++c) acc += static_cast<double>(a[q * in + c]) * v[c];
+      out[q] = acc;
+    }
+  };
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t c = 0; c < H; ++c) xt[static_cast<size_t>(c)] = from_bf16(x[t * H + c]);
+    double* dxt = dx.data() + t * H;
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = ids[t * k + j];
+      if (e < 0) continue;
+      const double w = rw[t * k + j];
+      for (int64_t c = 0; c < H; ++c) wdy[static_cast<size_t>(c)] = w * from_bf16(dy[t * H + c]);
+      if (lora) {
+        a_times(0, e, H, xt.data(), ag.data());
+        a_times(1, e, H, xt.data(), au.data());
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const uint16_t* gr = gate + (e * I + i) * H;
+        const uint16_t* ur = up + (e * I + i) * H;
+        double sg = 0, su = 0;
+        for (int64_t c = 0; c < H; ++c) {
+          sg += from_bf16(gr[c]) * xt[static_cast<size_t>(c)];
+          su += from_bf16(ur[c]) * xt[static_cast<size_t>(c)];
+        }
+        if (lora) {
+          const float* bg = (*lora)[1].data() + (e * I + i) * R;
+          const float* bu = (*lora)[3].data() + (e * I + i) * R;
+          for (int64_t q = 0; q < R; ++q) {
+            sg += scale * bg[q] * ag[static_cast<size_t>(q)];
+            su += scale * bu[q] * au[static_cast<size_t>(q)];
+          }
+        }
+        g[static_cast<size_t>(i)] = sg;
+        u[static_cast<size_t>(i)] = su;
+      }
+      // dh = down^T (w dy), + s A_d^T (B_d^T (w dy)).
+      std::fill(dh.begin(), dh.end(), 0.0);
+      for (int64_t c = 0; c < H; ++c) {
+        const uint16_t* dr = down + (e * H + c) * I;
+        const double v = wdy[static_cast<size_t>(c)];
+        for (int64_t i = 0; i < I; ++i) dh[static_cast<size_t>(i)] += from_bf16(dr[i]) * v;
+      }
+      if (lora) {
+        const float* bd = (*lora)[5].data() + e * H * R;
+        std::fill(t_r.begin(), t_r.end(), 0.0);
+        for (int64_t c = 0; c < H; ++c)
+          for (int64_t q = 0; q < R; ++q) t_r[static_cast<size_t>(q)] += bd[c * R + q] * wdy[static_cast<size_t>(c)];
+        const float* ad = (*lora)[4].data() + e * R * I;
+        for (int64_t q = 0; q < R; ++q)
+          for (int64_t i = 0; i < I; ++i) dh[static_cast<size_t>(i)] += scale * ad[q * I + i] * t_r[static_cast<size_t>(q)];
+      }
+      // dg, du into g, u; dx += gate^T dg + up^T du (+ LoRA).
+      for (int64_t i = 0; i < I; ++i) {
+        const double gi = g[static_cast<size_t>(i)], sig = 1 / (1 + std::exp(-gi));
+        const double d = dh[static_cast<size_t>(i)];
+        g[static_cast<size_t>(i)] = d * u[static_cast<size_t>(i)] * sig * (1 + gi * (1 - sig));
+        u[static_cast<size_t>(i)] = d * gi * sig;
+      }
+      for (int64_t i = 0; i < I; ++i) {
+        const uint16_t* gr = gate + (e * I + i) * H;
+        const uint16_t* ur = up + (e * I + i) * H;
+        const double dg = g[static_cast<size_t>(i)], du = u[static_cast<size_t>(i)];
+        for (int64_t c = 0; c < H; ++c) dxt[c] += from_bf16(gr[c]) * dg + from_bf16(ur[c]) * du;
+      }
+      if (lora) {
+        for (int p = 0; p < 2; ++p) {
+          const double* dv = p == 0 ? g.data() : u.data();
+          const float* bm = (*lora)[static_cast<size_t>(2 * p + 1)].data() + e * I * R;
+          std::fill(t_r.begin(), t_r.end(), 0.0);
+          for (int64_t i = 0; i < I; ++i)
+            for (int64_t q = 0; q < R; ++q) t_r[static_cast<size_t>(q)] += bm[i * R + q] * dv[i];
+          const float* am = (*lora)[static_cast<size_t>(2 * p)].data() + e * R * H;
+          for (int64_t q = 0; q < R; ++q)
+            for (int64_t c = 0; c < H; ++c) dxt[c] += scale * am[q * H + c] * t_r[static_cast<size_t>(q)];
+        }
+      }
+    }
+  }
+  return dx;
+}
+
+// Writes what the training peers read beside write_layer_for_peer's files:
+// dir/dy_T.bf16 (every batch's dy, in order) and, with `lora`, its factors
+// rounded to bf16 as dir/lora_{gate,up,down}_{a,b}.bf16.
+bool write_training_data_for_peer(const std::string& dir, const std::vector<Workload>& work,
+                                  const std::vector<std::vector<float>>* lora, std::string* error) {
+  for (const Workload& w : work) {
+    const std::string path = dir + "/dy_" + std::to_string(w.tokens) + ".bf16";
+    std::ofstream f(path, std::ios::binary);
+    for (const Batch& b : w.batches)
+      f.write(static_cast<const char*>(b.dy.dl()->data), static_cast<std::streamsize>(b.dy.numel() * 2));
+    if (!f) {
+      *error = "cannot write " + path;
+      return false;
+    }
+  }
+  if (!lora) return true;
+  const char* names[] = {"gate_a", "gate_b", "up_a", "up_b", "down_a", "down_b"};
+  for (size_t p = 0; p < 6; ++p) {
+    std::vector<uint16_t> bf((*lora)[p].size());
+    for (size_t i = 0; i < bf.size(); ++i) bf[i] = to_bf16((*lora)[p][i]);
+    const std::string path = dir + "/lora_" + names[p] + ".bf16";
+    std::ofstream f(path, std::ios::binary);
+    f.write(reinterpret_cast<const char*>(bf.data()), static_cast<std::streamsize>(bf.size() * 2));
+    if (!f) {
+      *error = "cannot write " + path;
+      return false;
+    }
+  }
+  return true;
+}
+
+// kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
+// bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
+// themselves at load) against kt's int8_channel and int4_g32 layers, where
+// its build has them. False when the peer's process is gone.
+bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                             kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
+                             const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
   const char* name = "kt-kernel";
-  if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) == o.cases.end()) {
-    add_skip(skips, name, "forward", "not in --cases");
-  }
-  for (Case c : {Case::kTrainDx, Case::kTrainLora}) {
-    if (std::find(o.cases.begin(), o.cases.end(), c) == o.cases.end()) continue;
-    const std::string reason = peer->said(std::string("kt_kernel_") + case_key(c) + "_reason");
-    add_skip(skips, name, case_key(c), reason.empty() ? "not run by kt_bench" : reason);
-  }
-  if (std::find(o.cases.begin(), o.cases.end(), Case::kTrainFull) != o.cases.end())
-    add_skip(skips, name, "train_full", "kt-kernel trains LoRA factors only (no full-weight gradients)");
-  if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) == o.cases.end()) return;
-  std::string error;
-  if (!write_layer_for_peer(peer_dir, layer, work, &error)) {
-    add_skip(skips, name, "forward", error);
-    return;
-  }
   struct Variant {
     const char* name;
     kt_weight_format kt_format;
   };
   const Variant variants[] = {{"bf16", KT_FORMAT_BF16}, {"int8", KT_FORMAT_INT8_CHANNEL}, {"int4", KT_FORMAT_INT4_G32}};
+  std::string error;
   for (const Variant& v : variants) {
     Fields reply;
     if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, v.name);
@@ -553,7 +695,7 @@ void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& wor
                                  &reply, &error);
     if (!asked || !reply.count("ok")) {
       add_skip(skips, name, std::string("forward ") + v.name, asked ? reply["reason"] : error);
-      if (!asked) return;  // the process is gone
+      if (!asked) return false;  // the process is gone
       continue;
     }
     std::unique_ptr<KtRunner> quantized;
@@ -618,6 +760,143 @@ void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& wor
     }
     peer->ask({{"cmd", "moe_free"}, {"variant", v.name}}, &reply, &error);
   }
+  return true;
+}
+
+// kt-kernel's bf16 SFT MoE beside kt's training case c (train_lora: LoRA
+// r = kLoraRank with KtRunner's factors, alpha kLoraAlpha; train_dx: the
+// frozen base, its SkipLoRA class): for each T a forward saving for
+// backward and a backward of each per round; then dx of the first batch's
+// first rows against the double-precision reference. False when the peer's
+// process is gone.
+bool bench_kt_kernel_train(Case c, const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                           KtRunner& kt, int64_t max_tokens, PeerProcess* peer, const std::string& peer_dir,
+                           const std::vector<std::vector<float>>* lora, ModelReport* rep,
+                           std::vector<PeerSkip>* skips) {
+  const char* name = "kt-kernel";
+  const std::string key = case_key(c);
+  Fields reply;
+  std::string error;
+  if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, key.c_str());
+  Fields load = {{"cmd", "sft_load"},
+                 {"dir", peer_dir},
+                 {"experts", std::to_string(layer.experts)},
+                 {"top_k", std::to_string(layer.shape.top_k)},
+                 {"hidden", std::to_string(layer.shape.hidden)},
+                 {"intermediate", std::to_string(layer.shape.intermediate)},
+                 {"max_tokens", std::to_string(max_tokens)},
+                 {"case", key}};
+  if (c == Case::kTrainLora) {
+    load["lora_rank"] = std::to_string(kLoraRank);
+    char alpha[32];
+    std::snprintf(alpha, sizeof alpha, "%g", kLoraAlpha);
+    load["lora_alpha"] = alpha;
+  }
+  const bool asked = peer->ask(load, &reply, &error);
+  if (!asked || !reply.count("ok")) {
+    add_skip(skips, name, key, asked ? reply["reason"] : error);
+    return asked;
+  }
+  for (const Workload& w : work) {
+    if (!o.json)
+      std::fprintf(stderr, "kt_bench: %s: kt-kernel %s T=%lld beside kt\n", layer.shape.name, key.c_str(),
+                   static_cast<long long>(w.tokens));
+    PeerRow r;
+    r.peer = name;
+    r.variant = "bf16";
+    r.peer_class = reply["class"];
+    r.kt_format = kt_weight_format_name(KT_FORMAT_BF16);
+    r.which = c;
+    r.tokens = w.tokens;
+    if (c == Case::kTrainLora)
+      r.note = "same LoRA factors as kt's (fp32 in kt, rounded to bf16 for kt-kernel, which keeps them in bf16); "
+               "both compute dx and the six LoRA gradients";
+    else
+      r.note = "frozen base: dx (and the routing-weight gradient) only";
+    int batch = 0;
+    std::string peer_error;
+    // Gaps around the peer's call as for the forward (bench_kt_kernel_forward).
+    const KtRunner::Alternating a =
+        kt.time_alternating(nullptr, c, w, o.warmup, o.reps, &r.error, [&] {
+          usleep(kPeerGapUs);
+          const double t = peer->seconds_of(
+              {{"cmd", "sft_call"}, {"case", key}, {"T", std::to_string(w.tokens)}, {"batch", std::to_string(batch++)}},
+              &peer_error);
+          usleep(kPeerGapUs);
+          return t;
+        });
+    if (a.mine >= 0) {
+      r.kt_s = a.mine;
+      r.peer_s = a.beside;
+      r.ratio = a.beside_ratio;
+    }
+    if (!peer_error.empty()) r.error = "kt-kernel: " + peer_error;
+    // dx of both against the double-precision reference, first rows of batch 0.
+    r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
+    const std::vector<double> ref = reference_dx(layer, w.batches.front(), r.rows_compared, lora);
+    std::vector<float> y, dx;
+    if (kt.outputs(c, w, &y, &dx, &r.error)) r.kt_rel_l2 = rel_l2_to(dx.data(), ref);
+    const std::string path = peer_dir + "/dx.f32";
+    Fields out;
+    if (peer->ask({{"cmd", "sft_output"},
+                   {"case", key},
+                   {"T", std::to_string(w.tokens)},
+                   {"batch", "0"},
+                   {"rows", std::to_string(r.rows_compared)},
+                   {"path", path}},
+                  &out, &peer_error)) {
+      std::vector<float> peer_dx(ref.size());
+      std::ifstream f(path, std::ios::binary);
+      f.read(reinterpret_cast<char*>(peer_dx.data()), static_cast<std::streamsize>(peer_dx.size() * 4));
+      if (f) r.peer_rel_l2 = rel_l2_to(peer_dx.data(), ref);
+      std::remove(path.c_str());
+    }
+    rep->peer_rows.push_back(r);
+  }
+  peer->ask({{"cmd", "sft_free"}, {"case", key}}, &reply, &error);
+  return true;
+}
+
+// kt-kernel beside kt on the same layer, routing and inputs, on the cases of
+// --cases it has: the forward (bench_kt_kernel_forward) and, where its build
+// has the bf16 SFT classes, train_lora and train_dx (bench_kt_kernel_train);
+// a skip with the reason for each case it does not run.
+void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                     kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
+                     const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
+  const char* name = "kt-kernel";
+  const auto asked = [&](Case c) { return std::find(o.cases.begin(), o.cases.end(), c) != o.cases.end(); };
+  if (!asked(Case::kForward)) add_skip(skips, name, "forward", "not in --cases");
+  const bool sft = !peer->said("kt_kernel_sft").empty();
+  std::vector<Case> train;
+  for (Case c : {Case::kTrainDx, Case::kTrainLora}) {
+    if (!asked(c)) continue;
+    if (sft) {
+      train.push_back(c);
+      continue;
+    }
+    const std::string reason = peer->said(std::string("kt_kernel_") + case_key(c) + "_reason");
+    add_skip(skips, name, case_key(c), reason.empty() ? "not run by kt_bench" : reason);
+  }
+  if (asked(Case::kTrainFull))
+    add_skip(skips, name, "train_full", "kt-kernel trains LoRA factors only (no full-weight gradients)");
+  if (!asked(Case::kForward) && train.empty()) return;
+  std::vector<std::vector<float>> lora;
+  if (std::find(train.begin(), train.end(), Case::kTrainLora) != train.end()) lora = kt_runner_lora_factors(layer);
+  std::string error;
+  if (!write_layer_for_peer(peer_dir, layer, work, &error) ||
+      (!train.empty() && !write_training_data_for_peer(peer_dir, work, lora.empty() ? nullptr : &lora, &error))) {
+    if (asked(Case::kForward)) add_skip(skips, name, "forward", error);
+    for (Case c : train) add_skip(skips, name, case_key(c), error);
+    return;
+  }
+  if (asked(Case::kForward) &&
+      !bench_kt_kernel_forward(layer, work, o, engine, bf16, max_tokens, peer, peer_dir, rep, skips))
+    return;
+  for (Case c : train)
+    if (!bench_kt_kernel_train(c, layer, work, o, bf16, max_tokens, peer, peer_dir,
+                               c == Case::kTrainLora ? &lora : nullptr, rep, skips))
+      return;
 }
 
 ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
@@ -1054,15 +1333,18 @@ void print_peer_rows(const ModelReport& mr) {
   if (!mr.peer_rows.empty()) {
     std::printf(
         "   kt-kernel, a call of each per round beside kt's (taking turns; same batches); x: medians, pair:\n"
-        "   the median of each round's ratio; err: y's relative L2 from the double-precision reference\n"
-        "   (first rows of the first batch, from the bf16 weights):\n");
-    std::printf("   %-9s %-5s %-13s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
+        "   the median of each round's ratio; err: the relative L2 of y (forward) or dx (training) from the\n"
+        "   double-precision reference (first rows of the first batch, from the bf16 weights):\n");
+    std::printf("   %-10s %-5s %-13s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
                 "kt-kernel ms", "x", "pair", "err kt", "err kt-k");
+    const std::string* last_note = nullptr;
     for (const PeerRow& r : mr.peer_rows) {
-      std::printf("   %-9s %-5s %-13s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
+      std::printf("   %-10s %-5s %-13s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
                   r.kt_format.c_str(), static_cast<long long>(r.tokens), fmt("%.3f", r.kt_s * 1e3).c_str(),
                   fmt("%.3f", r.peer_s * 1e3).c_str(), fmt("%.2f", r.peer_s / r.kt_s).c_str(),
                   fmt("%.2f", r.ratio).c_str(), fmt("%.1e", r.kt_rel_l2).c_str(), fmt("%.1e", r.peer_rel_l2).c_str());
+      if (!r.note.empty() && (!last_note || *last_note != r.note)) std::printf("      %s\n", r.note.c_str());
+      last_note = &r.note;
       if (!r.error.empty()) std::printf("      %s\n", r.error.c_str());
     }
   }
@@ -1530,6 +1812,7 @@ void write_json(const Options& o, const Limits& lim, const kt_engine_info& info,
       j.key("rows_compared").value(r.rows_compared);
       j.key("rel_l2_vs_f64").value(r.peer_rel_l2);
       j.key("kt_rel_l2_vs_f64").value(r.kt_rel_l2);
+      if (!r.note.empty()) j.key("note").value(r.note);
       if (!r.error.empty()) j.key("error").value(r.error);
       j.end_object();
     }

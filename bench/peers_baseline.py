@@ -10,7 +10,9 @@ between its own calls, so both are timed in the same rounds.
 
 First line out, unasked: {"hello": 1, "python", "threads", "torch" or
 "torch_reason", "kt_kernel" (version) or "kt_kernel_reason",
-"kt_kernel_variant", "kt_kernel_int8", "deepspeed" or "deepspeed_reason"}.
+"kt_kernel_variant", "kt_kernel_int8", "kt_kernel_sft" (its bf16 SFT
+classes) or "kt_kernel_train_lora_reason" and "kt_kernel_train_dx_reason",
+"deepspeed" or "deepspeed_reason"}.
 
 Commands ({"cmd": ...}):
   moe_load  dir, experts, top_k, hidden, intermediate, max_tokens, variant
@@ -21,6 +23,16 @@ Commands ({"cmd": ...}):
   moe_output variant, T, batch, rows, path: y of the first `rows` tokens of
             that batch, fp32, written to path -> {"ok"}
   moe_free  variant
+  sft_load  dir, experts, top_k, hidden, intermediate, max_tokens, case
+            (train_lora | train_dx), and for train_lora lora_rank, lora_alpha:
+            builds kt-kernel's bf16 SFT MoE (AMXBF16_SFT_MOE with the LoRA
+            factors dir/lora_{gate,up,down}_{a,b}.bf16, or the frozen-base
+            AMXBF16_SFT_MOE_SkipLoRA) -> {"ok", "class", "load_s"} or {"reason"}
+  sft_call  case, T, batch: forward_sft_task (saving for backward) and
+            backward_task with dy of dir/dy_T.bf16 -> {"s": seconds}
+  sft_output case, T, batch, rows, path: that call again, dx of the first
+            `rows` tokens, fp32, written to path -> {"ok"}
+  sft_free  case
   adam_load dir, count, shape_<i> ("d0xd1x..."), lr, wd: DeepSpeedCPUAdam over
             the fp32 tensors dir/p_<i>.f32 with gradients dir/g_<i>.f32 (its
             op JIT-built or loaded here) -> {"ok", "build_flags"} or {"reason"}
@@ -36,6 +48,20 @@ on a CPU-only machine: it allocates its buffers with pin_memory=True, which
 needs an NVIDIA driver, and its BF16 method reads weights only from a
 safetensors path. Pinned buffers serve only copies to a GPU, so the plain
 buffers here change nothing on the CPU side.
+
+Its training (SFT) classes are driven the same way, with the MOESFTConfig,
+load_weights_task, forward_sft_task and backward_task calls its
+AMXSFTMoEWrapper (kt_kernel/sft/amx.py and base.py) makes for the methods
+AMXBF16_SFT and AMXBF16_SFT_SkipLoRA with every expert on the CPU: max_len
+rounded up to its M_STEP (32, _aligned_max_len), C++-owned optimizer
+gradients (authoritative_optimizer_grads, the wrapper's choice for
+AMXBF16_SFT without GPU experts: backward_task(..., accumulate=False,
+scale=1.0) overwrites the six LoRA gradients), and for SkipLoRA no LoRA
+pointers and null gradients. The wrapper is not used for the reasons above
+(it also wants its weights from a safetensors path or torch tensors it
+keeps, and a torch autograd context around each call); one forward with
+save_for_backward followed by one backward is what its autograd function
+runs per training step.
 """
 import argparse
 import json
@@ -91,14 +117,11 @@ if torch is not None:
         HELLO["kt_kernel"] = kt_kernel.__version__
         HELLO["kt_kernel_variant"] = str(kt_kernel.__cpu_variant__)
         HELLO["kt_kernel_int8"] = str(getattr(kt_kernel, "__int8_kernel__", "unknown"))
-        # Its training (SFT) classes: what the LoRA and dx-only cases would
-        # run on, which kt_bench does not drive yet (see the reasons).
+        # Its training (SFT) classes: the bf16 LoRA one and its frozen-base
+        # (SkipLoRA) twin, or why the training cases cannot run on this build.
         sft = sorted(n for n in dir(ktk.moe) if "SFT" in n and n.endswith("_MOE"))
-        amx_sft = [n for n in sft if n.startswith("AMX")]
-        if amx_sft:
-            HELLO["kt_kernel_train_lora_reason"] = (
-                "its SFT classes (%s) are not driven by kt_bench yet" % ", ".join(sft))
-            HELLO["kt_kernel_train_dx_reason"] = HELLO["kt_kernel_train_lora_reason"]
+        if getattr(ktk.moe, "AMXBF16_SFT_MOE", None) and getattr(ktk.moe, "AMXBF16_SFT_MOE_SkipLoRA", None):
+            HELLO["kt_kernel_sft"] = "AMXBF16_SFT_MOE, AMXBF16_SFT_MOE_SkipLoRA"
         else:
             HELLO["kt_kernel_train_lora_reason"] = (
                 "this build (%s variant) has no bf16 SFT class (AMXBF16_SFT needs its amx build); its SFT "
@@ -148,6 +171,27 @@ def read_tensor(path, dtype, shape):
     return torch.frombuffer(data, dtype=dtype).view(*shape)
 
 
+AMX_M_STEP = 32  # kt_kernel/sft/amx.py's _AMX_M_STEP
+
+
+def aligned_max_len(tokens):
+    """tokens rounded up to a multiple of AMX_M_STEP (the SFT wrapper's
+    _aligned_max_len)."""
+    return (tokens + AMX_M_STEP - 1) // AMX_M_STEP * AMX_M_STEP
+
+
+def read_batches(directory, T, k, H, with_dy):
+    """The batches of T tokens kt_bench wrote: per batch ids (int64), routing
+    weights, x and (with_dy) dy, each contiguous."""
+    ids = read_tensor(os.path.join(directory, "ids_%d.i32" % T), torch.int32, (-1, T, k)).long()
+    rw = read_tensor(os.path.join(directory, "rw_%d.f32" % T), torch.float32, (-1, T, k))
+    x = read_tensor(os.path.join(directory, "x_%d.bf16" % T), torch.bfloat16, (-1, T, H))
+    dy = read_tensor(os.path.join(directory, "dy_%d.bf16" % T), torch.bfloat16, (-1, T, H)) if with_dy else None
+    n = ids.shape[0]
+    return [(ids[i].contiguous(), rw[i].contiguous(), x[i].contiguous(),
+             dy[i].contiguous() if with_dy else None) for i in range(n)]
+
+
 class KtKernelMoE:
     """kt-kernel's MoE of one variant on the layer kt_bench wrote."""
 
@@ -180,7 +224,8 @@ class KtKernelMoE:
         cfg = moe.MOEConfig(E, self.k, H, I, self.mask.data_ptr())
         cfg.layer_idx = 0
         cfg.pool = cpu_infer().backend_
-        cfg.max_len = int(c["max_tokens"])
+        # Its AMX int8/int4 buffers need a multiple of their M_STEP.
+        cfg.max_len = aligned_max_len(int(c["max_tokens"]))
         if variant == "bf16":
             # The native wrapper's per-expert pointers; bf16 has no scales.
             cfg.gate_projs = [[self.gate[e].data_ptr() for e in range(E)]]
@@ -210,16 +255,11 @@ class KtKernelMoE:
 
     def batch(self, T, b):
         if T not in self.batches:
-            ids = read_tensor(os.path.join(self.dir, "ids_%d.i32" % T), torch.int32, (-1, T, self.k)).long()
-            rw = read_tensor(os.path.join(self.dir, "rw_%d.f32" % T), torch.float32, (-1, T, self.k))
-            x = read_tensor(os.path.join(self.dir, "x_%d.bf16" % T), torch.bfloat16, (-1, T, self.H))
-            n = ids.shape[0]
-            self.batches[T] = ([ids[i].contiguous() for i in range(n)], [rw[i].contiguous() for i in range(n)],
-                               [x[i].contiguous() for i in range(n)], torch.zeros(T, self.H, dtype=torch.bfloat16),
-                               torch.tensor([T], dtype=torch.int32))
-        ids, rw, x, out, bsz = self.batches[T]
-        i = b % len(ids)
-        return ids[i], rw[i], x[i], out, bsz
+            self.batches[T] = (read_batches(self.dir, T, self.k, self.H, False),
+                               torch.zeros(T, self.H, dtype=torch.bfloat16), torch.tensor([T], dtype=torch.int32))
+        batches, out, bsz = self.batches[T]
+        ids, rw, x, _ = batches[b % len(batches)]
+        return ids, rw, x, out, bsz
 
     def call(self, T, b):
         ids, rw, x, out, bsz = self.batch(T, b)
@@ -229,6 +269,86 @@ class KtKernelMoE:
                                         out.data_ptr(), False))
         ci.sync()
         return time.perf_counter() - start, out
+
+
+class KtKernelSFT:
+    """kt-kernel's bf16 SFT MoE on the layer kt_bench wrote: with LoRA
+    (case train_lora) or frozen-base dx only (train_dx, SkipLoRA)."""
+
+    def __init__(self, c):
+        moe = ktk.moe
+        self.dir, self.E, self.k = c["dir"], int(c["experts"]), int(c["top_k"])
+        self.H, self.I = int(c["hidden"]), int(c["intermediate"])
+        self.lora = c["case"] == "train_lora"
+        if c["case"] not in ("train_lora", "train_dx"):
+            raise ValueError("unknown case " + c["case"])
+        if "kt_kernel_sft" not in HELLO:
+            raise LookupError(HELLO.get("kt_kernel_%s_reason" % c["case"], "no AMX SFT classes"))
+        E, H, I = self.E, self.H, self.I
+        self.cls_name = "AMXBF16_SFT_MOE" if self.lora else "AMXBF16_SFT_MOE_SkipLoRA"
+        self.gate = read_tensor(os.path.join(self.dir, "gate.bf16"), torch.bfloat16, (E, I, H))
+        self.up = read_tensor(os.path.join(self.dir, "up.bf16"), torch.bfloat16, (E, I, H))
+        self.down = read_tensor(os.path.join(self.dir, "down.bf16"), torch.bfloat16, (E, H, I))
+        self.p2l = torch.arange(E, dtype=torch.int64)
+        cfg = moe.MOESFTConfig()
+        cfg.expert_num = E
+        cfg.num_experts_per_tok = self.k
+        cfg.hidden_size = H
+        cfg.intermediate_size = I
+        cfg.lora_rank = int(c.get("lora_rank", 16))
+        cfg.lora_alpha = float(c.get("lora_alpha", 32.0))
+        cfg.lora_dropout = 0.0
+        cfg.max_cache_depth = 1
+        cfg.max_len = aligned_max_len(int(c["max_tokens"]))
+        cfg.layer_idx = 0
+        cfg.full_weight_grad = False
+        cfg.authoritative_optimizer_grads = self.lora
+        cfg.physical_to_logical_map = self.p2l.data_ptr()
+        cfg.gate_proj = self.gate.data_ptr()
+        cfg.up_proj = self.up.data_ptr()
+        cfg.down_proj = self.down.data_ptr()
+        self.factors, self.grads = [], []
+        if self.lora:
+            r = cfg.lora_rank
+            for p, (n_in, n_out) in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H))):
+                a = read_tensor(os.path.join(self.dir, "lora_%s_a.bf16" % p), torch.bfloat16, (E, r, n_in))
+                b = read_tensor(os.path.join(self.dir, "lora_%s_b.bf16" % p), torch.bfloat16, (E, n_out, r))
+                self.factors += [a, b]
+                self.grads += [torch.zeros_like(a), torch.zeros_like(b)]
+            (cfg.gate_lora_a, cfg.gate_lora_b, cfg.up_lora_a, cfg.up_lora_b, cfg.down_lora_a,
+             cfg.down_lora_b) = [t.data_ptr() for t in self.factors]
+        cfg.pool = cpu_infer().backend_
+        self.cfg = cfg
+        self.moe = getattr(moe, self.cls_name)(cfg)
+        start = time.perf_counter()
+        cpu_infer().submit(self.moe.load_weights_task())
+        cpu_infer().sync()
+        self.load_s = time.perf_counter() - start
+        self.batches = {}
+
+    def call(self, T, b):
+        """One training step's forward (saving for backward) and backward."""
+        if T not in self.batches:
+            self.batches[T] = (read_batches(self.dir, T, self.k, self.H, True),
+                               torch.zeros(T, self.H, dtype=torch.bfloat16),
+                               torch.zeros(T, self.H, dtype=torch.bfloat16),
+                               torch.zeros(T, self.k, dtype=torch.float32),
+                               torch.tensor([T], dtype=torch.int32))
+        batches, y, dx, droute, bsz = self.batches[T]
+        ids, rw, x, dy = batches[b % len(batches)]
+        ci = cpu_infer()
+        start = time.perf_counter()
+        ci.submit(self.moe.forward_sft_task(bsz.data_ptr(), self.k, ids.data_ptr(), rw.data_ptr(), x.data_ptr(),
+                                            y.data_ptr(), True))
+        ci.sync()
+        if self.lora:
+            task = self.moe.backward_task(dy.data_ptr(), dx.data_ptr(), *[g.data_ptr() for g in self.grads],
+                                          droute.data_ptr(), 0, 0, 0, False, 1.0)
+        else:
+            task = self.moe.backward_task(dy.data_ptr(), dx.data_ptr(), 0, 0, 0, 0, 0, 0, droute.data_ptr(), 0, 0, 0)
+        ci.submit(task)
+        ci.sync()
+        return time.perf_counter() - start, dx
 
 
 # ---------------------------------------------------------------- DeepSpeed
@@ -304,6 +424,27 @@ def main():
                 m = moes.pop(c["variant"], None)
                 if m is not None and m.save_path:
                     shutil.rmtree(m.save_path, ignore_errors=True)
+                reply({"ok": 1})
+            elif cmd == "sft_load":
+                if ktk is None:
+                    reply({"reason": HELLO.get("kt_kernel_reason", "kt-kernel not loaded")})
+                    continue
+                try:
+                    m = KtKernelSFT(c)
+                except (LookupError, RuntimeError, ValueError, MemoryError, OSError) as e:
+                    reply({"reason": first_line(e)})
+                    continue
+                moes[c["case"]] = m
+                reply({"ok": 1, "class": m.cls_name, "load_s": m.load_s})
+            elif cmd == "sft_call":
+                s, _ = moes[c["case"]].call(int(c["T"]), int(c["batch"]))
+                reply({"s": s})
+            elif cmd == "sft_output":
+                _, dx = moes[c["case"]].call(int(c["T"]), int(c["batch"]))
+                dx[: int(c["rows"])].float().numpy().tofile(c["path"])
+                reply({"ok": 1})
+            elif cmd == "sft_free":
+                moes.pop(c["case"], None)
                 reply({"ok": 1})
             elif cmd == "adam_load":
                 if ds_adam is None:
