@@ -235,6 +235,17 @@ void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_t* pane
   }
 }
 
+// c[l] = s[l] * t[l], or += with add, over one tile row (16 lanes). The
+// restrict pointers let the compiler take the row as one vector: written in
+// place with c possibly aliasing s or t, it stays one lane at a time.
+inline void scale_tile_row(float* __restrict c, const float* __restrict s, const float* __restrict t, bool add) {
+  if (add) {
+    for (int l = 0; l < kTileRows; ++l) c[l] += s[l] * t[l];
+  } else {
+    for (int l = 0; l < kTileRows; ++l) c[l] = s[l] * t[l];
+  }
+}
+
 // gemm_bf16w_grouped (kernels.h) on tiles: each group's product in the C
 // tiles (group / 32 tile steps), then times the group's scales into c in
 // fp32, as the vector kernels take each group's partial sums. group divides
@@ -253,12 +264,9 @@ void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, const bf16
                 [&](const float* out, int r0, int rows, int p, int n, int64_t j) {
                   const bool add = accumulate || j > 0;
                   for (int r = 0; r < rows; ++r)
-                    for (int q = 0; q < n; ++q) {
-                      const float* s = scales + (p + q) * scale_stride + j * kTileRows;
-                      const float* t = out + r * 32 + q * 16;
-                      float* cr = c + (r0 + r) * ldc + (p + q) * kTileRows;
-                      for (int l = 0; l < kTileRows; ++l) cr[l] = add ? cr[l] + s[l] * t[l] : s[l] * t[l];
-                    }
+                    for (int q = 0; q < n; ++q)
+                      scale_tile_row(c + (r0 + r) * ldc + (p + q) * kTileRows,
+                                     scales + (p + q) * scale_stride + j * kTileRows, out + r * 32 + q * 16, add);
                 });
 }
 

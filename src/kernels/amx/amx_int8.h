@@ -44,6 +44,24 @@ namespace {
 
 constexpr int kInt8MinRows = 16;  // fewer rows: the AVX-512 VNNI kernel
 
+// One C-tile row of group j into the row's fp32 sums: part += (d - offset
+// * sum) * scale, lane by lane; restrict (the arrays never overlap) lets the
+// compiler take the 16 lanes as one vector.
+inline void add_group_row(float* __restrict part, const int32_t* __restrict d, const int32_t* __restrict offset,
+                          int32_t sum, const float* __restrict scale) {
+  for (int lane = 0; lane < kTileRows; ++lane)
+    part[lane] = std::fma(static_cast<float>(d[lane] - offset[lane] * sum), scale[lane], part[lane]);
+}
+
+// c = part * s, or c += part * s with accumulate (one fma), over a tile row.
+inline void store_row_times(float* __restrict c, const float* __restrict part, float s, bool accumulate) {
+  if (accumulate) {
+    for (int lane = 0; lane < kTileRows; ++lane) c[lane] = std::fma(part[lane], s, c[lane]);
+  } else {
+    for (int lane = 0; lane < kTileRows; ++lane) c[lane] = part[lane] * s;
+  }
+}
+
 template <class M, int Bits, QuantCode Code, bool Zero>
 void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                      bool accumulate) {
@@ -121,12 +139,8 @@ void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int
         for (int r = 0; r < rows; ++r) {
           int32_t sum;  // the row's code sum over group j (after its kq code bytes)
           std::memcpy(&sum, static_cast<const uint8_t*>(a_rows[r0 + r]) + w.kq + 4 * j, 4);
-          for (int q = 0; q < panels; ++q) {
-            const int32_t* dr = d + r * 32 + q * 16;
-            float* pr = part + r * 32 + q * 16;
-            for (int lane = 0; lane < kTileRows; ++lane)
-              pr[lane] = std::fma(static_cast<float>(dr[lane] - offset[q][lane] * sum), scale[q][lane], pr[lane]);
-          }
+          for (int q = 0; q < panels; ++q)
+            add_group_row(part + r * 32 + q * 16, d + r * 32 + q * 16, offset[q], sum, scale[q]);
         }
       }
       for (int r = 0; r < rows; ++r) {
@@ -134,10 +148,7 @@ void gemm_int8_tiles(const QuantPanels& w, const void* const* a_rows, int m, int
         std::memcpy(&s, static_cast<const uint8_t*>(a_rows[r0 + r]) + w.kq + 4 * groups, 4);
         if (Code == QuantCode::kE2M1) s *= 0.5f;
         for (int q = 0; q < panels; ++q) {
-          float* cr = c + (r0 + r) * ldc + (p + q) * kTileRows;
-          const float* pr = part + r * 32 + q * 16;
-          for (int lane = 0; lane < kTileRows; ++lane)
-            cr[lane] = accumulate ? std::fma(pr[lane], s, cr[lane]) : pr[lane] * s;
+          store_row_times(c + (r0 + r) * ldc + (p + q) * kTileRows, part + r * 32 + q * 16, s, accumulate);
         }
       }
     }
