@@ -176,8 +176,9 @@ typedef struct kt_engine kt_engine;
 /* Who computes the weight GEMMs (everything else is kt's own kernels). */
 typedef enum kt_gemm_backend {
   KT_GEMM_AUTO = 0,   /* the default: kt's kernels, except with the amx kernels, where a
-                         prefill-sized GEMM is timed once per process with both and
-                         oneDNN is taken when it is at least 15 % faster
+                         decode-sized and a prefill-sized GEMM are timed once per
+                         process with both and oneDNN is taken when it is at least
+                         15 % faster at both
                          (kt_engine_get_info says which; KT_VERBOSE=1 logs the times) */
   KT_GEMM_NATIVE = 1, /* kt's kernels */
   KT_GEMM_ONEDNN = 2  /* oneDNN matmul (brgemm) on kt's packed panels, in place: it uses

@@ -345,8 +345,9 @@ std::string onednn_gemm_impl(const void* const* a_rows, int m, int64_t kp, int n
 // table k on the calling thread (synthetic operands).
 double time_weight_gemm(const Kernels& k, int m, int64_t kp, int np, int reps);
 // What KT_GEMM_AUTO runs for the native table: kt's own, except on the AMX
-// tables, where oneDNN's is taken when a prefill-sized GEMM measured (once
-// per process) at least 15 % faster with it. *note says what was measured
+// tables, where oneDNN's is taken when a decode-sized (4 rows) and a
+// prefill-sized (128 rows) GEMM both measured (once per process) at least
+// 15 % faster with it. *note says what was measured
 // ("" when nothing was).
 const Kernels& auto_gemm_kernels(const Kernels& native, std::string* note);
 
