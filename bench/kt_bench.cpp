@@ -509,33 +509,13 @@ void add_skip(std::vector<PeerSkip>* skips, const std::string& peer, const std::
   skips->push_back({peer, what, reason});
 }
 
-// The LoRA factors KtRunner binds in LoRA mode, made by the same generator
-// (Rng(77); per projection gate, up, down: A [E,r,in] ~ N(0, 1/in), then
-// B [E,out,r] ~ N(0, 0.02^2)), fp32, in the order gate A, gate B, up A,
-// up B, down A, down B.
-std::vector<std::vector<float>> kt_runner_lora_factors(const LayerWeights& layer) {
-  const ModelShape& s = layer.shape;
-  const int64_t E = layer.experts, r = kLoraRank;
-  std::vector<std::vector<float>> f;
-  Rng rng(77);
-  for (int p = 0; p < 3; ++p) {
-    const int64_t in = p == 2 ? s.intermediate : s.hidden, out = p == 2 ? s.hidden : s.intermediate;
-    std::vector<float> a(static_cast<size_t>(E * r * in)), b(static_cast<size_t>(E * out * r));
-    for (float& v : a) v = rng.normal() / std::sqrt(static_cast<float>(in));
-    for (float& v : b) v = 0.02f * rng.normal();
-    f.push_back(std::move(a));
-    f.push_back(std::move(b));
-  }
-  return f;
-}
-
 // kt's LoRA scale: kt_moe_options.lora_alpha / rank as KtRunner sets them.
 constexpr double kLoraAlpha = 2.0 * kLoraRank;
 
 // dx of the first `rows` tokens of batch b in double precision from the bf16
 // weights: the backward for dy of y = sum_j w_j down(silu(gate x) * up x),
 // each projection W + (alpha / r) B A where `lora` holds the factors (in
-// kt_runner_lora_factors' order), W alone where it is null.
+// lora_factors' order), W alone where it is null.
 std::vector<double> reference_dx(const LayerWeights& layer, const Batch& b, int64_t rows,
                                  const std::vector<std::vector<float>>* lora) {
   const int64_t H = layer.shape.hidden, I = layer.shape.intermediate, k = layer.shape.top_k, R = kLoraRank;
@@ -669,8 +649,10 @@ bool write_training_data_for_peer(const std::string& dir, const std::vector<Work
 
 // kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
 // bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
-// themselves at load) against kt's int8_channel and int4_g32 layers, where
-// its build has them. False when the peer's process is gone.
+// themselves at load and multiply int8 activations) against kt's
+// int8_channel/int8 and int4_g32/int8 layers (KT_COMPUTE_INT8: int8
+// activations too), where its build has them. False when the peer's
+// process is gone.
 bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
                              kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
                              const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
@@ -678,8 +660,11 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
   struct Variant {
     const char* name;
     kt_weight_format kt_format;
+    kt_compute compute;
   };
-  const Variant variants[] = {{"bf16", KT_FORMAT_BF16}, {"int8", KT_FORMAT_INT8_CHANNEL}, {"int4", KT_FORMAT_INT4_G32}};
+  const Variant variants[] = {{"bf16", KT_FORMAT_BF16, KT_COMPUTE_BF16},
+                              {"int8", KT_FORMAT_INT8_CHANNEL, KT_COMPUTE_INT8},
+                              {"int4", KT_FORMAT_INT4_G32, KT_COMPUTE_INT8}};
   std::string error;
   for (const Variant& v : variants) {
     Fields reply;
@@ -700,7 +685,8 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
     }
     std::unique_ptr<KtRunner> quantized;
     if (v.kt_format != KT_FORMAT_BF16)
-      quantized = std::make_unique<KtRunner>(engine, layer, std::max<int64_t>(max_tokens, 16), v.kt_format);
+      quantized = std::make_unique<KtRunner>(engine, layer, std::max<int64_t>(max_tokens, 16), v.kt_format, nullptr, 0,
+                                             v.compute);
     KtRunner& kt = quantized ? *quantized : bf16;
     for (const Workload& w : work) {
       if (!o.json)
@@ -710,7 +696,7 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
       r.peer = name;
       r.variant = v.name;
       r.peer_class = reply["class"];
-      r.kt_format = kt_weight_format_name(v.kt_format);
+      r.kt_format = std::string(kt_weight_format_name(v.kt_format)) + (v.compute == KT_COMPUTE_INT8 ? "/int8" : "");
       r.which = Case::kForward;
       r.tokens = w.tokens;
       int batch = 0;
@@ -882,7 +868,7 @@ void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& wor
     add_skip(skips, name, "train_full", "kt-kernel trains LoRA factors only (no full-weight gradients)");
   if (!asked(Case::kForward) && train.empty()) return;
   std::vector<std::vector<float>> lora;
-  if (std::find(train.begin(), train.end(), Case::kTrainLora) != train.end()) lora = kt_runner_lora_factors(layer);
+  if (std::find(train.begin(), train.end(), Case::kTrainLora) != train.end()) lora = lora_factors(layer);
   std::string error;
   if (!write_layer_for_peer(peer_dir, layer, work, &error) ||
       (!train.empty() && !write_training_data_for_peer(peer_dir, work, lora.empty() ? nullptr : &lora, &error))) {
@@ -1335,11 +1321,11 @@ void print_peer_rows(const ModelReport& mr) {
         "   kt-kernel, a call of each per round beside kt's (taking turns; same batches); x: medians, pair:\n"
         "   the median of each round's ratio; err: the relative L2 of y (forward) or dx (training) from the\n"
         "   double-precision reference (first rows of the first batch, from the bf16 weights):\n");
-    std::printf("   %-10s %-5s %-13s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
+    std::printf("   %-10s %-5s %-17s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
                 "kt-kernel ms", "x", "pair", "err kt", "err kt-k");
     const std::string* last_note = nullptr;
     for (const PeerRow& r : mr.peer_rows) {
-      std::printf("   %-10s %-5s %-13s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
+      std::printf("   %-10s %-5s %-17s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
                   r.kt_format.c_str(), static_cast<long long>(r.tokens), fmt("%.3f", r.kt_s * 1e3).c_str(),
                   fmt("%.3f", r.peer_s * 1e3).c_str(), fmt("%.2f", r.peer_s / r.kt_s).c_str(),
                   fmt("%.2f", r.ratio).c_str(), fmt("%.1e", r.kt_rel_l2).c_str(), fmt("%.1e", r.peer_rel_l2).c_str());

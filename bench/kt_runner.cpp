@@ -6,6 +6,22 @@
 
 namespace kt_bench {
 
+std::vector<std::vector<float>> lora_factors(const LayerWeights& layer) {
+  const ModelShape& s = layer.shape;
+  const int64_t E = layer.experts, r = kLoraRank;
+  std::vector<std::vector<float>> f;
+  Rng rng(77);
+  for (int p = 0; p < 3; ++p) {
+    const int64_t in = p == 2 ? s.intermediate : s.hidden, out = p == 2 ? s.hidden : s.intermediate;
+    std::vector<float> a(static_cast<size_t>(E * r * in)), b(static_cast<size_t>(E * out * r));
+    for (float& v : a) v = rng.normal() / std::sqrt(static_cast<float>(in));
+    for (float& v : b) v = 0.02f * rng.normal();
+    f.push_back(std::move(a));
+    f.push_back(std::move(b));
+  }
+  return f;
+}
+
 std::string kt_error(const char* call, kt_status status) {
   return std::string(call) + " failed: " + kt_status_string(status) + ": " + kt_last_error();
 }
@@ -74,14 +90,14 @@ bool KtRunner::prepare(kt_mode mode, std::string* error) {
   std::vector<kt_arg> bind;
   const int64_t E = layer_.experts, r = kLoraRank;
   if (mode == KT_MODE_LORA) {
-    // fp32 factors as a trainer keeps them; B non-zero like a trained adapter
-    // so no work can be skipped.
-    Rng rng(77);
+    // fp32 factors as a trainer keeps them.
+    const std::vector<std::vector<float>> factors = lora_factors(layer_);
     for (int p = 0; p < 3; ++p) {
       const int64_t in = p == 2 ? s.intermediate : s.hidden, out = p == 2 ? s.hidden : s.intermediate;
       HostTensor a(kDLFloat, 32, {E, r, in}), b(kDLFloat, 32, {E, out, r});
-      for (int64_t i = 0; i < a.numel(); ++i) a.f32()[i] = rng.normal() / std::sqrt(static_cast<float>(in));
-      for (int64_t i = 0; i < b.numel(); ++i) b.f32()[i] = 0.02f * rng.normal();
+      std::copy(factors[static_cast<size_t>(2 * p)].begin(), factors[static_cast<size_t>(2 * p)].end(), a.f32());
+      std::copy(factors[static_cast<size_t>(2 * p + 1)].begin(), factors[static_cast<size_t>(2 * p + 1)].end(),
+                b.f32());
       params_.push_back(std::move(a));
       params_.push_back(std::move(b));
       params_.emplace_back(kDLFloat, 32, std::vector<int64_t>{E, r, in});

@@ -104,6 +104,12 @@ class KtRunner {
   std::vector<HostTensor> params_;  // LoRA factors and gradient buffers bound to the layer
 };
 
+// The LoRA factors a LoRA runner binds, fp32, in the order A_gate, B_gate,
+// A_up, B_up, A_down, B_down (A [E, r, in], B [E, out, r]); B non-zero like a
+// trained adapter, so no work can be skipped. The same on every call, so a
+// peer can be given the factors kt trains.
+std::vector<std::vector<float>> lora_factors(const LayerWeights& layer);
+
 // "kt_xxx failed: KT_ERR_...: message" for the last failed call.
 std::string kt_error(const char* call, kt_status status);
 
