@@ -647,6 +647,31 @@ bool write_training_data_for_peer(const std::string& dir, const std::vector<Work
   return true;
 }
 
+// kt's case c and one kt-kernel call per round (the command `call` with the
+// round's batch added), timed in alternation into r's times and ratio. Each
+// call starts after the other side's workers have gone to sleep (kPeerGap
+// before and after the peer's call): kt-kernel's spin for 20-30 ms after a
+// call, kt's for at most 5 ms, and on as many cores as threads a spinning
+// pool slows the other's call (up to 3x).
+void time_beside_peer(KtRunner& kt, Case c, const Workload& w, const Options& o, PeerProcess* peer, Fields call,
+                      PeerRow* r) {
+  int batch = 0;
+  std::string peer_error;
+  const KtRunner::Alternating a = kt.time_alternating(nullptr, c, w, o.warmup, o.reps, &r->error, [&] {
+    usleep(kPeerGapUs);
+    call["batch"] = std::to_string(batch++);
+    const double t = peer->seconds_of(call, &peer_error);
+    usleep(kPeerGapUs);
+    return t;
+  });
+  if (a.mine >= 0) {
+    r->kt_s = a.mine;
+    r->peer_s = a.beside;
+    r->ratio = a.beside_ratio;
+  }
+  if (!peer_error.empty()) r->error = "kt-kernel: " + peer_error;
+}
+
 // kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
 // bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
 // themselves at load and multiply int8 activations) against kt's
@@ -699,29 +724,9 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
       r.kt_format = std::string(kt_weight_format_name(v.kt_format)) + (v.compute == KT_COMPUTE_INT8 ? "/int8" : "");
       r.which = Case::kForward;
       r.tokens = w.tokens;
-      int batch = 0;
+      time_beside_peer(kt, Case::kForward, w, o, peer,
+                       {{"cmd", "moe_call"}, {"variant", v.name}, {"T", std::to_string(w.tokens)}}, &r);
       std::string peer_error;
-      // Each call starts after the other side's workers have gone to sleep
-      // (kPeerGap before and after the peer's call): kt-kernel's spin for
-      // 20-30 ms after a call, kt's for at most 5 ms, and on as many cores
-      // as threads a spinning pool slows the other's call (up to 3x here).
-      const KtRunner::Alternating a = kt.time_alternating(
-          nullptr, Case::kForward, w, o.warmup, o.reps, &r.error, [&] {
-            usleep(kPeerGapUs);
-            const double t = peer->seconds_of({{"cmd", "moe_call"},
-                                               {"variant", v.name},
-                                               {"T", std::to_string(w.tokens)},
-                                               {"batch", std::to_string(batch++)}},
-                                              &peer_error);
-            usleep(kPeerGapUs);
-            return t;
-          });
-      if (a.mine >= 0) {
-        r.kt_s = a.mine;
-        r.peer_s = a.beside;
-        r.ratio = a.beside_ratio;
-      }
-      if (!peer_error.empty()) r.error = "kt-kernel: " + peer_error;
       // Both against the double-precision reference, first rows of batch 0.
       r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
       const std::vector<double> ref = reference_y(layer, w.batches.front(), r.rows_compared);
@@ -799,24 +804,8 @@ bool bench_kt_kernel_train(Case c, const LayerWeights& layer, const std::vector<
                "both compute dx and the six LoRA gradients";
     else
       r.note = "frozen base: dx (and the routing-weight gradient) only";
-    int batch = 0;
+    time_beside_peer(kt, c, w, o, peer, {{"cmd", "sft_call"}, {"case", key}, {"T", std::to_string(w.tokens)}}, &r);
     std::string peer_error;
-    // Gaps around the peer's call as for the forward (bench_kt_kernel_forward).
-    const KtRunner::Alternating a =
-        kt.time_alternating(nullptr, c, w, o.warmup, o.reps, &r.error, [&] {
-          usleep(kPeerGapUs);
-          const double t = peer->seconds_of(
-              {{"cmd", "sft_call"}, {"case", key}, {"T", std::to_string(w.tokens)}, {"batch", std::to_string(batch++)}},
-              &peer_error);
-          usleep(kPeerGapUs);
-          return t;
-        });
-    if (a.mine >= 0) {
-      r.kt_s = a.mine;
-      r.peer_s = a.beside;
-      r.ratio = a.beside_ratio;
-    }
-    if (!peer_error.empty()) r.error = "kt-kernel: " + peer_error;
     // dx of both against the double-precision reference, first rows of batch 0.
     r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
     const std::vector<double> ref = reference_dx(layer, w.batches.front(), r.rows_compared, lora);
