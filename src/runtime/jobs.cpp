@@ -1,5 +1,6 @@
 #include "runtime/jobs.h"
 
+#include <atomic>
 #include <deque>
 #include <new>
 #include <stdexcept>
@@ -164,11 +165,27 @@ std::shared_ptr<kt_job> new_job(kt_moe* m, bool deferred, const char* where) {
   return job;
 }
 
-// Gives the job its handle and starts it (unless deferred).
+std::atomic<int> g_failing_starts{0};
+
+// Gives the job its handle and starts it (unless deferred); on a failure
+// the handle is gone again and nothing was queued.
 kt_job* start_job(kt_moe* m, const std::shared_ptr<kt_job>& job) {
-  kt_job* handle = handle_value<kt_job>(add_handle(HandleKind::kJob, job));
-  if (!job->deferred) m->engine->jobs.enqueue(job);
-  return handle;
+  const HandleId id = add_handle(HandleKind::kJob, job);
+  try {
+    if (g_failing_starts.load() > 0 && g_failing_starts.fetch_sub(1) > 0) throw std::bad_alloc();
+    if (!job->deferred) m->engine->jobs.enqueue(job);
+  } catch (...) {
+    remove_handle(id, HandleKind::kJob);
+    throw;
+  }
+  return handle_value<kt_job>(id);
+}
+
+// Ends a job that was never started: its work (and what it holds) dropped,
+// the layer's list without it.
+void drop_unstarted(kt_moe* m, const std::shared_ptr<kt_job>& job) {
+  job->cancel(KT_ERR_INTERNAL, "kt_job: the job could not be started");
+  finish_job(m, job.get());
 }
 
 }  // namespace
@@ -204,8 +221,24 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
     if (ctx) settle_context(layer.get(), ctx, ok);
     finish_job(layer.get(), raw);
   };
+  kt_job* handle = nullptr;
+  try {
+    handle = start_job(layer.get(), j);
+  } catch (...) {
+    // The host never sees the context: it goes with the job.
+    if (ctx) {
+      {
+        std::lock_guard<std::mutex> lock(layer->state_mutex);
+        ctx->forward_job.reset();
+      }
+      layer->release_context(ctx->handle);
+      layer->drop_hold(ctx);
+    }
+    drop_unstarted(layer.get(), j);
+    throw;
+  }
   if (saved) *saved = handle_value<kt_context>(ctx->handle);
-  return start_job(layer.get(), j);
+  return handle;
 }
 
 kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
@@ -259,8 +292,20 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
     finish_job(layer.get(), raw);
     hook.call();
   };
-  return start_job(layer.get(), j);
+  try {
+    return start_job(layer.get(), j);
+  } catch (...) {
+    drop_unstarted(layer.get(), j);
+    {
+      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      c->backward_queued = false;
+    }
+    layer->drop_hold(c);
+    throw;
+  }
 }
+
+void fail_job_starts_for_tests(int n) { g_failing_starts.store(n); }
 
 std::shared_ptr<kt_job> find_job(const void* handle) {
   return std::static_pointer_cast<kt_job>(find_handle(handle_id(handle), HandleKind::kJob));

@@ -68,7 +68,9 @@ class JobRunner {
 // handle, started unless deferred. With saved, a new context whose handle is
 // written there; the job holds it until it ends (a release meanwhile frees
 // it then) and marks it ready, or failed. A refused check registers and
-// writes nothing.
+// writes nothing; nor does a job that cannot be started (out of memory for
+// its handle or its place in the queue): the job and its context are
+// dropped, so the layer's destruction never waits for them.
 kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args, size_t num_args,
                        kt_context** saved, bool deferred, const char* where);
 
@@ -77,8 +79,8 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
 // until it ends; one whose forward job has not ended may be submitted
 // against: the backward job runs or waits for that forward first. The
 // layer's gradient-ready hook is called after the job let go of the layer.
-// KT_ERR_CONTEXT when ctx already has a backward submitted; a refused check
-// leaves the context as it was.
+// KT_ERR_CONTEXT when ctx already has a backward submitted; a refused check,
+// or a job that cannot be started, leaves the context as it was.
 kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
                         const kt_backward_options* options, const kt_arg* args, size_t num_args,
                         bool deferred, const char* where);
@@ -98,5 +100,9 @@ bool job_done(const kt_job* handle);
 // Ends a job's handle, then waits for the job (running a deferred one nobody
 // ran). False when handle was not a live job.
 bool destroy_job(const kt_job* handle);
+
+// Tests only: the next n job starts fail after the job got its handle, as
+// if its place in the queue could not be allocated.
+void fail_job_starts_for_tests(int n);
 
 }  // namespace kt
