@@ -331,13 +331,20 @@ def check_peers(doc, args):
                 for key in ("deepspeed_ms", "kt_beside_deepspeed_ms", "deepspeed_gparams_per_s",
                             "deepspeed_pct_floor", "kt_beside_deepspeed_pct_floor", "deepspeed_speedup_of_kt",
                             "deepspeed_speedup_of_kt_paired", "floor_beside_ms", "deepspeed_pct_floor_beside",
-                            "kt_beside_deepspeed_pct_floor_beside"):
+                            "kt_beside_deepspeed_pct_floor_beside", "kt_assume_finite_beside_deepspeed_ms",
+                            "kt_assume_finite_pct_floor_beside", "deepspeed_speedup_of_kt_assume_finite",
+                            "deepspeed_speedup_of_kt_assume_finite_paired"):
                     if not (r.get(key) or 0) > 0:
                         fail(f"optimizer {r['experts']} experts: {key} is {r.get(key)!r}")
                 want = r["deepspeed_ms"] / r["kt_beside_deepspeed_ms"]
                 if abs(r["deepspeed_speedup_of_kt"] - want) > 1e-3 * want:
                     fail(f"optimizer: deepspeed_speedup_of_kt {r['deepspeed_speedup_of_kt']} is not "
                          f"deepspeed_ms / kt_beside_deepspeed_ms")
+                want = r["deepspeed_ms"] / r["kt_assume_finite_beside_deepspeed_ms"]
+                if abs(r["deepspeed_speedup_of_kt_assume_finite"] - want) > 1e-3 * want:
+                    fail(f"optimizer: deepspeed_speedup_of_kt_assume_finite "
+                         f"{r['deepspeed_speedup_of_kt_assume_finite']} is not deepspeed_ms / "
+                         f"kt_assume_finite_beside_deepspeed_ms")
         else:
             must_skip("deepspeed")
             if ds.get("ran") or not ds.get("reason"):

@@ -1266,19 +1266,25 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
   if (std::any_of(rep.rows.begin(), rep.rows.end(), [](const OptimizerRow& r) { return r.deepspeed_s > 0; })) {
     std::printf("   DeepSpeed %s DeepSpeedCPUAdam (op built with %s) on the same tensors, a step of each per round\n"
                 "   beside kt's (taking turns); x = DeepSpeed / kt (medians; pair: median of each round's ratio);\n"
-                "   floor: a stream with the step's traffic (reads p, g, m, v; writes p, m, v) in the same rounds:\n",
+                "   floor: a stream with the step's traffic (reads p, g, m, v; writes p, m, v) in the same rounds;\n"
+                "   af: kt's step with assume_finite (the host checked the gradients: one pass over them):\n",
                 rep.deepspeed_version.c_str(), rep.deepspeed_flags.c_str());
-    std::printf("   %4s %8s %9s %9s %8s %7s %9s %8s %7s %6s %6s\n", "exp", "Mparams", "floor ms", "kt ms", "Gparam/s",
-                "%floor", "DS ms", "Gparam/s", "%floor", "x", "pair");
+    std::printf("   %4s %8s %9s %9s %8s %7s %9s %8s %7s %6s %6s %9s %8s %6s %6s\n", "exp", "Mparams", "floor ms",
+                "kt ms", "Gparam/s", "%floor", "DS ms", "Gparam/s", "%floor", "x", "pair", "kt af ms", "%floor",
+                "x af", "pair");
     for (const OptimizerRow& r : rep.rows) {
       const double kt = positive_or_nan(r.kt_beside_deepspeed_s), ds = positive_or_nan(r.deepspeed_s);
       const double floor = positive_or_nan(r.floor_beside_s);
+      const double af = positive_or_nan(r.kt_assume_finite_beside_s);
       const double p = static_cast<double>(r.params);
-      std::printf("   %4lld %8.1f %9s %9s %8s %7s %9s %8s %7s %6s %6s\n", static_cast<long long>(r.experts), p / 1e6,
-                  fmt("%.2f", floor * 1e3).c_str(), fmt("%.2f", kt * 1e3).c_str(), fmt("%.3f", p / kt / 1e9).c_str(),
+      std::printf("   %4lld %8.1f %9s %9s %8s %7s %9s %8s %7s %6s %6s %9s %8s %6s %6s\n",
+                  static_cast<long long>(r.experts), p / 1e6, fmt("%.2f", floor * 1e3).c_str(),
+                  fmt("%.2f", kt * 1e3).c_str(), fmt("%.3f", p / kt / 1e9).c_str(),
                   fmt("%.1f", 100 * floor / kt).c_str(), fmt("%.2f", ds * 1e3).c_str(),
                   fmt("%.3f", p / ds / 1e9).c_str(), fmt("%.1f", 100 * floor / ds).c_str(),
-                  fmt("%.2f", ds / kt).c_str(), fmt("%.2f", positive_or_nan(r.deepspeed_ratio)).c_str());
+                  fmt("%.2f", ds / kt).c_str(), fmt("%.2f", positive_or_nan(r.deepspeed_ratio)).c_str(),
+                  fmt("%.2f", af * 1e3).c_str(), fmt("%.1f", 100 * floor / af).c_str(), fmt("%.2f", ds / af).c_str(),
+                  fmt("%.2f", positive_or_nan(r.deepspeed_ratio_assume_finite)).c_str());
     }
   } else {
     std::printf("   DeepSpeed: %s\n", rep.deepspeed_reason.empty() ? "not run" : rep.deepspeed_reason.c_str());
@@ -1580,6 +1586,12 @@ void write_optimizer_json(JsonWriter& j, const OptimizerReport& rep, const Limit
     j.key("deepspeed_pct_floor_beside").value(100 * floor_beside / ds);
     j.key("kt_beside_deepspeed_pct_floor_beside").value(100 * floor_beside / kt_ds);
     j.key("deepspeed_speedup_of_kt_paired").value(positive_or_nan(r.deepspeed_ratio));
+    // kt's step with kt_optimizer_options.assume_finite, in the same rounds.
+    const double af = positive_or_nan(r.kt_assume_finite_beside_s);
+    j.key("kt_assume_finite_beside_deepspeed_ms").value(af * 1e3);
+    j.key("kt_assume_finite_pct_floor_beside").value(100 * floor_beside / af);
+    j.key("deepspeed_speedup_of_kt_assume_finite").value(ds / af);
+    j.key("deepspeed_speedup_of_kt_assume_finite_paired").value(positive_or_nan(r.deepspeed_ratio_assume_finite));
     if (!r.error.empty()) j.key("error").value(r.error);
     j.end_object();
   }
