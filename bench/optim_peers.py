@@ -73,6 +73,10 @@ ARGS = parse_args()
 # Before torch loads its OpenMP runtime: DeepSpeed's op is built with
 # -fopenmp and may bind a runtime of its own, which reads this.
 os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+# torch's JIT loader (DeepSpeed's CPU Adam op) runs ninja on every load, even
+# of an op already built: pip puts ninja beside this interpreter, which
+# need not be on PATH.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 import torch  # noqa: E402
 

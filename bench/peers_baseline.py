@@ -80,6 +80,10 @@ def parse_args():
 ARGS = parse_args()
 # Before torch (and DeepSpeed's OpenMP op) load their runtimes.
 os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
+# torch's JIT loader (DeepSpeed's CPU Adam op) runs ninja on every load, even
+# of an op already built: pip puts ninja beside this interpreter, which
+# need not be on PATH.
+os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
 
 # Replies go to the original stdout; everything printed afterwards (by
 # Python or by the libraries' C++ code) goes to stderr.
