@@ -49,6 +49,19 @@ def _torch_model(directory, dtype):
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
 
 
+# A bf16 model is compared with transformers' bf16 model and, where that one
+# is off, with its fp32 model: a router score near a tie falls one way or the
+# other under bf16's rounding (GPT-OSS's small random model: transformers'
+# own bf16 logits are 6 % from its fp32 logits, and kt's bf16 model follows
+# either, by which kernels round where). kt passes when it agrees with one
+# of the two; a fault in kt's experts agrees with neither.
+def _references(directory, dtype):
+    refs = {"transformers " + str(dtype): _torch_model(directory, dtype)}
+    if dtype == torch.bfloat16:
+        refs["transformers fp32"] = _torch_model(directory, torch.float32)
+    return refs
+
+
 def test_experts_are_loaded_by_kt_from_the_checkpoint(arch_dir):
     arch, directory = arch_dir
     model = kt.hf.from_pretrained(directory, dtype=torch.float32)
@@ -102,17 +115,22 @@ def test_loading_holds_no_torch_copy_of_the_experts(tmp_path):
 def test_logits_equal_transformers(arch_dir, precision, fp32_engine):
     arch, directory = arch_dir
     dtype, bound = PRECISIONS[precision]
-    reference = _torch_model(directory, dtype)
+    references = _references(directory, dtype)
     model = kt.hf.from_pretrained(directory, dtype=dtype, engine=_engine(precision, fp32_engine))
     assert len(kt.hf.kt_experts_modules(model)) == real_models.LAYERS
     tokens = real_models.token_batch()
+    errors = {}
     with torch.no_grad():
-        want = reference(tokens).logits
         got = model(tokens).logits
-    assert got.dtype == want.dtype and got.shape == want.shape
-    err = rel_l2(got, want)
+        for name, reference in references.items():
+            want = reference(tokens).logits
+            assert want.shape == got.shape
+            errors[name] = rel_l2(got, want.to(got.dtype))
+    assert got.dtype == dtype
+    err = min(errors.values())
+    print("%s %s logits against %s" % (arch, precision, errors))
     measured.record(precision, "real %s logits" % arch, err)
-    assert err <= bound, (arch, precision, err)
+    assert err <= bound, (arch, precision, errors)
 
 
 def _named_grads(model):
@@ -142,37 +160,47 @@ def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpo
     gradient checkpointing on and off in both models."""
     arch, directory = arch_dir
     dtype, bound = PRECISIONS[precision]
-    reference = _torch_model(directory, dtype)
+    references = _references(directory, dtype)
     model = kt.hf.from_pretrained(directory, dtype=dtype, engine=_engine(precision, fp32_engine),
                                   mode="full", param_dtype=dtype, bias="all")
-    losses = []
     tokens = real_models.token_batch()
-    for m in (reference, model):
+
+    def step(m):
         m.train()
         if checkpointing:
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             assert m.is_gradient_checkpointing
         out = m(tokens, labels=tokens)
         out.loss.backward()
-        losses.append(out.loss.detach().float())
-    err = abs(float(losses[1] - losses[0])) / abs(float(losses[0]))
+        return out.loss.detach().double()
+
+    loss = step(model)
+    got = _named_grads(model)
+    outcomes = {}  # reference: (loss error, (worst gradient error, its name))
+    for ref_name, reference in references.items():
+        ref_loss = step(reference)
+        want = _named_grads(reference)
+        # transformers 4 leaves .grad None on the experts no token reached; kt
+        # writes their zeros.
+        assert set(want) <= set(got)
+        for name in set(got) - set(want):
+            assert ".experts." in name and not got[name].any(), name
+        # The key bias's gradient is zero in exact arithmetic (softmax does
+        # not change when one query's scores all move by q.b), so what both
+        # models give is rounding noise: it is measured against its weight's
+        # gradient.
+        worst = max(((got[n].double() - want[n].double()).norm().item()
+                     / want[n.replace("k_proj.bias", "k_proj.weight")].double().norm().item()
+                     if n.endswith("k_proj.bias") else rel_l2(got[n], want[n].to(got[n].dtype)), n) for n in want)
+        outcomes[ref_name] = (abs(float(loss - ref_loss)) / abs(float(ref_loss)), worst)
+    print("loss error and worst gradient of %s in %s against %s" % (arch, precision, outcomes))
+    # The reference kt agrees with (see _references).
+    ref_name, (err, worst) = min(outcomes.items(), key=lambda kv: kv[1][1][0])
     measured.record(precision, "real loss", err)
-    assert err <= bound, (arch, losses)
-    want, got = _named_grads(reference), _named_grads(model)
-    # transformers 4 leaves .grad None on the experts no token reached; kt
-    # writes their zeros.
-    assert set(want) <= set(got)
-    for name in set(got) - set(want):
-        assert ".experts." in name and not got[name].any(), name
-    # The key bias's gradient is zero in exact arithmetic (softmax does not
-    # change when one query's scores all move by q.b), so what both models
-    # give is rounding noise: it is measured against its weight's gradient.
-    worst = max(((got[n] - want[n]).double().norm().item()
-                 / want[n.replace("k_proj.bias", "k_proj.weight")].double().norm().item()
-                 if n.endswith("k_proj.bias") else rel_l2(got[n], want[n]), n) for n in want)
     measured.record(precision, "real grads", worst[0])
-    print("worst gradient of %s in %s: %.3e (%s)" % (arch, precision, worst[0], worst[1]))
-    assert worst[0] <= GRAD_BOUND[precision], (arch, worst)
+    assert err <= bound, (arch, ref_name, outcomes)
+    assert worst[0] <= GRAD_BOUND[precision], (arch, ref_name, outcomes)
+    want = _named_grads(references[ref_name])
     experts = [n for n in want if ".experts." in n]
     # The experts' gradients take part (v4 keeps one tensor per expert, and
     # experts no token reached have zero gradients).
