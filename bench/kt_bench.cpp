@@ -672,6 +672,28 @@ void time_beside_peer(KtRunner& kt, Case c, const Workload& w, const Options& o,
   if (!peer_error.empty()) r->error = "kt-kernel: " + peer_error;
 }
 
+// The relative L2 of what the peer wrote for the first `rows` tokens of
+// batch 0 at T (the command `output` with those added; fp32 at path) against
+// ref; NaN when it wrote nothing.
+double peer_output_error(PeerProcess* peer, Fields output, int64_t T, int64_t rows, const std::string& path,
+                         const std::vector<double>& ref) {
+  output["T"] = std::to_string(T);
+  output["batch"] = "0";
+  output["rows"] = std::to_string(rows);
+  output["path"] = path;
+  Fields out;
+  std::string error;
+  double err = std::nan("");
+  if (peer->ask(output, &out, &error)) {
+    std::vector<float> got(ref.size());
+    std::ifstream f(path, std::ios::binary);
+    f.read(reinterpret_cast<char*>(got.data()), static_cast<std::streamsize>(got.size() * 4));
+    if (f) err = rel_l2_to(got.data(), ref);
+    std::remove(path.c_str());
+  }
+  return err;
+}
+
 // kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
 // bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
 // themselves at load and multiply int8 activations) against kt's
@@ -726,27 +748,13 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
       r.tokens = w.tokens;
       time_beside_peer(kt, Case::kForward, w, o, peer,
                        {{"cmd", "moe_call"}, {"variant", v.name}, {"T", std::to_string(w.tokens)}}, &r);
-      std::string peer_error;
       // Both against the double-precision reference, first rows of batch 0.
       r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
       const std::vector<double> ref = reference_y(layer, w.batches.front(), r.rows_compared);
       std::vector<float> y, unused;
       if (kt.outputs(Case::kForward, w, &y, &unused, &r.error)) r.kt_rel_l2 = rel_l2_to(y.data(), ref);
-      const std::string path = peer_dir + "/y.f32";
-      Fields out;
-      if (peer->ask({{"cmd", "moe_output"},
-                     {"variant", v.name},
-                     {"T", std::to_string(w.tokens)},
-                     {"batch", "0"},
-                     {"rows", std::to_string(r.rows_compared)},
-                     {"path", path}},
-                    &out, &peer_error)) {
-        std::vector<float> peer_y(ref.size());
-        std::ifstream f(path, std::ios::binary);
-        f.read(reinterpret_cast<char*>(peer_y.data()), static_cast<std::streamsize>(peer_y.size() * 4));
-        if (f) r.peer_rel_l2 = rel_l2_to(peer_y.data(), ref);
-        std::remove(path.c_str());
-      }
+      r.peer_rel_l2 = peer_output_error(peer, {{"cmd", "moe_output"}, {"variant", v.name}}, w.tokens,
+                                        r.rows_compared, peer_dir + "/y.f32", ref);
       rep->peer_rows.push_back(r);
     }
     peer->ask({{"cmd", "moe_free"}, {"variant", v.name}}, &reply, &error);
@@ -805,27 +813,13 @@ bool bench_kt_kernel_train(Case c, const LayerWeights& layer, const std::vector<
     else
       r.note = "frozen base: dx (and the routing-weight gradient) only";
     time_beside_peer(kt, c, w, o, peer, {{"cmd", "sft_call"}, {"case", key}, {"T", std::to_string(w.tokens)}}, &r);
-    std::string peer_error;
     // dx of both against the double-precision reference, first rows of batch 0.
     r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
     const std::vector<double> ref = reference_dx(layer, w.batches.front(), r.rows_compared, lora);
     std::vector<float> y, dx;
     if (kt.outputs(c, w, &y, &dx, &r.error)) r.kt_rel_l2 = rel_l2_to(dx.data(), ref);
-    const std::string path = peer_dir + "/dx.f32";
-    Fields out;
-    if (peer->ask({{"cmd", "sft_output"},
-                   {"case", key},
-                   {"T", std::to_string(w.tokens)},
-                   {"batch", "0"},
-                   {"rows", std::to_string(r.rows_compared)},
-                   {"path", path}},
-                  &out, &peer_error)) {
-      std::vector<float> peer_dx(ref.size());
-      std::ifstream f(path, std::ios::binary);
-      f.read(reinterpret_cast<char*>(peer_dx.data()), static_cast<std::streamsize>(peer_dx.size() * 4));
-      if (f) r.peer_rel_l2 = rel_l2_to(peer_dx.data(), ref);
-      std::remove(path.c_str());
-    }
+    r.peer_rel_l2 = peer_output_error(peer, {{"cmd", "sft_output"}, {"case", key}}, w.tokens, r.rows_compared,
+                                      peer_dir + "/dx.f32", ref);
     rep->peer_rows.push_back(r);
   }
   peer->ask({{"cmd", "sft_free"}, {"case", key}}, &reply, &error);
