@@ -100,6 +100,11 @@ case "$what" in
     ctest --test-dir "$build" --output-on-failure -j "$jobs" --timeout 1500 || failed="$failed ctest"
     # The Python suite again, with the venv's torch 2.x and the real hosts.
     tools/python_env.sh test || failed="$failed python-torch2"
+    # The real hosts again with transformers 4 (experts as per-expert
+    # modules, where 5 fuses gate_up_proj), which `hosts` put beside 5.
+    PYTHONPATH="${KT_VENV:-$(pwd)/build-venv}/transformers4" tools/python_env.sh test \
+      tests/python/test_real_transformers.py tests/python/test_real_peft.py tests/python/test_real_trainer.py ||
+      failed="$failed transformers4"
     # vLLM serving through kt, in its own venv (its torch pin differs): the
     # fp32 token checks (dense and an int4 checkpoint), the HTTP server and
     # the refusals (each engine start costs half a minute on 2 cores; the
@@ -116,6 +121,6 @@ case "$what" in
       echo "kt test: FAILED:$failed" >&2
       exit 1
     fi
-    echo "kt test: all parts passed (ctest, python-torch2, vllm, llamafactory)"
+    echo "kt test: all parts passed (ctest, python-torch2, transformers4, vllm, llamafactory)"
     ;;
 esac

@@ -183,8 +183,10 @@ def test_loss_and_every_gradient_equal_transformers(arch_dir, precision, checkpo
         # transformers 4 leaves .grad None on the experts no token reached; kt
         # writes their zeros.
         assert set(want) <= set(got)
-        for name in set(got) - set(want):
-            assert ".experts." in name and not got[name].any(), name
+        extra = sorted(n for n in set(got) - set(want) if not (".experts." in n and not got[n].any()))
+        if extra:  # routed otherwise than this reference: kt agrees with the other one, or fails
+            outcomes[ref_name] = (float("inf"), (float("inf"), "a gradient where it has none: " + extra[0]))
+            continue
         # The key bias's gradient is zero in exact arithmetic (softmax does
         # not change when one query's scores all move by q.b), so what both
         # models give is rounding noise: it is measured against its weight's
