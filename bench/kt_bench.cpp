@@ -672,6 +672,19 @@ void time_beside_peer(KtRunner& kt, Case c, const Workload& w, const Options& o,
   if (!peer_error.empty()) r->error = "kt-kernel: " + peer_error;
 }
 
+// A peer command naming the layer kt_bench wrote in peer_dir: its shape and
+// the most tokens of a call.
+Fields peer_layer_command(const char* cmd, const LayerWeights& layer, const std::string& peer_dir,
+                          int64_t max_tokens) {
+  return {{"cmd", cmd},
+          {"dir", peer_dir},
+          {"experts", std::to_string(layer.experts)},
+          {"top_k", std::to_string(layer.shape.top_k)},
+          {"hidden", std::to_string(layer.shape.hidden)},
+          {"intermediate", std::to_string(layer.shape.intermediate)},
+          {"max_tokens", std::to_string(max_tokens)}};
+}
+
 // The relative L2 of what the peer wrote for the first `rows` tokens of
 // batch 0 at T (the command `output` with those added; fp32 at path) against
 // ref; NaN when it wrote nothing.
@@ -716,15 +729,9 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
   for (const Variant& v : variants) {
     Fields reply;
     if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, v.name);
-    const bool asked = peer->ask({{"cmd", "moe_load"},
-                                  {"dir", peer_dir},
-                                  {"experts", std::to_string(layer.experts)},
-                                  {"top_k", std::to_string(layer.shape.top_k)},
-                                  {"hidden", std::to_string(layer.shape.hidden)},
-                                  {"intermediate", std::to_string(layer.shape.intermediate)},
-                                  {"max_tokens", std::to_string(max_tokens)},
-                                  {"variant", v.name}},
-                                 &reply, &error);
+    Fields load = peer_layer_command("moe_load", layer, peer_dir, max_tokens);
+    load["variant"] = v.name;
+    const bool asked = peer->ask(load, &reply, &error);
     if (!asked || !reply.count("ok")) {
       add_skip(skips, name, std::string("forward ") + v.name, asked ? reply["reason"] : error);
       if (!asked) return false;  // the process is gone
@@ -777,14 +784,8 @@ bool bench_kt_kernel_train(Case c, const LayerWeights& layer, const std::vector<
   Fields reply;
   std::string error;
   if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, key.c_str());
-  Fields load = {{"cmd", "sft_load"},
-                 {"dir", peer_dir},
-                 {"experts", std::to_string(layer.experts)},
-                 {"top_k", std::to_string(layer.shape.top_k)},
-                 {"hidden", std::to_string(layer.shape.hidden)},
-                 {"intermediate", std::to_string(layer.shape.intermediate)},
-                 {"max_tokens", std::to_string(max_tokens)},
-                 {"case", key}};
+  Fields load = peer_layer_command("sft_load", layer, peer_dir, max_tokens);
+  load["case"] = key;
   if (c == Case::kTrainLora) {
     load["lora_rank"] = std::to_string(kLoraRank);
     char alpha[32];
