@@ -409,7 +409,7 @@ int main(int argc, char** argv) {
       rows[static_cast<size_t>(r)] = a.data() + r * kp * K.a_elem_size;
     }
     std::vector<float> c(64 * 64);
-    for (int m : {1, 6, 16, 32, 64}) {
+    for (int m : {1, 6, 8, 12, 16, 32, 64}) {
       const double flops = 2.0 * m * 64 * static_cast<double>(sh.k);
       double gf[3];
       for (int mode = 0; mode < 3; ++mode) {

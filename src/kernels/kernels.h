@@ -282,10 +282,11 @@ struct Kernels {
   // unset, which the registry test rejects.
   int gemm_quant_rows_8bit = -1;
   int gemm_quant_rows_4bit = -1;
-  // gemm_bf16w's tiles fetch their own panels ahead at every row count: a
-  // caller whose panels stream from memory passes no next region, which
-  // would only crowd those fetches; panels built in cache (dequantized,
-  // transposed) still take it, as there it is the only stream from memory.
+  // gemm_bf16w's panels come ahead without the caller's help at every row
+  // count (the kernel's own fetches, or the hardware's for tiles): a caller
+  // whose panels stream from memory passes no next region, which would only
+  // crowd them; panels built in cache (dequantized, transposed) still take
+  // it, as there it is the only stream from memory.
   bool gemm_bf16w_fetches_panels = false;
   // The weight GEMMs read A rows where they lie only when they are equally
   // spaced (AMX tiles: gemm_bf16w at any spacing, and gemm_int8 where the

@@ -400,7 +400,7 @@ TEST(AmxEmulated, GroupedGemmMatchesDoubleLoops) {
                                            kt::PrefetchRegion{});
               const int dots = emulated::g.dot_products - before;
               tiled_calls += dots > 0;
-              EXPECT_EQ(dots > 0, m >= 16) << "m=" << m << ": tiles from 16 rows on";
+              EXPECT_EQ(dots > 0, m >= kt::amx::kMinRows) << "m=" << m << ": tiles from kMinRows rows on";
               EXPECT_FALSE(emulated::g.configured) << "tiles not released";
               expect_loads(layout, m, kp, np, "gemm_bf16w_grouped");
               for (int i = 0; i < m; ++i) {

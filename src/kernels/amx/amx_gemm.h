@@ -40,8 +40,13 @@ namespace {
 constexpr int kTileRows = 16;
 constexpr int64_t kTileK = 32;  // bf16 values per tile row (64 bytes)
 constexpr int kBlockRows = 32;  // rows per block: two A tiles
-// Below this many rows the AVX-512 kernel is faster than filling tiles.
-constexpr int kMinRows = 16;
+// Below this many rows the AVX-512 kernel is faster than a tile with
+// empty rows: from 8 rows on the AVX-512 kernel is bound by vdpbf16ps
+// (bench/README.md, AMX kernels).
+constexpr int kMinRows = 8;
+// The weight gradients' tiles (amx_zip.h) from a whole tile of rows: fewer
+// are not measured against the AVX-512 kernel.
+constexpr int kZipMinRows = 16;
 
 // Rows < rows_valid of one 16-column C tile (rows `stride` floats apart)
 // times scale into c, adding to c when accumulate.

@@ -1,6 +1,6 @@
 // Weight gradients (Kernels::gemm_zip_bf16) on tiles, with amx_gemm.h's
 // block product and tile machine M (see there), which also provides
-//   zip_fallback(...): a Kernels::gemm_zip_bf16, for fewer than kMinRows
+//   zip_fallback(...): a Kernels::gemm_zip_bf16, for fewer than kZipMinRows
 //   rows or pair groups, and the pair groups past the last whole tile.
 // Z's pair groups are AMX B tiles as they are (16 columns x 2 bf16 a group,
 // ldz apart); D's are gathered once per block of 32 rows into A rows (row o:
@@ -37,7 +37,7 @@ template <class M>
 void gemm_zip_bf16(const bf16_t* d, int64_t ldd, int m, const bf16_t* z, int64_t ldz, int np, int64_t groups,
                    float* c, int64_t ldc, bool accumulate, float scale, bool stream) {
   const int64_t full = groups / kTileRows * kTileRows;  // pair groups in whole tiles (K 32)
-  if (m < kMinRows || full == 0) {
+  if (m < kZipMinRows || full == 0) {
     M::zip_fallback(d, ldd, m, z, ldz, np, groups, c, ldc, accumulate, scale, stream);
     return;
   }

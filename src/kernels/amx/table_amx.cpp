@@ -19,8 +19,10 @@ Kernels make_amx_table() {
   k.gemm_name = "gemm_bf16w_bf16_f32_32x32__amx";
   k.gemm_bf16w = amx_entries.gemm_bf16w;
   // Tiles load their rows where they lie when equally spaced (and gather
-  // others); they fetch no panels ahead of their own.
-  k.gemm_bf16w_fetches_panels = false;
+  // others). Panels that stream from memory come by the hardware's
+  // prefetch: a software fetch of the next block evicts the call's own A
+  // rows from L1 (bench/README.md, AMX kernels).
+  k.gemm_bf16w_fetches_panels = true;
   k.gemm_reads_spaced_rows = true;
   k.gemm_bf16w_grouped = amx_entries.gemm_bf16w_grouped;
   // From a tile's rows on, quantized bases dequantize into cache for the
