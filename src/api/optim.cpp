@@ -15,6 +15,7 @@
 #include "moe/moe_layer.h"
 #include "optim/optimizer.h"
 #include "runtime/engine.h"
+#include "runtime/jobs.h"
 
 namespace kt {
 namespace optim {
@@ -66,12 +67,6 @@ kt_optimizer* adopt(std::unique_ptr<kt_optimizer> owned, const char* where) {
   }
   if (op->moe) op->moe->optimizers.push_back(op.get());
   return kt::handle_value<kt_optimizer>(kt::add_handle(kt::HandleKind::kOptimizer, op));
-}
-
-void finish_job(kt_optimizer* op, kt_job* job) {
-  std::lock_guard<std::mutex> lock(op->state_mutex);
-  op->jobs.erase(job);
-  if (op->jobs.empty()) op->jobs_done.notify_all();
 }
 
 }  // namespace
@@ -135,7 +130,7 @@ void kt_optimizer_destroy(kt_optimizer* opt) {
     }
     for (const auto& j : deferred)
       if (j->cancel(KT_ERR_INVALID_HANDLE, "kt_job: its optimizer was destroyed before the job ran"))
-        finish_job(op.get(), j.get());
+        op->job_ended(j.get());
     {
       std::unique_lock<std::mutex> lock(op->state_mutex);
       op->jobs_done.wait(lock, [&] { return op->jobs.empty(); });
@@ -228,28 +223,7 @@ kt_status kt_optimizer_step_submit(kt_optimizer* opt, const kt_optimizer_step_op
     KT_CHECK(op->engine != nullptr, KT_ERR_UNSUPPORTED,
              std::string(w) + ": the optimizer has no engine to run jobs (create it with one)");
     const kt_optimizer_step_options o = read_step_options(options, w);
-    auto j = std::make_shared<kt_job>();
-    j->deferred = (flags & KT_SUBMIT_DEFERRED) != 0;
-    kt_job* raw = j.get();
-    // The job keeps the optimizer alive; kt_optimizer_destroy waits for it.
-    raw->work = [held, o, raw] {
-      bool stepped = false;
-      try {
-        auto lock = held->lock_compute();
-        stepped = held->step_now(o.grad_unscale, o.clip_coef, "kt_optimizer_step_submit");
-      } catch (...) {
-        finish_job(held.get(), raw);
-        throw;
-      }
-      if (o.found_nonfinite) *o.found_nonfinite = stepped ? 0 : 1;
-      finish_job(held.get(), raw);
-    };
-    {
-      std::lock_guard<std::mutex> lock(op->state_mutex);
-      op->jobs.emplace(raw, j);
-    }
-    *job = kt::handle_value<kt_job>(kt::add_handle(kt::HandleKind::kJob, j));
-    if (!raw->deferred) op->engine->jobs.enqueue(j);
+    *job = kt::submit_optimizer_step(held, o, (flags & KT_SUBMIT_DEFERRED) != 0, w);
   });
 }
 

@@ -83,6 +83,12 @@ const UpdateKernels& update_kernels(kt_isa cap) {
 
 using kt::optim::Span;
 
+void kt_optimizer::job_ended(kt_job* job) {
+  std::lock_guard<std::mutex> lock(state_mutex);
+  jobs.erase(job);
+  if (jobs.empty()) jobs_done.notify_all();
+}
+
 std::unique_lock<std::mutex> kt_optimizer::lock_compute() {
   return std::unique_lock<std::mutex>(engine ? engine->compute_mutex : own_mutex);
 }

@@ -61,6 +61,9 @@ struct kt_optimizer {
   std::mutex state_mutex;
   std::unordered_map<kt_job*, std::shared_ptr<kt_job>> jobs;
   std::condition_variable jobs_done;
+  // Takes an ended (or dropped) job off the list, waking the destruction
+  // that waits for the list to empty.
+  void job_ended(kt_job* job);
   // Serialises optimizers without an engine.
   std::mutex own_mutex;
 

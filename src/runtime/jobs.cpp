@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "moe/layer_calls.h"
 #include "moe/moe_layer.h"
+#include "optim/optimizer.h"
 #include "runtime/engine.h"
 #include "runtime/handles.h"
 
@@ -167,13 +168,13 @@ std::shared_ptr<kt_job> new_job(kt_moe* m, bool deferred, const char* where) {
 
 std::atomic<int> g_failing_starts{0};
 
-// Gives the job its handle and starts it (unless deferred); on a failure
-// the handle is gone again and nothing was queued.
-kt_job* start_job(kt_moe* m, const std::shared_ptr<kt_job>& job) {
+// Gives the job its handle and starts it on runner (unless deferred); on a
+// failure the handle is gone again and nothing was queued.
+kt_job* start_job(JobRunner& runner, const std::shared_ptr<kt_job>& job) {
   const HandleId id = add_handle(HandleKind::kJob, job);
   try {
     if (g_failing_starts.load() > 0 && g_failing_starts.fetch_sub(1) > 0) throw std::bad_alloc();
-    if (!job->deferred) m->engine->jobs.enqueue(job);
+    if (!job->deferred) runner.enqueue(job);
   } catch (...) {
     remove_handle(id, HandleKind::kJob);
     throw;
@@ -223,7 +224,7 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
   };
   kt_job* handle = nullptr;
   try {
-    handle = start_job(layer.get(), j);
+    handle = start_job(layer->engine->jobs, j);
   } catch (...) {
     // The host never sees the context: it goes with the job.
     if (ctx) {
@@ -293,7 +294,7 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
     hook.call();
   };
   try {
-    return start_job(layer.get(), j);
+    return start_job(layer->engine->jobs, j);
   } catch (...) {
     drop_unstarted(layer.get(), j);
     {
@@ -301,6 +302,38 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
       c->backward_queued = false;
     }
     layer->drop_hold(c);
+    throw;
+  }
+}
+
+kt_job* submit_optimizer_step(const std::shared_ptr<kt_optimizer>& op, const kt_optimizer_step_options& o,
+                              bool deferred, const char* where) {
+  auto j = std::make_shared<kt_job>();
+  j->deferred = deferred;
+  kt_job* raw = j.get();
+  const std::string w = where;
+  // The job keeps the optimizer alive; kt_optimizer_destroy waits for it.
+  raw->work = [op, o, raw, w] {
+    bool stepped = false;
+    try {
+      auto lock = op->lock_compute();
+      stepped = op->step_now(o.grad_unscale, o.clip_coef, w.c_str());
+    } catch (...) {
+      op->job_ended(raw);
+      throw;
+    }
+    if (o.found_nonfinite) *o.found_nonfinite = stepped ? 0 : 1;
+    op->job_ended(raw);
+  };
+  {
+    std::lock_guard<std::mutex> lock(op->state_mutex);
+    op->jobs.emplace(raw, j);
+  }
+  try {
+    return start_job(op->engine->jobs, j);
+  } catch (...) {
+    j->cancel(KT_ERR_INTERNAL, "kt_job: the job could not be started");
+    op->job_ended(raw);
     throw;
   }
 }

@@ -1,7 +1,8 @@
 // Submitted (asynchronous) work: the kt_job, the engine's job thread that
-// runs it, and the submission of a layer's forward and backward with the
-// holds and rollback that keep its context and layer valid until the job
-// ends. The kt_moe_*_submit and kt_job_* shims (src/api/moe.cpp) check their
+// runs it, and the submission of a layer's forward and backward and of an
+// optimizer's step, with the holds and rollback that keep its context, layer
+// or optimizer valid until the job ends. The kt_moe_*_submit,
+// kt_optimizer_step_submit and kt_job_* shims (src/api) check their
 // arguments and call these; `where` names the ABI call in every message.
 #pragma once
 
@@ -84,6 +85,14 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
 kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
                         const kt_backward_options* options, const kt_arg* args, size_t num_args,
                         bool deferred, const char* where);
+
+// A step of optimizer op with options o (checked by the caller), as a new
+// job with its handle, started unless deferred. The job holds the optimizer
+// until it ends and writes *o.found_nonfinite then. A job that cannot be
+// started registers and writes nothing, so the optimizer's destruction
+// never waits for it.
+kt_job* submit_optimizer_step(const std::shared_ptr<kt_optimizer>& op, const kt_optimizer_step_options& o,
+                              bool deferred, const char* where);
 
 // The job of a live job handle, or null (never dereferences the handle).
 std::shared_ptr<kt_job> find_job(const void* handle);

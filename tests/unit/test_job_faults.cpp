@@ -2,7 +2,8 @@
 // its place in the queue, injected through kt::fail_job_starts_for_tests):
 // the call fails with KT_ERR_OUT_OF_MEMORY, writes neither the job nor the
 // context handle, leaves a context it was given as it was, and the layer's
-// destruction does not wait for the job that never ran. Linked with the
+// destruction does not wait for the job that never ran; the same for an
+// optimizer's step. Linked with the
 // library's objects (kt_internal) for the injection point.
 #include <chrono>
 #include <cstdio>
@@ -107,6 +108,43 @@ TEST(JobStartFailure, BackwardSubmitLeavesTheContextForAnotherBackward) {
     kt_context_release(ctx);
   }
   expect_returns("destroying the layer after failed backward submissions", [&] { run.reset(); });
+}
+
+TEST(JobStartFailure, OptimizerStepSubmitWritesNothingAndTheOptimizerStillEnds) {
+  auto run = std::make_unique<Runner>(lora_case(), KT_ISA_AUTO);
+  run->fill_inputs(7);
+  kt_context* ctx = nullptr;
+  ASSERT_EQ(run->forward(&ctx), KT_OK) << kt_last_error();
+  ASSERT_EQ(run->backward(ctx, 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+  kt_context_release(ctx);
+  kt_optimizer* opt = nullptr;
+  ASSERT_EQ(kt_optimizer_create_for_layer(run->moe(), nullptr, &opt), KT_OK) << kt_last_error();
+  int found_nonfinite = -1;
+  kt_optimizer_step_options so;
+  kt_optimizer_step_options_defaults(&so, sizeof(so));
+  so.found_nonfinite = &found_nonfinite;
+  kt_job* const job_sentinel = reinterpret_cast<kt_job*>(0x1);
+  for (unsigned flags : {0u, KT_SUBMIT_DEFERRED}) {
+    kt_job* job = job_sentinel;
+    kt::fail_job_starts_for_tests(1);
+    EXPECT_EQ(kt_optimizer_step_submit(opt, &so, flags, &job), KT_ERR_OUT_OF_MEMORY) << "flags " << flags;
+    EXPECT_EQ(job, job_sentinel) << "the failed submission wrote a job handle";
+  }
+  kt::fail_job_starts_for_tests(0);
+  int64_t step = -1;
+  ASSERT_EQ(kt_optimizer_get_step(opt, &step), KT_OK);
+  EXPECT_EQ(step, 0) << "a step that was never started ran";
+  EXPECT_EQ(found_nonfinite, -1) << "a step that was never started wrote its flag";
+  // The optimizer works on: a submission now runs its step.
+  kt_job* job = nullptr;
+  ASSERT_EQ(kt_optimizer_step_submit(opt, &so, 0, &job), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_job_wait(job), KT_OK) << kt_last_error();
+  kt_job_destroy(job);
+  ASSERT_EQ(kt_optimizer_get_step(opt, &step), KT_OK);
+  EXPECT_EQ(step, 1);
+  EXPECT_EQ(found_nonfinite, 0);
+  expect_returns("destroying the optimizer after failed step submissions", [&] { kt_optimizer_destroy(opt); });
+  expect_returns("destroying the layer after them", [&] { run.reset(); });
 }
 
 }  // namespace
