@@ -19,6 +19,10 @@
 
 namespace kt {
 
+namespace optim {
+struct UpdateKernels;  // optim/update.h
+}
+
 constexpr int kPanelRows = 16;
 
 // Activation parameters (DESIGN.md §2): kind is a kt_activation; limit <= 0
@@ -270,6 +274,11 @@ struct Kernels {
   // Every table computes the same bits. next: as gemm_quant's.
   void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                     bool accumulate, const PrefetchRegion& next) = nullptr;
+  // The optimizer's per-element loops compiled for this table's ISA
+  // (optim/update.h: AdamW, SGD, the finiteness check, the sum of squares,
+  // the bf16 panels of a full-weight step). Every table's compute the same
+  // bits.
+  const optim::UpdateKernels* optimizer = nullptr;
 
   // ---- tuning: where a caller switches between entries, and how the
   // entries want their operands. Each table says why it chose its numbers;

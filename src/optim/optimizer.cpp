@@ -65,18 +65,6 @@ void validate_options(const kt_optimizer_options& o, const char* where) {
              w + "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
 }
 
-const UpdateKernels& update_kernels(kt_isa cap) {
-  const kt_isa cpu = detect_cpu_isa();
-  const kt_isa isa = cap == KT_ISA_AUTO || cpu < cap ? cpu : cap;
-#if KT_HAVE_AVX512BF16
-  if (isa >= KT_ISA_AVX512BF16) return avx512::kKernels;
-#endif
-#if KT_HAVE_AVX2
-  if (isa >= KT_ISA_AVX2) return avx2::kKernels;
-#endif
-  (void)isa;
-  return generic::kKernels;
-}
 
 }  // namespace optim
 }  // namespace kt
@@ -494,7 +482,9 @@ View check_any_rank(const DLTensor* t, const char* name, std::initializer_list<D
 }
 
 const UpdateKernels& kernels_for_engine(const kt_engine* engine, const char* where) {
-  return update_kernels(engine ? engine->kernels->isa : effective_isa_cap(KT_ISA_AUTO, where));
+  // The engine's kernel table, or without one the table an engine would
+  // take (the same bits either way).
+  return *(engine ? engine->kernels : &select_kernels(effective_isa_cap(KT_ISA_AUTO, where)))->optimizer;
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The optimizer's per-element loops (AdamW, SGD, the finiteness check and the
-// sum of squares), compiled once per ISA from update_kernels.inc and chosen
-// at run time. Every ISA computes the same bits: the loops use explicit fmaf
+// sum of squares), compiled once per ISA from update_kernels.inc; each kernel
+// table (kernels/kernels.h, Kernels::optimizer) names its ISA's. Every ISA computes the same bits: the loops use explicit fmaf
 // where torch fuses and no other contraction (-ffp-contract=off).
 #pragma once
 
@@ -64,9 +64,6 @@ struct UpdateKernels {
   // missing rows and the odd column are zero. dst holds 16 * round_up(cols, 2).
   void (*pack_panel)(const float* rows, int64_t count, int64_t cols, uint16_t* dst);
 };
-
-// The best table this CPU runs, capped by cap (KT_ISA_AUTO = no cap).
-const UpdateKernels& update_kernels(kt_isa cap);
 
 namespace generic { extern const UpdateKernels kKernels; }
 namespace avx2 { extern const UpdateKernels kKernels; }

@@ -1,4 +1,4 @@
-// The optimizer loops compiled for avx2 (flags in CMakeLists.txt).
+// The optimizer loops compiled for avx2 (flags in sources.cmake).
 #include "optim/update.h"
 
 #include "optim/update_kernels.inc"
@@ -6,7 +6,7 @@
 namespace kt {
 namespace optim {
 namespace avx2 {
-extern const UpdateKernels kKernels = {"avx2", all_finite, sum_squares, adamw, sgd, pack_panel};
+extern const UpdateKernels kKernels = make_update_kernels("avx2");
 }  // namespace avx2
 }  // namespace optim
 }  // namespace kt

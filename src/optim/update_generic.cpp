@@ -1,4 +1,4 @@
-// The optimizer loops compiled for generic (flags in CMakeLists.txt).
+// The optimizer loops compiled for generic (flags in sources.cmake).
 #include "optim/update.h"
 
 #include "optim/update_kernels.inc"
@@ -6,7 +6,7 @@
 namespace kt {
 namespace optim {
 namespace generic {
-extern const UpdateKernels kKernels = {"generic", all_finite, sum_squares, adamw, sgd, pack_panel};
+extern const UpdateKernels kKernels = make_update_kernels("generic");
 }  // namespace generic
 }  // namespace optim
 }  // namespace kt

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "kernels/kernels.h"
+#include "optim/update.h"
 
 namespace {
 
@@ -28,7 +29,8 @@ namespace {
   X(dequant_e2m1)              \
   X(dequant_i4_zero)           \
   X(gemm_bf16w_grouped)        \
-  X(gemm_int8)
+  X(gemm_int8)                 \
+  X(optimizer)
 // The entries a table may leave null, each where kernels.h says.
 #define KT_OPTIONAL_ENTRIES(X) \
   X(gemm_zip_bf16)             \
@@ -92,6 +94,10 @@ TEST(KernelRegistry, EveryTableHoldsItsContract) {
 #define KT_CHECK_REQUIRED(e) EXPECT_NE(k.e, nullptr) << #e;
     KT_REQUIRED_ENTRIES(KT_CHECK_REQUIRED)
 #undef KT_CHECK_REQUIRED
+
+    // The optimizer's loops of the table's own ISA (AMX has none of its own).
+    const char* const loops = k.isa == KT_ISA_REF ? "generic" : k.isa == KT_ISA_AVX2 ? "avx2" : "avx512";
+    EXPECT_STREQ(k.optimizer->name, loops);
 
     // The A format, and the zipped weight gradients that only bf16 has.
     EXPECT_TRUE(k.a_elem_size == 2 || k.a_elem_size == 4) << k.a_elem_size;

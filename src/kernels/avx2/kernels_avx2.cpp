@@ -15,6 +15,7 @@
 #include "kernels/generic/quant.h"
 #include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
+#include "optim/update.h"
 
 namespace kt {
 namespace avx2 {
@@ -272,6 +273,7 @@ constexpr Kernels make_kernels_avx2() {
   k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, avx2::gemm_bf16w_grouped>;
   k.gemm_quant = counted<kTable, E::kGemmQuant, avx2::gemm_quant>;
   k.gemm_int8 = counted<kTable, E::kGemmInt8, avx2::gemm_int8>;
+  k.optimizer = &optim::avx2::kKernels;
   // Past these rows dequantizing once into cache and the grouped GEMM take
   // less time (bench/README.md, kernels): 8-bit codes expand to fp32 per
   // row tile; 4-bit codes, which go as offset words, expand cheaper.

@@ -15,6 +15,7 @@
 #include "kernels/generic/quant.h"
 #include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
+#include "optim/update.h"
 
 namespace kt {
 namespace avx512bf16 {
@@ -515,6 +516,7 @@ constexpr Kernels make_kernels_avx512bf16() {
   k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, avx512bf16::gemm_bf16w_grouped>;
   k.gemm_quant = counted<kTable, E::kGemmQuant, avx512bf16::gemm_quant>;
   k.gemm_int8 = counted<kTable, E::kGemmInt8, avx512bf16::gemm_int8>;
+  k.optimizer = &optim::avx512::kKernels;
   // Against dequant_* + gemm_bf16w_grouped (bench/README.md, kernels):
   // 8-bit codes from the codes up to 24 rows, short of where the two break
   // even; 4-bit codes stay ahead up to a full row chunk, so they never

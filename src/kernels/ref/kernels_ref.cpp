@@ -10,6 +10,7 @@
 #include "kernels/generic/quant.h"
 #include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
+#include "optim/update.h"
 
 namespace kt {
 namespace ref {
@@ -64,6 +65,7 @@ constexpr Kernels make_kernels_ref() {
   k.gemm_bf16w_grouped = counted<kTable, E::kGemmBf16wGrouped, ref::gemm_bf16w_grouped_fp32a<ref::gemm_bf16w>>;
   // gemm_quant: none; quantized bases always dequantize into cache.
   k.gemm_int8 = counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>;
+  k.optimizer = &optim::generic::kKernels;
   // Tuning: no gemm_quant to switch to.
   k.gemm_quant_rows_8bit = 0;
   k.gemm_quant_rows_4bit = 0;
