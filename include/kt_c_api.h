@@ -599,7 +599,7 @@ KT_API kt_status kt_engine_reset_profile(kt_engine* engine);
  * kernel table's GEMM (and W^T panel build) counts as the kernel that
  * computed it, named entry__table: "gemm_bf16w__amx" for the calls that ran
  * on AMX tiles, "gemm_bf16w__avx512bf16" for those an amx engine leaves to
- * the AVX-512 kernel (fewer than 16 rows, a K remainder),
+ * the AVX-512 kernel (fewer than 8 rows, a K remainder),
  * "gemm_bf16w__onednn" for oneDNN's, "sgemm_nt__avx512bf16" for an fp32
  * LoRA projection. Name of kernel number `kernel`, or NULL past the last:
  * hosts iterate from 0 until NULL (numbers may change between versions,
