@@ -193,266 +193,305 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
   });
 }
 
+// What the stages of one forward share: its routing, where x's rows are
+// in A format (or as int8 rows), and the intermediates it keeps (saved in
+// the context for a training forward, scratch otherwise).
+struct kt_moe::ForwardPass {
+  const ForwardCall& c;
+  Routing& R;
+  int64_t T = 0, routes = 0;
+  bool int8 = false;        // the GEMMs read int8 rows of x and a
+  int64_t xq_stride = 0;    // bytes between int8 rows of x
+  int64_t aq_stride = 0;    // and of a
+  bool x_by_route = false;  // x's rows laid out in route order (xr_)
+  int64_t x_row_bytes = 0;
+  float* xf = nullptr;      // x in fp32 (LoRA, the saved context), or null
+  float* g = nullptr;       // gate and up before the activation (saved), or null
+  float* u = nullptr;
+  float* la[3] = {nullptr, nullptr, nullptr};  // LoRA A-projections
+  int64_t max_rows = 0;     // the most routes of one expert
+  int64_t W = 0;            // columns of I per gate/up item
+  int64_t row_chunk = 0;    // rows per gate/up call (its C tile holds row_chunk x W)
+
+  ForwardPass(const ForwardCall& call, Routing& routing) : c(call), R(routing) {}
+  // The A row of x for route p (token t).
+  const void* x_row(const kt_moe& m, int64_t p, int64_t t) const {
+    if (x_by_route) return m.xr_.data() + p * x_row_bytes;
+    if (int8) return m.xq_.data() + t * xq_stride;
+    return m.xa_.data() + t * m.gate_shape.kp * m.a_size_;
+  }
+};
+
+// Stages in order, as the head comment of this file lists them.
 void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   check_ready_for_forward(c);
   StageClock clock(engine);
   clock.enter(KT_STAGE_ROUTE);
-  const int64_t T = c.T;
-  Routing& R = save ? save->routing : routing_;
-  route(c, &R);
-  const int64_t routes = R.routes;
-  ThreadPool& pool = *engine->pool;
-  const int64_t kpH = gate_shape.kp, kpI = down_shape.kp;
-  const bool lora_gu = lora_on(kGate) || lora_on(kUp);
-
-  // Stage 0: x -> A format (and fp32 for LoRA / the saved context).
+  ForwardPass f(c, save ? save->routing : routing_);
+  route(c, &f.R);
+  f.T = c.T;
+  f.routes = f.R.routes;
   clock.enter(KT_STAGE_PACK_INPUT);
-  float* xf = nullptr;
+  forward_inputs(f, save);
+  clock.enter(KT_STAGE_LORA_A);
+  for (int p = kGate; p <= kUp; ++p)
+    if (lora_on(p)) project_rows(f.R, lora_[p].a.data(), H, true, f.xf, H, f.la[p]);
+  // Whole experts as items at decode on compact operands: down follows in
+  // the same pass.
+  const bool whole_experts = plan_gate_up(f);
+  clock.enter(whole_experts ? KT_STAGE_EXPERTS : KT_STAGE_GATE_UP);
+  if (whole_experts) {
+    forward_whole_experts(f);
+    clock.enter(KT_STAGE_DOWN);
+    combine_rows(c, f.R, round_up(H, kPanelRows));
+    return;
+  }
+  forward_gate_up(f);
+  clock.enter(KT_STAGE_LORA_A);
+  if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I, false, act_.data(), I, f.la[kDown]);
+  clock.enter(KT_STAGE_DOWN);
+  forward_down(f);
+}
+
+// x in A format (or int8 rows), in route order where the GEMMs read spaced
+// rows in place, and the intermediates' buffers.
+void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
+  const int64_t T = f.T, kpH = gate_shape.kp, kpI = down_shape.kp;
   if (save) {
     save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-    xf = save->xf.data();
-  } else if (lora_gu) {
+    f.xf = save->xf.data();
+  } else if (lora_on(kGate) || lora_on(kUp)) {
     xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-    xf = xf_.data();
+    f.xf = xf_.data();
   }
-  // Operands that read int8 rows: the GEMMs read int8 rows of x and of the
-  // activations.
-  const WeightOperand &gate_w = operand_[kGate], &up_w = operand_[kUp], &down_w = operand_[kDown];
-  const bool int8 = gate_w.int8_rows();
-  const int64_t xq_stride = int8 ? gate_w.int8_row_stride() : 0;
-  const int64_t aq_stride = int8 ? down_w.int8_row_stride() : 0;
-  if (int8) {
+  const WeightOperand &gate_w = operand_[kGate], &down_w = operand_[kDown];
+  f.int8 = gate_w.int8_rows();
+  f.xq_stride = f.int8 ? gate_w.int8_row_stride() : 0;
+  f.aq_stride = f.int8 ? down_w.int8_row_stride() : 0;
+  if (f.int8) {
     // Row t of x at t * strides[0] elements (the inner stride is 1: checked).
-    quantize_rows(c.x.at(0, 0), c.x.dtype, T, H, c.x.strides[0], gate_w, &xq_);
+    quantize_rows(f.c.x.at(0, 0), f.c.x.dtype, T, H, f.c.x.strides[0], gate_w, &xq_);
   } else {
     xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
-    pack_rows_a(c.x, T, kpH, xa_.data(), xf);
+    pack_rows_a(f.c.x, T, kpH, xa_.data(), f.xf);
   }
   // Where the GEMMs read only equally spaced rows in place (AMX tiles,
   // oneDNN), x's rows go once into route order: an expert's gate and up
   // calls (two per block of I) then read them where they lie instead of
   // each gathering them again.
-  const bool x_by_route = K_.gemm_reads_spaced_rows;
-  const int64_t x_row_bytes = int8 ? xq_stride : kpH * a_size_;
-  if (x_by_route)
-    rows_by_route(R, int8 ? reinterpret_cast<const char*>(xq_.data()) : xa_.data(), x_row_bytes,
-                  &xr_);
+  f.x_by_route = K_.gemm_reads_spaced_rows;
+  f.x_row_bytes = f.int8 ? f.xq_stride : kpH * a_size_;
+  if (f.x_by_route)
+    rows_by_route(f.R, f.int8 ? reinterpret_cast<const char*>(xq_.data()) : xa_.data(), f.x_row_bytes, &xr_);
 
-  // Saved or scratch intermediates.
-  const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
-  const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
-  float *g = nullptr, *u = nullptr, *la[3] = {nullptr, nullptr, nullptr};
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(f.routes * I, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(f.routes * r, 1));
   if (save) {
     save->g.reserve(rI);
     save->u.reserve(rI);
-    g = save->g.data();
-    u = save->u.data();
+    f.g = save->g.data();
+    f.u = save->u.data();
   }
   for (int p = 0; p < 3; ++p) {
     if (!lora_on(p)) continue;
     Buffer<float>& b = save ? save->la[p] : la_tmp_[p];
     b.reserve(rR);
-    la[p] = b.data();
+    f.la[p] = b.data();
   }
-  if (lora_on(kDown) || int8) act_.reserve(rI);
-  if (!int8) aa_.reserve(static_cast<size_t>(std::max<int64_t>(routes * kpI * a_size_, 1)));
+  if (lora_on(kDown) || f.int8) act_.reserve(rI);
+  if (!f.int8) aa_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * kpI * a_size_, 1)));
+}
 
-  // Stage 1: LoRA A-projections of x.
-  clock.enter(KT_STAGE_LORA_A);
-  for (int p = kGate; p <= kUp; ++p)
-    if (lora_on(p)) project_rows(R, lora_[p].a.data(), H, true, xf, H, la[p]);
-
-  // Stage 2: gate + up + activation, items (expert, block of I).
-  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  int64_t max_rows = 0;
-  for (int32_t e : R.active)
-    max_rows = std::max(max_rows,
-                        R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)]);
+// The gate/up items (expert, W columns of I) and their row chunks; true
+// when they are whole experts at decode (down then follows each item).
+bool kt_moe::plan_gate_up(ForwardPass& f) {
+  const WeightOperand& gate_w = operand_[kGate];
+  f.max_rows = 0;
+  for (int32_t e : f.R.active)
+    f.max_rows = std::max(f.max_rows, f.R.offsets[static_cast<size_t>(e) + 1] - f.R.offsets[static_cast<size_t>(e)]);
   // Items of W columns; their C tiles hold row_chunk rows of W (ldc W).
   // Compact operands only: a block of codes streams fewer bytes per call
   // than a bf16 block, so wider items pay there; over bf16 panels coarser
   // items end the workers less evenly (bench/README.md).
-  const int64_t W =
-      gate_w.compact() ? gate_up_item_cols(static_cast<int64_t>(R.active.size()), max_rows, I, pool.size())
-                       : kBlockCols;
-  // Whole experts as items at decode: down follows in the same pass.
-  const bool whole_experts = gate_w.compact() && T <= kRowChunk && W >= I;
-  clock.enter(whole_experts ? KT_STAGE_EXPERTS : KT_STAGE_GATE_UP);
-  const int64_t row_chunk = kRowChunk * kBlockCols / W;
-  block_items(R, I, W);
-  // The gate (q = kGate) or up panels of an item's first block of I.
-  const auto block_of = [&](int q, int64_t item) {
-    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * W;
-    return operand_[q].block(e, col0, std::min(kBlockCols, I - col0));
-  };
-  // One item: gate and up panels of W columns of I for all of the expert's
-  // rows; `next` is the gate block the worker takes next.
-  const auto gate_up_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
-    const int64_t e = item >> 32;
-    const int64_t col0 = (item & 0xffffffff) * W;
-    const int64_t ncols = std::min(W, I - col0);
-    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    const PrefetchRegion up = block_of(kUp, item);
-    float* cg = s.c[0].data();
-    float* cu = s.c[1].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += row_chunk) {
-      const int m = static_cast<int>(std::min(row_chunk, pend - p0));
-      for (int i = 0; i < m; ++i) {
-        const int64_t t = R.token[static_cast<size_t>(p0 + i)];
-        s.rows[static_cast<size_t>(i)] =
-            x_by_route ? static_cast<const void*>(xr_.data() + (p0 + i) * x_row_bytes)
-            : int8     ? static_cast<const void*>(xq_.data() + t * xq_stride)
-                       : static_cast<const void*>(xa_.data() + t * kpH * a_size_);
-      }
-      const bool last = p0 + row_chunk >= pend;
-      gate_w.gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cg, W, up);
-      up_w.gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cu, W,
-                last ? next : PrefetchRegion{});
-      for (int q = kGate; q <= kUp; ++q) {
-        if (!lora_on(q)) continue;
-        for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[q] + (p0 + i) * r;
-        K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                    lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, W, true);
-      }
-      for (int i = 0; i < m; ++i) {
-        float* gi = cg + i * W;
-        float* ui = cu + i * W;
-        const int64_t p = p0 + i;
-        if (opt.has_bias) {
-          const float* bg = b_[kGate].data() + e * I + col0;
-          const float* bu = b_[kUp].data() + e * I + col0;
-          for (int64_t j = 0; j < ncols; ++j) {
-            gi[j] += bg[j];
-            ui[j] += bu[j];
-          }
-        }
-        if (g) {
-          std::memcpy(g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
-          std::memcpy(u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
-        }
-        float* ai = lora_on(kDown) || int8 ? act_.data() + p * I + col0 : s.c[2].data();
-        K_.act_forward(act, gi, ui, ai, ncols);
-        if (int8) continue;  // quantized per row once every block of the row is in
-        // The last block also zero-pads the row to kpI (a quantized base
-        // with groups of 128 pads K past the next block).
-        const int64_t pad_to = col0 + ncols == I ? kpI - col0 : ncols;
-        K_.pack_a_f32(ai, ncols, pad_to, aa_.data() + (p * kpI + col0) * a_size_);
-      }
+  f.W = gate_w.compact()
+            ? gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, I, engine->pool->size())
+            : kBlockCols;
+  f.row_chunk = kRowChunk * kBlockCols / f.W;
+  block_items(f.R, I, f.W);
+  return gate_w.compact() && f.T <= kRowChunk && f.W >= I;
+}
+
+// The gate (q = kGate) or up panels of a gate/up item's first block of I.
+PrefetchRegion kt_moe::gate_up_block(const ForwardPass& f, int q, int64_t item) const {
+  const int64_t e = item >> 32, col0 = (item & 0xffffffff) * f.W;
+  return operand_[q].block(e, col0, std::min(kBlockCols, I - col0));
+}
+
+// One gate/up item: gate and up panels of W columns of I for all of the
+// expert's rows, LoRA, bias and the activation in the epilogue; `next` is
+// the block the worker takes next.
+void kt_moe::gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
+  const Routing& R = f.R;
+  const int64_t e = item >> 32;
+  const int64_t col0 = (item & 0xffffffff) * f.W;
+  const int64_t ncols = std::min(f.W, I - col0);
+  const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+  const PrefetchRegion up = gate_up_block(f, kUp, item);
+  float* cg = s.c[0].data();
+  float* cu = s.c[1].data();
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += f.row_chunk) {
+    const int m = static_cast<int>(std::min(f.row_chunk, pend - p0));
+    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = f.x_row(*this, p0 + i, R.token[static_cast<size_t>(p0 + i)]);
+    const bool last = p0 + f.row_chunk >= pend;
+    operand_[kGate].gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cg, f.W, up);
+    operand_[kUp].gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, cu, f.W,
+                       last ? next : PrefetchRegion{});
+    for (int q = kGate; q <= kUp; ++q) {
+      if (!lora_on(q)) continue;
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[q] + (p0 + i) * r;
+      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                  lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, f.W, true);
     }
-  };
-  const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
-  if (whole_experts) {
-    // Each expert's down right after its gate/up (whose last up call
-    // fetches the down's first panels): no stage boundary between them, so
-    // no hand-off and no wait for the slowest worker between the stages.
-    const int64_t ldy = round_up(H, kPanelRows);
-    yr_.reserve(static_cast<size_t>(std::max<int64_t>(routes * ldy, 1)));
-    if (int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(routes * aq_stride, 1)));
-    pool.run(ranges.count, [&](int64_t range, int tid) {
-      ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-      for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
-        const int64_t item = items_[static_cast<size_t>(it)];
-        gate_up_item(s, item, down_w.block(item >> 32, 0, std::min(kBlockCols, H)));
-        down_rows(s, R, item >> 32, la[kDown], ldy,
-                  it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
-                                             : PrefetchRegion{});
-      }
-    });
-    clock.enter(KT_STAGE_DOWN);
-    combine_rows(c, R, ldy);
-    return;
+    for (int i = 0; i < m; ++i) gate_up_row(f, s, e, p0 + i, col0, ncols, cg + i * f.W, cu + i * f.W);
   }
-  pool.run(ranges.count, [&](int64_t range, int tid) {
+}
+
+// The epilogue of route p's row of a gate/up item (columns [col0, col0 +
+// ncols) of I): bias, the saved g and u, the activation, and a in A format.
+void kt_moe::gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int64_t p, int64_t col0,
+                         int64_t ncols, float* gi, float* ui) {
+  if (opt.has_bias) {
+    const float* bg = b_[kGate].data() + e * I + col0;
+    const float* bu = b_[kUp].data() + e * I + col0;
+    for (int64_t j = 0; j < ncols; ++j) {
+      gi[j] += bg[j];
+      ui[j] += bu[j];
+    }
+  }
+  if (f.g) {
+    std::memcpy(f.g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
+    std::memcpy(f.u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
+  }
+  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
+  float* ai = lora_on(kDown) || f.int8 ? act_.data() + p * I + col0 : s.c[2].data();
+  K_.act_forward(act, gi, ui, ai, ncols);
+  if (f.int8) return;  // quantized per row once every block of the row is in
+  // The last block also zero-pads the row to kpI (a quantized base with
+  // groups of 128 pads K past the next block).
+  const int64_t kpI = down_shape.kp;
+  const int64_t pad_to = col0 + ncols == I ? kpI - col0 : ncols;
+  K_.pack_a_f32(ai, ncols, pad_to, aa_.data() + (p * kpI + col0) * a_size_);
+}
+
+// Each expert's down right after its gate/up (whose last up call fetches the
+// down's first panels): no stage boundary between them, so no hand-off and
+// no wait for the slowest worker between the stages. The combine follows.
+void kt_moe::forward_whole_experts(const ForwardPass& f) {
+  const int64_t ldy = round_up(H, kPanelRows);
+  yr_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
+  if (f.int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * f.aq_stride, 1)));
+  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      const int64_t item = items_[static_cast<size_t>(it)];
+      gate_up_item(f, s, item, operand_[kDown].block(item >> 32, 0, std::min(kBlockCols, H)));
+      down_rows(s, f.R, item >> 32, f.la[kDown], ldy,
+                it + 1 < ranges.end(range) ? gate_up_block(f, kGate, items_[static_cast<size_t>(it + 1)])
+                                           : PrefetchRegion{});
+    }
+  });
+}
+
+// The gate/up stage over its items; with int8 rows, each route's activation
+// then as an int8 row, now that it is whole.
+void kt_moe::forward_gate_up(const ForwardPass& f) {
+  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
     // While the up panels run, the next item's gate panels come in.
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
-      gate_up_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
-                   it + 1 < ranges.end(range) ? block_of(kGate, items_[static_cast<size_t>(it + 1)])
+      gate_up_item(f, scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
+                   it + 1 < ranges.end(range) ? gate_up_block(f, kGate, items_[static_cast<size_t>(it + 1)])
                                               : PrefetchRegion{});
   });
+  if (f.int8) quantize_rows(act_.data(), DType::kF32, f.routes, I, I, operand_[kDown], &aq_);
+}
 
-  // int8 rows: each route's activation as an int8 row, now that it is whole
-  // (still the gate/up stage, which packs a for the bf16 GEMMs).
-  if (int8) quantize_rows(act_.data(), DType::kF32, routes, I, I, down_w, &aq_);
-
-  // Stage 3: LoRA A-projection of a.
-  clock.enter(KT_STAGE_LORA_A);
-  if (lora_on(kDown)) project_rows(R, lora_[kDown].a.data(), I, false, act_.data(), I, la[kDown]);
-
-  // Stage 4: down + bias + LoRA + routing weight + combine; items own a block
-  // of H columns for a range of tokens.
-  clock.enter(KT_STAGE_DOWN);
-  acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-  float* acc = acc_.data();
-  CombineSplit split = CombineSplit::plan(T, H, pool.size());
-  if (down_w.compact()) split.widen_for_quantized_decode(T, H, pool.size(), max_rows);
-  const int64_t call_cols = split.call_cols;
+// Down + bias + LoRA + routing weight + combine; items own a block of H
+// columns for a range of tokens.
+void kt_moe::forward_down(const ForwardPass& f) {
+  acc_.reserve(static_cast<size_t>(std::max<int64_t>(f.T * H, 1)));
+  CombineSplit split = CombineSplit::plan(f.T, H, engine->pool->size());
+  if (operand_[kDown].compact()) split.widen_for_quantized_decode(f.T, H, engine->pool->size(), f.max_rows);
   // The first down panels of an item: the first active expert's, the
   // item's first block of columns.
   const auto first_block_of = [&](int64_t item) {
-    if (R.active.empty()) return PrefetchRegion{};
+    if (f.R.active.empty()) return PrefetchRegion{};
     const int64_t col0 = (item % split.col_blocks) * split.cols;
-    return down_w.block(R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
+    return operand_[kDown].block(f.R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
   };
-  // One item; `after` is the first block of the item the worker takes next.
-  const auto down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& after) {
-    const int64_t col0 = (item % split.col_blocks) * split.cols;
-    const int64_t ncols = std::min(split.cols, H - col0);
-    const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
-    const int64_t t1 = std::min(T, t0 + split.token_chunk);
-    clear_columns(acc, t0, t1, H, col0, ncols);
-    float* co = s.c[0].data();
-    // The item's columns go in blocks of call_cols per expert, so the
-    // expert's rows of a stay in cache across the blocks.
-    // The down panels of expert e for the columns [sc0, sc0 + call_cols)
-    // of the item.
-    const auto block_of_down = [&](int64_t e, int64_t sc0) {
-      return down_w.block(e, sc0, std::min(call_cols, col0 + ncols - sc0));
-    };
-    for (size_t ai = 0; ai < R.active.size(); ++ai) {
-      const int32_t e = R.active[ai];
-      int64_t pbegin, pend;
-      token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
-                  t1, &pbegin, &pend);
-      for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += call_cols) {
-        const int64_t sn = std::min(call_cols, col0 + ncols - sc0);
-        const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-        // The next panels (next block, the next expert's first, or past the
-        // last expert the worker's next item's first) come in while these run.
-        const PrefetchRegion next =
-            sc0 + call_cols < col0 + ncols ? block_of_down(e, sc0 + call_cols)
-            : ai + 1 < R.active.size()     ? block_of_down(R.active[ai + 1], col0)
-                                           : after;
-        const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
-        for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
-          const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-          for (int i = 0; i < m; ++i)
-            s.rows[static_cast<size_t>(i)] =
-                int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * aq_stride)
-                     : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
-          down_w.gemm(s.operand, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
-                      p0 + kRowChunk >= pend ? next : PrefetchRegion{});
-          if (lora_on(kDown)) {
-            for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la[kDown] + (p0 + i) * r;
-            K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                        lora_[kDown].sbt.data() + e * r * H + sc0, H, co, call_cols, true);
-          }
-          for (int i = 0; i < m; ++i) {
-            const int64_t p = p0 + i;
-            add_route(acc + R.token[static_cast<size_t>(p)] * H + sc0, co + i * call_cols, bd,
-                      R.weight[static_cast<size_t>(p)], sn);
-          }
+  const ItemRanges ranges(split.items(), engine->pool->size());
+  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+      down_item(f, split, scratch_[static_cast<size_t>(tid)], it,
+                it + 1 < ranges.end(range) ? first_block_of(it + 1) : PrefetchRegion{});
+  });
+}
+
+// One down item: its columns for its tokens, every active expert in order,
+// in blocks of call_cols per expert so that the expert's rows of a stay in
+// cache across the blocks; `after` is the first block of the item the
+// worker takes next.
+void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadScratch& s, int64_t item,
+                       const PrefetchRegion& after) {
+  const Routing& R = f.R;
+  const WeightOperand& down_w = operand_[kDown];
+  const int64_t call_cols = split.call_cols, kpI = down_shape.kp;
+  const int64_t col0 = (item % split.col_blocks) * split.cols;
+  const int64_t ncols = std::min(split.cols, H - col0);
+  const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
+  const int64_t t1 = std::min(f.T, t0 + split.token_chunk);
+  float* acc = acc_.data();
+  clear_columns(acc, t0, t1, H, col0, ncols);
+  float* co = s.c[0].data();
+  // The down panels of expert e for the columns [sc0, sc0 + call_cols).
+  const auto block_of_down = [&](int64_t e, int64_t sc0) {
+    return down_w.block(e, sc0, std::min(call_cols, col0 + ncols - sc0));
+  };
+  for (size_t ai = 0; ai < R.active.size(); ++ai) {
+    const int32_t e = R.active[ai];
+    int64_t pbegin, pend;
+    token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0, t1,
+                &pbegin, &pend);
+    for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += call_cols) {
+      const int64_t sn = std::min(call_cols, col0 + ncols - sc0);
+      const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+      // The next panels (next block, the next expert's first, or past the
+      // last expert the worker's next item's first) come in while these run.
+      const PrefetchRegion next = sc0 + call_cols < col0 + ncols ? block_of_down(e, sc0 + call_cols)
+                                  : ai + 1 < R.active.size()     ? block_of_down(R.active[ai + 1], col0)
+                                                                 : after;
+      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
+      for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
+        const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+        for (int i = 0; i < m; ++i)
+          s.rows[static_cast<size_t>(i)] = f.int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * f.aq_stride)
+                                                  : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
+        down_w.gemm(s.operand, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
+                    p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+        if (lora_on(kDown)) {
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r;
+          K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
+                      lora_[kDown].sbt.data() + e * r * H + sc0, H, co, call_cols, true);
         }
+        for (int i = 0; i < m; ++i)
+          add_route(acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0, co + i * call_cols, bd,
+                    R.weight[static_cast<size_t>(p0 + i)], sn);
       }
     }
-    store_columns(acc, t0, t1, H, col0, ncols, c.y);
-  };
-  const ItemRanges down_ranges(split.items(), pool.size());
-  pool.run(down_ranges.count, [&](int64_t range, int tid) {
-    for (int64_t it = down_ranges.begin(range); it < down_ranges.end(range); ++it)
-      down_item(scratch_[static_cast<size_t>(tid)], it,
-                it + 1 < down_ranges.end(range) ? first_block_of(it + 1) : PrefetchRegion{});
-  });
+  }
+  store_columns(acc, t0, t1, H, col0, ncols, f.c.y);
 }
 
 // One expert's down for its routes, all H columns in one call (its streams

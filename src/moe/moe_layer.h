@@ -25,6 +25,7 @@
 #include "runtime/engine.h"
 
 namespace kt {
+struct CombineSplit;  // moe/blocking.h
 
 // Routes sorted by expert: position p (expert-major, then token, then slot).
 struct Routing {
@@ -230,6 +231,19 @@ struct kt_moe {
   void quantize_rows(const void* src, kt::DType dtype, int64_t n, int64_t k, int64_t ld,
                      const kt::WeightOperand& w, kt::Buffer<uint8_t>* dst);
   void snapshot_lora();
+  // The forward's stages (moe_forward.cpp), over what they share.
+  struct ForwardPass;
+  void forward_inputs(ForwardPass& f, kt_context* save);
+  bool plan_gate_up(ForwardPass& f);
+  kt::PrefetchRegion gate_up_block(const ForwardPass& f, int q, int64_t item) const;
+  void gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
+  void gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int64_t p, int64_t col0, int64_t ncols,
+                   float* gi, float* ui);
+  void forward_whole_experts(const ForwardPass& f);
+  void forward_gate_up(const ForwardPass& f);
+  void forward_down(const ForwardPass& f);
+  void down_item(const ForwardPass& f, const kt::CombineSplit& split, ThreadScratch& s, int64_t item,
+                 const kt::PrefetchRegion& after);
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).
   void down_rows(ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
