@@ -160,6 +160,23 @@ void kt_moe::write_grad(const View& dst, int64_t e, int64_t row0, const float* s
   }
 }
 
+// What the stages of one backward share.
+struct kt_moe::BackwardPass {
+  kt_context* ctx;
+  const BackwardCall& c;
+  const Routing& R;
+  int64_t T = 0, routes = 0;
+  int64_t Hp = 0, Ip = 0;   // K of the W_d^T and W_g^T / W_u^T panels (padded H, I)
+  int64_t nIb = 0;          // blocks of I: parts of each route's routing-weight gradient
+  bool need_act = false;    // the activation is recomputed for the parameter gradients
+  bool dy_by_route = false; // dy's rows laid out in route order (dyr_)
+
+  BackwardPass(kt_context* context, const BackwardCall& call) : ctx(context), c(call), R(context->routing) {}
+};
+
+// Stages in order: dy in A format -> [LoRA of down] -> da' per (expert, block
+// of I) with dg, du and the routing-weight parts -> [LoRA of gate/up] -> dx
+// per block of H -> routing-weight gradients -> parameter gradients.
 void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   check_backward_state(c);
   {
@@ -172,193 +189,24 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
              "kt_moe_backward: ctx is spent: a backward already consumed it");
   }
   StageClock clock(engine);
-  const Routing& R = ctx->routing;
-  const int64_t T = R.tokens, routes = R.routes;
-  ThreadPool& pool = *engine->pool;
-  const PanelShape gs = gate_shape, ds = down_shape;
-  const int64_t Hp = ds.padded_rows(), Ip = gs.padded_rows();
-  const int64_t nIb = ceil_div(I, kBlockCols);
+  BackwardPass b(ctx, c);
   const bool full = opt.mode == KT_MODE_FULL && c.opt.param_grads;
   const bool lora_grads = opt.mode == KT_MODE_LORA && c.opt.param_grads;
-  const bool need_act = full || (lora_grads && lora_on(kDown));
-  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  const size_t rI = static_cast<size_t>(std::max<int64_t>(routes * I, 1));
-  const size_t rR = static_cast<size_t>(std::max<int64_t>(routes * r, 1));
-
-  // Stage 0: dy -> fp32 and A format (K' = padded H of the W_d^T panels).
+  b.need_act = full || (lora_grads && lora_on(kDown));
   clock.enter(KT_STAGE_PACK_INPUT);
-  dyf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-  dya_.reserve(static_cast<size_t>(std::max<int64_t>(T * Hp * a_size_, 1)));
-  pack_rows_a(c.dy, T, Hp, dya_.data(), dyf_.data());
-  // As x in the forward: dy's rows in route order where the GEMM reads only
-  // equally spaced rows in place, so the da' calls read them where they lie.
-  const bool dy_by_route = K_.gemm_reads_spaced_rows;
-  if (dy_by_route) rows_by_route(R, dya_.data(), Hp * a_size_, &dyr_);
-  const float* dyf = dyf_.data();
-
-  // Stage 1: LoRA down, lb_d = dy . (s B_d).
+  backward_inputs(b);
   clock.enter(KT_STAGE_BWD_LORA);
-  for (int p = 0; p < 3; ++p)
-    if (lora_on(p)) lb_[p].reserve(rR);
-  if (lora_on(kDown))
-    project_rows(R, lora_[kDown].sbt.data(), H, true, dyf, H, lb_[kDown].data());
-
-  // Stage 2: da' = dy . Wd_eff per (expert, block of I); dw parts; dg, du.
+  if (lora_on(kDown)) project_rows(b.R, lora_[kDown].sbt.data(), H, true, dyf_.data(), H, lb_[kDown].data());
   clock.enter(KT_STAGE_BWD_DOWN);
-  dg_.reserve(rI);
-  du_.reserve(rI);
-  if (need_act) act_.reserve(rI);
-  dga_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
-  dua_.reserve(static_cast<size_t>(std::max<int64_t>(routes * Ip * a_size_, 1)));
-  dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(routes * nIb, 1)));
-  block_items(R, I, kBlockCols);
-  // What the W^T panels of an item are built from.
-  const auto down_source = [&](int64_t item) {
-    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
-  };
-  const ItemRanges ranges(static_cast<int64_t>(items_.size()), pool.size());
-  // One item: da' for a block of I over all of the expert's rows; `next` is
-  // the source of the worker's next item, fetched while this one computes.
-  const auto bwd_down_item = [&](ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
-    const int64_t e = item >> 32;
-    const int64_t ib = item & 0xffffffff;
-    const int64_t col0 = ib * kBlockCols;
-    const int64_t ncols = std::min(kBlockCols, I - col0);
-    const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-    operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
-    float* cda = s.c[0].data();
-    const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
-    for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
-      const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-      for (int i = 0; i < m; ++i)
-        s.rows[static_cast<size_t>(i)] =
-            dy_by_route ? dyr_.data() + (p0 + i) * Hp * a_size_
-                        : dya_.data() + R.token[static_cast<size_t>(p0 + i)] * Hp * a_size_;
-      K_.gemm_bf16w(s.rows.data(), m, Hp, s.panels[0].data(), kPanelRows * Hp, np, cda, kBlockCols, false,
-                    p0 + kRowChunk >= pend ? next : PrefetchRegion{});
-      if (lora_on(kDown)) {
-        for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
-        K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                    lora_[kDown].a.data() + e * r * I + col0, I, cda, kBlockCols, true);
-      }
-      for (int i = 0; i < m; ++i) {
-        const int64_t p = p0 + i;
-        const float w = R.weight[static_cast<size_t>(p)];
-        const float* gp = ctx->g.data() + p * I + col0;
-        const float* up = ctx->u.data() + p * I + col0;
-        float* dgp = dg_.data() + p * I + col0;
-        float* dup = du_.data() + p * I + col0;
-        const float* di = cda + i * kBlockCols;
-        const float part = K_.act_backward(act, gp, up, di, w, dgp, dup,
-                                           need_act ? act_.data() + p * I + col0 : nullptr, ncols);
-        dw_parts_[static_cast<size_t>(p * nIb + ib)] = part;
-        const int64_t kp = std::min(kBlockCols, Ip - col0);
-        K_.pack_a_f32(dgp, ncols, kp, dga_.data() + (p * Ip + col0) * a_size_);
-        K_.pack_a_f32(dup, ncols, kp, dua_.data() + (p * Ip + col0) * a_size_);
-      }
-    }
-  };
-  pool.run(ranges.count, [&](int64_t range, int tid) {
-    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
-      bwd_down_item(scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
-                    it + 1 < ranges.end(range) ? down_source(items_[static_cast<size_t>(it + 1)]) : PrefetchRegion{});
-  });
-
-  // Stage 3: LoRA gate/up, lb = dg . (s B).
+  backward_down(b);
   clock.enter(KT_STAGE_BWD_LORA);
   for (int p = kGate; p <= kUp; ++p)
-    if (lora_on(p)) project_rows(R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
-
-  // Stage 4: dx = sum over routes of dg . Wg_eff + du . Wu_eff, per block of H.
+    if (lora_on(p))
+      project_rows(b.R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
   clock.enter(KT_STAGE_BWD_DX);
-  if (c.has_dx) {
-    acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-    float* acc = acc_.data();
-    // Token ranges repeat the W^T panel building per range: worth it only
-    // when columns alone cannot feed the workers.
-    const CombineSplit split = CombineSplit::plan(T, H, pool.size());
-    pool.run(split.items(), [&](int64_t item, int tid) {
-      ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-      const int64_t col0 = (item % split.col_blocks) * split.cols;
-      const int64_t ncols = std::min(split.cols, H - col0);
-      const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
-      const int64_t t1 = std::min(T, t0 + split.token_chunk);
-      clear_columns(acc, t0, t1, H, col0, ncols);
-      float* cx = s.c[0].data();
-      // The gate (q = 0) or up (q = 1) source of the block after (e, sc0):
-      // the next block of the expert, or the next expert's first.
-      const auto next_source = [&](int q, size_t ai, int64_t sc0) {
-        const int proj = q == 0 ? kGate : kUp;
-        if (sc0 + kBlockCols < col0 + ncols)
-          return operand_[proj].transposed_block(R.active[ai], sc0 + kBlockCols,
-                                                 std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
-        if (ai + 1 < R.active.size())
-          return operand_[proj].transposed_block(R.active[ai + 1], col0, std::min(kBlockCols, ncols));
-        return PrefetchRegion{};
-      };
-      for (size_t ai = 0; ai < R.active.size(); ++ai) {
-        const int32_t e = R.active[ai];
-        int64_t pbegin, pend;
-        token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0,
-                    t1, &pbegin, &pend);
-        if (pbegin == pend) continue;
-        // Blocks of kBlockCols columns: the expert's rows of dg and du stay in
-        // cache across them.
-        for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
-          const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
-          const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-          operand_[kGate].transposed(s.operand, e, sc0, sn, s.panels[0].data());
-          operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
-          for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
-            const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-            for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
-            const bool last = p0 + kRowChunk >= pend;
-            K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                          last ? next_source(0, ai, sc0) : PrefetchRegion{});
-            for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
-            K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                          last ? next_source(1, ai, sc0) : PrefetchRegion{});
-            for (int q = kGate; q <= kUp; ++q) {
-              if (!lora_on(q)) continue;
-              for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
-              K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                          lora_[q].a.data() + e * r * H + sc0, H, cx, kBlockCols, true);
-            }
-            for (int i = 0; i < m; ++i) {
-              float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0;
-              const float* ci = cx + i * kBlockCols;
-              for (int64_t j = 0; j < sn; ++j) dst[j] += ci[j];
-            }
-          }
-        }
-      }
-      store_columns(acc, t0, t1, H, col0, ncols, c.dx);
-    });
-  }
-
-  // Stage 5: routing-weight gradients.
+  if (c.has_dx) backward_dx(b);
   clock.enter(KT_STAGE_BWD_ROUTE);
-  if (c.has_dw) {
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
-    for (int32_t e : R.active) {
-      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
-        float v = 0.f;
-        for (int64_t ib = 0; ib < nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * nIb + ib)];
-        if (opt.has_bias) {
-          const float* bd = b_[kDown].data() + e * H;
-          const float* dy = dyf + R.token[static_cast<size_t>(p)] * H;
-          float b = 0.f;
-          for (int64_t h = 0; h < H; ++h) b += dy[h] * bd[h];
-          v += b;
-        }
-        const int64_t slot = R.slot[static_cast<size_t>(p)];
-        store_f32(c.dw.at(slot / K, slot % K), c.dw.dtype, v);
-      }
-    }
-  }
-
+  if (c.has_dw) routing_weight_gradients(b);
   if (lora_grads) {
     clock.enter(KT_STAGE_LORA_GRADS);
     lora_gradients(ctx, c);
@@ -370,6 +218,187 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   clock.stop();
   std::lock_guard<std::mutex> lock(state_mutex);
   ctx->state = kt_context::kSpent;
+}
+
+// dy in fp32 and in A format (K' = padded H of the W_d^T panels), in route
+// order where the GEMM reads only equally spaced rows in place (as x in the
+// forward), and the intermediates' buffers.
+void kt_moe::backward_inputs(BackwardPass& b) {
+  b.T = b.R.tokens;
+  b.routes = b.R.routes;
+  b.Hp = down_shape.padded_rows();
+  b.Ip = gate_shape.padded_rows();
+  b.nIb = ceil_div(I, kBlockCols);
+  dyf_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  dya_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * b.Hp * a_size_, 1)));
+  pack_rows_a(b.c.dy, b.T, b.Hp, dya_.data(), dyf_.data());
+  b.dy_by_route = K_.gemm_reads_spaced_rows;
+  if (b.dy_by_route) rows_by_route(b.R, dya_.data(), b.Hp * a_size_, &dyr_);
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(b.routes * I, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(b.routes * r, 1));
+  for (int p = 0; p < 3; ++p)
+    if (lora_on(p)) lb_[p].reserve(rR);
+  dg_.reserve(rI);
+  du_.reserve(rI);
+  if (b.need_act) act_.reserve(rI);
+  dga_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
+  dua_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
+  dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.nIb, 1)));
+}
+
+// da' = dy . Wd_eff per (expert, block of I), then dg, du and the parts of
+// the routing-weight gradients.
+void kt_moe::backward_down(const BackwardPass& b) {
+  block_items(b.R, I, kBlockCols);
+  // What the W^T panels of an item are built from.
+  const auto down_source = [&](int64_t item) {
+    const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
+    return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
+  };
+  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+      backward_down_item(b, scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
+                         it + 1 < ranges.end(range) ? down_source(items_[static_cast<size_t>(it + 1)])
+                                                    : PrefetchRegion{});
+  });
+}
+
+// One item: da' for a block of I over all of the expert's rows; `next` is
+// the source of the worker's next item, fetched while this one computes.
+void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
+  const Routing& R = b.R;
+  const int64_t e = item >> 32;
+  const int64_t ib = item & 0xffffffff;
+  const int64_t col0 = ib * kBlockCols;
+  const int64_t ncols = std::min(kBlockCols, I - col0);
+  const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
+  operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
+  float* cda = s.c[0].data();
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+    const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+    for (int i = 0; i < m; ++i)
+      s.rows[static_cast<size_t>(i)] = b.dy_by_route
+                                           ? dyr_.data() + (p0 + i) * b.Hp * a_size_
+                                           : dya_.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
+    K_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
+                  p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+    if (lora_on(kDown)) {
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
+      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                  lora_[kDown].a.data() + e * r * I + col0, I, cda, kBlockCols, true);
+    }
+    for (int i = 0; i < m; ++i) {
+      const int64_t p = p0 + i;
+      const float w = R.weight[static_cast<size_t>(p)];
+      const float* gp = b.ctx->g.data() + p * I + col0;
+      const float* up = b.ctx->u.data() + p * I + col0;
+      float* dgp = dg_.data() + p * I + col0;
+      float* dup = du_.data() + p * I + col0;
+      const float part = K_.act_backward(act, gp, up, cda + i * kBlockCols, w, dgp, dup,
+                                         b.need_act ? act_.data() + p * I + col0 : nullptr, ncols);
+      dw_parts_[static_cast<size_t>(p * b.nIb + ib)] = part;
+      const int64_t kp = std::min(kBlockCols, b.Ip - col0);
+      K_.pack_a_f32(dgp, ncols, kp, dga_.data() + (p * b.Ip + col0) * a_size_);
+      K_.pack_a_f32(dup, ncols, kp, dua_.data() + (p * b.Ip + col0) * a_size_);
+    }
+  }
+}
+
+// dx = sum over routes of dg . Wg_eff + du . Wu_eff; items own a block of H
+// columns for a range of tokens. Token ranges repeat the W^T panel building
+// per range: worth it only when columns alone cannot feed the workers.
+void kt_moe::backward_dx(const BackwardPass& b) {
+  acc_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  const CombineSplit split = CombineSplit::plan(b.T, H, engine->pool->size());
+  engine->pool->run(split.items(),
+                    [&](int64_t item, int tid) { dx_item(b, split, scratch_[static_cast<size_t>(tid)], item); });
+}
+
+void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScratch& s, int64_t item) {
+  const Routing& R = b.R;
+  const int64_t Ip = b.Ip;
+  float* acc = acc_.data();
+  const int64_t col0 = (item % split.col_blocks) * split.cols;
+  const int64_t ncols = std::min(split.cols, H - col0);
+  const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
+  const int64_t t1 = std::min(b.T, t0 + split.token_chunk);
+  clear_columns(acc, t0, t1, H, col0, ncols);
+  float* cx = s.c[0].data();
+  // The gate (q = 0) or up (q = 1) source of the block after (e, sc0): the
+  // next block of the expert, or the next expert's first.
+  const auto next_source = [&](int q, size_t ai, int64_t sc0) {
+    const int proj = q == 0 ? kGate : kUp;
+    if (sc0 + kBlockCols < col0 + ncols)
+      return operand_[proj].transposed_block(R.active[ai], sc0 + kBlockCols,
+                                             std::min(kBlockCols, col0 + ncols - sc0 - kBlockCols));
+    if (ai + 1 < R.active.size())
+      return operand_[proj].transposed_block(R.active[ai + 1], col0, std::min(kBlockCols, ncols));
+    return PrefetchRegion{};
+  };
+  for (size_t ai = 0; ai < R.active.size(); ++ai) {
+    const int32_t e = R.active[ai];
+    int64_t pbegin, pend;
+    token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0, t1,
+                &pbegin, &pend);
+    if (pbegin == pend) continue;
+    // Blocks of kBlockCols columns: the expert's rows of dg and du stay in
+    // cache across them.
+    for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
+      const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
+      const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+      operand_[kGate].transposed(s.operand, e, sc0, sn, s.panels[0].data());
+      operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
+      for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
+        const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
+        const bool last = p0 + kRowChunk >= pend;
+        K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
+                      last ? next_source(0, ai, sc0) : PrefetchRegion{});
+        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
+        K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
+                      last ? next_source(1, ai, sc0) : PrefetchRegion{});
+        for (int q = kGate; q <= kUp; ++q) {
+          if (!lora_on(q)) continue;
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
+          K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
+                      lora_[q].a.data() + e * r * H + sc0, H, cx, kBlockCols, true);
+        }
+        for (int i = 0; i < m; ++i) {
+          float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0;
+          const float* ci = cx + i * kBlockCols;
+          for (int64_t j = 0; j < sn; ++j) dst[j] += ci[j];
+        }
+      }
+    }
+  }
+  store_columns(acc, t0, t1, H, col0, ncols, b.c.dx);
+}
+
+// Each route's routing-weight gradient: its parts over the blocks of I, plus
+// dy . b_d with a down bias.
+void kt_moe::routing_weight_gradients(const BackwardPass& b) {
+  const Routing& R = b.R;
+  const BackwardCall& c = b.c;
+  for (int64_t t = 0; t < b.T; ++t)
+    for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
+  for (int32_t e : R.active) {
+    for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
+      float v = 0.f;
+      for (int64_t ib = 0; ib < b.nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * b.nIb + ib)];
+      if (opt.has_bias) {
+        const float* bd = b_[kDown].data() + e * H;
+        const float* dy = dyf_.data() + R.token[static_cast<size_t>(p)] * H;
+        float bias = 0.f;
+        for (int64_t h = 0; h < H; ++h) bias += dy[h] * bd[h];
+        v += bias;
+      }
+      const int64_t slot = R.slot[static_cast<size_t>(p)];
+      store_f32(c.dw.at(slot / K, slot % K), c.dw.dtype, v);
+    }
+  }
 }
 
 void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {

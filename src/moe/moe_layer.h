@@ -244,6 +244,14 @@ struct kt_moe {
   void forward_down(const ForwardPass& f);
   void down_item(const ForwardPass& f, const kt::CombineSplit& split, ThreadScratch& s, int64_t item,
                  const kt::PrefetchRegion& after);
+  // The backward's stages (moe_backward.cpp), over what they share.
+  struct BackwardPass;
+  void backward_inputs(BackwardPass& b);
+  void backward_down(const BackwardPass& b);
+  void backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
+  void backward_dx(const BackwardPass& b);
+  void dx_item(const BackwardPass& b, const kt::CombineSplit& split, ThreadScratch& s, int64_t item);
+  void routing_weight_gradients(const BackwardPass& b);
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).
   void down_rows(ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
