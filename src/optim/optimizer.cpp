@@ -345,10 +345,19 @@ void kt_optimizer::save(const std::string& path, const char* where) {
   kt::io::write_safetensors(path, std::move(tensors), meta);  // temp + fsync + rename
 }
 
-void kt_optimizer::load(const std::string& path, const char* where) {
-  check_layer(where);
-  const kt::io::SafetensorsFile file(std::make_unique<kt::io::MappedFile>(path));
-  const std::string w = std::string(where) + ": " + path;
+namespace {
+
+// The options, step count and momentum flag a state file was saved with,
+// checked against the optimizer loading it (current): same format, same
+// algorithm and amsgrad, valid options. w names the call and the file.
+struct SavedState {
+  kt_optimizer_options options;
+  int64_t step = 0;
+  bool momentum_started = false;
+};
+
+SavedState read_saved_state(const kt::io::SafetensorsFile& file, const kt_optimizer_options& current,
+                            const std::string& w, const char* where) {
   const auto& meta = file.header().metadata;
   auto field = [&](const char* key) -> const std::string& {
     auto it = meta.find(key);
@@ -366,10 +375,12 @@ void kt_optimizer::load(const std::string& path, const char* where) {
              w + ": metadata '" + key + "' = '" + text + "' is not a number");
     return v;
   };
-  KT_CHECK(field("algorithm") == algorithm_name(opt.algorithm), KT_ERR_INVALID_ARGUMENT,
+  KT_CHECK(field("algorithm") == algorithm_name(current.algorithm), KT_ERR_INVALID_ARGUMENT,
            w + ": saved by a '" + field("algorithm") + "' optimizer, this one is '" +
-               algorithm_name(opt.algorithm) + "'");
-  kt_optimizer_options loaded = opt;
+               algorithm_name(current.algorithm) + "'");
+  SavedState saved;
+  kt_optimizer_options& loaded = saved.options;
+  loaded = current;
   loaded.lr = number("lr");
   loaded.weight_decay = number("weight_decay");
   loaded.beta1 = number("beta1");
@@ -389,14 +400,25 @@ void kt_optimizer::load(const std::string& path, const char* where) {
     loaded.arithmetic = flag("arithmetic") ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
   else
     loaded.arithmetic = KT_OPTIM_TORCH1;
-  KT_CHECK(loaded.amsgrad == opt.amsgrad, KT_ERR_INVALID_ARGUMENT,
+  KT_CHECK(loaded.amsgrad == current.amsgrad, KT_ERR_INVALID_ARGUMENT,
            w + ": saved with amsgrad = " + std::to_string(loaded.amsgrad) +
-               ", this optimizer has " + std::to_string(opt.amsgrad));
+               ", this optimizer has " + std::to_string(current.amsgrad));
   kt::optim::validate_options(loaded, where);
-  const double saved_step = number("step");
-  KT_CHECK(saved_step >= 0 && saved_step < 9.0e15 && saved_step == std::floor(saved_step),
-           KT_ERR_IO, w + ": metadata 'step' is not a step count");
-  const int started = flag("momentum_started");
+  const double step = number("step");
+  KT_CHECK(step >= 0 && step < 9.0e15 && step == std::floor(step), KT_ERR_IO,
+           w + ": metadata 'step' is not a step count");
+  saved.step = static_cast<int64_t>(step);
+  saved.momentum_started = flag("momentum_started") != 0;
+  return saved;
+}
+
+}  // namespace
+
+void kt_optimizer::load(const std::string& path, const char* where) {
+  check_layer(where);
+  const kt::io::SafetensorsFile file(std::make_unique<kt::io::MappedFile>(path));
+  const std::string w = std::string(where) + ": " + path;
+  const SavedState saved = read_saved_state(file, opt, w, where);
 
   // Every tensor: present, fp32, the parameter's shape; and nothing else.
   struct Copy {
@@ -445,9 +467,9 @@ void kt_optimizer::load(const std::string& path, const char* where) {
     if (c.param && c.param->bf16_copy)
       for (int64_t i = 0; i < c.param->numel; ++i) c.param->bf16_copy[i] = kt::f32_to_bf16(c.dst[i]);
   }
-  opt = loaded;
-  step = static_cast<int64_t>(saved_step);
-  momentum_started = started != 0;
+  opt = saved.options;
+  step = saved.step;
+  momentum_started = saved.momentum_started;
   layer_params_changed();
 }
 
