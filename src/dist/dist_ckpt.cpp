@@ -943,6 +943,105 @@ Opened open_checkpoint(const std::string& dir, std::vector<Local>& locals, unsig
   });
 }
 
+// The bytes a layer's load copies (for the progress callback).
+int64_t load_bytes(const LayerLoad& ld) {
+  int64_t total = 0;
+  for (const auto& w : ld.weights)
+    for (const Copy& cp : w) total += cp.bytes;
+  for (const auto& f : ld.lora)
+    for (const Copy& cp : f) total += cp.bytes;
+  for (const auto& p : ld.optim)
+    for (const auto& s : p)
+      for (const Copy& cp : s) total += cp.bytes;
+  return total;
+}
+
+// Local expert li's weights (and biases): read straight into the host's
+// bound tensors, or loaded through the layer as kt_moe_load_expert does.
+void apply_expert_weights(const Local& l, const LayerLoad& ld, size_t li) {
+  kt_moe& m = *l.moe;
+  const bool bias = m.opt.has_bias != 0;
+  const std::array<Copy, 6>& w = ld.weights[li];
+  if (ld.weights_into_bound) {
+    for (int p = 0; p < (bias ? 6 : 3); ++p)
+      io::read_expert_slice(w[usize(p)].src, w[usize(p)].dtype,
+                            *m.bound_view(p < 3 ? kWeightId[p] : kBiasId[p - 3]), static_cast<int64_t>(li));
+    return;
+  }
+  int64_t shapes[6][2];
+  DLTensor t[6];
+  kt_arg args[6];
+  for (int p = 0; p < (bias ? 6 : 3); ++p) {
+    const std::vector<int64_t>& s = w[usize(p)].entry->shape;
+    for (size_t d = 0; d < s.size(); ++d) shapes[p][d] = s[d];
+    t[p] = DLTensor{};
+    t[p].data = const_cast<uint8_t*>(w[usize(p)].src);
+    t[p].device = {kDLCPU, 0};
+    t[p].ndim = static_cast<int32_t>(s.size());
+    t[p].dtype = io::dl_dtype(w[usize(p)].dtype);
+    t[p].shape = shapes[p];
+    args[p] = kt_arg{p < 3 ? kWeightId[p] : kBiasId[p - 3], &t[p]};
+  }
+  layer_call("kt_moe_load_expert", l.dist->local, [&](kt_moe& layer) {
+    layer.load(defaults_of<kt_load_options>(set_load_options_defaults), args, bias ? 6 : 3,
+               static_cast<int64_t>(li), "kt_moe_load_expert");
+  });
+}
+
+// The optimizer's state of the local experts, its options and step.
+void apply_optimizer_state(const Local& l, const LayerLoad& ld, Progress& progress) {
+  kt_optimizer& op = *l.opt;
+  auto held = op.lock_compute();
+  for (size_t pi = 0; pi < op.params.size(); ++pi) {
+    kt_optimizer::Param& p = op.params[pi];
+    const int64_t per = p.numel / static_cast<int64_t>(l.experts->size());
+    const auto states = state_of(p, op.opt.algorithm, op.opt.amsgrad);
+    for (size_t si = 0; si < states.size(); ++si)
+      for (size_t li = 0; li < ld.optim[pi][si].size(); ++li) {
+        const Copy& cp = ld.optim[pi][si][li];
+        std::memcpy(states[si].second + static_cast<int64_t>(li) * per, cp.src, usize(per) * sizeof(float));
+        progress.add(cp.bytes);
+      }
+    if (p.bf16_copy)
+      for (int64_t i = 0; i < p.numel; ++i) p.bf16_copy[i] = f32_to_bf16(p.master[i]);
+  }
+  op.opt = ld.opt_options;
+  op.step = ld.step;
+  op.momentum_started = ld.momentum_started != 0;
+}
+
+// One layer's planned copies (checked before: nothing here fails on the
+// checkpoint's account), then the layer told its parameters changed.
+void apply_load(const LayerLoad& ld, Progress& progress) {
+  const Local& l = *ld.local;
+  if (!l.holds()) return;
+  kt_moe& m = *l.moe;
+  bool changed = false;
+  for (size_t li = 0; li < ld.weights.size(); ++li) {
+    apply_expert_weights(l, ld, li);
+    changed = changed || ld.weights_into_bound;
+    int64_t bytes = 0;
+    for (const Copy& cp : ld.weights[li]) bytes += cp.bytes;
+    progress.add(bytes);
+  }
+  for (size_t li = 0; li < ld.lora.size(); ++li) {
+    int64_t bytes = 0;
+    for (int i = 0; i < 6; ++i) {
+      const Copy& cp = ld.lora[li][usize(i)];
+      if (!cp.src) continue;
+      io::read_expert_slice(cp.src, cp.dtype, *m.bound_view(kLoraId[i]), static_cast<int64_t>(li));
+      bytes += cp.bytes;
+    }
+    changed = true;
+    progress.add(bytes);
+  }
+  if (!ld.optim.empty()) {
+    apply_optimizer_state(l, ld, progress);
+    changed = true;
+  }
+  if (changed) layer_call("kt_moe_params_changed", l.dist->local, [](kt_moe& layer) { layer.params_changed(); });
+}
+
 }  // namespace
 
 void load_checkpoint(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* layers, size_t n,
@@ -965,86 +1064,8 @@ void load_checkpoint(kt_comm& comm, const char* dir, const kt_dist_ckpt_layer* l
   // Checked on every rank: the copies below change the layers.
   const Outcome applied = attempt([&] {
     Progress progress{options.progress, options.progress_user};
-    for (const LayerLoad& ld : loads) {
-      for (const auto& w : ld.weights)
-        for (const Copy& cp : w) progress.total += cp.bytes;
-      for (const auto& f : ld.lora)
-        for (const Copy& cp : f) progress.total += cp.bytes;
-      for (const auto& p : ld.optim)
-        for (const auto& s : p)
-          for (const Copy& cp : s) progress.total += cp.bytes;
-    }
-    for (LayerLoad& ld : loads) {
-      const Local& l = *ld.local;
-      if (!l.holds()) continue;
-      kt_moe& m = *l.moe;
-      const bool bias = m.opt.has_bias != 0;
-      bool changed = false;
-      for (size_t li = 0; li < ld.weights.size(); ++li) {
-        const std::array<Copy, 6>& w = ld.weights[li];
-        int64_t bytes = 0;
-        if (ld.weights_into_bound) {
-          for (int p = 0; p < (bias ? 6 : 3); ++p)
-            io::read_expert_slice(w[usize(p)].src, w[usize(p)].dtype,
-                                  *m.bound_view(p < 3 ? kWeightId[p] : kBiasId[p - 3]), static_cast<int64_t>(li));
-          changed = true;
-        } else {
-          int64_t shapes[6][2];
-          DLTensor t[6];
-          kt_arg args[6];
-          for (int p = 0; p < (bias ? 6 : 3); ++p) {
-            const std::vector<int64_t>& s = w[usize(p)].entry->shape;
-            for (size_t d = 0; d < s.size(); ++d) shapes[p][d] = s[d];
-            t[p] = DLTensor{};
-            t[p].data = const_cast<uint8_t*>(w[usize(p)].src);
-            t[p].device = {kDLCPU, 0};
-            t[p].ndim = static_cast<int32_t>(s.size());
-            t[p].dtype = io::dl_dtype(w[usize(p)].dtype);
-            t[p].shape = shapes[p];
-            args[p] = kt_arg{p < 3 ? kWeightId[p] : kBiasId[p - 3], &t[p]};
-          }
-          layer_call("kt_moe_load_expert", l.dist->local, [&](kt_moe& m) {
-            m.load(defaults_of<kt_load_options>(set_load_options_defaults), args, bias ? 6 : 3,
-                   static_cast<int64_t>(li), "kt_moe_load_expert");
-          });
-        }
-        for (const Copy& cp : w) bytes += cp.bytes;
-        progress.add(bytes);
-      }
-      for (size_t li = 0; li < ld.lora.size(); ++li) {
-        int64_t bytes = 0;
-        for (int i = 0; i < 6; ++i) {
-          const Copy& cp = ld.lora[li][usize(i)];
-          if (!cp.src) continue;
-          io::read_expert_slice(cp.src, cp.dtype, *m.bound_view(kLoraId[i]), static_cast<int64_t>(li));
-          bytes += cp.bytes;
-        }
-        changed = true;
-        progress.add(bytes);
-      }
-      if (!ld.optim.empty()) {
-        kt_optimizer& op = *l.opt;
-        auto held = op.lock_compute();
-        for (size_t pi = 0; pi < op.params.size(); ++pi) {
-          kt_optimizer::Param& p = op.params[pi];
-          const int64_t per = p.numel / static_cast<int64_t>(l.experts->size());
-          const auto states = state_of(p, op.opt.algorithm, op.opt.amsgrad);
-          for (size_t si = 0; si < states.size(); ++si)
-            for (size_t li = 0; li < ld.optim[pi][si].size(); ++li) {
-              const Copy& cp = ld.optim[pi][si][li];
-              std::memcpy(states[si].second + static_cast<int64_t>(li) * per, cp.src, usize(per) * sizeof(float));
-              progress.add(cp.bytes);
-            }
-          if (p.bf16_copy)
-            for (int64_t i = 0; i < p.numel; ++i) p.bf16_copy[i] = f32_to_bf16(p.master[i]);
-        }
-        op.opt = ld.opt_options;
-        op.step = ld.step;
-        op.momentum_started = ld.momentum_started != 0;
-        changed = true;
-      }
-      if (changed) layer_call("kt_moe_params_changed", l.dist->local, [](kt_moe& m) { m.params_changed(); });
-    }
+    for (const LayerLoad& ld : loads) progress.total += load_bytes(ld);
+    for (LayerLoad& ld : loads) apply_load(ld, progress);
   });
   agree(comm, where, applied, nullptr, 0);
 }
