@@ -749,15 +749,9 @@ void compare(bool same, kt_status status, const std::string& lname, const std::s
            lname + ": saved with " + what + " = " + saved + ", this layer has " + here);
 }
 
-LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* where) {
-  const std::string lname = std::string(where) + ": " + c.label + ": layer " + str(l.number);
-  const json* found = nullptr;
-  for (const json& j : field(c.manifest, "layers", c.label))
-    if (int_field(j, "layer", c.label) == l.number) found = &j;
-  KT_CHECK(found != nullptr, KT_ERR_INVALID_ARGUMENT,
-           std::string(where) + ": " + c.label + " holds no layer " + str(l.number));
-  const json& j = *found;
-  const kt_moe_options& o = l.options();
+// The manifest's layer j against this layer's options: shape, bias and
+// activation.
+void check_saved_layer(const Opened& c, const json& j, const kt_moe_options& o, const std::string& lname) {
   const int64_t E = int_field(j, "num_experts", c.label), H = int_field(j, "hidden", c.label),
                 I = int_field(j, "intermediate", c.label);
   compare(E == o.num_experts, KT_ERR_SHAPE, lname, "num_experts (E)", str(E), str(o.num_experts));
@@ -774,18 +768,99 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   const float limit = static_cast<float>(number_field(j, "act_limit", c.label));
   compare(limit == o.act_limit, KT_ERR_INVALID_ARGUMENT, lname, "act_limit", std::to_string(limit),
           std::to_string(o.act_limit));
+}
+
+// The rank whose file holds each of the layer's E experts.
+std::vector<int> saved_expert_ranks(const Opened& c, const json& j, int64_t layer, int64_t E) {
   const json& map = field(j, "expert_ranks", c.label);
   if (!map.is_array() || static_cast<int64_t>(map.size()) != E)
-    bad_manifest(c.label, "layer " + str(l.number) + ": 'expert_ranks' is not a list of " + str(E) + " ranks");
+    bad_manifest(c.label, "layer " + str(layer) + ": 'expert_ranks' is not a list of " + str(E) + " ranks");
   std::vector<int> saved_rank(usize(E));
   for (int64_t e = 0; e < E; ++e) {
     if (!map[usize(e)].is_number_integer()) bad_manifest(c.label, "'expert_ranks' holds a non-integer");
     const int64_t r = map[usize(e)].get<int64_t>();
     if (r < 0 || r >= static_cast<int64_t>(c.files.size()))
-      bad_manifest(c.label, "layer " + str(l.number) + ": expert " + str(e) + " is on rank " + str(r) + ", outside the " +
+      bad_manifest(c.label, "layer " + str(layer) + ": expert " + str(e) + " is on rank " + str(r) + ", outside the " +
                                 str(c.files.size()) + " files");
     saved_rank[usize(e)] = static_cast<int>(r);
   }
+  return saved_rank;
+}
+
+// The saved adapter's configuration against this layer's LoRA: the
+// adapter's and the optimizer's tensors are the LoRA factors' shapes.
+void check_saved_lora(const Opened& c, const json& j, const kt_moe_options& o, const std::string& lname) {
+  const json& lj = field(j, "lora", c.label);
+  const int64_t r = int_field(lj, "rank", c.label), targets = int_field(lj, "targets", c.label);
+  compare(r == o.lora_rank, KT_ERR_SHAPE, lname, "lora_rank", str(r), str(o.lora_rank));
+  compare(targets == static_cast<int64_t>(o.lora_targets), KT_ERR_INVALID_ARGUMENT, lname, "lora_targets",
+          str(targets), str(o.lora_targets));
+  const float alpha = static_cast<float>(number_field(lj, "alpha", c.label));
+  compare(alpha == o.lora_alpha, KT_ERR_INVALID_ARGUMENT, lname, "lora_alpha", std::to_string(alpha),
+          std::to_string(o.lora_alpha));
+  const json& rs = field(lj, "use_rslora", c.label);
+  compare(rs.is_boolean() && rs.get<bool>() == (o.use_rslora != 0), KT_ERR_INVALID_ARGUMENT, lname, "use_rslora",
+          rs.dump(), str(o.use_rslora));
+}
+
+// The optimizer part of layer j's load: the saved algorithm and amsgrad
+// against this rank's optimizer, the saved options and step, and a copy per
+// parameter, state and local expert.
+void plan_optimizer_state(Opened& c, const json& j, const Local& l, const std::vector<int>& saved_rank,
+                          const std::string& lname, const char* where, LayerLoad* load_out) {
+  LayerLoad& load = *load_out;
+  const std::vector<int64_t>& ex = *l.experts;
+  const auto key = [&](int64_t g) { return expert_key(l.number, g); };
+  const json& oj = field(j, "optimizer", c.label);
+  const std::string alg = text_field(oj, "algorithm", c.label);
+  kt_optimizer& op = *l.opt;
+  KT_CHECK(alg == algorithm_word(op.opt.algorithm), KT_ERR_INVALID_ARGUMENT,
+           lname + ": the optimizer state was saved by a '" + alg + "' optimizer, this one is '" +
+               algorithm_word(op.opt.algorithm) + "'");
+  const int64_t amsgrad = int_field(oj, "amsgrad", c.label);
+  compare(amsgrad == op.opt.amsgrad, KT_ERR_INVALID_ARGUMENT, lname, "the optimizer's amsgrad", str(amsgrad),
+          str(op.opt.amsgrad));
+  load.opt_options = op.opt;
+  double* hyper[7] = {&load.opt_options.lr,  &load.opt_options.weight_decay, &load.opt_options.beta1,
+                      &load.opt_options.beta2, &load.opt_options.eps, &load.opt_options.momentum,
+                      &load.opt_options.dampening};
+  for (int h = 0; h < 7; ++h) *hyper[h] = number_field(oj, kHyperNames[h], c.label);
+  load.opt_options.nesterov = static_cast<int>(int_field(oj, "nesterov", c.label));
+  // Manifests written before the field existed were torch 1 arithmetic.
+  const std::string arith = oj.contains("arithmetic") ? text_field(oj, "arithmetic", c.label) : "torch1";
+  if (arith != "torch1" && arith != "torch2")
+    bad_manifest(c.label, "the optimizer's arithmetic '" + arith + "' is not torch1 or torch2");
+  load.opt_options.arithmetic = arith == "torch2" ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
+  optim::validate_options(load.opt_options, where);
+  load.step = int_field(oj, "step", c.label);
+  if (load.step < 0) bad_manifest(c.label, "the optimizer's step is negative");
+  load.momentum_started = int_field(oj, "momentum_started", c.label) != 0;
+  const std::vector<std::string> states = state_names(op.opt.algorithm, op.opt.amsgrad);
+  for (kt_optimizer::Param& p : op.params) {
+    std::vector<int64_t> shape(p.shape.begin() + 1, p.shape.end());
+    std::vector<std::vector<Copy>> per_state;
+    for (const std::string& s : states) {
+      std::vector<Copy> per_expert;
+      for (int64_t g : ex)
+        per_expert.push_back(stored(c, saved_rank[usize(g)], key(g) + "optim." + p.name + "." + s, shape, true, lname));
+      per_state.push_back(std::move(per_expert));
+    }
+    load.optim.push_back(std::move(per_state));
+  }
+}
+
+LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* where) {
+  const std::string lname = std::string(where) + ": " + c.label + ": layer " + str(l.number);
+  const json* found = nullptr;
+  for (const json& j : field(c.manifest, "layers", c.label))
+    if (int_field(j, "layer", c.label) == l.number) found = &j;
+  KT_CHECK(found != nullptr, KT_ERR_INVALID_ARGUMENT,
+           std::string(where) + ": " + c.label + " holds no layer " + str(l.number));
+  const json& j = *found;
+  const kt_moe_options& o = l.options();
+  check_saved_layer(c, j, o, lname);
+  const int64_t E = o.num_experts;
+  const std::vector<int> saved_rank = saved_expert_ranks(c, j, l.number, E);
   unsigned have = 0;
   for (const json& p : field(j, "parts", c.label)) {
     if (p == "weights") have |= KT_DIST_CKPT_WEIGHTS;
@@ -811,19 +886,7 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   }
   if (load.parts & (KT_DIST_CKPT_ADAPTER | KT_DIST_CKPT_OPTIMIZER)) {
     // The adapter's and the optimizer's tensors are the LoRA factors' shapes.
-    if (lora && (have & KT_DIST_CKPT_ADAPTER)) {
-      const json& lj = field(j, "lora", c.label);
-      const int64_t r = int_field(lj, "rank", c.label), targets = int_field(lj, "targets", c.label);
-      compare(r == o.lora_rank, KT_ERR_SHAPE, lname, "lora_rank", str(r), str(o.lora_rank));
-      compare(targets == static_cast<int64_t>(o.lora_targets), KT_ERR_INVALID_ARGUMENT, lname, "lora_targets",
-              str(targets), str(o.lora_targets));
-      const float alpha = static_cast<float>(number_field(lj, "alpha", c.label));
-      compare(alpha == o.lora_alpha, KT_ERR_INVALID_ARGUMENT, lname, "lora_alpha", std::to_string(alpha),
-              std::to_string(o.lora_alpha));
-      const json& rs = field(lj, "use_rslora", c.label);
-      compare(rs.is_boolean() && rs.get<bool>() == (o.use_rslora != 0), KT_ERR_INVALID_ARGUMENT, lname, "use_rslora",
-              rs.dump(), str(o.use_rslora));
-    }
+    if (lora && (have & KT_DIST_CKPT_ADAPTER)) check_saved_lora(c, j, o, lname);
   }
   if (!l.holds()) return load;
 
@@ -872,42 +935,7 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
     KT_CHECK(
         l.opt != nullptr, KT_ERR_NULL_POINTER,
         lname + ": options->parts names KT_DIST_CKPT_OPTIMIZER but this rank's optimizer is NULL");
-    const json& oj = field(j, "optimizer", c.label);
-    const std::string alg = text_field(oj, "algorithm", c.label);
-    kt_optimizer& op = *l.opt;
-    KT_CHECK(alg == algorithm_word(op.opt.algorithm), KT_ERR_INVALID_ARGUMENT,
-             lname + ": the optimizer state was saved by a '" + alg + "' optimizer, this one is '" +
-                 algorithm_word(op.opt.algorithm) + "'");
-    const int64_t amsgrad = int_field(oj, "amsgrad", c.label);
-    compare(amsgrad == op.opt.amsgrad, KT_ERR_INVALID_ARGUMENT, lname, "the optimizer's amsgrad", str(amsgrad),
-            str(op.opt.amsgrad));
-    load.opt_options = op.opt;
-    double* hyper[7] = {&load.opt_options.lr,  &load.opt_options.weight_decay, &load.opt_options.beta1,
-                        &load.opt_options.beta2, &load.opt_options.eps, &load.opt_options.momentum,
-                        &load.opt_options.dampening};
-    for (int h = 0; h < 7; ++h) *hyper[h] = number_field(oj, kHyperNames[h], c.label);
-    load.opt_options.nesterov = static_cast<int>(int_field(oj, "nesterov", c.label));
-    // Manifests written before the field existed were torch 1 arithmetic.
-    const std::string arith = oj.contains("arithmetic") ? text_field(oj, "arithmetic", c.label) : "torch1";
-    if (arith != "torch1" && arith != "torch2")
-      bad_manifest(c.label, "the optimizer's arithmetic '" + arith + "' is not torch1 or torch2");
-    load.opt_options.arithmetic = arith == "torch2" ? KT_OPTIM_TORCH2 : KT_OPTIM_TORCH1;
-    optim::validate_options(load.opt_options, where);
-    load.step = int_field(oj, "step", c.label);
-    if (load.step < 0) bad_manifest(c.label, "the optimizer's step is negative");
-    load.momentum_started = int_field(oj, "momentum_started", c.label) != 0;
-    const std::vector<std::string> states = state_names(op.opt.algorithm, op.opt.amsgrad);
-    for (kt_optimizer::Param& p : op.params) {
-      std::vector<int64_t> shape(p.shape.begin() + 1, p.shape.end());
-      std::vector<std::vector<Copy>> per_state;
-      for (const std::string& s : states) {
-        std::vector<Copy> per_expert;
-        for (int64_t g : ex)
-          per_expert.push_back(stored(c, saved_rank[usize(g)], key(g) + "optim." + p.name + "." + s, shape, true, lname));
-        per_state.push_back(std::move(per_expert));
-      }
-      load.optim.push_back(std::move(per_state));
-    }
+    plan_optimizer_state(c, j, l, saved_rank, lname, where, &load);
   }
   return load;
 }
