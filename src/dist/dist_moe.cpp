@@ -487,6 +487,85 @@ struct RouteHead {
 
 }  // namespace
 
+namespace {
+
+// What each rank sends back after its compute: its outcome, then (when it
+// succeeded) the outputs of the routes it received from that rank, yrow
+// bytes each; the byte counts of both directions of the exchange.
+std::vector<char> outcome_and_rows(const Outcome& computed, const std::vector<int64_t>& received,
+                                   const std::vector<int64_t>& sent, const char* y, int64_t yrow,
+                                   std::vector<int64_t>* send_bytes, std::vector<int64_t>* recv_bytes) {
+  const int W = static_cast<int>(received.size());
+  int64_t nrecv = 0;
+  for (int64_t n : received) nrecv += n;
+  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * yrow));
+  char* s = reply.data();
+  int64_t p0 = 0;
+  for (int r = 0; r < W; ++r) {
+    kt::dist::write_outcome(computed, s);
+    const int64_t n = received[usize(r)];
+    if (computed.ok() && n) std::memcpy(s + kOutcomeBytes, y + p0 * yrow, usize(n * yrow));
+    s += int64_t{kOutcomeBytes} + n * yrow;
+    p0 += n;
+    (*send_bytes)[usize(r)] = int64_t{kOutcomeBytes} + n * yrow;
+    (*recv_bytes)[usize(r)] = int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
+  }
+  return reply;
+}
+
+// The replies in from every rank: each one's outcome raised, its rows
+// packed in rank (route_row) order.
+std::vector<char> rows_of_replies(const char* back, const std::vector<int64_t>& sent, int64_t yrow,
+                                  const char* where) {
+  int64_t nsent = 0;
+  for (int64_t n : sent) nsent += n;
+  std::vector<char> rows(usize(std::max<int64_t>(nsent * yrow, 1)));
+  const char* s = back;
+  int64_t p0 = 0;
+  for (size_t r = 0; r < sent.size(); ++r) {
+    kt::dist::raise_outcome(s, static_cast<int>(r), where);
+    std::memcpy(rows.data() + p0 * yrow, s + kOutcomeBytes, usize(sent[r] * yrow));
+    s += int64_t{kOutcomeBytes} + sent[r] * yrow;
+    p0 += sent[r];
+  }
+  return rows;
+}
+
+}  // namespace
+
+// The routes this rank received (nrecv rows of `row` bytes at in: x in
+// X's dtype xd, then the global expert and the weight) through the local
+// layer: one route per row, in fp32 (bf16 rows convert exactly), so each
+// row's output in y_ is w * o unrounded.
+void kt_dist_moe::forward_received(const char* in, int64_t nrecv, int64_t row, DType xd, kt_dist_context* ctx,
+                                   const char* where) {
+  const int me = comm->rank;
+  const int64_t H = layer_options.hidden, xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  KT_CHECK(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
+           std::string(where) + ": routes arrived at a rank that holds no experts");
+  if (!local) return;
+  float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
+  int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
+  float* wts = reinterpret_cast<float*>(bytes_of(w_, usize(nrecv * 4)));
+  for (int64_t p = 0; p < nrecv; ++p) {
+    const char* src = in + p * row;
+    raw_to_f32(src, xd, H, x + p * H);
+    int32_t e;
+    std::memcpy(&e, src + xrow, 4);
+    KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0,
+             KT_ERR_INTERNAL,
+             std::string(where) + ": a route to expert " + std::to_string(e) +
+                 " arrived at rank " + std::to_string(me) + ", which does not hold it");
+    ids[p] = local_index[usize(e)];
+    std::memcpy(&wts[p], src + xrow + 4, 4);
+  }
+  float* y = reinterpret_cast<float*>(bytes_of(y_, usize(nrecv * H * 4)));
+  Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
+      Y(y, DType::kF32, nrecv, H);
+  const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
+  local_forward(local, a, 4, ctx ? &ctx->local : nullptr);
+}
+
 void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
@@ -550,64 +629,15 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
   char* in = bytes_of(recv_, usize(nrecv * row));
   comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
 
-  // Local compute: one route per row, in fp32 (bf16 rows convert exactly),
-  // so each row's output is w * o unrounded.
-  const Outcome computed = attempt([&] {
-    KT_CHECK(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
-             std::string(where) + ": routes arrived at a rank that holds no experts");
-    if (!local) return;
-    float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
-    int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
-    float* wts = reinterpret_cast<float*>(bytes_of(w_, usize(nrecv * 4)));
-    for (int64_t p = 0; p < nrecv; ++p) {
-      const char* src = in + p * row;
-      raw_to_f32(src, xd, H, x + p * H);
-      int32_t e;
-      std::memcpy(&e, src + xrow, 4);
-      KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0,
-               KT_ERR_INTERNAL,
-               std::string(where) + ": a route to expert " + std::to_string(e) +
-                   " arrived at rank " + std::to_string(me) + ", which does not hold it");
-      ids[p] = local_index[usize(e)];
-      std::memcpy(&wts[p], src + xrow + 4, 4);
-    }
-    float* y = reinterpret_cast<float*>(bytes_of(y_, usize(nrecv * H * 4)));
-    Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
-        Y(y, DType::kF32, nrecv, H);
-    const kt_arg a[] = {{KT_ARG_X, &X.t}, {KT_ARG_IDS, &I.t}, {KT_ARG_ROUTE_WEIGHTS, &Wt.t}, {KT_ARG_Y, &Y.t}};
-    local_forward(local, a, 4, ctx ? &ctx->local : nullptr);
-  });
+  const Outcome computed = attempt([&] { forward_received(in, nrecv, row, xd, ctx, where); });
 
   // Combine: each rank's outcome and its routes' weighted outputs go back.
   const int64_t yrow = H * 4;
-  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * yrow));
-  {
-    char* s = reply.data();
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::write_outcome(computed, s);
-      const int64_t n = received[usize(r)];
-      if (computed.ok() && n) std::memcpy(s + kOutcomeBytes, y_.data() + p0 * yrow, usize(n * yrow));
-      s += int64_t{kOutcomeBytes} + n * yrow;
-      p0 += n;
-      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + n * yrow;
-      recv_bytes[usize(r)] = int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
-    }
-  }
+  const std::vector<char> reply = outcome_and_rows(computed, received, sent, y_.data(), yrow, &send_bytes, &recv_bytes);
   char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * yrow));
   comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
   // Outputs packed without the headers, in route_row order.
-  std::vector<char> rows(usize(std::max<int64_t>(nsent * yrow, 1)));
-  {
-    const char* s = back;
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::raise_outcome(s, r, where);
-      std::memcpy(rows.data() + p0 * yrow, s + kOutcomeBytes, usize(sent[usize(r)] * yrow));
-      s += int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
-      p0 += sent[usize(r)];
-    }
-  }
+  const std::vector<char> rows = rows_of_replies(back, sent, yrow, where);
   std::vector<int64_t> begin, order;
   token_order(f.ids, f.T, K, &begin, &order);
   combine_rows(begin, order, route_row, rows.data(), yrow, H, f.y);
