@@ -437,158 +437,207 @@ void check_scale_tensor(const TensorRef* sc, const std::string& what, int64_t ro
 
 int64_t ceil_div64(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
+// What the checks of one quantized layer share: the layer, its config, the
+// layer's name in messages.
+struct LayerCheck {
+  MoeLayer& m;
+  const QuantConfig& qc;
+  std::string layer;
+
+  LayerCheck(MoeLayer& layer_in, const QuantConfig& config)
+      : m(layer_in), qc(config), layer("layer " + std::to_string(layer_in.layer) + " ('" + layer_in.prefix + "')") {}
+  // A config's quant_method that contradicts what the layer holds fails the open.
+  void method_must_be(const char* want, const std::string& found) const {
+    if (qc.q && qc.method != want)
+      io_fail(qc.path + ".quant_method is '" + qc.method + "' but " + layer + " holds " + found +
+              " (quant_method '" + want + "')");
+  }
+  // f(projection's tensors, out, in) for every expert's three projections.
+  void per_expert(const std::function<void(const ProjTensors&, int64_t out, int64_t in)>& f) const {
+    for (const auto& ex : m.experts)
+      for (int p = 0; p < 3; ++p) f(ex[static_cast<size_t>(p)], p == kProjDown ? m.H : m.I, p == kProjDown ? m.I : m.H);
+  }
+};
+
+const std::initializer_list<kt_ckpt_dtype> kFloatScales = {KT_CKPT_DTYPE_F32, KT_CKPT_DTYPE_BF16, KT_CKPT_DTYPE_F16};
+
+// The fp8 blocks of compressed-tensors float-quantized weights: the
+// weights of the experts' config group say them; anything but e4m3 in
+// symmetric 128 x 128 blocks is described (m.unsupported), not loaded.
+// False when the config gives no block sizes to check the scales against.
+bool fp8_blocks_of_compressed_tensors(const LayerCheck& k, int64_t* b0, int64_t* b1, std::string* from) {
+  MoeLayer& m = k.m;
+  const QuantConfig& qc = k.qc;
+  if (!qc.ct_format.empty() && qc.ct_format != "float-quantized")
+    io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + k.layer +
+            " holds F8_E4M3 weights with weight_scale (format 'float-quantized')");
+  const json* w = qc.weights;
+  auto is = [&](const char* key, const json& want) { return w && w->contains(key) && (*w)[key] == want; };
+  if (!w || !is("num_bits", 8) || !is("type", "float") || !is("strategy", "block") ||
+      (w->contains("symmetric") && !is("symmetric", true))) {
+    m.unsupported = "config_groups weights are " + (w ? json_text(*w) : std::string("absent")) +
+                    ": kt holds fp8 (num_bits 8, type float) in symmetric blocks (strategy block)";
+    return false;
+  }
+  const json* bs = w->contains("block_structure") ? &(*w)["block_structure"] : nullptr;
+  const bool sizes = bs && bs->is_array() && bs->size() == 2 && (*bs)[0].is_number_integer() &&
+                     (*bs)[1].is_number_integer() && (*bs)[0].get<int64_t>() >= 1 && (*bs)[1].get<int64_t>() >= 1;
+  if (!sizes || (*bs)[0].get<int64_t>() != 128 || (*bs)[1].get<int64_t>() != 128)
+    m.unsupported = "config_groups weights block_structure is " + (bs ? json_text(*bs) : std::string("absent")) +
+                    ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
+  if (!sizes) return false;
+  *b0 = (*bs)[0].get<int64_t>();
+  *b1 = (*bs)[1].get<int64_t>();
+  *from = " (block_structure " + json_text(*bs) + ")";
+  return true;
+}
+
+// The fp8 blocks of DeepSeek's config (quant_method fp8): fmt e4m3,
+// weight_block_size, activation_scheme; what kt does not hold is described.
+void fp8_blocks_of_deepseek(const LayerCheck& k, int64_t* b0, int64_t* b1, std::string* from) {
+  MoeLayer& m = k.m;
+  const json& q = *k.qc.q;
+  if (q.contains("fmt") && !(q["fmt"].is_string() && q["fmt"].get<std::string>() == "e4m3"))
+    io_fail(k.qc.path + ".fmt is " + json_text(q["fmt"]) + " but " + k.layer + " holds F8_E4M3 weights");
+  if (!q.contains("weight_block_size") || !q["weight_block_size"].is_array() ||
+      q["weight_block_size"].size() != 2 || !q["weight_block_size"][0].is_number_integer() ||
+      !q["weight_block_size"][1].is_number_integer() || q["weight_block_size"][0].get<int64_t>() < 1 ||
+      q["weight_block_size"][1].get<int64_t>() < 1) {
+    m.unsupported = "quantization_config.weight_block_size is " +
+                    (q.contains("weight_block_size") ? json_text(q["weight_block_size"]) : std::string("absent")) +
+                    ": kt holds fp8 in 128 x 128 blocks";
+  } else {
+    *b0 = q["weight_block_size"][0].get<int64_t>();
+    *b1 = q["weight_block_size"][1].get<int64_t>();
+    *from = " (weight_block_size " + json_text(q["weight_block_size"]) + ")";
+    if (*b0 != 128 || *b1 != 128)
+      m.unsupported = "quantization_config.weight_block_size is " + json_text(q["weight_block_size"]) +
+                      ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
+  }
+  if (q.contains("activation_scheme")) {
+    const json& a = q["activation_scheme"];
+    if (!a.is_string() || (a.get<std::string>() != "dynamic" && a.get<std::string>() != "static"))
+      m.unsupported = "quantization_config.activation_scheme is " + json_text(a) + " (kt knows 'dynamic' and 'static')";
+  }
+}
+
+// F8_E4M3 weights: weight_scale_inv is DeepSeek's fp8 (quant_method fp8);
+// weight_scale compressed-tensors' float-quantized, whose config says the
+// blocks.
+void check_fp8_layer(const LayerCheck& k) {
+  MoeLayer& m = k.m;
+  const std::string& scale_name = m.experts[0][kProjGate].scale->entry->name;
+  const bool ct = scale_name.size() < 4 || scale_name.compare(scale_name.size() - 4, 4, "_inv") != 0;
+  if (!ct) k.method_must_be("fp8", "F8_E4M3 weights with weight_scale_inv (fp8 blocks)");
+  if (ct && !k.qc.q) {
+    m.unsupported = "F8_E4M3 weights with weight_scale and no quantization_config: kt reads fp8 blocks that "
+                    "a config says (compressed-tensors float-quantized, or DeepSeek's weight_scale_inv)";
+    return;
+  }
+  if (ct) k.method_must_be("compressed-tensors", "F8_E4M3 weights with weight_scale (float-quantized)");
+  int64_t b0 = 128, b1 = 128;
+  std::string from = " (blocks of 128 x 128: config.json has no quantization_config)";
+  if (ct) {
+    if (!fp8_blocks_of_compressed_tensors(k, &b0, &b1, &from)) return;
+  } else if (k.qc.q) {
+    fp8_blocks_of_deepseek(k, &b0, &b1, &from);
+  }
+  k.per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+    check_scale_tensor(pt.scale, "fp8 block scales", ceil_div64(out, b0), ceil_div64(in, b1), kFloatScales, "float",
+                       from + " for weight " + shape_text(pt.weight->entry->shape));
+  });
+  m.group = b1;
+  m.block_rows = b0;
+  m.decodable = true;
+  m.native_format = KT_FORMAT_FP8_B128;
+}
+
+// The group of compressed-tensors pack-quantized int4 weights from the
+// config group's weights (0 when it names none), and what kt does not hold
+// described; a config contradicting the tensors fails the open.
+int64_t int4_group_of_config(const LayerCheck& k, std::string* from) {
+  MoeLayer& m = k.m;
+  const QuantConfig& qc = k.qc;
+  const json& w = *qc.weights;
+  auto field = [&](const char* key) { return w.contains(key) ? json_text(w[key]) : std::string("absent"); };
+  if (!qc.ct_format.empty() && qc.ct_format != "pack-quantized")
+    io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + k.layer +
+            " holds weight_packed tensors (format 'pack-quantized')");
+  if (w.contains("num_bits") && !(w["num_bits"].is_number_integer() && w["num_bits"].get<int64_t>() == 4))
+    m.unsupported = "config_groups weights num_bits is " + field("num_bits") + ": kt holds 4-bit integers";
+  else if (w.contains("type") && !(w["type"].is_string() && w["type"].get<std::string>() == "int"))
+    m.unsupported = "config_groups weights type is " + field("type") + ": kt holds 'int'";
+  else if (w.contains("strategy") && !(w["strategy"].is_string() && w["strategy"].get<std::string>() == "group"))
+    m.unsupported = "config_groups weights strategy is " + field("strategy") + ": kt holds 'group'";
+  int64_t group = 0;
+  if (w.contains("group_size") && w["group_size"].is_number_integer() && w["group_size"].get<int64_t>() > 0) {
+    group = w["group_size"].get<int64_t>();
+    *from = " (config_groups group_size " + std::to_string(group) + ")";
+  }
+  if (w.contains("symmetric") && w["symmetric"].is_boolean()) {
+    const bool sym = w["symmetric"].get<bool>();
+    if (sym == m.asymmetric)
+      io_fail(qc.path + ": config_groups weights symmetric is " + (sym ? "true" : "false") + " but " + k.layer +
+              (m.asymmetric ? " has weight_zero_point tensors" : " has no weight_zero_point tensors"));
+  }
+  return group;
+}
+
+// compressed-tensors pack-quantized int4 in groups (with zero points when
+// asymmetric).
+void check_int4_layer(const LayerCheck& k) {
+  MoeLayer& m = k.m;
+  k.method_must_be("compressed-tensors", "int4 weight_packed tensors (compressed-tensors pack-quantized)");
+  const ProjTensors& first = m.experts[0][kProjGate];
+  std::string from;
+  int64_t group = k.qc.weights ? int4_group_of_config(k, &from) : 0;
+  if (group == 0) {
+    // No config: the scale columns of expert 0's gate give the group.
+    const auto& ss = first.scale->entry->shape;
+    const int64_t cols = ss.size() == 2 ? ss[1] : 0;
+    group = cols > 0 ? ceil_div64(m.H, cols) : 0;
+    if (group < 1 || ceil_div64(m.H, group) != cols)
+      io_fail(first.scale->file->path() + ": tensor '" + first.scale->entry->name + "' is " + shape_text(ss) +
+              ": no group size gives " + std::to_string(cols) + " scales for " + std::to_string(m.H) + " inputs");
+    from = " (group " + std::to_string(group) + " from expert 0's weight_scale)";
+  }
+  k.per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+    check_scale_tensor(pt.scale, "int4 group scales", out, ceil_div64(in, group), kFloatScales, "float", from);
+    if (pt.zero)
+      check_scale_tensor(pt.zero, "int4 zero points, 8 rows an int32", ceil_div64(out, 8), ceil_div64(in, group),
+                         {KT_CKPT_DTYPE_I32}, "I32", from);
+  });
+  m.group = group;
+  // Any group of 4-bit integers decodes; other widths do not.
+  m.decodable = m.unsupported.empty();
+  // Zero points (asymmetric) are held as stored, in the _ZP formats.
+  const WeightFormat* held = weight_format_holding(QuantCode::kInt, 4, group, m.asymmetric);
+  if (m.unsupported.empty() && !held)
+    m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of " + held_groups(QuantCode::kInt, 4);
+  m.native_format = (held ? held : weight_format_holding(QuantCode::kInt, 4, 32, m.asymmetric))->format;
+}
+
+void check_mxfp4_layer(const LayerCheck& k) {
+  MoeLayer& m = k.m;
+  k.method_must_be("mxfp4", "MXFP4 weights (e2m1 with e8m0 scales)");
+  if (m.layout != KT_CKPT_LAYOUT_GPT_OSS)
+    k.per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
+      check_scale_tensor(pt.scale, "e8m0 scales, one per 32 inputs", out, ceil_div64(in, 32),
+                         {KT_CKPT_DTYPE_E8M0, KT_CKPT_DTYPE_U8}, "E8M0/U8", "");
+    });
+  m.group = 32;
+  m.decodable = true;
+  m.native_format = KT_FORMAT_MXFP4;
+}
+
 // Checks a quantized layer's scale tensors and quantization_config against
 // each other (a contradiction fails the open, KT_ERR_IO) and decides the
 // kt format that holds it (or why none does).
 void check_quantized_layer(MoeLayer& m, const QuantConfig& qc) {
-  const std::string layer = "layer " + std::to_string(m.layer) + " ('" + m.prefix + "')";
-  auto method_must_be = [&](const char* want, const std::string& found) {
-    if (qc.q && qc.method != want)
-      io_fail(qc.path + ".quant_method is '" + qc.method + "' but " + layer + " holds " + found +
-              " (quant_method '" + want + "')");
-  };
-  auto per_expert = [&](const std::function<void(const ProjTensors&, int64_t out, int64_t in)>& f) {
-    for (const auto& ex : m.experts)
-      for (int p = 0; p < 3; ++p) f(ex[static_cast<size_t>(p)], p == kProjDown ? m.H : m.I, p == kProjDown ? m.I : m.H);
-  };
-  const std::initializer_list<kt_ckpt_dtype> kFloat = {KT_CKPT_DTYPE_F32, KT_CKPT_DTYPE_BF16, KT_CKPT_DTYPE_F16};
-  if (m.format == KT_CKPT_FORMAT_FP8_BLOCK) {
-    // weight_scale_inv: DeepSeek's fp8 (quant_method fp8); weight_scale:
-    // compressed-tensors' float-quantized, whose config says the blocks.
-    const std::string& scale_name = m.experts[0][kProjGate].scale->entry->name;
-    const bool ct = scale_name.size() < 4 || scale_name.compare(scale_name.size() - 4, 4, "_inv") != 0;
-    if (!ct) method_must_be("fp8", "F8_E4M3 weights with weight_scale_inv (fp8 blocks)");
-    if (ct && !qc.q) {
-      m.unsupported = "F8_E4M3 weights with weight_scale and no quantization_config: kt reads fp8 blocks that "
-                      "a config says (compressed-tensors float-quantized, or DeepSeek's weight_scale_inv)";
-      return;
-    }
-    if (ct) method_must_be("compressed-tensors", "F8_E4M3 weights with weight_scale (float-quantized)");
-    int64_t b0 = 128, b1 = 128;
-    std::string from = " (blocks of 128 x 128: config.json has no quantization_config)";
-    if (ct) {
-      // compressed-tensors float-quantized: the weights of the experts'
-      // config group say the blocks; anything but e4m3 in symmetric
-      // 128 x 128 blocks is described, not loaded.
-      if (!qc.ct_format.empty() && qc.ct_format != "float-quantized")
-        io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + layer +
-                " holds F8_E4M3 weights with weight_scale (format 'float-quantized')");
-      const json* w = qc.weights;
-      auto is = [&](const char* k, const json& want) { return w && w->contains(k) && (*w)[k] == want; };
-      if (!w || !is("num_bits", 8) || !is("type", "float") || !is("strategy", "block") ||
-          (w->contains("symmetric") && !is("symmetric", true))) {
-        m.unsupported = "config_groups weights are " + (w ? json_text(*w) : std::string("absent")) +
-                        ": kt holds fp8 (num_bits 8, type float) in symmetric blocks (strategy block)";
-        return;
-      }
-      const json* bs = w->contains("block_structure") ? &(*w)["block_structure"] : nullptr;
-      const bool sizes = bs && bs->is_array() && bs->size() == 2 && (*bs)[0].is_number_integer() &&
-                         (*bs)[1].is_number_integer() && (*bs)[0].get<int64_t>() >= 1 && (*bs)[1].get<int64_t>() >= 1;
-      if (!sizes || (*bs)[0].get<int64_t>() != 128 || (*bs)[1].get<int64_t>() != 128)
-        m.unsupported = "config_groups weights block_structure is " + (bs ? json_text(*bs) : std::string("absent")) +
-                        ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
-      if (!sizes) return;
-      b0 = (*bs)[0].get<int64_t>();
-      b1 = (*bs)[1].get<int64_t>();
-      from = " (block_structure " + json_text(*bs) + ")";
-    } else if (qc.q) {
-      const json& q = *qc.q;
-      if (q.contains("fmt") && !(q["fmt"].is_string() && q["fmt"].get<std::string>() == "e4m3"))
-        io_fail(qc.path + ".fmt is " + json_text(q["fmt"]) + " but " + layer + " holds F8_E4M3 weights");
-      if (!q.contains("weight_block_size") || !q["weight_block_size"].is_array() ||
-          q["weight_block_size"].size() != 2 || !q["weight_block_size"][0].is_number_integer() ||
-          !q["weight_block_size"][1].is_number_integer() || q["weight_block_size"][0].get<int64_t>() < 1 ||
-          q["weight_block_size"][1].get<int64_t>() < 1) {
-        m.unsupported = "quantization_config.weight_block_size is " +
-                        (q.contains("weight_block_size") ? json_text(q["weight_block_size"]) : std::string("absent")) +
-                        ": kt holds fp8 in 128 x 128 blocks";
-      } else {
-        b0 = q["weight_block_size"][0].get<int64_t>();
-        b1 = q["weight_block_size"][1].get<int64_t>();
-        from = " (weight_block_size " + json_text(q["weight_block_size"]) + ")";
-        if (b0 != 128 || b1 != 128)
-          m.unsupported = "quantization_config.weight_block_size is " + json_text(q["weight_block_size"]) +
-                          ": kt holds fp8 in 128 x 128 blocks (fp8_b128)";
-      }
-      if (q.contains("activation_scheme")) {
-        const json& a = q["activation_scheme"];
-        if (!a.is_string() || (a.get<std::string>() != "dynamic" && a.get<std::string>() != "static"))
-          m.unsupported = "quantization_config.activation_scheme is " + json_text(a) +
-                          " (kt knows 'dynamic' and 'static')";
-      }
-    }
-    per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
-      check_scale_tensor(pt.scale, "fp8 block scales", ceil_div64(out, b0), ceil_div64(in, b1), kFloat,
-                         "float", from + " for weight " + shape_text(pt.weight->entry->shape));
-    });
-    m.group = b1;
-    m.block_rows = b0;
-    m.decodable = true;
-    m.native_format = KT_FORMAT_FP8_B128;
-  } else if (m.format == KT_CKPT_FORMAT_INT4_GROUP) {
-    method_must_be("compressed-tensors", "int4 weight_packed tensors (compressed-tensors pack-quantized)");
-    const ProjTensors& first = m.experts[0][kProjGate];
-    int64_t group = 0;
-    std::string from;
-    if (qc.weights) {
-      const json& w = *qc.weights;
-      auto field = [&](const char* k) { return w.contains(k) ? json_text(w[k]) : std::string("absent"); };
-      if (!qc.ct_format.empty() && qc.ct_format != "pack-quantized")
-        io_fail(qc.path + ": format is '" + qc.ct_format + "' but " + layer +
-                " holds weight_packed tensors (format 'pack-quantized')");
-      if (w.contains("num_bits") && !(w["num_bits"].is_number_integer() && w["num_bits"].get<int64_t>() == 4))
-        m.unsupported = "config_groups weights num_bits is " + field("num_bits") + ": kt holds 4-bit integers";
-      else if (w.contains("type") && !(w["type"].is_string() && w["type"].get<std::string>() == "int"))
-        m.unsupported = "config_groups weights type is " + field("type") + ": kt holds 'int'";
-      else if (w.contains("strategy") && !(w["strategy"].is_string() && w["strategy"].get<std::string>() == "group"))
-        m.unsupported = "config_groups weights strategy is " + field("strategy") + ": kt holds 'group'";
-      if (w.contains("group_size") && w["group_size"].is_number_integer() && w["group_size"].get<int64_t>() > 0) {
-        group = w["group_size"].get<int64_t>();
-        from = " (config_groups group_size " + std::to_string(group) + ")";
-      }
-      if (w.contains("symmetric") && w["symmetric"].is_boolean()) {
-        const bool sym = w["symmetric"].get<bool>();
-        if (sym == m.asymmetric)
-          io_fail(qc.path + ": config_groups weights symmetric is " + (sym ? "true" : "false") + " but " + layer +
-                  (m.asymmetric ? " has weight_zero_point tensors" : " has no weight_zero_point tensors"));
-      }
-    }
-    if (group == 0) {
-      // No config: the scale columns of expert 0's gate give the group.
-      const auto& ss = first.scale->entry->shape;
-      const int64_t cols = ss.size() == 2 ? ss[1] : 0;
-      group = cols > 0 ? ceil_div64(m.H, cols) : 0;
-      if (group < 1 || ceil_div64(m.H, group) != cols)
-        io_fail(first.scale->file->path() + ": tensor '" + first.scale->entry->name + "' is " + shape_text(ss) +
-                ": no group size gives " + std::to_string(cols) + " scales for " + std::to_string(m.H) + " inputs");
-      from = " (group " + std::to_string(group) + " from expert 0's weight_scale)";
-    }
-    per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
-      check_scale_tensor(pt.scale, "int4 group scales", out, ceil_div64(in, group), kFloat, "float", from);
-      if (pt.zero)
-        check_scale_tensor(pt.zero, "int4 zero points, 8 rows an int32", ceil_div64(out, 8), ceil_div64(in, group),
-                           {KT_CKPT_DTYPE_I32}, "I32", from);
-    });
-    m.group = group;
-    // Any group of 4-bit integers decodes; other widths do not.
-    m.decodable = m.unsupported.empty();
-    // Zero points (asymmetric) are held as stored, in the _ZP formats.
-    const WeightFormat* held = weight_format_holding(QuantCode::kInt, 4, group, m.asymmetric);
-    if (m.unsupported.empty() && !held)
-      m.unsupported = "int4 groups of " + std::to_string(group) + ": kt holds groups of " +
-                      held_groups(QuantCode::kInt, 4);
-    m.native_format = (held ? held : weight_format_holding(QuantCode::kInt, 4, 32, m.asymmetric))->format;
-  } else if (m.format == KT_CKPT_FORMAT_MXFP4) {
-    method_must_be("mxfp4", "MXFP4 weights (e2m1 with e8m0 scales)");
-    if (m.layout != KT_CKPT_LAYOUT_GPT_OSS)
-      per_expert([&](const ProjTensors& pt, int64_t out, int64_t in) {
-        check_scale_tensor(pt.scale, "e8m0 scales, one per 32 inputs", out, ceil_div64(in, 32),
-                           {KT_CKPT_DTYPE_E8M0, KT_CKPT_DTYPE_U8}, "E8M0/U8", "");
-      });
-    m.group = 32;
-    m.decodable = true;
-    m.native_format = KT_FORMAT_MXFP4;
-  }
+  const LayerCheck k(m, qc);
+  if (m.format == KT_CKPT_FORMAT_FP8_BLOCK) check_fp8_layer(k);
+  else if (m.format == KT_CKPT_FORMAT_INT4_GROUP) check_int4_layer(k);
+  else if (m.format == KT_CKPT_FORMAT_MXFP4) check_mxfp4_layer(k);
 }
 
 }  // namespace
