@@ -674,11 +674,13 @@ std::string expert_module_name(kt_ckpt_layout naming, int64_t layer, int64_t exp
          ".experts." + std::to_string(expert) + "." + (mixtral ? kMixtralNames : kProjNames)[proj];
 }
 
-ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text,
-                        const std::string& dir) {
-  ModelInfo info;
+namespace {
+
+// config.json's architecture, model type, top-k and (gpt-oss) activation
+// into info; the parsed config (an empty object without one).
+json read_model_config(const std::string& config_text, const std::string& config_path, ModelInfo* info_out) {
+  ModelInfo& info = *info_out;
   json config = json::object();
-  const std::string config_path = dir + "/config.json";
   if (!config_text.empty()) {
     config = json::parse(config_text, nullptr, false);
     if (config.is_discarded() || !config.is_object())
@@ -691,17 +693,19 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
     const int64_t k = config_int(config, {"num_experts_per_tok", "experts_per_token", "moe_topk"});
     info.top_k = k > 0 ? k : 0;
   }
-  const bool gpt_oss = info.model_type == "gpt_oss";
-  if (gpt_oss) {
+  if (info.model_type == "gpt_oss") {
     info.activation = KT_ACT_SWIGLU_OAI;
     info.act_alpha = 1.702f;
     info.act_limit = 7.f;
     if (config.contains("swiglu_limit") && config["swiglu_limit"].is_number())
       info.act_limit = config["swiglu_limit"].get<float>();
   }
+  return config;
+}
 
-  const QuantConfig quant_config = read_quant_config(config, config_path);
-
+// The expert tensors of every layer, by the layout their names say (one
+// layout per layer: a second fails the open).
+std::map<int64_t, Collected> collect_expert_tensors(const TensorSet& tensors) {
   std::map<int64_t, Collected> by_layer;
   for (const auto& kv : tensors.tensors()) {
     LayerName n;
@@ -764,16 +768,12 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
     }
   }
 
-  for (auto& kv : by_layer) {
-    Collected& c = kv.second;
-    MoeLayer m = c.layout == KT_CKPT_LAYOUT_FUSED ? build_fused(kv.first, c, gpt_oss)
-                                                 : build_per_expert(kv.first, c, packed_values_per_word(quant_config));
-    check_quantized_layer(m, quant_config);
-    if (info.layout == KT_CKPT_LAYOUT_NONE) info.layout = m.layout;
-    info.layers.push_back(std::move(m));
-  }
+  return by_layer;
+}
 
-  // config.json, where it states them, must agree with the tensors.
+// config.json, where it states them, must agree with the tensors.
+void check_config_agrees(const json& config, const ModelInfo& info, const std::map<int64_t, Collected>& by_layer,
+                         const std::string& dir, const std::string& config_path) {
   const int64_t cfg_h = config_int(config, {"hidden_size", "dim"});
   const int64_t cfg_e = config_int(config, {"num_experts", "n_routed_experts", "num_local_experts"});
   const int64_t cfg_i = config_int(config, {"moe_intermediate_size"});
@@ -789,6 +789,27 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
     if (cfg_e > 0 && cfg_e != m.E) mismatch("the expert count", cfg_e, m.E);
     if (cfg_i > 0 && cfg_i != m.I) mismatch("moe_intermediate_size", cfg_i, m.I);
   }
+}
+
+}  // namespace
+
+ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text,
+                        const std::string& dir) {
+  ModelInfo info;
+  const std::string config_path = dir + "/config.json";
+  const json config = read_model_config(config_text, config_path, &info);
+  const bool gpt_oss = info.model_type == "gpt_oss";
+  const QuantConfig quant_config = read_quant_config(config, config_path);
+  std::map<int64_t, Collected> by_layer = collect_expert_tensors(tensors);
+  for (auto& kv : by_layer) {
+    Collected& c = kv.second;
+    MoeLayer m = c.layout == KT_CKPT_LAYOUT_FUSED ? build_fused(kv.first, c, gpt_oss)
+                                                 : build_per_expert(kv.first, c, packed_values_per_word(quant_config));
+    check_quantized_layer(m, quant_config);
+    if (info.layout == KT_CKPT_LAYOUT_NONE) info.layout = m.layout;
+    info.layers.push_back(std::move(m));
+  }
+  check_config_agrees(config, info, by_layer, dir, config_path);
   return info;
 }
 
