@@ -5,7 +5,7 @@
 // (tdpbsud, amx_int8.h); every other entry of the table from the AVX-512
 // BF16 kernels. C is fp32 as with vdpbf16ps, so the BF16 accuracy bounds hold
 // unchanged. Few rows per call (decode) and the K remainder past the last
-// whole tile go to the AVX-512 kernel: a tile needs 16 rows to pay, and tile
+// whole tile go to the AVX-512 kernel: a tile pays from kMinRows rows (8), and tile
 // shapes are fixed per configuration.
 #include <immintrin.h>
 
