@@ -65,7 +65,6 @@ void validate_options(const kt_optimizer_options& o, const char* where) {
              w + "nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
 }
 
-
 }  // namespace optim
 }  // namespace kt
 
