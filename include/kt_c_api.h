@@ -803,6 +803,8 @@ typedef struct kt_ckpt_layer_info {
                                    * (KT_FORMAT_BF16 for dense layers; see "Quantized
                                    * checkpoint formats") */
   int64_t group_size;         /* inputs per scale of a quantized layer (fp8: the block's 128), 0 if dense */
+  int64_t num_tensors;        /* checkpoint tensors of this layer's routed experts
+                               * (kt_ckpt_layer_tensor_at) */
 } kt_ckpt_layer_info;
 
 /* Describes the index-th MoE layer, index in [0, num_moe_layers), ordered by
@@ -854,6 +856,15 @@ typedef struct kt_ckpt_tensor {
   const void* data;         /* mapped, read-only, owned by the handle; may be
                              * unaligned for its dtype */
 } kt_ckpt_tensor;
+
+/* The index-th checkpoint tensor of layer L's routed experts, index in [0,
+ * kt_ckpt_layer_info.num_tensors), ordered by name: every tensor the layout
+ * recognises as the layer's (weights, their scales, zero points and shape
+ * tensors, biases), which kt_ckpt_load_layer and kt_ckpt_read_layer read
+ * from. A host that loads the experts through kt skips these when it
+ * loads the rest of the model, so their bytes are read once, by kt. */
+KT_API kt_status kt_ckpt_layer_tensor_at(const kt_ckpt* ckpt, int64_t layer, int64_t index,
+                                         kt_ckpt_tensor* tensor);
 
 /* Tensors, ordered by name: index in [0, num_tensors). */
 KT_API kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* tensor);

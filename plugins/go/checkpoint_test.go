@@ -47,7 +47,7 @@ func TestCheckpointLoadReadAndPackedCache(t *testing.T) {
 	}
 	want := LayerInfo{Layer: 4, NumExperts: numExperts, Hidden: hidden, Intermediate: intermediate,
 		Layout: LayoutPerExpert, Format: "dense", WeightDType: "BF16", Loadable: true,
-		Bytes: 3 * numExperts * hidden * intermediate * 2}
+		Bytes: 3 * numExperts * hidden * intermediate * 2, NumTensors: 3 * numExperts}
 	if layers[0] != want {
 		t.Fatalf("layer %+v, want %+v", layers[0], want)
 	}

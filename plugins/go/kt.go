@@ -745,6 +745,7 @@ type LayerInfo struct {
 	Bytes                                   int64
 	WeightFormat                            WeightFormat // the layer format that holds it as stored
 	GroupSize                               int64        // inputs per scale (fp8: 128), 0 if dense
+	NumTensors                              int64        // checkpoint tensors of its routed experts
 }
 
 // OpenCheckpoint opens the checkpoint in dir.
@@ -797,7 +798,8 @@ func (c *Checkpoint) Layers() ([]LayerInfo, error) {
 		out = append(out, LayerInfo{int64(l.layer), int64(l.num_experts), int64(l.hidden),
 			int64(l.intermediate), l.has_bias != 0, CkptLayout(l.layout),
 			C.GoString(C.kt_ckpt_format_name(l.format)), C.GoString(C.kt_ckpt_dtype_name(l.weight_dtype)),
-			l.loadable != 0, int64(l.bytes), WeightFormat(l.weight_format), int64(l.group_size)})
+			l.loadable != 0, int64(l.bytes), WeightFormat(l.weight_format), int64(l.group_size),
+			int64(l.num_tensors)})
 	}
 	return out, nil
 }

@@ -138,6 +138,7 @@ kt_status kt_ckpt_get_layer_info(const kt_ckpt* ckpt, int64_t index, kt_ckpt_lay
     full.bytes = m.bytes;
     full.weight_format = m.native_format;
     full.group_size = m.group;
+    full.num_tensors = static_cast<int64_t>(m.tensors.size());
     kt::write_sized(info, full, w, "info");
   });
 }
@@ -219,6 +220,19 @@ kt_status kt_ckpt_tensor_at(const kt_ckpt* ckpt, int64_t index, kt_ckpt_tensor* 
              std::string(w) + ": index " + std::to_string(index) + " is outside [0, " +
                  std::to_string(n) + ")");
     fill_tensor(*c->by_index[static_cast<size_t>(index)], tensor, w);
+  });
+}
+
+kt_status kt_ckpt_layer_tensor_at(const kt_ckpt* ckpt, int64_t layer, int64_t index, kt_ckpt_tensor* tensor) {
+  const char* w = "kt_ckpt_layer_tensor_at";
+  return guarded(w, [&] {
+    const std::shared_ptr<kt_ckpt> c = check_ckpt(ckpt, w);
+    const kt::io::MoeLayer& m = c->model.get(layer, w);
+    const int64_t n = static_cast<int64_t>(m.tensors.size());
+    KT_CHECK(index >= 0 && index < n, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": index " + std::to_string(index) + " is outside [0, " + std::to_string(n) +
+                 ") (layer " + std::to_string(layer) + "'s expert tensors)");
+    fill_tensor(*m.tensors[static_cast<size_t>(index)], tensor, w);
   });
 }
 

@@ -109,6 +109,7 @@ struct Collected {
   // per-expert: expert -> proj -> suffix -> tensor
   std::map<int64_t, std::array<std::map<std::string, const TensorRef*>, 3>> experts;
   std::map<std::string, const TensorRef*> fused;  // "gate_up_proj", "down_proj_bias", ...
+  std::vector<const NamedTensor*> claimed;         // all of the above, in name order
   std::string seen;  // the first tensor under the layer's experts, recognised or not
 };
 
@@ -755,6 +756,7 @@ std::map<int64_t, Collected> collect_expert_tensors(const TensorSet& tensors) {
         continue;
       claim(layout);
       c.experts[e][static_cast<size_t>(proj)][r.substr(dot + 1)] = &kv.second;
+      c.claimed.push_back(&kv);
     } else if (layout == KT_CKPT_LAYOUT_PER_EXPERT) {
       const std::string tail = r.substr(pos);
       static const char* kFused[] = {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias",
@@ -765,6 +767,7 @@ std::map<int64_t, Collected> collect_expert_tensors(const TensorSet& tensors) {
         continue;
       claim(KT_CKPT_LAYOUT_FUSED);
       c.fused[tail] = &kv.second;
+      c.claimed.push_back(&kv);
     }
   }
 
@@ -806,6 +809,7 @@ ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text
     MoeLayer m = c.layout == KT_CKPT_LAYOUT_FUSED ? build_fused(kv.first, c, gpt_oss)
                                                  : build_per_expert(kv.first, c, packed_values_per_word(quant_config));
     check_quantized_layer(m, quant_config);
+    m.tensors = std::move(c.claimed);
     if (info.layout == KT_CKPT_LAYOUT_NONE) info.layout = m.layout;
     info.layers.push_back(std::move(m));
   }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.h"
@@ -14,6 +15,9 @@
 
 namespace kt {
 namespace io {
+
+// A checkpoint tensor with its name (an entry of TensorSet::tensors()).
+using NamedTensor = std::pair<const std::string, TensorRef>;
 
 enum Proj3 { kProjGate = 0, kProjUp = 1, kProjDown = 2 };
 
@@ -45,6 +49,9 @@ struct MoeLayer {
   // gpt-oss MXFP4: gate_up and down are the _blocks, these the _scales.
   const TensorRef* gate_up_scales = nullptr;
   const TensorRef* down_scales = nullptr;
+  // Every checkpoint tensor of the layer's routed experts that the layout
+  // recognised (weights, scales, zero points, shapes, biases), in name order.
+  std::vector<const NamedTensor*> tensors;
   // Quantized layers: the kt_moe format that holds the experts as stored,
   // the inputs per scale, and, when no format does (or a dequantizing load
   // is the only way), why.

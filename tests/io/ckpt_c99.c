@@ -11,7 +11,7 @@
 
 #define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
 LAYOUT(ckpt_info_size, sizeof(kt_ckpt_info) == 72);
-LAYOUT(ckpt_layer_info_size, sizeof(kt_ckpt_layer_info) == 88);
+LAYOUT(ckpt_layer_info_size, sizeof(kt_ckpt_layer_info) == 96);
 LAYOUT(ckpt_tensor_size, sizeof(kt_ckpt_tensor) == 112);
 LAYOUT(ckpt_write_options_size, sizeof(kt_ckpt_write_options) == 32);
 LAYOUT(ckpt_adapter_config_size, sizeof(kt_ckpt_adapter_config) == 48);
@@ -115,6 +115,11 @@ int main(int argc, char** argv) {
   CHECK(li.num_experts == E && li.hidden == H && li.intermediate == I && li.loadable == 1);
   CHECK(strcmp(kt_ckpt_dtype_name(li.weight_dtype), "BF16") == 0);
   CHECK(strcmp(kt_ckpt_format_name(li.format), "dense") == 0);
+  CHECK(li.num_tensors == 3 * E);
+  t.struct_size = sizeof(t);
+  CHECK(kt_ckpt_layer_tensor_at(ck, 0, 3 * E - 1, &t) == KT_OK);
+  CHECK(strcmp(t.name, "model.layers.0.mlp.experts.1.up_proj.weight") == 0);
+  CHECK(kt_ckpt_layer_tensor_at(ck, 0, 3 * E, &t) == KT_ERR_INVALID_ARGUMENT);
   CHECK(kt_ckpt_get_layer_info(ck, 1, &li) == KT_ERR_INVALID_ARGUMENT);
   t.struct_size = sizeof(t);
   CHECK(kt_ckpt_tensor_at(ck, 0, &t) == KT_OK);

@@ -2,6 +2,7 @@
 // and config.json fields) load into a layer that computes exactly what the
 // same weights loaded from tensors compute; bad files fail with KT_ERR_IO
 // naming the file and the tensor, and leave nothing open or loaded.
+#include <algorithm>
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -255,6 +256,19 @@ kt_ckpt_layer_info layer_info(kt_ckpt* ck, int64_t index) {
   return li;
 }
 
+// The names kt_ckpt_layer_tensor_at gives for layer L, in its order.
+std::vector<std::string> layer_tensor_names(kt_ckpt* ck, int64_t index, int64_t L) {
+  std::vector<std::string> out;
+  const int64_t n = layer_info(ck, index).num_tensors;
+  for (int64_t i = 0; i < n; ++i) {
+    kt_ckpt_tensor t;
+    t.struct_size = sizeof(t);
+    EXPECT_EQ(kt_ckpt_layer_tensor_at(ck, L, i, &t), KT_OK) << kt_last_error();
+    if (t.name) out.push_back(t.name);
+  }
+  return out;
+}
+
 kt_ckpt_info ckpt_info(kt_ckpt* ck) {
   kt_ckpt_info info;
   std::memset(&info, 0, sizeof(info));
@@ -306,6 +320,19 @@ TEST_F(Checkpoints, PerExpertQwenBf16) {
   EXPECT_EQ(kt::bf16_to_f32(first), synth_value(3, 2, 2, 0, 0));
   EXPECT_EQ(kt_ckpt_find_tensor(ck, "model.layers.3.mlp.experts.9.down_proj.weight", &t), KT_ERR_IO);
   EXPECT_NE(std::string(kt_last_error()).find("experts.9.down_proj"), std::string::npos);
+  // Layer 3's expert tensors: its 3 x E weights, not the router, the
+  // embedding or layer 1's.
+  std::vector<std::string> want;
+  for (const auto& st : per_expert_tensors(3, s, "BF16", false))
+    if (st.name.find(".experts.") != std::string::npos) want.push_back(st.name);
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(want.size(), static_cast<size_t>(3 * s.E));
+  EXPECT_EQ(layer_tensor_names(ck, 1, 3), want);
+  ASSERT_EQ(kt_ckpt_layer_tensor_at(ck, 3, 0, &t), KT_OK);
+  EXPECT_EQ(t.nbytes, s.I * s.H * 2);
+  EXPECT_EQ(layer_tensor_names(ck, 0, 1).size(), static_cast<size_t>(3 * s.E));
+  EXPECT_EQ(kt_ckpt_layer_tensor_at(ck, 3, 3 * s.E, &t), KT_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kt_last_error()).find("outside [0, " + std::to_string(3 * s.E) + ")"), std::string::npos);
   kt_ckpt_close(ck);
   expect_same_as_tensors(d, 1, s, false);
   expect_same_as_tensors(d, 3, s, false);
@@ -410,6 +437,11 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribed) {
   t.struct_size = sizeof(t);
   ASSERT_EQ(kt_ckpt_find_tensor(ck, (p + "down_proj_scales").c_str(), &t), KT_OK);
   EXPECT_EQ(t.dtype, KT_CKPT_DTYPE_E8M0);
+  // Blocks, scales and biases, in name order.
+  std::vector<std::string> want;
+  for (const auto& st : ts) want.push_back(st.name);
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(layer_tensor_names(ck, 0, 0), want);
   kt_moe_options o;
   kt_moe_options_init(&o);
   ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK);
@@ -477,6 +509,12 @@ TEST_F(Checkpoints, QuantizedFormatsAreDescribed) {
   EXPECT_EQ(layer_info(ck, 0).num_experts, 3);
   EXPECT_EQ(layer_info(ck, 0).loadable, 1);
   EXPECT_EQ(layer_info(ck, 0).weight_format, KT_FORMAT_INT4_G32);
+  {  // packed weights, scales and shape tensors, all 27
+    std::vector<std::string> want;
+    for (const auto& st : i4) want.push_back(st.name);
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(layer_tensor_names(ck, 0, 1), want);
+  }
   kt_ckpt_close(ck);
   // A format kt does not know (per-tensor fp8 scales, as ModelOpt writes)
   // is described as "other", and the checkpoint still opens.

@@ -62,6 +62,14 @@ def test_checkpoint_describes_loads_and_reads_layers(expert_ckpt):
         assert (li["num_experts"], li["hidden"], li["intermediate"], li["bias"]) == (E, H, I, True)
         assert li["weight_dtype"] == "BF16" and li["loadable"]
         assert li["weight_format"] == "bf16" and li["group_size"] == 0
+        # The layer's expert tensors (weights and biases), nothing else: what
+        # a host skips when kt loads the experts.
+        names = ck.layer_tensor_names(3)
+        assert li["num_tensors"] == 6 * E and names == sorted(names)
+        assert names == sorted(n for n in ck.tensor_names() if n.startswith("model.layers.3.mlp.experts."))
+        assert not set(names) & set(ck.layer_tensor_names(1))
+        with pytest.raises(kt.KtError, match="layer 2 has no routed experts"):
+            ck.layer_tensor_names(2)
         opts = ck.moe_options(3)
         assert (opts["num_experts"], opts["top_k"], opts["hidden"], opts["intermediate"]) == (E, K, H, I)
         seen = []

@@ -1367,6 +1367,20 @@ void add_file_cases(const Adder& add) {
         });
   add("tensor_null", L, KT_ERR_NULL_POINTER, "kt_ckpt_tensor_at", "tensor",
       [](World& w) { return kt_ckpt_tensor_at(w.ckpt(), 0, nullptr); });
+  for (int64_t idx : {int64_t{-1}, int64_t{12}, kHuge})  // layer 3 has 4 experts x 3 weights
+    add("layer_tensor_index_" + std::string(idx == kHuge ? "huge" : idx < 0 ? "negative" : "past_end"), L,
+        INV, "kt_ckpt_layer_tensor_at", "index", [idx](World& w) {
+          kt_ckpt_tensor t;
+          t.struct_size = sizeof(t);
+          return kt_ckpt_layer_tensor_at(w.ckpt(), 3, idx, &t);
+        });
+  add("layer_tensor_of_absent_layer", L, INV, "kt_ckpt_layer_tensor_at", "layer 2", [](World& w) {
+    kt_ckpt_tensor t;
+    t.struct_size = sizeof(t);
+    return kt_ckpt_layer_tensor_at(w.ckpt(), 2, 0, &t);
+  });
+  add("layer_tensor_null", L, KT_ERR_NULL_POINTER, "kt_ckpt_layer_tensor_at", "tensor",
+      [](World& w) { return kt_ckpt_layer_tensor_at(w.ckpt(), 3, 0, nullptr); });
   add("name_null", L, KT_ERR_NULL_POINTER, "kt_ckpt_find_tensor", "name", [](World& w) {
     kt_ckpt_tensor t;
     t.struct_size = sizeof(t);

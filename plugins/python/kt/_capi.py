@@ -269,6 +269,7 @@ class CkptLayerInfo(ctypes.Structure):
         ("bytes", ctypes.c_int64),
         ("weight_format", ctypes.c_int),
         ("group_size", ctypes.c_int64),
+        ("num_tensors", ctypes.c_int64),
     ]
 
 
@@ -478,6 +479,7 @@ _PROTOTYPES = {
     "kt_ckpt_load_layer_with": (_S, [_P, ctypes.c_int64, _P, ctypes.POINTER(CkptLoadOptions), CKPT_PROGRESS_FN,
                                      ctypes.c_void_p]),
     "kt_ckpt_read_layer": (_S, [_P, ctypes.c_int64, ctypes.POINTER(Arg), ctypes.c_size_t]),
+    "kt_ckpt_layer_tensor_at": (_S, [_P, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(CkptTensor)]),
     "kt_ckpt_tensor_at": (_S, [_P, ctypes.c_int64, ctypes.POINTER(CkptTensor)]),
     "kt_ckpt_find_tensor": (_S, [_P, ctypes.c_char_p, ctypes.POINTER(CkptTensor)]),
     "kt_ckpt_write_options_defaults": (None, [ctypes.POINTER(CkptWriteOptions), ctypes.c_size_t]),

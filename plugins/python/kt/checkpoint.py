@@ -83,7 +83,7 @@ class Checkpoint(_Handle):
                 "weight_dtype": self._lib.kt_ckpt_dtype_name(li.weight_dtype).decode(),
                 "loadable": bool(li.loadable), "bytes": li.bytes,
                 "weight_format": self._lib.kt_weight_format_name(li.weight_format).decode(),
-                "group_size": li.group_size}
+                "group_size": li.group_size, "num_tensors": li.num_tensors}
 
     @property
     def handle(self):
@@ -156,6 +156,21 @@ class Checkpoint(_Handle):
         t.struct_size = ctypes.sizeof(t)
         check(self._lib.kt_ckpt_find_tensor(self.handle, name.encode(), ctypes.byref(t)))
         return self._describe(t)
+
+    def layer_tensor_names(self, layer):
+        """The names of the checkpoint tensors of layer L's routed experts
+        (weights, scales, zero points, biases), in name order: what
+        load_layer reads, so a host that loads the experts through kt can
+        skip them when it loads the rest of the model."""
+        names = []
+        t = _capi.CkptTensor()
+        info = self.layers.get(int(layer))
+        # Unknown layers: kt's own error names them.
+        for i in range(info["num_tensors"] if info is not None else 1):
+            t.struct_size = ctypes.sizeof(t)
+            check(self._lib.kt_ckpt_layer_tensor_at(self.handle, int(layer), i, ctypes.byref(t)))
+            names.append(t.name.decode())
+        return names
 
     def tensor_names(self):
         names = []

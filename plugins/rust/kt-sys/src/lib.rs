@@ -224,6 +224,7 @@ kt_structs! {
         pub bytes: i64,
         pub weight_format: kt_weight_format,
         pub group_size: i64,
+        pub num_tensors: i64,
     }
     /// Settings of kt_ckpt_load_layer_with; fill with kt_ckpt_load_options_defaults(&mut o, size_of::<kt_ckpt_load_options>()) (the header's inline kt_ckpt_load_options_init).
     pub struct kt_ckpt_load_options {
@@ -608,6 +609,7 @@ kt_functions! {
     pub fn kt_ckpt_load_options_defaults(options: *mut kt_ckpt_load_options, struct_size: usize);
     pub fn kt_ckpt_load_layer_with(ckpt: *const kt_ckpt, layer: i64, moe: *mut kt_moe, options: *const kt_ckpt_load_options, progress: kt_ckpt_progress_fn, user: *mut c_void) -> kt_status;
     pub fn kt_ckpt_read_layer(ckpt: *const kt_ckpt, layer: i64, args: *const kt_arg, num_args: usize) -> kt_status;
+    pub fn kt_ckpt_layer_tensor_at(ckpt: *const kt_ckpt, layer: i64, index: i64, tensor: *mut kt_ckpt_tensor) -> kt_status;
     pub fn kt_ckpt_tensor_at(ckpt: *const kt_ckpt, index: i64, tensor: *mut kt_ckpt_tensor) -> kt_status;
     pub fn kt_ckpt_find_tensor(ckpt: *const kt_ckpt, name: *const c_char, tensor: *mut kt_ckpt_tensor) -> kt_status;
     pub fn kt_ckpt_write_options_defaults(options: *mut kt_ckpt_write_options, struct_size: usize);

@@ -795,6 +795,8 @@ pub struct LayerInfo {
     pub weight_format: Option<WeightFormat>,
     /// Inputs per scale of a quantized layer (fp8: the block's 128), 0 if dense.
     pub group_size: i64,
+    /// Checkpoint tensors of the layer's routed experts (weights, scales, biases).
+    pub num_tensors: i64,
 }
 
 /// An open Hugging Face checkpoint directory (memory-mapped, validated);
@@ -857,6 +859,7 @@ impl Checkpoint {
                     bytes: l.bytes,
                     weight_format: WeightFormat::from_raw(l.weight_format),
                     group_size: l.group_size,
+                    num_tensors: l.num_tensors,
                 })
             })
             .collect()

@@ -63,6 +63,7 @@ fn checkpoint_loads_reads_and_caches_a_layer() {
     let l = &layers[0];
     assert_eq!((l.layer, l.num_experts, l.hidden, l.intermediate, l.has_bias), (2, E as i64, H as i64, I as i64, false));
     assert_eq!((l.format.as_str(), l.weight_dtype.as_str(), l.loadable), ("dense", "BF16", true));
+    assert_eq!(l.num_tensors, 3 * E as i64);
 
     let engine = Engine::new(&EngineOptions { num_threads: 1, ..Default::default() }).unwrap();
     let from_ckpt = engine.moe(&ck.moe_options(2).unwrap().max_tokens(T as i64)).unwrap();
