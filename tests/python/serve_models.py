@@ -86,8 +86,12 @@ def _config(kind, vocab, hidden, intermediate, moe_intermediate, experts, top_k,
 
 
 def build(directory, kind="qwen3_moe", dtype="float32", *, vocab=512, hidden=128, intermediate=256,
-          moe_intermediate=64, experts=16, top_k=4, layers=2, heads=4, seed=0, weight_scale=None):
-    """Writes a random-weight model of ``kind`` into ``directory``."""
+          moe_intermediate=64, experts=16, top_k=4, layers=2, heads=4, seed=0, weight_scale=None,
+          expert_scale=None):
+    """Writes a random-weight model of ``kind`` into ``directory``. Weights
+    are drawn with std ``weight_scale`` (default 0.5 / sqrt(hidden)), the
+    routed experts' with ``expert_scale`` (default the same), the
+    embedding's with 1."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +101,7 @@ def build(directory, kind="qwen3_moe", dtype="float32", *, vocab=512, hidden=128
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     scale = weight_scale if weight_scale is not None else 0.5 / hidden ** 0.5
+    experts_std = expert_scale if expert_scale is not None else scale
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and ("norm" in name or name.endswith("layernorm.weight")):
@@ -104,7 +109,7 @@ def build(directory, kind="qwen3_moe", dtype="float32", *, vocab=512, hidden=128
             elif "bias" in name or "sinks" in name:
                 p.normal_(0.0, 0.02)
             else:
-                p.normal_(0.0, scale if "embed" not in name else 1.0)
+                p.normal_(0.0, 1.0 if "embed" in name else experts_std if ".experts." in name else scale)
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -12,7 +12,8 @@ SPEC: {"model": dir, "dtype": "float32"|"bfloat16", "kt": null | {options},
        "decode_tokens": n, "prefill_tokens": n, "repeats": n},
        "llm": {extra LLM(...) arguments}}
 OUT:  {"tokens": [[ids]], "texts": [...], "prompt_logprobs": [[[...V]...]],
-       "kt_stats": {layer: [forwards, tokens]}, "bench": {...}} or
+       "kt_stats": {layer: [forwards, tokens]}, "kt_loader": {"skipped": n,
+       "through_vllm": n} (kt.integrations.vllm.loader_stats), "bench": {...}} or
       {"error": text} (exit status 1).
 
 The kt plugin is registered explicitly (kt.integrations.vllm.register), as
@@ -119,6 +120,8 @@ def main(spec_path, out_path):
             result["bench"] = _bench(llm, spec, vocab)
         stats = llm.apply_model(ktv.kt_stats)
         result["kt_stats"] = stats[0] if stats else {}
+        loader = llm.apply_model(ktv.loader_stats)
+        result["kt_loader"] = loader[0] if loader else {}
     except Exception as e:  # noqa: BLE001 - the test reads the reason
         with open(out_path, "w") as f:
             json.dump({"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()}, f)

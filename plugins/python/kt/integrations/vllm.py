@@ -20,9 +20,14 @@ checkpoints stay in their stored format) and its forward runs
 ``kt_moe_forward`` on the tokens, expert ids and routing weights that vLLM's
 router chose. Attention, KV cache, scheduler, sampling, the router and the
 shared experts stay vLLM's. vLLM never allocates the expert weights of a kt
-layer (its expert parameters are empty, on the meta device); its loader
-still reads each expert tensor once while it walks the checkpoint, and the
-plugin drops it.
+layer (its expert parameters are empty, on the meta device), and its loader
+never reads them: vLLM's safetensors iterators ask, before they read each
+tensor, whether to skip it (the question its expert-parallel loading asks);
+the plugin answers yes for the tensors kt reads for its layers
+(``kt.Checkpoint.layer_tensor_names``), so the expert bytes are read once,
+by kt. (A load format whose iterator does not ask, such as fastsafetensors
+or a multithreaded load, still reads them, and the plugin drops them;
+``loader_stats`` counts both.)
 A quantized checkpoint whose experts vLLM has no kernel for on the machine
 (int4 MoE on its CPU build) is served all the same: kt computes them.
 
@@ -70,6 +75,11 @@ _classes = None
 _engines = {}      # (threads, precision) -> kt.Engine of this process
 _checkpoints = {}  # directory -> [kt.Checkpoint, layers still to load]
 _layers = {}       # key -> _KtExperts (the custom op finds its layer here)
+# Checkpoint tensors of the kt layers not yet loaded: vLLM's loader skips
+# them. "skipped" counts the tensors it skipped, "through_vllm" those that
+# reached a kt layer through vLLM's loader anyway (and were dropped).
+_skip_names = set()
+_loader = {"skipped": 0, "through_vllm": 0}
 
 
 class KtVllmError(ValueError):
@@ -167,9 +177,10 @@ def _activation(moe_config):
 class _Plan:
     """What a kt layer needs, decided when vLLM creates the layer."""
 
-    def __init__(self, layer_name, layer, directory, kt_layer, settings, dtype):
+    def __init__(self, layer_name, layer, directory, kt_layer, settings, dtype, tensor_names):
         self.layer_name, self.layer, self.directory = layer_name, layer, directory
         self.kt_layer, self.settings, self.dtype = kt_layer, settings, dtype
+        self.tensor_names = tensor_names  # the checkpoint tensors kt reads for it
 
 
 def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_input, vllm_config,
@@ -247,7 +258,8 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
                           engine=_engine(settings["threads"], precision), **act)
     except (kt.KtError, ValueError, TypeError) as e:
         refuse("kt cannot make the layer (weight_format %s, compute %s): %s" % (fmt, settings["compute"], e))
-    return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype)
+    return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype,
+                  ckpt.layer_tensor_names(layer))
 
 
 class _KtExperts:
@@ -269,6 +281,8 @@ class _KtExperts:
         except kt.KtError as e:
             raise KtVllmError("kt: %s: loading layer %d of %s failed: %s" % (p.layer_name, p.layer, p.directory, e))
         finally:
+            with _lock:
+                _skip_names.difference_update(p.tensor_names)
             _checkpoint_loaded(p.directory)
         self.loaded = True
         logger.info("kt: %s: %d experts of layer %d loaded from %s (%s)", p.layer_name,
@@ -391,6 +405,8 @@ def _make_classes():
             super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
             if plan is not None:
                 _checkpoint(plan.directory)[1] += 1
+                with _lock:
+                    _skip_names.update(plan.tensor_names)
                 logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s)",
                             layer_name, moe_config.num_experts, moe_config.experts_per_token,
                             plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format)
@@ -418,10 +434,11 @@ def _make_classes():
             if self._kt_plan is None:
                 yield from super().load_weights(weights)
                 return
-            # The checkpoint's expert tensors are kt's: drained here, loaded
-            # by kt from the mapped files after vLLM's loading.
+            # The checkpoint's expert tensors are kt's (loaded by kt from the
+            # mapped files after vLLM's loading): any that vLLM's loader
+            # read all the same are dropped here.
             for _ in weights:
-                pass
+                _loader["through_vllm"] += 1
             for name, _ in self.named_parameters(recurse=False):
                 yield name
 
@@ -430,6 +447,7 @@ def _make_classes():
             if self._kt_plan is None:
                 return super().weight_loader(param, loaded_weight, weight_name, shard_id, expert_id,
                                              return_success)
+            _loader["through_vllm"] += 1
             return True if return_success else None
 
     KtExpertsMixin.weight_loader.supports_moe_loading = True
@@ -461,11 +479,39 @@ def classes():
     return _classes
 
 
+def _skip_kt_tensors_when_loading():
+    """Has vLLM's safetensors iterators skip the tensors of kt's layers:
+    they call weight_utils.should_skip_weight(name, local_expert_ids) before
+    reading each tensor (vLLM's expert-parallel filter); the plugin's version
+    says yes for kt's tensors and asks vLLM's own for the rest."""
+    try:
+        from vllm.model_executor.model_loader import weight_utils
+        own = weight_utils.should_skip_weight
+    except (ImportError, AttributeError) as e:
+        logger.info("kt: this vLLM's loader has no tensor filter (%s); it reads kt's expert tensors and "
+                    "the plugin drops them", e)
+        return
+    if getattr(own, "kt_filter", False):
+        return
+
+    def should_skip_weight(weight_name, local_expert_ids):
+        if _skip_names and weight_name in _skip_names:
+            _loader["skipped"] += 1
+            return True
+        return own(weight_name, local_expert_ids)
+
+    should_skip_weight.kt_filter = True
+    weight_utils.should_skip_weight = should_skip_weight
+
+
 def register():
     """vLLM's general-plugin entry point: puts kt's classes in place of
     vLLM's RoutedExperts and its models' subclasses of it (they behave as vLLM's
-    unless the server's additional_config has "kt")."""
+    unless the server's additional_config has "kt"), and has vLLM's loader
+    skip the checkpoint tensors of kt's layers."""
     from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    _skip_kt_tensors_when_loading()
 
     for name, cls in classes()[0].items():
         current = op_registry_oot.get(name)
@@ -485,3 +531,10 @@ def kt_stats(model):
     """{layer name: (forwards, tokens)} of the kt layers of a vLLM model (for
     LLM.apply_model: shows which layers kt computed and how much)."""
     return {m.layer_name: (m.quant_method.kt.calls, m.quant_method.kt.tokens) for m in kt_layers(model)}
+
+
+def loader_stats(model=None):
+    """{"skipped": checkpoint tensors of kt's layers that vLLM's loader
+    skipped, "through_vllm": those it read all the same} in this process
+    (for LLM.apply_model, which passes the model)."""
+    return dict(_loader)
