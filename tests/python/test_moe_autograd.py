@@ -2,6 +2,8 @@
 import pytest
 import torch
 
+import kt
+
 import measured
 import tolerances
 from cases import build_module, make_case
@@ -108,3 +110,36 @@ def test_tokens_beyond_max_tokens_are_chunked(fp32_engine):
 
 def test_biases_in_full_mode_with_silu(fp32_engine):
     run_case(AWKWARD[0], "full", "silu", "fp32", fp32_engine, bias=True)
+
+
+@pytest.mark.parametrize("backend", ["auto", "onednn"])
+def test_kt_leaves_the_hosts_torch_threads(backend):
+    """kt shares the process's OpenMP runtime with torch (and oneDNN runs
+    on it): creating an engine and calling a layer, whose items run on the
+    calling thread in a one-thread engine, must leave that thread's OpenMP
+    setting, i.e. torch's intra-op threads, as the host set it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        try:
+            engine = kt.Engine(num_threads=1, gemm_backend=backend)
+        except kt.KtError as e:
+            if "KT_GEMM_ONEDNN needs" in str(e):
+                pytest.skip("no oneDNN backend on this CPU's kernels: %s" % e)
+            raise
+        assert torch.get_num_threads() == 3, "kt.Engine changed torch's threads"
+        E, K, H, I = 4, 2, 64, 32
+        layer = kt.MoE(E, K, H, I, max_tokens=64, engine=engine)
+        g = torch.Generator().manual_seed(0)
+        layer.load_weights(gate=torch.randn(E, I, H, generator=g) * 0.1, up=torch.randn(E, I, H, generator=g) * 0.1,
+                           down=torch.randn(E, H, I, generator=g) * 0.1)
+        for T in (1, 64):
+            x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+            ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+            y = torch.empty(T, H, dtype=torch.bfloat16)
+            layer.forward(x, ids, torch.rand(T, K, generator=g), y)
+            assert torch.get_num_threads() == 3, "a forward of %d tokens changed torch's threads" % T
+        if backend == "onednn":
+            assert engine.info()["gemm_backend"] == "onednn", engine.info()
+    finally:
+        torch.set_num_threads(before)

@@ -57,7 +57,23 @@ struct WorkerState {
   dnnl::stream stream{engine};
   std::map<Shape, Plan> plans;
   std::vector<bf16_t> rows;  // gathered A rows
-  WorkerState() { omp_set_num_threads(1); }  // this thread's oneDNN calls stay on it
+};
+
+// oneDNN (built with OpenMP) runs a primitive on omp_get_max_threads()
+// threads of the calling thread. kt's call stays on its thread: one
+// OpenMP thread for the call, and the thread's own setting back after it.
+// The thread may be the host's (a pool runs single items on its caller),
+// whose torch shares the OpenMP runtime: a setting left at 1 would make
+// the host's own CPU work single-threaded.
+class OneOpenMpThread {
+ public:
+  OneOpenMpThread() : saved_(omp_get_max_threads()) { omp_set_num_threads(1); }
+  ~OneOpenMpThread() { omp_set_num_threads(saved_); }
+  OneOpenMpThread(const OneOpenMpThread&) = delete;
+  OneOpenMpThread& operator=(const OneOpenMpThread&) = delete;
+
+ private:
+  int saved_;
 };
 
 WorkerState& worker_state() {
@@ -144,6 +160,7 @@ void gemm_onednn(const Kernels& base, const void* const* a_rows, int m, int64_t 
   dnnl::memory am(p.a, w.engine, const_cast<bf16_t*>(a));
   dnnl::memory bm(p.b, w.engine, const_cast<bf16_t*>(panels));
   dnnl::memory cm(p.c, w.engine, c);
+  const OneOpenMpThread one_thread;
   p.matmul.execute(w.stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   w.stream.wait();
 }
