@@ -8,7 +8,9 @@ dominate, is written once (bf16, ~2.4 GB for 2 layers) and served by vLLM's
 offline engine twice, each in its own process: without kt, and with the
 kt plugin (kt.integrations.vllm). Measured: decode tokens/s at batch 1, 8
 and 32 (short prompts, the prefill of those prompts subtracted) and a
-512-token prefill (tokens/s), best of --repeats. Prints a markdown table.
+512-token prefill (tokens/s), best of --repeats, and the seconds from
+starting the engine to ready (the weights loaded: by vLLM, or the experts
+by kt and the rest by vLLM). Prints a markdown table.
 
   bench/serve_bench.py [--layers 2] [--dtype bfloat16] [--threads N]
                        [--decode-tokens 16] [--prefill 512] [--repeats 2]
@@ -94,7 +96,7 @@ def run(args, model, kt):
         sys.exit("serve_bench: the %s run failed: %s\n%s" % (name, out["error"], out.get("traceback", "")))
     if kt is not None and len(out["kt_stats"]) != args.layers:
         sys.exit("serve_bench: kt computed %d of %d MoE layers" % (len(out["kt_stats"]), args.layers))
-    return out["bench"]
+    return dict(out["bench"], start_s=out["start_s"])
 
 
 def main():
@@ -118,6 +120,9 @@ def main():
     for label, key in rows:
         a, b = vllm_out[key], kt_out[key]
         print("| %s | %.1f | %.1f | %.2fx |" % (label, a, b, b / a))
+    # Seconds, lower is better: the ratio is vLLM's time over kt's.
+    a, b = vllm_out["start_s"], kt_out["start_s"]
+    print("| engine start with weights loaded, s | %.1f | %.1f | %.2fx |" % (a, b, a / b))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"vllm": vllm_out, "kt": kt_out, "args": vars(args)}, f, indent=2)

@@ -11,7 +11,7 @@ SPEC: {"model": dir, "dtype": "float32"|"bfloat16", "kt": null | {options},
        prompt position), "bench": null | {"decode_batches": [1, 8, 32],
        "decode_tokens": n, "prefill_tokens": n, "repeats": n},
        "llm": {extra LLM(...) arguments}}
-OUT:  {"tokens": [[ids]], "texts": [...], "prompt_logprobs": [[[...V]...]],
+OUT:  {"start_s": seconds to a ready engine (weights loaded), "tokens": [[ids]], "texts": [...], "prompt_logprobs": [[[...V]...]],
        "kt_stats": {layer: [forwards, tokens]}, "kt_loader": {"skipped": n,
        "through_vllm": n} (kt.integrations.vllm.loader_stats), "bench": {...}} or
       {"error": text} (exit status 1).
@@ -95,8 +95,9 @@ def main(spec_path, out_path):
         import kt.integrations.vllm as ktv
         ktv.register()
         from vllm import SamplingParams
+        started = time.perf_counter()
         llm = _engine(spec)
-        result = {}
+        result = {"start_s": time.perf_counter() - started}
         with open(os.path.join(spec["model"], "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         if spec.get("prompts"):

@@ -31,6 +31,12 @@ or a multithreaded load, still reads them, and the plugin drops them;
 A quantized checkpoint whose experts vLLM has no kernel for on the machine
 (int4 MoE on its CPU build) is served all the same: kt computes them.
 
+Threads: kt's workers and vLLM's torch share the cores. torch's OpenMP
+threads spin after each of its parallel regions (GNU OpenMP's default),
+which takes a core from kt's workers while they run a layer; start the
+server with OMP_WAIT_POLICY=PASSIVE (or a small GOMP_SPINCOUNT) so that
+they sleep instead (bench/README.md, serve_bench.py, has the figures).
+
 Options (the dict under "kt"; all optional):
 
   threads         kt worker threads (default 0: every CPU of the process)
