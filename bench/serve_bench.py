@@ -12,14 +12,15 @@ and 32 (short prompts, the prefill of those prompts subtracted) and a
 starting the engine to ready (the weights loaded: by vLLM, or the experts
 by kt and the rest by vLLM). Prints a markdown table.
 
-  bench/serve_bench.py [--layers 2] [--dtype bfloat16] [--threads N]
+  bench/serve_bench.py [--layers 2] [--dtype bfloat16] [--threads N] [--kt-own-workers]
                        [--decode-tokens 16] [--prefill 512] [--repeats 2]
                        [--model-dir DIR] [--json OUT]
 
 Run it with a Python that has vLLM (tools/python_env.sh serve makes one:
 build-serve/bin/python bench/serve_bench.py). Both runs use the same
 number of threads: OMP_NUM_THREADS for vLLM's torch, "threads" for kt
-(default: every CPU of the process).
+(default: every CPU of the process); kt computes on torch's OpenMP threads
+(the plugin's default), or with --kt-own-workers on its own pinned workers.
 """
 import argparse
 import json
@@ -47,6 +48,8 @@ def parse_args():
     p.add_argument("--prefill", type=int, default=512)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--kt-own-workers", action="store_true",
+                   help="kt on workers of its own (host_openmp false) instead of torch's OpenMP threads")
     p.add_argument("--model-dir", default=None,
                    help="where the checkpoint is written (kept and reused); default a temporary directory")
     p.add_argument("--json", default=None, help="also write the numbers here")
@@ -104,16 +107,17 @@ def main():
     import torch
     model = build_model(args)
     vllm_out = run(args, model, None)
-    kt_out = run(args, model, {"threads": args.threads})
+    kt_out = run(args, model, {"threads": args.threads, "host_openmp": not args.kt_own_workers})
     import kt as kt_pkg
     rows = [("decode, batch %s" % b, "decode_%s" % b) for b in args.batches.split(",")]
     rows.append(("prefill, %d tokens" % args.prefill, "prefill_%d" % args.prefill))
     print()
     print("vLLM %s on %d threads (%s), torch %s, kt %s (%s kernels); Qwen3-30B-A3B experts "
-          "(H %d, I %d, E %d, top-%d), %d MoE layers, %s; decode %d tokens per sequence; best of %d"
+          "(H %d, I %d, E %d, top-%d), %d MoE layers, %s; decode %d tokens per sequence; best of %d; kt on %s"
           % (__import__("vllm").__version__, args.threads, os.uname().machine, torch.__version__,
              kt_pkg.__version__, kt_pkg.cpu_isa(), SHAPE["hidden"], SHAPE["moe_intermediate"], SHAPE["experts"],
-             SHAPE["top_k"], args.layers, args.dtype, args.decode_tokens, args.repeats))
+             SHAPE["top_k"], args.layers, args.dtype, args.decode_tokens, args.repeats,
+             "its own workers" if args.kt_own_workers else "torch's OpenMP threads"))
     print()
     print("| tokens/s | vLLM CPU experts | kt experts | kt / vLLM |")
     print("|---|---:|---:|---:|")

@@ -207,6 +207,15 @@ typedef struct kt_engine_options {
   kt_log_fn log_fn;   /* NULL = stderr when verbosity > 0 */
   void* log_user;     /* passed to log_fn */
   kt_precision precision; /* default KT_PRECISION_DEFAULT */
+  int host_openmp;    /* 1 = compute on the OpenMP threads of the thread that calls
+                         kt (GNU OpenMP, the runtime torch's intra-op threads run
+                         on) instead of kt's own workers: a host whose CPU work
+                         runs on OpenMP then shares one set of threads with kt,
+                         and those threads' idle spinning takes no core from kt.
+                         num_threads 0 = the creating thread's omp_get_max_threads();
+                         pin_threads is ignored (the host binds its OpenMP
+                         threads). Default 0; KT_ERR_UNSUPPORTED in a build
+                         without OpenMP (kt_build_info) */
 } kt_engine_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past

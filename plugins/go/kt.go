@@ -201,6 +201,9 @@ type EngineOptions struct {
 	// FP32Precision keeps fp32 activations fp32 in the weight GEMMs
 	// (KT_PRECISION_FP32); by default the avx512bf16 kernels round them to bf16.
 	FP32Precision bool
+	// HostOpenMP computes on the OpenMP threads of the calling thread
+	// instead of kt's own workers (kt_engine_options.host_openmp).
+	HostOpenMP bool
 }
 
 // Engine owns a worker pool. Close it after every layer made on it.
@@ -226,6 +229,9 @@ func NewEngine(opts *EngineOptions) (*Engine, error) {
 		}
 		if opts.FP32Precision {
 			o.precision = C.KT_PRECISION_FP32
+		}
+		if opts.HostOpenMP {
+			o.host_openmp = 1
 		}
 	}
 	e := &Engine{}

@@ -45,6 +45,10 @@ kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine)
     kt::check_enum(o.max_isa, KT_ISA_AUTO, KT_ISA_AMX, std::string(w) + ": options->max_isa", "kt_isa");
     KT_CHECK(o.pin_threads == 0 || o.pin_threads == 1, KT_ERR_INVALID_ARGUMENT,
              std::string(w) + ": options->pin_threads must be 0 or 1");
+    KT_CHECK(o.host_openmp == 0 || o.host_openmp == 1, KT_ERR_INVALID_ARGUMENT,
+             std::string(w) + ": options->host_openmp must be 0 or 1");
+    KT_CHECK(o.host_openmp == 0 || kt::host_openmp_built(), KT_ERR_UNSUPPORTED,
+             std::string(w) + ": options->host_openmp = 1 needs a kt built with OpenMP; this one has none");
     int precision;  // the raw value: a C caller may pass any int
     static_assert(sizeof(precision) == sizeof(o.precision), "kt_precision is int-sized");
     std::memcpy(&precision, &o.precision, sizeof(precision));

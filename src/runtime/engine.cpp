@@ -57,12 +57,16 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   kernels = &kt::auto_gemm_kernels(*native_kernels, &auto_note);
   gemm_backend = kernels == native_kernels ? KT_GEMM_NATIVE : KT_GEMM_ONEDNN;
   std::vector<int> cpus = kt::allowed_cpus();
-  int n = o.num_threads > 0 ? o.num_threads : static_cast<int>(cpus.size());
-  pool.reset(new kt::ThreadPool(n, o.pin_threads ? cpus : std::vector<int>{}));
+  const bool host_openmp = o.host_openmp != 0;
+  int n = o.num_threads > 0 ? o.num_threads
+          : host_openmp     ? kt::host_openmp_threads()
+                            : static_cast<int>(cpus.size());
+  pool.reset(new kt::ThreadPool(n, o.pin_threads && !host_openmp ? cpus : std::vector<int>{}, host_openmp));
   log(1, std::string("engine: cpu isa ") + kt::kernel_isa_name(cpu_isa) + ", kernels " +
              kt::kernel_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
-             (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " +
-             std::to_string(n) + " threads" + (o.pin_threads && n > 1 ? " pinned" : ""));
+             (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " + std::to_string(n) +
+             " threads" +
+             (host_openmp ? " (the caller's OpenMP threads)" : o.pin_threads && n > 1 ? " pinned" : ""));
   if (!auto_note.empty()) log(1, "engine: " + auto_note);
 }
 

@@ -6,6 +6,10 @@
 #include <algorithm>
 #include <chrono>
 
+#if KT_HAVE_OPENMP
+#include <omp.h>
+#endif
+
 namespace kt {
 
 std::vector<int> allowed_cpus() {
@@ -23,10 +27,19 @@ std::vector<int> allowed_cpus() {
   return cpus;
 }
 
-ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus)
-    : size_(num_threads > 1 ? num_threads : 1) {
+#if KT_HAVE_OPENMP
+bool host_openmp_built() { return true; }
+int host_openmp_threads() { return omp_get_max_threads(); }
+#else
+bool host_openmp_built() { return false; }
+int host_openmp_threads() { return 1; }
+#endif
+
+ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus, bool host_openmp)
+    : size_(num_threads > 1 ? num_threads : 1), host_openmp_(host_openmp) {
   // One thread computes on the caller: a worker would only add hand-offs.
-  if (size_ == 1) return;
+  // On the host's OpenMP threads, the region's team are the threads.
+  if (size_ == 1 || host_openmp_) return;
   workers_.reserve(static_cast<size_t>(size_));
   for (int i = 0; i < size_; ++i) {
     workers_.emplace_back([this, i] { worker_loop(i); });
@@ -87,7 +100,37 @@ std::chrono::microseconds PauseMemory::note(std::chrono::microseconds pause) {
   return std::chrono::microseconds(std::min(std::max(2 * longest, kMinSpin.count()), kMaxSpin.count()));
 }
 
+// The items on the calling thread's OpenMP team: thread i of the region is
+// index i (a smaller team, e.g. inside the host's own region, takes them
+// all the same). Runs are serialised by the engine, so the shared counter
+// and error slot are this run's.
+void ThreadPool::run_on_openmp(int64_t n, Thunk thunk, void* fn) {
+#if KT_HAVE_OPENMP
+  next_.store(0, std::memory_order_relaxed);
+  error_ = nullptr;
+  KernelTally* tally = current_kernel_tally();
+  const int threads = size_;
+#pragma omp parallel num_threads(threads)
+  {
+    const KernelTallyScope counting(tally);
+    take_items(thunk, fn, n, omp_get_thread_num());
+  }
+#else
+  take_items(thunk, fn, n, 0);
+#endif
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
 void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
+  if (host_openmp_ && n > 1) {
+    run_on_openmp(n, thunk, fn);
+    return;
+  }
   const auto start = std::chrono::steady_clock::now();
   worker_spin_us_.store(pauses_.note(std::chrono::duration_cast<std::chrono::microseconds>(start - last_end_)).count(),
                         std::memory_order_relaxed);

@@ -34,10 +34,18 @@ class PauseMemory {
   int at_ = 0;
 };
 
+// Whether this build can run a pool on the host's OpenMP threads, and the
+// calling thread's OpenMP thread count (1 without OpenMP).
+bool host_openmp_built();
+int host_openmp_threads();
+
 class ThreadPool {
  public:
   // cpus: CPU ids to pin worker i to cpus[i] (empty = not pinned).
-  ThreadPool(int num_threads, const std::vector<int>& cpus);
+  // host_openmp: no workers of its own; a run of several items is an OpenMP
+  // parallel region of num_threads on the calling thread (kt_engine_options.
+  // host_openmp; needs host_openmp_built()).
+  ThreadPool(int num_threads, const std::vector<int>& cpus, bool host_openmp = false);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -64,6 +72,7 @@ class ThreadPool {
  private:
   using Thunk = void (*)(void*, int64_t, int);
   void run_impl(int64_t n, Thunk thunk, void* fn);
+  void run_on_openmp(int64_t n, Thunk thunk, void* fn);
   void worker_loop(int index);
   // Runs items from the shared counter until none are left; an item's
   // exception is kept (the first) and the next item taken.
@@ -76,6 +85,7 @@ class ThreadPool {
   static bool spin_until(Cond cond, std::chrono::microseconds limit);
 
   int size_ = 1;
+  bool host_openmp_ = false;
   std::vector<std::thread> workers_;
   std::mutex mutex_;
   std::condition_variable wake_;

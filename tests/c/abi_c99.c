@@ -17,6 +17,7 @@ LAYOUT(arg_tensor, offsetof(kt_arg, tensor) == 8);
 LAYOUT(engine_options_size, sizeof(kt_engine_options) == 48);
 LAYOUT(engine_options_log_user, offsetof(kt_engine_options, log_user) == 32);
 LAYOUT(engine_options_precision, offsetof(kt_engine_options, precision) == 40);
+LAYOUT(engine_options_host_openmp, offsetof(kt_engine_options, host_openmp) == 44);
 LAYOUT(engine_info_size, sizeof(kt_engine_info) == 40);
 LAYOUT(engine_info_gemm_backend, offsetof(kt_engine_info, gemm_backend) == 32);
 LAYOUT(engine_info_precision, offsetof(kt_engine_info, precision) == 36);

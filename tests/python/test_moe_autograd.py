@@ -1,4 +1,6 @@
 """kt.torch.MoEExperts against torch autograd of the plain reference."""
+import contextlib
+
 import pytest
 import torch
 
@@ -112,15 +114,30 @@ def test_biases_in_full_mode_with_silu(fp32_engine):
     run_case(AWKWARD[0], "full", "silu", "fp32", fp32_engine, bias=True)
 
 
+@contextlib.contextmanager
+def torch_threads(n):
+    """torch's intra-op threads (the calling thread's OpenMP setting) at n
+    for the block, then as they were."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def random_experts(E, H, I, g):
+    return dict(gate=torch.randn(E, I, H, generator=g) * 0.1, up=torch.randn(E, I, H, generator=g) * 0.1,
+                down=torch.randn(E, H, I, generator=g) * 0.1)
+
+
 @pytest.mark.parametrize("backend", ["auto", "onednn"])
 def test_kt_leaves_the_hosts_torch_threads(backend):
     """kt shares the process's OpenMP runtime with torch (and oneDNN runs
     on it): creating an engine and calling a layer, whose items run on the
     calling thread in a one-thread engine, must leave that thread's OpenMP
     setting, i.e. torch's intra-op threads, as the host set it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)
-    try:
+    with torch_threads(3):
         try:
             engine = kt.Engine(num_threads=1, gemm_backend=backend)
         except kt.KtError as e:
@@ -131,8 +148,7 @@ def test_kt_leaves_the_hosts_torch_threads(backend):
         E, K, H, I = 4, 2, 64, 32
         layer = kt.MoE(E, K, H, I, max_tokens=64, engine=engine)
         g = torch.Generator().manual_seed(0)
-        layer.load_weights(gate=torch.randn(E, I, H, generator=g) * 0.1, up=torch.randn(E, I, H, generator=g) * 0.1,
-                           down=torch.randn(E, H, I, generator=g) * 0.1)
+        layer.load_weights(**random_experts(E, H, I, g))
         for T in (1, 64):
             x = torch.randn(T, H, generator=g).to(torch.bfloat16)
             ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
@@ -141,5 +157,33 @@ def test_kt_leaves_the_hosts_torch_threads(backend):
             assert torch.get_num_threads() == 3, "a forward of %d tokens changed torch's threads" % T
         if backend == "onednn":
             assert engine.info()["gemm_backend"] == "onednn", engine.info()
-    finally:
-        torch.set_num_threads(before)
+
+
+def test_host_openmp_engine_gives_the_same_bits():
+    """An engine on the host's OpenMP threads (host_openmp: torch's
+    intra-op threads here) computes what an engine with kt's own workers
+    computes, bit for bit (every item writes only its own outputs), and
+    leaves torch's thread count as it was."""
+    with torch_threads(2):
+        try:
+            on_openmp = kt.Engine(num_threads=0, host_openmp=True)
+        except kt.UnsupportedError as e:
+            pytest.skip("kt built without OpenMP: %s" % e)
+        assert on_openmp.info()["num_threads"] == 2  # the caller's omp_get_max_threads()
+        own = kt.Engine(num_threads=2)
+        E, K, H, I, T = 8, 2, 128, 64, 96
+        g = torch.Generator().manual_seed(1)
+        w = random_experts(E, H, I, g)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, E, (T, K), generator=g, dtype=torch.int32)
+        rw = torch.rand(T, K, generator=g)
+        outs = []
+        for engine in (own, on_openmp):
+            layer = kt.MoE(E, K, H, I, max_tokens=T, engine=engine)
+            layer.load_weights(**w)
+            y = torch.empty(T, H, dtype=torch.bfloat16)
+            layer.forward(x, ids, rw, y)
+            outs.append(y)
+            assert torch.get_num_threads() == 2
+        assert torch.equal(outs[0], outs[1])
+        assert outs[0].abs().max() > 0

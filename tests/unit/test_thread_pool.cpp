@@ -16,6 +16,10 @@
 
 #include "runtime/thread_pool.h"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 using kt::ThreadPool;
 
 namespace {
@@ -96,6 +100,51 @@ TEST(ThreadPool, AnExceptionReachesTheCallerAfterTheOtherItems) {
     }
   }
 }
+
+#ifdef _OPENMP
+// A pool on the host's OpenMP threads runs each item once on the calling
+// thread's team (the threads an OpenMP region of the host gets), with
+// indices below its size; exceptions reach the caller; inside the host's
+// own region (a team of one) every item still runs.
+TEST(ThreadPool, OnTheHostsOpenMpThreadsItemsRunOnTheCallersTeam) {
+  ASSERT_TRUE(kt::host_openmp_built());
+  std::set<std::thread::id> team;
+  std::mutex team_mutex;
+#pragma omp parallel num_threads(3)
+  {
+    std::lock_guard<std::mutex> lock(team_mutex);
+    team.insert(std::this_thread::get_id());
+  }
+  ThreadPool pool(3, {}, true);
+  ASSERT_EQ(pool.size(), 3);
+  for (int64_t n : {2, 7, 1000}) {
+    std::vector<std::atomic<int>> count(static_cast<size_t>(n));
+    Seen seen;
+    pool.run(n, [&](int64_t item, int index) {
+      count[static_cast<size_t>(item)].fetch_add(1);
+      seen.add(index);
+    });
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(count[static_cast<size_t>(i)].load(), 1) << n;
+    for (int index : seen.indices) EXPECT_TRUE(index >= 0 && index < 3) << index;
+    for (const auto& id : seen.threads) EXPECT_EQ(team.count(id), 1u) << "an item ran outside the OpenMP team";
+  }
+  try {
+    pool.run(100, [&](int64_t item, int) {
+      if (item == 50) throw std::runtime_error("item 50");
+    });
+    ADD_FAILURE() << "no exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "item 50");
+  }
+  std::atomic<int> nested{0};
+#pragma omp parallel num_threads(2)
+  {
+#pragma omp master
+    pool.run(40, [&](int64_t, int) { nested.fetch_add(1); });
+  }
+  EXPECT_EQ(nested.load(), 40);
+}
+#endif
 
 TEST(PauseMemory, SpinsThroughTheRecentPausesBetweenRuns) {
   using std::chrono::microseconds;

@@ -96,6 +96,7 @@ class EngineOptions(ctypes.Structure):
         ("log_fn", LOG_FN),
         ("log_user", ctypes.c_void_p),
         ("precision", ctypes.c_int),
+        ("host_openmp", ctypes.c_int),
     ]
 
 

@@ -92,11 +92,15 @@ class Engine(_Handle):
     PRECISIONS = {"default": _capi.PRECISION_DEFAULT, "fp32": _capi.PRECISION_FP32}
 
     def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1, gemm_backend="auto",
-                 precision="default"):
+                 precision="default", host_openmp=False):
+        """host_openmp=True: compute on the OpenMP threads of the calling
+        thread (torch's intra-op threads, in a torch host) instead of kt's
+        own pinned workers (kt_engine_options.host_openmp)."""
         opts = _capi.EngineOptions()
         lib().kt_engine_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.num_threads = int(num_threads)
         opts.pin_threads = 1 if pin_threads else 0
+        opts.host_openmp = 1 if host_openmp else 0
         if max_isa not in ISAS:
             raise ValueError("kt: max_isa must be one of %s" % ", ".join(ISAS))
         opts.max_isa = ISAS[max_isa]

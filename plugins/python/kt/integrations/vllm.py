@@ -31,15 +31,21 @@ or a multithreaded load, still reads them, and the plugin drops them;
 A quantized checkpoint whose experts vLLM has no kernel for on the machine
 (int4 MoE on its CPU build) is served all the same: kt computes them.
 
-Threads: kt's workers and vLLM's torch share the cores. torch's OpenMP
-threads spin after each of its parallel regions (GNU OpenMP's default),
-which takes a core from kt's workers while they run a layer; start the
-server with OMP_WAIT_POLICY=PASSIVE (or a small GOMP_SPINCOUNT) so that
-they sleep instead (bench/README.md, serve_bench.py, has the figures).
+Threads: by default kt computes on torch's own OpenMP threads (vLLM's
+intra-op threads, as its own CPU experts do; kt.Engine(host_openmp=True)),
+so kt and the rest of the model share one set of threads. With
+"host_openmp": false kt runs its own pinned workers beside them; then
+torch's OpenMP threads, which spin after each parallel region (GNU
+OpenMP's default), take cores from kt's workers unless the server starts
+with OMP_WAIT_POLICY=PASSIVE (bench/README.md, serve_bench.py, has the
+figures).
 
 Options (the dict under "kt"; all optional):
 
-  threads         kt worker threads (default 0: every CPU of the process)
+  threads         kt's threads (default 0: torch's intra-op threads with
+                  host_openmp, else every CPU of the process)
+  host_openmp     true (default): kt computes on torch's OpenMP threads;
+                  false: on workers of its own, pinned to the CPUs
   precision       "auto" (default: fp32 activations stay fp32 when the model
                   runs in float32, else kt's default), "default" or "fp32"
   weight_format   how kt stores the experts: default the checkpoint's own
@@ -74,11 +80,11 @@ logger = logging.getLogger("vllm.kt")
 CONFIG_KEY = "kt"
 # What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
 _QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
-_OPTIONS = ("threads", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict")
+_OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict")
 
 _lock = threading.Lock()
 _classes = None
-_engines = {}      # (threads, precision) -> kt.Engine of this process
+_engines = {}      # (threads, host_openmp, precision) -> kt.Engine of this process
 _checkpoints = {}  # directory -> [kt.Checkpoint, layers still to load]
 _layers = {}       # key -> _KtExperts (the custom op finds its layer here)
 # Checkpoint tensors of the kt layers not yet loaded: vLLM's loader skips
@@ -108,9 +114,11 @@ def settings_of(vllm_config):
     if unknown:
         raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
                           % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
-    out = dict(threads=0, precision="auto", weight_format=None, dequantize=False, compute="bf16",
+    out = dict(threads=0, host_openmp=True, precision="auto", weight_format=None, dequantize=False, compute="bf16",
                max_tokens=None, strict=True)
     out.update(s)
+    if not isinstance(out["host_openmp"], bool):
+        raise KtVllmError("kt: host_openmp must be true or false, not %r" % (out["host_openmp"],))
     if out["precision"] not in ("auto", "default", "fp32"):
         raise KtVllmError("kt: precision must be 'auto', 'default' or 'fp32', not %r" % (out["precision"],))
     return out
@@ -154,13 +162,14 @@ def _checkpoint_loaded(directory):
             del _checkpoints[directory]
 
 
-def _engine(threads, precision):
+def _engine(threads, host_openmp, precision):
     import kt
-    key = (int(threads), precision)
+    key = (int(threads), bool(host_openmp), precision)
     with _lock:
         e = _engines.get(key)
         if e is None:
-            e = _engines[key] = kt.Engine(num_threads=int(threads), precision=precision)
+            e = _engines[key] = kt.Engine(num_threads=int(threads), host_openmp=bool(host_openmp),
+                                          precision=precision)
         return e
 
 
@@ -261,7 +270,7 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     try:
         kt_layer = kt.MoE(E, moe_config.experts_per_token, H, I, max_tokens=int(max_tokens),
                           bias=bool(info["bias"]), weight_format=fmt, compute=settings["compute"],
-                          engine=_engine(settings["threads"], precision), **act)
+                          engine=_engine(settings["threads"], settings["host_openmp"], precision), **act)
     except (kt.KtError, ValueError, TypeError) as e:
         refuse("kt cannot make the layer (weight_format %s, compute %s): %s" % (fmt, settings["compute"], e))
     return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype,

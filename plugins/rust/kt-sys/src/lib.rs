@@ -119,6 +119,7 @@ kt_structs! {
         pub log_fn: kt_log_fn,
         pub log_user: *mut c_void,
         pub precision: kt_precision,
+        pub host_openmp: c_int,
     }
     /// What kt_engine_get_info reports.
     pub struct kt_engine_info {

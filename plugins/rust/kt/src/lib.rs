@@ -260,6 +260,9 @@ pub struct EngineOptions {
     /// Keep fp32 activations fp32 in the weight GEMMs (KT_PRECISION_FP32;
     /// by default the avx512bf16 kernels round them to bf16).
     pub fp32_precision: bool,
+    /// Compute on the OpenMP threads of the calling thread instead of kt's
+    /// own workers (KT_API kt_engine_options.host_openmp).
+    pub host_openmp: bool,
 }
 
 /// An engine: a worker pool and the kernels for this CPU.
@@ -298,6 +301,7 @@ impl Engine {
         if options.fp32_precision {
             o.precision = sys::KT_PRECISION_FP32;
         }
+        o.host_openmp = options.host_openmp as c_int;
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_engine_create(&o, &mut raw) })?;
         Ok(Engine { raw })

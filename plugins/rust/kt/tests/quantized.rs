@@ -93,7 +93,7 @@ fn block_bytes(format: WeightFormat, n: i64, k: i64) -> i64 {
 #[test]
 fn quantized_layers_report_their_format_and_stay_within_the_stated_error() {
     let engine =
-        Engine::new(&EngineOptions { num_threads: 1, pin_threads: Some(false), verbosity: Some(0), fp32_precision: true })
+        Engine::new(&EngineOptions { num_threads: 1, pin_threads: Some(false), verbosity: Some(0), fp32_precision: true, ..Default::default() })
             .unwrap();
     let w = Weights {
         wg: gaussian(E * I * H, 1, 1.0 / (H as f64).sqrt()),
