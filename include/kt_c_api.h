@@ -214,8 +214,9 @@ typedef struct kt_engine_options {
                          and those threads' idle spinning takes no core from kt.
                          num_threads 0 = the creating thread's omp_get_max_threads();
                          pin_threads is ignored (the host binds its OpenMP
-                         threads). Default 0; KT_ERR_UNSUPPORTED in a build
-                         without OpenMP (kt_build_info) */
+                         threads). Asynchronous calls run on the engine's job
+                         thread, whose OpenMP team is its own. Default 0;
+                         KT_ERR_UNSUPPORTED in a build without OpenMP */
 } kt_engine_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past
