@@ -149,9 +149,22 @@ def test_fp32_greedy_tokens_match_vllm(tmp_path, models, kind):
     got = _ok(run_engine(tmp_path, kind + "-kt", dict(spec, kt={})), "kt")
     assert ref["kt_stats"] == {} and ref["kt_loader"] == {"skipped": 0, "through_vllm": 0}
     _assert_kt_computed(got, model, PROMPTS)
+    assert "on torch's OpenMP threads" in got["log"]  # the plugin's default
     assert all(len(t) == 16 for t in ref["tokens"])
     assert got["tokens"] == ref["tokens"]
     assert got["texts"] == ref["texts"]
+
+
+def test_fp32_greedy_tokens_on_kt_own_workers(tmp_path, models):
+    """"host_openmp": false: kt computes on workers of its own (pinned)
+    instead of vLLM's torch threads, with the same tokens as vLLM alone."""
+    model = models("qwen3_moe", "float32")
+    spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
+    ref = _ok(run_engine(tmp_path, "own-workers-vllm", dict(spec, kt=None)), "vllm")
+    got = _ok(run_engine(tmp_path, "own-workers-kt", dict(spec, kt={"host_openmp": False})), "kt")
+    _assert_kt_computed(got, model, PROMPTS)
+    assert "on kt's own workers" in got["log"] and "on torch's OpenMP threads" not in got["log"]
+    assert got["tokens"] == ref["tokens"]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
@@ -259,6 +272,9 @@ def test_unknown_option_refused(tmp_path, models):
     bad = run_engine(tmp_path, "option", dict(model=model, dtype="float32", prompts=PROMPTS[:1],
                                               max_tokens=2, kt={"thread": 2}))
     assert "error" in bad and "unknown option" in bad["error"] and "thread" in bad["error"]
+    bad = run_engine(tmp_path, "option-value", dict(model=model, dtype="float32", prompts=PROMPTS[:1],
+                                                    max_tokens=2, kt={"host_openmp": "yes"}))
+    assert "error" in bad and "host_openmp must be true or false" in bad["error"], bad.get("error")
 
 
 def test_unknown_checkpoint_layout_refused(tmp_path, models):

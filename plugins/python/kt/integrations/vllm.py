@@ -422,9 +422,10 @@ def _make_classes():
                 _checkpoint(plan.directory)[1] += 1
                 with _lock:
                     _skip_names.update(plan.tensor_names)
-                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s)",
-                            layer_name, moe_config.num_experts, moe_config.experts_per_token,
-                            plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format)
+                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s, "
+                            "on %s)", layer_name, moe_config.num_experts, moe_config.experts_per_token,
+                            plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format,
+                            "torch's OpenMP threads" if settings["host_openmp"] else "kt's own workers")
 
         @property
         def computed_by_kt(self):
