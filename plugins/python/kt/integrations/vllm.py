@@ -88,8 +88,9 @@ _engines = {}      # (threads, host_openmp, precision) -> kt.Engine of this proc
 _checkpoints = {}  # directory -> [kt.Checkpoint, layers still to load]
 _layers = {}       # key -> _KtExperts (the custom op finds its layer here)
 # Checkpoint tensors of the kt layers not yet loaded: vLLM's loader skips
-# them. "skipped" counts the tensors it skipped, "through_vllm" those that
-# reached a kt layer through vLLM's loader anyway (and were dropped).
+# them. "skipped" counts the tensors it skipped, "through_vllm" the tensors
+# (or per-expert slices of them) that reached a kt layer through vLLM's
+# loader anyway (and were dropped).
 _skip_names = set()
 _loader = {"skipped": 0, "through_vllm": 0}
 
