@@ -13,6 +13,7 @@ import torch
 import kt
 import kt.hf
 import st_files
+from kt._progress import _bytes_text
 from hf_shaped import (FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
                        round_params_to_bf16)
 
@@ -185,7 +186,7 @@ def _per_expert_ckpt(model, d, naming):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("source", ["checkpoint", "packed"])
-def test_hf_fills_meta_experts_from_checkpoint(tmp_path, family, source):
+def test_hf_fills_meta_experts_from_checkpoint(tmp_path, capsys, family, source):
     block = Qwen3MoeSparseMoeBlock if family == "qwen3_moe" else MixtralSparseMoeBlock
     real, meta = _twin_models(lambda: block(H, I, E, K), lambda: block(H, I, E, K, expert_device="meta"))
     assert all(p.device.type == "meta" for n, p in meta.named_parameters() if ".experts." in n)
@@ -193,7 +194,7 @@ def test_hf_fills_meta_experts_from_checkpoint(tmp_path, family, source):
     _per_expert_ckpt(real, d, "mixtral" if family == "mixtral" else "per_expert")
     kt.hf.replace_moe_experts(real)
     if source == "packed":
-        # What `kt convert` writes: one .ktpack per layer and a manifest.
+        # What `kt-moe convert` writes: one .ktpack per layer and a manifest.
         cache = tmp_path / "packed"
         cache.mkdir()
         entries = []
@@ -204,10 +205,20 @@ def test_hf_fills_meta_experts_from_checkpoint(tmp_path, family, source):
                 layer.save_packed(cache / ("layer-%d.ktpack" % L))
                 entries.append({"layer": L, "file": "layer-%d.ktpack" % L})
         (cache / "manifest.json").write_text(json.dumps({"format": "kt-packed-cache", "layers": entries}))
-        kt.hf.replace_moe_experts(meta, packed=cache)
+        capsys.readouterr()
+        kt.hf.replace_moe_experts(meta, packed=cache, progress=True)
         assert kt.hf.kt_experts_modules(meta)[1].kt_layer.weights_source[0] == "packed"
+        total = sum(os.path.getsize(cache / e["file"]) for e in entries)
     else:
-        kt.hf.replace_moe_experts(meta, checkpoint=d)
+        with kt.Checkpoint(d) as ck:
+            total = sum(info["bytes"] for info in ck.layers.values())
+        capsys.readouterr()
+        kt.hf.replace_moe_experts(meta, checkpoint=d, progress=True)
+    # The progress line, asked for: both layers and every byte, on stderr only.
+    out = capsys.readouterr()
+    last = out.err.strip().splitlines()[-1]
+    assert out.out == "" and "layer 2/2" in last and "of %s," % _bytes_text(total) in last, out.err
+    assert last.startswith("kt.hf: experts from ") and str(cache if source == "packed" else d) in last
     assert not any(p.device.type == "meta" for p in meta.parameters())
     x = torch.randn(2, 5, H)
     with torch.no_grad():

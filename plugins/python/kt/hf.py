@@ -30,6 +30,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from . import _hf_names, _safetensors
+from ._progress import LoadProgress
 from .checkpoint import Checkpoint, read_packed_manifest
 from .torch import MoEExperts
 
@@ -242,9 +243,9 @@ def _router_device(block):
 class _WeightSource:
     """Where replaced blocks get their expert weights when the model holds
     none (built on the meta device): a checkpoint directory (or an open
-    kt.Checkpoint) or a packed cache written by `kt convert`."""
+    kt.Checkpoint) or a packed cache written by `kt-moe convert`."""
 
-    def __init__(self, checkpoint, packed, dequantize=False):
+    def __init__(self, checkpoint, packed, dequantize=False, progress=None):
         if checkpoint is not None and packed is not None:
             raise ValueError("kt.hf: give checkpoint= or packed=, not both")
         if dequantize and checkpoint is None:
@@ -259,11 +260,27 @@ class _WeightSource:
         if packed is not None:
             self.packed = read_packed_manifest(packed)
             self.packed_dir = os.fspath(packed)
+        self.show_progress, self._progress = progress, None
 
     def __bool__(self):
         return self.ckpt is not None or self.packed is not None
 
+    @property
+    def progress(self):
+        """The load's progress line, made at the first layer loaded."""
+        if self._progress is None:
+            if self.ckpt is not None:
+                where, layers = self.ckpt.directory, len(self.ckpt.layers)
+                total = sum(info["bytes"] for info in self.ckpt.layers.values())
+            else:
+                where, layers = self.packed_dir, len(self.packed)
+                total = sum(os.path.getsize(p) for p in self.packed.values())
+            self._progress = LoadProgress("kt.hf: experts from %s" % where, layers, total, enabled=self.show_progress)
+        return self._progress
+
     def close(self):
+        if self._progress is not None:
+            self._progress.close()
         if self.owned:
             self.ckpt.close()
 
@@ -279,6 +296,7 @@ class _WeightSource:
                 raise ValueError("kt.hf: full mode trains torch copies of the weights; load them "
                                  "from the checkpoint directory (checkpoint=) instead of packed=")
             experts.kt_layer.load_packed(self.packed[layer])
+            self.progress.layer_done(os.path.getsize(self.packed[layer]))
             return
         if layer not in self.ckpt.layers:
             raise ValueError("kt.hf: %s: checkpoint %s has no MoE layer %d (it has %s)" % (
@@ -291,7 +309,10 @@ class _WeightSource:
                 self.ckpt.read_layer(layer, **{k: v.data for k, v in kw.items()})
             experts._needs_reload = True
         else:
-            self.ckpt.load_layer(layer, experts.kt_layer, dequantize=self.dequantize)
+            self.ckpt.load_layer(layer, experts.kt_layer, dequantize=self.dequantize,
+                                 progress=(lambda done, total: self.progress.update(done / max(total, 1)))
+                                 if self.progress.shown else None)
+        self.progress.layer_done(self.ckpt.layers[layer]["bytes"])
 
 
 def _layer_number(name):
@@ -391,7 +412,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                         fused_orientation=None, checkpoint=None, packed=None, strict=False,
                         bias="none", activation_policy="recompute", torch_experts=None,
                         torch_expert_counts=None, torch_experts_device=None, weight_format="bf16",
-                        compute="bf16", dequantize=False):
+                        compute="bf16", dequantize=False, progress=None):
     """Moves the routed experts of every recognised MoE block of ``model``
     into kt, in place. ``mode`` is "inference", "lora" (PEFT-style
     ``lora_rank``/``lora_alpha``/``use_rslora``/``target_modules``) or
@@ -399,7 +420,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     expert weights are dropped once kt holds them.
 
     With ``checkpoint`` (a checkpoint directory or a kt.Checkpoint) or
-    ``packed`` (a directory written by `kt convert`), each block's weights
+    ``packed`` (a directory written by `kt-moe convert`), each block's weights
     come from layer L of that source, L being the number in the block's name
     (``...layers.<L>...``), and never pass through torch: build the model
     with its routed experts on the meta device (``with torch.device("meta")``
@@ -430,7 +451,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     ``weight_format`` is how kt stores the frozen base: "bf16", or quantized
     at load, "int8_channel", "int4_g32" or "int4_g128" (inference and LoRA
     mode; the error is stated in kt_c_api.h). A ``packed`` cache must hold
-    that format (``kt convert --format``); the checkpoint formats
+    that format (``kt-moe convert --format``); the checkpoint formats
     ("fp8_b128", "mxfp4", asymmetric "int4_g32_zp", "int4_g128_zp") come
     only from such a cache of a quantized checkpoint. ``compute="int8"``
     serves an integer base ("int8_channel", "int4_g32", "int4_g128", or with
@@ -446,7 +467,12 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
     kt.UnsupportedError. It is never re-quantized into another quantized
     format. Full mode reads the weights dequantized into its torch
     Parameters whatever ``dequantize`` says. ``dequantize`` needs
-    ``checkpoint``."""
+    ``checkpoint``.
+
+    ``progress``: a line on stderr while the experts load from ``checkpoint``
+    or ``packed`` (layers and bytes done, the rate, the time left); None
+    (default) shows it when stderr is a terminal and $KT_PROGRESS is not 0,
+    True always, False never."""
     if bias not in ("none", "all", "lora_only"):
         raise ValueError("kt.hf: bias must be 'none', 'all' or 'lora_only' (PEFT's values)")
     if bias != "none" and mode == "lora":
@@ -459,7 +485,7 @@ def replace_moe_experts(model, *, mode="inference", lora_rank=16, lora_alpha=32.
                    max_tokens=max_tokens, engine=engine, activation_policy=activation_policy,
                    placement=_Placement(torch_experts, torch_expert_counts, torch_experts_device),
                    weight_format=weight_format, compute=compute)
-    source = _WeightSource(checkpoint, packed, dequantize)
+    source = _WeightSource(checkpoint, packed, dequantize, progress)
     replaced, unrecognised = [], []
     try:
         for name, module in list(model.named_modules()):

@@ -59,6 +59,9 @@ Options (the dict under "kt"; all optional):
   strict          true (default): a layer kt cannot take stops the server
                   with the reason; false: that layer stays vLLM's (a warning
                   names it and says why) and the others are kt's
+  progress        a line on stderr while the experts load (layers, bytes,
+                  rate, time left): null (default) when stderr is a terminal
+                  and $KT_PROGRESS is not 0, true always, false never
 
 A layer kt cannot take: tensor/expert/data parallel sharding of the
 experts, redundant experts (EPLB), an activation other than SiLU-gated or
@@ -74,18 +77,21 @@ import os
 import re
 import threading
 
+from .._progress import LoadProgress
+
 # Under vLLM's logger, so its handlers and VLLM_LOGGING_LEVEL apply.
 logger = logging.getLogger("vllm.kt")
 
 CONFIG_KEY = "kt"
 # What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
 _QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
-_OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict")
+_OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict",
+            "progress")
 
 _lock = threading.Lock()
 _classes = None
 _engines = {}      # (threads, host_openmp, precision) -> kt.Engine of this process
-_checkpoints = {}  # directory -> [kt.Checkpoint, layers still to load]
+_checkpoints = {}  # directory -> _OpenCheckpoint
 _layers = {}       # key -> _KtExperts (the custom op finds its layer here)
 # Checkpoint tensors of the kt layers not yet loaded: vLLM's loader skips
 # them. "skipped" counts the tensors it skipped, "through_vllm" the tensors
@@ -116,10 +122,12 @@ def settings_of(vllm_config):
         raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
                           % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
     out = dict(threads=0, host_openmp=True, precision="auto", weight_format=None, dequantize=False, compute="bf16",
-               max_tokens=None, strict=True)
+               max_tokens=None, strict=True, progress=None)
     out.update(s)
     if not isinstance(out["host_openmp"], bool):
         raise KtVllmError("kt: host_openmp must be true or false, not %r" % (out["host_openmp"],))
+    if out["progress"] not in (None, True, False):
+        raise KtVllmError("kt: progress must be true, false or null (a terminal's stderr), not %r" % (out["progress"],))
     if out["precision"] not in ("auto", "default", "fp32"):
         raise KtVllmError("kt: precision must be 'auto', 'default' or 'fp32', not %r" % (out["precision"],))
     return out
@@ -143,23 +151,44 @@ def checkpoint_directory(model_config):
         raise KtVllmError("kt: cannot find the checkpoint files of %r on this machine (%s)" % (model, e))
 
 
+class _OpenCheckpoint:
+    """A checkpoint kt reads layers from, open until its last planned layer
+    has loaded, and the progress line of those loads."""
+
+    def __init__(self, directory):
+        import kt
+        self.ckpt = kt.Checkpoint(directory)
+        self.planned = []    # layer numbers of the kt layers still to load
+        self.progress = None  # made at the first load, when every layer is planned
+
+    def start_progress(self, enabled):
+        if self.progress is None:
+            self.progress = LoadProgress("kt: experts from %s" % self.ckpt.directory, len(self.planned),
+                                         sum(self.ckpt.layers[L]["bytes"] for L in self.planned), enabled=enabled)
+        return self.progress
+
+
 def _checkpoint(directory):
-    import kt
     with _lock:
         entry = _checkpoints.get(directory)
         if entry is None:
-            entry = _checkpoints[directory] = [kt.Checkpoint(directory), 0]
+            entry = _checkpoints[directory] = _OpenCheckpoint(directory)
         return entry
 
 
-def _checkpoint_loaded(directory):
+def _checkpoint_loaded(directory, layer):
     with _lock:
         entry = _checkpoints.get(directory)
         if entry is None:
             return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            entry[0].close()
+        if layer in entry.planned:
+            entry.planned.remove(layer)
+        if entry.progress is not None:
+            entry.progress.layer_done(entry.ckpt.layers[layer]["bytes"])
+        if not entry.planned:
+            if entry.progress is not None:
+                entry.progress.close()
+            entry.ckpt.close()
             del _checkpoints[directory]
 
 
@@ -227,7 +256,7 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
         refuse("no layer number (layers.<L>.) in the module name, so its checkpoint tensors are unknown")
     directory = checkpoint_directory(vllm_config.model_config)
     try:
-        ckpt = _checkpoint(directory)[0]
+        ckpt = _checkpoint(directory).ckpt
     except kt.KtError as e:
         refuse("kt cannot read the checkpoint %s: %s" % (directory, e))
     info = ckpt.layers.get(layer)
@@ -292,14 +321,17 @@ class _KtExperts:
         import kt
         p = self.plan
         entry = _checkpoint(p.directory)
+        progress = entry.start_progress(p.settings["progress"])
         try:
-            entry[0].load_layer(p.layer, self.kt_layer, dequantize=bool(p.settings["dequantize"]))
+            entry.ckpt.load_layer(p.layer, self.kt_layer, dequantize=bool(p.settings["dequantize"]),
+                                  progress=(lambda done, total: progress.update(done / max(total, 1)))
+                                  if progress.shown else None)
         except kt.KtError as e:
             raise KtVllmError("kt: %s: loading layer %d of %s failed: %s" % (p.layer_name, p.layer, p.directory, e))
         finally:
             with _lock:
                 _skip_names.difference_update(p.tensor_names)
-            _checkpoint_loaded(p.directory)
+            _checkpoint_loaded(p.directory, p.layer)
         self.loaded = True
         logger.info("kt: %s: %d experts of layer %d loaded from %s (%s)", p.layer_name,
                     self.kt_layer.num_experts, p.layer, p.directory, self.kt_layer.weight_format)
@@ -420,7 +452,7 @@ def _make_classes():
             object.__setattr__(self, "_kt_plan", plan)
             super().__init__(layer_name, params_dtype, moe_config, quant_config, *args, **kwargs)
             if plan is not None:
-                _checkpoint(plan.directory)[1] += 1
+                _checkpoint(plan.directory).planned.append(plan.layer)
                 with _lock:
                     _skip_names.update(plan.tensor_names)
                 logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s, "
