@@ -54,6 +54,14 @@ std::string default_torch_script() {
   return KT_BENCH_TORCH_SCRIPT;
 }
 
+// The peers' interpreter: $KT_BENCH_PEERS_PYTHON (the kt-moe command of a pip
+// install sets it to its own interpreter, the venv where the peers are
+// installed beside kt), else the source tree's venv.
+std::string default_peers_python() {
+  const char* env = std::getenv("KT_BENCH_PEERS_PYTHON");
+  return env && *env ? env : KT_BENCH_PEERS_PYTHON;
+}
+
 // torch_optim_baseline.py, found like torch_baseline.py.
 std::string optimizer_script_of(const std::string& torch_script) {
   return torch_script.substr(0, torch_script.find_last_of('/') + 1) + "torch_optim_baseline.py";
@@ -93,9 +101,9 @@ struct Options {
   std::string python = "/usr/bin/python3";
   std::string torch_script = default_torch_script();
   // The interpreter of the optional peers (kt-kernel, DeepSpeed, torch 2):
-  // the venv of tools/python_env.sh peers in the source tree by default.
+  // see default_peers_python.
   bool peers = true;
-  std::string peers_python = KT_BENCH_PEERS_PYTHON;
+  std::string peers_python = default_peers_python();
   // Storage formats (with how the layer multiplies) compared side by side
   // with bf16 (kt only).
   std::vector<FormatChoice> formats;
@@ -127,7 +135,8 @@ const char* kUsage =
     "  --peers-python PATH  interpreter of the optional peers, each run where it imports:\n"
     "                       kt-kernel (forward beside kt's, int8/int4 with its own quantization),\n"
     "                       DeepSpeed's CPU Adam (optimizer case) and its torch when that is not\n"
-    "                       --python's (default " KT_BENCH_PEERS_PYTHON ")\n"
+    "                       --python's (default $KT_BENCH_PEERS_PYTHON, else\n"
+    "                       " KT_BENCH_PEERS_PYTHON ")\n"
     "  --no-peers           skip those peers\n"
     "  --format LIST        also run kt with these weight storage formats, side by side with bf16\n"
     "                       on the same layer and workloads (not train_full: a quantized base is\n"

@@ -676,7 +676,7 @@ KT_API kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flag
 
 /* ---------------------------------------------- packed cache description */
 
-/* What a packed cache holds, read from its header (for `kt info` and hosts
+/* What a packed cache holds, read from its header (for `kt-moe info` and hosts
  * choosing the layer to create for it). */
 typedef struct kt_packed_info {
   size_t struct_size;             /* set by the caller to sizeof(kt_packed_info) */
@@ -885,7 +885,7 @@ KT_API kt_status kt_ckpt_find_tensor(const kt_ckpt* ckpt, const char* name, kt_c
  * step, so a reader (kt, PEFT, transformers) sees the old output or the
  * whole new one, never a mix, whatever happens to the writer (killed, disk
  * full). The rule, for kt_ckpt_write_experts, kt_ckpt_adapter_write and
- * `kt convert`:
+ * `kt-moe convert`:
  * - the new version is built in a fresh sibling directory
  *   ".<dir>.kt-new.<pid>.<n>" (every file fsync'ed), then swapped with dir
  *   by renameat2(RENAME_EXCHANGE) (a rename when dir does not exist; it and

@@ -28,11 +28,10 @@ set(_kt_components runtime dev)
 if(TARGET kt_cli)
   install(TARGETS kt_cli RUNTIME DESTINATION "${CMAKE_INSTALL_BINDIR}" COMPONENT tools)
   list(APPEND _kt_components tools)
-  # kt bench: the benchmark and its torch baseline scripts, beside each other.
+  # kt-moe bench: the benchmark and the scripts it runs, beside each other.
   if(TARGET kt_bench)
     install(TARGETS kt_bench RUNTIME DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt" COMPONENT tools)
-    install(FILES "${_kt_src_dir}/bench/torch_baseline.py" "${_kt_src_dir}/bench/torch_optim_baseline.py" DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt"
-      COMPONENT tools)
+    install(FILES ${KT_BENCH_SCRIPTS} DESTINATION "${CMAKE_INSTALL_LIBEXECDIR}/kt" COMPONENT tools)
   endif()
 endif()
 if(IS_DIRECTORY "${_kt_src_dir}/plugins/python/kt")

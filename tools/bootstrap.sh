@@ -89,7 +89,7 @@ case "$what" in
   test)
     # The pip route's venv first (kt installed by pip, torch 2.x, the real
     # hosts and the benchmark's peers from the package index): ctest's peer
-    # checks run kt bench with it.
+    # checks run kt-moe bench with it.
     KT_JOBS="$jobs" tools/python_env.sh create
     tools/python_env.sh hosts
     tools/python_env.sh peers

@@ -1,17 +1,19 @@
-// kt: the command-line tool. Uses only the public C ABI of libkt, plus the
-// POSIX publishing helper of src/io (io/publish.h) compiled in, for kt convert.
-//   kt info PATH [--json]       what a checkpoint holds: MoE layers, shapes, formats;
-//                               or a packed cache (a .ktpack file, or a kt convert
+// kt-moe: kt's command-line tool. Uses only the public C ABI of libkt, plus
+// the POSIX publishing helper of src/io (io/publish.h) compiled in, for convert.
+// Its name is the wheel's distribution name: `kt` is kt-kernel's command, and
+// both wheels in one environment would overwrite each other's `kt`.
+//   kt-moe info PATH [--json]   what a checkpoint holds: MoE layers, shapes, formats;
+//                               or a packed cache (a .ktpack file, or a convert
 //                               output): each layer's storage format and bytes
-//   kt demo [--json] [--keep DIR]
+//   kt-moe demo [--json] [--keep DIR]
 //                               writes a small synthetic checkpoint, loads a layer
 //                               from it through the ABI, runs a forward, checks it
-//   kt convert DIR OUT [--layers L,...] [--format F] [--json]
+//   kt-moe convert DIR OUT [--layers L,...] [--format F] [--json]
 //                               packs each MoE layer of a checkpoint (as stored,
 //                               or in format F) into OUT/layer-<L>.ktpack
 //                               (kt_moe_load_packed maps them back) plus
 //                               OUT/manifest.json
-//   kt version [--json]
+//   kt-moe version [--json]
 #include <dirent.h>
 #include <fcntl.h>
 #include <stdlib.h>
@@ -77,16 +79,16 @@ int report_failure(const char* what, kt_status st, bool json) {
     std::printf("{\"ok\": false, \"status\": %s, \"error\": %s}\n", json_string(kt_status_string(st)).c_str(),
                 json_string(kt_last_error()).c_str());
   else
-    std::fprintf(stderr, "kt %s: %s: %s\n", what, kt_status_string(st), kt_last_error());
+    std::fprintf(stderr, "kt-moe %s: %s: %s\n", what, kt_status_string(st), kt_last_error());
   return 1;
 }
 
 int usage(FILE* to) {
   std::fprintf(to,
-               "usage: kt <command> [options]\n"
+               "usage: kt-moe <command> [options]\n"
                "  info PATH [--json]         describe a checkpoint directory (layers, experts,\n"
                "                             shapes, dtypes, formats, bytes), or a packed cache\n"
-               "                             (a .ktpack file or a kt convert output: each layer's\n"
+               "                             (a .ktpack file or a kt-moe convert output: each layer's\n"
                "                             storage format, experts and bytes)\n"
                "  demo [--json] [--keep DIR] write a synthetic checkpoint, load a layer from it,\n"
                "                             run a forward and check it against the same weights\n"
@@ -104,8 +106,11 @@ int usage(FILE* to) {
                "                             dequantizes a quantized one\n"
                "  bench [options]            the benchmark: kt against this machine's limits,\n"
                "                             oneDNN, torch eager and the peers installed (kt-kernel,\n"
-               "                             DeepSpeed's CPU Adam; kt bench --help lists options)\n"
-               "  version [--json]           library version, ABI, build, CPU ISA\n");
+               "                             DeepSpeed's CPU Adam; kt-moe bench --help lists options)\n"
+               "  version [--json]           library version, ABI, build, CPU ISA\n"
+               "kt-moe is kt's command: the pip distribution kt-moe (pip install . in a clone of kt),\n"
+               "python -m kt, or the Debian package kt-tools. `kt` is kt-kernel's command, and\n"
+               "`pip install kt` installs an unrelated placeholder, not this project.\n");
   return to == stderr ? 2 : 0;
 }
 
@@ -125,7 +130,7 @@ bool is_regular_file(const std::string& path) {
 
 bool is_packed_cache_name(const std::string& name);
 
-// kt info on a packed cache: a .ktpack file, or a directory of them (kt
+// kt-moe info on a packed cache: a .ktpack file, or a directory of them (kt
 // convert's output, whose manifest names the source).
 int cmd_info_packed(const std::string& path, bool json) {
   std::vector<std::string> files;
@@ -344,7 +349,7 @@ int cmd_demo(bool json, const std::string& keep_dir) {
     std::vector<char> buf(tmpl.begin(), tmpl.end());
     buf.push_back('\0');
     if (!mkdtemp(buf.data())) {
-      std::fprintf(stderr, "kt demo: cannot create a temporary directory: %s\n", std::strerror(errno));
+      std::fprintf(stderr, "kt-moe demo: cannot create a temporary directory: %s\n", std::strerror(errno));
       return 1;
     }
     dir = buf.data();
@@ -456,7 +461,7 @@ int cmd_demo(bool json, const std::string& keep_dir) {
     for (size_t i = 0; i < token_norms.size(); ++i) std::printf("%s%.9g", i ? ", " : "", token_norms[i]);
     std::printf("],\n  \"max_abs_diff_vs_tensors\": %.9g\n}\n", max_diff);
   } else {
-    std::printf("kt demo: wrote a Qwen3-MoE-shaped checkpoint (%lld MoE layers, E=%lld, H=%lld, I=%lld, bf16)\n"
+    std::printf("kt-moe demo: wrote a Qwen3-MoE-shaped checkpoint (%lld MoE layers, E=%lld, H=%lld, I=%lld, bf16)\n"
                 "         to %s: %lld files, %lld tensors\n",
                 static_cast<long long>(layers), static_cast<long long>(E), static_cast<long long>(H),
                 static_cast<long long>(I), dir.c_str(), static_cast<long long>(info.num_files),
@@ -513,7 +518,7 @@ void draw_progress(int64_t done, int64_t total, void* user) {
   std::fflush(stderr);
 }
 
-// The names kt convert writes in OUT: manifest.json and layer-<L>.ktpack.
+// The names kt-moe convert writes in OUT: manifest.json and layer-<L>.ktpack.
 bool is_packed_cache_name(const std::string& name) {
   if (name == "manifest.json") return true;
   const std::string head = "layer-", tail = ".ktpack";
@@ -548,14 +553,14 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
   const bool format_given = !format_name.empty();
   if (format_given && !parse_format(format_name, &format)) {
     std::fprintf(stderr,
-                 "kt convert: --format takes bf16, int8_channel, int4_g32, int4_g128, fp8_b128, mxfp4, int4_g32_zp or "
+                 "kt-moe convert: --format takes bf16, int8_channel, int4_g32, int4_g128, fp8_b128, mxfp4, int4_g32_zp or "
                  "int4_g128_zp, got '%s'\n",
                  format_name.c_str());
     return 2;
   }
   std::vector<int64_t> wanted;
   if (!layer_list.empty() && !parse_layer_list(layer_list, &wanted)) {
-    std::fprintf(stderr, "kt convert: --layers takes layer numbers separated by commas, got '%s'\n",
+    std::fprintf(stderr, "kt-moe convert: --layers takes layer numbers separated by commas, got '%s'\n",
                  layer_list.c_str());
     return 2;
   }
@@ -586,7 +591,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     for (const auto& li : layers) found = found || li.layer == L;
     if (!found) {
       kt_ckpt_close(ck);
-      std::fprintf(stderr, "kt convert: %s has no MoE layer %lld\n", dir.c_str(), static_cast<long long>(L));
+      std::fprintf(stderr, "kt-moe convert: %s has no MoE layer %lld\n", dir.c_str(), static_cast<long long>(L));
       return 1;
     }
   }
@@ -597,7 +602,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     if (li.loadable || dequantize) continue;
     kt_ckpt_close(ck);
     std::fprintf(stderr,
-                 "kt convert: layer %lld stores %s %s weights, which kt cannot hold as stored (kt info says why); "
+                 "kt-moe convert: layer %lld stores %s %s weights, which kt cannot hold as stored (kt-moe info says why); "
                  "--format bf16 dequantizes a quantized layer\n",
                  static_cast<long long>(li.layer), kt_ckpt_format_name(li.format), kt_ckpt_dtype_name(li.weight_dtype));
     return 1;
@@ -610,7 +615,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     staged.reset(new kt::io::StagedDir(out, kt::io::owned_with_temporaries(is_packed_cache_name)));
   } catch (const kt::Error& e) {
     kt_ckpt_close(ck);
-    std::fprintf(stderr, "kt convert: %s\n", e.what());
+    std::fprintf(stderr, "kt-moe convert: %s\n", e.what());
     return 1;
   }
   kt_engine* engine = nullptr;
@@ -684,7 +689,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
     f.commit();
     staged->publish();
   } catch (const kt::Error& e) {
-    std::fprintf(stderr, "kt convert: %s\n", e.what());
+    std::fprintf(stderr, "kt-moe convert: %s\n", e.what());
     return 1;
   }
   // The layers' format, or "mixed" when they differ (manifest.json has each).
@@ -697,7 +702,7 @@ int cmd_convert(const std::string& dir, const std::string& out, const std::strin
                 json_string(out).c_str(), json_string(out + "/manifest.json").c_str(), layers.size(),
                 static_cast<long long>(total_bytes), json_string(formats).c_str());
   } else {
-    std::printf("kt convert: packed %zu MoE layer(s) of %s into %s as %s (%s), manifest.json written\n",
+    std::printf("kt-moe convert: packed %zu MoE layer(s) of %s into %s as %s (%s), manifest.json written\n",
                 layers.size(), dir.c_str(), out.c_str(), formats.c_str(), human_bytes(total_bytes).c_str());
   }
   return 0;
@@ -717,7 +722,7 @@ int cmd_version(bool json) {
 
 // ------------------------------------------------------------------- bench
 
-// kt bench runs the benchmark program with the remaining arguments. It is
+// kt-moe bench runs the benchmark program with the remaining arguments. It is
 // looked up as $KT_BENCH, then next to an installed kt
 // (<prefix>/libexec/kt/kt_bench), then in the build tree kt was built in.
 int cmd_bench(int argc, char** argv) {
@@ -741,10 +746,10 @@ int cmd_bench(int argc, char** argv) {
     for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
     args.push_back(nullptr);
     execv(path.c_str(), args.data());
-    std::fprintf(stderr, "kt bench: cannot run %s: %s\n", path.c_str(), std::strerror(errno));
+    std::fprintf(stderr, "kt-moe bench: cannot run %s: %s\n", path.c_str(), std::strerror(errno));
     return 1;
   }
-  std::fprintf(stderr, "kt bench: the benchmark program (kt_bench) is not installed here; set KT_BENCH to its path\n");
+  std::fprintf(stderr, "kt-moe bench: the benchmark program (kt_bench) is not installed here; set KT_BENCH to its path\n");
   return 1;
 }
 
@@ -768,7 +773,7 @@ int main(int argc, char** argv) {
     } else if (a == "-h" || a == "--help") {
       return usage(stdout);
     } else if (!a.empty() && a[0] == '-') {
-      std::fprintf(stderr, "kt %s: unknown option %s\n", cmd.c_str(), a.c_str());
+      std::fprintf(stderr, "kt-moe %s: unknown option %s\n", cmd.c_str(), a.c_str());
       return usage(stderr);
     } else {
       positional.push_back(a);

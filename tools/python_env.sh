@@ -87,16 +87,21 @@ make_venv() {
   mkdir -p "$cache"
 }
 
-# install_kt DIR: kt built by pip from the checkout into the venv at DIR; every
-# venv shares one build directory (build-pip), so only the first build compiles.
+# install_kt DIR: kt's wheel built by pip from the checkout into
+# build-pip/wheel (tests/python/test_pip_route.py installs it from there) and
+# installed into the venv at DIR; every venv shares one build directory
+# (build-pip), so only the first build compiles.
 install_kt() {
   echo "python_env: building and installing kt from $root into $1"
   # The build backend (scikit-build-core) comes from the index, or the cache.
   # --config-settings, not -C: Debian 12's venv pip (23.0) lacks the short form.
   "$1/bin/pip" download --quiet --dest "$cache" "scikit-build-core>=0.10,<2"
+  rm -rf "$root/build-pip/wheel"
   CCACHE_BASEDIR=$root CMAKE_BUILD_PARALLEL_LEVEL=${KT_JOBS:-2} \
     PIP_FIND_LINKS="$cache${PIP_FIND_LINKS:+ $PIP_FIND_LINKS}" \
-    "$1/bin/pip" install --quiet --force-reinstall --no-deps --config-settings=build-dir="$root/build-pip" "$root"
+    "$1/bin/pip" wheel --quiet --no-deps --config-settings=build-dir="$root/build-pip" \
+    --wheel-dir "$root/build-pip/wheel" "$root"
+  "$1/bin/pip" install --quiet --force-reinstall --no-deps "$root"/build-pip/wheel/kt_moe-*.whl
 }
 
 create() {
@@ -106,8 +111,8 @@ create() {
   "$venv/bin/pip" install --quiet --no-index --find-links "$cache" -r "$requirements"
   install_kt "$venv"
   "$venv/bin/python" -c 'import kt, torch; print("python_env: kt", kt.__version__, "from", kt.library_path(), "| torch", torch.__version__)'
-  "$venv/bin/kt" --help >/dev/null
-  echo "python_env: ready: $venv (kt command: $venv/bin/kt)"
+  "$venv/bin/kt-moe" --help >/dev/null
+  echo "python_env: ready: $venv (kt command: $venv/bin/kt-moe)"
 }
 
 peers() {
@@ -126,7 +131,10 @@ peers() {
   # PATH) and needs Python.h (Debian: python3-dev).
   PATH="$venv/bin:$PATH" "$venv/bin/python" -c 'from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()'
   "$venv/bin/python" -c 'import deepspeed, kt_kernel, torch; print("python_env: deepspeed", deepspeed.__version__, "| kt-kernel", getattr(kt_kernel, "__version__", "?"), getattr(kt_kernel, "__cpu_variant__", ""), "| torch", torch.__version__)'
-  echo "python_env: peers ready in $venv (DeepSpeedCPUAdam's op built)"
+  # kt-kernel installs a `kt` command of its own; kt's is kt-moe, untouched.
+  "$venv/bin/kt-moe" version | grep -q "(abi " ||
+    { echo "python_env: $venv/bin/kt-moe is not kt's tool after the peers' install" >&2; exit 1; }
+  echo "python_env: peers ready in $venv (DeepSpeedCPUAdam's op built; kt's command: $venv/bin/kt-moe, kt-kernel's: $venv/bin/kt)"
 }
 
 hosts() {

@@ -3,9 +3,11 @@
 # package directory kt/ of the wheel's platlib:
 #   kt/libkt.so.<abi>               the library, one real file under its SONAME
 #                                   (wheels hold no symlinks), found by kt._capi
-#   kt/bin/kt                       the kt tool (RUNPATH $ORIGIN/..), run by the
-#                                   `kt` console command (kt._cli)
-#   kt/libexec/kt/kt_bench          `kt bench` and its torch baseline scripts
+#   kt/bin/kt-moe                   the kt tool (RUNPATH $ORIGIN/..), run by the
+#                                   `kt-moe` console command and `python -m kt`
+#                                   (kt._cli)
+#   kt/libexec/kt/kt_bench          `kt-moe bench`, beside the scripts it runs
+#                                   (torch baselines, the peers' driver)
 # The Python sources of kt/ come from plugins/python/kt (wheel.packages).
 if(NOT TARGET kt_cli)
   message(FATAL_ERROR "kt: the Python wheel needs the kt tool (tools/CMakeLists.txt)")
@@ -20,6 +22,5 @@ install(TARGETS kt_cli RUNTIME DESTINATION kt/bin COMPONENT wheel)
 if(TARGET kt_bench)
   set_target_properties(kt_bench PROPERTIES INSTALL_RPATH "\$ORIGIN/../..")
   install(TARGETS kt_bench RUNTIME DESTINATION kt/libexec/kt COMPONENT wheel)
-  install(FILES "${PROJECT_SOURCE_DIR}/bench/torch_baseline.py" "${PROJECT_SOURCE_DIR}/bench/torch_optim_baseline.py"
-    DESTINATION kt/libexec/kt COMPONENT wheel)
+  install(FILES ${KT_BENCH_SCRIPTS} DESTINATION kt/libexec/kt COMPONENT wheel)
 endif()

@@ -272,7 +272,7 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
   KT_CHECK(version == kPackedFormatVersion, KT_ERR_IO,
            w + ": packed cache format version " + std::to_string(version) +
                "; this kt reads version " + std::to_string(kPackedFormatVersion) +
-               " (rebuild it with kt convert)");
+               " (rebuild it with kt-moe convert)");
   KT_CHECK(size >= kPackedHeaderBytes, KT_ERR_IO,
            w + ": truncated: " + std::to_string(size) + " bytes, shorter than the " +
                std::to_string(kPackedHeaderBytes) + "-byte header");
@@ -282,7 +282,7 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
            w + ": header checksum mismatch (the file is corrupted)");
   KT_CHECK(h.abi_version == KT_ABI_VERSION, KT_ERR_IO,
            w + ": written by kt ABI " + std::to_string(h.abi_version) + "; this kt is ABI " +
-               std::to_string(KT_ABI_VERSION) + " (rebuild it with kt convert)");
+               std::to_string(KT_ABI_VERSION) + " (rebuild it with kt-moe convert)");
   // Compared as numbers: a value outside the enum is never converted to it.
   KT_CHECK(weight_format_of(int64_t{h.weight_format}) != nullptr, KT_ERR_IO,
            w + ": holds weight format " + std::to_string(h.weight_format) + ", which this kt does not know");
@@ -294,7 +294,7 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
                std::to_string(h.panel_rows) + "-row panels); this kt packs " +
                weight_format_name(format) + " weights in layout " +
                std::to_string(panel_layout_of(format)) + " (" + std::to_string(kPanelRows) +
-               "-row panels) (rebuild it with kt convert)");
+               "-row panels) (rebuild it with kt-moe convert)");
   KT_CHECK(h.experts >= 1 && h.hidden >= 1 && h.intermediate >= 1, KT_ERR_IO,
            w + ": the header holds no layer shape");
   KT_CHECK(h.file_bytes == size, KT_ERR_IO,

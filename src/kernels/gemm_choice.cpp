@@ -2,7 +2,7 @@
 // clearly faster. Only the AMX tables are measured: there oneDNN's brgemm
 // has been the faster one at prefill sizes, and kt's tile kernel must earn
 // its place; on the AVX-512 and AVX2 paths kt's kernels were measured faster
-// in every case of kt bench, so nothing is timed there.
+// in every case of kt-moe bench, so nothing is timed there.
 #include <chrono>
 #include <cstdio>
 #include <mutex>

@@ -67,10 +67,17 @@ ldd_out=$(LD_LIBRARY_PATH="$libdir" ldd "$work/consumer")
 echo "$ldd_out" | grep -q "libkt.so.$abi => $libdir/" || fail "consumer did not load libkt from the package: $ldd_out"
 
 # The other packages, when the build made them: the kt command and the Python package.
-if [ -x "$root/usr/bin/kt" ]; then
-  LD_LIBRARY_PATH="$libdir" "$root/usr/bin/kt" demo >"$work/kt-demo.log" 2>&1 ||
-    { cat "$work/kt-demo.log"; fail "kt demo from kt-tools failed"; }
-  echo "kt-tools: kt demo passed"
+tools_deb=$(ls "$work/packages/kt-tools_${version}_"*.deb 2>/dev/null | head -n 1)
+if [ -n "$tools_deb" ]; then
+  # kt's command is kt-moe (`kt` is kt-kernel's), with kt bench's scripts beside its program.
+  for f in usr/bin/kt-moe usr/libexec/kt/kt_bench usr/libexec/kt/peers_baseline.py; do
+    dpkg-deb -c "$tools_deb" | grep -q " \./$f\$" || fail "kt-tools lacks /$f"
+  done
+fi
+if [ -x "$root/usr/bin/kt-moe" ]; then
+  LD_LIBRARY_PATH="$libdir" "$root/usr/bin/kt-moe" demo >"$work/kt-demo.log" 2>&1 ||
+    { cat "$work/kt-demo.log"; fail "kt-moe demo from kt-tools failed"; }
+  echo "kt-tools: kt-moe demo passed"
 fi
 pydir=$(find "$root" -type d -path "*/dist-packages/kt" | head -n 1)
 if [ -n "$pydir" ] && command -v python3 >/dev/null 2>&1; then

@@ -3,12 +3,12 @@
   check_files.py KT_BINARY C99_WORK_DIR
 
 1. Builds a sharded Qwen3-MoE-style checkpoint here (its own safetensors writer),
-   runs `kt info --json` on it and checks the reported layers, experts, shapes,
+   runs `kt-moe info --json` on it and checks the reported layers, experts, shapes,
    dtypes and byte counts.
 2. Reads the checkpoint and the PEFT adapter that the C99 host test wrote with
    kt's writers, validates every header the way the format defines it, and
    compares every tensor value with the formula that host used.
-3. Runs `kt demo --json` and checks its self-comparison.
+3. Runs `kt-moe demo --json` and checks its self-comparison.
 """
 import json
 import os
@@ -129,21 +129,21 @@ def check_kt_info(kt):
                 "tensors": n_tensors, "bytes": total, "top_k": 4, "moe_layers": 2, "routed_experts": 2 * E,
                 "expert_bytes": expert_bytes}
         for k, v in want.items():
-            check(info.get(k) == v, f"kt info: {k} = {info.get(k)!r}, expected {v!r}")
+            check(info.get(k) == v, f"kt-moe info: {k} = {info.get(k)!r}, expected {v!r}")
         layers = info.get("layers", [])
-        check([l["layer"] for l in layers] == [1, 3], f"kt info: layers {layers}")
+        check([l["layer"] for l in layers] == [1, 3], f"kt-moe info: layers {layers}")
         for l in layers:
             check((l["experts"], l["hidden"], l["intermediate"], l["dtype"], l["format"], l["loadable"])
-                  == (E, H, I, "BF16", "dense", True), f"kt info: layer entry {l}")
-        check(info.get("dtypes", {}).get("BF16", {}).get("tensors") == n_tensors - 1, f"kt info: dtypes {info.get('dtypes')}")
-        # A broken checkpoint: kt info fails with a JSON error naming the file.
+                  == (E, H, I, "BF16", "dense", True), f"kt-moe info: layer entry {l}")
+        check(info.get("dtypes", {}).get("BF16", {}).get("tensors") == n_tensors - 1, f"kt-moe info: dtypes {info.get('dtypes')}")
+        # A broken checkpoint: kt-moe info fails with a JSON error naming the file.
         with open(os.path.join(d, "model-00002-of-00002.safetensors"), "r+b") as f:
             f.truncate(100)
         res = subprocess.run([kt, "info", "--json", d], capture_output=True, text=True, timeout=60)
-        check(res.returncode != 0, "kt info on a truncated shard succeeded")
+        check(res.returncode != 0, "kt-moe info on a truncated shard succeeded")
         err = json.loads(res.stdout) if res.stdout.strip() else {}
         check(err.get("ok") is False and err.get("status") == "KT_ERR_IO"
-              and "model-00002-of-00002.safetensors" in err.get("error", ""), f"kt info error: {res.stdout}")
+              and "model-00002-of-00002.safetensors" in err.get("error", ""), f"kt-moe info error: {res.stdout}")
 
 
 def check_c99_files(work):
@@ -196,11 +196,11 @@ def check_c99_files(work):
 
 def check_demo(kt):
     out = run_json([kt, "demo", "--json"])
-    check(out.get("ok") is True, f"kt demo: {out}")
-    check(out.get("max_abs_diff_vs_tensors") == 0, f"kt demo: difference {out.get('max_abs_diff_vs_tensors')}")
-    check(out.get("y_norm", 0) > 0 and len(out.get("token_norms", [])) == out.get("tokens"), f"kt demo: {out}")
-    check(out.get("files") == 2 and out.get("tensors") == 2 * 8 * 3, f"kt demo: files/tensors {out}")
-    check(not os.path.exists(out.get("checkpoint", "/nonexistent")), "kt demo left its temporary checkpoint")
+    check(out.get("ok") is True, f"kt-moe demo: {out}")
+    check(out.get("max_abs_diff_vs_tensors") == 0, f"kt-moe demo: difference {out.get('max_abs_diff_vs_tensors')}")
+    check(out.get("y_norm", 0) > 0 and len(out.get("token_norms", [])) == out.get("tokens"), f"kt-moe demo: {out}")
+    check(out.get("files") == 2 and out.get("tensors") == 2 * 8 * 3, f"kt-moe demo: files/tensors {out}")
+    check(not os.path.exists(out.get("checkpoint", "/nonexistent")), "kt-moe demo left its temporary checkpoint")
 
 
 def main():
@@ -211,7 +211,7 @@ def main():
     if failures:
         print("\n".join(failures))
         sys.exit(1)
-    print("independent reader: kt info, kt-written checkpoint and adapter, kt demo all as expected")
+    print("independent reader: kt-moe info, kt-written checkpoint and adapter, kt-moe demo all as expected")
 
 
 if __name__ == "__main__":

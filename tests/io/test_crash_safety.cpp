@@ -1,5 +1,5 @@
 // Crash safety of every writer: the adapter writer, the expert-checkpoint
-// writer, kt convert over an existing output, the packed-cache writer and the
+// writer, kt-moe convert over an existing output, the packed-cache writer and the
 // optimizer state writer.
 // Each is killed (SIGKILL, in a forked child, or the kt command) before each
 // of its file-changing steps in turn (write, fsync, rename, link, unlink,
@@ -171,7 +171,7 @@ ChildResult run_armed(int kind, long n, const std::function<kt_status()>& write)
 // One writer under test: how to reset the destination to the old state,
 // write the new and the next one, and what kt's reader must make of it.
 struct Writer {
-  std::string call;         // the kt call (or "kt convert") named by errors
+  std::string call;         // the kt call (or "kt-moe convert") named by errors
   std::string target;       // the destination (directory or file)
   std::function<kt_status()> write_old, write_new, write_next;
   // "old", "new", "next", "absent", or a description of what is wrong.
@@ -642,7 +642,7 @@ TEST_F(CrashSafety, OptimizerStateWriterNeverLeavesAMix) {
   run_all(w);
 }
 
-// ---------------------------------------------------------------- kt convert
+// ---------------------------------------------------------------- kt-moe convert
 
 #if defined(KT_CLI_PATH) && defined(KT_FAULTFS_PATH)
 TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
@@ -652,7 +652,7 @@ TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
   ASSERT_EQ(c2.write(ck2), KT_OK) << kt_last_error();
   ASSERT_EQ(c3.write(ck3), KT_OK) << kt_last_error();
   Writer w;
-  w.call = "kt convert";
+  w.call = "kt-moe convert";
   w.target = dir_ + "/packed";
   // The kt command, with the fault injector preloaded when armed.
   auto convert = [&](const std::string& from, const char* fault) -> kt_status {
@@ -701,7 +701,7 @@ TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
       }
       ++g_kills;
       ASSERT_TRUE(after == w.old_ref || after == w.new_ref)
-          << "kt convert: " << kKindName[kind] << " at step " << n << " left a mix: " << describe(after);
+          << "kt-moe convert: " << kKindName[kind] << " at step " << n << " left a mix: " << describe(after);
       ASSERT_EQ(w.reader_sees(), after == w.new_ref ? "new" : "old") << kKindName[kind] << " at step " << n;
       ASSERT_EQ(w.write_next(), KT_OK);
       ASSERT_TRUE(snapshot(w.target) == w.next_ref) << describe(snapshot(w.target));
@@ -709,7 +709,7 @@ TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
       ASSERT_TRUE(left.empty()) << kKindName[kind] << " at step " << n << ": the next write left " << left[0];
     }
     EXPECT_GT(n, 3) << "too few steps: is the fault injector preloaded?";
-    std::printf("kt convert: %s at each of %ld steps\n", kKindName[kind], n - 1);
+    std::printf("kt-moe convert: %s at each of %ld steps\n", kKindName[kind], n - 1);
   }
   // Disk full from each step on: the command fails, the old output stays.
   long n = 1;
@@ -728,7 +728,7 @@ TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
     ASSERT_TRUE(left.empty()) << "ENOSPC from step " << n << " left " << left[0];
     ASSERT_LT(n, 10000);
   }
-  std::printf("kt convert: disk full from each of %ld steps\n", n - 1);
+  std::printf("kt-moe convert: disk full from each of %ld steps\n", n - 1);
 }
 #endif
 

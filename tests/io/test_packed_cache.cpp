@@ -1,7 +1,7 @@
 // The packed cache: a layer saved with kt_moe_save_packed and mapped back
 // with kt_moe_load_packed computes bit-identically on every ISA the CPU
 // runs; broken, foreign or mismatched caches are refused with a message
-// naming the file, and the layer stays as it was; kt convert packs every
+// naming the file, and the layer stays as it was; kt-moe convert packs every
 // MoE layer of a checkpoint into caches that load back. Quantized layers are
 // saved as they are held (kt's int8/int4 codes, or a checkpoint's fp8, int4
 // and MXFP4 codes and scales as stored).
@@ -757,8 +757,8 @@ TEST_F(PackedStored, CachesOfAnotherFormatAreRefusedNamingBoth) {
 }
 
 #ifdef KT_CLI_PATH
-// `kt convert` keeps a quantized checkpoint's layers as stored, dequantizes
-// them on request (--format bf16), never re-quantizes them; `kt info`
+// `kt-moe convert` keeps a quantized checkpoint's layers as stored, dequantizes
+// them on request (--format bf16), never re-quantizes them; `kt-moe info`
 // reports each cache's format.
 TEST_F(PackedStored, ConvertKeepsQuantizedCheckpointsAsStored) {
   const std::string cli = KT_CLI_PATH;
@@ -883,7 +883,7 @@ TEST_F(PackedCache, ConvertQuantizesAndInfoReportsEachLayersFormat) {
   const nlohmann::json manifest = nlohmann::json::parse(read_bytes(out + "/manifest.json"));
   for (const auto& entry : manifest["layers"]) EXPECT_EQ(entry["weight_format"], "int8_channel");
 
-  // kt info on the converted cache and on one of its files: each layer's format.
+  // kt-moe info on the converted cache and on one of its files: each layer's format.
   ASSERT_EQ(std::system((cli + " info " + out + " --json > " + path("info.json")).c_str()), 0);
   const nlohmann::json info = nlohmann::json::parse(read_bytes(path("info.json")));
   ASSERT_EQ(info["layers"].size(), 2u);
