@@ -110,8 +110,11 @@ case "$what" in
     # the refusals (each engine start costs half a minute on 2 cores; the
     # bf16, compiled-mode and int8 cases run with:
     # KT_VENV=$(pwd)/build-serve tools/python_env.sh test tests/python/test_serve_vllm.py).
+    # Then the whole-model path at test size (bench/whole_model.py's code):
+    # gpt-oss MXFP4 and Qwen3 int4 2-layer models served through vLLM + kt.
     KT_VENV="$(pwd)/build-serve" tools/python_env.sh test tests/python/test_serve_vllm.py \
-      -k "fp32_greedy or int4 or http or refused" || failed="$failed vllm"
+      tests/python/test_whole_model.py -k "fp32_greedy or int4 or http or refused or whole_model" ||
+      failed="$failed vllm"
     # LlamaFactory's CLI with a YAML config, with kt's experts and without,
     # in its own venv (llamafactory pins older transformers and PEFT): the
     # fp32 loss curves, peak memory and the saved adapter (about 3 minutes).

@@ -913,7 +913,9 @@ def from_pretrained(directory, *, model_class=None, dtype=None, **options):
     routers, shared experts, embeddings, norms) are read into torch, so the
     expert weights never exist as torch tensors. ``model_class`` defaults to
     AutoModelForCausalLM; ``dtype`` is the torch dtype of the non-expert
-    parameters (default: the config's). Needs transformers and safetensors.
+    parameters (default: the config's). The experts of a quantized
+    checkpoint stay in its stored format unless ``weight_format`` or
+    ``dequantize=True`` says otherwise. Needs transformers and safetensors.
     Returns the model in eval mode, as transformers' from_pretrained does."""
     import transformers
     from safetensors import safe_open
@@ -927,6 +929,11 @@ def from_pretrained(directory, *, model_class=None, dtype=None, **options):
             model = model_class.from_config(config, **kw)
         else:
             model = model_class(config, **kw)
+    if "weight_format" not in options and not options.get("dequantize"):
+        with Checkpoint(directory) as ck:
+            stored = {info["weight_format"] for info in ck.layers.values()}
+        if len(stored) == 1:
+            options["weight_format"] = stored.pop()
     replace_moe_experts(model, checkpoint=directory, strict=True, **options)
     wanted = {n for n, p in model.named_parameters() if p.device.type == "meta"}
     wanted |= {n for n, b in model.named_buffers() if b.device.type == "meta"}
