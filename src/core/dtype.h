@@ -77,7 +77,14 @@ inline float e2m1_to_f32(uint8_t u) {
 // E8M0 scale 2^(b - 127), exact in bf16 and fp32; 0xFF is NaN (refused by
 // callers).
 inline bool e8m0_is_nan(uint8_t b) { return b == 0xffu; }
-inline float e8m0_to_f32(uint8_t b) { return std::ldexp(1.f, static_cast<int>(b) - 127); }
+// Built from its bits (ldexpf is a libm call per scale): b is the fp32
+// exponent field; b = 0 is the subnormal 2^-127, b = 255 infinity, as ldexpf gives.
+inline float e8m0_to_f32(uint8_t b) {
+  const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // Reads element i (already offset) of a buffer of type t as float.
 inline float load_as_f32(const void* p, DType t) {

@@ -230,19 +230,39 @@ SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, c
                     " holds the e4m3 NaN code " + hex_byte(source_code(src, R, c)));
     for (int64_t g = 0; g < ngroups; ++g) {
       const uint8_t* p = scale_ptr(src, R, g);
-      const std::string where = at + "': the scale of row " + std::to_string(r) + ", columns " +
-                                std::to_string(g * src.group) + "-" +
-                                std::to_string(std::min(k, (g + 1) * src.group) - 1);
-      if (e8m0_scales(src) && e8m0_is_nan(*p)) return io(where + " is the e8m0 NaN code 0xff");
+      // Built only for a problem: this loop runs once per group of every loaded expert.
+      auto where = [&] {
+        return at + "': the scale of row " + std::to_string(r) + ", columns " + std::to_string(g * src.group) + "-" +
+               std::to_string(std::min(k, (g + 1) * src.group) - 1);
+      };
+      if (e8m0_scales(src) && e8m0_is_nan(*p)) return io(where() + " is the e8m0 NaN code 0xff");
       const float v = scale_value(src, p);
-      if (!std::isfinite(v)) return io(where + " is " + std::to_string(v) + ", not finite");
+      if (!std::isfinite(v)) return io(where() + " is " + std::to_string(v) + ", not finite");
       if (into && into->scale_bytes == 2 && bf16_to_f32(f32_to_bf16(v)) != v)
-        return unsupported(where + " is " + std::to_string(v) + " (" + io::dtype_name(src.scale_dtype) +
+        return unsupported(where() + " is " + std::to_string(v) + " (" + io::dtype_name(src.scale_dtype) +
                            "), not exact in the bf16 scales of a " + weight_format_name(into->format) +
                            " layer; load it dequantized");
     }
   }
   return SourceProblem{};
+}
+
+// A row of 4-bit source codes (two a byte, low nibble first) into lane
+// `lane` of a panel, four columns a step: put_code keeps columns 4m and
+// 4m+2 in byte 32m + 2 lane and columns 4m+1 and 4m+3 in the byte after it
+// (low nibble first), so each source byte pair makes one such pair whole.
+static void put_codes4(uint8_t* panel, int64_t lane, const uint8_t* row, int64_t k) {
+  const int64_t quads = k / 4;
+  for (int64_t m = 0; m < quads; ++m) {
+    const uint8_t s0 = row[2 * m], s1 = row[2 * m + 1];
+    uint8_t* b = panel + m * 32 + lane * 2;
+    b[0] = static_cast<uint8_t>((s0 & 0x0f) | (s1 << 4));
+    b[1] = static_cast<uint8_t>((s0 >> 4) | (s1 & 0xf0));
+  }
+  for (int64_t c = quads * 4; c < k; ++c) {
+    const uint8_t b = row[c / 2];
+    put_code(panel, 4, lane, c, static_cast<uint8_t>(c & 1 ? b >> 4 : b & 0x0f));
+  }
 }
 
 void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst) {
@@ -254,7 +274,10 @@ void pack_quant_source(const QuantSource& src, const QuantShape& s, uint8_t* dst
   for (int64_t r = 0; r < s.n; ++r) {
     const int64_t R = source_row(src, r), P = r / kPanelRows, lane = r % kPanelRows;
     uint8_t* panel = dst + P * s.code_panel_bytes;
-    for (int64_t c = 0; c < s.k; ++c) put_code(panel, s.bits, lane, c, source_code(src, R, c));
+    if (s.bits == 4 && src.bits == 4)
+      put_codes4(panel, lane, src.codes + R * src.code_row_bytes, s.k);
+    else
+      for (int64_t c = 0; c < s.k; ++c) put_code(panel, s.bits, lane, c, source_code(src, R, c));
     // With zero points the padding columns (in the last group) take the
     // code of that group's zero.
     const uint8_t pad = s.zero_points ? zero_nibble(src, R, ngroups - 1) : zero;

@@ -1144,6 +1144,25 @@ void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char
   }
 }
 
+// Experts [e0, e0 + n) of a quantized layer are packed: their source pages
+// (codes, scales, zero points, biases) need not stay resident.
+void release_quant_sources(const MoeLayer& L, int64_t e0, int64_t n) {
+  auto slice = [&](const TensorRef* t) {  // experts e0.. of a tensor stacked over E
+    if (!t) return;
+    const size_t per = static_cast<size_t>(t->entry->nbytes() / L.E);
+    release_mapped_pages(t->data + static_cast<size_t>(e0) * per, static_cast<size_t>(n) * per);
+  };
+  if (L.layout == KT_CKPT_LAYOUT_GPT_OSS) {
+    for (const TensorRef* t : {L.gate_up, L.down, L.gate_up_scales, L.down_scales, L.gate_up_bias, L.down_bias})
+      slice(t);
+    return;
+  }
+  for (int64_t e = e0; e < e0 + n; ++e)
+    for (const ProjTensors& pt : L.experts[static_cast<size_t>(e)])
+      for (const TensorRef* t : {pt.weight, pt.scale, pt.zero, pt.bias})
+        if (t) release_mapped_pages(t->data, static_cast<size_t>(t->entry->nbytes()));
+}
+
 void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
                            const char* where) {
   check_quant_sources(L, moe, true, where);
@@ -1165,6 +1184,7 @@ void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn p
           [&](int64_t i, int p, uint8_t* dst) { pack_quant_source(quant_source(L, e0 + i, p), moe->quant_shape(p), dst); },
           L.has_bias ? biases : nullptr);
     }
+    release_quant_sources(L, e0, n);
     if (progress) progress(e0 + n, L.E, user);
   }
 }

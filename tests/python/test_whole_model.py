@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import whole_model  # noqa: E402
+from kt._progress import _bytes_text  # noqa: E402
 
 VARIANTS = {"gpt-oss-20b": dict(layers=2, vocab=512, experts=8),
             "qwen3-30b-a3b": dict(layers=2, vocab=512, experts=16)}
@@ -62,6 +63,36 @@ def test_whole_model_sizes_and_kt_load(models, name):
     within_bound(load["memory"], sizes, "kt")
 
 
+def mapped_rss(paths):
+    """Resident bytes of this process's mappings of the given files."""
+    total, current = 0, None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) >= 6 and "-" in fields[0]:
+                current = fields[5]
+            elif fields and fields[0] == "Rss:" and current in paths:
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_whole_model_load_keeps_no_second_copy_of_the_experts(models, name):
+    # kt maps the checkpoint and packs each expert into its own panels; the
+    # mapped source pages are released once packed, so the experts are held
+    # once (the panels), not twice (panels + mapped file pages).
+    import kt
+    paths = set(whole_model.model_files(models[name]))
+    with kt.Checkpoint(models[name]) as ck:
+        experts = sum(info["bytes"] for info in ck.layers.values())
+        layers = []
+        for L in sorted(ck.layers):
+            layers.append(kt.MoE(**ck.moe_options(L), max_tokens=8))
+            ck.load_layer(L, layers[-1])
+        resident = mapped_rss(paths)
+        assert resident < 0.02 * experts, (resident, experts)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (tools/python_env.sh serve)")
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_whole_model_serves_through_vllm_and_kt(models, name):
@@ -70,6 +101,9 @@ def test_whole_model_serves_through_vllm_and_kt(models, name):
     # kt computed both MoE layers, vLLM said why it could not, and 8 greedy tokens came back.
     assert out["kt_layers_logged"] == 2, out["log"]
     assert out["kt_reasons"], out["log"]
+    # The plugin's load progress, asked for, ends with every layer and byte of the experts.
+    last = out["kt_progress_last"]
+    assert last and "layer 2/2" in last and "of %s," % _bytes_text(sizes["experts_bytes"]) in last, last
     assert out["decode_batch1_tokens"] == 8
     assert out["decode_batch1_tok_s"] > 0 and out["prefill_tok_s"] > 0 and out["ttft_s"] > 0
     within_bound(out["memory"], sizes, "vllm")
