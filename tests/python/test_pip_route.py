@@ -178,7 +178,12 @@ def test_installed_bench_runs_its_peers(view, tmp_path):
     venv = Venv(str(tmp_path / "venv"), view)
     venv.pip_install(kt_kernel_wheel())
     venv.pip_install(kt_wheel())
-    res = run([venv.bin(KT_COMMAND), "bench", "--quick", "--json", "--no-onednn"], timeout=900)
+    # The peers venv's scripts (its ninja, which DeepSpeed's op build needs)
+    # after the new venv's own, as kt-moe puts them: a user's venv holds both.
+    env = clean_env()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    res = subprocess.run([venv.bin(KT_COMMAND), "bench", "--quick", "--json", "--no-onednn"], capture_output=True,
+                         text=True, env=env, timeout=900)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     doc = json.loads(res.stdout)
     # Each peer ran with the venv's interpreter, the kt-moe command's default.

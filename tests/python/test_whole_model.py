@@ -81,16 +81,21 @@ def test_whole_model_load_keeps_no_second_copy_of_the_experts(models, name):
     # kt maps the checkpoint and packs each expert into its own panels; the
     # mapped source pages are released once packed, so the experts are held
     # once (the panels), not twice (panels + mapped file pages).
+    # Measured as the growth of the mappings' resident bytes over the load:
+    # with the pages kept, it is all of the experts' bytes; released, it was
+    # 0 on one machine and about 40 MB of these 85-212 MB on another (pages
+    # the kernel maps around the ones read), so the bound is three quarters.
     import kt
     paths = set(whole_model.model_files(models[name]))
     with kt.Checkpoint(models[name]) as ck:
         experts = sum(info["bytes"] for info in ck.layers.values())
+        before = mapped_rss(paths)
         layers = []
         for L in sorted(ck.layers):
             layers.append(kt.MoE(**ck.moe_options(L), max_tokens=8))
             ck.load_layer(L, layers[-1])
-        resident = mapped_rss(paths)
-        assert resident < 0.02 * experts, (resident, experts)
+        grown = mapped_rss(paths) - before
+        assert grown < 0.75 * experts, (grown, before, experts)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (tools/python_env.sh serve)")

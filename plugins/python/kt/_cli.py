@@ -30,6 +30,10 @@ def main():
     # interpreter of this environment, where pip put them beside kt.
     env = dict(os.environ)
     env.setdefault("KT_BENCH_PEERS_PYTHON", sys.executable)
+    # The environment's scripts come first on PATH, as in an activated venv:
+    # DeepSpeed builds its CPU Adam op with the ninja that pip put there.
+    scripts = os.path.dirname(sys.executable)
+    env["PATH"] = scripts + (os.pathsep + env["PATH"] if env.get("PATH") else "")
     try:
         os.execve(path, [path] + sys.argv[1:], env)
     except OSError as e:
