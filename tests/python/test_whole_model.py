@@ -82,9 +82,10 @@ def test_whole_model_load_keeps_no_second_copy_of_the_experts(models, name):
     # mapped source pages are released once packed, so the experts are held
     # once (the panels), not twice (panels + mapped file pages).
     # Measured as the growth of the mappings' resident bytes over the load:
-    # with the pages kept, it is all of the experts' bytes; released, it was
-    # 0 on one machine and about 40 MB of these 85-212 MB on another (pages
-    # the kernel maps around the ones read), so the bound is three quarters.
+    # with the pages kept it is all of the experts' bytes and more (the
+    # pages mapped around the ones read); released, it was 0 on this kind of
+    # machine and 41-53 MB of these 85-212 MB in a fresh Debian root (not
+    # yet explained), so the bound is 90 % of the experts' bytes.
     import kt
     paths = set(whole_model.model_files(models[name]))
     with kt.Checkpoint(models[name]) as ck:
@@ -95,7 +96,7 @@ def test_whole_model_load_keeps_no_second_copy_of_the_experts(models, name):
             layers.append(kt.MoE(**ck.moe_options(L), max_tokens=8))
             ck.load_layer(L, layers[-1])
         grown = mapped_rss(paths) - before
-        assert grown < 0.75 * experts, (grown, before, experts)
+        assert grown < 0.9 * experts, (grown, before, experts)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (tools/python_env.sh serve)")
