@@ -340,7 +340,7 @@ def kt_load(directory, threads, cold):
 
 # ------------------------------------------------------------- vLLM host
 
-def _post(url, body, stream=False, timeout=600):
+def _post(url, body, timeout=600):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=timeout)
 
