@@ -169,7 +169,7 @@ struct kt_moe::BackwardPass {
   int64_t Hp = 0, Ip = 0;   // K of the W_d^T and W_g^T / W_u^T panels (padded H, I)
   int64_t nIb = 0;          // blocks of I: parts of each route's routing-weight gradient
   bool need_act = false;    // the activation is recomputed for the parameter gradients
-  bool dy_by_route = false; // dy's rows laid out in route order (dyr_)
+  bool dy_by_route = false; // dy's rows laid out in route order (ws_->dy_by_route)
 
   BackwardPass(kt_context* context, const BackwardCall& call) : ctx(context), c(call), R(context->routing) {}
 };
@@ -179,6 +179,7 @@ struct kt_moe::BackwardPass {
 // per block of H -> routing-weight gradients -> parameter gradients.
 void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   check_backward_state(c);
+  fit_workspace();
   {
     std::lock_guard<std::mutex> lock(state_mutex);
     KT_CHECK(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
@@ -196,13 +197,13 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   clock.enter(KT_STAGE_PACK_INPUT);
   backward_inputs(b);
   clock.enter(KT_STAGE_BWD_LORA);
-  if (lora_on(kDown)) project_rows(b.R, lora_[kDown].sbt.data(), H, true, dyf_.data(), H, lb_[kDown].data());
+  if (lora_on(kDown)) project_rows(b.R, lora_[kDown].sbt.data(), H, true, ws_->dy_f32.data(), H, ws_->lora_b_proj[kDown].data());
   clock.enter(KT_STAGE_BWD_DOWN);
   backward_down(b);
   clock.enter(KT_STAGE_BWD_LORA);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p))
-      project_rows(b.R, lora_[p].sbt.data(), I, false, p == kGate ? dg_.data() : du_.data(), I, lb_[p].data());
+      project_rows(b.R, lora_[p].sbt.data(), I, false, p == kGate ? ws_->d_gate.data() : ws_->d_up.data(), I, ws_->lora_b_proj[p].data());
   clock.enter(KT_STAGE_BWD_DX);
   if (c.has_dx) backward_dx(b);
   clock.enter(KT_STAGE_BWD_ROUTE);
@@ -229,21 +230,21 @@ void kt_moe::backward_inputs(BackwardPass& b) {
   b.Hp = down_shape.padded_rows();
   b.Ip = gate_shape.padded_rows();
   b.nIb = ceil_div(I, kBlockCols);
-  dyf_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
-  dya_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * b.Hp * a_size_, 1)));
-  pack_rows_a(b.c.dy, b.T, b.Hp, dya_.data(), dyf_.data());
+  ws_->dy_f32.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  ws_->dy_packed.reserve(static_cast<size_t>(std::max<int64_t>(b.T * b.Hp * a_size_, 1)));
+  pack_rows_a(b.c.dy, b.T, b.Hp, ws_->dy_packed.data(), ws_->dy_f32.data());
   b.dy_by_route = K_.gemm_reads_spaced_rows;
-  if (b.dy_by_route) rows_by_route(b.R, dya_.data(), b.Hp * a_size_, &dyr_);
+  if (b.dy_by_route) rows_by_route(b.R, ws_->dy_packed.data(), b.Hp * a_size_, &ws_->dy_by_route);
   const size_t rI = static_cast<size_t>(std::max<int64_t>(b.routes * I, 1));
   const size_t rR = static_cast<size_t>(std::max<int64_t>(b.routes * r, 1));
   for (int p = 0; p < 3; ++p)
-    if (lora_on(p)) lb_[p].reserve(rR);
-  dg_.reserve(rI);
-  du_.reserve(rI);
-  if (b.need_act) act_.reserve(rI);
-  dga_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
-  dua_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
-  dw_parts_.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.nIb, 1)));
+    if (lora_on(p)) ws_->lora_b_proj[p].reserve(rR);
+  ws_->d_gate.reserve(rI);
+  ws_->d_up.reserve(rI);
+  if (b.need_act) ws_->act_f32.reserve(rI);
+  ws_->d_gate_packed.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
+  ws_->d_up_packed.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.Ip * a_size_, 1)));
+  ws_->route_weight_parts.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * b.nIb, 1)));
 }
 
 // da' = dy . Wd_eff per (expert, block of I), then dg, du and the parts of
@@ -255,11 +256,11 @@ void kt_moe::backward_down(const BackwardPass& b) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
     return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
   };
-  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
   engine->pool->run(ranges.count, [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
-      backward_down_item(b, scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
-                         it + 1 < ranges.end(range) ? down_source(items_[static_cast<size_t>(it + 1)])
+      backward_down_item(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
+                         it + 1 < ranges.end(range) ? down_source(ws_->items[static_cast<size_t>(it + 1)])
                                                     : PrefetchRegion{});
   });
 }
@@ -281,12 +282,12 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     for (int i = 0; i < m; ++i)
       s.rows[static_cast<size_t>(i)] = b.dy_by_route
-                                           ? dyr_.data() + (p0 + i) * b.Hp * a_size_
-                                           : dya_.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
+                                           ? ws_->dy_by_route.data() + (p0 + i) * b.Hp * a_size_
+                                           : ws_->dy_packed.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
     K_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
                   p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[kDown].data() + (p0 + i) * r;
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[kDown].data() + (p0 + i) * r;
       K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
                   lora_[kDown].a.data() + e * r * I + col0, I, cda, kBlockCols, true);
     }
@@ -295,14 +296,14 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
       const float w = R.weight[static_cast<size_t>(p)];
       const float* gp = b.ctx->g.data() + p * I + col0;
       const float* up = b.ctx->u.data() + p * I + col0;
-      float* dgp = dg_.data() + p * I + col0;
-      float* dup = du_.data() + p * I + col0;
+      float* dgp = ws_->d_gate.data() + p * I + col0;
+      float* dup = ws_->d_up.data() + p * I + col0;
       const float part = K_.act_backward(act, gp, up, cda + i * kBlockCols, w, dgp, dup,
-                                         b.need_act ? act_.data() + p * I + col0 : nullptr, ncols);
-      dw_parts_[static_cast<size_t>(p * b.nIb + ib)] = part;
+                                         b.need_act ? ws_->act_f32.data() + p * I + col0 : nullptr, ncols);
+      ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + ib)] = part;
       const int64_t kp = std::min(kBlockCols, b.Ip - col0);
-      K_.pack_a_f32(dgp, ncols, kp, dga_.data() + (p * b.Ip + col0) * a_size_);
-      K_.pack_a_f32(dup, ncols, kp, dua_.data() + (p * b.Ip + col0) * a_size_);
+      K_.pack_a_f32(dgp, ncols, kp, ws_->d_gate_packed.data() + (p * b.Ip + col0) * a_size_);
+      K_.pack_a_f32(dup, ncols, kp, ws_->d_up_packed.data() + (p * b.Ip + col0) * a_size_);
     }
   }
 }
@@ -311,16 +312,16 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
 // columns for a range of tokens. Token ranges repeat the W^T panel building
 // per range: worth it only when columns alone cannot feed the workers.
 void kt_moe::backward_dx(const BackwardPass& b) {
-  acc_.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
   const CombineSplit split = CombineSplit::plan(b.T, H, engine->pool->size());
   engine->pool->run(split.items(),
-                    [&](int64_t item, int tid) { dx_item(b, split, scratch_[static_cast<size_t>(tid)], item); });
+                    [&](int64_t item, int tid) { dx_item(b, split, ws_->per_thread[static_cast<size_t>(tid)], item); });
 }
 
 void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScratch& s, int64_t item) {
   const Routing& R = b.R;
   const int64_t Ip = b.Ip;
-  float* acc = acc_.data();
+  float* acc = ws_->token_sum.data();
   const int64_t col0 = (item % split.col_blocks) * split.cols;
   const int64_t ncols = std::min(split.cols, H - col0);
   const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
@@ -353,16 +354,16 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
       operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
       for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dga_.data() + (p0 + i) * Ip * a_size_;
+        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
         const bool last = p0 + kRowChunk >= pend;
         K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
                       last ? next_source(0, ai, sc0) : PrefetchRegion{});
-        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = dua_.data() + (p0 + i) * Ip * a_size_;
+        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
         K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
                       last ? next_source(1, ai, sc0) : PrefetchRegion{});
         for (int q = kGate; q <= kUp; ++q) {
           if (!lora_on(q)) continue;
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = lb_[q].data() + (p0 + i) * r;
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r;
           K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
                       lora_[q].a.data() + e * r * H + sc0, H, cx, kBlockCols, true);
         }
@@ -387,10 +388,10 @@ void kt_moe::routing_weight_gradients(const BackwardPass& b) {
   for (int32_t e : R.active) {
     for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
       float v = 0.f;
-      for (int64_t ib = 0; ib < b.nIb; ++ib) v += dw_parts_[static_cast<size_t>(p * b.nIb + ib)];
+      for (int64_t ib = 0; ib < b.nIb; ++ib) v += ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + ib)];
       if (opt.has_bias) {
         const float* bd = b_[kDown].data() + e * H;
-        const float* dy = dyf_.data() + R.token[static_cast<size_t>(p)] * H;
+        const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H;
         float bias = 0.f;
         for (int64_t h = 0; h < H; ++h) bias += dy[h] * bd[h];
         v += bias;
@@ -405,29 +406,29 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
   const Routing& R = ctx->routing;
   const int64_t routes = R.routes;
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
-  // w * lb_d and w * la_d: the down projection's delta is w * dy.
+  // w * lora_b_proj[down] and w * la[down]: the down projection's delta is w * dy.
   if (lora_on(kDown)) {
-    for (int k = 0; k < 2; ++k) scaled_[k].reserve(static_cast<size_t>(std::max<int64_t>(routes * r, 1)));
+    for (int k = 0; k < 2; ++k) ws_->weighted_down_lora[k].reserve(static_cast<size_t>(std::max<int64_t>(routes * r, 1)));
     for (int64_t p = 0; p < routes; ++p) {
       const float w = R.weight[static_cast<size_t>(p)];
       for (int64_t q = 0; q < r; ++q) {
-        scaled_[0][static_cast<size_t>(p * r + q)] = w * lb_[kDown][static_cast<size_t>(p * r + q)];
-        scaled_[1][static_cast<size_t>(p * r + q)] = w * ctx->la[kDown][static_cast<size_t>(p * r + q)];
+        ws_->weighted_down_lora[0][static_cast<size_t>(p * r + q)] = w * ws_->lora_b_proj[kDown][static_cast<size_t>(p * r + q)];
+        ws_->weighted_down_lora[1][static_cast<size_t>(p * r + q)] = w * ctx->la[kDown][static_cast<size_t>(p * r + q)];
       }
     }
   }
-  items_.clear();
+  ws_->items.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p)
       if (lora_on(static_cast<int>(p)))
-        for (int64_t which = 0; which < 2; ++which) items_.push_back((e << 32) | (p << 1) | which);
+        for (int64_t which = 0; which < 2; ++which) ws_->items.push_back((e << 32) | (p << 1) | which);
   }
-  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t item = items_[static_cast<size_t>(it)];
+  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
+    const int64_t item = ws_->items[static_cast<size_t>(it)];
     const int64_t e = item >> 32;
     const int p = static_cast<int>((item >> 1) & 3);
     const bool is_b = item & 1;
@@ -446,10 +447,10 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
     }
     if (!is_b) {
       // dA [r, in] = sum_rows (s B^T delta) (x) z
-      const float* lbs = p == kDown ? scaled_[0].data() : lb_[p].data();
+      const float* lbs = p == kDown ? ws_->weighted_down_lora[0].data() : ws_->lora_b_proj[p].data();
       for (int i = 0; i < n; ++i) {
         const int64_t pos = p0 + i;
-        rows[static_cast<size_t>(i)] = p == kDown ? act_.data() + pos * I
+        rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I
                                                   : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
       }
       // fp32 rows overwritten unscaled: the GEMM writes them where they lie
@@ -463,12 +464,12 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
       if (!direct) write_grad(ga, e, 0, out_buf, r, in, false, c.opt.grad_scale, accumulate);
     } else {
       // dB^T [r, out] = sum_rows (A z) (x) delta, times s
-      const float* las = p == kDown ? scaled_[1].data() : ctx->la[p].data();
+      const float* las = p == kDown ? ws_->weighted_down_lora[1].data() : ctx->la[p].data();
       for (int i = 0; i < n; ++i) {
         const int64_t pos = p0 + i;
         rows[static_cast<size_t>(i)] =
-            p == kDown ? dyf_.data() + R.token[static_cast<size_t>(pos)] * H
-                       : (p == kGate ? dg_.data() : du_.data()) + pos * I;
+            p == kDown ? ws_->dy_f32.data() + R.token[static_cast<size_t>(pos)] * H
+                       : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data()) + pos * I;
       }
       K_.sgemm_tn(static_cast<int>(r), static_cast<int>(out), n, las + p0 * r, r, rows.data(), out_buf, out, false);
       write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, out_buf, out, r, true,
@@ -481,30 +482,30 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
   const Routing& R = ctx->routing;
   const int64_t routes = R.routes;
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
-  delta_d_.reserve(static_cast<size_t>(std::max<int64_t>(routes * H, 1)));
+  ws_->down_delta.reserve(static_cast<size_t>(std::max<int64_t>(routes * H, 1)));
   for (int64_t p = 0; p < routes; ++p) {
     const float w = R.weight[static_cast<size_t>(p)];
-    const float* dy = dyf_.data() + R.token[static_cast<size_t>(p)] * H;
-    float* d = delta_d_.data() + p * H;
+    const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H;
+    float* d = ws_->down_delta.data() + p * H;
     for (int64_t h = 0; h < H; ++h) d[h] = w * dy[h];
   }
   if (K_.gemm_zip_bf16) {
     full_gradients_zipped(ctx, c);
     return;
   }
-  items_.clear();
+  ws_->items.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p) {
       const int64_t out = p == kDown ? H : I;
-      for (int64_t ob = 0; ob < ceil_div(out, kRowChunk); ++ob) items_.push_back((e << 32) | (ob << 2) | p);
+      for (int64_t ob = 0; ob < ceil_div(out, kRowChunk); ++ob) ws_->items.push_back((e << 32) | (ob << 2) | p);
     }
   }
-  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t item = items_[static_cast<size_t>(it)];
+  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
+    const int64_t item = ws_->items[static_cast<size_t>(it)];
     const int64_t e = item >> 32;
     const int p = static_cast<int>(item & 3);
     const int64_t o0 = ((item & 0xffffffff) >> 2) * kRowChunk;
@@ -516,10 +517,10 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       const int64_t pos = p0 + i;
-      rows[static_cast<size_t>(i)] = p == kDown ? act_.data() + pos * I
+      rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I
                                                 : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
     }
-    const float* delta = p == kDown ? delta_d_.data() : (p == kGate ? dg_.data() : du_.data());
+    const float* delta = p == kDown ? ws_->down_delta.data() : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data());
     float* out_buf = s.grad.data();
     if (n == 0) {  // no token reached this expert: its gradient is zero
       write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, nullptr, ob, in, false, 1.f, false);
@@ -551,22 +552,22 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
   constexpr int64_t kZipRoutes = 256;
   const int64_t wide = round_up(std::max(H, I), kPanelRows);
-  for (auto& s : scratch_) {
+  for (auto& s : ws_->per_thread) {
     s.zip[0].reserve(static_cast<size_t>(kZipRoutes * wide));
     s.zip[1].reserve(static_cast<size_t>(kZipRoutes * wide));
     s.grad.reserve(static_cast<size_t>(kRowChunk * wide));
   }
-  items_.clear();
+  ws_->items.clear();
   for (int64_t e = 0; e < E; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
-    for (int64_t p = 0; p < 3; ++p) items_.push_back((e << 2) | p);
+    for (int64_t p = 0; p < 3; ++p) ws_->items.push_back((e << 2) | p);
   }
-  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
-    const int64_t e = items_[static_cast<size_t>(it)] >> 2;
-    const int p = static_cast<int>(items_[static_cast<size_t>(it)] & 3);
+  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+    ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
+    const int64_t e = ws_->items[static_cast<size_t>(it)] >> 2;
+    const int p = static_cast<int>(ws_->items[static_cast<size_t>(it)] & 3);
     const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
     const int64_t inp = round_up(in, kPanelRows);
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
@@ -579,9 +580,9 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
     }
     const auto z_row = [&](int64_t i) {
       const int64_t pos = p0 + i;
-      return p == kDown ? act_.data() + pos * I : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+      return p == kDown ? ws_->act_f32.data() + pos * I : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
     };
-    const float* delta = (p == kDown ? delta_d_.data() : (p == kGate ? dg_.data() : du_.data())) + p0 * out;
+    const float* delta = (p == kDown ? ws_->down_delta.data() : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data())) + p0 * out;
     bf16_t* zz = s.zip[0].data();
     bf16_t* dz = s.zip[1].data();
     float* cbuf = s.grad.data();

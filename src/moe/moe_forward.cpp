@@ -98,7 +98,7 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
     R->offsets[static_cast<size_t>(e) + 1] += R->offsets[static_cast<size_t>(e)];
   }
   R->routes = R->offsets[static_cast<size_t>(E)];
-  std::vector<int64_t>& fill = fill_;
+  std::vector<int64_t>& fill = ws_->route_fill;
   fill.assign(R->offsets.begin(), R->offsets.end() - 1);
   for (int64_t t = 0; t < c.T; ++t)
     for (int64_t j = 0; j < K; ++j) {
@@ -112,23 +112,23 @@ void kt_moe::route(const ForwardCall& c, Routing* R) {
 }
 
 void kt_moe::chunk_items(const Routing& R) {
-  items_.clear();
+  ws_->items.clear();
   for (int32_t e : R.active) {
     const int64_t n = R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)];
-    for (int64_t c = 0; c < ceil_div(n, kRowChunk); ++c) items_.push_back((int64_t{e} << 32) | c);
+    for (int64_t c = 0; c < ceil_div(n, kRowChunk); ++c) ws_->items.push_back((int64_t{e} << 32) | c);
   }
 }
 
 void kt_moe::block_items(const Routing& R, int64_t cols, int64_t width) {
-  items_.clear();
+  ws_->items.clear();
   for (int32_t e : R.active)
-    for (int64_t b = 0; b < ceil_div(cols, width); ++b) items_.push_back((int64_t{e} << 32) | b);
+    for (int64_t b = 0; b < ceil_div(cols, width); ++b) ws_->items.push_back((int64_t{e} << 32) | b);
 }
 
 void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, float* f32_copy) {
   const int64_t n = src.shape[1];
   engine->pool->run(ceil_div(T, 16), [&](int64_t blk, int tid) {
-    float* tmp = scratch_[static_cast<size_t>(tid)].grad.data();
+    float* tmp = ws_->per_thread[static_cast<size_t>(tid)].grad.data();
     for (int64_t t = blk * 16; t < std::min(T, blk * 16 + 16); ++t) {
       const float* row;
       if (src.dtype == DType::kF32) {
@@ -150,7 +150,7 @@ void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, i
   dst->reserve(static_cast<size_t>(std::max<int64_t>(n * stride, 1)));
   uint8_t* out = dst->data();
   engine->pool->run(ceil_div(n, 16), [&](int64_t blk, int tid) {
-    float* tmp = scratch_[static_cast<size_t>(tid)].grad.data();
+    float* tmp = ws_->per_thread[static_cast<size_t>(tid)].grad.data();
     for (int64_t i = blk * 16; i < std::min(n, blk * 16 + 16); ++i) {
       const float* row;
       if (dtype == DType::kF32) {
@@ -179,12 +179,12 @@ void kt_moe::rows_by_route(const Routing& R, const char* src, int64_t row_bytes,
 void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool by_token,
                           const float* src, int64_t ld, float* out) {
   chunk_items(R);
-  engine->pool->run(static_cast<int64_t>(items_.size()), [&](int64_t it, int tid) {
-    const int64_t e = items_[static_cast<size_t>(it)] >> 32;
-    const int64_t c = items_[static_cast<size_t>(it)] & 0xffffffff;
+  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+    const int64_t e = ws_->items[static_cast<size_t>(it)] >> 32;
+    const int64_t c = ws_->items[static_cast<size_t>(it)] & 0xffffffff;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)] + c * kRowChunk;
     const int64_t m = std::min(kRowChunk, R.offsets[static_cast<size_t>(e) + 1] - p0);
-    auto& rows = scratch_[static_cast<size_t>(tid)].frows;
+    auto& rows = ws_->per_thread[static_cast<size_t>(tid)].frows;
     for (int64_t i = 0; i < m; ++i)
       rows[static_cast<size_t>(i)] =
           by_token ? src + R.token[static_cast<size_t>(p0 + i)] * ld : src + (p0 + i) * ld;
@@ -203,7 +203,7 @@ struct kt_moe::ForwardPass {
   bool int8 = false;        // the GEMMs read int8 rows of x and a
   int64_t xq_stride = 0;    // bytes between int8 rows of x
   int64_t aq_stride = 0;    // and of a
-  bool x_by_route = false;  // x's rows laid out in route order (xr_)
+  bool x_by_route = false;  // x's rows laid out in route order (ws_->x_by_route)
   int64_t x_row_bytes = 0;
   float* xf = nullptr;      // x in fp32 (LoRA, the saved context), or null
   float* g = nullptr;       // gate and up before the activation (saved), or null
@@ -216,18 +216,19 @@ struct kt_moe::ForwardPass {
   ForwardPass(const ForwardCall& call, Routing& routing) : c(call), R(routing) {}
   // The A row of x for route p (token t).
   const void* x_row(const kt_moe& m, int64_t p, int64_t t) const {
-    if (x_by_route) return m.xr_.data() + p * x_row_bytes;
-    if (int8) return m.xq_.data() + t * xq_stride;
-    return m.xa_.data() + t * m.gate_shape.kp * m.a_size_;
+    if (x_by_route) return m.ws_->x_by_route.data() + p * x_row_bytes;
+    if (int8) return m.ws_->x_int8.data() + t * xq_stride;
+    return m.ws_->x_packed.data() + t * m.gate_shape.kp * m.a_size_;
   }
 };
 
 // Stages in order, as the head comment of this file lists them.
 void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   check_ready_for_forward(c);
+  fit_workspace();
   StageClock clock(engine);
   clock.enter(KT_STAGE_ROUTE);
-  ForwardPass f(c, save ? save->routing : routing_);
+  ForwardPass f(c, save ? save->routing : ws_->routing);
   route(c, &f.R);
   f.T = c.T;
   f.routes = f.R.routes;
@@ -248,7 +249,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   }
   forward_gate_up(f);
   clock.enter(KT_STAGE_LORA_A);
-  if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I, false, act_.data(), I, f.la[kDown]);
+  if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I, false, ws_->act_f32.data(), I, f.la[kDown]);
   clock.enter(KT_STAGE_DOWN);
   forward_down(f);
 }
@@ -261,8 +262,8 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
     save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
     f.xf = save->xf.data();
   } else if (lora_on(kGate) || lora_on(kUp)) {
-    xf_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-    f.xf = xf_.data();
+    ws_->x_f32.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    f.xf = ws_->x_f32.data();
   }
   const WeightOperand &gate_w = operand_[kGate], &down_w = operand_[kDown];
   f.int8 = gate_w.int8_rows();
@@ -270,10 +271,10 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
   f.aq_stride = f.int8 ? down_w.int8_row_stride() : 0;
   if (f.int8) {
     // Row t of x at t * strides[0] elements (the inner stride is 1: checked).
-    quantize_rows(f.c.x.at(0, 0), f.c.x.dtype, T, H, f.c.x.strides[0], gate_w, &xq_);
+    quantize_rows(f.c.x.at(0, 0), f.c.x.dtype, T, H, f.c.x.strides[0], gate_w, &ws_->x_int8);
   } else {
-    xa_.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
-    pack_rows_a(f.c.x, T, kpH, xa_.data(), f.xf);
+    ws_->x_packed.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
+    pack_rows_a(f.c.x, T, kpH, ws_->x_packed.data(), f.xf);
   }
   // Where the GEMMs read only equally spaced rows in place (AMX tiles,
   // oneDNN), x's rows go once into route order: an expert's gate and up
@@ -282,7 +283,7 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
   f.x_by_route = K_.gemm_reads_spaced_rows;
   f.x_row_bytes = f.int8 ? f.xq_stride : kpH * a_size_;
   if (f.x_by_route)
-    rows_by_route(f.R, f.int8 ? reinterpret_cast<const char*>(xq_.data()) : xa_.data(), f.x_row_bytes, &xr_);
+    rows_by_route(f.R, f.int8 ? reinterpret_cast<const char*>(ws_->x_int8.data()) : ws_->x_packed.data(), f.x_row_bytes, &ws_->x_by_route);
 
   const size_t rI = static_cast<size_t>(std::max<int64_t>(f.routes * I, 1));
   const size_t rR = static_cast<size_t>(std::max<int64_t>(f.routes * r, 1));
@@ -294,12 +295,12 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
   }
   for (int p = 0; p < 3; ++p) {
     if (!lora_on(p)) continue;
-    Buffer<float>& b = save ? save->la[p] : la_tmp_[p];
+    Buffer<float>& b = save ? save->la[p] : ws_->lora_a_proj[p];
     b.reserve(rR);
     f.la[p] = b.data();
   }
-  if (lora_on(kDown) || f.int8) act_.reserve(rI);
-  if (!f.int8) aa_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * kpI * a_size_, 1)));
+  if (lora_on(kDown) || f.int8) ws_->act_f32.reserve(rI);
+  if (!f.int8) ws_->act_packed.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * kpI * a_size_, 1)));
 }
 
 // The gate/up items (expert, W columns of I) and their row chunks; true
@@ -374,14 +375,14 @@ void kt_moe::gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int6
     std::memcpy(f.u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
   }
   const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  float* ai = lora_on(kDown) || f.int8 ? act_.data() + p * I + col0 : s.c[2].data();
+  float* ai = lora_on(kDown) || f.int8 ? ws_->act_f32.data() + p * I + col0 : s.c[2].data();
   K_.act_forward(act, gi, ui, ai, ncols);
   if (f.int8) return;  // quantized per row once every block of the row is in
   // The last block also zero-pads the row to kpI (a quantized base with
   // groups of 128 pads K past the next block).
   const int64_t kpI = down_shape.kp;
   const int64_t pad_to = col0 + ncols == I ? kpI - col0 : ncols;
-  K_.pack_a_f32(ai, ncols, pad_to, aa_.data() + (p * kpI + col0) * a_size_);
+  K_.pack_a_f32(ai, ncols, pad_to, ws_->act_packed.data() + (p * kpI + col0) * a_size_);
 }
 
 // Each expert's down right after its gate/up (whose last up call fetches the
@@ -389,16 +390,16 @@ void kt_moe::gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int6
 // no wait for the slowest worker between the stages. The combine follows.
 void kt_moe::forward_whole_experts(const ForwardPass& f) {
   const int64_t ldy = round_up(H, kPanelRows);
-  yr_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
-  if (f.int8) aq_.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * f.aq_stride, 1)));
-  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  ws_->route_down_out.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
+  if (f.int8) ws_->act_int8.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * f.aq_stride, 1)));
+  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
   engine->pool->run(ranges.count, [&](int64_t range, int tid) {
-    ThreadScratch& s = scratch_[static_cast<size_t>(tid)];
+    ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
-      const int64_t item = items_[static_cast<size_t>(it)];
+      const int64_t item = ws_->items[static_cast<size_t>(it)];
       gate_up_item(f, s, item, operand_[kDown].block(item >> 32, 0, std::min(kBlockCols, H)));
       down_rows(s, f.R, item >> 32, f.la[kDown], ldy,
-                it + 1 < ranges.end(range) ? gate_up_block(f, kGate, items_[static_cast<size_t>(it + 1)])
+                it + 1 < ranges.end(range) ? gate_up_block(f, kGate, ws_->items[static_cast<size_t>(it + 1)])
                                            : PrefetchRegion{});
     }
   });
@@ -407,21 +408,21 @@ void kt_moe::forward_whole_experts(const ForwardPass& f) {
 // The gate/up stage over its items; with int8 rows, each route's activation
 // then as an int8 row, now that it is whole.
 void kt_moe::forward_gate_up(const ForwardPass& f) {
-  const ItemRanges ranges(static_cast<int64_t>(items_.size()), engine->pool->size());
+  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
   engine->pool->run(ranges.count, [&](int64_t range, int tid) {
     // While the up panels run, the next item's gate panels come in.
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
-      gate_up_item(f, scratch_[static_cast<size_t>(tid)], items_[static_cast<size_t>(it)],
-                   it + 1 < ranges.end(range) ? gate_up_block(f, kGate, items_[static_cast<size_t>(it + 1)])
+      gate_up_item(f, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
+                   it + 1 < ranges.end(range) ? gate_up_block(f, kGate, ws_->items[static_cast<size_t>(it + 1)])
                                               : PrefetchRegion{});
   });
-  if (f.int8) quantize_rows(act_.data(), DType::kF32, f.routes, I, I, operand_[kDown], &aq_);
+  if (f.int8) quantize_rows(ws_->act_f32.data(), DType::kF32, f.routes, I, I, operand_[kDown], &ws_->act_int8);
 }
 
 // Down + bias + LoRA + routing weight + combine; items own a block of H
 // columns for a range of tokens.
 void kt_moe::forward_down(const ForwardPass& f) {
-  acc_.reserve(static_cast<size_t>(std::max<int64_t>(f.T * H, 1)));
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(f.T * H, 1)));
   CombineSplit split = CombineSplit::plan(f.T, H, engine->pool->size());
   if (operand_[kDown].compact()) split.widen_for_quantized_decode(f.T, H, engine->pool->size(), f.max_rows);
   // The first down panels of an item: the first active expert's, the
@@ -434,7 +435,7 @@ void kt_moe::forward_down(const ForwardPass& f) {
   const ItemRanges ranges(split.items(), engine->pool->size());
   engine->pool->run(ranges.count, [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
-      down_item(f, split, scratch_[static_cast<size_t>(tid)], it,
+      down_item(f, split, ws_->per_thread[static_cast<size_t>(tid)], it,
                 it + 1 < ranges.end(range) ? first_block_of(it + 1) : PrefetchRegion{});
   });
 }
@@ -452,7 +453,7 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
   const int64_t ncols = std::min(split.cols, H - col0);
   const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
   const int64_t t1 = std::min(f.T, t0 + split.token_chunk);
-  float* acc = acc_.data();
+  float* acc = ws_->token_sum.data();
   clear_columns(acc, t0, t1, H, col0, ncols);
   float* co = s.c[0].data();
   // The down panels of expert e for the columns [sc0, sc0 + call_cols).
@@ -476,8 +477,8 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
       for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i)
-          s.rows[static_cast<size_t>(i)] = f.int8 ? static_cast<const void*>(aq_.data() + (p0 + i) * f.aq_stride)
-                                                  : static_cast<const void*>(aa_.data() + (p0 + i) * kpI * a_size_);
+          s.rows[static_cast<size_t>(i)] = f.int8 ? static_cast<const void*>(ws_->act_int8.data() + (p0 + i) * f.aq_stride)
+                                                  : static_cast<const void*>(ws_->act_packed.data() + (p0 + i) * kpI * a_size_);
         down_w.gemm(s.operand, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
         if (lora_on(kDown)) {
@@ -495,7 +496,7 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
 }
 
 // One expert's down for its routes, all H columns in one call (its streams
-// run through the expert's panels), into the routes' rows of yr_ (ldy apart):
+// run through the expert's panels), into the routes' rows of ws_->route_down_out (ldy apart):
 // with the LoRA A-projection of a before it (as project_rows computes it) and
 // each row of a as int8 (KT_COMPUTE_INT8), and LoRA's B after. `next`: the
 // panels the worker reads next.
@@ -510,20 +511,20 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = act_.data() + (p0 + i) * I;
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->act_f32.data() + (p0 + i) * I;
       K_.sgemm_nt(m, static_cast<int>(r), static_cast<int>(I), s.frows.data(),
                   lora_[kDown].a.data() + e * r * I, I, la_down + p0 * r, r, false);
     }
     for (int i = 0; i < m; ++i) {
       const int64_t p = p0 + i;
       if (int8) {
-        down_w.quantize_row(act_.data() + p * I, I, aq_.data() + p * aq_stride);
-        s.rows[static_cast<size_t>(i)] = aq_.data() + p * aq_stride;
+        down_w.quantize_row(ws_->act_f32.data() + p * I, I, ws_->act_int8.data() + p * aq_stride);
+        s.rows[static_cast<size_t>(i)] = ws_->act_int8.data() + p * aq_stride;
       } else {
-        s.rows[static_cast<size_t>(i)] = aa_.data() + p * kpI * a_size_;
+        s.rows[static_cast<size_t>(i)] = ws_->act_packed.data() + p * kpI * a_size_;
       }
     }
-    float* yp = yr_.data() + p0 * ldy;
+    float* yp = ws_->route_down_out.data() + p0 * ldy;
     down_w.gemm(s.operand, e, 0, np, s.rows.data(), m, yp, ldy,
                 p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
@@ -534,16 +535,16 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
   }
 }
 
-// y from the routes' down rows (yr_): per token, the routes added in expert
+// y from the routes' down rows (ws_->route_down_out): per token, the routes added in expert
 // order with bias and routing weight, as the column items of the down stage
 // add them (the same bits). On the caller while it is small, else by the
 // workers in blocks of columns.
 void kt_moe::combine_rows(const ForwardCall& c, const Routing& R, int64_t ldy) {
   const int64_t T = c.T;
   ThreadPool& pool = *engine->pool;
-  acc_.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
-  float* acc = acc_.data();
-  const float* yr = yr_.data();
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+  float* acc = ws_->token_sum.data();
+  const float* yr = ws_->route_down_out.data();
   const int64_t cols =
       R.routes * H <= kCallerCombine ? H : round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
   pool.run(ceil_div(H, cols), [&](int64_t b, int) {

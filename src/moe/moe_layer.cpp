@@ -21,6 +21,17 @@ void Routing::reserve(int64_t max_tokens, int64_t k, int64_t experts) {
   weight.reserve(static_cast<size_t>(max_tokens * k));
 }
 
+void MoeWorkspace::fit_threads(const WeightOperand& operand, int64_t kpad, int64_t wide, int64_t rank) {
+  for (ThreadScratch& s : per_thread) {
+    for (auto& p : s.panels) p.reserve(static_cast<size_t>(kBlockCols * kpad));
+    for (auto& c : s.c) c.reserve(static_cast<size_t>(kRowChunk * kBlockCols));
+    s.grad.reserve(static_cast<size_t>(std::max<int64_t>(kRowChunk, rank) * wide));
+    s.rows.resize(static_cast<size_t>(kRowChunk));
+    s.frows.resize(static_cast<size_t>(kRowChunk));
+    operand.size_scratch(&s.operand, kpad, kRowChunk);
+  }
+}
+
 // The panel shapes of a layer: a quantized base pads the A rows (and its
 // panels) to kq.
 struct LayerShapes {
@@ -88,22 +99,17 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     lora_[p].sbt.resize(static_cast<size_t>(E * r * out));
   }
   bound_load_options_ = defaults_of<kt_load_options>(set_load_options_defaults);
-  routing_.reserve(0, K, E);
-  const int64_t nb = std::max(ceil_div(I, kBlockCols), ceil_div(H, kBlockCols));
-  items_.resize(static_cast<size_t>(E * std::max<int64_t>(nb, 3) * 2 + 16));
-  const int64_t kpad = std::max(round_up(H, kPanelRows), round_up(I, kPanelRows));
-  const int64_t wide = std::max(H, I);
-  scratch_.resize(static_cast<size_t>(engine->pool->size()));
-  for (auto& s : scratch_) {
-    for (int i = 0; i < 2; ++i) s.panels[i].resize(static_cast<size_t>(kBlockCols * kpad));
-    for (int i = 0; i < 3; ++i) s.c[i].resize(static_cast<size_t>(kRowChunk * kBlockCols));
-    s.grad.resize(static_cast<size_t>(std::max<int64_t>(kRowChunk, r) * wide));
-    s.rows.resize(static_cast<size_t>(kRowChunk));
-    s.frows.resize(static_cast<size_t>(kRowChunk));
-    operand_[kGate].size_scratch(&s.operand, kpad, kRowChunk);
-  }
+  // Made by the engine's first layer; created under the engine's lifetime
+  // lock, so no other creation races on it.
+  if (!engine->moe_workspace) engine->moe_workspace = std::make_shared<MoeWorkspace>(engine->pool->size());
+  ws_ = engine->moe_workspace;
   engine->num_layers.fetch_add(1);
   counted_ = true;
+}
+
+void kt_moe::fit_workspace() {
+  const int64_t kpad = std::max(round_up(H, kPanelRows), round_up(I, kPanelRows));
+  ws_->fit_threads(operand_[kGate], kpad, std::max(H, I), r);
 }
 
 void kt_moe::leave_engine() {

@@ -1,5 +1,5 @@
 // kt_moe: one MoE layer's routed experts — packed weights, LoRA snapshot,
-// bound gradient buffers, workspaces, saved contexts — and the forward and
+// bound gradient buffers, saved contexts — and the forward and
 // backward algorithms, written once over the kernel table.
 #pragma once
 
@@ -22,22 +22,11 @@
 #include "formats/packed_quant.h"
 #include "kt_c_api.h"
 #include "moe/weight_operand.h"
+#include "moe/workspace.h"
 #include "runtime/engine.h"
 
 namespace kt {
 struct CombineSplit;  // moe/blocking.h
-
-// Routes sorted by expert: position p (expert-major, then token, then slot).
-struct Routing {
-  int64_t tokens = 0;
-  int64_t routes = 0;                 // valid routes (not -1, not skipped)
-  std::vector<int64_t> offsets;       // [E+1] start of each expert's positions
-  std::vector<int32_t> active;        // experts with >= 1 route, ascending
-  Buffer<int32_t> token;              // [routes] token of position p
-  Buffer<int32_t> slot;               // [routes] t*k + j of position p
-  Buffer<float> weight;               // [routes] routing weight of position p
-  void reserve(int64_t max_tokens, int64_t k, int64_t experts);
-};
 
 // Trainable factors of one projection: A [E, r, in], and s*B^T [E, r, out].
 struct LoraFactors {
@@ -219,9 +208,10 @@ struct kt_moe {
 
  private:
   bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
-  struct ThreadScratch;
   const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q : gate_q; }
   const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
+  // Grows the shared workspace's per-worker scratch to this layer's tiles.
+  void fit_workspace();
   // Points the weight operands at the stored weights (after wp_ or qp_ change).
   void bind_operands();
   void route(const ForwardCall& call, kt::Routing* out);
@@ -236,25 +226,25 @@ struct kt_moe {
   void forward_inputs(ForwardPass& f, kt_context* save);
   bool plan_gate_up(ForwardPass& f);
   kt::PrefetchRegion gate_up_block(const ForwardPass& f, int q, int64_t item) const;
-  void gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
-  void gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int64_t p, int64_t col0, int64_t ncols,
+  void gate_up_item(const ForwardPass& f, kt::ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
+  void gate_up_row(const ForwardPass& f, kt::ThreadScratch& s, int64_t e, int64_t p, int64_t col0, int64_t ncols,
                    float* gi, float* ui);
   void forward_whole_experts(const ForwardPass& f);
   void forward_gate_up(const ForwardPass& f);
   void forward_down(const ForwardPass& f);
-  void down_item(const ForwardPass& f, const kt::CombineSplit& split, ThreadScratch& s, int64_t item,
+  void down_item(const ForwardPass& f, const kt::CombineSplit& split, kt::ThreadScratch& s, int64_t item,
                  const kt::PrefetchRegion& after);
   // The backward's stages (moe_backward.cpp), over what they share.
   struct BackwardPass;
   void backward_inputs(BackwardPass& b);
   void backward_down(const BackwardPass& b);
-  void backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
+  void backward_down_item(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
   void backward_dx(const BackwardPass& b);
-  void dx_item(const BackwardPass& b, const kt::CombineSplit& split, ThreadScratch& s, int64_t item);
+  void dx_item(const BackwardPass& b, const kt::CombineSplit& split, kt::ThreadScratch& s, int64_t item);
   void routing_weight_gradients(const BackwardPass& b);
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).
-  void down_rows(ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
+  void down_rows(kt::ThreadScratch& s, const kt::Routing& R, int64_t e, float* la_down, int64_t ldy,
                  const kt::PrefetchRegion& next);
   void combine_rows(const ForwardCall& c, const kt::Routing& R, int64_t ldy);
   void chunk_items(const kt::Routing& R);                // (expert, row chunk)
@@ -310,28 +300,8 @@ struct kt_moe {
   Bound bound_[80];
   kt_load_options bound_load_options_;
 
-  // Workspaces, sized on first use up to max_tokens.
-  kt::Routing routing_;
-  kt::Buffer<char> xa_, aa_, dya_, dga_, dua_;
-  // x's and dy's rows in route order, where the GEMM reads only equally
-  // spaced rows in place (Kernels::gemm_reads_spaced_rows).
-  kt::Buffer<char> xr_, dyr_;
-  kt::Buffer<uint8_t> xq_, aq_;  // KT_COMPUTE_INT8: int8 rows of x and of the activations
-  // yr_: [routes, H rounded to panels] down outputs of the expert pass.
-  kt::Buffer<float> xf_, act_, acc_, yr_, la_tmp_[3], dyf_, dg_, du_, lb_[3], dw_parts_, delta_d_,
-      scaled_[2];
-  std::vector<int64_t> items_;
-  std::vector<int64_t> fill_;
-  struct ThreadScratch {
-    kt::Buffer<kt::bf16_t> panels[2];
-    kt::Buffer<float> c[3];
-    kt::Buffer<float> grad;
-    kt::Buffer<kt::bf16_t> zip[2];  // zipped operands of the weight gradients
-    kt::OperandScratch operand;     // of the weight operands
-    std::vector<const void*> rows;
-    std::vector<const float*> frows;
-  };
-  std::vector<ThreadScratch> scratch_;
+  // Shared with the engine's other layers (moe/workspace.h).
+  std::shared_ptr<kt::MoeWorkspace> ws_;
 
   void recycle_context(kt_context* c);  // under state_mutex
   std::unordered_map<kt::HandleId, kt_context*> contexts_;  // live handles

@@ -73,10 +73,10 @@ WeightOperand::WeightOperand(const Kernels& k, const PanelShape& ps, const Quant
 void WeightOperand::size_scratch(OperandScratch* s, int64_t kpad, int64_t max_rows) const {
   if (path_ == Path::kPanels) return;
   const QuantScratchSizes q(kpad, qs_.zero_points);
-  s->deq.resize(static_cast<size_t>(q.deq));
-  s->scale.resize(static_cast<size_t>(q.scales));
-  s->zero.resize(static_cast<size_t>(q.zeros));
-  s->rows.resize(static_cast<size_t>(max_rows));
+  s->deq.reserve(static_cast<size_t>(q.deq));
+  s->scale.reserve(static_cast<size_t>(q.scales));
+  s->zero.reserve(static_cast<size_t>(q.zeros));
+  if (s->rows.size() < static_cast<size_t>(max_rows)) s->rows.resize(static_cast<size_t>(max_rows));
 }
 
 CheckedSize WeightOperand::scratch_bytes(bool quantized, int64_t kpad, bool zero_points) {

@@ -16,6 +16,10 @@
 #include "runtime/jobs.h"
 #include "runtime/thread_pool.h"
 
+namespace kt {
+struct MoeWorkspace;  // moe/workspace.h: the one its layers share
+}
+
 struct kt_engine {
   int verbosity = 0;
   kt_log_fn log_fn = nullptr;
@@ -31,6 +35,9 @@ struct kt_engine {
   // One computation at a time on the pool.
   std::mutex compute_mutex;
   std::atomic<int> num_layers{0};
+  // Intermediates and scratch of a layer's computation, shared by its layers
+  // (they compute one at a time); made by the first layer created.
+  std::shared_ptr<kt::MoeWorkspace> moe_workspace;
   // Layer creation and engine destruction: no layer is created on an engine
   // once its destruction has begun.
   std::mutex lifetime_mutex;

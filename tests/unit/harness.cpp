@@ -40,17 +40,20 @@ static std::vector<double> quantized_at_load(kt_weight_format f, const std::vect
   return out;
 }
 
-Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend) : c_(c) {
-  kt_engine_options eo;
-  kt_engine_options_init(&eo);
-  eo.num_threads = threads;
-  eo.max_isa = isa;
-  eo.verbosity = 0;
-  eo.precision = c.precision;
-  EXPECT_EQ(kt_engine_create(&eo, &engine_), KT_OK) << kt_last_error();
-  const kt_status st = kt_engine_set_gemm_backend(engine_, backend);
-  if (st == KT_ERR_UNSUPPORTED && backend == KT_GEMM_ONEDNN) return;  // available_ stays false
-  EXPECT_EQ(st, KT_OK) << kt_last_error();
+Runner::Runner(const Case& c, kt_isa isa, int threads, kt_gemm_backend backend, kt_engine* shared)
+    : c_(c), engine_(shared), own_engine_(shared == nullptr) {
+  if (own_engine_) {
+    kt_engine_options eo;
+    kt_engine_options_init(&eo);
+    eo.num_threads = threads;
+    eo.max_isa = isa;
+    eo.verbosity = 0;
+    eo.precision = c.precision;
+    EXPECT_EQ(kt_engine_create(&eo, &engine_), KT_OK) << kt_last_error();
+    const kt_status st = kt_engine_set_gemm_backend(engine_, backend);
+    if (st == KT_ERR_UNSUPPORTED && backend == KT_GEMM_ONEDNN) return;  // available_ stays false
+    EXPECT_EQ(st, KT_OK) << kt_last_error();
+  }
   kt_engine_info info;
   info.struct_size = sizeof(info);
   kt_engine_get_info(engine_, &info);
@@ -238,7 +241,7 @@ void Runner::load_checkpoint() {
 
 Runner::~Runner() {
   kt_moe_destroy(moe_);
-  EXPECT_EQ(kt_engine_destroy(engine_), KT_OK) << kt_last_error();
+  if (own_engine_) EXPECT_EQ(kt_engine_destroy(engine_), KT_OK) << kt_last_error();
 }
 
 void Runner::fill_inputs(uint32_t seed) {

@@ -131,7 +131,10 @@ class Runner {
   // cannot run it. By default an ISA's cases run kt's own kernels
   // (KT_GEMM_NATIVE): on AMX CPUs KT_GEMM_AUTO may take oneDNN's by a
   // timing, and the oneDNN backend has cases of its own.
-  Runner(const Case& c, kt_isa isa, int threads = 2, kt_gemm_backend backend = KT_GEMM_NATIVE);
+  // shared: an engine to create the layer on (borrowed; the runner then
+  // neither configures nor destroys it), instead of one of its own.
+  Runner(const Case& c, kt_isa isa, int threads = 2, kt_gemm_backend backend = KT_GEMM_NATIVE,
+         kt_engine* shared = nullptr);
   ~Runner();
   bool isa_available() const { return available_; }
   kt_engine* engine() { return engine_; }
@@ -185,6 +188,7 @@ class Runner {
   Case c_;
   bool available_ = false;
   kt_engine* engine_ = nullptr;
+  bool own_engine_ = true;
   kt_moe* moe_ = nullptr;
 };
 

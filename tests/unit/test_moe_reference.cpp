@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <memory>
 #include <tuple>
 
 #include "cases.h"
@@ -537,6 +538,62 @@ INSTANTIATE_TEST_SUITE_P(Formats, QuantizedDecodePath,
                            return std::string(kt_isa_name(std::get<0>(info.param))) + "_" +
                                   std::get<1>(info.param).c.name;
                          });
+
+// The layers of one engine share its workspace (moe/workspace.h). Layers of
+// other shapes, modes and formats computing between a layer's forward and its
+// backward, and growing the workspace past it, change none of its bits: every
+// output and gradient equals that of the same layer alone on its own engine.
+std::vector<Case> workspace_sharers() {
+  std::vector<Case> v;
+  for (const Case& c : core_cases())
+    if (c.name == "lora_r16" || c.name == "many_tokens" || c.name == "full_bias_swiglu" || c.name == "one_token")
+      v.push_back(c);
+  Case q = qwen3_30b_a3b_slice();
+  q.name = "int4_g32_" + q.name;
+  q.format = KT_FORMAT_INT4_G32;
+  v.push_back(q);
+  return v;
+}
+
+// Forward of every runner (saving contexts), then their backwards in reverse.
+void forward_then_backward(std::vector<std::unique_ptr<Runner>>& runs) {
+  std::vector<kt_context*> ctx(runs.size(), nullptr);
+  for (size_t i = 0; i < runs.size(); ++i) {
+    runs[i]->fill_inputs(100);
+    ASSERT_EQ(runs[i]->forward(&ctx[i]), KT_OK) << kt_last_error();
+  }
+  for (size_t i = runs.size(); i-- > 0;) {
+    ASSERT_EQ(runs[i]->backward(ctx[i], 1.f, KT_GRAD_OVERWRITE), KT_OK) << kt_last_error();
+    kt_context_release(ctx[i]);
+  }
+}
+
+TEST(SharedWorkspace, LayersOfOneEngineKeepTheBitsOfLayersAlone) {
+  const std::vector<Case> cases = workspace_sharers();
+  ASSERT_EQ(cases.size(), 5u);
+  std::vector<Runner::Snapshot> alone;
+  for (const Case& c : cases) {
+    std::vector<std::unique_ptr<Runner>> one;
+    one.push_back(std::make_unique<Runner>(c, KT_ISA_AUTO));
+    forward_then_backward(one);
+    alone.push_back(one[0]->snapshot());
+  }
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = 2;
+  kt_engine* engine = nullptr;
+  ASSERT_EQ(kt_engine_create(&eo, &engine), KT_OK) << kt_last_error();
+  {
+    std::vector<std::unique_ptr<Runner>> together;
+    for (const Case& c : cases) together.push_back(std::make_unique<Runner>(c, KT_ISA_AUTO, 2, KT_GEMM_NATIVE, engine));
+    forward_then_backward(together);
+    for (size_t i = 0; i < cases.size(); ++i)
+      EXPECT_TRUE(together[i]->snapshot() == alone[i])
+          << cases[i].name << ": changed beside the engine's other layers: "
+          << ::testing::PrintToString(together[i]->changed_since(alone[i]));
+  }
+  EXPECT_EQ(kt_engine_destroy(engine), KT_OK) << kt_last_error();
+}
 
 }  // namespace
 }  // namespace kt_test
