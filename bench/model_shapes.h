@@ -1,5 +1,7 @@
 // Routed-expert shapes of real MoE models (hidden H, expert intermediate I,
-// experts E, routes per token k), benchmarked with synthetic bf16 weights.
+// experts E, routes per token k), benchmarked with synthetic bf16 weights:
+// those of bench/models/models.json (tests/python/test_model_shapes.py keeps
+// the two the same), compiled in so that an installed kt_bench needs no file.
 #ifndef KT_BENCH_MODEL_SHAPES_H_
 #define KT_BENCH_MODEL_SHAPES_H_
 

@@ -2,8 +2,8 @@
 """vLLM serving throughput with its own CPU experts and with kt's, side by side.
 
 A random-weight Qwen3-MoE checkpoint with the routed-expert shapes of
-Qwen3-30B-A3B (hidden 2048, moe_intermediate 768, 128 experts, top-8; see
-../shared/models.json) and few layers (default 2), so that the experts
+Qwen3-30B-A3B (hidden 2048, moe_intermediate 768, 128 experts, top-8; read
+from bench/models/models.json) and few layers (default 2), so that the experts
 dominate, is written once (bf16, ~2.4 GB for 2 layers) and served by vLLM's
 offline engine twice, each in its own process: without kt, and with the
 kt plugin (kt.integrations.vllm). Measured: decode tokens/s at batch 1, 8
@@ -35,7 +35,9 @@ ROOT = os.path.dirname(HERE)
 TESTS = os.path.join(ROOT, "tests", "python")
 sys.path.insert(0, TESTS)
 
-SHAPE = dict(hidden=2048, moe_intermediate=768, experts=128, top_k=8)  # qwen3-30b-a3b
+with open(os.path.join(HERE, "models", "models.json")) as _models:
+    _qwen3 = json.load(_models)["qwen3-30b-a3b"]
+SHAPE = {key: _qwen3[key] for key in ("hidden", "moe_intermediate", "experts", "top_k")}
 ATTENTION = dict(heads=32, intermediate=6144, vocab=2048)
 
 

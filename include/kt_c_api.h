@@ -742,7 +742,7 @@ typedef enum kt_ckpt_dtype {
   KT_CKPT_DTYPE_BOOL = 16
 } kt_ckpt_dtype;
 
-/* Routed-expert tensor layouts (DESIGN.md, checkpoint layouts). Pinned. */
+/* Routed-expert tensor layouts (docs/layouts.md, "Checkpoint tensor names"). Pinned. */
 typedef enum kt_ckpt_layout {
   KT_CKPT_LAYOUT_NONE = 0,         /* no routed experts found */
   KT_CKPT_LAYOUT_PER_EXPERT = 1,   /* layers.{L}.mlp.experts.{e}.{gate,up,down}_proj.weight */

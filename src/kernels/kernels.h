@@ -25,8 +25,8 @@ struct UpdateKernels;  // optim/update.h
 
 constexpr int kPanelRows = 16;
 
-// Activation parameters (DESIGN.md §2): kind is a kt_activation; limit <= 0
-// means no clamp.
+// Activation parameters (docs/math.md, "Activations"): kind is a
+// kt_activation; limit <= 0 means no clamp.
 struct ActParams {
   int kind;
   float alpha;

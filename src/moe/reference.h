@@ -1,4 +1,4 @@
-// The plain reference of DESIGN.md §2: loops in double precision over
+// The plain reference of docs/math.md: loops in double precision over
 // unpacked fp32 weights, written independently of the engine's algorithm.
 // Tests, the example and benchmarks check kt against it.
 #pragma once

@@ -305,7 +305,7 @@ int main(void) {
   CHECK(kt_moe_set_grad_hook(moe, on_grads, &hook_calls) == KT_OK);
 
   float x[2] = {1, 2}, y[2] = {0, 0}, w[1] = {0.5f}, dy[2] = {1, -0.5f}, dx[2] = {0, 0}, dw[1] = {0};
-  /* By hand, in double (DESIGN.md section 2): g = Wg x = 2, u = Wu x = 2.5,
+  /* By hand, in double (docs/math.md): g = Wg x = 2, u = Wu x = 2.5,
    * a = silu(g) u; the down projection's effective weight is
    * Wd + s B A = (1.5, 0.5), o = Weff a, y = w o. Backward with dy:
    * dw = <dy, o>, do = w dy, da = <Weff, do>, dg = da u silu'(g),

@@ -1,4 +1,4 @@
-"""DESIGN.md §2 written in plain torch ops, differentiated by torch autograd.
+"""docs/math.md written in plain torch ops, differentiated by torch autograd.
 
 Everything runs in float64 from the exact values kt is given (base weights
 rounded to bf16 first, as kt stores them), so differences measure kt alone.
@@ -14,7 +14,7 @@ def bf16_round(t):
 
 
 def lora_scale(rank, alpha, use_rslora=False):
-    """DESIGN.md §2: s = alpha / r, or alpha / sqrt(r) with rsLoRA, from the
+    """docs/math.md, "LoRA": s = alpha / r, or alpha / sqrt(r) with rsLoRA, from the
     layer's options (never from the layer)."""
     return alpha / (math.sqrt(rank) if use_rslora else rank)
 

@@ -12,9 +12,9 @@ BF16: x, routing weights and outputs are bf16 and the dot products read bf16
 operands. One bf16 rounding has a relative error up to 2^-9 = 0.2 % (RMS about
 0.1 %); an output passes through a few such roundings (input, intermediate
 activation fed to the down projection, the stored result), so 1 % is a bound
-that a real error (a wrong index, a missed term) cannot meet. DESIGN.md's
-goals (forward 0.3 %, dx 0.5 %, grads 0.3 %) are for fp32-accumulated real
-shapes; the tests print the measured numbers next to them.
+that a real error (a wrong index, a missed term) cannot meet. The goals of
+docs/math.md (forward 0.3 %, dx 0.5 %, grads 0.3 %) are for fp32-accumulated
+real shapes; the tests print the measured numbers next to them.
 
 TRAINING: losses of the same model trained with kt experts (fp32 kernels) vs
 pure torch experts, per step, relative. Both start from the same bf16-rounded

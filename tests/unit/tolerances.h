@@ -26,10 +26,11 @@ constexpr Tolerance kBf16Outputs{2.5e-3, 2.5e-3, 2.5e-3, 1e-5, 1e-5};
 // each (unit roundoff 2^-8; RMS relative error ~2^-8/sqrt(3) ~ 0.2 % per
 // rounding, errors of independent roundings add in quadrature). With bf16
 // inputs x is exact: forward sees one rounding, dx two (dy, then dg/du), the
-// parameter gradients one. These are the project's accuracy goals (DESIGN.md
-// §2: forward 0.3 %, dx 0.5 %, LoRA and full grads 0.3 %). The routing-weight
-// gradient is a dot product of H mixed-sign terms, sum(dy*o); with only a few
-// routes in a case its relative error fluctuates above the per-element one.
+// parameter gradients one. These are the project's accuracy goals
+// (docs/math.md, "Accuracy goals and tolerances": forward 0.3 %, dx 0.5 %,
+// LoRA and full grads 0.3 %). The routing-weight gradient is a dot product of
+// H mixed-sign terms, sum(dy*o); with only a few routes in a case its
+// relative error fluctuates above the per-element one.
 constexpr Tolerance kBf16OperandsBf16Io{3e-3, 5e-3, 1e-2, 3e-3, 3e-3};
 // The same path fed fp32 x and dy: both are rounded to bf16 once more.
 constexpr Tolerance kBf16OperandsFp32Io{4.5e-3, 6e-3, 1e-2, 6e-3, 6e-3};

@@ -775,7 +775,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 
 def _activation(g, u, activation, alpha, limit):
-    """DESIGN.md section 2's activations, in torch."""
+    """The activations of docs/math.md ("Activations"), in torch."""
     if activation == "swiglu_oai":
         g = g.clamp(max=limit)
         u = u.clamp(min=-limit, max=limit)
