@@ -23,7 +23,9 @@ use std::ptr;
 use kt_sys as sys;
 
 mod optim;
+mod runtime;
 mod weight_format;
+pub use runtime::{Job, StageProfile};
 pub use weight_format::WeightFormat;
 pub use optim::{Algorithm, Arithmetic, Optimizer, OptimizerOptions};
 
@@ -343,7 +345,7 @@ impl Engine {
     pub fn moe(&self, options: &MoeOptions) -> Result<Moe<'_>> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_moe_create(self.raw, &options.raw, &mut raw) })?;
-        Ok(Moe { raw, _engine: PhantomData })
+        Ok(Moe { raw, _engine: PhantomData, hook: std::sync::Mutex::new(None) })
     }
 }
 
@@ -469,6 +471,8 @@ impl Default for BackwardOptions {
 pub struct Moe<'e> {
     raw: *mut sys::kt_moe,
     _engine: PhantomData<&'e Engine>,
+    /// The gradient hook kt calls (runtime.rs); dropped after kt_moe_destroy.
+    hook: std::sync::Mutex<Option<Box<runtime::GradHook>>>,
 }
 
 unsafe impl Send for Moe<'_> {}
