@@ -139,8 +139,9 @@ set(CPACK_COMPONENT_PYTHON_DESCRIPTION "kt Python package (ctypes binding)")
 include(CPack)
 
 # ----------------------------------------------------------------- ABI gate
-# The recorded ABI lives in packaging/abi/kt_abi.json. Re-record it (after
-# raising KT_ABI_VERSION, or to pin newly added declarations):
+# The recorded ABI lives in packaging/abi/kt_abi.json, and the bindings' raw
+# layers are generated from it (abi/gen_bindings.py). Re-record it and
+# regenerate them (after any header change, or raising KT_ABI_VERSION):
 #   cmake --build <build> --target kt_abi_record
 find_package(Python3 COMPONENTS Interpreter QUIET)
 find_program(KT_CLANG NAMES clang clang-16 clang-15 clang-14)
@@ -151,8 +152,9 @@ if(Python3_Interpreter_FOUND AND KT_CLANG)
   add_custom_target(kt_abi_record
     COMMAND "${Python3_EXECUTABLE}" "${_kt_abi_tool}" dump ${_kt_abi_args}
       --library "$<TARGET_FILE:kt>" -o "${_kt_pkg_dir}/abi/kt_abi.json"
+    COMMAND "${Python3_EXECUTABLE}" "${_kt_pkg_dir}/abi/gen_bindings.py"
     DEPENDS kt
-    COMMENT "Recording the ABI of kt_c_api.h and libkt in packaging/abi/kt_abi.json"
+    COMMENT "Recording the ABI of kt_c_api.h and libkt in packaging/abi/kt_abi.json, generating the bindings from it"
     VERBATIM)
 endif()
 
@@ -189,10 +191,20 @@ if(Python3_Interpreter_FOUND AND KT_CLANG)
   add_test(NAME kt_abi_gate_selftest
     COMMAND "${Python3_EXECUTABLE}" "${_kt_pkg_dir}/abi/test_kt_abi.py" ${_kt_abi_args}
       --work "${_kt_work}/abi_selftest")
+  # The committed Python, Rust and Go raw layers are what the record gives,
+  # the record describes the header, and ctypes lays the structs out as recorded.
+  add_test(NAME kt_bindings_generated
+    COMMAND "${Python3_EXECUTABLE}" "${_kt_pkg_dir}/abi/gen_bindings.py" --check ${_kt_abi_args})
 else()
   add_test(NAME kt_abi_gate COMMAND sh -c "echo 'skipped: the ABI gate needs python3 and clang'; exit ${_kt_skip}")
+  if(Python3_Interpreter_FOUND)
+    add_test(NAME kt_bindings_generated COMMAND "${Python3_EXECUTABLE}" "${_kt_pkg_dir}/abi/gen_bindings.py" --check)
+  endif()
 endif()
 set_tests_properties(kt_abi_gate PROPERTIES SKIP_RETURN_CODE ${_kt_skip} LABELS "abi;packaging")
+if(TEST kt_bindings_generated)
+  set_tests_properties(kt_bindings_generated PROPERTIES LABELS "abi;bindings")
+endif()
 
 if(TARGET kt_c_dlopen)
   add_test(NAME kt_c_dlopen COMMAND kt_c_dlopen)

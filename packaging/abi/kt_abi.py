@@ -6,6 +6,7 @@
 
 What is recorded:
   functions   every exported kt_* function with its C type (return and parameter types)
+              and its parameters' names
   inline_functions  every static inline kt_* function of the header (not exported)
   enums       every kt_* enum: its size and the value of each constant
   macros      every KT_* integer macro (bits, flags, versions)
@@ -66,10 +67,13 @@ def parse_ast(args):
                            if p["kind"] == "ParmVarDecl"],
             }
         elif kind == "FunctionDecl":
+            params = [p for p in node.get("inner", []) if p["kind"] == "ParmVarDecl"]
             functions[name] = {
                 "type": node["type"]["qualType"],
-                "params": [p["type"]["qualType"] for p in node.get("inner", [])
-                           if p["kind"] == "ParmVarDecl"],
+                "params": [p["type"]["qualType"] for p in params],
+                # Names are no part of the ABI (compare ignores them); the
+                # generated bindings (gen_bindings.py) spell their parameters so.
+                "names": [p.get("name", "arg%d" % i) for i, p in enumerate(params)],
             }
         elif kind == "EnumDecl":
             constants = {}

@@ -131,32 +131,6 @@ func Version() string { return C.GoString(C.kt_version()) }
 // BuildInfo describes the loaded library's compiler, build type and kernels.
 func BuildInfo() string { return C.GoString(C.kt_build_info()) }
 
-// Status is a kt_status code; its values are those of the C ABI.
-type Status int
-
-// Status codes (pinned values of kt_status).
-const (
-	OK                 Status = C.KT_OK
-	ErrInvalidArgument Status = C.KT_ERR_INVALID_ARGUMENT
-	ErrNullPointer     Status = C.KT_ERR_NULL_POINTER
-	ErrInvalidHandle   Status = C.KT_ERR_INVALID_HANDLE
-	ErrDType           Status = C.KT_ERR_DTYPE
-	ErrShape           Status = C.KT_ERR_SHAPE
-	ErrStride          Status = C.KT_ERR_STRIDE
-	ErrDevice          Status = C.KT_ERR_DEVICE
-	ErrExpertID        Status = C.KT_ERR_EXPERT_ID
-	ErrTooManyTokens   Status = C.KT_ERR_TOO_MANY_TOKENS
-	ErrContext         Status = C.KT_ERR_CONTEXT
-	ErrNotBound        Status = C.KT_ERR_NOT_BOUND
-	ErrNotLoaded       Status = C.KT_ERR_NOT_LOADED
-	ErrMode            Status = C.KT_ERR_MODE
-	ErrUnsupported     Status = C.KT_ERR_UNSUPPORTED
-	ErrOutOfMemory     Status = C.KT_ERR_OUT_OF_MEMORY
-	ErrIO              Status = C.KT_ERR_IO
-	ErrInternal        Status = C.KT_ERR_INTERNAL
-	ErrComm            Status = C.KT_ERR_COMM
-)
-
 // String is the status's name ("KT_ERR_SHAPE").
 func (s Status) String() string { return C.GoString(C.kt_status_string(C.kt_status(s))) }
 
@@ -279,44 +253,6 @@ func (e *Engine) Close() error {
 	return nil
 }
 
-// Activation selects the expert activation.
-type Activation int
-
-// Activations of kt_activation.
-const (
-	ActSiLU      Activation = C.KT_ACT_SILU
-	ActSwiGLUOAI Activation = C.KT_ACT_SWIGLU_OAI
-)
-
-// Mode is a layer's training mode.
-type Mode int
-
-// Modes of kt_mode.
-const (
-	ModeInference Mode = C.KT_MODE_INFERENCE
-	ModeLoRA      Mode = C.KT_MODE_LORA
-	ModeFull      Mode = C.KT_MODE_FULL
-)
-
-// WeightFormat is how a layer stores its frozen base weights
-// (kt_weight_format), for inference and LoRA mode. int8_channel, int4_g32
-// and int4_g128 are quantized by kt at load (kt_c_api.h states their error);
-// fp8_b128, mxfp4 and int4 groups (with zero points: int4_g32_zp,
-// int4_g128_zp) come quantized from checkpoints, held as stored.
-type WeightFormat int
-
-// Formats of kt_weight_format.
-const (
-	FormatBF16        WeightFormat = C.KT_FORMAT_BF16
-	FormatInt8Channel WeightFormat = C.KT_FORMAT_INT8_CHANNEL // int8 per output channel
-	FormatInt4G32     WeightFormat = C.KT_FORMAT_INT4_G32     // int4 per group of 32 inputs
-	FormatFP8B128     WeightFormat = C.KT_FORMAT_FP8_B128     // fp8 e4m3, fp32 scale per 128x128 block
-	FormatMXFP4       WeightFormat = C.KT_FORMAT_MXFP4        // fp4 e2m1, e8m0 scale per 32 inputs
-	FormatInt4G128    WeightFormat = C.KT_FORMAT_INT4_G128    // int4 per group of 128 inputs
-	FormatInt4G32ZP   WeightFormat = C.KT_FORMAT_INT4_G32_ZP  // int4 with zero points per group of 32 inputs
-	FormatInt4G128ZP  WeightFormat = C.KT_FORMAT_INT4_G128_ZP // int4 with zero points per group of 128 inputs
-)
-
 // String is kt's name of the format ("bf16", "int8_channel", "int4_g32",
 // "fp8_b128", "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp").
 func (f WeightFormat) String() string {
@@ -412,47 +348,6 @@ func (m *MoE) Close() error {
 	}
 	return nil
 }
-
-// ArgID names an argument of a call (kt_arg_id).
-type ArgID int
-
-// Argument ids (pinned values of kt_arg_id).
-const (
-	ArgX             ArgID = C.KT_ARG_X
-	ArgIDs           ArgID = C.KT_ARG_IDS
-	ArgRouteWeights  ArgID = C.KT_ARG_ROUTE_WEIGHTS
-	ArgY             ArgID = C.KT_ARG_Y
-	ArgDY            ArgID = C.KT_ARG_DY
-	ArgDX            ArgID = C.KT_ARG_DX
-	ArgDRouteWeights ArgID = C.KT_ARG_DROUTE_WEIGHTS
-	ArgWGate         ArgID = C.KT_ARG_W_GATE
-	ArgWUp           ArgID = C.KT_ARG_W_UP
-	ArgWDown         ArgID = C.KT_ARG_W_DOWN
-	ArgWGateUp       ArgID = C.KT_ARG_W_GATE_UP
-	ArgBGate         ArgID = C.KT_ARG_B_GATE
-	ArgBUp           ArgID = C.KT_ARG_B_UP
-	ArgBDown         ArgID = C.KT_ARG_B_DOWN
-	ArgBGateUp       ArgID = C.KT_ARG_B_GATE_UP // [E,2I], the biases of ArgWGateUp
-	ArgExpertMap     ArgID = C.KT_ARG_EXPERT_MAP
-	ArgLoRAAGate     ArgID = C.KT_ARG_LORA_A_GATE
-	ArgLoRABGate     ArgID = C.KT_ARG_LORA_B_GATE
-	ArgLoRAAUp       ArgID = C.KT_ARG_LORA_A_UP
-	ArgLoRABUp       ArgID = C.KT_ARG_LORA_B_UP
-	ArgLoRAADown     ArgID = C.KT_ARG_LORA_A_DOWN
-	ArgLoRABDown     ArgID = C.KT_ARG_LORA_B_DOWN
-	ArgGradLoRAAGate ArgID = C.KT_ARG_GRAD_LORA_A_GATE
-	ArgGradLoRABGate ArgID = C.KT_ARG_GRAD_LORA_B_GATE
-	ArgGradLoRAAUp   ArgID = C.KT_ARG_GRAD_LORA_A_UP
-	ArgGradLoRABUp   ArgID = C.KT_ARG_GRAD_LORA_B_UP
-	ArgGradLoRAADown ArgID = C.KT_ARG_GRAD_LORA_A_DOWN
-	ArgGradLoRABDown ArgID = C.KT_ARG_GRAD_LORA_B_DOWN
-	ArgGradWGate     ArgID = C.KT_ARG_GRAD_W_GATE
-	ArgGradWUp       ArgID = C.KT_ARG_GRAD_W_UP
-	ArgGradWDown     ArgID = C.KT_ARG_GRAD_W_DOWN
-	ArgGradBGate     ArgID = C.KT_ARG_GRAD_B_GATE
-	ArgGradBUp       ArgID = C.KT_ARG_GRAD_B_UP
-	ArgGradBDown     ArgID = C.KT_ARG_GRAD_B_DOWN
-)
 
 // Tensor is a compact row-major view of a Go slice with a shape; it borrows
 // the slice for the calls it is passed to.
@@ -645,37 +540,6 @@ func (c *Context) Close() {
 }
 
 // ------------------------------------------------ packed caches, checkpoints
-
-// CkptLayout is a routed-expert layout of a checkpoint (kt_ckpt_layout).
-type CkptLayout int
-
-// Layouts (pinned values of kt_ckpt_layout).
-const (
-	LayoutNone       CkptLayout = C.KT_CKPT_LAYOUT_NONE
-	LayoutPerExpert  CkptLayout = C.KT_CKPT_LAYOUT_PER_EXPERT
-	LayoutMixtral    CkptLayout = C.KT_CKPT_LAYOUT_MIXTRAL
-	LayoutFused      CkptLayout = C.KT_CKPT_LAYOUT_FUSED
-	LayoutFusedInOut CkptLayout = C.KT_CKPT_LAYOUT_FUSED_IN_OUT
-	LayoutGptOss     CkptLayout = C.KT_CKPT_LAYOUT_GPT_OSS
-)
-
-// CkptDType is a stored element type (kt_ckpt_dtype) of kt's writers.
-type CkptDType int
-
-// Stored dtypes kt's writers accept.
-const (
-	DTypeF32  CkptDType = C.KT_CKPT_DTYPE_F32
-	DTypeF16  CkptDType = C.KT_CKPT_DTYPE_F16
-	DTypeBF16 CkptDType = C.KT_CKPT_DTYPE_BF16
-)
-
-// Projection bits (KT_PROJ_*) of LoRA targets.
-const (
-	ProjGate uint32 = C.KT_PROJ_GATE
-	ProjUp   uint32 = C.KT_PROJ_UP
-	ProjDown uint32 = C.KT_PROJ_DOWN
-	ProjAll  uint32 = C.KT_PROJ_ALL
-)
 
 // SavePacked writes the layer's packed weights to one file (atomically replaced).
 func (m *MoE) SavePacked(path string) error {

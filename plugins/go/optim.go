@@ -8,25 +8,6 @@ import "C"
 
 import "unsafe"
 
-// Algorithm is an optimizer algorithm (kt_optim_algorithm).
-type Algorithm int
-
-// Algorithms of kt_optim_algorithm.
-const (
-	AdamW Algorithm = C.KT_OPTIM_ADAMW // decoupled weight decay, bias correction, optional AMSGrad
-	SGD   Algorithm = C.KT_OPTIM_SGD   // momentum, dampening, Nesterov, L2 weight decay
-)
-
-// Arithmetic says whose operation order the steps reproduce bit for bit
-// (kt_optim_arithmetic).
-type Arithmetic int
-
-// Arithmetics of kt_optim_arithmetic.
-const (
-	Torch1 Arithmetic = C.KT_OPTIM_TORCH1 // torch 1.x: AdamW moves exp_avg by mul and add
-	Torch2 Arithmetic = C.KT_OPTIM_TORCH2 // torch 2.x: AdamW moves exp_avg by lerp
-)
-
 // OptimizerOptions are an optimizer's hyperparameters, with torch.optim's
 // meanings. Start from DefaultOptimizerOptions (kt's defaults: AdamW, lr 1e-3,
 // weight decay 1e-2, betas 0.9/0.999, eps 1e-8).

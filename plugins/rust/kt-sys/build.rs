@@ -1,7 +1,7 @@
-//! Links libkt and tells the header check where kt_c_api.h and dlpack.h are.
+//! Links libkt and tells dependent build scripts where kt_c_api.h is.
 //!
-//! KT_LIB_DIR / KT_INCLUDE_DIR / KT_DLPACK_INCLUDE_DIR name them explicitly;
-//! otherwise pkg-config (kt.pc) is asked, and otherwise the system paths apply.
+//! KT_LIB_DIR / KT_INCLUDE_DIR name them explicitly; otherwise pkg-config
+//! (kt.pc) is asked, and otherwise the system paths apply.
 use std::env;
 use std::path::Path;
 use std::process::Command;
@@ -17,7 +17,7 @@ fn pkg_config_variable(name: &str) -> Option<String> {
 }
 
 fn main() {
-    for var in ["KT_LIB_DIR", "KT_INCLUDE_DIR", "KT_DLPACK_INCLUDE_DIR", "PKG_CONFIG_PATH"] {
+    for var in ["KT_LIB_DIR", "KT_INCLUDE_DIR", "PKG_CONFIG_PATH"] {
         println!("cargo:rerun-if-env-changed={}", var);
     }
     if let Some(dir) = env::var("KT_LIB_DIR").ok().or_else(|| pkg_config_variable("libdir")) {
@@ -26,15 +26,12 @@ fn main() {
     }
     println!("cargo:rustc-link-lib=dylib=kt");
 
-    // The header this crate's declarations are checked against (tests/header.rs).
+    // The header the declarations are generated from (packaging/abi/gen_bindings.py).
     let in_tree = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).join("../../../include");
     let include = env::var("KT_INCLUDE_DIR")
         .ok()
         .or_else(|| pkg_config_variable("includedir"))
         .or_else(|| in_tree.join("kt_c_api.h").exists().then(|| in_tree.display().to_string()))
         .unwrap_or_else(|| "/usr/include".to_string());
-    let dlpack = env::var("KT_DLPACK_INCLUDE_DIR").unwrap_or_else(|_| "/usr/include".to_string());
-    println!("cargo:rustc-env=KT_SYS_INCLUDE_DIR={}", include);
-    println!("cargo:rustc-env=KT_SYS_DLPACK_INCLUDE_DIR={}", dlpack);
     println!("cargo:include={}", include);
 }

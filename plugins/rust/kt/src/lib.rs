@@ -23,6 +23,10 @@ use std::ptr;
 use kt_sys as sys;
 
 mod optim;
+mod runtime;
+mod weight_format;
+pub use runtime::{Job, StageProfile};
+pub use weight_format::WeightFormat;
 pub use optim::{Algorithm, Arithmetic, Optimizer, OptimizerOptions};
 
 /// The ABI major this crate was written for; [`Engine::new`] refuses another.
@@ -341,7 +345,7 @@ impl Engine {
     pub fn moe(&self, options: &MoeOptions) -> Result<Moe<'_>> {
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_moe_create(self.raw, &options.raw, &mut raw) })?;
-        Ok(Moe { raw, _engine: PhantomData })
+        Ok(Moe { raw, _engine: PhantomData, hook: std::sync::Mutex::new(None) })
     }
 }
 
@@ -421,58 +425,7 @@ impl MoeOptions {
     }
 }
 
-/// How a layer stores its frozen base weights (kt_weight_format). The
-/// quantization error of each is stated in kt_c_api.h.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum WeightFormat {
-    /// bf16 packed panels.
-    Bf16,
-    /// int8 per output channel (symmetric), bf16 scales.
-    Int8Channel,
-    /// int4 in groups of 32 inputs (symmetric), bf16 scales.
-    Int4G32,
-    /// fp8 e4m3 with fp32 scales per 128x128 block, as fp8 checkpoints
-    /// store them (DeepSeek-V3, Kimi-K2); loaded from checkpoints.
-    Fp8B128,
-    /// fp4 e2m1 with e8m0 scales per 32 inputs (gpt-oss, DeepSeek-V4);
-    /// loaded from checkpoints.
-    Mxfp4,
-    /// int4 in groups of 128 inputs (symmetric), bf16 scales: compressed-tensors
-    /// checkpoints, or quantized by kt at load.
-    Int4G128,
-    /// int4 in groups of 32 inputs with a bf16 scale and an int4 zero point
-    /// per group, W = (q - z) * s: asymmetric compressed-tensors checkpoints.
-    Int4G32Zp,
-    /// The same in groups of 128 inputs.
-    Int4G128Zp,
-}
-
 impl WeightFormat {
-    fn raw(self) -> sys::kt_weight_format {
-        match self {
-            WeightFormat::Bf16 => sys::KT_FORMAT_BF16,
-            WeightFormat::Int8Channel => sys::KT_FORMAT_INT8_CHANNEL,
-            WeightFormat::Int4G32 => sys::KT_FORMAT_INT4_G32,
-            WeightFormat::Fp8B128 => sys::KT_FORMAT_FP8_B128,
-            WeightFormat::Mxfp4 => sys::KT_FORMAT_MXFP4,
-            WeightFormat::Int4G128 => sys::KT_FORMAT_INT4_G128,
-            WeightFormat::Int4G32Zp => sys::KT_FORMAT_INT4_G32_ZP,
-            WeightFormat::Int4G128Zp => sys::KT_FORMAT_INT4_G128_ZP,
-        }
-    }
-    fn from_raw(v: sys::kt_weight_format) -> Option<WeightFormat> {
-        match v {
-            sys::KT_FORMAT_BF16 => Some(WeightFormat::Bf16),
-            sys::KT_FORMAT_INT8_CHANNEL => Some(WeightFormat::Int8Channel),
-            sys::KT_FORMAT_INT4_G32 => Some(WeightFormat::Int4G32),
-            sys::KT_FORMAT_FP8_B128 => Some(WeightFormat::Fp8B128),
-            sys::KT_FORMAT_MXFP4 => Some(WeightFormat::Mxfp4),
-            sys::KT_FORMAT_INT4_G128 => Some(WeightFormat::Int4G128),
-            sys::KT_FORMAT_INT4_G32_ZP => Some(WeightFormat::Int4G32Zp),
-            sys::KT_FORMAT_INT4_G128_ZP => Some(WeightFormat::Int4G128Zp),
-            _ => None,
-        }
-    }
     /// kt's name of the format ("bf16", "int8_channel", "int4_g32",
     /// "fp8_b128", "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp").
     pub fn name(self) -> &'static str {
@@ -518,6 +471,8 @@ impl Default for BackwardOptions {
 pub struct Moe<'e> {
     raw: *mut sys::kt_moe,
     _engine: PhantomData<&'e Engine>,
+    /// The gradient hook kt calls (runtime.rs); dropped after kt_moe_destroy.
+    hook: std::sync::Mutex<Option<Box<runtime::GradHook>>>,
 }
 
 unsafe impl Send for Moe<'_> {}
