@@ -22,6 +22,8 @@
 # $KT_DEVICE_BUDGET (seconds, default 480) bounds the whole run.
 # KT_CHECK_DEVICE=cpu runs the Python steps on the CPU with a small model
 # (a check of the scripts on a machine without a GPU, not a measurement).
+# On a CPU with AMX-BF16 and no GPU, the AMX checks alone:
+#   tools/device_check.sh --prepare && tools/device_check.sh OUT_DIR env amx amx_bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -164,7 +166,7 @@ for s in $steps; do
       summary+=("env: done")
       ;;
     amx)
-      # tools/amx_check.sh's tests, time-boxed, on the carried build: kt's
+      # The tests of the amx kernels, time-boxed, on the carried build: kt's
       # tiles on the hardware (the kernel tests hold the amx self-test and the
       # measured GEMM choice), every layer case on the amx table.
       if [ $has_amx = 0 ]; then
@@ -179,8 +181,11 @@ for s in $steps; do
       ;;
     amx_bench)
       # The measurements that place the amx table: the tile GEMM alone (one
-      # thread), and the layer on 16 threads against kt's avx512bf16 table and
-      # oneDNN's backend (the amx side at T=1,32,512 is scaling.threads16).
+      # thread), the layer on 16 threads against kt's avx512bf16 table and
+      # oneDNN's backend (the amx side at T=1,32,512 is scaling.threads16),
+      # the quantized bases at decode and prefill, and which oneDNN
+      # implementations the backend's plans got (brg:avx512_core_amx
+      # expected; a ref one fails the step: kt's kernel runs those shapes).
       [ $has_amx = 0 ] && continue
       step amx.kernel_bench 45 "$bin/kt_kernel_bench" --isa amx
       step amx.bench_amx 50 "$bin/kt_bench" --tokens 512,2048 --cases forward,train_dx,train_lora --reps 3 \
@@ -189,6 +194,13 @@ for s in $steps; do
         --cases forward,train_dx,train_lora --reps 3 --no-torch --no-onednn
       step amx.bench_onednn_backend 45 "$bin/kt_bench" --backend onednn --tokens 512,2048 \
         --cases forward,train_lora --reps 3 --no-torch --no-onednn
+      step amx.bench_quant 45 "$bin/kt_bench" --tokens 1,512 --cases forward,train_lora \
+        --format fp8_b128,int4_g32,int4_g128,mxfp4,int4_g32/int8,int8_channel/int8 --reps 3 --no-torch --no-onednn
+      step amx.onednn_impls 30 bash -c 'impls=$(DNNL_VERBOSE=1 "$1" --backend onednn --tokens 1,512 \
+        --cases forward,train_dx --format int8_channel --reps 1 --warmup 0 --no-torch --no-onednn 2>/dev/null |
+        awk -F, "/^onednn_verbose,exec/ { n[\$4 \",\" \$5]++ } END { for (k in n) print n[k], k }" | sort -rn)
+        echo "$impls"
+        case $impls in *,ref*) echo "the oneDNN backend ran a reference implementation"; exit 1 ;; esac' _ "$bin/kt_bench"
       ;;
     cuda_stream)
       for t in 1 48 256; do step cuda_stream.T$t 30 "$bin/kt_cuda_stream" $t; done
