@@ -59,7 +59,7 @@ def parse_args():
 
 
 def build_model(args):
-    import serve_models
+    from helpers import serve_models
     directory = args.model_dir or os.path.join(tempfile.gettempdir(), "kt-serve-bench-%s-%dl" % (args.dtype, args.layers))
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
@@ -89,7 +89,7 @@ def run(args, model, kt):
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         t = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(TESTS, "serve_vllm_run.py"), spec_path, out_path],
+        proc = subprocess.run([sys.executable, os.path.join(TESTS, "helpers", "serve_vllm_run.py"), spec_path, out_path],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         name = "kt" if kt is not None else "vLLM"
         print("serve_bench: %s run took %.0f s" % (name, time.time() - t), flush=True)

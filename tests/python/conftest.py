@@ -9,7 +9,7 @@ sys.path.insert(0, HERE)
 
 import pytest  # noqa: E402
 
-import measured  # noqa: E402
+from helpers import measured  # noqa: E402
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -12,9 +12,9 @@ import torch
 
 import kt
 import kt.hf
-import st_files
+from helpers import st_files
 from kt._progress import _bytes_text
-from hf_shaped import (FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
+from helpers.hf_shaped import (FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
                        round_params_to_bf16)
 
 H, I, E, K = 48, 40, 6, 2
@@ -306,7 +306,7 @@ kt.checkpoint.write_experts(sys.argv[1], {L: dict(gate=ones(E, I, H), up=ones(E,
 
 _LOADER = """
 import json, sys, torch, kt, kt.hf
-from hf_shaped import Qwen3MoeSparseMoeBlock
+from helpers.hf_shaped import Qwen3MoeSparseMoeBlock
 E, H, I, LAYERS = %d, %d, %d, %d
 
 def status(key):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import kt.hf
-import st_files
-import tolerances
-from hf_shaped import round_params_to_bf16
-from reference import rel_l2
+from helpers import st_files
+from helpers import tolerances
+from helpers.hf_shaped import round_params_to_bf16
+from helpers.reference import rel_l2
 from test_hf import BLOCKS, H, Wrapper
 
 E = 6

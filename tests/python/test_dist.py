@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from cases import make_case
-from reference import reference_grads, rel_l2
-from tolerances import FP32
+from helpers.cases import make_case
+from helpers.reference import reference_grads, rel_l2
+from helpers.tolerances import FP32
 
 E, K, H, I = 6, 2, 32, 24
 TOKENS = [5, 3]  # per rank

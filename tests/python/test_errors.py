@@ -5,7 +5,7 @@ import torch
 
 import kt
 import kt.torch as ktt
-from cases import build_module, make_case
+from helpers.cases import build_module, make_case
 
 E, K, H, I, T = 4, 2, 32, 16, 6
 

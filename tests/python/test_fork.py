@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 
-import tolerances
+from helpers import tolerances
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.join(os.path.dirname(os.path.dirname(HERE)), "plugins", "python")

@@ -3,9 +3,9 @@ torch's accumulated gradients of the reference."""
 import pytest
 import torch
 
-import tolerances
-from cases import build_module, make_case
-from reference import checked_lora_scale, reference_grads, rel_l2
+from helpers import tolerances
+from helpers.cases import build_module, make_case
+from helpers.reference import checked_lora_scale, reference_grads, rel_l2
 
 E, K, H, I, T = 5, 2, 40, 24, 9
 R, ALPHA = 4, 8.0  # build_module's LoRA options (alpha / r = 2)

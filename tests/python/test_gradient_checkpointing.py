@@ -10,7 +10,7 @@ import torch.utils.checkpoint
 
 import kt.hf
 import kt.optim
-from hf_shaped import Decoder, FusedMoeBlock, GptOssMLP, Qwen3MoeSparseMoeBlock, round_params_to_bf16
+from helpers.hf_shaped import Decoder, FusedMoeBlock, GptOssMLP, Qwen3MoeSparseMoeBlock, round_params_to_bf16
 
 VOCAB, H, I, E, K, HEADS, LAYERS, B, S = 64, 32, 24, 6, 2, 4, 2, 2, 9
 FAMILIES = {

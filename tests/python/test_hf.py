@@ -4,10 +4,10 @@ import torch
 
 import kt.hf
 import kt.torch
-import tolerances
-from hf_shaped import (DeepseekV3MoE, FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock,
+from helpers import tolerances
+from helpers.hf_shaped import (DeepseekV3MoE, FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock,
                        Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, round_params_to_bf16)
-from reference import rel_l2
+from helpers.reference import rel_l2
 
 H, I, E, K = 48, 40, 6, 2
 BLOCKS = {

@@ -12,11 +12,11 @@ import torch.nn.functional as F
 
 import kt.hf
 import kt.optim
-import tolerances
+from helpers import tolerances
 from kt import _hf_names
-from hf_shaped import (DeepseekV3MoE, Decoder, FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock,
+from helpers.hf_shaped import (DeepseekV3MoE, Decoder, FusedMoeBlock, GptOssMLP, MixtralSparseMoeBlock,
                        Qwen3MoeSparseMoeBlock, round_params_to_bf16)
-from reference import checked_lora_scale, rel_l2
+from helpers.reference import checked_lora_scale, rel_l2
 
 H, I, E, K = 32, 24, 8, 2
 BLOCKS = {

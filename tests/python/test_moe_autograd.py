@@ -6,10 +6,10 @@ import torch
 
 import kt
 
-import measured
-import tolerances
-from cases import build_module, make_case
-from reference import checked_lora_scale, reference_grads, rel_l2
+from helpers import measured
+from helpers import tolerances
+from helpers.cases import build_module, make_case
+from helpers.reference import checked_lora_scale, reference_grads, rel_l2
 
 ACTIVATIONS = {
     "silu": dict(kind="silu", limit=0.0, x_scale=1.0),

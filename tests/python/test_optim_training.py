@@ -19,9 +19,9 @@ import torch.nn.functional as F
 import kt
 import kt.hf
 import kt.optim
-import tolerances
-from hf_shaped import Decoder, Qwen3MoeSparseMoeBlock, round_params_to_bf16
-from reference import checked_lora_scale
+from helpers import tolerances
+from helpers.hf_shaped import Decoder, Qwen3MoeSparseMoeBlock, round_params_to_bf16
+from helpers.reference import checked_lora_scale
 from test_training import LoraLinear
 
 VOCAB, H, HEADS, LAYERS, E, K, I, R, ALPHA = 64, 32, 4, 2, 8, 2, 48, 4, 8.0

@@ -13,10 +13,10 @@ import torch
 import kt
 import kt.hf
 import kt.torch
-import tolerances
-from cases import make_case
-from hf_shaped import Qwen3MoeSparseMoeBlock, round_params_to_bf16
-from reference import bf16_round, checked_lora_scale, moe_forward, reference_grads, rel_l2
+from helpers import tolerances
+from helpers.cases import make_case
+from helpers.hf_shaped import Qwen3MoeSparseMoeBlock, round_params_to_bf16
+from helpers.reference import bf16_round, checked_lora_scale, moe_forward, reference_grads, rel_l2
 
 E, K, H, I, T = 6, 2, 96, 48, 24
 R, ALPHA = 4, 8.0  # the LoRA of the training test (alpha / r = 2)

@@ -18,10 +18,10 @@ import torch
 
 import kt
 import kt.hf
-import st_files
-import tolerances
-from hf_shaped import Qwen3MoeSparseMoeBlock
-from reference import moe_forward, rel_l2
+from helpers import st_files
+from helpers import tolerances
+from helpers.hf_shaped import Qwen3MoeSparseMoeBlock
+from helpers.reference import moe_forward, rel_l2
 
 E, K, H, I, T = 4, 2, 160, 96, 12
 PROJ = ("gate_proj", "up_proj", "down_proj")

@@ -26,9 +26,9 @@ from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp 
 from safetensors.torch import save_file  # noqa: E402
 
 import kt  # noqa: E402
-import measured  # noqa: E402
-import tolerances  # noqa: E402
-from reference import moe_forward, rel_l2  # noqa: E402
+from helpers import measured  # noqa: E402
+from helpers import tolerances  # noqa: E402
+from helpers.reference import moe_forward, rel_l2  # noqa: E402
 
 E, K, H, I, T, LAYER = 4, 2, 256, 128, 12, 1
 PROJ = ("gate_proj", "up_proj", "down_proj")

@@ -4,7 +4,7 @@ start it (the CLI with a YAML config), with kt computing the routed experts
 (llamafactory-cli train cfg.yaml). The loss curves agree (fp32) within
 1e-5 relative per logged step.
 
-The model: tests/python/real_models.py's Qwen3-MoE (transformers' own
+The model: tests/python/helpers/real_models.py's Qwen3-MoE (transformers' own
 config class, random weights rounded to bf16), saved in fp32: LlamaFactory
 loads with torch_dtype "auto" and computes in fp32 on a CPU, so the plain
 run is fp32 only from an fp32 checkpoint. kt keeps its base experts in bf16,
@@ -42,7 +42,7 @@ llamafactory = pytest.importorskip(
 transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
-import real_models  # noqa: E402
+from helpers import real_models  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -19,10 +19,10 @@ import torch  # noqa: E402
 
 import kt  # noqa: E402
 import kt.hf  # noqa: E402
-import measured  # noqa: E402
-import real_models  # noqa: E402
-import tolerances  # noqa: E402
-from reference import rel_l2  # noqa: E402
+from helpers import measured  # noqa: E402
+from helpers import real_models  # noqa: E402
+from helpers import tolerances  # noqa: E402
+from helpers.reference import rel_l2  # noqa: E402
 
 
 # transformers 5.25 maps qwen3_moe, deepseek_v3 and the other Qwen2-style MoE

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import kt  # noqa: E402
 import kt.hf  # noqa: E402
 import kt.optim  # noqa: E402
-import measured  # noqa: E402
-import real_models  # noqa: E402
+from helpers import measured  # noqa: E402
+from helpers import real_models  # noqa: E402
 
 LOSS_BOUND = 1e-5
 # The trained factors, relative L2 per tensor: Adam divides by sqrt of the

@@ -2,7 +2,7 @@
 DeepSeek-V3, gpt-oss), each a tiny random model of its real config class
 saved with save_pretrained: kt.hf.from_pretrained loads the experts from the
 checkpoint files without a torch copy, and logits, loss and every gradient
-equal transformers' own within the project's bounds (tolerances.py).
+equal transformers' own within the project's bounds (helpers/tolerances.py).
 Versions: packaging/python/requirements-hosts.txt."""
 import json
 import os
@@ -19,11 +19,11 @@ import torch  # noqa: E402
 
 import kt  # noqa: E402
 import kt.hf  # noqa: E402
-import measured  # noqa: E402
-import real_models  # noqa: E402
-import tolerances  # noqa: E402
+from helpers import measured  # noqa: E402
+from helpers import real_models  # noqa: E402
+from helpers import tolerances  # noqa: E402
 from kt import _hf_names  # noqa: E402
-from reference import rel_l2  # noqa: E402
+from helpers.reference import rel_l2  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PRECISIONS = {"fp32": (torch.float32, tolerances.FP32), "bf16": (torch.bfloat16, tolerances.BF16_TORCH)}
@@ -96,7 +96,7 @@ def test_loading_holds_no_torch_copy_of_the_experts(tmp_path):
                                                                     "plugins", "python"), HERE]))
     runs = {}
     for how in ("kt", "transformers"):
-        out = subprocess.run([sys.executable, os.path.join(HERE, "real_load_memory.py"), directory, how],
+        out = subprocess.run([sys.executable, os.path.join(HERE, "helpers", "real_load_memory.py"), directory, how],
                              env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
         runs[how] = json.loads(out.stdout.strip().splitlines()[-1])

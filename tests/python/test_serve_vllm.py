@@ -1,10 +1,10 @@
 """vLLM serving small random-weight MoE models with the routed experts in kt
 (kt.integrations.vllm), compared with the same vLLM serving them alone.
 
-Each configuration runs in its own process (serve_vllm_run.py: vLLM's
+Each configuration runs in its own process (helpers/serve_vllm_run.py: vLLM's
 offline engine; or `vllm serve`, its OpenAI-compatible HTTP server, for the
 HTTP tests). The checkpoints come from transformers' config classes with
-bf16-rounded random weights (serve_models.py), nothing downloaded.
+bf16-rounded random weights (helpers/serve_models.py), nothing downloaded.
 
 * fp32, greedy: kt (fp32 activations, bf16 weights as stored) and vLLM's own
   CPU experts compute the same numbers up to summation order, so the
@@ -41,12 +41,12 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here (tools/python_env.sh serve makes a venv with it)")
 pytest.importorskip("transformers", reason="transformers builds the test checkpoints")
 
-import serve_models  # noqa: E402
-import tolerances  # noqa: E402
+from helpers import serve_models  # noqa: E402
+from helpers import tolerances  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-RUN = os.path.join(HERE, "serve_vllm_run.py")
+RUN = os.path.join(HERE, "helpers", "serve_vllm_run.py")
 TIMEOUT = 900
 
 # Prompts of mixed lengths (token ids of the word-level vocabulary).

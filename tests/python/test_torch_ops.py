@@ -4,9 +4,9 @@ import os
 import pytest
 import torch
 
-import tolerances
-from cases import make_case
-from reference import checked_lora_scale, reference_grads, rel_l2
+from helpers import tolerances
+from helpers.cases import make_case
+from helpers.reference import checked_lora_scale, reference_grads, rel_l2
 
 OPS = os.environ.get("KT_TORCH_OPS_LIBRARY")
 pytestmark = pytest.mark.skipif(not OPS, reason="KT_TORCH_OPS_LIBRARY not set (libtorch plugin not built)")
