@@ -21,6 +21,10 @@ void Routing::reserve(int64_t max_tokens, int64_t k, int64_t experts) {
   weight.reserve(static_cast<size_t>(max_tokens * k));
 }
 
+MoeWorkspace::~MoeWorkspace() {
+  for (kt_context* c : spare_contexts) delete c;
+}
+
 void MoeWorkspace::fit_threads(const WeightOperand& operand, int64_t kpad, int64_t wide, int64_t rank) {
   for (ThreadScratch& s : per_thread) {
     for (auto& p : s.panels) p.reserve(static_cast<size_t>(kBlockCols * kpad));
@@ -173,7 +177,6 @@ kt_moe::~kt_moe() {
     delete kv.second;
   }
   for (kt_context* c : retiring_) delete c;
-  for (kt_context* c : free_contexts_) delete c;
   leave_engine();
 }
 
@@ -619,10 +622,10 @@ kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
           "call it without a saved context");
   std::unique_ptr<kt_context> fresh;
   {
-    std::lock_guard<std::mutex> lock(state_mutex);
-    if (!free_contexts_.empty()) {
-      fresh.reset(free_contexts_.back());
-      free_contexts_.pop_back();
+    std::lock_guard<std::mutex> lock(ws_->spare_mutex);
+    if (!ws_->spare_contexts.empty()) {
+      fresh.reset(ws_->spare_contexts.back());
+      ws_->spare_contexts.pop_back();
     }
   }
   if (!fresh) fresh.reset(new kt_context);
@@ -701,12 +704,18 @@ void kt_moe::end_context_handles() {
 
 void kt_moe::recycle_context(kt_context* c) {
   c->forward_job.reset();
-  // Keep a few for reuse so steady-state training does not allocate.
-  if (free_contexts_.size() < 8) {
-    free_contexts_.push_back(c);
-  } else {
-    delete c;
+  // As many spares as a forward through every layer of the engine takes
+  // (and a few for forwards in flight together): no more than a step's
+  // forwards hold at their peak.
+  const size_t keep = static_cast<size_t>(std::max(8, engine->num_layers.load()));
+  {
+    std::lock_guard<std::mutex> lock(ws_->spare_mutex);
+    if (ws_->spare_contexts.size() < keep) {
+      ws_->spare_contexts.push_back(c);
+      return;
+    }
   }
+  delete c;
 }
 
 // ------------------------------------------------------------ base weights

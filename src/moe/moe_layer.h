@@ -306,5 +306,4 @@ struct kt_moe {
   void recycle_context(kt_context* c);  // under state_mutex
   std::unordered_map<kt::HandleId, kt_context*> contexts_;  // live handles
   std::unordered_set<kt_context*> retiring_;  // released while held
-  std::vector<kt_context*> free_contexts_;    // for reuse, without a handle
 };

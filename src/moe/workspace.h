@@ -6,10 +6,13 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <vector>
 
 #include "core/buffer.h"
 #include "moe/weight_operand.h"
+
+struct kt_context;  // moe/moe_layer.h
 
 namespace kt {
 
@@ -40,6 +43,9 @@ struct ThreadScratch {
 // rows padded to the panels' K), "int8" the int8 rows of KT_COMPUTE_INT8.
 struct MoeWorkspace {
   explicit MoeWorkspace(int threads) : per_thread(static_cast<size_t>(threads)) {}
+  ~MoeWorkspace();  // frees the spare contexts (moe_layer.cpp)
+  MoeWorkspace(const MoeWorkspace&) = delete;
+  MoeWorkspace& operator=(const MoeWorkspace&) = delete;
   // Grows every worker's scratch to a layer's tiles: kpad, the longer padded
   // K of its panels; wide, max(H, I); rank, its LoRA rank.
   void fit_threads(const WeightOperand& operand, int64_t kpad, int64_t wide, int64_t rank);
@@ -71,6 +77,14 @@ struct MoeWorkspace {
   Buffer<float> route_weight_parts;  // [routes, blocks of I] parts of dL/dw per route
   Buffer<float> down_delta;       // [routes, H] w * dy, the down projection's delta
   Buffer<float> weighted_down_lora[2];  // [routes, r] w * lora_b_proj[down], w * the saved la[down]
+
+  // Saved contexts that any layer released, with their buffers, for the
+  // next forward that saves one: steady-state training allocates nothing,
+  // and a model whose contexts live one at a time (activation
+  // checkpointing) keeps one spare, not one per layer. Contexts are
+  // released outside the compute lock, hence a lock of its own.
+  std::mutex spare_mutex;
+  std::vector<kt_context*> spare_contexts;
 };
 
 }  // namespace kt

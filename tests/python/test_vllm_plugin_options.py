@@ -1,0 +1,62 @@
+"""The vLLM plugin's options and its stats line, without vLLM: what
+settings_of accepts and refuses, and what one burst of forwards logs."""
+import logging
+import time
+
+import pytest
+
+import kt.integrations.vllm as ktv
+
+
+def config(options):
+    return type("VllmConfig", (), {"additional_config": {"kt": options}})()
+
+
+def test_stats_is_off_by_default_and_a_bool():
+    assert ktv.settings_of(config({}))["stats"] is False
+    assert ktv.settings_of(config({"stats": True}))["stats"] is True
+    with pytest.raises(ktv.KtVllmError, match="stats must be true or false, not 'yes'"):
+        ktv.settings_of(config({"stats": "yes"}))
+    with pytest.raises(ktv.KtVllmError, match="unknown option"):
+        ktv.settings_of(config({"stat": True}))
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def stats_lines():
+    logger = logging.getLogger("vllm.kt")
+    handler, level = Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def wait_for(lines, n, seconds=5.0):
+    end = time.monotonic() + seconds
+    while len(lines) < n and time.monotonic() < end:
+        time.sleep(0.02)
+    return lines
+
+
+def test_one_line_per_burst_with_kt_seconds_of_its_wall(stats_lines):
+    bursts = ktv._Bursts(gap=0.2)
+    t = time.perf_counter()
+    bursts.add(3, t, t + 0.010)
+    bursts.add(5, t + 0.020, t + 0.050)
+    assert wait_for(stats_lines, 1) == ["kt: stats: 2 forwards, 8 tokens, 0.0400 s in kt's layers of 0.0500 s wall"]
+    # The next burst starts from zero.
+    t = time.perf_counter()
+    bursts.add(7, t, t + 0.005)
+    assert wait_for(stats_lines, 2)[1] == "kt: stats: 1 forwards, 7 tokens, 0.0050 s in kt's layers of 0.0050 s wall"
+    time.sleep(0.5)
+    assert len(stats_lines) == 2  # nothing more without forwards
