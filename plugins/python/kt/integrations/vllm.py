@@ -62,6 +62,11 @@ Options (the dict under "kt"; all optional):
   progress        a line on stderr while the experts load (layers, bytes,
                   rate, time left): null (default) when stderr is a terminal
                   and $KT_PROGRESS is not 0, true always, false never
+  stats           true: after each burst of forwards (one ends when none
+                  follows for a second) an INFO line gives its forwards,
+                  tokens, the seconds inside kt's layers and the burst's wall
+                  time, so a step's time splits into kt's and the host's
+                  (default false)
 
 A layer kt cannot take: tensor/expert/data parallel sharding of the
 experts, redundant experts (EPLB), an activation other than SiLU-gated or
@@ -76,6 +81,7 @@ import logging
 import os
 import re
 import threading
+import time
 
 from .._progress import LoadProgress
 
@@ -86,7 +92,7 @@ CONFIG_KEY = "kt"
 # What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
 _QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
 _OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict",
-            "progress")
+            "progress", "stats")
 
 _lock = threading.Lock()
 _classes = None
@@ -122,10 +128,12 @@ def settings_of(vllm_config):
         raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
                           % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
     out = dict(threads=0, host_openmp=True, precision="auto", weight_format=None, dequantize=False, compute="bf16",
-               max_tokens=None, strict=True, progress=None)
+               max_tokens=None, strict=True, progress=None, stats=False)
     out.update(s)
     if not isinstance(out["host_openmp"], bool):
         raise KtVllmError("kt: host_openmp must be true or false, not %r" % (out["host_openmp"],))
+    if not isinstance(out["stats"], bool):
+        raise KtVllmError("kt: stats must be true or false, not %r" % (out["stats"],))
     if out["progress"] not in (None, True, False):
         raise KtVllmError("kt: progress must be true, false or null (a terminal's stderr), not %r" % (out["progress"],))
     if out["precision"] not in ("auto", "default", "fp32"):
@@ -307,6 +315,52 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
                   ckpt.layer_tensor_names(layer))
 
 
+class _Bursts:
+    """kt's share of a burst of forwards (all kt layers of the process): one
+    log line when no forward has come for `gap` seconds. A daemon thread
+    watches, so the line comes when the burst ends, not with the next one."""
+
+    def __init__(self, gap=1.0):
+        self.gap = gap
+        self.cond = threading.Condition()
+        self.thread = None
+        self._reset()
+
+    def _reset(self):
+        self.forwards = self.tokens = 0
+        self.kt_s = 0.0
+        self.first = self.last = None
+
+    def add(self, tokens, t0, t1):
+        with self.cond:
+            if self.first is None:
+                self.first = t0
+            self.forwards += 1
+            self.tokens += tokens
+            self.kt_s += t1 - t0
+            self.last = t1
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._watch, name="kt-stats", daemon=True)
+                self.thread.start()
+            self.cond.notify()
+
+    def _watch(self):
+        with self.cond:
+            while True:
+                while self.last is None:
+                    self.cond.wait()
+                idle = time.perf_counter() - self.last
+                if idle < self.gap:
+                    self.cond.wait(self.gap - idle)
+                    continue
+                logger.info("kt: stats: %d forwards, %d tokens, %.4f s in kt's layers of %.4f s wall",
+                            self.forwards, self.tokens, self.kt_s, self.last - self.first)
+                self._reset()
+
+
+_bursts = _Bursts()
+
+
 class _KtExperts:
     """One layer's routed experts in kt, as the custom op runs them."""
 
@@ -353,9 +407,12 @@ class _KtExperts:
         self.tokens += x.shape[0]
         step = self.kt_layer.max_tokens
         n = x.shape[0]
+        t0 = time.perf_counter()
         for s in range(0, n, step):
             e = min(s + step, n)
             self.kt_layer.forward(x[s:e], ids[s:e], w[s:e], y[s:e])
+        if self.plan.settings["stats"]:
+            _bursts.add(n, t0, time.perf_counter())
         return y if y.dtype == dtype else y.to(dtype)
 
 
