@@ -2,8 +2,8 @@
 
 #include <algorithm>
 
+#include "core/ckpt_names.h"
 #include "io/layout_parts.h"
-#include "io/names.h"
 
 // The layers a checkpoint's tensors describe: each layer's experts, shapes
 // and stored format, checked against each other and against config.json.

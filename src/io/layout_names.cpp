@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/ckpt_names.h"
 #include "io/layout_parts.h"
-#include "io/names.h"
 
 // The tensor-name grammar: which tensors are a layer's routed experts, and
 // which expert, projection and part each is.

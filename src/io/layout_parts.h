@@ -2,7 +2,8 @@
 // its files: the tensor-name grammar (layout_names.cpp), config.json
 // (layout_config.cpp), each quantized format's checks (quant_fp8_block.cpp,
 // quant_int4_group.cpp, quant_mxfp4.cpp), the layer descriptions
-// (layout.cpp), loading (layout_load.cpp) and read-back (layout_read.cpp).
+// (layout.cpp) and read-back (layout_read.cpp); loading into a layer,
+// above io, is moe/ckpt_load.cpp.
 #pragma once
 
 #include <array>

@@ -1,9 +1,9 @@
 #include "io/layout.h"
 
+#include "core/ckpt_names.h"
 #include "core/tensor.h"
 #include "io/elements.h"
 #include "io/layout_parts.h"
-#include "io/names.h"
 
 // Reading a checkpoint's layer back into host tensors: stored values
 // converted, quantized weights decoded.

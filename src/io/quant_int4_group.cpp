@@ -2,7 +2,7 @@
 
 #include <cstring>
 
-#include "io/names.h"
+#include "core/ckpt_names.h"
 
 // compressed-tensors pack-quantized int4 in groups
 // (KT_CKPT_FORMAT_INT4_GROUP): weight_packed, weight_shape, weight_scale

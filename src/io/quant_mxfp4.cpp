@@ -1,6 +1,6 @@
 #include "io/layout_parts.h"
 
-#include "io/names.h"
+#include "core/ckpt_names.h"
 
 // MXFP4 (KT_CKPT_FORMAT_MXFP4): e2m1 codes with an e8m0 scale per 32
 // inputs, as gpt-oss stores them fused (_blocks and _scales) or a

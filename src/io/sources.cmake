@@ -10,10 +10,8 @@ list(APPEND KT_CORE_SOURCES
   src/io/exporters.cpp
   src/io/layout.cpp
   src/io/layout_config.cpp
-  src/io/layout_load.cpp
   src/io/layout_names.cpp
   src/io/layout_read.cpp
-  src/io/names.cpp
   src/io/packed_cache.cpp
   src/io/publish.cpp
   src/io/quant_fp8_block.cpp

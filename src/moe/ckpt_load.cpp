@@ -1,14 +1,14 @@
-#include "io/layout.h"
+#include "moe/ckpt_load.h"
 
 #include <algorithm>
 #include <cstring>
 #include <mutex>
 
 #include "core/buffer.h"
+#include "core/ckpt_names.h"
 #include "core/sized_struct.h"
 #include "io/elements.h"
 #include "io/layout_parts.h"
-#include "io/names.h"
 #include "moe/args.h"
 #include "moe/moe_layer.h"
 #include "runtime/engine.h"
