@@ -12,8 +12,9 @@
 #include "io/exporters.h"
 #include "api/io_guard.h"
 #include "io/layout.h"
-#include "io/names.h"
+#include "core/ckpt_names.h"
 #include "io/safetensors.h"
+#include "moe/ckpt_load.h"
 #include "kt_c_api.h"
 
 struct kt_ckpt {

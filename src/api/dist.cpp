@@ -11,6 +11,7 @@
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "dist/comm.h"
+#include "dist/comm_create.h"
 #include "dist/dist_ckpt.h"
 #include "dist/dist_moe.h"
 #include "kt_c_api.h"
@@ -88,8 +89,6 @@ std::shared_ptr<kt_comm> live_comm(const kt_comm* c, const char* where) {
 std::shared_ptr<kt_dist_moe> live_dist(const kt_dist_moe* d, const char* where) {
   return kt::live(d, HandleKind::kDistMoe, where, "dist");
 }
-
-std::string text_of(const char* s) { return s ? std::string(s) : std::string(); }
 
 // The tensor of a kt_comm collective: compact, on the CPU (CPU backend) or
 // a CUDA device (CUDA backend). Returns its byte count.
@@ -190,91 +189,7 @@ kt_status kt_comm_create(const kt_comm_options* options, kt_comm** comm) {
   return guarded(w, [&] {
     KT_CHECK(comm != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": comm is NULL");
     const kt_comm_options o = kt::read_sized(options, set_comm_options_defaults, w, "options");
-    auto c = std::make_shared<kt_comm>();
-    c->backends = kt::dist::parse_backends(o.backend, std::string(w) + ": options->backend");
-    KT_CHECK(o.world_size >= 1 && o.world_size <= 65536, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->world_size = " + std::to_string(o.world_size) +
-                 " is outside [1, 65536]");
-    KT_CHECK(o.rank >= 0 && o.rank < o.world_size, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->rank = " + std::to_string(o.rank) +
-                 " is outside [0, world_size = " + std::to_string(o.world_size) + ")");
-    KT_CHECK(o.timeout_ms >= 1, KT_ERR_INVALID_ARGUMENT,
-             std::string(w) + ": options->timeout_ms = " + std::to_string(o.timeout_ms) +
-                 " must be >= 1");
-    c->rank = o.rank;
-    c->world = o.world_size;
-    c->timeout = std::chrono::milliseconds(o.timeout_ms);
-    kt::dist::TransportOptions t;
-    t.rank = o.rank;
-    t.world = o.world_size;
-    t.timeout = c->timeout;
-    t.hostname = o.hostname ? o.hostname : "127.0.0.1";
-    t.rendezvous.prefix = text_of(o.store_prefix);
-    t.nccl_unique_id = o.nccl_unique_id;
-    t.nccl_comm = o.nccl_comm;
-    t.cuda_device = o.cuda_device;
-    if (c->backends.cpu == KT_COMM_BACKEND_GLOO) {
-      KT_CHECK((o.store_path != nullptr) != (o.store != nullptr), KT_ERR_INVALID_ARGUMENT,
-               std::string(w) +
-                   ": Gloo meets its peers through options->store_path or options->store: give "
-                   "exactly one");
-      if (o.store) {
-        KT_CHECK(o.store->set != nullptr && o.store->get != nullptr, KT_ERR_NULL_POINTER,
-                 std::string(w) + ": options->store->set and ->get are required");
-        t.rendezvous.store = o.store;
-        t.rendezvous.store_copy = *o.store;
-      } else {
-        t.rendezvous.path = o.store_path;
-        KT_CHECK(!t.rendezvous.path.empty(), KT_ERR_INVALID_ARGUMENT,
-                 std::string(w) + ": options->store_path is empty");
-      }
-      c->cpu = kt::dist::make_gloo_transport(t);
-      // The ranks agree on what they were given before anything else runs.
-      struct Setup {
-        int32_t world, cpu, cuda, unused;
-      } mine{c->world, c->backends.cpu, c->backends.cuda, 0};
-      const kt::dist::Outcome ok;
-      std::lock_guard<std::mutex> lock(c->mutex);
-      const std::vector<char> all = kt::dist::agree(*c, w, ok, &mine, sizeof(mine));
-      for (int r = 0; r < c->world; ++r) {
-        Setup s;
-        std::memcpy(&s, all.data() + static_cast<size_t>(r) * sizeof(s), sizeof(s));
-        KT_CHECK(std::memcmp(&s, &mine, sizeof(s)) == 0, KT_ERR_INVALID_ARGUMENT,
-                 std::string(w) + ": rank " + std::to_string(r) +
-                     " was given another world_size or backend string (" + std::to_string(s.world) +
-                     " ranks, cpu " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cpu)) +
-                     ", cuda " + kt::dist::backend_name(static_cast<kt_comm_backend>(s.cuda)) +
-                     ") than rank " + std::to_string(c->rank) + " (" + std::to_string(mine.world) +
-                     " ranks, cpu " + kt::dist::backend_name(c->backends.cpu) + ", cuda " +
-                     kt::dist::backend_name(c->backends.cuda) + ")");
-      }
-    }
-    if (c->backends.cuda == KT_COMM_BACKEND_NCCL) {
-      unsigned char id[KT_NCCL_UNIQUE_ID_BYTES] = {};
-      if (!o.nccl_unique_id && !o.nccl_comm) {
-        KT_CHECK(
-            c->cpu != nullptr, KT_ERR_INVALID_ARGUMENT,
-            std::string(w) +
-                ": NCCL without a CPU backend needs options->nccl_unique_id or options->nccl_comm");
-        // Rank 0 makes the id; its outcome reaches every rank first.
-        std::lock_guard<std::mutex> lock(c->mutex);
-        const kt::dist::Outcome made = kt::dist::attempt([&] {
-          if (c->rank == 0) kt::dist::nccl_unique_id(id);
-        });
-        kt::dist::agree(*c, w, made, nullptr, 0);
-        c->run(w, [&] { c->cpu->broadcast(id, sizeof(id), 0); });
-        t.nccl_unique_id = id;
-      }
-      if (c->cpu) {
-        // A rank whose NCCL cannot start tells the others instead of
-        // leaving them in NCCL's initialisation.
-        std::lock_guard<std::mutex> lock(c->mutex);
-        const kt::dist::Outcome made = kt::dist::attempt([&] { c->cuda = kt::dist::make_nccl_transport(t); });
-        kt::dist::agree(*c, w, made, nullptr, 0);
-      } else {
-        c->cuda = kt::dist::make_nccl_transport(t);
-      }
-    }
+    const std::shared_ptr<kt_comm> c = kt::dist::create_comm(o, w);
     *comm = kt::handle_value<kt_comm>(kt::add_handle(HandleKind::kComm, c));
   });
 }

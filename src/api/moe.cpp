@@ -15,6 +15,7 @@
 #include "formats/formats.h"
 #include "moe/args.h"
 #include "moe/layer_calls.h"
+#include "moe/layer_jobs.h"
 #include "moe/moe_layer.h"
 #include "runtime/engine.h"
 #include "runtime/jobs.h"

@@ -14,6 +14,7 @@
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
 #include "optim/optimizer.h"
+#include "optim/step_job.h"
 #include "runtime/engine.h"
 #include "runtime/jobs.h"
 

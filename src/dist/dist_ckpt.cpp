@@ -15,21 +15,21 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/handles.h"
+#include "core/ckpt_names.h"
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "dist/comm.h"
 #include "dist/dist_moe.h"
-#include "io/elements.h"
 #include "formats/formats.h"
+#include "io/elements.h"
 #include "io/exporters.h"
-#include "io/names.h"
 #include "io/publish.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 #include "moe/args.h"
 #include "moe/moe_layer.h"
 #include "optim/optimizer.h"
+#include "runtime/handles.h"
 
 namespace kt::dist {
 

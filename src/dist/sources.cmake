@@ -41,6 +41,7 @@ endif()
 list(APPEND KT_CORE_SOURCES
   src/dist/backend.cpp
   src/dist/comm.cpp
+  src/dist/comm_create.cpp
   src/dist/dist_ckpt.cpp
   src/dist/dist_moe.cpp
   src/dist/gloo_transport.cpp

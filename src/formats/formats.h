@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "core/checked.h"
-#include "kernels/kernels.h"
+#include "formats/panels.h"
 #include "kt_c_api.h"
 
 namespace kt {

@@ -1,4 +1,4 @@
-// The bf16 packed-panel weight format (layout in kernels/kernels.h). Frozen
+// The bf16 packed-panel weight format (layout in formats/panels.h). Frozen
 // quantized formats (int8, int4 groups, fp8 blocks, mxfp4) add sibling
 // formats whose panels are dequantized into this layout in cache.
 #pragma once
@@ -7,7 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
-#include "kernels/kernels.h"
+#include "formats/panels.h"
 
 namespace kt {
 

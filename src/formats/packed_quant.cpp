@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "io/names.h"
+#include "core/ckpt_names.h"
 
 namespace kt {
 

@@ -1,4 +1,4 @@
-// Quantized frozen-base formats in the kernels' panel layout (kernels.h):
+// Quantized frozen-base formats in the kernels' panel layout (formats/panels.h):
 // the same 16-row panels and K pairs, holding codes instead of bf16 values,
 // with a bf16 scale per (row, group of K). One copy of the weights; kernels
 // dequantize a panel block into bf16 in cache.
@@ -32,7 +32,7 @@
 #include "core/dtype.h"
 #include "core/tensor.h"
 #include "formats/formats.h"
-#include "kernels/kernels.h"
+#include "formats/panels.h"
 #include "kt_c_api.h"
 
 namespace kt {

@@ -7,15 +7,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/ckpt_names.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
 #include "core/tensor.h"
 #include "io/elements.h"
-#include "moe/args.h"
 #include "io/layout.h"
-#include "io/names.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
+#include "moe/args.h"
 
 namespace kt {
 namespace io {

@@ -83,11 +83,6 @@ struct ModelInfo {
 ModelInfo detect_layout(const TensorSet& tensors, const std::string& config_text,
                         const std::string& dir);
 
-// Loads `layer` into moe (shapes and format checked first; see
-// kt_ckpt_load_layer and kt_ckpt_load_options).
-void load_layer(const MoeLayer& layer, kt_moe* moe, const kt_ckpt_load_options& options,
-                kt_ckpt_progress_fn progress, void* user, const char* where);
-
 // Copies a layer's weights into stacked host tensors (see kt_ckpt_read_layer).
 void read_layer(const MoeLayer& layer, const kt_arg* args, size_t num_args, const char* where);
 

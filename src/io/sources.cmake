@@ -9,9 +9,14 @@ list(APPEND KT_CORE_SOURCES
   src/io/elements.cpp
   src/io/exporters.cpp
   src/io/layout.cpp
-  src/io/names.cpp
+  src/io/layout_config.cpp
+  src/io/layout_names.cpp
+  src/io/layout_read.cpp
   src/io/packed_cache.cpp
   src/io/publish.cpp
+  src/io/quant_fp8_block.cpp
+  src/io/quant_int4_group.cpp
+  src/io/quant_mxfp4.cpp
   src/io/safetensors.cpp
   src/io/writer.cpp
 )

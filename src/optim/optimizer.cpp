@@ -12,9 +12,9 @@
 #include <memory>
 
 #include "core/checked.h"
+#include "core/ckpt_names.h"
 #include "core/error.h"
 #include "formats/packed_bf16.h"
-#include "io/names.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
 #include "moe/args.h"

@@ -3,6 +3,7 @@
 # sqrtf as an instruction.
 list(APPEND KT_CORE_SOURCES
   src/optim/optimizer.cpp
+  src/optim/step_job.cpp
   src/optim/update_generic.cpp
 )
 set_source_files_properties(src/optim/update_generic.cpp PROPERTIES

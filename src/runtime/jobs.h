@@ -1,9 +1,8 @@
-// Submitted (asynchronous) work: the kt_job, the engine's job thread that
-// runs it, and the submission of a layer's forward and backward and of an
-// optimizer's step, with the holds and rollback that keep its context, layer
-// or optimizer valid until the job ends. The kt_moe_*_submit,
-// kt_optimizer_step_submit and kt_job_* shims (src/api) check their
-// arguments and call these; `where` names the ABI call in every message.
+// Submitted (asynchronous) work: the kt_job and the engine's job thread that
+// runs it. What a job does is given by its submitter (moe/layer_jobs.h,
+// optim/step_job.h), which keeps its context, layer or optimizer valid until
+// it ends; the kt_job_* shims (src/api) call these; `where` names the ABI
+// call in every message.
 #pragma once
 
 #include <condition_variable>
@@ -65,34 +64,10 @@ class JobRunner {
   std::shared_ptr<State> s_;
 };
 
-// A forward of layer, its arguments checked now, as a new job with its
-// handle, started unless deferred. With saved, a new context whose handle is
-// written there; the job holds it until it ends (a release meanwhile frees
-// it then) and marks it ready, or failed. A refused check registers and
-// writes nothing; nor does a job that cannot be started (out of memory for
-// its handle or its place in the queue): the job and its context are
-// dropped, so the layer's destruction never waits for them.
-kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args, size_t num_args,
-                       kt_context** saved, bool deferred, const char* where);
-
-// A backward of context ctx of layer, its arguments checked now, as a new
-// job with its handle, started unless deferred. The job holds the context
-// until it ends; one whose forward job has not ended may be submitted
-// against: the backward job runs or waits for that forward first. The
-// layer's gradient-ready hook is called after the job let go of the layer.
-// KT_ERR_CONTEXT when ctx already has a backward submitted; a refused check,
-// or a job that cannot be started, leaves the context as it was.
-kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
-                        const kt_backward_options* options, const kt_arg* args, size_t num_args,
-                        bool deferred, const char* where);
-
-// A step of optimizer op with options o (checked by the caller), as a new
-// job with its handle, started unless deferred. The job holds the optimizer
-// until it ends and writes *o.found_nonfinite then. A job that cannot be
-// started registers and writes nothing, so the optimizer's destruction
-// never waits for it.
-kt_job* submit_optimizer_step(const std::shared_ptr<kt_optimizer>& op, const kt_optimizer_step_options& o,
-                              bool deferred, const char* where);
+// Gives job its handle and starts it on runner (unless deferred); on a
+// failure the handle is gone again, nothing was queued, and the exception
+// is rethrown for the submitter to roll back what the job holds.
+kt_job* start_job(JobRunner& runner, const std::shared_ptr<kt_job>& job);
 
 // The job of a live job handle, or null (never dereferences the handle).
 std::shared_ptr<kt_job> find_job(const void* handle);

@@ -1,4 +1,4 @@
-#include "io/names.h"
+#include "core/ckpt_names.h"
 
 #include <cstddef>
 #include <cstdint>
