@@ -195,6 +195,19 @@ typedef enum kt_precision {
                                as by default, more slowly */
 } kt_precision;
 
+/* Whether an engine splits over the NUMA nodes of its CPUs. */
+typedef enum kt_numa_mode {
+  KT_NUMA_OFF = 0, /* the default: one pool of workers, weights where they were first written */
+  KT_NUMA_AUTO = 1 /* on a machine whose CPUs in the affinity mask span several nodes: workers
+                      in proportion to each node's CPUs, pinned to CPUs of their node (even
+                      with pin_threads 0); each expert owned by one node (consecutive experts
+                      per node, in proportion to its workers), computed by that node's
+                      workers, its weights asked to live on that node (kt's own buffers,
+                      not a mapped packed cache). Results are the same bits as with
+                      KT_NUMA_OFF. One node (one-node machine, one thread, host_openmp, or a
+                      build without libnuma): the same as KT_NUMA_OFF */
+} kt_numa_mode;
+
 typedef struct kt_engine_options {
   size_t struct_size; /* sizeof(kt_engine_options); set by _init */
   int num_threads;    /* worker threads; 0 = one per CPU in the affinity mask; 1 = kt
@@ -217,6 +230,7 @@ typedef struct kt_engine_options {
                          threads). Asynchronous calls run on the engine's job
                          thread, whose OpenMP team is its own. Default 0;
                          KT_ERR_UNSUPPORTED in a build without OpenMP */
+  kt_numa_mode numa;  /* default KT_NUMA_OFF; kt_engine_get_info says the nodes in use */
 } kt_engine_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past
@@ -243,6 +257,10 @@ typedef struct kt_engine_info {
   const char* kernel_name; /* e.g. "gemm_bf16w_bf16_f32_6x64__avx512bf16" (grammar: src/kernels/README.md); owned by the engine */
   kt_gemm_backend gemm_backend; /* KT_GEMM_NATIVE or KT_GEMM_ONEDNN (never AUTO) */
   kt_precision precision;  /* as created */
+  int numa_nodes;          /* NUMA nodes the workers and experts are split over (1 unless
+                              KT_NUMA_AUTO found several) */
+  const int* numa_node_workers; /* [numa_nodes] workers of each node, in node order (the
+                              workers of a node have consecutive indices); owned by the engine */
 } kt_engine_info;
 
 /* Writes the engine's settings into *info (fields up to info->struct_size). */

@@ -394,6 +394,7 @@ GO_ENUMS = {
     "kt_isa": ("ISA", "KT_ISA_", "ISA"),
     "kt_gemm_backend": ("GemmBackend", "KT_GEMM_", "Gemm"),
     "kt_precision": ("Precision", "KT_PRECISION_", "Precision"),
+    "kt_numa_mode": ("NumaMode", "KT_NUMA_", "Numa"),
     "kt_activation": ("Activation", "KT_ACT_", "Act"),
     "kt_mode": ("Mode", "KT_MODE_", "Mode"),
     "kt_weight_format": ("WeightFormat", "KT_FORMAT_", "Format"),

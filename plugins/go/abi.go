@@ -213,6 +213,15 @@ const (
 	ModeFull Mode = C.KT_MODE_FULL
 )
 
+// NumaMode is kt_numa_mode.
+type NumaMode int
+
+// Values of kt_numa_mode.
+const (
+	NumaOff NumaMode = C.KT_NUMA_OFF
+	NumaAuto NumaMode = C.KT_NUMA_AUTO
+)
+
 // OptimState is kt_optim_state.
 type OptimState int
 
@@ -373,12 +382,12 @@ var abiLayout = []struct {
 	{"kt_dist_moe_options", 32, 8, unsafe.Sizeof(C.kt_dist_moe_options{}), unsafe.Alignof(C.kt_dist_moe_options{}),
 		[]uintptr{0, 8, 12, 16, 24},
 		[]uintptr{unsafe.Offsetof(C.kt_dist_moe_options{}.struct_size), unsafe.Offsetof(C.kt_dist_moe_options{}.mode), unsafe.Offsetof(C.kt_dist_moe_options{}.owner_rank), unsafe.Offsetof(C.kt_dist_moe_options{}.grad_average), unsafe.Offsetof(C.kt_dist_moe_options{}.expert_ranks)}},
-	{"kt_engine_info", 40, 8, unsafe.Sizeof(C.kt_engine_info{}), unsafe.Alignof(C.kt_engine_info{}),
-		[]uintptr{0, 8, 12, 16, 24, 32, 36},
-		[]uintptr{unsafe.Offsetof(C.kt_engine_info{}.struct_size), unsafe.Offsetof(C.kt_engine_info{}.num_threads), unsafe.Offsetof(C.kt_engine_info{}.isa), unsafe.Offsetof(C.kt_engine_info{}.cpu_isa), unsafe.Offsetof(C.kt_engine_info{}.kernel_name), unsafe.Offsetof(C.kt_engine_info{}.gemm_backend), unsafe.Offsetof(C.kt_engine_info{}.precision)}},
-	{"kt_engine_options", 48, 8, unsafe.Sizeof(C.kt_engine_options{}), unsafe.Alignof(C.kt_engine_options{}),
-		[]uintptr{0, 8, 12, 16, 20, 24, 32, 40, 44},
-		[]uintptr{unsafe.Offsetof(C.kt_engine_options{}.struct_size), unsafe.Offsetof(C.kt_engine_options{}.num_threads), unsafe.Offsetof(C.kt_engine_options{}.pin_threads), unsafe.Offsetof(C.kt_engine_options{}.max_isa), unsafe.Offsetof(C.kt_engine_options{}.verbosity), unsafe.Offsetof(C.kt_engine_options{}.log_fn), unsafe.Offsetof(C.kt_engine_options{}.log_user), unsafe.Offsetof(C.kt_engine_options{}.precision), unsafe.Offsetof(C.kt_engine_options{}.host_openmp)}},
+	{"kt_engine_info", 56, 8, unsafe.Sizeof(C.kt_engine_info{}), unsafe.Alignof(C.kt_engine_info{}),
+		[]uintptr{0, 8, 12, 16, 24, 32, 36, 40, 48},
+		[]uintptr{unsafe.Offsetof(C.kt_engine_info{}.struct_size), unsafe.Offsetof(C.kt_engine_info{}.num_threads), unsafe.Offsetof(C.kt_engine_info{}.isa), unsafe.Offsetof(C.kt_engine_info{}.cpu_isa), unsafe.Offsetof(C.kt_engine_info{}.kernel_name), unsafe.Offsetof(C.kt_engine_info{}.gemm_backend), unsafe.Offsetof(C.kt_engine_info{}.precision), unsafe.Offsetof(C.kt_engine_info{}.numa_nodes), unsafe.Offsetof(C.kt_engine_info{}.numa_node_workers)}},
+	{"kt_engine_options", 56, 8, unsafe.Sizeof(C.kt_engine_options{}), unsafe.Alignof(C.kt_engine_options{}),
+		[]uintptr{0, 8, 12, 16, 20, 24, 32, 40, 44, 48},
+		[]uintptr{unsafe.Offsetof(C.kt_engine_options{}.struct_size), unsafe.Offsetof(C.kt_engine_options{}.num_threads), unsafe.Offsetof(C.kt_engine_options{}.pin_threads), unsafe.Offsetof(C.kt_engine_options{}.max_isa), unsafe.Offsetof(C.kt_engine_options{}.verbosity), unsafe.Offsetof(C.kt_engine_options{}.log_fn), unsafe.Offsetof(C.kt_engine_options{}.log_user), unsafe.Offsetof(C.kt_engine_options{}.precision), unsafe.Offsetof(C.kt_engine_options{}.host_openmp), unsafe.Offsetof(C.kt_engine_options{}.numa)}},
 	{"kt_load_options", 16, 8, unsafe.Sizeof(C.kt_load_options{}), unsafe.Alignof(C.kt_load_options{}),
 		[]uintptr{0, 8, 12},
 		[]uintptr{unsafe.Offsetof(C.kt_load_options{}.struct_size), unsafe.Offsetof(C.kt_load_options{}.orientation), unsafe.Offsetof(C.kt_load_options{}.gate_up_order)}},

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include "api/engine_create.h"
 #include "api/guard.h"
 #include "api/live.h"
 #include "core/checked.h"
@@ -27,6 +28,7 @@ void set_engine_options_defaults(kt_engine_options& o) {
   o.max_isa = KT_ISA_AUTO;
   o.verbosity = -1;
   o.precision = KT_PRECISION_DEFAULT;
+  o.numa = KT_NUMA_OFF;
 }
 }  // namespace
 
@@ -35,6 +37,12 @@ void kt_engine_options_defaults(kt_engine_options* o, size_t struct_size) {
 }
 
 kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine) {
+  return kt::engine_create_on(options, nullptr, engine);
+}
+
+}  // extern "C"
+
+kt_status kt::engine_create_on(const kt_engine_options* options, const Topology* topology, kt_engine** engine) {
   const char* w = "kt_engine_create";
   return guarded(w, [&] {
     KT_CHECK(engine != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": engine is NULL");
@@ -56,10 +64,13 @@ kt_status kt_engine_create(const kt_engine_options* options, kt_engine** engine)
              KT_ERR_INVALID_ARGUMENT,
              std::string(w) + ": options->precision = " + std::to_string(precision) +
                  " is not a kt_precision (KT_PRECISION_DEFAULT 0, KT_PRECISION_FP32 1)");
-    auto e = std::make_shared<kt_engine>(o);
+    kt::check_enum(o.numa, KT_NUMA_OFF, KT_NUMA_AUTO, std::string(w) + ": options->numa", "kt_numa_mode");
+    auto e = std::make_shared<kt_engine>(o, topology);
     *engine = kt::handle_value<kt_engine>(kt::add_handle(HandleKind::kEngine, e));
   });
 }
+
+extern "C" {
 
 kt_status kt_engine_destroy(kt_engine* engine) {
   const char* w = "kt_engine_destroy";
@@ -106,6 +117,8 @@ kt_status kt_engine_get_info(const kt_engine* engine, kt_engine_info* info) {
     full.kernel_name = eng->kernels->gemm_name;
     full.gemm_backend = eng->gemm_backend;
     full.precision = eng->precision;
+    full.numa_nodes = eng->numa.nodes();
+    full.numa_node_workers = eng->numa.workers_per_node().data();
     kt::write_sized(info, full, w, "info");
   });
 }

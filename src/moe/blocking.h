@@ -123,17 +123,28 @@ inline int64_t gate_up_item_cols(int64_t active, int64_t max_rows, int64_t n, in
 // Ranges shrink as the items run out (each a quarter of what is left per
 // thread, down to single items), so the workers end together even when the
 // items' costs differ (skewed routing) or one worker's memory runs slower.
+// With groups of items (one per NUMA node, for ThreadPool::run_grouped),
+// the same within each group for its threads: no range spans two groups.
 struct ItemRanges {
   std::vector<int64_t> bounds;  // range r is [bounds[r], bounds[r + 1])
+  std::vector<int64_t> group_bounds;  // group g's ranges are [group_bounds[g], group_bounds[g + 1])
   int64_t count = 0;
-  ItemRanges(int64_t n, int threads) {
-    const int64_t parts = 4 * static_cast<int64_t>(std::max(threads, 1));
+  ItemRanges(int64_t n, int threads) : ItemRanges({0, n}, {threads}) {}
+  // item_groups: group g holds the items [item_groups[g], item_groups[g + 1]),
+  // item_groups[0] = 0; threads[g]: the threads that take them.
+  ItemRanges(const std::vector<int64_t>& item_groups, const std::vector<int>& threads) {
     bounds.push_back(0);
-    for (int64_t done = 0; done < n;) {
-      done += std::max<int64_t>(1, (n - done) / parts);
-      bounds.push_back(done);
+    for (size_t g = 0; g + 1 < item_groups.size(); ++g) {
+      group_bounds.push_back(static_cast<int64_t>(bounds.size()) - 1);
+      const int64_t parts = 4 * static_cast<int64_t>(std::max(threads[g], 1));
+      const int64_t n = item_groups[g + 1];
+      for (int64_t done = item_groups[g]; done < n;) {
+        done += std::max<int64_t>(1, (n - done) / parts);
+        bounds.push_back(done);
+      }
     }
     count = static_cast<int64_t>(bounds.size()) - 1;
+    group_bounds.push_back(count);
   }
   int64_t begin(int64_t r) const { return bounds[static_cast<size_t>(r)]; }
   int64_t end(int64_t r) const { return bounds[static_cast<size_t>(r) + 1]; }

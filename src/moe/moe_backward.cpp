@@ -256,12 +256,14 @@ void kt_moe::backward_down(const BackwardPass& b) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
     return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
   };
-  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
-  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
-    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+  const ItemRanges ranges = node_ranges();
+  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
       backward_down_item(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
                          it + 1 < ranges.end(range) ? down_source(ws_->items[static_cast<size_t>(it + 1)])
                                                     : PrefetchRegion{});
+    }
   });
 }
 
@@ -312,6 +314,10 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
 // columns for a range of tokens. Token ranges repeat the W^T panel building
 // per range: worth it only when columns alone cannot feed the workers.
 void kt_moe::backward_dx(const BackwardPass& b) {
+  if (engine->pool->groups() > 1) {
+    backward_dx_by_node(b);
+    return;
+  }
   ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
   const CombineSplit split = CombineSplit::plan(b.T, H, engine->pool->size());
   engine->pool->run(split.items(),
@@ -376,6 +382,72 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
     }
   }
   store_columns(acc, t0, t1, H, col0, ncols, b.c.dx);
+}
+
+// dx with the experts split over NUMA nodes: items of an expert and a block
+// of H columns, each node's workers taking its experts', into each route's
+// row of ws_->route_dx; then per token the routes' rows added in expert
+// order, as dx_item adds them (the same bits).
+void kt_moe::backward_dx_by_node(const BackwardPass& b) {
+  const Routing& R = b.R;
+  const int64_t ldx = round_up(H, kPanelRows);
+  ws_->route_dx.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * ldx, 1)));
+  block_items(R, H, kBlockCols);
+  const ItemRanges ranges = node_ranges();
+  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
+      dx_block(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)], ldx);
+    }
+  });
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  float* acc = ws_->token_sum.data();
+  const int64_t cols = round_up(ceil_div(H, 4 * engine->pool->size()), kPanelRows);
+  engine->pool->run(ceil_div(H, cols), [&](int64_t blk, int) {
+    const int64_t col0 = blk * cols, n = std::min(cols, H - col0);
+    clear_columns(acc, 0, b.T, H, col0, n);
+    for (int32_t e : R.active)
+      for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
+        float* dst = acc + R.token[static_cast<size_t>(p)] * H + col0;
+        const float* src = ws_->route_dx.data() + p * ldx + col0;
+        for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
+      }
+    store_columns(acc, 0, b.T, H, col0, n, b.c.dx);
+  });
+}
+
+// One (expert, block of H columns) item of backward_dx_by_node: dg . Wg_eff
+// + du . Wu_eff of the expert's routes for those columns, as dx_item
+// computes them.
+void kt_moe::dx_block(const BackwardPass& b, ThreadScratch& s, int64_t item, int64_t ldx) {
+  const Routing& R = b.R;
+  const int64_t Ip = b.Ip;
+  const int64_t e = item >> 32;
+  const int64_t col0 = (item & 0xffffffff) * kBlockCols;
+  const int64_t sn = std::min(kBlockCols, H - col0);
+  const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+  operand_[kGate].transposed(s.operand, e, col0, sn, s.panels[0].data());
+  operand_[kUp].transposed(s.operand, e, col0, sn, s.panels[1].data());
+  float* cx = s.c[0].data();
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+    const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
+    K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
+                  PrefetchRegion{});
+    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
+    K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
+                  PrefetchRegion{});
+    for (int q = kGate; q <= kUp; ++q) {
+      if (!lora_on(q)) continue;
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r;
+      K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
+                  lora_[q].a.data() + e * r * H + col0, H, cx, kBlockCols, true);
+    }
+    for (int i = 0; i < m; ++i)
+      std::memcpy(ws_->route_dx.data() + (p0 + i) * ldx + col0, cx + i * kBlockCols,
+                  static_cast<size_t>(sn) * sizeof(float));
+  }
 }
 
 // Each route's routing-weight gradient: its parts over the blocks of I, plus

@@ -5,6 +5,9 @@
 // all tokens: no atomics, a fixed summation order). At decode on a quantized
 // base whose gate/up items are whole experts, each item runs its expert's
 // down right after (down_rows), and the combine follows (combine_rows).
+// With the experts split over NUMA nodes, each node's workers take the items
+// of the experts it owns (node_ranges, ThreadPool::run_grouped), and the
+// down stage goes by expert too (forward_down_by_node): the same bits.
 #include <algorithm>
 #include <cstring>
 
@@ -251,7 +254,10 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   clock.enter(KT_STAGE_LORA_A);
   if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I, false, ws_->act_f32.data(), I, f.la[kDown]);
   clock.enter(KT_STAGE_DOWN);
-  forward_down(f);
+  if (engine->pool->groups() > 1)
+    forward_down_by_node(f);
+  else
+    forward_down(f);
 }
 
 // x in A format (or int8 rows), in route order where the GEMMs read spaced
@@ -392,11 +398,12 @@ void kt_moe::forward_whole_experts(const ForwardPass& f) {
   const int64_t ldy = round_up(H, kPanelRows);
   ws_->route_down_out.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
   if (f.int8) ws_->act_int8.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * f.aq_stride, 1)));
-  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
-  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+  const ItemRanges ranges = node_ranges();
+  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       const int64_t item = ws_->items[static_cast<size_t>(it)];
+      note_worker(item >> 32, tid);
       gate_up_item(f, s, item, operand_[kDown].block(item >> 32, 0, std::min(kBlockCols, H)));
       down_rows(s, f.R, item >> 32, f.la[kDown], ldy,
                 it + 1 < ranges.end(range) ? gate_up_block(f, kGate, ws_->items[static_cast<size_t>(it + 1)])
@@ -408,13 +415,15 @@ void kt_moe::forward_whole_experts(const ForwardPass& f) {
 // The gate/up stage over its items; with int8 rows, each route's activation
 // then as an int8 row, now that it is whole.
 void kt_moe::forward_gate_up(const ForwardPass& f) {
-  const ItemRanges ranges(static_cast<int64_t>(ws_->items.size()), engine->pool->size());
-  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+  const ItemRanges ranges = node_ranges();
+  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     // While the up panels run, the next item's gate panels come in.
-    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
       gate_up_item(f, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
                    it + 1 < ranges.end(range) ? gate_up_block(f, kGate, ws_->items[static_cast<size_t>(it + 1)])
                                               : PrefetchRegion{});
+    }
   });
   if (f.int8) quantize_rows(ws_->act_f32.data(), DType::kF32, f.routes, I, I, operand_[kDown], &ws_->act_int8);
 }
@@ -493,6 +502,61 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
     }
   }
   store_columns(acc, t0, t1, H, col0, ncols, f.c.y);
+}
+
+// The down stage with the experts split over NUMA nodes: items of an expert
+// and a block of H columns, each node's workers taking its experts', into
+// the routes' rows of ws_->route_down_out; then y from those rows
+// (combine_rows), which adds them as forward_down's column items do.
+void kt_moe::forward_down_by_node(const ForwardPass& f) {
+  const int64_t ldy = round_up(H, kPanelRows);
+  ws_->route_down_out.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
+  const int64_t width =
+      gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, H, engine->pool->size());
+  block_items(f.R, H, width);
+  const ItemRanges ranges = node_ranges();
+  const auto first_block_of = [&](int64_t item) {
+    const int64_t col0 = (item & 0xffffffff) * width;
+    return operand_[kDown].block(item >> 32, col0, std::min({kBlockCols, width, H - col0}));
+  };
+  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+    for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
+      const int64_t item = ws_->items[static_cast<size_t>(it)];
+      note_worker(item >> 32, tid);
+      down_block(f, ws_->per_thread[static_cast<size_t>(tid)], item, width, ldy,
+                 it + 1 < ranges.end(range) ? first_block_of(ws_->items[static_cast<size_t>(it + 1)])
+                                            : PrefetchRegion{});
+    }
+  });
+  combine_rows(f.c, f.R, ldy);
+}
+
+// One (expert, width columns of H) item of forward_down_by_node: the down
+// GEMM and LoRA's B of the expert's routes for those columns, as down_item
+// computes them.
+void kt_moe::down_block(const ForwardPass& f, ThreadScratch& s, int64_t item, int64_t width, int64_t ldy,
+                        const PrefetchRegion& next) {
+  const Routing& R = f.R;
+  const int64_t e = item >> 32;
+  const int64_t col0 = (item & 0xffffffff) * width;
+  const int64_t ncols = std::min(width, H - col0);
+  const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
+  const int64_t kpI = down_shape.kp;
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
+    const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
+    for (int i = 0; i < m; ++i)
+      s.rows[static_cast<size_t>(i)] = f.int8 ? static_cast<const void*>(ws_->act_int8.data() + (p0 + i) * f.aq_stride)
+                                              : static_cast<const void*>(ws_->act_packed.data() + (p0 + i) * kpI * a_size_);
+    float* yp = ws_->route_down_out.data() + p0 * ldy + col0;
+    operand_[kDown].gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, yp, ldy,
+                         p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+    if (lora_on(kDown)) {
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r;
+      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
+                  lora_[kDown].sbt.data() + e * r * H + col0, H, yp, ldy, true);
+    }
+  }
 }
 
 // One expert's down for its routes, all H columns in one call (its streams

@@ -83,6 +83,7 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
     w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
   }
   for (int p = 0; p < 3; ++p) {
+    place_weights(p, quantized ? static_cast<void*>(q_[p].data()) : static_cast<void*>(w_[p].data()));
     wp_[p] = w_[p].data();
     qp_[p] = q_[p].data();
     operand_[p] = WeightOperand(K_, p == kDown ? down_shape : gate_shape, p == kDown ? down_q : gate_q, quantized,
@@ -109,6 +110,26 @@ kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
   ws_ = engine->moe_workspace;
   engine->num_layers.fetch_add(1);
   counted_ = true;
+}
+
+void kt_moe::place_weights(int proj, void* data) {
+  engine->numa.place_experts(data, E, stored_expert_bytes(proj), &weights_node_[proj]);
+}
+
+ItemRanges kt_moe::node_ranges() const {
+  const ThreadPool& pool = *engine->pool;
+  const std::vector<int64_t>& items = ws_->items;
+  std::vector<int64_t> bounds(static_cast<size_t>(pool.groups()) + 1, static_cast<int64_t>(items.size()));
+  std::vector<int> threads(static_cast<size_t>(pool.groups()));
+  bounds[0] = 0;
+  for (int g = 0; g < pool.groups(); ++g) {
+    threads[static_cast<size_t>(g)] = pool.workers_in(g);
+    if (g == 0) continue;
+    // Items are sorted by expert: the first of an expert node g owns.
+    const int64_t first = engine->numa.first_expert(g, E) << 32;
+    bounds[static_cast<size_t>(g)] = std::lower_bound(items.begin(), items.end(), first) - items.begin();
+  }
+  return ItemRanges(bounds, threads);
 }
 
 void kt_moe::fit_workspace() {
@@ -407,6 +428,7 @@ void kt_moe::own_weights() {
       owned_q[p].resize(bytes);
     else
       owned[p].resize(bytes / sizeof(bf16_t));
+    place_weights(p, quantized ? static_cast<void*>(owned_q[p].data()) : static_cast<void*>(owned[p].data()));
   }
   for (int p = 0; p < 3; ++p) {
     const int64_t per_expert = stored_expert_bytes(p);
@@ -451,6 +473,7 @@ void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* co
       }
     }
     mapping_ = std::move(mapping);
+    for (int p = 0; p < 3; ++p) weights_node_[p].assign(static_cast<size_t>(E), -1);
     bind_operands();
   }
   if (opt.has_bias)

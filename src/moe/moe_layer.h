@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <condition_variable>
 #include <functional>
@@ -27,6 +28,14 @@
 
 namespace kt {
 struct CombineSplit;  // moe/blocking.h
+struct ItemRanges;    // moe/blocking.h
+
+// Which workers ran each expert's weight GEMMs: bit tid of by_expert[e]
+// (tid < 64). Tests of the NUMA split watch a layer through it.
+struct ExpertWorkers {
+  explicit ExpertWorkers(int64_t experts) : by_expert(static_cast<size_t>(experts)) {}
+  std::vector<std::atomic<uint64_t>> by_expert;
+};
 
 // Trainable factors of one projection: A [E, r, in], and s*B^T [E, r, out].
 struct LoraFactors {
@@ -194,6 +203,16 @@ struct kt_moe {
 
   void weights_written() { std::fill(loaded_.begin(), loaded_.end(), uint8_t{1}); }
 
+  // NUMA (the engine's layout): the node (index) that owns expert e and
+  // whose workers compute it, and the node projection proj's weights of
+  // each expert were asked to live on (-1: not placed, one node or mapped
+  // weights).
+  int expert_node(int64_t e) const { return engine->numa.expert_node(e, E); }
+  const std::vector<int>& weights_node(int proj) const { return weights_node_[proj]; }
+  // Records the workers of each expert's GEMMs into *watch from now on
+  // (null: stop); call under the compute lock.
+  void watch_workers(kt::ExpertWorkers* watch) { watch_ = watch; }
+
   // Optimizers created over this layer (under the engine's compute lock);
   // the layer detaches them when it is destroyed.
   std::vector<kt_optimizer*> optimizers;
@@ -212,6 +231,15 @@ struct kt_moe {
   const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
   // Grows the shared workspace's per-worker scratch to this layer's tiles.
   void fit_workspace();
+  // Asks for each expert's block of projection proj's weights at data to
+  // live on the node that owns the expert (weights_node_).
+  void place_weights(int proj, void* data);
+  // ws_->items (sorted by expert) in ranges per node of the experts'
+  // owners, for ThreadPool::run_grouped (one group: ItemRanges(items, threads)).
+  kt::ItemRanges node_ranges() const;
+  void note_worker(int64_t e, int tid) const {
+    if (watch_) watch_->by_expert[static_cast<size_t>(e)].fetch_or(uint64_t{1} << (tid & 63), std::memory_order_relaxed);
+  }
   // Points the weight operands at the stored weights (after wp_ or qp_ change).
   void bind_operands();
   void route(const ForwardCall& call, kt::Routing* out);
@@ -232,6 +260,9 @@ struct kt_moe {
   void forward_whole_experts(const ForwardPass& f);
   void forward_gate_up(const ForwardPass& f);
   void forward_down(const ForwardPass& f);
+  void forward_down_by_node(const ForwardPass& f);
+  void down_block(const ForwardPass& f, kt::ThreadScratch& s, int64_t item, int64_t width, int64_t ldy,
+                  const kt::PrefetchRegion& next);
   void down_item(const ForwardPass& f, const kt::CombineSplit& split, kt::ThreadScratch& s, int64_t item,
                  const kt::PrefetchRegion& after);
   // The backward's stages (moe_backward.cpp), over what they share.
@@ -241,6 +272,8 @@ struct kt_moe {
   void backward_down_item(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
   void backward_dx(const BackwardPass& b);
   void dx_item(const BackwardPass& b, const kt::CombineSplit& split, kt::ThreadScratch& s, int64_t item);
+  void backward_dx_by_node(const BackwardPass& b);
+  void dx_block(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, int64_t ldx);
   void routing_weight_gradients(const BackwardPass& b);
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).
@@ -288,6 +321,8 @@ struct kt_moe {
   // The base weights of each projection as the GEMMs read them (gate, up,
   // down), made with the layer from its format, compute and kernels.
   kt::WeightOperand operand_[3];
+  std::vector<int> weights_node_[3];  // per expert (NUMA placement)
+  kt::ExpertWorkers* watch_ = nullptr;
   kt::Buffer<float> b_[3];  // [E, I] gate/up, [E, H] down
   std::vector<uint8_t> loaded_, skipped_;
   kt::LoraFactors lora_[3];

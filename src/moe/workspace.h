@@ -75,6 +75,8 @@ struct MoeWorkspace {
   Buffer<char> d_gate_packed, d_up_packed;  // the same in A format
   Buffer<float> lora_b_proj[3];   // [routes, r] the delta projected by s*B
   Buffer<float> route_weight_parts;  // [routes, blocks of I] parts of dL/dw per route
+  Buffer<float> route_dx;         // [routes, H padded] each route's dx before the sum per token
+                                  // (experts split over NUMA nodes)
   Buffer<float> down_delta;       // [routes, H] w * dy, the down projection's delta
   Buffer<float> weighted_down_lora[2];  // [routes, r] w * lora_b_proj[down], w * the saved la[down]
 

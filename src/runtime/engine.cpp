@@ -39,7 +39,7 @@ kt_isa effective_isa_cap(kt_isa requested, const char* where) {
 
 }  // namespace kt
 
-kt_engine::kt_engine(const kt_engine_options& o) {
+kt_engine::kt_engine(const kt_engine_options& o, const kt::Topology* topology) {
   verbosity = o.verbosity;
   if (verbosity < 0) {
     const char* env = std::getenv("KT_VERBOSE");
@@ -61,12 +61,24 @@ kt_engine::kt_engine(const kt_engine_options& o) {
   int n = o.num_threads > 0 ? o.num_threads
           : host_openmp     ? kt::host_openmp_threads()
                             : static_cast<int>(cpus.size());
-  pool.reset(new kt::ThreadPool(n, o.pin_threads && !host_openmp ? cpus : std::vector<int>{}, host_openmp));
+  // NUMA nodes only for kt's own workers, in a build that can bind memory.
+  const bool split = o.numa == KT_NUMA_AUTO && !host_openmp && kt::numa_built();
+  numa = kt::NumaLayout(split ? (topology ? *topology : kt::discover_topology(cpus)) : kt::Topology{}, n);
+  const std::vector<int> pin = numa.split()                     ? numa.worker_cpus()
+                               : o.pin_threads && !host_openmp ? cpus
+                                                               : std::vector<int>{};
+  pool.reset(new kt::ThreadPool(n, pin, host_openmp, numa.worker_nodes()));
+  std::string nodes;
+  for (int k = 0; k < numa.nodes() && numa.split(); ++k)
+    nodes += (k ? ", " : "") + std::to_string(numa.workers_on(k)) + " on node " + std::to_string(numa.node_id(k));
   log(1, std::string("engine: cpu isa ") + kt::kernel_isa_name(cpu_isa) + ", kernels " +
              kt::kernel_isa_name(kernels->isa) + " (" + kernels->gemm_name + ")" +
              (precision == KT_PRECISION_FP32 ? " for fp32 precision" : "") + ", " + std::to_string(n) +
              " threads" +
-             (host_openmp ? " (the caller's OpenMP threads)" : o.pin_threads && n > 1 ? " pinned" : ""));
+             (host_openmp                  ? " (the caller's OpenMP threads)"
+              : numa.split()               ? " pinned per NUMA node (" + nodes + ")"
+              : o.pin_threads && n > 1     ? " pinned"
+                                           : ""));
   if (!auto_note.empty()) log(1, "engine: " + auto_note);
 }
 

@@ -14,6 +14,7 @@
 #include "kernels/kernels.h"
 #include "kt_c_api.h"
 #include "runtime/jobs.h"
+#include "runtime/numa.h"
 #include "runtime/thread_pool.h"
 
 namespace kt {
@@ -31,6 +32,10 @@ struct kt_engine {
   // kt_engine_set_gemm_backend (throws kt::Error).
   void set_gemm_backend(kt_gemm_backend backend);
   kt_isa cpu_isa = KT_ISA_REF;
+  // The nodes the workers and the layers' experts are split over (one
+  // unless options.numa is KT_NUMA_AUTO on several nodes); the pool's
+  // worker groups are its nodes.
+  kt::NumaLayout numa;
   std::unique_ptr<kt::ThreadPool> pool;
   // One computation at a time on the pool.
   std::mutex compute_mutex;
@@ -51,7 +56,9 @@ struct kt_engine {
   std::atomic<int64_t> stage_calls[kStages] = {};
   kt::KernelTally stage_kernels[kStages];  // the kernels each stage ran
 
-  explicit kt_engine(const kt_engine_options& options);
+  // topology: the nodes to split over with KT_NUMA_AUTO (null: the
+  // machine's, discovered; tests give simulated ones).
+  explicit kt_engine(const kt_engine_options& options, const kt::Topology* topology = nullptr);
   ~kt_engine();
 
   void log(int level, const std::string& message) const;

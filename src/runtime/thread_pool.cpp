@@ -35,8 +35,18 @@ bool host_openmp_built() { return false; }
 int host_openmp_threads() { return 1; }
 #endif
 
-ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus, bool host_openmp)
+ThreadPool::ThreadPool(int num_threads, const std::vector<int>& cpus, bool host_openmp,
+                       const std::vector<int>& groups)
     : size_(num_threads > 1 ? num_threads : 1), host_openmp_(host_openmp) {
+  // Groups only among kt's own workers, each group with one at least.
+  if (size_ > 1 && !host_openmp_ && groups.size() == static_cast<size_t>(size_)) {
+    const int count = *std::max_element(groups.begin(), groups.end()) + 1;
+    group_workers_.assign(static_cast<size_t>(count), 0);
+    for (int g : groups) ++group_workers_[static_cast<size_t>(g)];
+    if (*std::min_element(group_workers_.begin(), group_workers_.end()) > 0 && count > 1) worker_group_ = groups;
+  }
+  if (worker_group_.empty()) group_workers_.assign(1, size_);
+  queues_.reset(new Queue[group_workers_.size()]);
   // One thread computes on the caller: a worker would only add hand-offs.
   // On the host's OpenMP threads, the region's team are the threads.
   if (size_ == 1 || host_openmp_) return;
@@ -74,10 +84,10 @@ bool ThreadPool::spin_until(Cond cond, std::chrono::microseconds limit) {
   }
 }
 
-void ThreadPool::take_items(Thunk thunk, void* fn, int64_t n, int index) {
+void ThreadPool::take_items(Thunk thunk, void* fn, Queue& queue, int index) {
   for (;;) {
-    const int64_t item = next_.fetch_add(1, std::memory_order_relaxed);
-    if (item >= n) return;
+    const int64_t item = queue.next.fetch_add(1, std::memory_order_relaxed);
+    if (item >= queue.end) return;
     try {
       thunk(fn, item, index);
     } catch (...) {
@@ -105,18 +115,20 @@ std::chrono::microseconds PauseMemory::note(std::chrono::microseconds pause) {
 // all the same). Runs are serialised by the engine, so the shared counter
 // and error slot are this run's.
 void ThreadPool::run_on_openmp(int64_t n, Thunk thunk, void* fn) {
-#if KT_HAVE_OPENMP
-  next_.store(0, std::memory_order_relaxed);
+  Queue& queue = queues_[0];
+  queue.next.store(0, std::memory_order_relaxed);
+  queue.end = n;
   error_ = nullptr;
+#if KT_HAVE_OPENMP
   KernelTally* tally = current_kernel_tally();
   const int threads = size_;
 #pragma omp parallel num_threads(threads)
   {
     const KernelTallyScope counting(tally);
-    take_items(thunk, fn, n, omp_get_thread_num());
+    take_items(thunk, fn, queue, omp_get_thread_num());
   }
 #else
-  take_items(thunk, fn, n, 0);
+  take_items(thunk, fn, queue, 0);
 #endif
   std::lock_guard<std::mutex> lock(mutex_);
   if (error_) {
@@ -126,7 +138,7 @@ void ThreadPool::run_on_openmp(int64_t n, Thunk thunk, void* fn) {
   }
 }
 
-void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
+void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn, const int64_t* bounds) {
   if (host_openmp_ && n > 1) {
     run_on_openmp(n, thunk, fn);
     return;
@@ -140,15 +152,18 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
   } ended{this};
   // A single item, or every item of a one-thread pool, runs on the caller
   // (as index 0; the workers are idle between runs): a worker would only
-  // add the hand-off.
-  const bool on_caller = n == 1 || workers_.empty();
+  // add the hand-off. A grouped run keeps each item on its group's workers.
+  const bool on_caller = (n == 1 && !bounds) || workers_.empty();
   {
     std::lock_guard<std::mutex> lock(mutex_);
     thunk_ = thunk;
     fn_ = fn;
     tally_ = current_kernel_tally();
-    n_ = n;
-    next_.store(0, std::memory_order_relaxed);
+    grouped_ = bounds != nullptr;
+    for (int g = 0; g < (grouped_ ? groups() : 1); ++g) {
+      queues_[g].next.store(grouped_ ? bounds[g] : 0, std::memory_order_relaxed);
+      queues_[g].end = grouped_ ? bounds[g + 1] : n;
+    }
     error_ = nullptr;
     if (!on_caller) {
       active_.store(size(), std::memory_order_relaxed);
@@ -156,7 +171,7 @@ void ThreadPool::run_impl(int64_t n, Thunk thunk, void* fn) {
     }
   }
   if (on_caller) {
-    take_items(thunk, fn, n, 0);
+    take_items(thunk, fn, queues_[0], 0);
   } else {
     wake_.notify_all();
     // The caller waits for its own run, which ends: asleep, it would add its
@@ -182,7 +197,7 @@ void ThreadPool::worker_loop(int index) {
     Thunk thunk;
     void* fn;
     KernelTally* tally;
-    int64_t n;
+    Queue* queue;
     const auto ready = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
     if (!spin_until(ready, worker_spin())) {
       std::unique_lock<std::mutex> lock(mutex_);
@@ -195,11 +210,11 @@ void ThreadPool::worker_loop(int index) {
       thunk = thunk_;
       fn = fn_;
       tally = tally_;
-      n = n_;
+      queue = &queues_[grouped_ ? group_of(index) : 0];
     }
     {
       const KernelTallyScope counting(tally);
-      take_items(thunk, fn, n, index);
+      take_items(thunk, fn, *queue, index);
     }
     // The last worker out wakes the caller (under the lock, so a caller
     // between its check and its wait cannot miss it).

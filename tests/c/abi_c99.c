@@ -14,13 +14,16 @@
 #define LAYOUT(name, cond) typedef char layout_##name[(cond) ? 1 : -1]
 LAYOUT(arg_size, sizeof(kt_arg) == 16);
 LAYOUT(arg_tensor, offsetof(kt_arg, tensor) == 8);
-LAYOUT(engine_options_size, sizeof(kt_engine_options) == 48);
+LAYOUT(engine_options_size, sizeof(kt_engine_options) == 56);
 LAYOUT(engine_options_log_user, offsetof(kt_engine_options, log_user) == 32);
 LAYOUT(engine_options_precision, offsetof(kt_engine_options, precision) == 40);
 LAYOUT(engine_options_host_openmp, offsetof(kt_engine_options, host_openmp) == 44);
-LAYOUT(engine_info_size, sizeof(kt_engine_info) == 40);
+LAYOUT(engine_options_numa, offsetof(kt_engine_options, numa) == 48);
+LAYOUT(engine_info_size, sizeof(kt_engine_info) == 56);
 LAYOUT(engine_info_gemm_backend, offsetof(kt_engine_info, gemm_backend) == 32);
 LAYOUT(engine_info_precision, offsetof(kt_engine_info, precision) == 36);
+LAYOUT(engine_info_numa_nodes, offsetof(kt_engine_info, numa_nodes) == 40);
+LAYOUT(engine_info_numa_node_workers, offsetof(kt_engine_info, numa_node_workers) == 48);
 LAYOUT(moe_options_size, sizeof(kt_moe_options) == 96);
 LAYOUT(moe_options_max_tokens, offsetof(kt_moe_options, max_tokens) == 40);
 LAYOUT(moe_options_lora_targets, offsetof(kt_moe_options, lora_targets) == 88);
@@ -246,6 +249,9 @@ int main(void) {
   info.struct_size = sizeof(info);
   CHECK(kt_engine_get_info(engine, &info) == KT_OK);
   CHECK(info.num_threads == 1 && info.kernel_name != NULL && info.gemm_backend == KT_GEMM_NATIVE);
+  /* KT_NUMA_OFF by default: one node holding every worker. */
+  CHECK(eo.numa == KT_NUMA_OFF && info.numa_nodes == 1 && info.numa_node_workers != NULL &&
+        info.numa_node_workers[0] == 1);
   /* Choosing kt's own GEMMs again is always possible before any layer. */
   CHECK(kt_engine_set_gemm_backend(engine, KT_GEMM_NATIVE) == KT_OK);
   CHECK(kt_engine_set_gemm_backend(engine, (kt_gemm_backend)9) == KT_ERR_INVALID_ARGUMENT);

@@ -39,6 +39,28 @@ TEST(ItemRanges, CoverEveryItemOnceInShrinkingRangesEndingInSingleItems) {
     }
 }
 
+// Grouped (one group per NUMA node): each group's ranges cover its items
+// only, as the ungrouped ranges of its items with its threads would.
+TEST(ItemRanges, GroupsKeepTheirItemsInRangesOfTheirOwn) {
+  const std::vector<int64_t> groups = {0, 96, 96, 1600};
+  const std::vector<int> threads = {2, 1, 3};
+  const ItemRanges r(groups, threads);
+  ASSERT_EQ(r.group_bounds.size(), 4u);
+  EXPECT_EQ(r.group_bounds[0], 0);
+  EXPECT_EQ(r.group_bounds[3], r.count);
+  for (size_t g = 0; g + 1 < groups.size(); ++g) {
+    const ItemRanges alone(groups[g + 1] - groups[g], threads[g]);
+    ASSERT_EQ(r.group_bounds[g + 1] - r.group_bounds[g], alone.count) << g;
+    for (int64_t i = 0; i < alone.count; ++i) {
+      EXPECT_EQ(r.begin(r.group_bounds[g] + i), groups[g] + alone.begin(i));
+      EXPECT_EQ(r.end(r.group_bounds[g] + i), groups[g] + alone.end(i));
+    }
+  }
+  const ItemRanges one({0, 1536}, {16});
+  EXPECT_EQ(one.bounds, ItemRanges(1536, 16).bounds);
+  EXPECT_EQ(one.group_bounds, (std::vector<int64_t>{0, one.count}));
+}
+
 TEST(CombineSplit, EveryTokenAndColumnHasOneOwnerAndDecodeItemsAreNarrow) {
   for (int threads : {1, 2, 8, 64})
     for (int64_t T :

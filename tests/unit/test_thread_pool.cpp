@@ -193,3 +193,33 @@ TEST(ThreadPool, WorkerIRunsOnTheIthCpu) {
   for (const auto& w : where)
     EXPECT_EQ(w.second, cpus[static_cast<size_t>(w.first) % cpus.size()]) << "worker " << w.first;
 }
+
+// A grouped run: the items of group g run once each, only on the workers
+// of group g, even a group's single item; one group is a plain run.
+TEST(ThreadPool, GroupedRunsKeepEachGroupsItemsOnItsWorkers) {
+  const std::vector<int> groups = {0, 0, 1, 1, 1};
+  ThreadPool pool(5, {}, false, groups);
+  ASSERT_EQ(pool.groups(), 2);
+  EXPECT_EQ(pool.workers_in(0), 2);
+  EXPECT_EQ(pool.workers_in(1), 3);
+  for (const std::vector<int64_t>& bounds : std::vector<std::vector<int64_t>>{{0, 7, 300}, {0, 1, 2}, {0, 0, 5}, {0, 9, 9}}) {
+    std::vector<std::atomic<int>> count(static_cast<size_t>(bounds[2]));
+    std::vector<std::atomic<int>> group_of_runner(static_cast<size_t>(bounds[2]));
+    pool.run_grouped(bounds.data(), [&](int64_t item, int index) {
+      count[static_cast<size_t>(item)].fetch_add(1);
+      group_of_runner[static_cast<size_t>(item)].store(pool.group_of(index));
+    });
+    for (int64_t i = 0; i < bounds[2]; ++i) {
+      EXPECT_EQ(count[static_cast<size_t>(i)].load(), 1);
+      EXPECT_EQ(group_of_runner[static_cast<size_t>(i)].load(), i < bounds[1] ? 0 : 1) << i;
+    }
+  }
+  // Groups without a worker, or one group: not grouped.
+  EXPECT_EQ(ThreadPool(3, {}, false, {0, 0, 2}).groups(), 1);
+  ThreadPool one(3, {}, false, {0, 0, 0});
+  EXPECT_EQ(one.groups(), 1);
+  const int64_t bounds[2] = {0, 40};
+  std::atomic<int> ran{0};
+  one.run_grouped(bounds, [&](int64_t, int) { ran.fetch_add(1); });
+  EXPECT_EQ(ran.load(), 40);
+}

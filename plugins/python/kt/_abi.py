@@ -105,6 +105,8 @@ ISA_AMX = 4
 MODE_INFERENCE = 0
 MODE_LORA = 1
 MODE_FULL = 2
+NUMA_OFF = 0
+NUMA_AUTO = 1
 OPTIM_ADAMW = 0
 OPTIM_SGD = 1
 OPTIM_TORCH1 = 0
@@ -198,6 +200,7 @@ ENUMS = {
     'kt_grad_accumulate': {'KT_GRAD_OVERWRITE': 0, 'KT_GRAD_ACCUMULATE': 1},
     'kt_isa': {'KT_ISA_AUTO': 0, 'KT_ISA_REF': 1, 'KT_ISA_AVX2': 2, 'KT_ISA_AVX512BF16': 3, 'KT_ISA_AMX': 4},
     'kt_mode': {'KT_MODE_INFERENCE': 0, 'KT_MODE_LORA': 1, 'KT_MODE_FULL': 2},
+    'kt_numa_mode': {'KT_NUMA_OFF': 0, 'KT_NUMA_AUTO': 1},
     'kt_optim_algorithm': {'KT_OPTIM_ADAMW': 0, 'KT_OPTIM_SGD': 1},
     'kt_optim_arithmetic': {'KT_OPTIM_TORCH1': 0, 'KT_OPTIM_TORCH2': 1},
     'kt_optim_state': {'KT_OPTIM_STATE_MASTER': 0, 'KT_OPTIM_STATE_EXP_AVG': 1,
@@ -474,8 +477,8 @@ class DistMoeOptions(ctypes.Structure):
 
 class EngineInfo(ctypes.Structure):
     _c_name_ = 'kt_engine_info'
-    _c_layout_ = (40, 8, {'struct_size': 0, 'num_threads': 8, 'isa': 12, 'cpu_isa': 16, 'kernel_name': 24,
-        'gemm_backend': 32, 'precision': 36})
+    _c_layout_ = (56, 8, {'struct_size': 0, 'num_threads': 8, 'isa': 12, 'cpu_isa': 16, 'kernel_name': 24,
+        'gemm_backend': 32, 'precision': 36, 'numa_nodes': 40, 'numa_node_workers': 48})
     _fields_ = [
         ('struct_size', ctypes.c_size_t),
         ('num_threads', ctypes.c_int),
@@ -484,13 +487,15 @@ class EngineInfo(ctypes.Structure):
         ('kernel_name', ctypes.c_char_p),
         ('gemm_backend', ctypes.c_int),
         ('precision', ctypes.c_int),
+        ('numa_nodes', ctypes.c_int),
+        ('numa_node_workers', ctypes.POINTER(ctypes.c_int)),
     ]
 
 
 class EngineOptions(ctypes.Structure):
     _c_name_ = 'kt_engine_options'
-    _c_layout_ = (48, 8, {'struct_size': 0, 'num_threads': 8, 'pin_threads': 12, 'max_isa': 16,
-        'verbosity': 20, 'log_fn': 24, 'log_user': 32, 'precision': 40, 'host_openmp': 44})
+    _c_layout_ = (56, 8, {'struct_size': 0, 'num_threads': 8, 'pin_threads': 12, 'max_isa': 16,
+        'verbosity': 20, 'log_fn': 24, 'log_user': 32, 'precision': 40, 'host_openmp': 44, 'numa': 48})
     _fields_ = [
         ('struct_size', ctypes.c_size_t),
         ('num_threads', ctypes.c_int),
@@ -501,6 +506,7 @@ class EngineOptions(ctypes.Structure):
         ('log_user', ctypes.c_void_p),
         ('precision', ctypes.c_int),
         ('host_openmp', ctypes.c_int),
+        ('numa', ctypes.c_int),
     ]
 
 

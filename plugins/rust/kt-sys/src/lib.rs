@@ -150,6 +150,10 @@ pub const KT_MODE_INFERENCE: kt_mode = 0;
 pub const KT_MODE_LORA: kt_mode = 1;
 pub const KT_MODE_FULL: kt_mode = 2;
 
+pub type kt_numa_mode = c_int;
+pub const KT_NUMA_OFF: kt_numa_mode = 0;
+pub const KT_NUMA_AUTO: kt_numa_mode = 1;
+
 pub type kt_optim_algorithm = c_int;
 pub const KT_OPTIM_ADAMW: kt_optim_algorithm = 0;
 pub const KT_OPTIM_SGD: kt_optim_algorithm = 1;
@@ -501,8 +505,10 @@ pub struct kt_engine_info {
     pub kernel_name: *const c_char,
     pub gemm_backend: kt_gemm_backend,
     pub precision: kt_precision,
+    pub numa_nodes: c_int,
+    pub numa_node_workers: *const c_int,
 }
-const _: () = assert!(std::mem::size_of::<kt_engine_info>() == 40 && std::mem::align_of::<kt_engine_info>() == 8);
+const _: () = assert!(std::mem::size_of::<kt_engine_info>() == 56 && std::mem::align_of::<kt_engine_info>() == 8);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -516,8 +522,9 @@ pub struct kt_engine_options {
     pub log_user: *mut c_void,
     pub precision: kt_precision,
     pub host_openmp: c_int,
+    pub numa: kt_numa_mode,
 }
-const _: () = assert!(std::mem::size_of::<kt_engine_options>() == 48 && std::mem::align_of::<kt_engine_options>() == 8);
+const _: () = assert!(std::mem::size_of::<kt_engine_options>() == 56 && std::mem::align_of::<kt_engine_options>() == 8);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -871,6 +878,8 @@ mod recorded_layout {
         assert_eq!(unsafe { std::ptr::addr_of!((*p).kernel_name) } as usize - p as usize, 24, "kt_engine_info.kernel_name");
         assert_eq!(unsafe { std::ptr::addr_of!((*p).gemm_backend) } as usize - p as usize, 32, "kt_engine_info.gemm_backend");
         assert_eq!(unsafe { std::ptr::addr_of!((*p).precision) } as usize - p as usize, 36, "kt_engine_info.precision");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).numa_nodes) } as usize - p as usize, 40, "kt_engine_info.numa_nodes");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).numa_node_workers) } as usize - p as usize, 48, "kt_engine_info.numa_node_workers");
         let v = std::mem::MaybeUninit::<kt_engine_options>::uninit();
         let p = v.as_ptr();
         assert_eq!(unsafe { std::ptr::addr_of!((*p).struct_size) } as usize - p as usize, 0, "kt_engine_options.struct_size");
@@ -882,6 +891,7 @@ mod recorded_layout {
         assert_eq!(unsafe { std::ptr::addr_of!((*p).log_user) } as usize - p as usize, 32, "kt_engine_options.log_user");
         assert_eq!(unsafe { std::ptr::addr_of!((*p).precision) } as usize - p as usize, 40, "kt_engine_options.precision");
         assert_eq!(unsafe { std::ptr::addr_of!((*p).host_openmp) } as usize - p as usize, 44, "kt_engine_options.host_openmp");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).numa) } as usize - p as usize, 48, "kt_engine_options.numa");
         let v = std::mem::MaybeUninit::<kt_load_options>::uninit();
         let p = v.as_ptr();
         assert_eq!(unsafe { std::ptr::addr_of!((*p).struct_size) } as usize - p as usize, 0, "kt_load_options.struct_size");
