@@ -124,6 +124,30 @@ def _rollup(pid):
     return comm, vals.get("Rss", 0), vals.get("Pss", 0)
 
 
+def pss_by_mapping(pid, top=8):
+    """Where one process's PSS lies, from /proc/PID/smaps: anonymous memory
+    (heap and unnamed mappings), shared memory, and each mapped file, the
+    largest first."""
+    parts, name = {}, None
+    try:
+        with open("/proc/%d/smaps" % pid) as f:
+            for line in f:
+                head = line.split(None, 5)
+                if not head[0].endswith(":"):  # a mapping's header: the path is the sixth field
+                    path = head[5].strip() if len(head) > 5 else ""
+                    name = ("anonymous" if not path or path in ("[heap]", "[stack]") or path.startswith("[anon")
+                            else "shared memory" if path.startswith("/dev/shm") or "(deleted)" in path
+                            else path)
+                elif head[0] == "Pss:":
+                    parts[name] = parts.get(name, 0) + int(head[1]) * 1024
+    except OSError:
+        return None
+    ranked = sorted(parts.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["other mappings"] = sum(v for _, v in ranked[top:])
+    return out
+
+
 class MemorySampler:
     """Peak RSS and PSS per process of a tree, and the peak of their PSS sum,
     sampled every ``interval`` seconds in a thread."""
@@ -422,7 +446,8 @@ def serve_vllm(args, directory, sizes, with_kt=True):
         out["start_to_ready_s"] = time.perf_counter() - t0
         if not with_kt:
             return out
-        out["memory_at_ready"] = {"pss_sum": sampler.peak_pss_sum}
+        out["memory_at_ready"] = {"pss_sum": sampler.peak_pss_sum,
+                                  "by_process": {str(p): pss_by_mapping(p) for p in _tree(proc.pid)}}
         import random
         rng = random.Random(0)
         vocab = min(sizes.get("vocab", 1000), 30000)
