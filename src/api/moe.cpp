@@ -48,7 +48,7 @@ kt_status kt_moe_create(kt_engine* engine, const kt_moe_options* options, kt_moe
              std::string(w) + ": options is NULL (the shapes are required)");
     const kt_moe_options o = kt::read_sized(options, kt::set_moe_options_defaults, w, "options");
     const std::shared_ptr<kt_moe> m = kt::create_layer(eng, o, w);
-    *moe = kt::handle_value<kt_moe>(m->handle);
+    *moe = kt::handle_value<kt_moe>(m->handle());
   });
 }
 
@@ -74,7 +74,7 @@ kt_status kt_moe_lora_scale(const kt_moe* moe, float* scale) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     KT_CHECK(scale != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": scale is NULL");
-    *scale = layer->lora_scale;
+    *scale = layer->lora_scale();
   });
 }
 
@@ -87,7 +87,7 @@ kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
     kt_moe_info full;
     std::memset(&full, 0, sizeof(full));
     full.struct_size = sizeof(full);
-    const kt_moe_options& o = layer->opt;
+    const kt_moe_options& o = layer->options();
     full.num_experts = o.num_experts;
     full.top_k = o.top_k;
     full.hidden = o.hidden;
@@ -99,7 +99,7 @@ kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info) {
     full.weight_bytes = kt_moe::weight_bytes(o).value();
     full.num_weights = 3 * o.num_experts * o.hidden * o.intermediate;
     {
-      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
       full.num_loaded = layer->num_loaded();
     }
     kt::write_sized(info, full, w, "info");
@@ -110,7 +110,7 @@ kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_
   const char* w = "kt_moe_read_weights";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->read_weights(args, num_args);
   });
 }
@@ -125,7 +125,7 @@ kt_status kt_moe_load_weights(kt_moe* moe, const kt_load_options* options, const
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     kt_load_options o = kt::read_sized(options, kt::set_load_options_defaults, w, "options");
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->load(o, args, num_args, -1, w);
   });
 }
@@ -135,11 +135,11 @@ kt_status kt_moe_load_expert(kt_moe* moe, int64_t expert, const kt_load_options*
   const char* w = "kt_moe_load_expert";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    KT_CHECK(expert >= 0 && expert < layer->E, KT_ERR_EXPERT_ID,
+    KT_CHECK(expert >= 0 && expert < layer->num_experts(), KT_ERR_EXPERT_ID,
              std::string(w) + ": expert " + std::to_string(expert) + " is outside [0, " +
-                 std::to_string(layer->E) + ")");
+                 std::to_string(layer->num_experts()) + ")");
     kt_load_options o = kt::read_sized(options, kt::set_load_options_defaults, w, "options");
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->load(o, args, num_args, expert, w);
   });
 }
@@ -148,7 +148,7 @@ kt_status kt_moe_set_skipped(kt_moe* moe, const DLTensor* mask) {
   const char* w = "kt_moe_set_skipped";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->set_skipped(mask);
   });
 }
@@ -158,7 +158,7 @@ kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count) {
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
     KT_CHECK(count != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": count is NULL");
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     *count = layer->num_loaded();
   });
 }
@@ -167,7 +167,7 @@ kt_status kt_moe_bind(kt_moe* moe, const kt_arg* args, size_t num_args) {
   const char* w = "kt_moe_bind";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->bind(args, num_args);
   });
 }
@@ -176,7 +176,7 @@ kt_status kt_moe_params_changed(kt_moe* moe) {
   const char* w = "kt_moe_params_changed";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     layer->params_changed();
   });
 }
@@ -185,9 +185,7 @@ kt_status kt_moe_set_grad_hook(kt_moe* moe, kt_grad_ready_fn fn, void* user) {
   const char* w = "kt_moe_set_grad_hook";
   return guarded(w, [&] {
     const std::shared_ptr<kt_moe> layer = live_moe(moe, w);
-    std::lock_guard<std::mutex> lock(layer->state_mutex);
-    layer->grad_hook = fn;
-    layer->grad_hook_user = fn ? user : nullptr;
+    layer->set_grad_hook(fn, user);
   });
 }
 

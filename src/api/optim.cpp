@@ -22,8 +22,7 @@ namespace kt {
 namespace optim {
 
 void detach_layer(kt_moe* moe) {
-  for (kt_optimizer* o : moe->optimizers) o->moe = nullptr;
-  moe->optimizers.clear();
+  for (kt_optimizer* o : moe->take_optimizers()) o->moe = nullptr;
 }
 
 }  // namespace optim
@@ -66,7 +65,7 @@ kt_optimizer* adopt(std::unique_ptr<kt_optimizer> owned, const char* where) {
              std::string(where) + ": its engine is being destroyed by another thread");
     op->engine->num_optimizers.fetch_add(1);
   }
-  if (op->moe) op->moe->optimizers.push_back(op.get());
+  if (op->moe) op->moe->attach_optimizer(op.get());
   return kt::handle_value<kt_optimizer>(kt::add_handle(kt::HandleKind::kOptimizer, op));
 }
 
@@ -101,10 +100,10 @@ kt_status kt_optimizer_create_for_layer(kt_moe* moe, const kt_optimizer_options*
     const std::shared_ptr<kt_moe> layer = kt::live(moe, kt::HandleKind::kMoe, w, "moe");
     KT_CHECK(opt != nullptr, KT_ERR_NULL_POINTER, std::string(w) + ": opt is NULL");
     const kt_optimizer_options o = read_options(options, w);
-    std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
     {
-      std::lock_guard<std::mutex> state(layer->state_mutex);
-      KT_CHECK(!layer->destroyed, KT_ERR_INVALID_HANDLE,
+      std::lock_guard<std::mutex> state(layer->state_mutex());
+      KT_CHECK(!layer->jobs().closed(), KT_ERR_INVALID_HANDLE,
                std::string(w) + ": moe is being destroyed by another thread");
     }
     std::unique_ptr<kt_optimizer> op(kt::optim::create_for_layer(layer.get(), o, w));
@@ -138,10 +137,7 @@ void kt_optimizer_destroy(kt_optimizer* opt) {
     }
     {
       auto lock = op->lock_compute();
-      if (op->moe) {
-        auto& list = op->moe->optimizers;
-        list.erase(std::remove(list.begin(), list.end(), op.get()), list.end());
-      }
+      if (op->moe) op->moe->detach_optimizer(op.get());
     }
     if (op->engine) op->engine->num_optimizers.fetch_sub(1);
   } catch (...) {

@@ -54,7 +54,7 @@ template <class F>
 void layer_call(const char* where, kt_moe* handle, F&& fn) {
   as_call(where, [&] {
     const std::shared_ptr<kt_moe> m = live(handle, HandleKind::kMoe, where, "moe");
-    std::lock_guard<std::mutex> lock(m->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(m->engine()->compute_mutex);
     fn(*m);
   });
 }
@@ -224,9 +224,9 @@ unsigned save_parts(const kt_moe_options& o, unsigned requested, int64_t number,
 // The weights a rank saves: the bound trainable tensors (full mode), or the
 // layer's own (a bf16 layer's, read exactly).
 bool weights_bound(const kt_moe& m) {
-  return m.opt.mode == KT_MODE_FULL && m.bound_view(KT_ARG_W_GATE) && m.bound_view(KT_ARG_W_UP) &&
+  return m.options().mode == KT_MODE_FULL && m.bound_view(KT_ARG_W_GATE) && m.bound_view(KT_ARG_W_UP) &&
          m.bound_view(KT_ARG_W_DOWN) &&
-         (!m.opt.has_bias ||
+         (!m.options().has_bias ||
           (m.bound_view(KT_ARG_B_GATE) && m.bound_view(KT_ARG_B_UP) && m.bound_view(KT_ARG_B_DOWN)));
 }
 
@@ -337,7 +337,7 @@ void plan_layer(SavePlan& plan, const Local& l, unsigned parts, const char* wher
   }
   const std::string lname = std::string(where) + ": layer " + str(l.number);
   kt_moe& m = *l.moe;
-  const kt_moe_options& o = m.opt;
+  const kt_moe_options& o = m.options();
   const int64_t n = static_cast<int64_t>(l.experts->size());
   if (parts & KT_DIST_CKPT_WEIGHTS) {
     if (weights_bound(m)) {
@@ -902,7 +902,7 @@ LayerLoad plan_load(Opened& c, const Local& l, unsigned requested, const char* w
   const auto key = [&](int64_t g) { return expert_key(l.number, g); };
   if (load.parts & KT_DIST_CKPT_WEIGHTS) {
     load.weights_into_bound = weights_bound(m);
-    KT_CHECK(m.opt.mode != KT_MODE_FULL || load.weights_into_bound || !m.bound_view(KT_ARG_W_GATE),
+    KT_CHECK(m.options().mode != KT_MODE_FULL || load.weights_into_bound || !m.bound_view(KT_ARG_W_GATE),
              KT_ERR_NOT_BOUND,
              lname + ": the layer binds some of its trainable weights and biases but not all");
     for (int64_t g : ex) {
@@ -988,7 +988,7 @@ int64_t load_bytes(const LayerLoad& ld) {
 // bound tensors, or loaded through the layer as kt_moe_load_expert does.
 void apply_expert_weights(const Local& l, const LayerLoad& ld, size_t li) {
   kt_moe& m = *l.moe;
-  const bool bias = m.opt.has_bias != 0;
+  const bool bias = m.options().has_bias != 0;
   const std::array<Copy, 6>& w = ld.weights[li];
   if (ld.weights_into_bound) {
     for (int p = 0; p < (bias ? 6 : 3); ++p)

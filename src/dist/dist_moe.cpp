@@ -229,7 +229,7 @@ void kt_dist_moe::create(kt_engine* engine, const char* where) {
     kt::as_call(w, [&] {
       const std::shared_ptr<kt_moe> m =
           kt::create_layer(kt::live(engine, kt::HandleKind::kEngine, w, "engine"), lo, w);
-      local = kt::handle_value<kt_moe>(m->handle);
+      local = kt::handle_value<kt_moe>(m->handle());
     });
   });
   try {

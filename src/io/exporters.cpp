@@ -176,6 +176,26 @@ void read_expert_slice(const uint8_t* src, kt_ckpt_dtype src_dt, const View& v, 
   }
 }
 
+namespace {
+
+// Tensors in order, in shards of at most max_bytes (a larger tensor gets its own).
+std::vector<std::vector<TensorToWrite>> group_into_shards(std::vector<TensorToWrite> all, int64_t max_bytes) {
+  std::vector<std::vector<TensorToWrite>> shards(1);
+  uint64_t current = 0;
+  for (auto& t : all) {
+    const uint64_t n = t.nbytes();
+    if (!shards.back().empty() && current + n > static_cast<uint64_t>(max_bytes)) {
+      shards.emplace_back();
+      current = 0;
+    }
+    current += n;
+    shards.back().push_back(std::move(t));
+  }
+  return shards;
+}
+
+}  // namespace
+
 void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const kt_ckpt_layer_args* layers,
                    size_t num_layers, const char* where) {
   KT_CHECK(num_layers == 0 || layers != nullptr, KT_ERR_NULL_POINTER,
@@ -236,18 +256,7 @@ void write_experts(const std::string& dir, const kt_ckpt_write_options& o, const
         }
       }
   }
-  // Group into shards of at most max_shard_bytes (a larger tensor gets its own).
-  std::vector<std::vector<TensorToWrite>> shards(1);
-  uint64_t current = 0;
-  for (auto& t : all) {
-    const uint64_t n = t.nbytes();
-    if (!shards.back().empty() && current + n > static_cast<uint64_t>(o.max_shard_bytes)) {
-      shards.emplace_back();
-      current = 0;
-    }
-    current += n;
-    shards.back().push_back(std::move(t));
-  }
+  std::vector<std::vector<TensorToWrite>> shards = group_into_shards(std::move(all), o.max_shard_bytes);
   // Names, sizes and texts are settled: now the new version is built next to
   // dir and swapped in as a whole.
   const bool with_config = !config_text.empty();

@@ -13,7 +13,10 @@ namespace kt {
 const char* arg_name(int id);  // "KT_ARG_X"; nullptr for unknown ids
 std::string id_string(int id);
 
+// One past the largest kt_arg_id: tables indexed by id are this long. Ids
+// come in blocks of 16; the last block ends before it.
 constexpr int kMaxArgId = 80;
+static_assert(KT_ARG_GRAD_B_DOWN < kMaxArgId, "a kt_arg_id beyond kMaxArgId");
 
 // Collects args into id-indexed slots; rejects NULL arrays, unknown and
 // repeated ids, NULL tensors.

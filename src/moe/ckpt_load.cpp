@@ -60,10 +60,10 @@ void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) 
                  std::to_string(layer_v) + " but the kt_moe was created with " +
                  std::to_string(moe_v));
   };
-  same("num_experts", L.E, moe->E);
-  same("hidden", L.H, moe->H);
-  same("intermediate", L.I, moe->I);
-  same("biases (1 = present)", L.has_bias ? 1 : 0, moe->opt.has_bias ? 1 : 0);
+  same("num_experts", L.E, moe->num_experts());
+  same("hidden", L.H, moe->hidden());
+  same("intermediate", L.I, moe->intermediate());
+  same("biases (1 = present)", L.has_bias ? 1 : 0, moe->options().has_bias ? 1 : 0);
 }
 
 // Calls moe->load for the stacked experts `map` (stacked index i holds
@@ -75,7 +75,7 @@ void load_chunk(kt_moe* moe, const kt_load_options& lo, std::vector<kt_arg> args
   const int64_t one = 1;
   mt.set(map.data(), KT_CKPT_DTYPE_I64, 1, &n, &one);
   args.push_back(kt_arg{KT_ARG_EXPERT_MAP, &mt.t});
-  std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+  std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
   moe->load(lo, args.data(), args.size(), -1, where);
 }
 
@@ -301,8 +301,8 @@ void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char
     const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
     std::vector<SourceProblem> problems(static_cast<size_t>(n * 3));
     {
-      std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-      moe->engine->pool->run(n * 3, [&](int64_t i, int) {
+      std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
+      moe->engine()->pool->run(n * 3, [&](int64_t i, int) {
         const int64_t e = e0 + i / 3;
         const int p = static_cast<int>(i % 3);
         const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
@@ -351,7 +351,7 @@ void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn p
         for (int64_t i = 0; i < n; ++i) bias_rows(L, e0 + i, p, biases[p].data() + i * out);
       }
     {
-      std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
+      std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
       moe->store_quantized(
           map,
           [&](int64_t i, int p, uint8_t* dst) { pack_quant_source(quant_source(L, e0 + i, p), moe->quant_shape(p), dst); },
@@ -381,8 +381,8 @@ void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progre
       values[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out * in));
       float* dst = values[static_cast<size_t>(p)].data();
       {
-        std::lock_guard<std::mutex> lock(moe->engine->compute_mutex);
-        moe->engine->pool->run(n * out, [&](int64_t row, int) {
+        std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
+        moe->engine()->pool->run(n * out, [&](int64_t row, int) {
           const QuantSource src = quant_source(L, e0 + row / out, p);
           const int64_t r = row % out;
           for (int64_t c = 0; c < in; ++c) dst[row * in + c] = quant_source_value(src, r, c);
@@ -411,7 +411,7 @@ void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progre
 // Which way a quantized layer goes into moe, or why it cannot.
 void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& o, kt_ckpt_progress_fn progress,
                     void* user, const char* where) {
-  const kt_weight_format have = moe->opt.weight_format;
+  const kt_weight_format have = moe->options().weight_format;
   const std::string head = std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + stored_text(L) +
                            "; the kt_moe stores " + weight_format_name(have);
   if (have == L.native_format && L.loadable()) {

@@ -117,8 +117,7 @@ std::shared_ptr<kt_moe> create_layer(const std::shared_ptr<kt_engine>& eng, cons
              std::string(w) + ": engine is being destroyed by another thread");
     m = std::make_shared<kt_moe>(eng.get(), o);
   }
-  m->engine_ref = eng;
-  m->handle = add_handle(HandleKind::kMoe, m);
+  m->registered(add_handle(HandleKind::kMoe, m), eng);
   eng->log(1, "moe: E=" + std::to_string(o.num_experts) + " k=" + std::to_string(o.top_k) +
                   " H=" + std::to_string(o.hidden) + " I=" + std::to_string(o.intermediate) +
                   " mode=" + std::to_string(o.mode) + " kernels " + eng->kernels->gemm_name);
@@ -127,42 +126,35 @@ std::shared_ptr<kt_moe> create_layer(const std::shared_ptr<kt_engine>& eng, cons
 
 void finish_job(kt_moe* m, kt_job* job) {
   std::shared_ptr<kt_job> mine;  // dropped after the lock
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  auto it = m->jobs.find(job);
-  if (it != m->jobs.end()) {
-    mine = std::move(it->second);
-    m->jobs.erase(it);
-  }
-  if (m->jobs.empty()) m->jobs_done.notify_all();
+  std::lock_guard<std::mutex> lock(m->state_mutex());
+  mine = m->jobs().remove(job);
 }
 
 void destroy_layer(const std::shared_ptr<kt_moe>& m) {
   // Jobs that never started are cancelled so they cannot touch the layer:
   // deferred ones, and on the job thread (a hook destroying its layer)
   // also the queued ones, which could never run before this returns.
-  const bool on_job_thread = m->engine->jobs.on_job_thread();
+  const bool on_job_thread = m->engine()->jobs.on_job_thread();
   std::vector<std::shared_ptr<kt_job>> pending;
   {
-    std::lock_guard<std::mutex> lock(m->state_mutex);
-    m->destroyed = true;
-    for (auto& kv : m->jobs)
-      if (kv.second->deferred || on_job_thread) pending.push_back(kv.second);
+    std::lock_guard<std::mutex> lock(m->state_mutex());
+    pending = m->jobs().close(on_job_thread);
   }
   for (auto& j : pending)
     if (j->cancel(KT_ERR_INVALID_HANDLE, "kt_job: its layer was destroyed before the job ran"))
       finish_job(m.get(), j.get());
   pending.clear();
   {
-    std::unique_lock<std::mutex> lock(m->state_mutex);
-    m->jobs_done.wait(lock, [&] { return m->jobs.empty(); });
+    std::unique_lock<std::mutex> lock(m->state_mutex());
+    m->jobs().wait_all(lock);
   }
   {
-    std::lock_guard<std::mutex> lock(m->engine->compute_mutex);
+    std::lock_guard<std::mutex> lock(m->engine()->compute_mutex);
     optim::detach_layer(m.get());
   }
   m->end_context_handles();
   {
-    std::lock_guard<std::mutex> lock(m->engine->lifetime_mutex);
+    std::lock_guard<std::mutex> lock(m->engine()->lifetime_mutex);
     m->leave_engine();
   }
   // Freed here, or when another thread's call (or a job's hook) on the
@@ -170,10 +162,10 @@ void destroy_layer(const std::shared_ptr<kt_moe>& m) {
 }
 
 void forward_layer(kt_moe& layer, const kt_arg* args, size_t num_args, kt_context** saved, const char* w) {
-  std::lock_guard<std::mutex> lock(layer.engine->compute_mutex);
+  std::lock_guard<std::mutex> lock(layer.engine()->compute_mutex);
   kt_moe::ForwardCall call = layer.check_forward(args, num_args, w);
-  if (layer.engine->verbosity >= 2)
-    layer.engine->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
+  if (layer.engine()->verbosity >= 2)
+    layer.engine()->log(2, "forward: T=" + std::to_string(call.T) + (saved ? " (saving a context)" : ""));
   // Held while it is filled: its handle exists (and could be released by
   // a host guessing it) before the call returns it.
   kt_context* ctx = saved ? layer.new_context(call, 1) : nullptr;
@@ -189,7 +181,7 @@ void forward_layer(kt_moe& layer, const kt_arg* args, size_t num_args, kt_contex
   if (ctx) {
     kt_context* handle;
     {
-      std::lock_guard<std::mutex> l(layer.state_mutex);
+      std::lock_guard<std::mutex> l(layer.state_mutex());
       ctx->state = kt_context::kReady;
       handle = handle_value<kt_context>(ctx->handle);
     }
@@ -198,27 +190,22 @@ void forward_layer(kt_moe& layer, const kt_arg* args, size_t num_args, kt_contex
   }
 }
 
-GradHook grad_hook_of(kt_moe* m) {
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  return GradHook{m->grad_hook, m->grad_hook_user, m->handle};
-}
-
 GradHook backward_layer(kt_moe& layer, kt_context* ctx, const kt_backward_options* options, const kt_arg* args,
                         size_t num_args, const char* w) {
-  std::lock_guard<std::mutex> lock(layer.engine->compute_mutex);
+  std::lock_guard<std::mutex> lock(layer.engine()->compute_mutex);
   ContextHold held(&layer, ctx, w);
   kt_context* c = held.get();
   kt_moe::BackwardCall call = layer.check_backward(c, options, args, num_args, w);
   {
-    std::lock_guard<std::mutex> l(layer.state_mutex);
+    std::lock_guard<std::mutex> l(layer.state_mutex());
     KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT, std::string(w) + ": ctx already has a backward submitted");
   }
-  if (layer.engine->verbosity >= 2)
-    layer.engine->log(2, "backward: T=" + std::to_string(c->tokens) +
+  if (layer.engine()->verbosity >= 2)
+    layer.engine()->log(2, "backward: T=" + std::to_string(c->tokens) +
                              " grad_scale=" + std::to_string(call.opt.grad_scale) +
                              (call.opt.accumulate ? " accumulate" : " overwrite"));
   layer.backward(c, call);
-  if (call.opt.param_grads && layer.opt.mode != KT_MODE_INFERENCE) return grad_hook_of(&layer);
+  if (call.opt.param_grads && layer.options().mode != KT_MODE_INFERENCE) return layer.grad_hook();
   return GradHook{};
 }
 

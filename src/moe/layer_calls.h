@@ -34,18 +34,6 @@ void destroy_layer(const std::shared_ptr<kt_moe>& m);
 void forward_layer(kt_moe& layer, const kt_arg* args, size_t num_args, kt_context** saved,
                    const char* where);
 
-// The gradient-ready hook of a layer, called once kt no longer holds the
-// layer (it may call kt, even destroy the layer).
-struct GradHook {
-  kt_grad_ready_fn fn = nullptr;
-  void* user = nullptr;
-  HandleId layer = 0;
-  void call() const {
-    if (fn) fn(handle_value<kt_moe>(layer), user);
-  }
-};
-GradHook grad_hook_of(kt_moe* m);
-
 // Backward of context ctx under the engine's compute lock; returns the hook
 // to call when parameter gradients were written (else an empty one).
 GradHook backward_layer(kt_moe& layer, kt_context* ctx, const kt_backward_options* options,

@@ -18,7 +18,7 @@ namespace {
 void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
   std::shared_ptr<kt_job> forward_job;
   {
-    std::lock_guard<std::mutex> lock(m->state_mutex);
+    std::lock_guard<std::mutex> lock(m->state_mutex());
     ctx->state = ok ? kt_context::kReady : kt_context::kFailed;
     forward_job.swap(ctx->forward_job);
   }
@@ -29,10 +29,8 @@ void settle_context(kt_moe* m, kt_context* ctx, bool ok) {
 std::shared_ptr<kt_job> new_job(kt_moe* m, bool deferred, const char* where) {
   auto job = std::make_shared<kt_job>();
   job->deferred = deferred;
-  std::lock_guard<std::mutex> lock(m->state_mutex);
-  KT_CHECK(!m->destroyed, KT_ERR_INVALID_HANDLE,
-           std::string(where) + ": moe is being destroyed by another thread");
-  m->jobs.emplace(job.get(), job);
+  std::lock_guard<std::mutex> lock(m->state_mutex());
+  m->jobs().add(job, where);
   return job;
 }
 
@@ -44,6 +42,34 @@ void drop_unstarted(kt_moe* m, const std::shared_ptr<kt_job>& job) {
 }
 
 }  // namespace
+
+void LayerJobs::add(const std::shared_ptr<kt_job>& job, const char* where) {
+  KT_CHECK(!closed_, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is being destroyed by another thread");
+  jobs_.emplace(job.get(), job);
+}
+
+std::shared_ptr<kt_job> LayerJobs::remove(kt_job* job) {
+  std::shared_ptr<kt_job> mine;
+  auto it = jobs_.find(job);
+  if (it != jobs_.end()) {
+    mine = std::move(it->second);
+    jobs_.erase(it);
+  }
+  if (jobs_.empty()) done_.notify_all();
+  return mine;
+}
+
+std::vector<std::shared_ptr<kt_job>> LayerJobs::close(bool all_queued) {
+  closed_ = true;
+  std::vector<std::shared_ptr<kt_job>> pending;
+  for (auto& kv : jobs_)
+    if (kv.second->deferred || all_queued) pending.push_back(kv.second);
+  return pending;
+}
+
+void LayerJobs::wait_all(std::unique_lock<std::mutex>& lock) {
+  done_.wait(lock, [&] { return jobs_.empty(); });
+}
 
 kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args, size_t num_args,
                        kt_context** saved, bool deferred, const char* where) {
@@ -58,14 +84,14 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
       finish_job(layer.get(), j.get());
       throw;
     }
-    std::lock_guard<std::mutex> lock(layer->state_mutex);
+    std::lock_guard<std::mutex> lock(layer->state_mutex());
     ctx->forward_job = j;
   }
   kt_job* raw = j.get();
   j->work = [layer, call, ctx, raw] {
     bool ok = false;
     try {
-      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
       layer->forward(call, ctx);
       ok = true;
     } catch (...) {
@@ -78,12 +104,12 @@ kt_job* submit_forward(const std::shared_ptr<kt_moe>& layer, const kt_arg* args,
   };
   kt_job* handle = nullptr;
   try {
-    handle = start_job(layer->engine->jobs, j);
+    handle = start_job(layer->engine()->jobs, j);
   } catch (...) {
     // The host never sees the context: it goes with the job.
     if (ctx) {
       {
-        std::lock_guard<std::mutex> lock(layer->state_mutex);
+        std::lock_guard<std::mutex> lock(layer->state_mutex());
         ctx->forward_job.reset();
       }
       layer->release_context(ctx->handle);
@@ -104,7 +130,7 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
   kt_context* c = held.get();
   const kt_moe::BackwardCall call = layer->check_backward(c, options, args, num_args, where, true);
   {
-    std::lock_guard<std::mutex> lock(layer->state_mutex);
+    std::lock_guard<std::mutex> lock(layer->state_mutex());
     KT_CHECK(!c->backward_queued, KT_ERR_CONTEXT,
              std::string(where) + ": ctx already has a backward submitted");
     c->backward_queued = true;
@@ -115,7 +141,7 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
     j = new_job(layer.get(), deferred, where);
   } catch (...) {
     {
-      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      std::lock_guard<std::mutex> lock(layer->state_mutex());
       c->backward_queued = false;
     }
     layer->drop_hold(c);
@@ -127,16 +153,16 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
     try {
       std::shared_ptr<kt_job> forward_job;
       {
-        std::lock_guard<std::mutex> lock(layer->state_mutex);
+        std::lock_guard<std::mutex> lock(layer->state_mutex());
         forward_job = c->forward_job;
       }
       if (forward_job) forward_job->wait();  // runs a deferred forward nobody ran yet
-      std::lock_guard<std::mutex> lock(layer->engine->compute_mutex);
+      std::lock_guard<std::mutex> lock(layer->engine()->compute_mutex);
       layer->backward(c, call);
-      if (call.opt.param_grads && layer->opt.mode != KT_MODE_INFERENCE) hook = grad_hook_of(layer.get());
+      if (call.opt.param_grads && layer->options().mode != KT_MODE_INFERENCE) hook = layer->grad_hook();
     } catch (...) {
       {
-        std::lock_guard<std::mutex> l(layer->state_mutex);
+        std::lock_guard<std::mutex> l(layer->state_mutex());
         c->backward_queued = false;
       }
       layer->drop_hold(c);
@@ -148,11 +174,11 @@ kt_job* submit_backward(const std::shared_ptr<kt_moe>& layer, kt_context* ctx,
     hook.call();
   };
   try {
-    return start_job(layer->engine->jobs, j);
+    return start_job(layer->engine()->jobs, j);
   } catch (...) {
     drop_unstarted(layer.get(), j);
     {
-      std::lock_guard<std::mutex> lock(layer->state_mutex);
+      std::lock_guard<std::mutex> lock(layer->state_mutex());
       c->backward_queued = false;
     }
     layer->drop_hold(c);

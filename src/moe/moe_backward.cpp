@@ -18,7 +18,7 @@ using namespace kt;
 kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
                                             const kt_arg* args, size_t n, const char* where,
                                             bool forward_may_pend) const {
-  KT_CHECK(opt.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
+  KT_CHECK(opt_.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
            std::string(where) +
                ": the layer computes with int8 activations (KT_COMPUTE_INT8), which have no "
                "backward");
@@ -47,7 +47,7 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
            std::string(where) +
                ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   {
-    std::lock_guard<std::mutex> lock(state_mutex);
+    std::lock_guard<std::mutex> lock(state_mutex_);
     KT_CHECK(forward_may_pend || ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
              std::string(where) + ": ctx: its forward has not finished (wait for the forward job)");
     KT_CHECK(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
@@ -59,14 +59,14 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
   KT_CHECK(t[KT_ARG_DY] != nullptr, KT_ERR_NULL_POINTER,
            std::string(where) + ": KT_ARG_DY is required");
   const int64_t T = ctx->tokens;
-  c.dy = check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H}, true}, where);
+  c.dy = check_tensor(t[KT_ARG_DY], {"KT_ARG_DY", {DType::kBF16, DType::kF32}, {T, H_}, true}, where);
   if (t[KT_ARG_DX]) {
-    c.dx = check_tensor(t[KT_ARG_DX], {"KT_ARG_DX", {ctx->x_dtype}, {T, H}, true}, where);
+    c.dx = check_tensor(t[KT_ARG_DX], {"KT_ARG_DX", {ctx->x_dtype}, {T, H_}, true}, where);
     c.has_dx = true;
   }
   if (t[KT_ARG_DROUTE_WEIGHTS]) {
     c.dw = check_tensor(t[KT_ARG_DROUTE_WEIGHTS],
-                        {"KT_ARG_DROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {T, K}}, where);
+                        {"KT_ARG_DROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {T, top_k_}}, where);
     c.has_dw = true;
   }
   // DX and DROUTE_WEIGHTS are written while DY is still read.
@@ -84,7 +84,7 @@ kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_back
 
 void kt_moe::check_backward_state(const BackwardCall& c) const {
   const char* where = c.where;
-  if (c.opt.param_grads && opt.mode == KT_MODE_LORA) {
+  if (c.opt.param_grads && opt_.mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p) {
       if (!lora_on(p)) continue;
       for (int id : {KT_ARG_GRAD_LORA_A_GATE + 2 * p, KT_ARG_GRAD_LORA_B_GATE + 2 * p})
@@ -93,10 +93,10 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
                      " is not bound (kt_moe_bind), or pass param_grads = 0");
     }
   }
-  if (c.opt.param_grads && opt.mode == KT_MODE_FULL) {
+  if (c.opt.param_grads && opt_.mode == KT_MODE_FULL) {
     for (int p = 0; p < 3; ++p) {
       int ids[2] = {KT_ARG_GRAD_W_GATE + p, KT_ARG_GRAD_B_GATE + p};
-      for (int k = 0; k < (opt.has_bias ? 2 : 1); ++k)
+      for (int k = 0; k < (opt_.has_bias ? 2 : 1); ++k)
         KT_CHECK(bound_[ids[k]].set, KT_ERR_NOT_BOUND,
                  std::string(where) + ": " + arg_name(ids[k]) +
                      " is not bound (kt_moe_bind), or pass param_grads = 0");
@@ -104,7 +104,7 @@ void kt_moe::check_backward_state(const BackwardCall& c) const {
   }
   // The gradient buffers this call writes must not share memory with its
   // other tensors.
-  if (c.opt.param_grads && opt.mode != KT_MODE_INFERENCE) {
+  if (c.opt.param_grads && opt_.mode != KT_MODE_INFERENCE) {
     for (int id = KT_ARG_GRAD_LORA_A_GATE; id <= KT_ARG_GRAD_B_DOWN; ++id) {
       if (!bound_[id].set) continue;
       const View& g = bound_[id].view;
@@ -181,7 +181,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
   check_backward_state(c);
   fit_workspace();
   {
-    std::lock_guard<std::mutex> lock(state_mutex);
+    std::lock_guard<std::mutex> lock(state_mutex_);
     KT_CHECK(ctx->state != kt_context::kPending, KT_ERR_CONTEXT,
              "kt_moe_backward: ctx: its forward job never ran (its layer was destroyed first)");
     KT_CHECK(ctx->state != kt_context::kFailed, KT_ERR_CONTEXT,
@@ -189,21 +189,21 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     KT_CHECK(ctx->state != kt_context::kSpent, KT_ERR_CONTEXT,
              "kt_moe_backward: ctx is spent: a backward already consumed it");
   }
-  StageClock clock(engine);
+  StageClock clock(engine_);
   BackwardPass b(ctx, c);
-  const bool full = opt.mode == KT_MODE_FULL && c.opt.param_grads;
-  const bool lora_grads = opt.mode == KT_MODE_LORA && c.opt.param_grads;
+  const bool full = opt_.mode == KT_MODE_FULL && c.opt.param_grads;
+  const bool lora_grads = opt_.mode == KT_MODE_LORA && c.opt.param_grads;
   b.need_act = full || (lora_grads && lora_on(kDown));
   clock.enter(KT_STAGE_PACK_INPUT);
   backward_inputs(b);
   clock.enter(KT_STAGE_BWD_LORA);
-  if (lora_on(kDown)) project_rows(b.R, lora_[kDown].sbt.data(), H, true, ws_->dy_f32.data(), H, ws_->lora_b_proj[kDown].data());
+  if (lora_on(kDown)) project_rows(b.R, lora_[kDown].sbt.data(), H_, true, ws_->dy_f32.data(), H_, ws_->lora_b_proj[kDown].data());
   clock.enter(KT_STAGE_BWD_DOWN);
   backward_down(b);
   clock.enter(KT_STAGE_BWD_LORA);
   for (int p = kGate; p <= kUp; ++p)
     if (lora_on(p))
-      project_rows(b.R, lora_[p].sbt.data(), I, false, p == kGate ? ws_->d_gate.data() : ws_->d_up.data(), I, ws_->lora_b_proj[p].data());
+      project_rows(b.R, lora_[p].sbt.data(), I_, false, p == kGate ? ws_->d_gate.data() : ws_->d_up.data(), I_, ws_->lora_b_proj[p].data());
   clock.enter(KT_STAGE_BWD_DX);
   if (c.has_dx) backward_dx(b);
   clock.enter(KT_STAGE_BWD_ROUTE);
@@ -217,7 +217,7 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
     full_gradients(ctx, c);
   }
   clock.stop();
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   ctx->state = kt_context::kSpent;
 }
 
@@ -227,16 +227,16 @@ void kt_moe::backward(kt_context* ctx, const BackwardCall& c) {
 void kt_moe::backward_inputs(BackwardPass& b) {
   b.T = b.R.tokens;
   b.routes = b.R.routes;
-  b.Hp = down_shape.padded_rows();
-  b.Ip = gate_shape.padded_rows();
-  b.nIb = ceil_div(I, kBlockCols);
-  ws_->dy_f32.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  b.Hp = down_shape_.padded_rows();
+  b.Ip = gate_shape_.padded_rows();
+  b.nIb = ceil_div(I_, kBlockCols);
+  ws_->dy_f32.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H_, 1)));
   ws_->dy_packed.reserve(static_cast<size_t>(std::max<int64_t>(b.T * b.Hp * a_size_, 1)));
   pack_rows_a(b.c.dy, b.T, b.Hp, ws_->dy_packed.data(), ws_->dy_f32.data());
-  b.dy_by_route = K_.gemm_reads_spaced_rows;
+  b.dy_by_route = kernels_.gemm_reads_spaced_rows;
   if (b.dy_by_route) rows_by_route(b.R, ws_->dy_packed.data(), b.Hp * a_size_, &ws_->dy_by_route);
-  const size_t rI = static_cast<size_t>(std::max<int64_t>(b.routes * I, 1));
-  const size_t rR = static_cast<size_t>(std::max<int64_t>(b.routes * r, 1));
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(b.routes * I_, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(b.routes * r_, 1));
   for (int p = 0; p < 3; ++p)
     if (lora_on(p)) ws_->lora_b_proj[p].reserve(rR);
   ws_->d_gate.reserve(rI);
@@ -250,14 +250,14 @@ void kt_moe::backward_inputs(BackwardPass& b) {
 // da' = dy . Wd_eff per (expert, block of I), then dg, du and the parts of
 // the routing-weight gradients.
 void kt_moe::backward_down(const BackwardPass& b) {
-  block_items(b.R, I, kBlockCols);
+  block_items(b.R, I_, kBlockCols);
   // What the W^T panels of an item are built from.
   const auto down_source = [&](int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
-    return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I - col0));
+    return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I_ - col0));
   };
   const ItemRanges ranges = node_ranges();
-  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+  engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
       backward_down_item(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
@@ -274,9 +274,9 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
   const int64_t e = item >> 32;
   const int64_t ib = item & 0xffffffff;
   const int64_t col0 = ib * kBlockCols;
-  const int64_t ncols = std::min(kBlockCols, I - col0);
+  const int64_t ncols = std::min(kBlockCols, I_ - col0);
   const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
+  const ActParams act{opt_.activation, opt_.act_alpha, opt_.act_limit};
   operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
   float* cda = s.c[0].data();
   const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
@@ -286,26 +286,26 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
       s.rows[static_cast<size_t>(i)] = b.dy_by_route
                                            ? ws_->dy_by_route.data() + (p0 + i) * b.Hp * a_size_
                                            : ws_->dy_packed.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
-    K_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
+    kernels_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
                   p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[kDown].data() + (p0 + i) * r;
-      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                  lora_[kDown].a.data() + e * r * I + col0, I, cda, kBlockCols, true);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[kDown].data() + (p0 + i) * r_;
+      kernels_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r_), s.frows.data(),
+                  lora_[kDown].a.data() + e * r_ * I_ + col0, I_, cda, kBlockCols, true);
     }
     for (int i = 0; i < m; ++i) {
       const int64_t p = p0 + i;
       const float w = R.weight[static_cast<size_t>(p)];
-      const float* gp = b.ctx->g.data() + p * I + col0;
-      const float* up = b.ctx->u.data() + p * I + col0;
-      float* dgp = ws_->d_gate.data() + p * I + col0;
-      float* dup = ws_->d_up.data() + p * I + col0;
-      const float part = K_.act_backward(act, gp, up, cda + i * kBlockCols, w, dgp, dup,
-                                         b.need_act ? ws_->act_f32.data() + p * I + col0 : nullptr, ncols);
+      const float* gp = b.ctx->g.data() + p * I_ + col0;
+      const float* up = b.ctx->u.data() + p * I_ + col0;
+      float* dgp = ws_->d_gate.data() + p * I_ + col0;
+      float* dup = ws_->d_up.data() + p * I_ + col0;
+      const float part = kernels_.act_backward(act, gp, up, cda + i * kBlockCols, w, dgp, dup,
+                                         b.need_act ? ws_->act_f32.data() + p * I_ + col0 : nullptr, ncols);
       ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + ib)] = part;
       const int64_t kp = std::min(kBlockCols, b.Ip - col0);
-      K_.pack_a_f32(dgp, ncols, kp, ws_->d_gate_packed.data() + (p * b.Ip + col0) * a_size_);
-      K_.pack_a_f32(dup, ncols, kp, ws_->d_up_packed.data() + (p * b.Ip + col0) * a_size_);
+      kernels_.pack_a_f32(dgp, ncols, kp, ws_->d_gate_packed.data() + (p * b.Ip + col0) * a_size_);
+      kernels_.pack_a_f32(dup, ncols, kp, ws_->d_up_packed.data() + (p * b.Ip + col0) * a_size_);
     }
   }
 }
@@ -314,13 +314,13 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
 // columns for a range of tokens. Token ranges repeat the W^T panel building
 // per range: worth it only when columns alone cannot feed the workers.
 void kt_moe::backward_dx(const BackwardPass& b) {
-  if (engine->pool->groups() > 1) {
+  if (engine_->pool->groups() > 1) {
     backward_dx_by_node(b);
     return;
   }
-  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
-  const CombineSplit split = CombineSplit::plan(b.T, H, engine->pool->size());
-  engine->pool->run(split.items(),
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H_, 1)));
+  const CombineSplit split = CombineSplit::plan(b.T, H_, engine_->pool->size());
+  engine_->pool->run(split.items(),
                     [&](int64_t item, int tid) { dx_item(b, split, ws_->per_thread[static_cast<size_t>(tid)], item); });
 }
 
@@ -329,10 +329,10 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
   const int64_t Ip = b.Ip;
   float* acc = ws_->token_sum.data();
   const int64_t col0 = (item % split.col_blocks) * split.cols;
-  const int64_t ncols = std::min(split.cols, H - col0);
+  const int64_t ncols = std::min(split.cols, H_ - col0);
   const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
   const int64_t t1 = std::min(b.T, t0 + split.token_chunk);
-  clear_columns(acc, t0, t1, H, col0, ncols);
+  clear_columns(acc, t0, t1, H_, col0, ncols);
   float* cx = s.c[0].data();
   // The gate (q = 0) or up (q = 1) source of the block after (e, sc0): the
   // next block of the expert, or the next expert's first.
@@ -362,26 +362,26 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
         const bool last = p0 + kRowChunk >= pend;
-        K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
+        kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
                       last ? next_source(0, ai, sc0) : PrefetchRegion{});
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
-        K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
+        kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
                       last ? next_source(1, ai, sc0) : PrefetchRegion{});
         for (int q = kGate; q <= kUp; ++q) {
           if (!lora_on(q)) continue;
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r;
-          K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                      lora_[q].a.data() + e * r * H + sc0, H, cx, kBlockCols, true);
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;
+          kernels_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r_), s.frows.data(),
+                      lora_[q].a.data() + e * r_ * H_ + sc0, H_, cx, kBlockCols, true);
         }
         for (int i = 0; i < m; ++i) {
-          float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0;
+          float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H_ + sc0;
           const float* ci = cx + i * kBlockCols;
           for (int64_t j = 0; j < sn; ++j) dst[j] += ci[j];
         }
       }
     }
   }
-  store_columns(acc, t0, t1, H, col0, ncols, b.c.dx);
+  store_columns(acc, t0, t1, H_, col0, ncols, b.c.dx);
 }
 
 // dx with the experts split over NUMA nodes: items of an expert and a block
@@ -390,29 +390,29 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
 // order, as dx_item adds them (the same bits).
 void kt_moe::backward_dx_by_node(const BackwardPass& b) {
   const Routing& R = b.R;
-  const int64_t ldx = round_up(H, kPanelRows);
+  const int64_t ldx = round_up(H_, kPanelRows);
   ws_->route_dx.reserve(static_cast<size_t>(std::max<int64_t>(b.routes * ldx, 1)));
-  block_items(R, H, kBlockCols);
+  block_items(R, H_, kBlockCols);
   const ItemRanges ranges = node_ranges();
-  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+  engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
       dx_block(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)], ldx);
     }
   });
-  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H, 1)));
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H_, 1)));
   float* acc = ws_->token_sum.data();
-  const int64_t cols = round_up(ceil_div(H, 4 * engine->pool->size()), kPanelRows);
-  engine->pool->run(ceil_div(H, cols), [&](int64_t blk, int) {
-    const int64_t col0 = blk * cols, n = std::min(cols, H - col0);
-    clear_columns(acc, 0, b.T, H, col0, n);
+  const int64_t cols = round_up(ceil_div(H_, 4 * engine_->pool->size()), kPanelRows);
+  engine_->pool->run(ceil_div(H_, cols), [&](int64_t blk, int) {
+    const int64_t col0 = blk * cols, n = std::min(cols, H_ - col0);
+    clear_columns(acc, 0, b.T, H_, col0, n);
     for (int32_t e : R.active)
       for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
-        float* dst = acc + R.token[static_cast<size_t>(p)] * H + col0;
+        float* dst = acc + R.token[static_cast<size_t>(p)] * H_ + col0;
         const float* src = ws_->route_dx.data() + p * ldx + col0;
         for (int64_t j = 0; j < n; ++j) dst[j] += src[j];
       }
-    store_columns(acc, 0, b.T, H, col0, n, b.c.dx);
+    store_columns(acc, 0, b.T, H_, col0, n, b.c.dx);
   });
 }
 
@@ -424,7 +424,7 @@ void kt_moe::dx_block(const BackwardPass& b, ThreadScratch& s, int64_t item, int
   const int64_t Ip = b.Ip;
   const int64_t e = item >> 32;
   const int64_t col0 = (item & 0xffffffff) * kBlockCols;
-  const int64_t sn = std::min(kBlockCols, H - col0);
+  const int64_t sn = std::min(kBlockCols, H_ - col0);
   const int np = static_cast<int>(ceil_div(sn, kPanelRows));
   operand_[kGate].transposed(s.operand, e, col0, sn, s.panels[0].data());
   operand_[kUp].transposed(s.operand, e, col0, sn, s.panels[1].data());
@@ -433,16 +433,16 @@ void kt_moe::dx_block(const BackwardPass& b, ThreadScratch& s, int64_t item, int
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
-    K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
+    kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
                   PrefetchRegion{});
     for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
-    K_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
+    kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
                   PrefetchRegion{});
     for (int q = kGate; q <= kUp; ++q) {
       if (!lora_on(q)) continue;
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r;
-      K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                  lora_[q].a.data() + e * r * H + col0, H, cx, kBlockCols, true);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;
+      kernels_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r_), s.frows.data(),
+                  lora_[q].a.data() + e * r_ * H_ + col0, H_, cx, kBlockCols, true);
     }
     for (int i = 0; i < m; ++i)
       std::memcpy(ws_->route_dx.data() + (p0 + i) * ldx + col0, cx + i * kBlockCols,
@@ -456,20 +456,20 @@ void kt_moe::routing_weight_gradients(const BackwardPass& b) {
   const Routing& R = b.R;
   const BackwardCall& c = b.c;
   for (int64_t t = 0; t < b.T; ++t)
-    for (int64_t j = 0; j < K; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
+    for (int64_t j = 0; j < top_k_; ++j) store_f32(c.dw.at(t, j), c.dw.dtype, 0.f);
   for (int32_t e : R.active) {
     for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1]; ++p) {
       float v = 0.f;
       for (int64_t ib = 0; ib < b.nIb; ++ib) v += ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + ib)];
-      if (opt.has_bias) {
-        const float* bd = b_[kDown].data() + e * H;
-        const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H;
+      if (opt_.has_bias) {
+        const float* bd = b_[kDown].data() + e * H_;
+        const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H_;
         float bias = 0.f;
-        for (int64_t h = 0; h < H; ++h) bias += dy[h] * bd[h];
+        for (int64_t h = 0; h < H_; ++h) bias += dy[h] * bd[h];
         v += bias;
       }
       const int64_t slot = R.slot[static_cast<size_t>(p)];
-      store_f32(c.dw.at(slot / K, slot % K), c.dw.dtype, v);
+      store_f32(c.dw.at(slot / top_k_, slot % top_k_), c.dw.dtype, v);
     }
   }
 }
@@ -480,17 +480,17 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
   // w * lora_b_proj[down] and w * la[down]: the down projection's delta is w * dy.
   if (lora_on(kDown)) {
-    for (int k = 0; k < 2; ++k) ws_->weighted_down_lora[k].reserve(static_cast<size_t>(std::max<int64_t>(routes * r, 1)));
+    for (int k = 0; k < 2; ++k) ws_->weighted_down_lora[k].reserve(static_cast<size_t>(std::max<int64_t>(routes * r_, 1)));
     for (int64_t p = 0; p < routes; ++p) {
       const float w = R.weight[static_cast<size_t>(p)];
-      for (int64_t q = 0; q < r; ++q) {
-        ws_->weighted_down_lora[0][static_cast<size_t>(p * r + q)] = w * ws_->lora_b_proj[kDown][static_cast<size_t>(p * r + q)];
-        ws_->weighted_down_lora[1][static_cast<size_t>(p * r + q)] = w * ctx->la[kDown][static_cast<size_t>(p * r + q)];
+      for (int64_t q = 0; q < r_; ++q) {
+        ws_->weighted_down_lora[0][static_cast<size_t>(p * r_ + q)] = w * ws_->lora_b_proj[kDown][static_cast<size_t>(p * r_ + q)];
+        ws_->weighted_down_lora[1][static_cast<size_t>(p * r_ + q)] = w * ctx->la[kDown][static_cast<size_t>(p * r_ + q)];
       }
     }
   }
   ws_->items.clear();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E_; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
@@ -498,13 +498,13 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
       if (lora_on(static_cast<int>(p)))
         for (int64_t which = 0; which < 2; ++which) ws_->items.push_back((e << 32) | (p << 1) | which);
   }
-  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+  engine_->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
     ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     const int64_t item = ws_->items[static_cast<size_t>(it)];
     const int64_t e = item >> 32;
     const int p = static_cast<int>((item >> 1) & 3);
     const bool is_b = item & 1;
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
     const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
     std::vector<const float*>& rows = s.frows;
@@ -512,9 +512,9 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
     float* out_buf = s.grad.data();
     if (n == 0) {  // no token reached this expert: its gradient is zero
       if (is_b)
-        write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, nullptr, out, r, false, 1.f, false);
+        write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, nullptr, out, r_, false, 1.f, false);
       else
-        write_grad(bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view, e, 0, nullptr, r, in, false, 1.f, false);
+        write_grad(bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view, e, 0, nullptr, r_, in, false, 1.f, false);
       return;
     }
     if (!is_b) {
@@ -522,30 +522,30 @@ void kt_moe::lora_gradients(kt_context* ctx, const BackwardCall& c) {
       const float* lbs = p == kDown ? ws_->weighted_down_lora[0].data() : ws_->lora_b_proj[p].data();
       for (int i = 0; i < n; ++i) {
         const int64_t pos = p0 + i;
-        rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I
-                                                  : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+        rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I_
+                                                  : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H_;
       }
       // fp32 rows overwritten unscaled: the GEMM writes them where they lie
       // (the same bits as through out_buf, without its second pass).
       const View& ga = bound_[KT_ARG_GRAD_LORA_A_GATE + 2 * p].view;
       const bool direct = !accumulate && c.opt.grad_scale == 1.f && ga.dtype == DType::kF32 &&
                           ga.strides[2] == 1 && ga.strides[1] >= in;
-      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(in), n, lbs + p0 * r, r, rows.data(),
+      kernels_.sgemm_tn(static_cast<int>(r_), static_cast<int>(in), n, lbs + p0 * r_, r_, rows.data(),
                   direct ? reinterpret_cast<float*>(ga.at(e, 0, 0)) : out_buf,
                   direct ? ga.strides[1] : in, false);
-      if (!direct) write_grad(ga, e, 0, out_buf, r, in, false, c.opt.grad_scale, accumulate);
+      if (!direct) write_grad(ga, e, 0, out_buf, r_, in, false, c.opt.grad_scale, accumulate);
     } else {
       // dB^T [r, out] = sum_rows (A z) (x) delta, times s
       const float* las = p == kDown ? ws_->weighted_down_lora[1].data() : ctx->la[p].data();
       for (int i = 0; i < n; ++i) {
         const int64_t pos = p0 + i;
         rows[static_cast<size_t>(i)] =
-            p == kDown ? ws_->dy_f32.data() + R.token[static_cast<size_t>(pos)] * H
-                       : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data()) + pos * I;
+            p == kDown ? ws_->dy_f32.data() + R.token[static_cast<size_t>(pos)] * H_
+                       : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data()) + pos * I_;
       }
-      K_.sgemm_tn(static_cast<int>(r), static_cast<int>(out), n, las + p0 * r, r, rows.data(), out_buf, out, false);
-      write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, out_buf, out, r, true,
-                 lora_scale * c.opt.grad_scale, accumulate);
+      kernels_.sgemm_tn(static_cast<int>(r_), static_cast<int>(out), n, las + p0 * r_, r_, rows.data(), out_buf, out, false);
+      write_grad(bound_[KT_ARG_GRAD_LORA_B_GATE + 2 * p].view, e, 0, out_buf, out, r_, true,
+                 lora_scale_ * c.opt.grad_scale, accumulate);
     }
   });
 }
@@ -554,34 +554,34 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
   const Routing& R = ctx->routing;
   const int64_t routes = R.routes;
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
-  ws_->down_delta.reserve(static_cast<size_t>(std::max<int64_t>(routes * H, 1)));
+  ws_->down_delta.reserve(static_cast<size_t>(std::max<int64_t>(routes * H_, 1)));
   for (int64_t p = 0; p < routes; ++p) {
     const float w = R.weight[static_cast<size_t>(p)];
-    const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H;
-    float* d = ws_->down_delta.data() + p * H;
-    for (int64_t h = 0; h < H; ++h) d[h] = w * dy[h];
+    const float* dy = ws_->dy_f32.data() + R.token[static_cast<size_t>(p)] * H_;
+    float* d = ws_->down_delta.data() + p * H_;
+    for (int64_t h = 0; h < H_; ++h) d[h] = w * dy[h];
   }
-  if (K_.gemm_zip_bf16) {
+  if (kernels_.gemm_zip_bf16) {
     full_gradients_zipped(ctx, c);
     return;
   }
   ws_->items.clear();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E_; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p) {
-      const int64_t out = p == kDown ? H : I;
+      const int64_t out = p == kDown ? H_ : I_;
       for (int64_t ob = 0; ob < ceil_div(out, kRowChunk); ++ob) ws_->items.push_back((e << 32) | (ob << 2) | p);
     }
   }
-  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+  engine_->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
     ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     const int64_t item = ws_->items[static_cast<size_t>(it)];
     const int64_t e = item >> 32;
     const int p = static_cast<int>(item & 3);
     const int64_t o0 = ((item & 0xffffffff) >> 2) * kRowChunk;
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
     const int64_t ob = std::min(kRowChunk, out - o0);
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
     const int n = static_cast<int>(R.offsets[static_cast<size_t>(e) + 1] - p0);
@@ -589,21 +589,21 @@ void kt_moe::full_gradients(kt_context* ctx, const BackwardCall& c) {
     if (rows.size() < static_cast<size_t>(n)) rows.resize(static_cast<size_t>(n));
     for (int i = 0; i < n; ++i) {
       const int64_t pos = p0 + i;
-      rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I
-                                                : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+      rows[static_cast<size_t>(i)] = p == kDown ? ws_->act_f32.data() + pos * I_
+                                                : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H_;
     }
     const float* delta = p == kDown ? ws_->down_delta.data() : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data());
     float* out_buf = s.grad.data();
     if (n == 0) {  // no token reached this expert: its gradient is zero
       write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, nullptr, ob, in, false, 1.f, false);
-      if (opt.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, o0, nullptr, 1, ob, false, 1.f, false);
+      if (opt_.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, o0, nullptr, 1, ob, false, 1.f, false);
       return;
     }
-    K_.sgemm_tn(static_cast<int>(ob), static_cast<int>(in), n, delta + p0 * out + o0, out, rows.data(),
+    kernels_.sgemm_tn(static_cast<int>(ob), static_cast<int>(in), n, delta + p0 * out + o0, out, rows.data(),
                 out_buf, in, false);
     write_grad(bound_[KT_ARG_GRAD_W_GATE + p].view, e, o0, out_buf, ob, in, false, c.opt.grad_scale,
                accumulate);
-    if (opt.has_bias) {
+    if (opt_.has_bias) {
       for (int64_t o = 0; o < ob; ++o) {
         float sum = 0.f;
         for (int i = 0; i < n; ++i) sum += delta[(p0 + i) * out + o0 + o];
@@ -623,36 +623,36 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
   const Routing& R = ctx->routing;
   const bool accumulate = c.opt.accumulate == KT_GRAD_ACCUMULATE;
   constexpr int64_t kZipRoutes = 256;
-  const int64_t wide = round_up(std::max(H, I), kPanelRows);
+  const int64_t wide = round_up(std::max(H_, I_), kPanelRows);
   for (auto& s : ws_->per_thread) {
     s.zip[0].reserve(static_cast<size_t>(kZipRoutes * wide));
     s.zip[1].reserve(static_cast<size_t>(kZipRoutes * wide));
     s.grad.reserve(static_cast<size_t>(kRowChunk * wide));
   }
   ws_->items.clear();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E_; ++e) {
     if (skipped_[static_cast<size_t>(e)]) continue;
     const bool touched = R.offsets[static_cast<size_t>(e) + 1] > R.offsets[static_cast<size_t>(e)];
     if (!touched && accumulate) continue;
     for (int64_t p = 0; p < 3; ++p) ws_->items.push_back((e << 2) | p);
   }
-  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+  engine_->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
     ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     const int64_t e = ws_->items[static_cast<size_t>(it)] >> 2;
     const int p = static_cast<int>(ws_->items[static_cast<size_t>(it)] & 3);
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
     const int64_t inp = round_up(in, kPanelRows);
     const int64_t p0 = R.offsets[static_cast<size_t>(e)];
     const int64_t n = R.offsets[static_cast<size_t>(e) + 1] - p0;
     const View& gw = bound_[KT_ARG_GRAD_W_GATE + p].view;
     if (n == 0) {  // no token reached this expert: its gradient is zero
       write_grad(gw, e, 0, nullptr, out, in, false, 1.f, false);
-      if (opt.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, 0, nullptr, 1, out, false, 1.f, false);
+      if (opt_.has_bias) write_grad(bound_[KT_ARG_GRAD_B_GATE + p].view, e, 0, nullptr, 1, out, false, 1.f, false);
       return;
     }
     const auto z_row = [&](int64_t i) {
       const int64_t pos = p0 + i;
-      return p == kDown ? ws_->act_f32.data() + pos * I : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H;
+      return p == kDown ? ws_->act_f32.data() + pos * I_ : ctx->xf.data() + R.token[static_cast<size_t>(pos)] * H_;
     };
     const float* delta = (p == kDown ? ws_->down_delta.data() : (p == kGate ? ws_->d_gate.data() : ws_->d_up.data())) + p0 * out;
     bf16_t* zz = s.zip[0].data();
@@ -661,7 +661,7 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
     const auto zip_z = [&](int64_t r0, int64_t nr) {
       for (int64_t g = 0; 2 * g < nr; ++g) {
         bf16_t* dst = zz + g * 2 * inp;
-        K_.zip_rows_bf16(z_row(r0 + 2 * g), 2 * g + 1 < nr ? z_row(r0 + 2 * g + 1) : nullptr, in, dst);
+        kernels_.zip_rows_bf16(z_row(r0 + 2 * g), 2 * g + 1 < nr ? z_row(r0 + 2 * g + 1) : nullptr, in, dst);
         std::memset(dst + 2 * in, 0, static_cast<size_t>(2 * (inp - in)) * sizeof(bf16_t));
       }
     };
@@ -679,15 +679,15 @@ void kt_moe::full_gradients_zipped(kt_context* ctx, const BackwardCall& c) {
         if (chunks > 1) zip_z(r0, nr);
         for (int64_t g = 0; 2 * g < nr; ++g) {
           const float* d0 = delta + (r0 + 2 * g) * out + o0;
-          K_.zip_rows_bf16(d0, 2 * g + 1 < nr ? d0 + out : nullptr, ob, dz + g * 2 * ob);
+          kernels_.zip_rows_bf16(d0, 2 * g + 1 < nr ? d0 + out : nullptr, ob, dz + g * 2 * ob);
         }
-        K_.gemm_zip_bf16(dz, 2 * ob, static_cast<int>(ob), zz, 2 * inp, static_cast<int>(inp / kPanelRows),
+        kernels_.gemm_zip_bf16(dz, 2 * ob, static_cast<int>(ob), zz, 2 * inp, static_cast<int>(inp / kPanelRows),
                          ceil_div(nr, 2), dst, ld, ch > 0 || (direct && accumulate),
                          direct ? c.opt.grad_scale : 1.f, direct && chunks == 1);
       }
       if (!direct) write_grad(gw, e, o0, cbuf, ob, in, false, c.opt.grad_scale, accumulate, inp);
     }
-    if (opt.has_bias) {
+    if (opt_.has_bias) {
       for (int64_t o = 0; o < out; ++o) cbuf[o] = 0.f;
       for (int64_t i = 0; i < n; ++i)
         for (int64_t o = 0; o < out; ++o) cbuf[o] += delta[i * out + o];

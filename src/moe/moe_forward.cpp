@@ -44,38 +44,38 @@ kt_moe::ForwardCall kt_moe::check_forward(const kt_arg* args, size_t n, const ch
              std::string(where) + ": " + arg_name(id) + " is required");
   ForwardCall c;
   c.where = where;
-  c.x = check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H}, true}, where);
+  c.x = check_tensor(t[KT_ARG_X], {"KT_ARG_X", {DType::kBF16, DType::kF32}, {-1, H_}, true}, where);
   c.T = c.x.shape[0];
-  KT_CHECK(c.T <= opt.max_tokens, KT_ERR_TOO_MANY_TOKENS,
+  KT_CHECK(c.T <= opt_.max_tokens, KT_ERR_TOO_MANY_TOKENS,
            std::string(where) + ": KT_ARG_X has " + std::to_string(c.T) +
-               " tokens; the layer's max_tokens is " + std::to_string(opt.max_tokens));
-  c.ids = check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {c.T, K}}, where);
+               " tokens; the layer's max_tokens is " + std::to_string(opt_.max_tokens));
+  c.ids = check_tensor(t[KT_ARG_IDS], {"KT_ARG_IDS", {DType::kI32, DType::kI64}, {c.T, top_k_}}, where);
   c.w = check_tensor(t[KT_ARG_ROUTE_WEIGHTS],
-                     {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {c.T, K}}, where);
-  c.y = check_tensor(t[KT_ARG_Y], {"KT_ARG_Y", {c.x.dtype}, {c.T, H}, true}, where);
+                     {"KT_ARG_ROUTE_WEIGHTS", {DType::kF32, DType::kBF16}, {c.T, top_k_}}, where);
+  c.y = check_tensor(t[KT_ARG_Y], {"KT_ARG_Y", {c.x.dtype}, {c.T, H_}, true}, where);
   // Y is written while X, IDS and ROUTE_WEIGHTS are still read.
   check_writable(c.y, where, "KT_ARG_Y");
   check_disjoint(c.y, "KT_ARG_Y", c.x, "KT_ARG_X", where);
   check_disjoint(c.y, "KT_ARG_Y", c.ids, "KT_ARG_IDS", where);
   check_disjoint(c.y, "KT_ARG_Y", c.w, "KT_ARG_ROUTE_WEIGHTS", where);
   for (int64_t t = 0; t < c.T; ++t)
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; j < top_k_; ++j) {
       const int64_t e = c.ids.get_int(t, j);
-      KT_CHECK(e >= -1 && e < E, KT_ERR_EXPERT_ID,
+      KT_CHECK(e >= -1 && e < E_, KT_ERR_EXPERT_ID,
                std::string(where) + ": KT_ARG_IDS[" + std::to_string(t) + "," + std::to_string(j) +
-                   "] = " + std::to_string(e) + " is outside [-1, " + std::to_string(E) + ")");
+                   "] = " + std::to_string(e) + " is outside [-1, " + std::to_string(E_) + ")");
     }
   return c;
 }
 
 void kt_moe::check_ready_for_forward(const ForwardCall& c) const {
   const char* where = c.where;
-  if (opt.mode == KT_MODE_LORA)
+  if (opt_.mode == KT_MODE_LORA)
     KT_CHECK(lora_ready_, KT_ERR_NOT_BOUND,
              std::string(where) +
                  ": LoRA mode: bind every targeted KT_ARG_LORA_A_* and KT_ARG_LORA_B_* first");
   for (int64_t t = 0; t < c.T; ++t)
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; j < top_k_; ++j) {
       const int64_t e = c.ids.get_int(t, j);
       if (e < 0) continue;
       KT_CHECK(loaded_[static_cast<size_t>(e)] || skipped_[static_cast<size_t>(e)],
@@ -87,29 +87,29 @@ void kt_moe::check_ready_for_forward(const ForwardCall& c) const {
 }
 
 void kt_moe::route(const ForwardCall& c, Routing* R) {
-  R->reserve(std::max<int64_t>(c.T, 1), K, E);
+  R->reserve(std::max<int64_t>(c.T, 1), top_k_, E_);
   R->tokens = c.T;
   std::fill(R->offsets.begin(), R->offsets.end(), 0);
   for (int64_t t = 0; t < c.T; ++t)
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; j < top_k_; ++j) {
       const int64_t e = c.ids.get_int(t, j);
       if (e >= 0 && !skipped_[static_cast<size_t>(e)]) ++R->offsets[static_cast<size_t>(e) + 1];
     }
   R->active.clear();
-  for (int64_t e = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E_; ++e) {
     if (R->offsets[static_cast<size_t>(e) + 1] > 0) R->active.push_back(static_cast<int32_t>(e));
     R->offsets[static_cast<size_t>(e) + 1] += R->offsets[static_cast<size_t>(e)];
   }
-  R->routes = R->offsets[static_cast<size_t>(E)];
+  R->routes = R->offsets[static_cast<size_t>(E_)];
   std::vector<int64_t>& fill = ws_->route_fill;
   fill.assign(R->offsets.begin(), R->offsets.end() - 1);
   for (int64_t t = 0; t < c.T; ++t)
-    for (int64_t j = 0; j < K; ++j) {
+    for (int64_t j = 0; j < top_k_; ++j) {
       const int64_t e = c.ids.get_int(t, j);
       if (e < 0 || skipped_[static_cast<size_t>(e)]) continue;
       const int64_t p = fill[static_cast<size_t>(e)]++;
       R->token[static_cast<size_t>(p)] = static_cast<int32_t>(t);
-      R->slot[static_cast<size_t>(p)] = static_cast<int32_t>(t * K + j);
+      R->slot[static_cast<size_t>(p)] = static_cast<int32_t>(t * top_k_ + j);
       R->weight[static_cast<size_t>(p)] = c.w.get(t, j);
     }
 }
@@ -130,7 +130,7 @@ void kt_moe::block_items(const Routing& R, int64_t cols, int64_t width) {
 
 void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, float* f32_copy) {
   const int64_t n = src.shape[1];
-  engine->pool->run(ceil_div(T, 16), [&](int64_t blk, int tid) {
+  engine_->pool->run(ceil_div(T, 16), [&](int64_t blk, int tid) {
     float* tmp = ws_->per_thread[static_cast<size_t>(tid)].grad.data();
     for (int64_t t = blk * 16; t < std::min(T, blk * 16 + 16); ++t) {
       const float* row;
@@ -142,7 +142,7 @@ void kt_moe::pack_rows_a(const View& src, int64_t T, int64_t kp, void* dst, floa
         row = tmp;
       }
       if (f32_copy) std::memcpy(f32_copy + t * n, row, static_cast<size_t>(n) * sizeof(float));
-      K_.pack_a_f32(row, n, kp, static_cast<char*>(dst) + t * kp * a_size_);
+      kernels_.pack_a_f32(row, n, kp, static_cast<char*>(dst) + t * kp * a_size_);
     }
   });
 }
@@ -152,7 +152,7 @@ void kt_moe::quantize_rows(const void* src, DType dtype, int64_t n, int64_t k, i
   const int64_t stride = w.int8_row_stride();
   dst->reserve(static_cast<size_t>(std::max<int64_t>(n * stride, 1)));
   uint8_t* out = dst->data();
-  engine->pool->run(ceil_div(n, 16), [&](int64_t blk, int tid) {
+  engine_->pool->run(ceil_div(n, 16), [&](int64_t blk, int tid) {
     float* tmp = ws_->per_thread[static_cast<size_t>(tid)].grad.data();
     for (int64_t i = blk * 16; i < std::min(n, blk * 16 + 16); ++i) {
       const float* row;
@@ -172,7 +172,7 @@ void kt_moe::rows_by_route(const Routing& R, const char* src, int64_t row_bytes,
                            Buffer<char>* dst) {
   dst->reserve(static_cast<size_t>(std::max<int64_t>(R.routes * row_bytes, 1)));
   char* out = dst->data();
-  engine->pool->run(ceil_div(R.routes, 64), [&](int64_t blk, int) {
+  engine_->pool->run(ceil_div(R.routes, 64), [&](int64_t blk, int) {
     for (int64_t p = blk * 64; p < std::min(R.routes, blk * 64 + 64); ++p)
       std::memcpy(out + p * row_bytes, src + R.token[static_cast<size_t>(p)] * row_bytes,
                   static_cast<size_t>(row_bytes));
@@ -182,7 +182,7 @@ void kt_moe::rows_by_route(const Routing& R, const char* src, int64_t row_bytes,
 void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool by_token,
                           const float* src, int64_t ld, float* out) {
   chunk_items(R);
-  engine->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
+  engine_->pool->run(static_cast<int64_t>(ws_->items.size()), [&](int64_t it, int tid) {
     const int64_t e = ws_->items[static_cast<size_t>(it)] >> 32;
     const int64_t c = ws_->items[static_cast<size_t>(it)] & 0xffffffff;
     const int64_t p0 = R.offsets[static_cast<size_t>(e)] + c * kRowChunk;
@@ -191,8 +191,8 @@ void kt_moe::project_rows(const Routing& R, const float* mats, int64_t in, bool 
     for (int64_t i = 0; i < m; ++i)
       rows[static_cast<size_t>(i)] =
           by_token ? src + R.token[static_cast<size_t>(p0 + i)] * ld : src + (p0 + i) * ld;
-    K_.sgemm_nt(static_cast<int>(m), static_cast<int>(r), static_cast<int>(in), rows.data(),
-                mats + e * r * in, in, out + p0 * r, r, false);
+    kernels_.sgemm_nt(static_cast<int>(m), static_cast<int>(r_), static_cast<int>(in), rows.data(),
+                mats + e * r_ * in, in, out + p0 * r_, r_, false);
   });
 }
 
@@ -221,7 +221,7 @@ struct kt_moe::ForwardPass {
   const void* x_row(const kt_moe& m, int64_t p, int64_t t) const {
     if (x_by_route) return m.ws_->x_by_route.data() + p * x_row_bytes;
     if (int8) return m.ws_->x_int8.data() + t * xq_stride;
-    return m.ws_->x_packed.data() + t * m.gate_shape.kp * m.a_size_;
+    return m.ws_->x_packed.data() + t * m.gate_shape_.kp * m.a_size_;
   }
 };
 
@@ -229,7 +229,7 @@ struct kt_moe::ForwardPass {
 void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   check_ready_for_forward(c);
   fit_workspace();
-  StageClock clock(engine);
+  StageClock clock(engine_);
   clock.enter(KT_STAGE_ROUTE);
   ForwardPass f(c, save ? save->routing : ws_->routing);
   route(c, &f.R);
@@ -239,7 +239,7 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   forward_inputs(f, save);
   clock.enter(KT_STAGE_LORA_A);
   for (int p = kGate; p <= kUp; ++p)
-    if (lora_on(p)) project_rows(f.R, lora_[p].a.data(), H, true, f.xf, H, f.la[p]);
+    if (lora_on(p)) project_rows(f.R, lora_[p].a.data(), H_, true, f.xf, H_, f.la[p]);
   // Whole experts as items at decode on compact operands: down follows in
   // the same pass.
   const bool whole_experts = plan_gate_up(f);
@@ -247,14 +247,14 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
   if (whole_experts) {
     forward_whole_experts(f);
     clock.enter(KT_STAGE_DOWN);
-    combine_rows(c, f.R, round_up(H, kPanelRows));
+    combine_rows(c, f.R, round_up(H_, kPanelRows));
     return;
   }
   forward_gate_up(f);
   clock.enter(KT_STAGE_LORA_A);
-  if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I, false, ws_->act_f32.data(), I, f.la[kDown]);
+  if (lora_on(kDown)) project_rows(f.R, lora_[kDown].a.data(), I_, false, ws_->act_f32.data(), I_, f.la[kDown]);
   clock.enter(KT_STAGE_DOWN);
-  if (engine->pool->groups() > 1)
+  if (engine_->pool->groups() > 1)
     forward_down_by_node(f);
   else
     forward_down(f);
@@ -263,12 +263,12 @@ void kt_moe::forward(const ForwardCall& c, kt_context* save) {
 // x in A format (or int8 rows), in route order where the GEMMs read spaced
 // rows in place, and the intermediates' buffers.
 void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
-  const int64_t T = f.T, kpH = gate_shape.kp, kpI = down_shape.kp;
+  const int64_t T = f.T, kpH = gate_shape_.kp, kpI = down_shape_.kp;
   if (save) {
-    save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    save->xf.reserve(static_cast<size_t>(std::max<int64_t>(T * H_, 1)));
     f.xf = save->xf.data();
   } else if (lora_on(kGate) || lora_on(kUp)) {
-    ws_->x_f32.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+    ws_->x_f32.reserve(static_cast<size_t>(std::max<int64_t>(T * H_, 1)));
     f.xf = ws_->x_f32.data();
   }
   const WeightOperand &gate_w = operand_[kGate], &down_w = operand_[kDown];
@@ -277,7 +277,7 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
   f.aq_stride = f.int8 ? down_w.int8_row_stride() : 0;
   if (f.int8) {
     // Row t of x at t * strides[0] elements (the inner stride is 1: checked).
-    quantize_rows(f.c.x.at(0, 0), f.c.x.dtype, T, H, f.c.x.strides[0], gate_w, &ws_->x_int8);
+    quantize_rows(f.c.x.at(0, 0), f.c.x.dtype, T, H_, f.c.x.strides[0], gate_w, &ws_->x_int8);
   } else {
     ws_->x_packed.reserve(static_cast<size_t>(std::max<int64_t>(T * kpH * a_size_, 1)));
     pack_rows_a(f.c.x, T, kpH, ws_->x_packed.data(), f.xf);
@@ -286,13 +286,13 @@ void kt_moe::forward_inputs(ForwardPass& f, kt_context* save) {
   // oneDNN), x's rows go once into route order: an expert's gate and up
   // calls (two per block of I) then read them where they lie instead of
   // each gathering them again.
-  f.x_by_route = K_.gemm_reads_spaced_rows;
+  f.x_by_route = kernels_.gemm_reads_spaced_rows;
   f.x_row_bytes = f.int8 ? f.xq_stride : kpH * a_size_;
   if (f.x_by_route)
     rows_by_route(f.R, f.int8 ? reinterpret_cast<const char*>(ws_->x_int8.data()) : ws_->x_packed.data(), f.x_row_bytes, &ws_->x_by_route);
 
-  const size_t rI = static_cast<size_t>(std::max<int64_t>(f.routes * I, 1));
-  const size_t rR = static_cast<size_t>(std::max<int64_t>(f.routes * r, 1));
+  const size_t rI = static_cast<size_t>(std::max<int64_t>(f.routes * I_, 1));
+  const size_t rR = static_cast<size_t>(std::max<int64_t>(f.routes * r_, 1));
   if (save) {
     save->g.reserve(rI);
     save->u.reserve(rI);
@@ -321,17 +321,17 @@ bool kt_moe::plan_gate_up(ForwardPass& f) {
   // than a bf16 block, so wider items pay there; over bf16 panels coarser
   // items end the workers less evenly (bench/README.md).
   f.W = gate_w.compact()
-            ? gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, I, engine->pool->size())
+            ? gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, I_, engine_->pool->size())
             : kBlockCols;
   f.row_chunk = kRowChunk * kBlockCols / f.W;
-  block_items(f.R, I, f.W);
-  return gate_w.compact() && f.T <= kRowChunk && f.W >= I;
+  block_items(f.R, I_, f.W);
+  return gate_w.compact() && f.T <= kRowChunk && f.W >= I_;
 }
 
 // The gate (q = kGate) or up panels of a gate/up item's first block of I.
 PrefetchRegion kt_moe::gate_up_block(const ForwardPass& f, int q, int64_t item) const {
   const int64_t e = item >> 32, col0 = (item & 0xffffffff) * f.W;
-  return operand_[q].block(e, col0, std::min(kBlockCols, I - col0));
+  return operand_[q].block(e, col0, std::min(kBlockCols, I_ - col0));
 }
 
 // One gate/up item: gate and up panels of W columns of I for all of the
@@ -341,7 +341,7 @@ void kt_moe::gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, 
   const Routing& R = f.R;
   const int64_t e = item >> 32;
   const int64_t col0 = (item & 0xffffffff) * f.W;
-  const int64_t ncols = std::min(f.W, I - col0);
+  const int64_t ncols = std::min(f.W, I_ - col0);
   const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
   const PrefetchRegion up = gate_up_block(f, kUp, item);
   float* cg = s.c[0].data();
@@ -356,9 +356,9 @@ void kt_moe::gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, 
                        last ? next : PrefetchRegion{});
     for (int q = kGate; q <= kUp; ++q) {
       if (!lora_on(q)) continue;
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[q] + (p0 + i) * r;
-      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                  lora_[q].sbt.data() + e * r * I + col0, I, q == kGate ? cg : cu, f.W, true);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[q] + (p0 + i) * r_;
+      kernels_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r_), s.frows.data(),
+                  lora_[q].sbt.data() + e * r_ * I_ + col0, I_, q == kGate ? cg : cu, f.W, true);
     }
     for (int i = 0; i < m; ++i) gate_up_row(f, s, e, p0 + i, col0, ncols, cg + i * f.W, cu + i * f.W);
   }
@@ -368,43 +368,43 @@ void kt_moe::gate_up_item(const ForwardPass& f, ThreadScratch& s, int64_t item, 
 // ncols) of I): bias, the saved g and u, the activation, and a in A format.
 void kt_moe::gate_up_row(const ForwardPass& f, ThreadScratch& s, int64_t e, int64_t p, int64_t col0,
                          int64_t ncols, float* gi, float* ui) {
-  if (opt.has_bias) {
-    const float* bg = b_[kGate].data() + e * I + col0;
-    const float* bu = b_[kUp].data() + e * I + col0;
+  if (opt_.has_bias) {
+    const float* bg = b_[kGate].data() + e * I_ + col0;
+    const float* bu = b_[kUp].data() + e * I_ + col0;
     for (int64_t j = 0; j < ncols; ++j) {
       gi[j] += bg[j];
       ui[j] += bu[j];
     }
   }
   if (f.g) {
-    std::memcpy(f.g + p * I + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
-    std::memcpy(f.u + p * I + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
+    std::memcpy(f.g + p * I_ + col0, gi, static_cast<size_t>(ncols) * sizeof(float));
+    std::memcpy(f.u + p * I_ + col0, ui, static_cast<size_t>(ncols) * sizeof(float));
   }
-  const ActParams act{opt.activation, opt.act_alpha, opt.act_limit};
-  float* ai = lora_on(kDown) || f.int8 ? ws_->act_f32.data() + p * I + col0 : s.c[2].data();
-  K_.act_forward(act, gi, ui, ai, ncols);
+  const ActParams act{opt_.activation, opt_.act_alpha, opt_.act_limit};
+  float* ai = lora_on(kDown) || f.int8 ? ws_->act_f32.data() + p * I_ + col0 : s.c[2].data();
+  kernels_.act_forward(act, gi, ui, ai, ncols);
   if (f.int8) return;  // quantized per row once every block of the row is in
   // The last block also zero-pads the row to kpI (a quantized base with
   // groups of 128 pads K past the next block).
-  const int64_t kpI = down_shape.kp;
-  const int64_t pad_to = col0 + ncols == I ? kpI - col0 : ncols;
-  K_.pack_a_f32(ai, ncols, pad_to, ws_->act_packed.data() + (p * kpI + col0) * a_size_);
+  const int64_t kpI = down_shape_.kp;
+  const int64_t pad_to = col0 + ncols == I_ ? kpI - col0 : ncols;
+  kernels_.pack_a_f32(ai, ncols, pad_to, ws_->act_packed.data() + (p * kpI + col0) * a_size_);
 }
 
 // Each expert's down right after its gate/up (whose last up call fetches the
 // down's first panels): no stage boundary between them, so no hand-off and
 // no wait for the slowest worker between the stages. The combine follows.
 void kt_moe::forward_whole_experts(const ForwardPass& f) {
-  const int64_t ldy = round_up(H, kPanelRows);
+  const int64_t ldy = round_up(H_, kPanelRows);
   ws_->route_down_out.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
   if (f.int8) ws_->act_int8.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * f.aq_stride, 1)));
   const ItemRanges ranges = node_ranges();
-  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+  engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     ThreadScratch& s = ws_->per_thread[static_cast<size_t>(tid)];
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       const int64_t item = ws_->items[static_cast<size_t>(it)];
       note_worker(item >> 32, tid);
-      gate_up_item(f, s, item, operand_[kDown].block(item >> 32, 0, std::min(kBlockCols, H)));
+      gate_up_item(f, s, item, operand_[kDown].block(item >> 32, 0, std::min(kBlockCols, H_)));
       down_rows(s, f.R, item >> 32, f.la[kDown], ldy,
                 it + 1 < ranges.end(range) ? gate_up_block(f, kGate, ws_->items[static_cast<size_t>(it + 1)])
                                            : PrefetchRegion{});
@@ -416,7 +416,7 @@ void kt_moe::forward_whole_experts(const ForwardPass& f) {
 // then as an int8 row, now that it is whole.
 void kt_moe::forward_gate_up(const ForwardPass& f) {
   const ItemRanges ranges = node_ranges();
-  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+  engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     // While the up panels run, the next item's gate panels come in.
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
@@ -425,24 +425,24 @@ void kt_moe::forward_gate_up(const ForwardPass& f) {
                                               : PrefetchRegion{});
     }
   });
-  if (f.int8) quantize_rows(ws_->act_f32.data(), DType::kF32, f.routes, I, I, operand_[kDown], &ws_->act_int8);
+  if (f.int8) quantize_rows(ws_->act_f32.data(), DType::kF32, f.routes, I_, I_, operand_[kDown], &ws_->act_int8);
 }
 
 // Down + bias + LoRA + routing weight + combine; items own a block of H
 // columns for a range of tokens.
 void kt_moe::forward_down(const ForwardPass& f) {
-  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(f.T * H, 1)));
-  CombineSplit split = CombineSplit::plan(f.T, H, engine->pool->size());
-  if (operand_[kDown].compact()) split.widen_for_quantized_decode(f.T, H, engine->pool->size(), f.max_rows);
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(f.T * H_, 1)));
+  CombineSplit split = CombineSplit::plan(f.T, H_, engine_->pool->size());
+  if (operand_[kDown].compact()) split.widen_for_quantized_decode(f.T, H_, engine_->pool->size(), f.max_rows);
   // The first down panels of an item: the first active expert's, the
   // item's first block of columns.
   const auto first_block_of = [&](int64_t item) {
     if (f.R.active.empty()) return PrefetchRegion{};
     const int64_t col0 = (item % split.col_blocks) * split.cols;
-    return operand_[kDown].block(f.R.active[0], col0, std::min({kBlockCols, split.cols, H - col0}));
+    return operand_[kDown].block(f.R.active[0], col0, std::min({kBlockCols, split.cols, H_ - col0}));
   };
-  const ItemRanges ranges(split.items(), engine->pool->size());
-  engine->pool->run(ranges.count, [&](int64_t range, int tid) {
+  const ItemRanges ranges(split.items(), engine_->pool->size());
+  engine_->pool->run(ranges.count, [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it)
       down_item(f, split, ws_->per_thread[static_cast<size_t>(tid)], it,
                 it + 1 < ranges.end(range) ? first_block_of(it + 1) : PrefetchRegion{});
@@ -457,13 +457,13 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
                        const PrefetchRegion& after) {
   const Routing& R = f.R;
   const WeightOperand& down_w = operand_[kDown];
-  const int64_t call_cols = split.call_cols, kpI = down_shape.kp;
+  const int64_t call_cols = split.call_cols, kpI = down_shape_.kp;
   const int64_t col0 = (item % split.col_blocks) * split.cols;
-  const int64_t ncols = std::min(split.cols, H - col0);
+  const int64_t ncols = std::min(split.cols, H_ - col0);
   const int64_t t0 = (item / split.col_blocks) * split.token_chunk;
   const int64_t t1 = std::min(f.T, t0 + split.token_chunk);
   float* acc = ws_->token_sum.data();
-  clear_columns(acc, t0, t1, H, col0, ncols);
+  clear_columns(acc, t0, t1, H_, col0, ncols);
   float* co = s.c[0].data();
   // The down panels of expert e for the columns [sc0, sc0 + call_cols).
   const auto block_of_down = [&](int64_t e, int64_t sc0) {
@@ -482,7 +482,7 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
       const PrefetchRegion next = sc0 + call_cols < col0 + ncols ? block_of_down(e, sc0 + call_cols)
                                   : ai + 1 < R.active.size()     ? block_of_down(R.active[ai + 1], col0)
                                                                  : after;
-      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + sc0 : nullptr;
+      const float* bd = opt_.has_bias ? b_[kDown].data() + e * H_ + sc0 : nullptr;
       for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
         for (int i = 0; i < m; ++i)
@@ -491,17 +491,17 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
         down_w.gemm(s.operand, e, sc0 / kPanelRows, np, s.rows.data(), m, co, call_cols,
                     p0 + kRowChunk >= pend ? next : PrefetchRegion{});
         if (lora_on(kDown)) {
-          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r;
-          K_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r), s.frows.data(),
-                      lora_[kDown].sbt.data() + e * r * H + sc0, H, co, call_cols, true);
+          for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r_;
+          kernels_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r_), s.frows.data(),
+                      lora_[kDown].sbt.data() + e * r_ * H_ + sc0, H_, co, call_cols, true);
         }
         for (int i = 0; i < m; ++i)
-          add_route(acc + R.token[static_cast<size_t>(p0 + i)] * H + sc0, co + i * call_cols, bd,
+          add_route(acc + R.token[static_cast<size_t>(p0 + i)] * H_ + sc0, co + i * call_cols, bd,
                     R.weight[static_cast<size_t>(p0 + i)], sn);
       }
     }
   }
-  store_columns(acc, t0, t1, H, col0, ncols, f.c.y);
+  store_columns(acc, t0, t1, H_, col0, ncols, f.c.y);
 }
 
 // The down stage with the experts split over NUMA nodes: items of an expert
@@ -509,17 +509,17 @@ void kt_moe::down_item(const ForwardPass& f, const CombineSplit& split, ThreadSc
 // the routes' rows of ws_->route_down_out; then y from those rows
 // (combine_rows), which adds them as forward_down's column items do.
 void kt_moe::forward_down_by_node(const ForwardPass& f) {
-  const int64_t ldy = round_up(H, kPanelRows);
+  const int64_t ldy = round_up(H_, kPanelRows);
   ws_->route_down_out.reserve(static_cast<size_t>(std::max<int64_t>(f.routes * ldy, 1)));
   const int64_t width =
-      gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, H, engine->pool->size());
-  block_items(f.R, H, width);
+      gate_up_item_cols(static_cast<int64_t>(f.R.active.size()), f.max_rows, H_, engine_->pool->size());
+  block_items(f.R, H_, width);
   const ItemRanges ranges = node_ranges();
   const auto first_block_of = [&](int64_t item) {
     const int64_t col0 = (item & 0xffffffff) * width;
-    return operand_[kDown].block(item >> 32, col0, std::min({kBlockCols, width, H - col0}));
+    return operand_[kDown].block(item >> 32, col0, std::min({kBlockCols, width, H_ - col0}));
   };
-  engine->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
+  engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       const int64_t item = ws_->items[static_cast<size_t>(it)];
       note_worker(item >> 32, tid);
@@ -539,9 +539,9 @@ void kt_moe::down_block(const ForwardPass& f, ThreadScratch& s, int64_t item, in
   const Routing& R = f.R;
   const int64_t e = item >> 32;
   const int64_t col0 = (item & 0xffffffff) * width;
-  const int64_t ncols = std::min(width, H - col0);
+  const int64_t ncols = std::min(width, H_ - col0);
   const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
-  const int64_t kpI = down_shape.kp;
+  const int64_t kpI = down_shape_.kp;
   const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
@@ -552,9 +552,9 @@ void kt_moe::down_block(const ForwardPass& f, ThreadScratch& s, int64_t item, in
     operand_[kDown].gemm(s.operand, e, col0 / kPanelRows, np, s.rows.data(), m, yp, ldy,
                          p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r;
-      K_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r), s.frows.data(),
-                  lora_[kDown].sbt.data() + e * r * H + col0, H, yp, ldy, true);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = f.la[kDown] + (p0 + i) * r_;
+      kernels_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r_), s.frows.data(),
+                  lora_[kDown].sbt.data() + e * r_ * H_ + col0, H_, yp, ldy, true);
     }
   }
 }
@@ -569,20 +569,20 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
   const WeightOperand& down_w = operand_[kDown];
   const bool int8 = down_w.int8_rows();
   const int64_t aq_stride = int8 ? down_w.int8_row_stride() : 0;
-  const int64_t kpI = down_shape.kp;
-  const int np = static_cast<int>(ceil_div(H, kPanelRows));
+  const int64_t kpI = down_shape_.kp;
+  const int np = static_cast<int>(ceil_div(H_, kPanelRows));
   const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->act_f32.data() + (p0 + i) * I;
-      K_.sgemm_nt(m, static_cast<int>(r), static_cast<int>(I), s.frows.data(),
-                  lora_[kDown].a.data() + e * r * I, I, la_down + p0 * r, r, false);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->act_f32.data() + (p0 + i) * I_;
+      kernels_.sgemm_nt(m, static_cast<int>(r_), static_cast<int>(I_), s.frows.data(),
+                  lora_[kDown].a.data() + e * r_ * I_, I_, la_down + p0 * r_, r_, false);
     }
     for (int i = 0; i < m; ++i) {
       const int64_t p = p0 + i;
       if (int8) {
-        down_w.quantize_row(ws_->act_f32.data() + p * I, I, ws_->act_int8.data() + p * aq_stride);
+        down_w.quantize_row(ws_->act_f32.data() + p * I_, I_, ws_->act_int8.data() + p * aq_stride);
         s.rows[static_cast<size_t>(i)] = ws_->act_int8.data() + p * aq_stride;
       } else {
         s.rows[static_cast<size_t>(i)] = ws_->act_packed.data() + p * kpI * a_size_;
@@ -592,9 +592,9 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
     down_w.gemm(s.operand, e, 0, np, s.rows.data(), m, yp, ldy,
                 p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
-      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la_down + (p0 + i) * r;
-      K_.sgemm_nn(m, static_cast<int>(H), static_cast<int>(r), s.frows.data(),
-                  lora_[kDown].sbt.data() + e * r * H, H, yp, ldy, true);
+      for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = la_down + (p0 + i) * r_;
+      kernels_.sgemm_nn(m, static_cast<int>(H_), static_cast<int>(r_), s.frows.data(),
+                  lora_[kDown].sbt.data() + e * r_ * H_, H_, yp, ldy, true);
     }
   }
 }
@@ -605,22 +605,22 @@ void kt_moe::down_rows(ThreadScratch& s, const Routing& R, int64_t e, float* la_
 // workers in blocks of columns.
 void kt_moe::combine_rows(const ForwardCall& c, const Routing& R, int64_t ldy) {
   const int64_t T = c.T;
-  ThreadPool& pool = *engine->pool;
-  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(T * H, 1)));
+  ThreadPool& pool = *engine_->pool;
+  ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(T * H_, 1)));
   float* acc = ws_->token_sum.data();
   const float* yr = ws_->route_down_out.data();
   const int64_t cols =
-      R.routes * H <= kCallerCombine ? H : round_up(ceil_div(H, 4 * pool.size()), kPanelRows);
-  pool.run(ceil_div(H, cols), [&](int64_t b, int) {
-    const int64_t col0 = b * cols, n = std::min(cols, H - col0);
-    clear_columns(acc, 0, T, H, col0, n);
+      R.routes * H_ <= kCallerCombine ? H_ : round_up(ceil_div(H_, 4 * pool.size()), kPanelRows);
+  pool.run(ceil_div(H_, cols), [&](int64_t b, int) {
+    const int64_t col0 = b * cols, n = std::min(cols, H_ - col0);
+    clear_columns(acc, 0, T, H_, col0, n);
     for (int32_t e : R.active) {
-      const float* bd = opt.has_bias ? b_[kDown].data() + e * H + col0 : nullptr;
+      const float* bd = opt_.has_bias ? b_[kDown].data() + e * H_ + col0 : nullptr;
       for (int64_t p = R.offsets[static_cast<size_t>(e)]; p < R.offsets[static_cast<size_t>(e) + 1];
            ++p)
-        add_route(acc + R.token[static_cast<size_t>(p)] * H + col0, yr + p * ldy + col0, bd,
+        add_route(acc + R.token[static_cast<size_t>(p)] * H_ + col0, yr + p * ldy + col0, bd,
                   R.weight[static_cast<size_t>(p)], n);
     }
-    store_columns(acc, 0, T, H, col0, n, c.y);
+    store_columns(acc, 0, T, H_, col0, n, c.y);
   });
 }

@@ -58,66 +58,66 @@ struct LayerShapes {
 using namespace kt;
 
 kt_moe::kt_moe(kt_engine* eng, const kt_moe_options& o)
-    : engine(eng), opt(o), K_(*eng->kernels), a_size_(eng->kernels->a_elem_size) {
-  E = o.num_experts;
-  K = o.top_k;
-  H = o.hidden;
-  I = o.intermediate;
-  r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
+    : engine_(eng), opt_(o), kernels_(*eng->kernels), a_size_(eng->kernels->a_elem_size) {
+  E_ = o.num_experts;
+  top_k_ = o.top_k;
+  H_ = o.hidden;
+  I_ = o.intermediate;
+  r_ = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
   if (o.mode == KT_MODE_LORA)
-    lora_scale = o.use_rslora ? o.lora_alpha / std::sqrt(static_cast<float>(r))
-                              : o.lora_alpha / static_cast<float>(r);
+    lora_scale_ = o.use_rslora ? o.lora_alpha / std::sqrt(static_cast<float>(r_))
+                              : o.lora_alpha / static_cast<float>(r_);
   const LayerShapes shapes(o);
-  quantized = shapes.quantized;
-  gate_shape = shapes.gate;
-  down_shape = shapes.down;
-  gate_q = shapes.gate_q;
-  down_q = shapes.down_q;
-  if (quantized) {
-    q_[kGate].resize(static_cast<size_t>(E * gate_q.expert_bytes));
-    q_[kUp].resize(static_cast<size_t>(E * gate_q.expert_bytes));
-    q_[kDown].resize(static_cast<size_t>(E * down_q.expert_bytes));
+  quantized_ = shapes.quantized;
+  gate_shape_ = shapes.gate;
+  down_shape_ = shapes.down;
+  gate_q_ = shapes.gate_q;
+  down_q_ = shapes.down_q;
+  if (quantized_) {
+    q_[kGate].resize(static_cast<size_t>(E_ * gate_q_.expert_bytes));
+    q_[kUp].resize(static_cast<size_t>(E_ * gate_q_.expert_bytes));
+    q_[kDown].resize(static_cast<size_t>(E_ * down_q_.expert_bytes));
   } else {
-    w_[kGate].resize(static_cast<size_t>(E * gate_shape.elements()));
-    w_[kUp].resize(static_cast<size_t>(E * gate_shape.elements()));
-    w_[kDown].resize(static_cast<size_t>(E * down_shape.elements()));
+    w_[kGate].resize(static_cast<size_t>(E_ * gate_shape_.elements()));
+    w_[kUp].resize(static_cast<size_t>(E_ * gate_shape_.elements()));
+    w_[kDown].resize(static_cast<size_t>(E_ * down_shape_.elements()));
   }
   for (int p = 0; p < 3; ++p) {
-    place_weights(p, quantized ? static_cast<void*>(q_[p].data()) : static_cast<void*>(w_[p].data()));
+    place_weights(p, quantized_ ? static_cast<void*>(q_[p].data()) : static_cast<void*>(w_[p].data()));
     wp_[p] = w_[p].data();
     qp_[p] = q_[p].data();
-    operand_[p] = WeightOperand(K_, p == kDown ? down_shape : gate_shape, p == kDown ? down_q : gate_q, quantized,
+    operand_[p] = WeightOperand(kernels_, p == kDown ? down_shape_ : gate_shape_, p == kDown ? down_q_ : gate_q_, quantized_,
                                 o.compute == KT_COMPUTE_INT8);
   }
   bind_operands();
   if (o.has_bias) {
-    b_[kGate].resize(static_cast<size_t>(E * I));
-    b_[kUp].resize(static_cast<size_t>(E * I));
-    b_[kDown].resize(static_cast<size_t>(E * H));
+    b_[kGate].resize(static_cast<size_t>(E_ * I_));
+    b_[kUp].resize(static_cast<size_t>(E_ * I_));
+    b_[kDown].resize(static_cast<size_t>(E_ * H_));
   }
-  loaded_.assign(static_cast<size_t>(E), 0);
-  skipped_.assign(static_cast<size_t>(E), 0);
+  loaded_.assign(static_cast<size_t>(E_), 0);
+  skipped_.assign(static_cast<size_t>(E_), 0);
   for (int p = 0; p < 3; ++p) {
     if (!lora_on(p)) continue;
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
-    lora_[p].a.resize(static_cast<size_t>(E * r * in));
-    lora_[p].sbt.resize(static_cast<size_t>(E * r * out));
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
+    lora_[p].a.resize(static_cast<size_t>(E_ * r_ * in));
+    lora_[p].sbt.resize(static_cast<size_t>(E_ * r_ * out));
   }
   bound_load_options_ = defaults_of<kt_load_options>(set_load_options_defaults);
   // Made by the engine's first layer; created under the engine's lifetime
   // lock, so no other creation races on it.
-  if (!engine->moe_workspace) engine->moe_workspace = std::make_shared<MoeWorkspace>(engine->pool->size());
-  ws_ = engine->moe_workspace;
-  engine->num_layers.fetch_add(1);
+  if (!engine_->moe_workspace) engine_->moe_workspace = std::make_shared<MoeWorkspace>(engine_->pool->size());
+  ws_ = engine_->moe_workspace;
+  engine_->num_layers.fetch_add(1);
   counted_ = true;
 }
 
 void kt_moe::place_weights(int proj, void* data) {
-  engine->numa.place_experts(data, E, stored_expert_bytes(proj), &weights_node_[proj]);
+  engine_->numa.place_experts(data, E_, stored_expert_bytes(proj), &weights_node_[proj]);
 }
 
 ItemRanges kt_moe::node_ranges() const {
-  const ThreadPool& pool = *engine->pool;
+  const ThreadPool& pool = *engine_->pool;
   const std::vector<int64_t>& items = ws_->items;
   std::vector<int64_t> bounds(static_cast<size_t>(pool.groups()) + 1, static_cast<int64_t>(items.size()));
   std::vector<int> threads(static_cast<size_t>(pool.groups()));
@@ -126,21 +126,21 @@ ItemRanges kt_moe::node_ranges() const {
     threads[static_cast<size_t>(g)] = pool.workers_in(g);
     if (g == 0) continue;
     // Items are sorted by expert: the first of an expert node g owns.
-    const int64_t first = engine->numa.first_expert(g, E) << 32;
+    const int64_t first = engine_->numa.first_expert(g, E_) << 32;
     bounds[static_cast<size_t>(g)] = std::lower_bound(items.begin(), items.end(), first) - items.begin();
   }
   return ItemRanges(bounds, threads);
 }
 
 void kt_moe::fit_workspace() {
-  const int64_t kpad = std::max(round_up(H, kPanelRows), round_up(I, kPanelRows));
-  ws_->fit_threads(operand_[kGate], kpad, std::max(H, I), r);
+  const int64_t kpad = std::max(round_up(H_, kPanelRows), round_up(I_, kPanelRows));
+  ws_->fit_threads(operand_[kGate], kpad, std::max(H_, I_), r_);
 }
 
 void kt_moe::leave_engine() {
   if (!counted_) return;
   counted_ = false;
-  engine->num_layers.fetch_sub(1);
+  engine_->num_layers.fetch_sub(1);
 }
 
 CheckedSize kt_moe::weight_bytes(const kt_moe_options& o) {
@@ -221,7 +221,7 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
                                int64_t single, const char* where) {
   WeightSet ws;
   const bool stacked = single < 0;
-  int64_t P = m.E;
+  int64_t P = m.num_experts();
   if (args[KT_ARG_EXPERT_MAP]) {
     KT_CHECK(stacked, KT_ERR_INVALID_ARGUMENT,
              std::string(where) + ": KT_ARG_EXPERT_MAP is for stacked loads only");
@@ -229,12 +229,12 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
                           where);
     ws.has[sMap] = true;
     P = ws.map.shape[0];
-    std::vector<uint8_t> seen(static_cast<size_t>(m.E), 0);
+    std::vector<uint8_t> seen(static_cast<size_t>(m.num_experts()), 0);
     for (int64_t p = 0; p < P; ++p) {
       const int64_t e = ws.map.get_int(p);
-      KT_CHECK(e >= 0 && e < m.E, KT_ERR_EXPERT_ID,
+      KT_CHECK(e >= 0 && e < m.num_experts(), KT_ERR_EXPERT_ID,
                std::string(where) + ": KT_ARG_EXPERT_MAP[" + std::to_string(p) +
-                   "] = " + std::to_string(e) + " is outside [0, " + std::to_string(m.E) + ")");
+                   "] = " + std::to_string(e) + " is outside [0, " + std::to_string(m.num_experts()) + ")");
       KT_CHECK(
           !seen[static_cast<size_t>(e)], KT_ERR_EXPERT_ID,
           std::string(where) + ": KT_ARG_EXPERT_MAP names expert " + std::to_string(e) + " twice");
@@ -256,7 +256,7 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
   };
   auto bias = [&](int id, int64_t n, View* v, int slot) {
     if (!args[id]) return;
-    KT_CHECK(m.opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+    KT_CHECK(m.options().has_bias, KT_ERR_INVALID_ARGUMENT,
              std::string(where) + ": " + arg_name(id) + " given but the layer has no biases");
     if (stacked)
       *v = check_tensor(args[id], {arg_name(id), kWeightDtypes, {P, n}}, where);
@@ -264,21 +264,21 @@ static WeightSet parse_weights(const kt_moe& m, const kt_load_options& lo, const
       *v = check_tensor(args[id], {arg_name(id), kWeightDtypes, {n}}, where);
     ws.has[slot] = true;
   };
-  weight(KT_ARG_W_GATE, m.I, m.H, &ws.gate, sGate);
-  weight(KT_ARG_W_UP, m.I, m.H, &ws.up, sUp);
-  weight(KT_ARG_W_GATE_UP, 2 * m.I, m.H, &ws.gate_up, sGateUp);
-  weight(KT_ARG_W_DOWN, m.H, m.I, &ws.down, sDown);
-  bias(KT_ARG_B_GATE, m.I, &ws.bg, sBg);
-  bias(KT_ARG_B_UP, m.I, &ws.bu, sBu);
-  bias(KT_ARG_B_GATE_UP, 2 * m.I, &ws.bgu, sBgu);
-  bias(KT_ARG_B_DOWN, m.H, &ws.bd, sBd);
+  weight(KT_ARG_W_GATE, m.intermediate(), m.hidden(), &ws.gate, sGate);
+  weight(KT_ARG_W_UP, m.intermediate(), m.hidden(), &ws.up, sUp);
+  weight(KT_ARG_W_GATE_UP, 2 * m.intermediate(), m.hidden(), &ws.gate_up, sGateUp);
+  weight(KT_ARG_W_DOWN, m.hidden(), m.intermediate(), &ws.down, sDown);
+  bias(KT_ARG_B_GATE, m.intermediate(), &ws.bg, sBg);
+  bias(KT_ARG_B_UP, m.intermediate(), &ws.bu, sBu);
+  bias(KT_ARG_B_GATE_UP, 2 * m.intermediate(), &ws.bgu, sBgu);
+  bias(KT_ARG_B_DOWN, m.hidden(), &ws.bd, sBd);
   const std::string w = where;
   KT_CHECK(!(ws.has[sGateUp] && (ws.has[sGate] || ws.has[sUp])), KT_ERR_INVALID_ARGUMENT,
            w + ": give KT_ARG_W_GATE_UP or KT_ARG_W_GATE + KT_ARG_W_UP, not both");
   KT_CHECK(ws.has[sGateUp] || (ws.has[sGate] && ws.has[sUp]), KT_ERR_NULL_POINTER,
            w + ": KT_ARG_W_GATE and KT_ARG_W_UP (or KT_ARG_W_GATE_UP) are required");
   KT_CHECK(ws.has[sDown], KT_ERR_NULL_POINTER, w + ": KT_ARG_W_DOWN is required");
-  if (m.opt.has_bias) {
+  if (m.options().has_bias) {
     KT_CHECK(!(ws.has[sBgu] && (ws.has[sBg] || ws.has[sBu])), KT_ERR_INVALID_ARGUMENT,
              w + ": give KT_ARG_B_GATE_UP or KT_ARG_B_GATE + KT_ARG_B_UP, not both");
     KT_CHECK(ws.has[sBgu] || (ws.has[sBg] && ws.has[sBu]), KT_ERR_NULL_POINTER,
@@ -302,7 +302,7 @@ static void check_finite_weights(kt_moe& m, const WeightSet& ws, int64_t single,
     const View& v = *views[i];
     const int64_t P = stacked ? v.shape[0] : 1;
     std::vector<int64_t> bad(static_cast<size_t>(P), -1);
-    m.engine->pool->run(P, [&](int64_t p, int) {
+    m.engine()->pool->run(P, [&](int64_t p, int) {
       const View x = stacked ? v.slice0(p) : v;
       for (int64_t r = 0; r < x.shape[0] && bad[static_cast<size_t>(p)] < 0; ++r)
         for (int64_t c = 0; c < x.shape[1]; ++c)
@@ -316,7 +316,7 @@ static void check_finite_weights(kt_moe& m, const WeightSet& ws, int64_t single,
                std::string(where) + ": " + names[i] +
                    (stacked ? "[" + std::to_string(p) + "]" : std::string()) +
                    " holds inf or NaN (row " + std::to_string(bad[static_cast<size_t>(p)]) +
-                   "): the layer's " + weight_format_name(m.opt.weight_format) +
+                   "): the layer's " + weight_format_name(m.options().weight_format) +
                    " base cannot store it");
   }
 }
@@ -325,7 +325,7 @@ static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& 
                          kt::Buffer<bf16_t>* w, kt::Buffer<uint8_t>* q, kt::Buffer<float>* b,
                          std::vector<uint8_t>& loaded) {
   const bool stacked = single < 0;
-  const int64_t P = ws.has[sMap] ? ws.map.shape[0] : (stacked ? m.E : 1);
+  const int64_t P = ws.has[sMap] ? ws.map.shape[0] : (stacked ? m.num_experts() : 1);
   const bool inter = lo.gate_up_order == KT_GATE_UP_INTERLEAVED;
   auto logical = [&](int64_t p) { return ws.has[sMap] ? ws.map.get_int(p) : (stacked ? p : single); };
   auto part = [&](const View& v, int64_t p) { return stacked ? v.slice0(p) : v; };
@@ -336,14 +336,14 @@ static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& 
       dst[i] = stacked ? v.get(p, j) : load_as_f32(v.at(j), v.dtype);
     }
   };
-  const PanelShape gs = m.gate_shape, ds = m.down_shape;
-  m.engine->pool->run(P, [&](int64_t p, int) {
+  const PanelShape gs = m.panel_shape(kGate), ds = m.panel_shape(kDown);
+  m.engine()->pool->run(P, [&](int64_t p, int) {
     const int64_t e = logical(p);
     // Rows [row0, row0 + n * step) of a source into projection proj's
     // storage of expert e.
     const auto store = [&](int proj, const View& src, int64_t row0, int64_t step) {
-      if (m.quantized) {
-        const QuantShape& qs = proj == kDown ? m.down_q : m.gate_q;
+      if (m.quantized()) {
+        const QuantShape& qs = proj == kDown ? m.quant_shape(kDown) : m.quant_shape(kGate);
         quantize_panels(src, row0, step, qs, q[proj].data() + e * qs.expert_bytes);
       } else {
         const PanelShape& ps = proj == kDown ? ds : gs;
@@ -353,23 +353,23 @@ static void pack_weights(kt_moe& m, const WeightSet& ws, const kt_load_options& 
     if (ws.has[sGateUp]) {
       const View gu = part(ws.gate_up, p);
       store(kGate, gu, 0, inter ? 2 : 1);
-      store(kUp, gu, inter ? 1 : m.I, inter ? 2 : 1);
+      store(kUp, gu, inter ? 1 : m.intermediate(), inter ? 2 : 1);
     } else {
       store(kGate, part(ws.gate, p), 0, 1);
       store(kUp, part(ws.up, p), 0, 1);
     }
     store(kDown, part(ws.down, p), 0, 1);
-    if (m.opt.has_bias) {
-      float* bg = b[kGate].data() + e * m.I;
-      float* bu = b[kUp].data() + e * m.I;
+    if (m.options().has_bias) {
+      float* bg = b[kGate].data() + e * m.intermediate();
+      float* bu = b[kUp].data() + e * m.intermediate();
       if (ws.has[sBgu]) {
-        bias_copy(ws.bgu, p, 0, inter ? 2 : 1, m.I, bg);
-        bias_copy(ws.bgu, p, inter ? 1 : m.I, inter ? 2 : 1, m.I, bu);
+        bias_copy(ws.bgu, p, 0, inter ? 2 : 1, m.intermediate(), bg);
+        bias_copy(ws.bgu, p, inter ? 1 : m.intermediate(), inter ? 2 : 1, m.intermediate(), bu);
       } else {
-        bias_copy(ws.bg, p, 0, 1, m.I, bg);
-        bias_copy(ws.bu, p, 0, 1, m.I, bu);
+        bias_copy(ws.bg, p, 0, 1, m.intermediate(), bg);
+        bias_copy(ws.bu, p, 0, 1, m.intermediate(), bu);
       }
-      bias_copy(ws.bd, p, 0, 1, m.H, b[kDown].data() + e * m.H);
+      bias_copy(ws.bd, p, 0, 1, m.hidden(), b[kDown].data() + e * m.hidden());
     }
   });
   for (int64_t p = 0; p < P; ++p) loaded[static_cast<size_t>(logical(p))] = 1;
@@ -382,20 +382,20 @@ void kt_moe::load(const kt_load_options& lo, const kt_arg* args, size_t n, int64
   check_enum(lo.gate_up_order, KT_GATE_UP_CONCAT, KT_GATE_UP_INTERLEAVED,
              std::string(where) + ": options->gate_up_order", "kt_gate_up_order");
   if (single >= 0 || single < -1)
-    KT_CHECK(single >= 0 && single < E, KT_ERR_EXPERT_ID,
+    KT_CHECK(single >= 0 && single < E_, KT_ERR_EXPERT_ID,
              std::string(where) + ": expert " + std::to_string(single) + " is outside [0, " +
-                 std::to_string(E) + ")");
+                 std::to_string(E_) + ")");
   ArgTable table(args, n, where,
                  {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN, KT_ARG_W_GATE_UP, KT_ARG_B_GATE,
                   KT_ARG_B_UP, KT_ARG_B_DOWN, KT_ARG_B_GATE_UP, KT_ARG_EXPERT_MAP});
-  KT_CHECK(!quantized || kt_quantizes_to(opt.weight_format), KT_ERR_UNSUPPORTED,
-           std::string(where) + ": the layer stores " + weight_format_name(opt.weight_format) +
+  KT_CHECK(!quantized_ || kt_quantizes_to(opt_.weight_format), KT_ERR_UNSUPPORTED,
+           std::string(where) + ": the layer stores " + weight_format_name(opt_.weight_format) +
                ", which kt does not quantize to from bf16/fp16/fp32 weights: load it from a "
                "checkpoint stored in "
                "that format (kt_ckpt_load_layer), or create the layer as bf16, int8_channel, "
                "int4_g32 or int4_g128");
   WeightSet ws = parse_weights(*this, lo, table, single, where);
-  if (quantized) check_finite_weights(*this, ws, single, where);
+  if (quantized_) check_finite_weights(*this, ws, single, where);
   own_weights();
   pack_weights(*this, ws, lo, single, w_, q_, b_, loaded_);
 }
@@ -404,12 +404,12 @@ void kt_moe::store_quantized(const std::vector<int64_t>& map,
                              const std::function<void(int64_t, int, uint8_t*)>& fill,
                              const std::vector<float>* biases) {
   const int64_t n = static_cast<int64_t>(map.size());
-  engine->pool->run(n, [&](int64_t i, int) {
+  engine_->pool->run(n, [&](int64_t i, int) {
     const int64_t e = map[static_cast<size_t>(i)];
     for (int p = 0; p < 3; ++p) fill(i, p, q_[p].data() + e * qshape(p).expert_bytes);
-    if (opt.has_bias && biases)
+    if (opt_.has_bias && biases)
       for (int p = 0; p < 3; ++p) {
-        const int64_t out = p == kDown ? H : I;
+        const int64_t out = p == kDown ? H_ : I_;
         std::memcpy(b_[p].data() + e * out, biases[p].data() + i * out, static_cast<size_t>(out) * sizeof(float));
       }
   });
@@ -423,21 +423,21 @@ void kt_moe::own_weights() {
   kt::Buffer<bf16_t> owned[3];
   kt::Buffer<uint8_t> owned_q[3];
   for (int p = 0; p < 3; ++p) {
-    const size_t bytes = static_cast<size_t>(E * stored_expert_bytes(p));
-    if (quantized)
+    const size_t bytes = static_cast<size_t>(E_ * stored_expert_bytes(p));
+    if (quantized_)
       owned_q[p].resize(bytes);
     else
       owned[p].resize(bytes / sizeof(bf16_t));
-    place_weights(p, quantized ? static_cast<void*>(owned_q[p].data()) : static_cast<void*>(owned[p].data()));
+    place_weights(p, quantized_ ? static_cast<void*>(owned_q[p].data()) : static_cast<void*>(owned[p].data()));
   }
   for (int p = 0; p < 3; ++p) {
     const int64_t per_expert = stored_expert_bytes(p);
     const uint8_t* src = stored_weights(p);
-    uint8_t* dst = quantized ? owned_q[p].data() : reinterpret_cast<uint8_t*>(owned[p].data());
-    engine->pool->run(E, [&](int64_t e, int) {
+    uint8_t* dst = quantized_ ? owned_q[p].data() : reinterpret_cast<uint8_t*>(owned[p].data());
+    engine_->pool->run(E_, [&](int64_t e, int) {
       std::memcpy(dst + e * per_expert, src + e * per_expert, static_cast<size_t>(per_expert));
     });
-    if (quantized) {
+    if (quantized_) {
       q_[p] = std::move(owned_q[p]);
       qp_[p] = q_[p].data();
     } else {
@@ -451,20 +451,20 @@ void kt_moe::own_weights() {
 
 void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* const weights[3],
                           const float* const biases[3], const uint8_t* loaded) {
-  if (opt.mode == KT_MODE_FULL) {
+  if (opt_.mode == KT_MODE_FULL) {
     // Never mapped in full mode, so w_ is allocated: copy, keep no mapping.
     for (int p = 0; p < 3; ++p) {
       const uint8_t* src = weights[p];
       uint8_t* dst = reinterpret_cast<uint8_t*>(w_[p].data());
       const int64_t n = stored_expert_bytes(p);
-      engine->pool->run(E, [&](int64_t e, int) {
+      engine_->pool->run(E_, [&](int64_t e, int) {
         std::memcpy(dst + e * n, src + e * n, static_cast<size_t>(n));
       });
     }
   } else {
     // The owned copies are not read any more: give their memory back.
     for (int p = 0; p < 3; ++p) {
-      if (quantized) {
+      if (quantized_) {
         qp_[p] = weights[p];
         q_[p].resize(0);
       } else {
@@ -473,24 +473,24 @@ void kt_moe::adopt_packed(std::shared_ptr<const void> mapping, const uint8_t* co
       }
     }
     mapping_ = std::move(mapping);
-    for (int p = 0; p < 3; ++p) weights_node_[p].assign(static_cast<size_t>(E), -1);
+    for (int p = 0; p < 3; ++p) weights_node_[p].assign(static_cast<size_t>(E_), -1);
     bind_operands();
   }
-  if (opt.has_bias)
+  if (opt_.has_bias)
     for (int p = 0; p < 3; ++p)
       std::memcpy(b_[p].data(), biases[p], b_[p].size() * sizeof(float));
   std::memcpy(loaded_.data(), loaded, loaded_.size());
 }
 
 void kt_moe::set_skipped(const DLTensor* mask) {
-  View v = check_tensor(mask, {"mask", {DType::kBool, DType::kU8, DType::kI8, DType::kI32, DType::kI64}, {E}},
+  View v = check_tensor(mask, {"mask", {DType::kBool, DType::kU8, DType::kI8, DType::kI32, DType::kI64}, {E_}},
                         "kt_moe_set_skipped");
-  for (int64_t e = 0; e < E; ++e) skipped_[static_cast<size_t>(e)] = v.get_int(e) != 0;
+  for (int64_t e = 0; e < E_; ++e) skipped_[static_cast<size_t>(e)] = v.get_int(e) != 0;
 }
 
 int64_t kt_moe::num_loaded() const {
   int64_t n = 0;
-  for (int64_t e = 0; e < E; ++e) n += loaded_[static_cast<size_t>(e)] && !skipped_[static_cast<size_t>(e)];
+  for (int64_t e = 0; e < E_; ++e) n += loaded_[static_cast<size_t>(e)] && !skipped_[static_cast<size_t>(e)];
   return n;
 }
 
@@ -511,7 +511,7 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
                std::string(where) + ": " + name + " given twice");
     const bool lora_id = id >= KT_ARG_LORA_A_GATE && id <= KT_ARG_GRAD_LORA_B_DOWN;
     if (lora_id) {
-      KT_CHECK(opt.mode == KT_MODE_LORA, KT_ERR_MODE,
+      KT_CHECK(opt_.mode == KT_MODE_LORA, KT_ERR_MODE,
                std::string(where) + ": " + name + " needs a layer in KT_MODE_LORA");
       const int rel = (id >= KT_ARG_GRAD_LORA_A_GATE ? id - KT_ARG_GRAD_LORA_A_GATE : id - KT_ARG_LORA_A_GATE);
       const int p = rel / 2;
@@ -519,28 +519,28 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
       KT_CHECK(lora_on(p), KT_ERR_INVALID_ARGUMENT,
                std::string(where) + ": " + name +
                    ": that projection is not a LoRA target of this layer");
-      const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
-      View v = is_a ? check_tensor(args[i].tensor, {name, kParamDtypes, {E, r, in}}, where)
-                    : check_tensor(args[i].tensor, {name, kParamDtypes, {E, out, r}}, where);
+      const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
+      View v = is_a ? check_tensor(args[i].tensor, {name, kParamDtypes, {E_, r_, in}}, where)
+                    : check_tensor(args[i].tensor, {name, kParamDtypes, {E_, out, r_}}, where);
       accepted.emplace_back(id, v);
       continue;
     }
-    KT_CHECK(opt.mode == KT_MODE_FULL, KT_ERR_MODE,
+    KT_CHECK(opt_.mode == KT_MODE_FULL, KT_ERR_MODE,
              std::string(where) + ": " + name + " needs a layer in KT_MODE_FULL");
     KT_CHECK(id != KT_ARG_W_GATE_UP && id != KT_ARG_B_GATE_UP, KT_ERR_INVALID_ARGUMENT,
              std::string(where) + ": bind gate and up separately (" + name + ")");
     const bool grad = id >= KT_ARG_GRAD_W_GATE;
     const bool is_bias = grad ? id >= KT_ARG_GRAD_B_GATE : id >= KT_ARG_B_GATE;
     if (is_bias)
-      KT_CHECK(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+      KT_CHECK(opt_.has_bias, KT_ERR_INVALID_ARGUMENT,
                std::string(where) + ": " + name + " given but the layer has no biases");
     const int first = grad ? (is_bias ? KT_ARG_GRAD_B_GATE : KT_ARG_GRAD_W_GATE)
                            : (is_bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
     const int p = id - first;
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
     const auto& dts = grad ? kParamDtypes : kWeightDtypes;
-    View v = is_bias ? check_tensor(args[i].tensor, {name, dts, {E, out}}, where)
-                     : check_tensor(args[i].tensor, {name, dts, {E, out, in}}, where);
+    View v = is_bias ? check_tensor(args[i].tensor, {name, dts, {E_, out}}, where)
+                     : check_tensor(args[i].tensor, {name, dts, {E_, out, in}}, where);
     accepted.emplace_back(id, v);
   }
   check_bound_memory(accepted, where);
@@ -548,7 +548,7 @@ void kt_moe::bind(const kt_arg* args, size_t n) {
     bound_[a.first].set = true;
     bound_[a.first].view = a.second;
   }
-  bool lora_bound = opt.mode == KT_MODE_LORA;
+  bool lora_bound = opt_.mode == KT_MODE_LORA;
   for (int p = 0; p < 3 && lora_bound; ++p)
     if (lora_on(p))
       lora_bound = bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set;
@@ -590,27 +590,27 @@ void kt_moe::snapshot_lora() {
     if (!lora_on(p)) continue;
     const View& A = bound_[KT_ARG_LORA_A_GATE + 2 * p].view;
     const View& B = bound_[KT_ARG_LORA_B_GATE + 2 * p].view;
-    const int64_t in = p == kDown ? I : H, out = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, out = p == kDown ? H_ : I_;
     float* a = lora_[p].a.data();
     float* sbt = lora_[p].sbt.data();
-    engine->pool->run(E, [&](int64_t e, int) {
-      for (int64_t q = 0; q < r; ++q)
-        for (int64_t i = 0; i < in; ++i) a[(e * r + q) * in + i] = A.get(e, q, i);
+    engine_->pool->run(E_, [&](int64_t e, int) {
+      for (int64_t q = 0; q < r_; ++q)
+        for (int64_t i = 0; i < in; ++i) a[(e * r_ + q) * in + i] = A.get(e, q, i);
       for (int64_t o = 0; o < out; ++o)
-        for (int64_t q = 0; q < r; ++q) sbt[(e * r + q) * out + o] = lora_scale * B.get(e, o, q);
+        for (int64_t q = 0; q < r_; ++q) sbt[(e * r_ + q) * out + o] = lora_scale_ * B.get(e, o, q);
     });
   }
   lora_ready_ = true;
 }
 
 void kt_moe::params_changed() {
-  if (opt.mode == KT_MODE_LORA) {
+  if (opt_.mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p)
       if (lora_on(p))
         KT_CHECK(bound_[KT_ARG_LORA_A_GATE + 2 * p].set && bound_[KT_ARG_LORA_B_GATE + 2 * p].set,
                  KT_ERR_NOT_BOUND, "kt_moe_params_changed: the LoRA factors are not all bound");
     snapshot_lora();
-  } else if (opt.mode == KT_MODE_FULL) {
+  } else if (opt_.mode == KT_MODE_FULL) {
     const int need[] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
     for (int id : need)
       KT_CHECK(bound_[id].set, KT_ERR_NOT_BOUND,
@@ -620,7 +620,7 @@ void kt_moe::params_changed() {
     ws.up = bound_[KT_ARG_W_UP].view;
     ws.down = bound_[KT_ARG_W_DOWN].view;
     ws.has[sGate] = ws.has[sUp] = ws.has[sDown] = true;
-    if (opt.has_bias) {
+    if (opt_.has_bias) {
       const int bneed[] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
       for (int id : bneed)
         KT_CHECK(bound_[id].set, KT_ERR_NOT_BOUND,
@@ -639,7 +639,7 @@ void kt_moe::params_changed() {
 
 kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
   KT_CHECK(
-      opt.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
+      opt_.compute != KT_COMPUTE_INT8, KT_ERR_MODE,
       std::string(call.where) +
           ": the layer computes with int8 activations (KT_COMPUTE_INT8), which have no backward: "
           "call it without a saved context");
@@ -662,9 +662,9 @@ kt_context* kt_moe::new_context(const ForwardCall& call, int holds) {
   c->x_dtype = call.x.dtype;
   // A handle value never issued before: a released handle cannot name this
   // context even though its memory is reused.
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   contexts_.reserve(contexts_.size() + 1);
-  c->handle = add_context_handle(handle);
+  c->handle = add_context_handle(handle_);
   contexts_.emplace(c->handle, fresh.release());
   return c;
 }
@@ -674,11 +674,11 @@ kt_context* kt_moe::hold_context(const kt_context* ctx, const char* where) {
            std::string(where) +
                ": ctx is NULL: backward needs the context of a forward run with saved != NULL");
   const HandleId id = handle_id(ctx);
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   auto it = contexts_.find(id);
   if (it == contexts_.end()) {
     const HandleId owner = context_owner(id);
-    KT_CHECK(owner == 0 || owner == handle, KT_ERR_CONTEXT,
+    KT_CHECK(owner == 0 || owner == handle_, KT_ERR_CONTEXT,
              std::string(where) +
                  ": ctx does not belong to this layer (it is a context of another kt_moe)");
     fail(KT_ERR_CONTEXT, std::string(where) +
@@ -690,14 +690,14 @@ kt_context* kt_moe::hold_context(const kt_context* ctx, const char* where) {
 }
 
 void kt_moe::drop_hold(kt_context* c) {
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   if (--c->holds > 0 || !c->released) return;
   retiring_.erase(c);
   recycle_context(c);
 }
 
 bool kt_moe::release_context(HandleId id) {
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   auto it = contexts_.find(id);
   if (it == contexts_.end()) return false;
   kt_context* c = it->second;
@@ -714,7 +714,7 @@ bool kt_moe::release_context(HandleId id) {
 }
 
 void kt_moe::end_context_handles() {
-  std::lock_guard<std::mutex> lock(state_mutex);
+  std::lock_guard<std::mutex> lock(state_mutex_);
   for (auto& kv : contexts_) {
     remove_context_handle(kv.first);
     kt_context* c = kv.second;
@@ -730,7 +730,7 @@ void kt_moe::recycle_context(kt_context* c) {
   // As many spares as a forward through every layer of the engine takes
   // (and a few for forwards in flight together): no more than a step's
   // forwards hold at their peak.
-  const size_t keep = static_cast<size_t>(std::max(8, engine->num_layers.load()));
+  const size_t keep = static_cast<size_t>(std::max(8, engine_->num_layers.load()));
   {
     std::lock_guard<std::mutex> lock(ws_->spare_mutex);
     if (ws_->spare_contexts.size() < keep) {
@@ -753,17 +753,17 @@ void kt_moe::read_weights(const kt_arg* args, size_t n) const {
   const std::initializer_list<DType> kOut = {DType::kF32, DType::kBF16, DType::kF16};
   std::vector<std::pair<int, View>> out;
   for (int p = 0; p < 3; ++p) {
-    const int64_t in = p == kDown ? I : H, rows = p == kDown ? H : I;
+    const int64_t in = p == kDown ? I_ : H_, rows = p == kDown ? H_ : I_;
     if (t[KT_ARG_W_GATE + p])
       out.emplace_back(KT_ARG_W_GATE + p,
-                       check_tensor(t[KT_ARG_W_GATE + p], {arg_name(KT_ARG_W_GATE + p), kOut, {E, rows, in}},
+                       check_tensor(t[KT_ARG_W_GATE + p], {arg_name(KT_ARG_W_GATE + p), kOut, {E_, rows, in}},
                                     where));
     if (t[KT_ARG_B_GATE + p]) {
-      KT_CHECK(opt.has_bias, KT_ERR_INVALID_ARGUMENT,
+      KT_CHECK(opt_.has_bias, KT_ERR_INVALID_ARGUMENT,
                std::string(where) + ": " + arg_name(KT_ARG_B_GATE + p) +
                    " given but the layer has no biases");
       out.emplace_back(KT_ARG_B_GATE + p,
-                       check_tensor(t[KT_ARG_B_GATE + p], {arg_name(KT_ARG_B_GATE + p), kOut, {E, rows}},
+                       check_tensor(t[KT_ARG_B_GATE + p], {arg_name(KT_ARG_B_GATE + p), kOut, {E_, rows}},
                                     where));
     }
   }
@@ -776,9 +776,9 @@ void kt_moe::read_weights(const kt_arg* args, size_t n) const {
     const View& v = o.second;
     const bool bias = o.first >= KT_ARG_B_GATE;
     const int p = o.first - (bias ? KT_ARG_B_GATE : KT_ARG_W_GATE);
-    const int64_t in = p == kDown ? I : H, rows = p == kDown ? H : I;
-    const PanelShape& ps = p == kDown ? down_shape : gate_shape;
-    engine->pool->run(E, [&](int64_t e, int) {
+    const int64_t in = p == kDown ? I_ : H_, rows = p == kDown ? H_ : I_;
+    const PanelShape& ps = p == kDown ? down_shape_ : gate_shape_;
+    engine_->pool->run(E_, [&](int64_t e, int) {
       const bool live = loaded_[static_cast<size_t>(e)] != 0;
       if (bias) {
         for (int64_t r = 0; r < rows; ++r)
@@ -789,7 +789,7 @@ void kt_moe::read_weights(const kt_arg* args, size_t n) const {
         for (int64_t c = 0; c < in; ++c) {
           float w = 0.f;
           if (live)
-            w = quantized ? quant_get(qexpert(p, e), qshape(p), r, c)
+            w = quantized_ ? quant_get(qexpert(p, e), qshape(p), r, c)
                           : packed_get(wp_[p] + e * ps.elements(), ps, r, c);
           store_f32(v.at(e, r, c), v.dtype, w);
         }

@@ -22,6 +22,7 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kt_c_api.h"
+#include "moe/args.h"
 #include "moe/weight_operand.h"
 #include "moe/workspace.h"
 #include "runtime/engine.h"
@@ -69,24 +70,68 @@ struct kt_context {
   kt::Buffer<float> la[3]; // [routes, r] LoRA A-projections (gate, up, down)
 };
 
-struct kt_moe {
-  kt::HandleId handle = 0;                // the host's handle of this layer
-  std::shared_ptr<kt_engine> engine_ref;  // keeps the engine while the layer lives
-  kt_engine* engine;
-  kt_moe_options opt;
-  int64_t E, K, H, I, r;
-  float lora_scale = 0.f;
-  kt::PanelShape gate_shape, down_shape;  // [I,H] (gate and up), [H,I]
-  // Quantized bases (opt.weight_format): the stored panels' shapes; the A
-  // rows are then padded to their kq (gate_shape.kp, down_shape.kp).
-  bool quantized = false;
-  kt::QuantShape gate_q, down_q;
+namespace kt {
 
+// The gradient-ready hook of a layer, called once kt no longer holds the
+// layer (it may call kt, even destroy the layer).
+struct GradHook {
+  kt_grad_ready_fn fn = nullptr;
+  void* user = nullptr;
+  HandleId layer = 0;
+  void call() const {
+    if (fn) fn(handle_value<kt_moe>(layer), user);
+  }
+};
+
+// A layer's submitted jobs that have not ended, and whether its destruction
+// began (then no new job is taken). Every method but wait_all is called
+// under the layer's state lock; wait_all releases it while it waits.
+class LayerJobs {
+ public:
+  // Refuses a new job once closed (KT_ERR_INVALID_HANDLE naming `where`).
+  void add(const std::shared_ptr<kt_job>& job, const char* where);
+  // Takes the job off the list and returns it, to be dropped after the lock.
+  std::shared_ptr<kt_job> remove(kt_job* job);
+  // Closes the list; returns the jobs that may still be cancelled: the
+  // deferred ones, or with all_queued every one not ended.
+  std::vector<std::shared_ptr<kt_job>> close(bool all_queued);
+  bool closed() const { return closed_; }
+  void wait_all(std::unique_lock<std::mutex>& lock);
+
+ private:
+  // Shared with the queue and the job's handle.
+  std::unordered_map<kt_job*, std::shared_ptr<kt_job>> jobs_;
+  std::condition_variable done_;
+  bool closed_ = false;
+};
+
+}  // namespace kt
+
+struct kt_moe {
   kt_moe(kt_engine* engine, const kt_moe_options& options);
   ~kt_moe();
   // The layer stops counting as one of its engine's (kt_moe_destroy); the
   // object may live on while a call or job still holds it. Runs once.
   void leave_engine();
+
+  // Set once by create_layer, after construction: the host's handle of this
+  // layer, and the engine kept alive while the layer lives.
+  void registered(kt::HandleId handle, std::shared_ptr<kt_engine> engine) {
+    handle_ = handle;
+    engine_ref_ = std::move(engine);
+  }
+  kt::HandleId handle() const { return handle_; }
+  kt_engine* engine() const { return engine_; }
+  const kt_moe_options& options() const { return opt_; }
+  int64_t num_experts() const { return E_; }
+  int64_t top_k() const { return top_k_; }
+  int64_t hidden() const { return H_; }
+  int64_t intermediate() const { return I_; }
+  int64_t lora_rank() const { return r_; }  // 0 unless KT_MODE_LORA
+  float lora_scale() const { return lora_scale_; }
+  bool quantized() const { return quantized_; }
+  // The packed panels of projection proj: [I,H] for gate and up, [H,I] for down.
+  const kt::PanelShape& panel_shape(int proj) const { return proj == kt::kDown ? down_shape_ : gate_shape_; }
 
   // Bytes a layer with these (range-checked) options holds: packed weights,
   // biases, LoRA factors, per-thread scratch, and forward and backward
@@ -144,11 +189,11 @@ struct kt_moe {
   // format: [E][stored_expert_bytes] (bf16 panels, or a quantized layer's
   // codes and scales, formats/packed_quant.h).
   const uint8_t* stored_weights(int proj) const {
-    return quantized ? qp_[proj] : reinterpret_cast<const uint8_t*>(wp_[proj]);
+    return quantized_ ? qp_[proj] : reinterpret_cast<const uint8_t*>(wp_[proj]);
   }
   int64_t stored_expert_bytes(int proj) const {
-    return quantized ? qshape(proj).expert_bytes
-                     : (proj == kt::kDown ? down_shape : gate_shape).elements() * static_cast<int64_t>(sizeof(kt::bf16_t));
+    return quantized_ ? qshape(proj).expert_bytes
+                      : panel_shape(proj).elements() * static_cast<int64_t>(sizeof(kt::bf16_t));
   }
   const float* biases(int proj) const { return b_[proj].data(); }
   const std::vector<uint8_t>& loaded_mask() const { return loaded_; }
@@ -181,7 +226,7 @@ struct kt_moe {
 
   // The tensor bound to id, or null (kt_optimizer reads the bindings).
   const kt::View* bound_view(int id) const {
-    return id >= 0 && id < 80 && bound_[id].set ? &bound_[id].view : nullptr;
+    return id >= 0 && id < kt::kMaxArgId && bound_[id].set ? &bound_[id].view : nullptr;
   }
   // Full mode, for kt_optimizer's step, which packs the updated weights
   // itself: the layer's own packed panels and fp32 biases of projection
@@ -207,7 +252,7 @@ struct kt_moe {
   // whose workers compute it, and the node projection proj's weights of
   // each expert were asked to live on (-1: not placed, one node or mapped
   // weights).
-  int expert_node(int64_t e) const { return engine->numa.expert_node(e, E); }
+  int expert_node(int64_t e) const { return engine_->numa.expert_node(e, E_); }
   const std::vector<int>& weights_node(int proj) const { return weights_node_[proj]; }
   // Records the workers of each expert's GEMMs into *watch from now on
   // (null: stop); call under the compute lock.
@@ -215,19 +260,32 @@ struct kt_moe {
 
   // Optimizers created over this layer (under the engine's compute lock);
   // the layer detaches them when it is destroyed.
-  std::vector<kt_optimizer*> optimizers;
+  void attach_optimizer(kt_optimizer* o) { optimizers_.push_back(o); }
+  void detach_optimizer(kt_optimizer* o) {
+    optimizers_.erase(std::remove(optimizers_.begin(), optimizers_.end(), o), optimizers_.end());
+  }
+  // Every attached optimizer, the layer's list then empty.
+  std::vector<kt_optimizer*> take_optimizers() { return std::move(optimizers_); }
 
-  kt_grad_ready_fn grad_hook = nullptr;
-  void* grad_hook_user = nullptr;
-  mutable std::mutex state_mutex;  // contexts, hook, pending jobs, destroyed
-  // Submitted, not ended; shared with the queue and the job's handle.
-  std::unordered_map<kt_job*, std::shared_ptr<kt_job>> jobs;
-  std::condition_variable jobs_done;
-  bool destroyed = false;  // kt_moe_destroy began: no new jobs
+  // The hook kt_moe_set_grad_hook set, with this layer's handle.
+  kt::GradHook grad_hook() const {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    return kt::GradHook{hook_fn_, hook_user_, handle_};
+  }
+  void set_grad_hook(kt_grad_ready_fn fn, void* user) {
+    std::lock_guard<std::mutex> lock(state_mutex_);
+    hook_fn_ = fn;
+    hook_user_ = fn ? user : nullptr;
+  }
+
+  // Guards the state of the layer's contexts, its hook and its jobs.
+  std::mutex& state_mutex() const { return state_mutex_; }
+  // Submitted jobs (call under state_mutex()).
+  kt::LayerJobs& jobs() { return jobs_; }
 
  private:
-  bool lora_on(int p) const { return opt.mode == KT_MODE_LORA && (opt.lora_targets >> p) & 1u; }
-  const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q : gate_q; }
+  bool lora_on(int p) const { return opt_.mode == KT_MODE_LORA && (opt_.lora_targets >> p) & 1u; }
+  const kt::QuantShape& qshape(int proj) const { return proj == kt::kDown ? down_q_ : gate_q_; }
   const uint8_t* qexpert(int proj, int64_t e) const { return qp_[proj] + e * qshape(proj).expert_bytes; }
   // Grows the shared workspace's per-worker scratch to this layer's tiles.
   void fit_workspace();
@@ -307,8 +365,20 @@ struct kt_moe {
   // of a mapping), before weights are packed into them.
   void own_weights();
 
-  bool counted_ = false;  // in engine->num_layers
-  const kt::Kernels& K_;
+  kt::HandleId handle_ = 0;
+  std::shared_ptr<kt_engine> engine_ref_;
+  kt_engine* engine_;
+  kt_moe_options opt_;
+  int64_t E_, top_k_, H_, I_, r_;
+  float lora_scale_ = 0.f;
+  kt::PanelShape gate_shape_, down_shape_;  // [I,H] (gate and up), [H,I]
+  // Quantized bases (opt_.weight_format): the stored panels' shapes; the A
+  // rows are then padded to their kq (gate_shape_.kp, down_shape_.kp).
+  bool quantized_ = false;
+  kt::QuantShape gate_q_, down_q_;
+
+  bool counted_ = false;  // in engine_->num_layers
+  const kt::Kernels& kernels_;
   int a_size_;  // bytes per A-format element
   // Packed base weights [E][panels] and fp32 biases. The kernels read the
   // weights through wp_ (qp_ for a quantized base): w_ (q_) itself, or a
@@ -332,13 +402,19 @@ struct kt_moe {
     bool set = false;
     kt::View view;
   };
-  Bound bound_[80];
+  Bound bound_[kt::kMaxArgId];
   kt_load_options bound_load_options_;
 
   // Shared with the engine's other layers (moe/workspace.h).
   std::shared_ptr<kt::MoeWorkspace> ws_;
 
-  void recycle_context(kt_context* c);  // under state_mutex
+  std::vector<kt_optimizer*> optimizers_;
+  kt_grad_ready_fn hook_fn_ = nullptr;
+  void* hook_user_ = nullptr;
+  mutable std::mutex state_mutex_;
+  kt::LayerJobs jobs_;
+
+  void recycle_context(kt_context* c);  // under state_mutex_
   std::unordered_map<kt::HandleId, kt_context*> contexts_;  // live handles
   std::unordered_set<kt_context*> retiring_;  // released while held
 };

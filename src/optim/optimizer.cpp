@@ -212,7 +212,7 @@ bool kt_optimizer::step_now(float unscale, float clip, const char* where) {
   if (pack)
     for (int p = 0; p < 3; ++p) {
       packed[p] = moe->writable_packed(p);
-      if (moe->opt.has_bias) biases[p] = moe->writable_biases(p);
+      if (moe->options().has_bias) biases[p] = moe->writable_biases(p);
     }
   if (opt.algorithm == KT_OPTIM_ADAMW) {
     kt::optim::AdamWScalars c;
@@ -559,28 +559,28 @@ kt_optimizer* create_for_tensors(kt_engine* engine, const kt_optimizer_options& 
 }
 
 kt_optimizer* create_for_layer(kt_moe* moe, const kt_optimizer_options& o, const char* where) {
-  const kt_mode mode = moe->opt.mode;
+  const kt_mode mode = moe->options().mode;
   KT_CHECK(
       mode == KT_MODE_LORA || mode == KT_MODE_FULL, KT_ERR_MODE,
       std::string(where) + ": the layer is in KT_MODE_INFERENCE: it has no trainable parameters");
   std::vector<std::pair<int, int>> ids;  // (param, grad)
   if (mode == KT_MODE_LORA) {
     for (int p = 0; p < 3; ++p)
-      if ((moe->opt.lora_targets >> p) & 1u) {
+      if ((moe->options().lora_targets >> p) & 1u) {
         ids.emplace_back(KT_ARG_LORA_A_GATE + 2 * p, KT_ARG_GRAD_LORA_A_GATE + 2 * p);
         ids.emplace_back(KT_ARG_LORA_B_GATE + 2 * p, KT_ARG_GRAD_LORA_B_GATE + 2 * p);
       }
   } else {
     for (int p = 0; p < 3; ++p) ids.emplace_back(KT_ARG_W_GATE + p, KT_ARG_GRAD_W_GATE + p);
-    if (moe->opt.has_bias)
+    if (moe->options().has_bias)
       for (int p = 0; p < 3; ++p) ids.emplace_back(KT_ARG_B_GATE + p, KT_ARG_GRAD_B_GATE + p);
   }
   std::unique_ptr<kt_optimizer> op(new kt_optimizer);
-  op->engine = moe->engine;
+  op->engine = moe->engine();
   op->moe = moe;
   op->layer_mode = true;
   op->opt = o;
-  op->kernels = &kernels_for_engine(moe->engine, where);
+  op->kernels = &kernels_for_engine(moe->engine(), where);
   for (const auto& id : ids) {
     const char* pname = arg_name(id.first);
     const View* pv = moe->bound_view(id.first);
