@@ -43,6 +43,7 @@ list(APPEND KT_CORE_SOURCES
   src/dist/comm.cpp
   src/dist/comm_create.cpp
   src/dist/dist_ckpt.cpp
+  src/dist/dist_ckpt_plan.cpp
   src/dist/dist_moe.cpp
   src/dist/gloo_transport.cpp
   src/dist/nccl_transport.cpp
