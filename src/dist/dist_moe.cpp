@@ -7,6 +7,7 @@
 #include "core/checked.h"
 #include "core/sized_struct.h"
 #include "core/tensor.h"
+#include "dist/dist_moe_rows.h"
 #include "moe/args.h"
 #include "moe/layer_calls.h"
 
@@ -15,8 +16,15 @@ using kt::fail;
 using kt::View;
 using kt::dist::agree;
 using kt::dist::attempt;
+using kt::dist::combine_rows;
+using kt::dist::copy_row_in;
+using kt::dist::copy_row_out;
 using kt::dist::kOutcomeBytes;
 using kt::dist::Outcome;
+using kt::dist::outcome_and_rows;
+using kt::dist::raw_to_f32;
+using kt::dist::rows_of_replies;
+using kt::dist::token_order;
 
 namespace {
 
@@ -62,27 +70,6 @@ char* bytes_of(std::vector<char>& v, size_t n) {
 }
 
 size_t usize(int64_t v) { return static_cast<size_t>(v); }
-
-// Copies row t of a [T, n] view (inner stride 1) to dst, and back.
-void copy_row_out(const View& v, int64_t t, void* dst) {
-  std::memcpy(dst, v.at(t, 0), usize(v.shape[1]) * v.elem_size());
-}
-void copy_row_in(const View& v, int64_t t, const void* src) {
-  std::memcpy(v.at(t, 0), src, usize(v.shape[1]) * v.elem_size());
-}
-
-// Converts a bf16|fp32 row of n elements (raw bytes) to fp32.
-void raw_to_f32(const char* src, DType d, int64_t n, float* dst) {
-  if (d == DType::kF32) {
-    std::memcpy(dst, src, usize(n) * sizeof(float));
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      kt::bf16_t b;
-      std::memcpy(&b, src + i * 2, 2);
-      dst[i] = kt::bf16_to_f32(b);
-    }
-  }
-}
 
 std::string dtype_word(int32_t d) { return kt::dtype_name(static_cast<DType>(d)); }
 
@@ -431,105 +418,13 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
 
 namespace {
 
-// The routes of a rank's tokens in the order the origin sums them: for
-// token t, route_order[begin[t], begin[t+1]) are its slots t*k+j with an
-// expert, ascending by (expert, j), as one process's combine adds them.
-void token_order(const View& ids, int64_t T, int64_t K, std::vector<int64_t>* begin, std::vector<int64_t>* order) {
-  begin->assign(usize(T) + 1, 0);
-  order->clear();
-  std::vector<std::pair<int64_t, int64_t>> routes;
-  for (int64_t t = 0; t < T; ++t) {
-    routes.clear();
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t e = ids.get_int(t, j);
-      if (e >= 0) routes.emplace_back(e, j);
-    }
-    std::sort(routes.begin(), routes.end());
-    for (const auto& r : routes) order->push_back(t * K + r.second);
-    (*begin)[usize(t) + 1] = static_cast<int64_t>(order->size());
-  }
-}
-
-// Stores an fp32 row into row t of out (fp32, or bf16 rounded to nearest
-// even, as one process's combine stores its sums).
-void store_row(const float* a, int64_t n, const View& out, int64_t t) {
-  if (out.dtype == DType::kF32) {
-    std::memcpy(out.at(t, 0), a, usize(n) * sizeof(float));
-  } else {
-    kt::bf16_t* d = reinterpret_cast<kt::bf16_t*>(out.at(t, 0));
-    for (int64_t h = 0; h < n; ++h) d[h] = kt::f32_to_bf16(a[h]);
-  }
-}
-
-// Sums the fp32 rows (n wide) of each token's routes in its order, from
-// zero, and stores the sums into out's rows.
-void combine_rows(const std::vector<int64_t>& begin, const std::vector<int64_t>& order,
-                  const std::vector<int64_t>& route_row, const char* rows, int64_t row_stride, int64_t n,
-                  const View& out) {
-  std::vector<float> acc(usize(std::max<int64_t>(n, 1)));
-  const int64_t T = static_cast<int64_t>(begin.size()) - 1;
-  for (int64_t t = 0; t < T; ++t) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    float* a = acc.data();
-    for (int64_t q = begin[usize(t)]; q < begin[usize(t) + 1]; ++q) {
-      const float* r = reinterpret_cast<const float*>(rows + route_row[usize(order[usize(q)])] * row_stride);
-      for (int64_t h = 0; h < n; ++h) a[h] += r[h];
-    }
-    store_row(a, n, out, t);
-  }
-}
-
+// Before the dispatch each rank states its T and X's dtype, then the routes
+// it sends to each rank.
 struct RouteHead {
   int64_t tokens;
   int32_t dtype;
   int32_t unused;
 };
-
-}  // namespace
-
-namespace {
-
-// What each rank sends back after its compute: its outcome, then (when it
-// succeeded) the outputs of the routes it received from that rank, yrow
-// bytes each; the byte counts of both directions of the exchange.
-std::vector<char> outcome_and_rows(const Outcome& computed, const std::vector<int64_t>& received,
-                                   const std::vector<int64_t>& sent, const char* y, int64_t yrow,
-                                   std::vector<int64_t>* send_bytes, std::vector<int64_t>* recv_bytes) {
-  const int W = static_cast<int>(received.size());
-  int64_t nrecv = 0;
-  for (int64_t n : received) nrecv += n;
-  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * yrow));
-  char* s = reply.data();
-  int64_t p0 = 0;
-  for (int r = 0; r < W; ++r) {
-    kt::dist::write_outcome(computed, s);
-    const int64_t n = received[usize(r)];
-    if (computed.ok() && n) std::memcpy(s + kOutcomeBytes, y + p0 * yrow, usize(n * yrow));
-    s += int64_t{kOutcomeBytes} + n * yrow;
-    p0 += n;
-    (*send_bytes)[usize(r)] = int64_t{kOutcomeBytes} + n * yrow;
-    (*recv_bytes)[usize(r)] = int64_t{kOutcomeBytes} + sent[usize(r)] * yrow;
-  }
-  return reply;
-}
-
-// The replies in from every rank: each one's outcome raised, its rows
-// packed in rank (route_row) order.
-std::vector<char> rows_of_replies(const char* back, const std::vector<int64_t>& sent, int64_t yrow,
-                                  const char* where) {
-  int64_t nsent = 0;
-  for (int64_t n : sent) nsent += n;
-  std::vector<char> rows(usize(std::max<int64_t>(nsent * yrow, 1)));
-  const char* s = back;
-  int64_t p0 = 0;
-  for (size_t r = 0; r < sent.size(); ++r) {
-    kt::dist::raise_outcome(s, static_cast<int>(r), where);
-    std::memcpy(rows.data() + p0 * yrow, s + kOutcomeBytes, usize(sent[r] * yrow));
-    s += int64_t{kOutcomeBytes} + sent[r] * yrow;
-    p0 += sent[r];
-  }
-  return rows;
-}
 
 }  // namespace
 

@@ -45,6 +45,7 @@ list(APPEND KT_CORE_SOURCES
   src/dist/dist_ckpt.cpp
   src/dist/dist_ckpt_plan.cpp
   src/dist/dist_moe.cpp
+  src/dist/dist_moe_rows.cpp
   src/dist/gloo_transport.cpp
   src/dist/nccl_transport.cpp
 )
