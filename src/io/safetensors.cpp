@@ -69,18 +69,41 @@ bool as_count(const json& v, uint64_t* out) {
 
 // Parses JSON text, refusing duplicate keys in the top-level object (the
 // library would silently keep the last one).
+// The top-level keys of a JSON text, for its duplicates, in one linear pass
+// (nlohmann's DOM parser keeps the last of two equal keys silently, and its
+// callback parser rescans an object's members at the end of each member:
+// quadratic in a 50k-tensor header).
+class TopLevelKeys : public json::json_sax_t {
+ public:
+  std::string duplicate;
+
+  bool key(string_t& k) override {
+    if (depth_ == 1 && !seen_.insert(k).second && duplicate.empty()) duplicate = k;
+    return true;
+  }
+  bool start_object(std::size_t) override { return ++depth_, true; }
+  bool end_object() override { return --depth_, true; }
+  bool start_array(std::size_t) override { return ++depth_, true; }
+  bool end_array() override { return --depth_, true; }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool parse_error(std::size_t, const std::string&, const json::exception&) override { return false; }
+
+ private:
+  int depth_ = 0;
+  std::set<std::string> seen_;
+};
+
 json parse_json_strict(const char* begin, const char* end, const std::string& label,
                        const char* what) {
-  std::string duplicate;
-  std::set<std::string> top_keys;
-  json::parser_callback_t cb = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1) {
-      const std::string& k = parsed.get_ref<const std::string&>();
-      if (!top_keys.insert(k).second && duplicate.empty()) duplicate = k;
-    }
-    return true;
-  };
-  json j = json::parse(begin, end, cb, /*allow_exceptions=*/false);
+  TopLevelKeys keys;
+  json j = json::sax_parse(begin, end, &keys) ? json::parse(begin, end, nullptr, /*allow_exceptions=*/false)
+                                              : json(json::value_t::discarded);
   if (j.is_discarded()) {
     // Re-parse with exceptions for the parser's position message.
     std::string why = "not valid JSON";
@@ -92,7 +115,7 @@ json parse_json_strict(const char* begin, const char* end, const std::string& la
     }
     io_fail(label + ": " + what + " is malformed: " + why);
   }
-  if (!duplicate.empty()) io_fail(label + ": " + what + " names " + printable(duplicate) + " twice");
+  if (!keys.duplicate.empty()) io_fail(label + ": " + what + " names " + printable(keys.duplicate) + " twice");
   return j;
 }
 
@@ -414,6 +437,14 @@ void release_mapped_pages(const void* data, size_t bytes) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) / page * page;
   // Advice only: a failure leaves the pages resident, nothing else changes.
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+void prefetch_mapped_pages(const void* data, size_t bytes) {
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const uintptr_t end = reinterpret_cast<uintptr_t>(data) + bytes;
+  // Advice only, as above.
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_WILLNEED);
 }
 
 MappedFile::~MappedFile() {
