@@ -86,6 +86,10 @@ class DirHandle {
 // are read again on the next access), so a loader that has consumed them
 // does not keep a second copy of the checkpoint resident.
 void release_mapped_pages(const void* data, size_t bytes);
+// Asks the kernel to start reading [data, data + bytes) of a file mapping
+// now, in large requests, so that a loader touching it later finds it in the
+// page cache instead of faulting it in a few pages at a time.
+void prefetch_mapped_pages(const void* data, size_t bytes);
 
 class MappedFile {
  public:
