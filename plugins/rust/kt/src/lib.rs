@@ -320,6 +320,8 @@ impl Engine {
             kernel_name: ptr::null(),
             gemm_backend: sys::KT_GEMM_AUTO,
             precision: sys::KT_PRECISION_DEFAULT,
+            numa_nodes: 0,
+            numa_node_workers: ptr::null(),
         };
         check(unsafe { sys::kt_engine_get_info(self.raw, &mut info) })?;
         Ok(info)
