@@ -14,36 +14,9 @@ package kt
 #include <string.h>
 #include <kt_c_api.h>
 
-// Go memory handed to C must not contain Go pointers, so tensors cross as
-// plain descriptions (ktgo_arg) plus their data pointers as direct arguments;
-// the DLTensors and kt_args are built here, on the C stack, for the call.
-enum { KTGO_MAX_ARGS = 16, KTGO_MAX_DIMS = 4 };
+#include "ktgo.h"
+
 enum { KTGO_LOAD = 0, KTGO_FORWARD = 1, KTGO_BACKWARD = 2, KTGO_BIND = 3, KTGO_READ_WEIGHTS = 4 };
-
-typedef struct ktgo_arg {
-	int id;
-	int code;
-	int bits;
-	int ndim;
-	int64_t shape[KTGO_MAX_DIMS];
-} ktgo_arg;
-
-static void ktgo_fill(int n, const ktgo_arg* meta, void* const* data, DLTensor* tensors,
-                      int64_t (*shapes)[KTGO_MAX_DIMS], kt_arg* args) {
-	for (int i = 0; i < n; ++i) {
-		memset(&tensors[i], 0, sizeof(tensors[i]));
-		memcpy(shapes[i], meta[i].shape, sizeof(shapes[i]));
-		tensors[i].data = data[i];
-		tensors[i].device.device_type = kDLCPU;
-		tensors[i].ndim = meta[i].ndim;
-		tensors[i].dtype.code = (uint8_t)meta[i].code;
-		tensors[i].dtype.bits = (uint8_t)meta[i].bits;
-		tensors[i].dtype.lanes = 1;
-		tensors[i].shape = shapes[i];
-		args[i].id = meta[i].id;
-		args[i].tensor = &tensors[i];
-	}
-}
 
 static kt_status ktgo_call(int op, kt_moe* moe, kt_context* ctx, kt_context** saved,
                            const kt_backward_options* backward_options, int n, const ktgo_arg* meta,
@@ -289,16 +262,8 @@ type MoEInfo struct {
 	Int8Compute                      bool // KT_COMPUTE_INT8
 }
 
-// MoE is one MoE layer's routed experts. Close it before its engine.
-type MoE struct {
-	handle *C.kt_moe
-}
-
-// NewMoE creates a layer on the engine; load its weights before a forward.
-func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
-	if e.handle == nil {
-		return nil, closedError("engine")
-	}
+// toC is the kt_moe_options of opts, kt's defaults where a field is zero.
+func (opts MoEOptions) toC() C.kt_moe_options {
 	var o C.kt_moe_options
 	C.kt_moe_options_init(&o)
 	o.num_experts = C.int64_t(opts.NumExperts)
@@ -333,6 +298,22 @@ func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
 	if opts.Int8Compute {
 		o.compute = C.KT_COMPUTE_INT8
 	}
+	return o
+}
+
+// MoE is one MoE layer's routed experts. Close it before its engine.
+type MoE struct {
+	handle *C.kt_moe
+	// borrowed: the layer of a DistMoE, which frees it (Close leaves it).
+	borrowed bool
+}
+
+// NewMoE creates a layer on the engine; load its weights before a forward.
+func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
+	if e.handle == nil {
+		return nil, closedError("engine")
+	}
+	o := opts.toC()
 	m := &MoE{}
 	if err := call(func() C.kt_status { return C.kt_moe_create(e.handle, &o, &m.handle) }); err != nil {
 		return nil, err
@@ -340,10 +321,12 @@ func (e *Engine) NewMoE(opts MoEOptions) (*MoE, error) {
 	return m, nil
 }
 
-// Close frees the layer and its outstanding contexts. Closing twice is a no-op.
+// Close frees the layer and its outstanding contexts (the layer of a DistMoE
+// is freed by DistMoE.Close instead). Closing twice is a no-op.
 func (m *MoE) Close() error {
-	if m.handle != nil {
+	if m.handle != nil && !m.borrowed {
 		C.kt_moe_destroy(m.handle)
+		forgetGradHook(m.handle)
 		m.handle = nil
 	}
 	return nil
@@ -405,6 +388,16 @@ func (m *MoE) run(op C.int, ctx *C.kt_context, saved **C.kt_context,
 	if m.handle == nil {
 		return closedError("moe")
 	}
+	return withArgs(args, func(n C.int, meta *C.ktgo_arg, d *[C.KTGO_MAX_ARGS]unsafe.Pointer) C.kt_status {
+		return C.ktgo_call(op, m.handle, ctx, saved, bo, n, meta, d[0], d[1], d[2], d[3], d[4], d[5],
+			d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15])
+	})
+}
+
+// withArgs describes args and runs fn with the descriptions and the data
+// pointers, turning its status into an error; the slices stay alive until
+// fn returned.
+func withArgs(args []Arg, fn func(n C.int, meta *C.ktgo_arg, data *[C.KTGO_MAX_ARGS]unsafe.Pointer) C.kt_status) error {
 	if len(args) > C.KTGO_MAX_ARGS {
 		return &Error{Status: ErrInvalidArgument, Message: fmt.Sprintf("%d args; at most %d per call", len(args), C.KTGO_MAX_ARGS)}
 	}
@@ -413,11 +406,7 @@ func (m *MoE) run(op C.int, ctx *C.kt_context, saved **C.kt_context,
 	if err := describe(args, meta[:], data[:]); err != nil {
 		return err
 	}
-	err := call(func() C.kt_status {
-		return C.ktgo_call(op, m.handle, ctx, saved, bo, C.int(len(args)), &meta[0],
-			data[0], data[1], data[2], data[3], data[4], data[5], data[6], data[7],
-			data[8], data[9], data[10], data[11], data[12], data[13], data[14], data[15])
-	})
+	err := call(func() C.kt_status { return fn(C.int(len(args)), &meta[0], &data) })
 	runtime.KeepAlive(args)
 	return err
 }
@@ -510,6 +499,12 @@ func (m *MoE) Backward(ctx *Context, opts *BackwardOptions, args ...Arg) error {
 	if ctx == nil || ctx.handle == nil {
 		return &Error{Status: ErrContext, Message: "context is nil or closed"}
 	}
+	o := opts.toC()
+	return m.run(C.KTGO_BACKWARD, ctx.handle, nil, &o, args)
+}
+
+// toC is the kt_backward_options of opts (kt's defaults for nil).
+func (opts *BackwardOptions) toC() C.kt_backward_options {
 	var o C.kt_backward_options
 	C.kt_backward_options_init(&o)
 	if opts != nil {
@@ -523,7 +518,7 @@ func (m *MoE) Backward(ctx *Context, opts *BackwardOptions, args ...Arg) error {
 			o.param_grads = 0
 		}
 	}
-	return m.run(C.KTGO_BACKWARD, ctx.handle, nil, &o, args)
+	return o
 }
 
 // Context holds what a training forward saved for its backward.
@@ -740,21 +735,10 @@ func (c *Checkpoint) LoadLayerWith(layer int64, m *MoE, opts *LoadLayerOptions) 
 }
 
 func read(op C.int, ckpt *C.kt_ckpt, dir *C.char, layer int64, args []Arg) error {
-	if len(args) > C.KTGO_MAX_ARGS {
-		return &Error{Status: ErrInvalidArgument, Message: fmt.Sprintf("%d args; at most %d per call", len(args), C.KTGO_MAX_ARGS)}
-	}
-	var meta [C.KTGO_MAX_ARGS]C.ktgo_arg
-	var data [C.KTGO_MAX_ARGS]unsafe.Pointer
-	if err := describe(args, meta[:], data[:]); err != nil {
-		return err
-	}
-	err := call(func() C.kt_status {
-		return C.ktgo_read(op, ckpt, dir, C.int64_t(layer), C.int(len(args)), &meta[0],
-			data[0], data[1], data[2], data[3], data[4], data[5], data[6], data[7],
-			data[8], data[9], data[10], data[11], data[12], data[13], data[14], data[15])
+	return withArgs(args, func(n C.int, meta *C.ktgo_arg, d *[C.KTGO_MAX_ARGS]unsafe.Pointer) C.kt_status {
+		return C.ktgo_read(op, ckpt, dir, C.int64_t(layer), n, meta, d[0], d[1], d[2], d[3], d[4], d[5],
+			d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14], d[15])
 	})
-	runtime.KeepAlive(args)
-	return err
 }
 
 // ReadLayer copies layer L's weights into tensors: ArgWGate, ArgWUp [E,I,H],

@@ -97,10 +97,7 @@ func (o *Optimizer) Step(gradUnscale, clipCoef float32) (bool, error) {
 	if o.handle == nil {
 		return false, closedError("optimizer")
 	}
-	var so C.kt_optimizer_step_options
-	C.kt_optimizer_step_options_init(&so)
-	so.grad_unscale = C.float(gradUnscale)
-	so.clip_coef = C.float(clipCoef)
+	so := stepOptions(gradUnscale, clipCoef)
 	// found_nonfinite points into C memory: cgo lets C keep no Go pointer.
 	flag := (*C.int)(C.malloc(C.size_t(unsafe.Sizeof(C.int(0)))))
 	defer C.free(unsafe.Pointer(flag))
@@ -110,6 +107,14 @@ func (o *Optimizer) Step(gradUnscale, clipCoef float32) (bool, error) {
 		return false, err
 	}
 	return *flag == 0, nil
+}
+
+func stepOptions(gradUnscale, clipCoef float32) C.kt_optimizer_step_options {
+	var so C.kt_optimizer_step_options
+	C.kt_optimizer_step_options_init(&so)
+	so.grad_unscale = C.float(gradUnscale)
+	so.clip_coef = C.float(clipCoef)
+	return so
 }
 
 // Options returns the current hyperparameters.
