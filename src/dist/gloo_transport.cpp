@@ -21,10 +21,13 @@
 namespace kt::dist {
 namespace {
 
-// The host's store (kt_comm_store callbacks) as a Gloo store.
+// The host's store (kt_comm_store callbacks) as a Gloo store. Gloo reads some
+// keys without waiting for them first, and its own stores block in get until
+// the key appears: so does this one, within the communicator's timeout, since
+// a host's get reports a missing key at once.
 class CallbackStore : public gloo::rendezvous::Store {
  public:
-  explicit CallbackStore(const kt_comm_store& s) : s_(s) {}
+  CallbackStore(const kt_comm_store& s, std::chrono::milliseconds timeout) : s_(s), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     const int rc = s_.set(key.c_str(), data.data(), data.size(), s_.user);
@@ -33,12 +36,13 @@ class CallbackStore : public gloo::rendezvous::Store {
   }
 
   std::vector<char> get(const std::string& key) override {
+    wait({key}, timeout_);
     std::vector<char> value;
     KT_CHECK(try_get(key, &value), KT_ERR_COMM, "the host store has no key '" + key + "'");
     return value;
   }
 
-  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
 
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
     const auto end = std::chrono::steady_clock::now() + timeout;
@@ -73,6 +77,7 @@ class CallbackStore : public gloo::rendezvous::Store {
   }
 
   kt_comm_store s_;
+  std::chrono::milliseconds timeout_;
 };
 
 // Gloo reports failures as exceptions of its own (a peer closed its
@@ -93,7 +98,7 @@ class GlooTransport : public Transport {
   explicit GlooTransport(const TransportOptions& o) : timeout_(o.timeout), world_(o.world) {
     gloo_call("rendezvous", [&] {
       if (o.rendezvous.store) {
-        base_store_ = std::make_unique<CallbackStore>(o.rendezvous.store_copy);
+        base_store_ = std::make_unique<CallbackStore>(o.rendezvous.store_copy, o.timeout);
       } else {
         base_store_ = std::make_unique<gloo::rendezvous::FileStore>(o.rendezvous.path);
       }

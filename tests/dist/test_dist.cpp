@@ -9,8 +9,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kt_c_api.h"
@@ -217,6 +220,77 @@ TEST(Comm, CudaTensorsNeedACudaBackend) {
   t.strides = strides;
   EXPECT_EQ(kt_comm_broadcast(c, &t, 0), KT_ERR_STRIDE);
   kt_comm_destroy(c);
+}
+
+// A host store whose get says "not there" at once, as a plain key-value map
+// does: the rendezvous waits for the keys the other rank has yet to set.
+struct MapStore {
+  std::mutex m;
+  std::map<std::string, std::string> kv;
+  static int set(const char* key, const void* value, size_t size, void* user) {
+    auto* s = static_cast<MapStore*>(user);
+    std::lock_guard<std::mutex> g(s->m);
+    s->kv[key] = std::string(static_cast<const char*>(value), size);
+    return 0;
+  }
+  static int get(const char* key, void* buffer, size_t capacity, size_t* size, void* user) {
+    auto* s = static_cast<MapStore*>(user);
+    std::lock_guard<std::mutex> g(s->m);
+    auto it = s->kv.find(key);
+    if (it == s->kv.end()) return 1;
+    *size = it->second.size();
+    std::memcpy(buffer, it->second.data(), std::min(capacity, it->second.size()));
+    return 0;
+  }
+};
+
+TEST(Comm, HostStoreWhoseGetDoesNotWaitStillMeetsALateRank) {
+  if (!have_gloo()) GTEST_SKIP() << "kt built without Gloo";
+  MapStore map;
+  kt_comm_store store{};
+  store.set = &MapStore::set;
+  store.get = &MapStore::get;
+  store.user = &map;
+  float gathered[2][2] = {{-1, -1}, {-1, -1}};
+  kt_status status[2] = {KT_ERR_INTERNAL, KT_ERR_INTERNAL};
+  std::string error[2];
+  auto rank = [&](int r) {
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    kt_comm_options o;
+    kt_comm_options_init(&o);
+    o.rank = r;
+    o.world_size = 2;
+    o.store = &store;
+    o.timeout_ms = 20000;
+    kt_comm* c = nullptr;
+    status[r] = kt_comm_create(&o, &c);
+    if (status[r] != KT_OK) {
+      error[r] = kt_last_error();
+      return;
+    }
+    float mine = 10.0f + r;
+    int64_t one[1] = {1}, two[2] = {2, 1};
+    DLTensor in{}, out{};
+    in.data = &mine;
+    in.device = out.device = {kDLCPU, 0};
+    in.ndim = 1;
+    out.ndim = 2;
+    in.dtype = out.dtype = {kDLFloat, 32, 1};
+    in.shape = one;
+    out.data = gathered[r];
+    out.shape = two;
+    status[r] = kt_comm_allgather(c, &in, &out);
+    if (status[r] != KT_OK) error[r] = kt_last_error();
+    kt_comm_destroy(c);
+  };
+  std::thread second(rank, 1);
+  rank(0);
+  second.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(status[r], KT_OK) << "rank " << r << ": " << error[r];
+    EXPECT_EQ(gathered[r][0], 10.0f);
+    EXPECT_EQ(gathered[r][1], 11.0f);
+  }
 }
 
 // ---------------------------------------------------------------- owner rank
