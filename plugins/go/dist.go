@@ -120,9 +120,7 @@ func NCCLUniqueID() ([]byte, error) {
 type Store interface {
 	Set(key string, value []byte) error
 	// Get returns the value under key, or ok false when the key is not
-	// there yet. kt asks again until its timeout only where it waits for a
-	// key; Gloo also reads keys it did not wait for, so Get should wait a
-	// little for a missing key, as torch.distributed's stores do.
+	// there yet; kt asks again until the communicator's timeout.
 	Get(key string) (value []byte, ok bool, err error)
 }
 
