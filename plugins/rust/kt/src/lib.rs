@@ -66,9 +66,15 @@ macro_rules! forward_methods {
     };
 }
 
+mod dist;
 mod optim;
 mod runtime;
 mod weight_format;
+pub use dist::{
+    built_with, nccl_unique_id, parse_backend, Backend, Backends, Comm, CommInfo, CommOptions, Device, DistCheckpointOptions,
+    DistCkptLayer, DistContext, DistMode, DistMoe, DistMoeOptions, GradAverage, NcclUniqueId, Parts, Rendezvous, Store,
+    NCCL_UNIQUE_ID_BYTES,
+};
 pub use runtime::{Job, StageProfile};
 pub use weight_format::WeightFormat;
 pub use optim::{Algorithm, Arithmetic, Optimizer, OptimizerOptions};
