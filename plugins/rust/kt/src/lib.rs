@@ -22,9 +22,59 @@ use std::ptr;
 
 use kt_sys as sys;
 
+/// `forward_raw`, `forward` (y = MoE(x), nothing saved) and `forward_train`
+/// (y = MoE(x), saving what the backward needs in the returned context) of a
+/// layer type: `$call` is its kt forward, `$raw_ctx` kt's context type, and
+/// `$ctx { raw, $phantom }` the context wrapper, borrowing the layer.
+macro_rules! forward_methods {
+    ($call:path, $raw_ctx:ty, $ctx:ident, $phantom:ident) => {
+        fn forward_raw(
+            &self,
+            x: &TensorRef<'_>,
+            ids: &TensorRef<'_>,
+            route_weights: &TensorRef<'_>,
+            y: &mut TensorMut<'_>,
+            saved: *mut *mut $raw_ctx,
+        ) -> Result<()> {
+            let args = forward_args(x, ids, route_weights, y);
+            check(unsafe { $call(self.raw, args.as_ptr(), args.len(), saved) })
+        }
+
+        /// y = MoE(x), nothing saved.
+        pub fn forward(
+            &self,
+            x: &TensorRef<'_>,
+            ids: &TensorRef<'_>,
+            route_weights: &TensorRef<'_>,
+            y: &mut TensorMut<'_>,
+        ) -> Result<()> {
+            self.forward_raw(x, ids, route_weights, y, ptr::null_mut())
+        }
+
+        /// y = MoE(x), saving what the backward needs in the returned context.
+        pub fn forward_train(
+            &self,
+            x: &TensorRef<'_>,
+            ids: &TensorRef<'_>,
+            route_weights: &TensorRef<'_>,
+            y: &mut TensorMut<'_>,
+        ) -> Result<$ctx<'_>> {
+            let mut raw = ptr::null_mut();
+            self.forward_raw(x, ids, route_weights, y, &mut raw)?;
+            Ok($ctx { raw, $phantom: PhantomData })
+        }
+    };
+}
+
+mod dist;
 mod optim;
 mod runtime;
 mod weight_format;
+pub use dist::{
+    built_with, nccl_unique_id, parse_backend, Backend, Backends, Comm, CommInfo, CommOptions, Device, DistCheckpointOptions,
+    DistCkptLayer, DistContext, DistMode, DistMoe, DistMoeOptions, GradAverage, NcclUniqueId, Parts, Rendezvous, Store,
+    NCCL_UNIQUE_ID_BYTES,
+};
 pub use runtime::{Job, StageProfile};
 pub use weight_format::WeightFormat;
 pub use optim::{Algorithm, Arithmetic, Optimizer, OptimizerOptions};
@@ -250,6 +300,16 @@ fn raw_args(args: &[Arg<'_, '_>]) -> Vec<sys::kt_arg> {
         .collect()
 }
 
+/// The four arguments of a forward (kt_moe_forward, kt_dist_moe_forward).
+fn forward_args(x: &TensorRef<'_>, ids: &TensorRef<'_>, route_weights: &TensorRef<'_>, y: &mut TensorMut<'_>) -> [sys::kt_arg; 4] {
+    [
+        sys::kt_arg { id: sys::KT_ARG_X, tensor: &x.tensor },
+        sys::kt_arg { id: sys::KT_ARG_IDS, tensor: &ids.tensor },
+        sys::kt_arg { id: sys::KT_ARG_ROUTE_WEIGHTS, tensor: &route_weights.tensor },
+        sys::kt_arg { id: sys::KT_ARG_Y, tensor: &y.tensor },
+    ]
+}
+
 // ------------------------------------------------------------------- engine
 
 /// Engine settings; `None`/defaults keep kt's choices.
@@ -463,6 +523,20 @@ pub struct BackwardOptions {
     pub param_grads: bool,
 }
 
+impl BackwardOptions {
+    fn raw(&self) -> sys::kt_backward_options {
+        let mut o = std::mem::MaybeUninit::<sys::kt_backward_options>::uninit();
+        let mut o = unsafe {
+            sys::kt_backward_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_backward_options>());
+            o.assume_init()
+        };
+        o.grad_scale = self.grad_scale;
+        o.accumulate = if self.accumulate { sys::KT_GRAD_ACCUMULATE } else { sys::KT_GRAD_OVERWRITE };
+        o.param_grads = self.param_grads as c_int;
+        o
+    }
+}
+
 impl Default for BackwardOptions {
     fn default() -> Self {
         BackwardOptions { grad_scale: 1.0, accumulate: false, param_grads: true }
@@ -550,58 +624,12 @@ impl<'e> Moe<'e> {
         check(unsafe { sys::kt_moe_params_changed(self.raw) })
     }
 
-    fn forward_raw(
-        &self,
-        x: &TensorRef<'_>,
-        ids: &TensorRef<'_>,
-        route_weights: &TensorRef<'_>,
-        y: &mut TensorMut<'_>,
-        saved: *mut *mut sys::kt_context,
-    ) -> Result<()> {
-        let args = [
-            sys::kt_arg { id: sys::KT_ARG_X, tensor: &x.tensor },
-            sys::kt_arg { id: sys::KT_ARG_IDS, tensor: &ids.tensor },
-            sys::kt_arg { id: sys::KT_ARG_ROUTE_WEIGHTS, tensor: &route_weights.tensor },
-            sys::kt_arg { id: sys::KT_ARG_Y, tensor: &y.tensor },
-        ];
-        check(unsafe { sys::kt_moe_forward(self.raw, args.as_ptr(), args.len(), saved) })
-    }
-
-    /// y = MoE(x), nothing saved.
-    pub fn forward(
-        &self,
-        x: &TensorRef<'_>,
-        ids: &TensorRef<'_>,
-        route_weights: &TensorRef<'_>,
-        y: &mut TensorMut<'_>,
-    ) -> Result<()> {
-        self.forward_raw(x, ids, route_weights, y, ptr::null_mut())
-    }
-
-    /// y = MoE(x), saving what [`Moe::backward`] needs in the returned context.
-    pub fn forward_train(
-        &self,
-        x: &TensorRef<'_>,
-        ids: &TensorRef<'_>,
-        route_weights: &TensorRef<'_>,
-        y: &mut TensorMut<'_>,
-    ) -> Result<Context<'_>> {
-        let mut raw = ptr::null_mut();
-        self.forward_raw(x, ids, route_weights, y, &mut raw)?;
-        Ok(Context { raw, _moe: PhantomData })
-    }
+    forward_methods!(sys::kt_moe_forward, sys::kt_context, Context, _moe);
 
     /// Backward of ctx's forward. args: arg::DY (required), arg::DX and
     /// arg::DROUTE_WEIGHTS (optional outputs). The context is spent.
     pub fn backward(&self, ctx: &mut Context<'_>, options: &BackwardOptions, args: &[Arg<'_, '_>]) -> Result<()> {
-        let mut o = std::mem::MaybeUninit::<sys::kt_backward_options>::uninit();
-        let mut o = unsafe {
-            sys::kt_backward_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_backward_options>());
-            o.assume_init()
-        };
-        o.grad_scale = options.grad_scale;
-        o.accumulate = if options.accumulate { sys::KT_GRAD_ACCUMULATE } else { sys::KT_GRAD_OVERWRITE };
-        o.param_grads = options.param_grads as c_int;
+        let o = options.raw();
         let raw = raw_args(args);
         check(unsafe { sys::kt_moe_backward(self.raw, ctx.raw, &o, raw.as_ptr(), raw.len()) })
     }

@@ -109,7 +109,7 @@ impl Default for OptimizerOptions {
 /// computing with the new values (full mode: the packed weights are written
 /// in the same pass). It borrows the layer, which therefore outlives it.
 pub struct Optimizer<'m> {
-    raw: *mut sys::kt_optimizer,
+    pub(crate) raw: *mut sys::kt_optimizer,
     _moe: PhantomData<&'m ()>,
 }
 

@@ -87,12 +87,7 @@ impl<'e> Moe<'e> {
         route_weights: &'a TensorRef<'a>,
         y: &'a mut TensorMut<'a>,
     ) -> Result<Job<'a>> {
-        let args = [
-            sys::kt_arg { id: sys::KT_ARG_X, tensor: &x.tensor },
-            sys::kt_arg { id: sys::KT_ARG_IDS, tensor: &ids.tensor },
-            sys::kt_arg { id: sys::KT_ARG_ROUTE_WEIGHTS, tensor: &route_weights.tensor },
-            sys::kt_arg { id: sys::KT_ARG_Y, tensor: &y.tensor },
-        ];
+        let args = crate::forward_args(x, ids, route_weights, y);
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_moe_forward_submit(self.raw, args.as_ptr(), args.len(), ptr::null_mut(), 0, &mut raw) })?;
         Ok(Job { raw, _borrows: PhantomData })
