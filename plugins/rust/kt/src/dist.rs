@@ -128,9 +128,7 @@ pub trait Store {
     /// Stores value under key.
     fn set(&self, key: &str, value: &[u8]) -> std::io::Result<()>;
     /// The value under key, or None while it does not exist yet (kt asks
-    /// again until its timeout). Gloo's rendezvous reads some keys once,
-    /// without asking again: a get should wait a while for a missing key
-    /// before answering None, as torch's stores do.
+    /// again until the communicator's timeout).
     fn get(&self, key: &str) -> std::io::Result<Option<Vec<u8>>>;
 }
 

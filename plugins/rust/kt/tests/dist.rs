@@ -386,19 +386,12 @@ impl Store for FileStore {
         std::fs::write(&tmp, value)?;
         std::fs::rename(tmp, self.path(key))
     }
-    /// Waits a while for a missing key, as torch's stores do: Gloo's
-    /// rendezvous reads some keys once, without waiting for them first.
+    /// Answers at once, None for a missing key: kt waits for it.
     fn get(&self, key: &str) -> std::io::Result<Option<Vec<u8>>> {
-        let end = Instant::now() + Duration::from_secs(10);
-        loop {
-            match std::fs::read(self.path(key)) {
-                Ok(v) => return Ok(Some(v)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound && Instant::now() < end => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-                Err(e) => return Err(e),
-            }
+        match std::fs::read(self.path(key)) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
         }
     }
 }
