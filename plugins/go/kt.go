@@ -151,6 +151,10 @@ type EngineOptions struct {
 	// HostOpenMP computes on the OpenMP threads of the calling thread
 	// instead of kt's own workers (kt_engine_options.host_openmp).
 	HostOpenMP bool
+	// NUMA splits workers and experts over the NUMA nodes of the affinity
+	// mask (KT_NUMA_AUTO; the same bits as without). NUMANodeWorkers says
+	// the nodes in use.
+	NUMA bool
 }
 
 // Engine owns a worker pool. Close it after every layer made on it.
@@ -180,6 +184,9 @@ func NewEngine(opts *EngineOptions) (*Engine, error) {
 		if opts.HostOpenMP {
 			o.host_openmp = 1
 		}
+		if opts.NUMA {
+			o.numa = C.KT_NUMA_AUTO
+		}
 	}
 	e := &Engine{}
 	if err := call(func() C.kt_status { return C.kt_engine_create(&o, &e.handle) }); err != nil {
@@ -201,6 +208,21 @@ func (e *Engine) KernelName() (string, error) {
 		return "", err
 	}
 	return C.GoString(info.kernel_name), nil
+}
+
+// NUMANodeWorkers is the workers of each NUMA node the engine is split
+// over, in node order (one entry unless NUMA found several nodes).
+func (e *Engine) NUMANodeWorkers() ([]int, error) {
+	info, err := e.info()
+	if err != nil || info.numa_nodes <= 0 || info.numa_node_workers == nil {
+		return nil, err
+	}
+	nodes := unsafe.Slice(info.numa_node_workers, int(info.numa_nodes))
+	out := make([]int, len(nodes))
+	for i, n := range nodes {
+		out[i] = int(n)
+	}
+	return out, nil
 }
 
 func (e *Engine) info() (C.kt_engine_info, error) {

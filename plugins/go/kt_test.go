@@ -127,7 +127,12 @@ func expectClose(t *testing.T, name string, got []float32, want []float64) {
 
 func newTestLayer(t *testing.T, l *layer) (*Engine, *MoE) {
 	t.Helper()
-	engine, err := NewEngine(&EngineOptions{NumThreads: 2, NoPinning: true})
+	return newTestLayerOn(t, l, &EngineOptions{NumThreads: 2, NoPinning: true})
+}
+
+func newTestLayerOn(t *testing.T, l *layer, opts *EngineOptions) (*Engine, *MoE) {
+	t.Helper()
+	engine, err := NewEngine(opts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -157,6 +162,34 @@ func TestVersion(t *testing.T) {
 		t.Fatal("empty version or build info")
 	}
 	t.Logf("kt %s: %s", Version(), BuildInfo())
+}
+
+func TestNUMAOptionReportsNodesAndKeepsTheBits(t *testing.T) {
+	l := newLayer()
+	var outs [2][]float32
+	for i, numa := range []bool{false, true} {
+		engine, moe := newTestLayerOn(t, l, &EngineOptions{NumThreads: 2, NUMA: numa})
+		workers, err := engine.NUMANodeWorkers()
+		sum := 0
+		for _, w := range workers {
+			sum += w
+		}
+		if err != nil || sum != 2 || len(workers) == 0 || (!numa && len(workers) != 1) {
+			t.Fatalf("NUMA %v: node workers %v, %v", numa, workers, err)
+		}
+		outs[i] = make([]float32, tokens*hidden)
+		if err := moe.Forward(Float32(l.x, tokens, hidden), Int32(l.ids, tokens, topK),
+			Float32(l.rw, tokens, topK), Float32(outs[i], tokens, hidden)); err != nil {
+			t.Fatal(err)
+		}
+		moe.Close()
+		engine.Close()
+	}
+	for j := range outs[0] {
+		if math.Float32bits(outs[0][j]) != math.Float32bits(outs[1][j]) {
+			t.Fatalf("NUMA on changed y[%d]: %v against %v", j, outs[1][j], outs[0][j])
+		}
+	}
 }
 
 func TestForwardBackward(t *testing.T) {

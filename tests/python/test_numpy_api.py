@@ -116,3 +116,37 @@ def test_without_torch():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "numpy-ok" in out.stdout
+
+
+def test_numa_option_reports_nodes_and_keeps_the_bits():
+    import numpy as np
+    import kt
+
+    rng = np.random.default_rng(1)
+    E, K, H, I, T = 6, 2, 32, 16, 9
+    wg, wu = (rng.standard_normal((E, I, H)).astype(np.float32) / 5 for _ in range(2))
+    wd = rng.standard_normal((E, H, I)).astype(np.float32) / 4
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    ids = rng.integers(0, E, (T, K)).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    nodes = len([d for d in os.listdir("/sys/devices/system/node") if d.startswith("node")]) \
+        if os.path.isdir("/sys/devices/system/node") else 1
+    outs = {}
+    for numa in ("off", "auto"):
+        engine = kt.Engine(num_threads=2, numa=numa)
+        workers = engine.info()["numa_node_workers"]
+        assert sum(workers) == 2, workers
+        assert (len(workers) == 1) if numa == "off" else (1 <= len(workers) <= nodes), (numa, workers)
+        m = kt.MoE(E, K, H, I, engine=engine)
+        m.load_weights(gate=wg, up=wu, down=wd)
+        outs[numa] = np.empty_like(x)
+        m.forward(x, ids, w, outs[numa])
+        m.close()
+        engine.close()
+    assert outs["auto"].tobytes() == outs["off"].tobytes()
+    try:
+        kt.Engine(numa="on")
+    except ValueError as e:
+        assert "numa must be one of off, auto" in str(e), e
+    else:
+        raise AssertionError("numa='on' was accepted")

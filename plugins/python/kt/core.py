@@ -90,12 +90,16 @@ class Engine(_Handle):
     # kt_precision: "fp32" keeps fp32 activations fp32 in the weight GEMMs
     # (by default the avx512bf16 kernels round them to bf16, ~2e-3 relative).
     PRECISIONS = {"default": _capi.PRECISION_DEFAULT, "fp32": _capi.PRECISION_FP32}
+    # kt_numa_mode: "auto" splits workers and experts over the NUMA nodes of
+    # the affinity mask (the same bits as "off").
+    NUMA = {"off": _capi.NUMA_OFF, "auto": _capi.NUMA_AUTO}
 
     def __init__(self, num_threads=0, pin_threads=True, max_isa="auto", verbosity=-1, gemm_backend="auto",
-                 precision="default", host_openmp=False):
+                 precision="default", host_openmp=False, numa="off"):
         """host_openmp=True: compute on the OpenMP threads of the calling
         thread (torch's intra-op threads, in a torch host) instead of kt's
-        own pinned workers (kt_engine_options.host_openmp)."""
+        own pinned workers (kt_engine_options.host_openmp). numa="auto":
+        workers and experts per NUMA node; info() says the nodes in use."""
         opts = _capi.EngineOptions()
         lib().kt_engine_options_defaults(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.num_threads = int(num_threads)
@@ -108,6 +112,9 @@ class Engine(_Handle):
         if precision not in self.PRECISIONS:
             raise ValueError("kt: precision must be one of %s" % ", ".join(self.PRECISIONS))
         opts.precision = self.PRECISIONS[precision]
+        if numa not in self.NUMA:
+            raise ValueError("kt: numa must be one of %s" % ", ".join(self.NUMA))
+        opts.numa = self.NUMA[numa]
         if gemm_backend not in self.GEMM_BACKENDS:
             raise ValueError("kt: gemm_backend must be one of %s" % ", ".join(self.GEMM_BACKENDS))
         handle = ctypes.c_void_p()
@@ -136,7 +143,8 @@ class Engine(_Handle):
                 "cpu_isa": names.get(info.cpu_isa, "unknown"),
                 "kernel_name": info.kernel_name.decode(),
                 "gemm_backend": {v: k for k, v in self.GEMM_BACKENDS.items()}.get(info.gemm_backend, "unknown"),
-                "precision": {v: k for k, v in self.PRECISIONS.items()}.get(info.precision, "unknown")}
+                "precision": {v: k for k, v in self.PRECISIONS.items()}.get(info.precision, "unknown"),
+                "numa_node_workers": [info.numa_node_workers[i] for i in range(info.numa_nodes)]}
 
     def close(self):
         if self._handle:

@@ -327,6 +327,10 @@ pub struct EngineOptions {
     /// Compute on the OpenMP threads of the calling thread instead of kt's
     /// own workers (KT_API kt_engine_options.host_openmp).
     pub host_openmp: bool,
+    /// Split workers and experts over the NUMA nodes of the affinity mask
+    /// (KT_NUMA_AUTO; the same bits as without). [`Engine::numa_node_workers`]
+    /// says the nodes in use.
+    pub numa: bool,
 }
 
 /// An engine: a worker pool and the kernels for this CPU.
@@ -366,6 +370,9 @@ impl Engine {
             o.precision = sys::KT_PRECISION_FP32;
         }
         o.host_openmp = options.host_openmp as c_int;
+        if options.numa {
+            o.numa = sys::KT_NUMA_AUTO;
+        }
         let mut raw = ptr::null_mut();
         check(unsafe { sys::kt_engine_create(&o, &mut raw) })?;
         Ok(Engine { raw })
@@ -390,6 +397,17 @@ impl Engine {
     /// Worker threads of the engine.
     pub fn num_threads(&self) -> Result<i32> {
         Ok(self.info()?.num_threads)
+    }
+
+    /// Workers of each NUMA node the engine is split over, in node order
+    /// (one entry unless `numa` found several nodes).
+    pub fn numa_node_workers(&self) -> Result<Vec<i32>> {
+        let info = self.info()?;
+        let n = info.numa_nodes.max(0) as usize;
+        if n == 0 || info.numa_node_workers.is_null() {
+            return Ok(Vec::new());
+        }
+        Ok(unsafe { std::slice::from_raw_parts(info.numa_node_workers, n) }.to_vec())
     }
 
     /// Whether fp32 activations stay fp32 in the weight GEMMs (KT_PRECISION_FP32).

@@ -118,6 +118,31 @@ fn fp32_precision_is_an_engine_setting() {
 }
 
 #[test]
+fn numa_option_reports_nodes_and_keeps_the_bits() {
+    let l = layer();
+    let mut outs = Vec::new();
+    for numa in [false, true] {
+        let engine = Engine::new(&EngineOptions { num_threads: 2, numa, ..Default::default() }).unwrap();
+        let workers = engine.numa_node_workers().unwrap();
+        assert_eq!(workers.iter().sum::<i32>(), 2, "{:?}", workers);
+        assert!(!workers.is_empty() && (numa || workers.len() == 1), "{:?}", workers);
+        let moe = engine.moe(&MoeOptions::new(E as i64, K as i64, H as i64, I as i64).max_tokens(64)).unwrap();
+        load(&moe, &l);
+        let mut y = vec![0f32; T * H];
+        let (t, h, k) = (T as i64, H as i64, K as i64);
+        moe.forward(
+            &TensorRef::new(&l.x, &[t, h]).unwrap(),
+            &TensorRef::new(&l.ids, &[t, k]).unwrap(),
+            &TensorRef::new(&l.rw, &[t, k]).unwrap(),
+            &mut TensorMut::new(&mut y, &[t, h]).unwrap(),
+        )
+        .unwrap();
+        outs.push(y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+    }
+    assert_eq!(outs[0], outs[1], "NUMA on changed the bits");
+}
+
+#[test]
 fn abi_and_version() {
     assert_eq!(kt::library_abi_version(), kt::ABI_VERSION);
     assert!(!kt::version().is_empty());
