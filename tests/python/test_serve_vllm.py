@@ -157,11 +157,12 @@ def test_fp32_greedy_tokens_match_vllm(tmp_path, models, kind):
 
 def test_fp32_greedy_tokens_on_kt_own_workers(tmp_path, models):
     """"host_openmp": false: kt computes on workers of its own (pinned)
-    instead of vLLM's torch threads, with the same tokens as vLLM alone."""
+    instead of vLLM's torch threads, split over the NUMA nodes of the
+    process's CPUs ("numa": "auto"), with the same tokens as vLLM alone."""
     model = models("qwen3_moe", "float32")
     spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
     ref = _ok(run_engine(tmp_path, "own-workers-vllm", dict(spec, kt=None)), "vllm")
-    got = _ok(run_engine(tmp_path, "own-workers-kt", dict(spec, kt={"host_openmp": False})), "kt")
+    got = _ok(run_engine(tmp_path, "own-workers-kt", dict(spec, kt={"host_openmp": False, "numa": "auto"})), "kt")
     _assert_kt_computed(got, model, PROMPTS)
     assert "on kt's own workers" in got["log"] and "on torch's OpenMP threads" not in got["log"]
     assert got["tokens"] == ref["tokens"]

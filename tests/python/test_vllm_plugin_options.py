@@ -21,6 +21,19 @@ def test_stats_is_off_by_default_and_a_bool():
         ktv.settings_of(config({"stat": True}))
 
 
+def test_numa_is_off_by_default_and_needs_kts_own_workers():
+    assert ktv.settings_of(config({}))["numa"] == "off"
+    s = ktv.settings_of(config({"numa": "auto", "host_openmp": False}))
+    assert (s["numa"], s["host_openmp"]) == ("auto", False)
+    with pytest.raises(ktv.KtVllmError, match="numa 'auto' places kt's own workers"):
+        ktv.settings_of(config({"numa": "auto"}))
+    with pytest.raises(ktv.KtVllmError, match="numa must be 'off' or 'auto', not 'on'"):
+        ktv.settings_of(config({"numa": "on", "host_openmp": False}))
+    engine = ktv._engine(2, False, "default", "auto")
+    assert sum(engine.info()["numa_node_workers"]) == 2
+    assert ktv._engine(2, False, "default", "auto") is engine
+
+
 class Lines(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)

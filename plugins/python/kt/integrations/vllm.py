@@ -67,6 +67,10 @@ Options (the dict under "kt"; all optional):
                   tokens, the seconds inside kt's layers and the burst's wall
                   time, so a step's time splits into kt's and the host's
                   (default false)
+  numa            "off" (default) or "auto": kt's own workers and the
+                  experts split over the NUMA nodes of the process's CPUs
+                  (kt.Engine(numa=)); needs "host_openmp": false, since
+                  torch's OpenMP threads are placed by vLLM
 
 A layer kt cannot take: tensor/expert/data parallel sharding of the
 experts, redundant experts (EPLB), an activation other than SiLU-gated or
@@ -92,11 +96,11 @@ CONFIG_KEY = "kt"
 # What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
 _QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
 _OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict",
-            "progress", "stats")
+            "progress", "stats", "numa")
 
 _lock = threading.Lock()
 _classes = None
-_engines = {}      # (threads, host_openmp, precision) -> kt.Engine of this process
+_engines = {}      # (threads, host_openmp, precision, numa) -> kt.Engine of this process
 _checkpoints = {}  # directory -> _OpenCheckpoint
 _layers = {}       # key -> _KtExperts (the custom op finds its layer here)
 # Checkpoint tensors of the kt layers not yet loaded: vLLM's loader skips
@@ -128,12 +132,16 @@ def settings_of(vllm_config):
         raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
                           % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
     out = dict(threads=0, host_openmp=True, precision="auto", weight_format=None, dequantize=False, compute="bf16",
-               max_tokens=None, strict=True, progress=None, stats=False)
+               max_tokens=None, strict=True, progress=None, stats=False, numa="off")
     out.update(s)
     if not isinstance(out["host_openmp"], bool):
         raise KtVllmError("kt: host_openmp must be true or false, not %r" % (out["host_openmp"],))
     if not isinstance(out["stats"], bool):
         raise KtVllmError("kt: stats must be true or false, not %r" % (out["stats"],))
+    if out["numa"] not in ("off", "auto"):
+        raise KtVllmError("kt: numa must be 'off' or 'auto', not %r" % (out["numa"],))
+    if out["numa"] == "auto" and out["host_openmp"]:
+        raise KtVllmError("kt: numa 'auto' places kt's own workers: set \"host_openmp\": false with it")
     if out["progress"] not in (None, True, False):
         raise KtVllmError("kt: progress must be true, false or null (a terminal's stderr), not %r" % (out["progress"],))
     if out["precision"] not in ("auto", "default", "fp32"):
@@ -200,14 +208,14 @@ def _checkpoint_loaded(directory, layer):
             del _checkpoints[directory]
 
 
-def _engine(threads, host_openmp, precision):
+def _engine(threads, host_openmp, precision, numa):
     import kt
-    key = (int(threads), bool(host_openmp), precision)
+    key = (int(threads), bool(host_openmp), precision, numa)
     with _lock:
         e = _engines.get(key)
         if e is None:
             e = _engines[key] = kt.Engine(num_threads=int(threads), host_openmp=bool(host_openmp),
-                                          precision=precision)
+                                          precision=precision, numa=numa)
         return e
 
 
@@ -308,7 +316,8 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     try:
         kt_layer = kt.MoE(E, moe_config.experts_per_token, H, I, max_tokens=int(max_tokens),
                           bias=bool(info["bias"]), weight_format=fmt, compute=settings["compute"],
-                          engine=_engine(settings["threads"], settings["host_openmp"], precision), **act)
+                          engine=_engine(settings["threads"], settings["host_openmp"], precision, settings["numa"]),
+                          **act)
     except (kt.KtError, ValueError, TypeError) as e:
         refuse("kt cannot make the layer (weight_format %s, compute %s): %s" % (fmt, settings["compute"], e))
     return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype,
