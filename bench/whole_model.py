@@ -281,6 +281,28 @@ def dram_copy_rate():
     return {"gbs": a.nbytes / best / 1e9, "bytes": a.nbytes}
 
 
+def fresh_write_rate():
+    """GB/s written into memory the process has not touched before (numpy,
+    one thread, 1 GiB, best of 3): the page faults and the kernel's zeroing
+    of each new page included. A load writes the experts into such memory,
+    so this, not the copy rate, bounds it; the second fill of the same
+    array is the rate without the faults."""
+    import numpy as np
+    best_fresh = best_warm = None
+    for _ in range(3):
+        a = np.empty(GiB, dtype=np.uint8)
+        t = time.perf_counter()
+        a.fill(1)
+        fresh = time.perf_counter() - t
+        t = time.perf_counter()
+        a.fill(2)
+        warm = time.perf_counter() - t
+        del a
+        best_fresh = fresh if best_fresh is None else min(best_fresh, fresh)
+        best_warm = warm if best_warm is None else min(best_warm, warm)
+    return {"gbs": GiB / best_fresh / 1e9, "warm_gbs": GiB / best_warm / 1e9, "bytes": GiB}
+
+
 def kt_bench_limits(model, fmt, threads):
     """kt_bench's DRAM read rate and kt's per-layer forward at T=1 and 512
     for the model's expert shape in its stored format."""
@@ -635,7 +657,9 @@ def table(doc):
     rows = [("model", "%s (%s experts as %s, %d layers)" % (doc["model"], s["format"], s["weight_format"], s["layers"])),
             ("experts as kt stores them / the rest", "%.2f GB / %.2f GB" % (s["experts_bytes"] / 1e9, s["rest_bytes"] / 1e9)),
             ("disk read rate (same files, cold)", "%.2f GB/s" % lim["disk"]["gbs"] if "disk" in lim else "-"),
-            ("DRAM copy rate (numpy, 1 thread)", "%.2f GB/s" % lim["dram_copy"]["gbs"] if "dram_copy" in lim else "-")]
+            ("DRAM copy rate (numpy, 1 thread)", "%.2f GB/s" % lim["dram_copy"]["gbs"] if "dram_copy" in lim else "-"),
+            ("write rate into fresh memory / the same memory again (numpy, 1 thread)",
+             "%.2f / %.2f GB/s" % (lim["fresh_write"]["gbs"], lim["fresh_write"]["warm_gbs"]) if "fresh_write" in lim else "-")]
     for name in ("kt_load_cold", "kt_load_warm"):
         r = doc.get(name)
         if r:
@@ -683,7 +707,7 @@ def main(argv=None):
     sizes = model_sizes(directory)
     doc = {"model": args.model, "host": args.host, "directory": directory, "overrides": overrides,
            "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": _cpu(), "sizes": sizes}
-    limits = {"dram_copy": dram_copy_rate()}
+    limits = {"dram_copy": dram_copy_rate(), "fresh_write": fresh_write_rate()}
     if not args.no_cold:
         limits["disk"] = disk_read_rate(model_files(directory))
     if not args.no_limits:
