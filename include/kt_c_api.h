@@ -476,6 +476,138 @@ KT_API kt_status kt_moe_set_skipped(kt_moe* moe, const DLTensor* mask);
 /* Number of experts loaded (not counting skipped ones). */
 KT_API kt_status kt_moe_num_loaded(const kt_moe* moe, int64_t* count);
 
+/* ------------------------------------------------- quantized frozen bases
+ *
+ * A layer's base weights are stored in options.weight_format. kt quantizes
+ * bf16/fp16/fp32 sources at load (kt_moe_load_weights, kt_moe_load_expert,
+ * kt_ckpt_load_layer):
+ * - KT_FORMAT_INT8_CHANNEL: per output row o, scale s_o = bf16(max|W[o,:]| /
+ *   127) rounded up, q = round_half_even(W / s_o) in [-127, 127]; the layer
+ *   computes with W' = q * s_o. Error against W: at most s_o / 2 per
+ *   element; 0.8 % relative L2 measured on Gaussian rows of 768-2048.
+ * - KT_FORMAT_INT4_G32: per output row and group of 32 inputs,
+ *   s = bf16(max|W[o,group]| / 7) rounded up, q in [-7, 7]; W' = q * s.
+ *   Error against W: at most s / 2 per element; 9.7 % relative L2
+ *   measured on Gaussian rows (4 bits).
+ * - KT_FORMAT_INT4_G128: the same per group of 128 inputs; 11.8 % relative
+ *   L2 on Gaussian rows (a group's largest value sets a wider step).
+ * Scales are stored as bf16, so W' is exact in fp32. The forward applies
+ * each group's scale in fp32 to the group's partial sum, so y has the
+ * accuracy of the bf16 path against a reference computed from W'. Backward
+ * builds the W'^T panels in cache, each element rounded to bf16 once (as
+ * activations are), and never stores a second copy. Memory per weight:
+ * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
+ * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
+
+/* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving an integer base
+ * (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, with zero points _INT4_G32_ZP, _INT4_G128_ZP,
+ * and KT_FORMAT_MXFP4, whose e2m1 values doubled are the integers -12..12) with integer products: vpdpbusd (AVX512-VNNI) makes twice as many products per
+ * instruction as vdpbf16ps (kt_bench's `integer dot` line measures the two rates on the machine at
+ * hand). Each row of X, and each route's activation between the projections, is quantized per row:
+ * s = max|v| / 127, q = round_half_even(v / s) in [-127, 127]; the GEMMs sum q * code exactly in
+ * int32 per group and apply the group scales and s in fp32. Against y computed from the layer's W'
+ * (kt_moe_read_weights) with the exact x, the error is that of int8 activations, x and the
+ * activation: 1-2.5 % relative L2 measured on Gaussian inputs (tests/unit/test_moe_reference.cpp
+ * and tests/io, Int8Compute: more for wider rows, whose largest values are larger), and several
+ * percent where a few channels of x are far larger than the rest (outliers), against 0.2 % for
+ * bf16 activations; kt_bench --format int8_channel/int8,... reports it on its layer. The choice is
+ * the host's and is reported by kt_moe_get_info; nothing falls back to it or from it.
+ * Restrictions, each checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one of
+ * those formats (KT_ERR_UNSUPPORTED: fp8 codes are not integers), H and I at most 65536
+ * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a layer runs forwards
+ * without a saved context only: kt_moe_forward with saved != NULL and kt_moe_backward are refused
+ * with KT_ERR_MODE. Kernels: AMX-INT8 tiles for 16 rows and more where the CPU has them,
+ * AVX512-VNNI where it has that, a portable loop elsewhere (the same GEMM results to the bit). */
+
+/* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
+ * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
+ * enum). */
+KT_API const char* kt_weight_format_name(kt_weight_format format);
+
+typedef struct kt_moe_info {
+  size_t struct_size;             /* set by the caller to sizeof(kt_moe_info) */
+  int64_t num_experts;            /* E */
+  int64_t top_k;
+  int64_t hidden;                 /* H */
+  int64_t intermediate;           /* I */
+  int64_t max_tokens;
+  kt_mode mode;
+  kt_weight_format weight_format; /* storage format of the base weights */
+  int64_t weight_bytes;           /* bytes the stored base weights take (scales and
+                                   * padding included, biases not) */
+  int64_t num_weights;            /* E * 3 * H * I */
+  int64_t num_loaded;             /* experts loaded, skipped ones not counted */
+  kt_compute compute;             /* how the weight GEMMs multiply (options.compute) */
+} kt_moe_info;
+
+/* Writes the layer's settings into *info (fields up to info->struct_size).
+ * Read-only; may run beside the layer's other calls. */
+KT_API kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info);
+
+/* Copies the base weights the layer computes with (dequantized: W' above)
+ * into host tensors in the stacked HF nn.Linear orientation: W_GATE, W_UP
+ * [E,I,H], W_DOWN [E,H,I], and with biases B_GATE, B_UP [E,I], B_DOWN
+ * [E,H]; any subset of these ids, fp32/bf16/fp16 destinations, any strides.
+ * A bf16 layer's weights are stored as bf16, so a bf16 destination gets
+ * them exactly (a quantized layer's W' is exact in fp32 and rounded in
+ * bf16). Experts never loaded read as zeros. For state_dict-style saving,
+ * copies of a layer and references in tests. Tensors written by the call
+ * (nothing is written when it fails). Serialised with the layer's compute
+ * calls. */
+KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args);
+
+/* ------------------------------------------- quantized checkpoint formats
+ *
+ * kt_ckpt_open reads each MoE layer's routed-expert tensors and, in
+ * config.json, quantization_config, and checks them against each other
+ * before anything is loaded (a contradiction fails the open with KT_ERR_IO
+ * naming what was found):
+ * - fp8 blocks (DeepSeek-V3/R1, Kimi-K2 base): `weight` F8_E4M3 [out, in]
+ *   and `weight_scale_inv` (float) [ceil(out/128), ceil(in/128)]; W = code
+ *   * scale_inv of its block. quantization_config: quant_method "fp8",
+ *   fmt "e4m3", weight_block_size [128, 128], activation_scheme "dynamic"
+ *   or "static" (activations stay bf16/fp32 in kt). The same blocks as
+ *   compressed-tensors writes them ("float-quantized"): the multiplier is
+ *   named `weight_scale`, and the experts' config group says weights
+ *   num_bits 8, type "float", strategy "block", block_structure [128, 128],
+ *   symmetric (quant_method "compressed-tensors"). Held as
+ *   KT_FORMAT_FP8_B128 (codes as stored, scales fp32: exact).
+ * - compressed-tensors int4 "pack-quantized" (Kimi-K2-Thinking):
+ *   `weight_packed` I32 [out, ceil(in/8)] (element c in bits 4(c%8).. of
+ *   word c/8, stored as q + 8), `weight_scale` [out, ceil(in/group)],
+ *   `weight_shape` [out, in], optional `weight_zero_point` (asymmetric,
+ *   packed along out). quantization_config: quant_method
+ *   "compressed-tensors", format "pack-quantized", config_groups weights
+ *   num_bits 4, type "int", strategy "group", group_size 32 or 128,
+ *   symmetric. W = q * scale. Symmetric groups of 32 with bf16 scales are
+ *   KT_FORMAT_INT4_G32 exactly (the same codes and scales), groups of 128
+ *   KT_FORMAT_INT4_G128. Asymmetric layers (symmetric false,
+ *   `weight_zero_point` I32 [ceil(out/8), ceil(in/group)], eight output
+ *   rows a word, row r in bits 4(r%8).., stored as z + 8): W = (q - z) *
+ *   scale, held as KT_FORMAT_INT4_G32_ZP / KT_FORMAT_INT4_G128_ZP (codes,
+ *   bf16 scales and zero points as stored: exact). The forward computes
+ *   with (q - z), an integer in [-15, 15] exact in bf16, and applies each
+ *   group's scale in fp32 to the group's partial sum, as for symmetric
+ *   int4. A layer mixing symmetric and asymmetric experts is refused.
+ * - MXFP4: gpt-oss `{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16]
+ *   (two e2m1 values a byte, the even element in the low nibble),
+ *   `_scales` U8/E8M0 [E, out, in/32] (2^(s - 127)), `_bias` [E, out],
+ *   gate and up interleaved (even rows gate); DeepSeek-V4 style per-expert
+ *   `weight` U8/I8 [out, in/2] and `scale` [out, ceil(in/32)]. Held as
+ *   KT_FORMAT_MXFP4 (codes and scales as stored: exact).
+ * Every e4m3 NaN code, e8m0 scale 0xFF and non-finite scale is refused at
+ * load (KT_ERR_IO, naming the tensor, row and column). A finite scale of 0
+ * is taken as stored: its block's or group's weights are 0 (none of these
+ * formats reserves it; e8m0 cannot express 0). A checkpoint whose
+ * expert tensors are bf16/fp16/fp32 (e.g. a dequantized training checkpoint
+ * of a quantized base) is dense whatever its quantization_config says: the
+ * tensors decide. kt_ckpt_moe_options sets weight_format to the format that
+ * holds the layer as stored. Loading a quantized layer into a kt_moe of
+ * another format fails with KT_ERR_UNSUPPORTED, except into a
+ * KT_FORMAT_BF16 layer when the host asks for it with
+ * kt_ckpt_load_options.dequantize (W rounded to bf16 once); a quantized
+ * checkpoint is never re-quantized. */
+
 /* --------------------------------------------------- trainable parameters */
 
 /* Binds parameter tensors and gradient buffers (retained until the same id is
@@ -855,7 +987,7 @@ typedef void (*kt_ckpt_progress_fn)(int64_t done, int64_t total, void* user);
 /* Loads layer L's routed experts into moe (its E, H, I and bias setting must
  * match the layer) straight from the mapped files: bf16/fp16/fp32 sources,
  * any of the layouts above; quantized layers into a kt_moe of their format
- * (kt_ckpt_layer_info.weight_format; "Quantized checkpoint formats" below).
+ * (kt_ckpt_layer_info.weight_format; "Quantized checkpoint formats" above).
  * Every tensor is checked before the first expert is loaded, so a failing
  * call leaves moe as it was. Experts go in batches, each serialised with the
  * layer's other compute calls; a forward another thread runs between two
@@ -863,6 +995,24 @@ typedef void (*kt_ckpt_progress_fn)(int64_t done, int64_t total, void* user);
  * KT_ERR_NOT_LOADED). progress may be NULL; user is passed to it. */
 KT_API kt_status kt_ckpt_load_layer(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
                                     kt_ckpt_progress_fn progress, void* user);
+
+typedef struct kt_ckpt_load_options {
+  size_t struct_size; /* set by _init */
+  int dequantize;     /* 1 = a quantized layer may load into a KT_FORMAT_BF16 kt_moe,
+                       * dequantized (default 0: refused with KT_ERR_UNSUPPORTED) */
+} kt_ckpt_load_options;
+
+/* Writes the defaults into the first struct_size bytes of *options (zero past
+ * the fields this library knows) and sets options->struct_size. */
+KT_API void kt_ckpt_load_options_defaults(kt_ckpt_load_options* options, size_t struct_size);
+static inline void kt_ckpt_load_options_init(kt_ckpt_load_options* options) {
+  kt_ckpt_load_options_defaults(options, sizeof(*options));
+}
+
+/* kt_ckpt_load_layer with options (NULL = defaults). */
+KT_API kt_status kt_ckpt_load_layer_with(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
+                                         const kt_ckpt_load_options* options, kt_ckpt_progress_fn progress,
+                                         void* user);
 
 /* Copies layer L's expert weights into host tensors, in the stacked HF
  * nn.Linear orientation: W_GATE, W_UP [E,I,H], W_DOWN [E,H,I], and with
@@ -1539,156 +1689,6 @@ KT_API kt_status kt_dist_ckpt_save(kt_comm* comm, const char* dir, const kt_dist
  * read one and the same checkpoint. options may be NULL. */
 KT_API kt_status kt_dist_ckpt_load(kt_comm* comm, const char* dir, const kt_dist_ckpt_layer* layers,
                                    size_t num_layers, const kt_dist_ckpt_options* options);
-
-/* ------------------------------------------------- quantized frozen bases
- *
- * A layer's base weights are stored in options.weight_format. kt quantizes
- * bf16/fp16/fp32 sources at load (kt_moe_load_weights, kt_moe_load_expert,
- * kt_ckpt_load_layer):
- * - KT_FORMAT_INT8_CHANNEL: per output row o, scale s_o = bf16(max|W[o,:]| /
- *   127) rounded up, q = round_half_even(W / s_o) in [-127, 127]; the layer
- *   computes with W' = q * s_o. Error against W: at most s_o / 2 per
- *   element; 0.8 % relative L2 measured on Gaussian rows of 768-2048.
- * - KT_FORMAT_INT4_G32: per output row and group of 32 inputs,
- *   s = bf16(max|W[o,group]| / 7) rounded up, q in [-7, 7]; W' = q * s.
- *   Error against W: at most s / 2 per element; 9.7 % relative L2
- *   measured on Gaussian rows (4 bits).
- * - KT_FORMAT_INT4_G128: the same per group of 128 inputs; 11.8 % relative
- *   L2 on Gaussian rows (a group's largest value sets a wider step).
- * Scales are stored as bf16, so W' is exact in fp32. The forward applies
- * each group's scale in fp32 to the group's partial sum, so y has the
- * accuracy of the bf16 path against a reference computed from W'. Backward
- * builds the W'^T panels in cache, each element rounded to bf16 once (as
- * activations are), and never stores a second copy. Memory per weight:
- * bf16 2 bytes, int8 1 + 2/K bytes, int4 0.5 + 2/32 bytes, int4 with zero
- * points (KT_FORMAT_INT4_G32_ZP) 0.5 + 3/32 bytes. */
-
-/* Int8 compute (kt_moe_options.compute = KT_COMPUTE_INT8): for serving an integer base
- * (KT_FORMAT_INT8_CHANNEL, _INT4_G32, _INT4_G128, with zero points _INT4_G32_ZP, _INT4_G128_ZP,
- * and KT_FORMAT_MXFP4, whose e2m1 values doubled are the integers -12..12) with integer products: vpdpbusd (AVX512-VNNI) makes twice as many products per
- * instruction as vdpbf16ps (kt_bench's `integer dot` line measures the two rates on the machine at
- * hand). Each row of X, and each route's activation between the projections, is quantized per row:
- * s = max|v| / 127, q = round_half_even(v / s) in [-127, 127]; the GEMMs sum q * code exactly in
- * int32 per group and apply the group scales and s in fp32. Against y computed from the layer's W'
- * (kt_moe_read_weights) with the exact x, the error is that of int8 activations, x and the
- * activation: 1-2.5 % relative L2 measured on Gaussian inputs (tests/unit/test_moe_reference.cpp
- * and tests/io, Int8Compute: more for wider rows, whose largest values are larger), and several
- * percent where a few channels of x are far larger than the rest (outliers), against 0.2 % for
- * bf16 activations; kt_bench --format int8_channel/int8,... reports it on its layer. The choice is
- * the host's and is reported by kt_moe_get_info; nothing falls back to it or from it.
- * Restrictions, each checked by kt_moe_create: KT_MODE_INFERENCE (KT_ERR_MODE otherwise), one of
- * those formats (KT_ERR_UNSUPPORTED: fp8 codes are not integers), H and I at most 65536
- * (KT_ERR_UNSUPPORTED: the int32 sums of a group must stay exact). Such a layer runs forwards
- * without a saved context only: kt_moe_forward with saved != NULL and kt_moe_backward are refused
- * with KT_ERR_MODE. Kernels: AMX-INT8 tiles for 16 rows and more where the CPU has them,
- * AVX512-VNNI where it has that, a portable loop elsewhere (the same GEMM results to the bit). */
-
-/* Short name of a format ("bf16", "int8_channel", "int4_g32", "fp8_b128",
- * "mxfp4", "int4_g128", "int4_g32_zp", "int4_g128_zp"); static storage, never NULL ("unknown" outside the
- * enum). */
-KT_API const char* kt_weight_format_name(kt_weight_format format);
-
-typedef struct kt_moe_info {
-  size_t struct_size;             /* set by the caller to sizeof(kt_moe_info) */
-  int64_t num_experts;            /* E */
-  int64_t top_k;
-  int64_t hidden;                 /* H */
-  int64_t intermediate;           /* I */
-  int64_t max_tokens;
-  kt_mode mode;
-  kt_weight_format weight_format; /* storage format of the base weights */
-  int64_t weight_bytes;           /* bytes the stored base weights take (scales and
-                                   * padding included, biases not) */
-  int64_t num_weights;            /* E * 3 * H * I */
-  int64_t num_loaded;             /* experts loaded, skipped ones not counted */
-  kt_compute compute;             /* how the weight GEMMs multiply (options.compute) */
-} kt_moe_info;
-
-/* Writes the layer's settings into *info (fields up to info->struct_size).
- * Read-only; may run beside the layer's other calls. */
-KT_API kt_status kt_moe_get_info(const kt_moe* moe, kt_moe_info* info);
-
-/* Copies the base weights the layer computes with (dequantized: W' above)
- * into host tensors in the stacked HF nn.Linear orientation: W_GATE, W_UP
- * [E,I,H], W_DOWN [E,H,I], and with biases B_GATE, B_UP [E,I], B_DOWN
- * [E,H]; any subset of these ids, fp32/bf16/fp16 destinations, any strides.
- * A bf16 layer's weights are stored as bf16, so a bf16 destination gets
- * them exactly (a quantized layer's W' is exact in fp32 and rounded in
- * bf16). Experts never loaded read as zeros. For state_dict-style saving,
- * copies of a layer and references in tests. Tensors written by the call
- * (nothing is written when it fails). Serialised with the layer's compute
- * calls. */
-KT_API kt_status kt_moe_read_weights(const kt_moe* moe, const kt_arg* args, size_t num_args);
-
-/* ------------------------------------------- quantized checkpoint formats
- *
- * kt_ckpt_open reads each MoE layer's routed-expert tensors and, in
- * config.json, quantization_config, and checks them against each other
- * before anything is loaded (a contradiction fails the open with KT_ERR_IO
- * naming what was found):
- * - fp8 blocks (DeepSeek-V3/R1, Kimi-K2 base): `weight` F8_E4M3 [out, in]
- *   and `weight_scale_inv` (float) [ceil(out/128), ceil(in/128)]; W = code
- *   * scale_inv of its block. quantization_config: quant_method "fp8",
- *   fmt "e4m3", weight_block_size [128, 128], activation_scheme "dynamic"
- *   or "static" (activations stay bf16/fp32 in kt). The same blocks as
- *   compressed-tensors writes them ("float-quantized"): the multiplier is
- *   named `weight_scale`, and the experts' config group says weights
- *   num_bits 8, type "float", strategy "block", block_structure [128, 128],
- *   symmetric (quant_method "compressed-tensors"). Held as
- *   KT_FORMAT_FP8_B128 (codes as stored, scales fp32: exact).
- * - compressed-tensors int4 "pack-quantized" (Kimi-K2-Thinking):
- *   `weight_packed` I32 [out, ceil(in/8)] (element c in bits 4(c%8).. of
- *   word c/8, stored as q + 8), `weight_scale` [out, ceil(in/group)],
- *   `weight_shape` [out, in], optional `weight_zero_point` (asymmetric,
- *   packed along out). quantization_config: quant_method
- *   "compressed-tensors", format "pack-quantized", config_groups weights
- *   num_bits 4, type "int", strategy "group", group_size 32 or 128,
- *   symmetric. W = q * scale. Symmetric groups of 32 with bf16 scales are
- *   KT_FORMAT_INT4_G32 exactly (the same codes and scales), groups of 128
- *   KT_FORMAT_INT4_G128. Asymmetric layers (symmetric false,
- *   `weight_zero_point` I32 [ceil(out/8), ceil(in/group)], eight output
- *   rows a word, row r in bits 4(r%8).., stored as z + 8): W = (q - z) *
- *   scale, held as KT_FORMAT_INT4_G32_ZP / KT_FORMAT_INT4_G128_ZP (codes,
- *   bf16 scales and zero points as stored: exact). The forward computes
- *   with (q - z), an integer in [-15, 15] exact in bf16, and applies each
- *   group's scale in fp32 to the group's partial sum, as for symmetric
- *   int4. A layer mixing symmetric and asymmetric experts is refused.
- * - MXFP4: gpt-oss `{gate_up,down}_proj_blocks` U8 [E, out, in/32, 16]
- *   (two e2m1 values a byte, the even element in the low nibble),
- *   `_scales` U8/E8M0 [E, out, in/32] (2^(s - 127)), `_bias` [E, out],
- *   gate and up interleaved (even rows gate); DeepSeek-V4 style per-expert
- *   `weight` U8/I8 [out, in/2] and `scale` [out, ceil(in/32)]. Held as
- *   KT_FORMAT_MXFP4 (codes and scales as stored: exact).
- * Every e4m3 NaN code, e8m0 scale 0xFF and non-finite scale is refused at
- * load (KT_ERR_IO, naming the tensor, row and column). A finite scale of 0
- * is taken as stored: its block's or group's weights are 0 (none of these
- * formats reserves it; e8m0 cannot express 0). A checkpoint whose
- * expert tensors are bf16/fp16/fp32 (e.g. a dequantized training checkpoint
- * of a quantized base) is dense whatever its quantization_config says: the
- * tensors decide. kt_ckpt_moe_options sets weight_format to the format that
- * holds the layer as stored. Loading a quantized layer into a kt_moe of
- * another format fails with KT_ERR_UNSUPPORTED, except into a
- * KT_FORMAT_BF16 layer when the host asks for it with
- * kt_ckpt_load_options.dequantize (W rounded to bf16 once); a quantized
- * checkpoint is never re-quantized. */
-
-typedef struct kt_ckpt_load_options {
-  size_t struct_size; /* set by _init */
-  int dequantize;     /* 1 = a quantized layer may load into a KT_FORMAT_BF16 kt_moe,
-                       * dequantized (default 0: refused with KT_ERR_UNSUPPORTED) */
-} kt_ckpt_load_options;
-
-/* Writes the defaults into the first struct_size bytes of *options (zero past
- * the fields this library knows) and sets options->struct_size. */
-KT_API void kt_ckpt_load_options_defaults(kt_ckpt_load_options* options, size_t struct_size);
-static inline void kt_ckpt_load_options_init(kt_ckpt_load_options* options) {
-  kt_ckpt_load_options_defaults(options, sizeof(*options));
-}
-
-/* kt_ckpt_load_layer with options (NULL = defaults). */
-KT_API kt_status kt_ckpt_load_layer_with(const kt_ckpt* ckpt, int64_t layer, kt_moe* moe,
-                                         const kt_ckpt_load_options* options, kt_ckpt_progress_fn progress,
-                                         void* user);
 
 #ifdef __cplusplus
 }

@@ -1,5 +1,6 @@
 // The packed-cache calls of the ABI (kt_moe_save_packed, kt_moe_load_packed,
-// kt_packed_read_info): argument checks, then io/packed_cache.
+// kt_packed_read_info): argument checks, then the layer's side
+// (moe/packed_layer.h) or the file format (io/packed_cache.h).
 #include <memory>
 #include <string>
 
@@ -9,6 +10,7 @@
 #include "io/packed_cache.h"
 #include "kt_c_api.h"
 #include "moe/moe_layer.h"
+#include "moe/packed_layer.h"
 
 namespace {
 
@@ -26,7 +28,7 @@ kt_status kt_moe_save_packed(kt_moe* moe, const char* path) {
   return kt::io::guarded(w, [&] {
     const std::shared_ptr<kt_moe> m = live_moe(moe, w);
     check_path_arg(path, w);
-    kt::io::save_packed(m.get(), path, w);
+    kt::save_packed_layer(m.get(), path, w);
   });
 }
 
@@ -46,6 +48,6 @@ kt_status kt_moe_load_packed(kt_moe* moe, const char* path, unsigned flags) {
     check_path_arg(path, w);
     KT_CHECK((flags & ~KT_PACKED_SKIP_CHECKSUMS) == 0, KT_ERR_INVALID_ARGUMENT,
              std::string(w) + ": flags has bits this kt does not know");
-    kt::io::load_packed(m.get(), path, flags, w);
+    kt::load_packed_layer(m.get(), path, flags, w);
   });
 }

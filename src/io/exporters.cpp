@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/arg_names.h"
 #include "core/ckpt_names.h"
 #include "core/error.h"
 #include "core/sized_struct.h"
@@ -15,7 +16,6 @@
 #include "io/layout.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
-#include "moe/args.h"
 
 namespace kt {
 namespace io {

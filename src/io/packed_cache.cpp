@@ -12,7 +12,6 @@
 #include "core/sized_struct.h"
 #include "io/safetensors.h"
 #include "io/writer.h"
-#include "moe/moe_layer.h"
 #include "runtime/engine.h"
 
 #if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -81,15 +80,15 @@ struct Plan {
   uint64_t file_bytes;
 };
 
-Plan plan_for(const kt_moe& m) {
+Plan plan_for(const PackedShape& shape) {
   Plan p{};
-  const uint64_t E = static_cast<uint64_t>(m.num_experts());
-  const uint64_t g = static_cast<uint64_t>(m.stored_expert_bytes(kGate));
-  const uint64_t d = static_cast<uint64_t>(m.stored_expert_bytes(kDown));
+  const uint64_t E = static_cast<uint64_t>(shape.experts);
+  const uint64_t g = shape.gate_expert_bytes;
+  const uint64_t d = shape.down_expert_bytes;
   p.bytes[0] = E * g, p.block[0] = g;
   p.bytes[1] = E * g, p.block[1] = g;
   p.bytes[2] = E * d, p.block[2] = d;
-  p.bytes[3] = m.options().has_bias ? E * static_cast<uint64_t>(2 * m.intermediate() + m.hidden()) * sizeof(float) : 0;
+  p.bytes[3] = shape.has_bias ? E * static_cast<uint64_t>(2 * shape.intermediate + shape.hidden) * sizeof(float) : 0;
   p.block[3] = std::max<uint64_t>(p.bytes[3], 1);
   p.bytes[4] = E, p.block[4] = E;
   uint64_t at = round_up(kPackedHeaderBytes, kPackedSectionAlign);
@@ -168,29 +167,29 @@ uint64_t hash64(const void* data, size_t n, uint64_t seed) {
   return h;
 }
 
-void save_packed(kt_moe* moe, const std::string& path, const char* where) {
-  std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
-  const std::vector<uint8_t>& loaded = moe->loaded_mask();
+void save_packed(kt_engine* engine, const PackedShape& shape, const PackedSource& source,
+                 const std::string& path, const char* where) {
+  const std::vector<uint8_t>& loaded = *source.loaded;
   KT_CHECK(
       std::count(loaded.begin(), loaded.end(), uint8_t{1}) > 0, KT_ERR_NOT_LOADED,
       std::string(where) + ": the layer has no expert loaded; there is nothing to save to " + path);
-  const Plan plan = plan_for(*moe);
-  const uint64_t E = static_cast<uint64_t>(moe->num_experts());
+  const Plan plan = plan_for(shape);
+  const uint64_t E = static_cast<uint64_t>(shape.experts);
 
   // Biases as stored: gate [E,I], up [E,I], down [E,H], contiguous.
   std::vector<float> biases;
-  if (moe->options().has_bias) {
-    const size_t ni = static_cast<size_t>(moe->num_experts() * moe->intermediate()), nh = static_cast<size_t>(moe->num_experts() * moe->hidden());
+  if (shape.has_bias) {
+    const size_t ni = static_cast<size_t>(shape.experts * shape.intermediate), nh = static_cast<size_t>(shape.experts * shape.hidden);
     biases.resize(2 * ni + nh);
-    std::memcpy(biases.data(), moe->biases(kGate), ni * sizeof(float));
-    std::memcpy(biases.data() + ni, moe->biases(kUp), ni * sizeof(float));
-    std::memcpy(biases.data() + 2 * ni, moe->biases(kDown), nh * sizeof(float));
+    std::memcpy(biases.data(), source.biases[0], ni * sizeof(float));
+    std::memcpy(biases.data() + ni, source.biases[1], ni * sizeof(float));
+    std::memcpy(biases.data() + 2 * ni, source.biases[2], nh * sizeof(float));
     // Experts never loaded hold no defined values: store zeros.
     for (uint64_t e = 0; e < E; ++e) {
       if (loaded[e]) continue;
-      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(e * moe->intermediate()), moe->intermediate(), 0.f);
-      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(ni + e * moe->intermediate()), moe->intermediate(), 0.f);
-      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(2 * ni + e * moe->hidden()), moe->hidden(), 0.f);
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(e * shape.intermediate), shape.intermediate, 0.f);
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(ni + e * shape.intermediate), shape.intermediate, 0.f);
+      std::fill_n(biases.begin() + static_cast<std::ptrdiff_t>(2 * ni + e * shape.hidden), shape.hidden, 0.f);
     }
   }
 
@@ -199,18 +198,18 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
   std::memcpy(h.magic, kMagic, sizeof(kMagic));
   h.format_version = kPackedFormatVersion;
   h.abi_version = KT_ABI_VERSION;
-  h.panel_layout = panel_layout_of(moe->options().weight_format);
+  h.panel_layout = panel_layout_of(shape.format);
   h.panel_rows = kPanelRows;
-  h.weight_format = static_cast<uint32_t>(moe->options().weight_format);
-  h.has_bias = moe->options().has_bias ? 1 : 0;
-  h.experts = moe->num_experts(), h.hidden = moe->hidden(), h.intermediate = moe->intermediate();
+  h.weight_format = static_cast<uint32_t>(shape.format);
+  h.has_bias = shape.has_bias ? 1 : 0;
+  h.experts = shape.experts, h.hidden = shape.hidden, h.intermediate = shape.intermediate;
   h.file_bytes = plan.file_bytes;
   h.num_sections = kPackedSections;
   // An expert's slot of a weight section: its panels, or zeros when never loaded.
   auto weight_block = [&](int proj) {
     return [&, proj](uint64_t e) -> const uint8_t* {
       if (!loaded[e]) return nullptr;
-      return moe->stored_weights(proj) + e * plan.block[proj];
+      return source.weights[proj] + e * plan.block[proj];
     };
   };
   for (int s = 0; s < kPackedSections; ++s) {
@@ -220,13 +219,13 @@ void save_packed(kt_moe* moe, const std::string& path, const char* where) {
     se.bytes = plan.bytes[s];
     se.block_bytes = plan.block[s];
     if (s < 3)
-      se.checksum = section_checksum(moe->engine(), se.bytes, se.block_bytes, weight_block(s));
+      se.checksum = section_checksum(engine, se.bytes, se.block_bytes, weight_block(s));
     else if (s == 3)
-      se.checksum = section_checksum(moe->engine(), se.bytes, se.block_bytes, [&](uint64_t) {
+      se.checksum = section_checksum(engine, se.bytes, se.block_bytes, [&](uint64_t) {
         return reinterpret_cast<const uint8_t*>(biases.data());
       });
     else
-      se.checksum = section_checksum(moe->engine(), se.bytes, se.block_bytes, [&](uint64_t) { return loaded.data(); });
+      se.checksum = section_checksum(engine, se.bytes, se.block_bytes, [&](uint64_t) { return loaded.data(); });
   }
   h.header_checksum = hash64(&h, offsetof(PackedHeader, header_checksum));
 
@@ -349,55 +348,59 @@ void read_info(const std::string& path, kt_packed_info* out, const char* where) 
   write_sized(out, info, where, "info");
 }
 
-void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where) {
+PackedMapping map_packed(const PackedShape& shape, const std::string& path, const char* where) {
   const std::string w = std::string(where) + ": " + path;
   auto map = std::make_shared<MappedFile>(path);
   const uint8_t* base = map->data();
   const PackedHeader h = checked_header(*map, w);
-  const kt_weight_format format = moe->options().weight_format;
+  const kt_weight_format format = shape.format;
   const kt_weight_format stored = static_cast<kt_weight_format>(h.weight_format);
   KT_CHECK(stored == format, KT_ERR_INVALID_ARGUMENT,
            w + ": the cache holds " + weight_format_name(stored) +
                " weights, the layer stores " + weight_format_name(format) +
                " (create the layer with weight_format " + weight_format_name(stored) +
                ", or convert the checkpoint again for " + weight_format_name(format) + ")");
-  KT_CHECK(h.experts == moe->num_experts() && h.hidden == moe->hidden() && h.intermediate == moe->intermediate() &&
-               (h.has_bias != 0) == (moe->options().has_bias != 0),
+  KT_CHECK(h.experts == shape.experts && h.hidden == shape.hidden && h.intermediate == shape.intermediate &&
+               (h.has_bias != 0) == shape.has_bias,
            KT_ERR_SHAPE,
            w + ": the cache holds a layer of " +
                shape_string(h.experts, h.hidden, h.intermediate, h.has_bias != 0) +
                " but the kt_moe was created with " +
-               shape_string(moe->num_experts(), moe->hidden(), moe->intermediate(), moe->options().has_bias != 0));
-  const Plan plan = plan_for(*moe);
+               shape_string(shape.experts, shape.hidden, shape.intermediate, shape.has_bias));
+  const Plan plan = plan_for(shape);
   for (int s = 0; s < kPackedSections; ++s)
     KT_CHECK(h.sections[s].bytes == plan.bytes[s], KT_ERR_IO,
              w + ": section '" + kSectionNames[s] + "' holds " +
                  std::to_string(h.sections[s].bytes) + " bytes, the layer needs " +
                  std::to_string(plan.bytes[s]));
-  const uint8_t* loaded = base + h.sections[4].offset;
 
-  std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
-  if (!(flags & KT_PACKED_SKIP_CHECKSUMS)) {
-    for (int s = 0; s < kPackedSections; ++s) {
-      const SectionEntry& se = h.sections[s];
-      const uint8_t* sec = base + se.offset;
-      const uint64_t got =
-          section_checksum(moe->engine(), se.bytes, se.block_bytes, [&](uint64_t i) { return sec + i * se.block_bytes; });
-      KT_CHECK(
-          got == se.checksum, KT_ERR_IO,
-          w + ": checksum mismatch in section '" + kSectionNames[s] + "' (the file is corrupted)");
-    }
+  PackedMapping m;
+  m.what = w;
+  for (int s = 0; s < kPackedSections; ++s) {
+    const SectionEntry& se = h.sections[s];
+    m.offset[s] = se.offset, m.bytes[s] = se.bytes, m.block_bytes[s] = se.block_bytes, m.checksum[s] = se.checksum;
   }
-  const uint8_t* weights[3];
-  for (int s = 0; s < 3; ++s) weights[s] = base + h.sections[s].offset;
-  const float* biases[3] = {nullptr, nullptr, nullptr};
-  if (moe->options().has_bias) {
+  for (int s = 0; s < 3; ++s) m.weights[s] = base + h.sections[s].offset;
+  if (shape.has_bias) {
     const float* b = reinterpret_cast<const float*>(base + h.sections[3].offset);
-    biases[0] = b;
-    biases[1] = b + moe->num_experts() * moe->intermediate();
-    biases[2] = b + 2 * moe->num_experts() * moe->intermediate();
+    m.biases[0] = b;
+    m.biases[1] = b + shape.experts * shape.intermediate;
+    m.biases[2] = b + 2 * shape.experts * shape.intermediate;
   }
-  moe->adopt_packed(std::shared_ptr<const void>(map, map->data()), weights, biases, loaded);
+  m.loaded = base + h.sections[4].offset;
+  m.memory = std::shared_ptr<const void>(map, base);
+  return m;
+}
+
+void verify_packed(const PackedMapping& m, kt_engine* engine) {
+  const uint8_t* base = static_cast<const uint8_t*>(m.memory.get());
+  for (int s = 0; s < kPackedSections; ++s) {
+    const uint8_t* sec = base + m.offset[s];
+    const uint64_t block = m.block_bytes[s];
+    const uint64_t got = section_checksum(engine, m.bytes[s], block, [&](uint64_t i) { return sec + i * block; });
+    KT_CHECK(got == m.checksum[s], KT_ERR_IO,
+             m.what + ": checksum mismatch in section '" + kSectionNames[s] + "' (the file is corrupted)");
+  }
 }
 
 }  // namespace io

@@ -18,7 +18,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "formats/packed_quant.h"
 #include "kernels/kernels.h"
@@ -55,16 +57,52 @@ constexpr int kPackedSections = 5;
 // 64-bit hash of bytes (the xxHash64 algorithm), seed 0.
 uint64_t hash64(const void* data, size_t n, uint64_t seed = 0);
 
-// Writes moe's packed layer to path atomically. Takes the engine's compute
-// lock itself.
-void save_packed(kt_moe* moe, const std::string& path, const char* where);
+// One layer as its cache stores it. The layer describes itself
+// (moe/packed_layer.cpp), so the file format needs nothing of kt_moe.
+struct PackedShape {
+  kt_weight_format format = KT_FORMAT_BF16;
+  int64_t experts = 0, hidden = 0, intermediate = 0;
+  bool has_bias = false;
+  // Stored bytes of one expert's gate (and up) weights and of its down weights.
+  uint64_t gate_expert_bytes = 0, down_expert_bytes = 0;
+};
+
+// The layer's memory a save reads: stored weights [E][expert bytes] of gate,
+// up and down; fp32 biases gate [E,I], up [E,I], down [E,H] (read only with
+// has_bias); loaded flags [E] (0/1).
+struct PackedSource {
+  const uint8_t* weights[3] = {nullptr, nullptr, nullptr};
+  const float* biases[3] = {nullptr, nullptr, nullptr};
+  const std::vector<uint8_t>* loaded = nullptr;
+};
+
+// Writes the layer to path atomically, its checksums computed on engine's
+// threads: the caller holds the engine's compute lock.
+void save_packed(kt_engine* engine, const PackedShape& shape, const PackedSource& source,
+                 const std::string& path, const char* where);
 
 // Reads path's header and loaded flags into *info (kt_packed_read_info).
 void read_info(const std::string& path, kt_packed_info* info, const char* where);
 
-// Maps path, checks it in full against moe, and makes it moe's weights
-// (copied in KT_MODE_FULL). Nothing changes in moe when it fails.
-void load_packed(kt_moe* moe, const std::string& path, unsigned flags, const char* where);
+// A cache mapped and checked against a layer's shape and format (header,
+// section sizes); its section checksums are checked by verify_packed.
+struct PackedMapping {
+  std::shared_ptr<const void> memory;  // the file's bytes; keeps the map alive
+  std::string what;                    // "<where>: <path>", for messages
+  const uint8_t* weights[3] = {nullptr, nullptr, nullptr};  // laid out as PackedSource's
+  const float* biases[3] = {nullptr, nullptr, nullptr};     // null without biases
+  const uint8_t* loaded = nullptr;
+  uint64_t offset[kPackedSections] = {}, bytes[kPackedSections] = {};
+  uint64_t block_bytes[kPackedSections] = {}, checksum[kPackedSections] = {};
+};
+
+// Maps path and checks it against shape; KT_ERR_IO, _SHAPE or
+// _INVALID_ARGUMENT naming the file when it does not fit.
+PackedMapping map_packed(const PackedShape& shape, const std::string& path, const char* where);
+
+// Checks every section's checksum on engine's threads (the caller holds the
+// engine's compute lock); KT_ERR_IO naming the section when one differs.
+void verify_packed(const PackedMapping& mapping, kt_engine* engine);
 
 }  // namespace io
 }  // namespace kt

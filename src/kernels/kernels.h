@@ -18,7 +18,7 @@
 namespace kt {
 
 namespace optim {
-struct UpdateKernels;  // optim/update.h
+struct UpdateKernels;  // kernels/update.h
 }
 
 // Activation parameters (docs/math.md, "Activations"): kind is a
@@ -211,7 +211,7 @@ struct Kernels {
   void (*gemm_int8)(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
                     bool accumulate, const PrefetchRegion& next) = nullptr;
   // The optimizer's per-element loops compiled for this table's ISA
-  // (optim/update.h: AdamW, SGD, the finiteness check, the sum of squares,
+  // (kernels/update.h: AdamW, SGD, the finiteness check, the sum of squares,
   // the bf16 panels of a full-weight step). Every table's compute the same
   // bits.
   const optim::UpdateKernels* optimizer = nullptr;

@@ -1,17 +1,16 @@
-// Named-argument tables and argument names shared by the layer's calls.
+// Named-argument tables shared by the layer's calls (the ids' names:
+// core/arg_names.h).
 #pragma once
 
 #include <initializer_list>
 #include <string>
 
+#include "core/arg_names.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kt_c_api.h"
 
 namespace kt {
-
-const char* arg_name(int id);  // "KT_ARG_X"; nullptr for unknown ids
-std::string id_string(int id);
 
 // One past the largest kt_arg_id: tables indexed by id are this long. Ids
 // come in blocks of 16; the last block ends before it.

@@ -1,4 +1,4 @@
-// kt_optimizer: fused AdamW / SGD over fp32 masters (src/optim/update.h has
+// kt_optimizer: fused AdamW / SGD over fp32 masters (src/kernels/update.h has
 // the loops), created over host tensors or over a layer's bound trainable
 // parameters; its state saves to and loads from one safetensors file.
 #pragma once
@@ -14,8 +14,8 @@
 #include "core/buffer.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "kernels/update.h"
 #include "kt_c_api.h"
-#include "optim/update.h"
 
 struct kt_optimizer {
   // One parameter's slice of a state arena (or empty).

@@ -9,7 +9,7 @@
 #include <string>
 
 #include "kernels/kernels.h"
-#include "optim/update.h"
+#include "kernels/update.h"
 
 namespace {
 

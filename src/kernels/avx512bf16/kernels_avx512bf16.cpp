@@ -15,7 +15,7 @@
 #include "kernels/generic/quant.h"
 #include "kernels/generic/sgemm.h"
 #include "kernels/kernels.h"
-#include "optim/update.h"
+#include "kernels/update.h"
 
 namespace kt {
 namespace avx512bf16 {

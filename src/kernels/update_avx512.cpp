@@ -1,7 +1,7 @@
 // The optimizer loops compiled for avx512 (flags in sources.cmake).
-#include "optim/update.h"
+#include "kernels/update.h"
 
-#include "optim/update_kernels.inc"
+#include "kernels/update_kernels.inc"
 
 namespace kt {
 namespace optim {

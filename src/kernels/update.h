@@ -2,6 +2,8 @@
 // sum of squares), compiled once per ISA from update_kernels.inc; each kernel
 // table (kernels/kernels.h, Kernels::optimizer) names its ISA's. Every ISA computes the same bits: the loops use explicit fmaf
 // where torch fuses and no other contraction (-ffp-contract=off).
+// They are per-ISA code, so they live with the kernels, below the optimizer
+// (src/optim) that drives them; the names keep the optimizer's namespace.
 #pragma once
 
 #include <cstdint>
