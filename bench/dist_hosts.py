@@ -363,9 +363,9 @@ def crossing_bytes(cfg, T, rank_experts):
     return {"routes_crossing": cross, "forward": fwd, "forward_backward": [f + b for f, b in zip(fwd, bwd)]}
 
 
-def median_ms(res_list, T, what):
+def median_ms(res_list, T, what, stat=statistics.median):
     # A collective ends on both ranks together: the slower rank's median.
-    return max(statistics.median(r["by_tokens"][str(T)]["times_s"][what]) for r in res_list) * 1e3
+    return max(stat(r["by_tokens"][str(T)]["times_s"][what]) for r in res_list) * 1e3
 
 
 def main():
@@ -385,7 +385,17 @@ def main():
     ap.add_argument("--link", default=None, help="the kt_delay_link program (default: build/bench)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--table-from", help="print the table of an earlier --json file (no run)")
     args = ap.parse_args()
+    if args.table_from:
+        old = json.load(open(args.table_from))
+        delays = [float(n[len("netns-"):-2]) for n in old["link"]]
+        old["table"] = table(old["config"], old, delays)
+        print(old["table"]["markdown"])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(old, f, indent=1)
+        return
 
     model = json.load(open(os.path.join(HERE, "models", "models.json")))[args.model]
     cfg = {"model": args.model, "experts": args.experts or model["experts"], "top_k": args.top_k or model["top_k"],
@@ -449,6 +459,8 @@ def table(cfg, results, delays):
             one = median_ms([results["runs"]["one"]], T, what)
             loop = median_ms(results["runs"]["loopback"], T, what)
             row = {"tokens_per_rank": T, "pass": what, "one_process_ms": one, "loopback_ms": loop,
+                   "one_process_min_ms": median_ms([results["runs"]["one"]], T, what, min),
+                   "loopback_min_ms": median_ms(results["runs"]["loopback"], T, what, min),
                    "bytes_each_way": b[what], "routes_crossing": b["routes_crossing"], "netns": {}}
             cells = [str(T), what.replace("_", "+"), "%.3f" % one, "%.3f" % loop]
             for d in delays:
@@ -456,7 +468,8 @@ def table(cfg, results, delays):
                 t = median_ms(results["runs"][name], T, what)
                 wire = max(b[what]) / rate[name] * 1e3
                 est = loop + wire + ROUNDS[what] * 2 * d * 1e-3
-                row["netns"][name] = {"ms": t, "estimate_ms": est, "wire_ms": wire,
+                row["netns"][name] = {"ms": t, "min_ms": median_ms(results["runs"][name], T, what, min),
+                                      "estimate_ms": est, "wire_ms": wire,
                                       "rounds": ROUNDS[what], "added_over_loopback_ms": t - loop,
                                       "effective_round_trips": (t - loop - wire) / (2 * d * 1e-3) if d else None}
                 cells += ["%.3f" % t, "%.3f" % est]
