@@ -39,7 +39,7 @@ by more than --rss-growth % after the warm-up, if a greedy answer differs,
 or if the server does not stop within a minute of SIGTERM.
 
   bench/serve_load.py [--concurrency 8,32] [--seconds 600] [--warmup S]
-                      [--threads N] [--onednn-cache 16] [--without-kt] [--model-dir DIR]
+                      [--threads N] [--onednn-cache 16] [--seeded] [--without-kt] [--model-dir DIR]
                       [--json] [--log FILE]
 
 Run it with the serving venv's Python (tools/python_env.sh serve makes it:
@@ -87,7 +87,8 @@ WORD = re.compile(r"^w\d+$")
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--concurrency", default="8,32", help="clients at once, one load phase per value")
-    p.add_argument("--seconds", type=float, default=600, help="load per concurrency")
+    p.add_argument("--seconds", default="600",
+                   help="load per concurrency: one value, or one per --concurrency value")
     p.add_argument("--warmup", type=float, default=None,
                    help="seconds of load before the memory baseline (default: a quarter of --seconds, at most 60)")
     p.add_argument("--threads", type=int, default=None,
@@ -105,13 +106,20 @@ def parse_args(argv=None):
     p.add_argument("--log", default=None, help="the server's log (default a temporary file)")
     p.add_argument("--onednn-cache", type=int, default=16,
                    help="ONEDNN_PRIMITIVE_CACHE_CAPACITY of the server; 0: oneDNN's default (1024)")
+    p.add_argument("--seeded", action="store_true",
+                   help="sampled requests carry a seed of their own (vLLM 0.32's CPU engine dies on one whose "
+                        "prompt is prefilled in chunks: 'CPU Generator does not use offset')")
     p.add_argument("--without-kt", action="store_true",
                    help="vLLM's own experts, for comparison (the plugin is not asked for)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in str(args.concurrency).split(",")]
+    seconds = [float(s) for s in str(args.seconds).split(",")]
+    if len(seconds) not in (1, len(args.concurrency)):
+        p.error("--seconds takes one value or one per --concurrency value")
+    args.seconds = seconds * len(args.concurrency) if len(seconds) == 1 else seconds
     if args.warmup is None:
-        args.warmup = min(60.0, args.seconds / 4)
+        args.warmup = min(60.0, min(args.seconds) / 4)
     return args
 
 
@@ -146,8 +154,9 @@ class Outcome:
 
 
 class Client:
-    def __init__(self, port, words, max_model_len, timeout):
+    def __init__(self, port, words, max_model_len, timeout, seeded=False):
         self.port, self.words, self.max_model_len, self.timeout = port, words, max_model_len, timeout
+        self.seeded = seeded
 
     def _send(self, path, body):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
@@ -186,7 +195,9 @@ class Client:
         chat = kind.startswith("chat")
         path = "/v1/chat/completions" if chat else "/v1/completions"
         body = {"model": MODEL, "max_tokens": max_tokens, "temperature": rng.choice([0.0, 0.8]),
-                "ignore_eos": True, "seed": rng.randrange(1 << 30)}
+                "ignore_eos": True}
+        if self.seeded and body["temperature"]:
+            body["seed"] = rng.randrange(1 << 30)
         n = (self.max_model_len + rng.randint(1, 64) if kind == "too_long"
              else rng.randint(1, 64) if kind == "cancel" else None)
         prompt = self.prompt(rng, n)
@@ -349,8 +360,10 @@ def memory_report(samples, start, warm, end, limit):
     # percentage of it means something (not a helper of a few MiB).
     checked = [out["rss_total_growth_pct"]] + [p["rss_growth_pct"] for p in procs
                                                if (p["rss_warm"] or 0) >= BIG_PROCESS]
-    out["rss_growth_max_pct"] = max(g for g in checked if g is not None)
-    out["rss_growth_ok"] = out["rss_growth_max_pct"] <= limit
+    checked = [g for g in checked if g is not None]
+    # Nothing to check (the server gone) fails too.
+    out["rss_growth_max_pct"] = max(checked) if checked else None
+    out["rss_growth_ok"] = bool(checked) and out["rss_growth_max_pct"] <= limit
     return out
 
 
@@ -377,14 +390,14 @@ def _percentile(values, q):
     return v[min(len(v) - 1, int(round(q / 100.0 * (len(v) - 1))))]
 
 
-def run_phase(args, server, client, memory, clients, kinds, reference):
-    """clients at once for args.seconds, the greedy prompts interleaved;
-    returns the phase's report."""
+def run_phase(args, server, client, memory, clients, seconds, kinds, reference):
+    """clients at once for seconds, the greedy prompts interleaved; returns
+    the phase's report."""
     outcomes, lock = [], threading.Lock()
     greedy = {"checks": 0, "mismatches": []}
     start = memory.now()
     t0 = time.perf_counter()
-    deadline = t0 + args.seconds
+    deadline = t0 + seconds
     server_gone = []
     where = {}
 
@@ -494,11 +507,11 @@ def run(args):
         server.wait_ready()
         report["start_to_ready_s"] = round(time.perf_counter() - t, 1)
         memory = Memory(server.proc.pid, args.sample_every)
-        client = Client(server.port, words, args.max_model_len, args.request_timeout)
+        client = Client(server.port, words, args.max_model_len, args.request_timeout, args.seeded)
         reference = client.greedy(GREEDY_PROMPTS)
         report["greedy_before"] = reference
-        for clients in args.concurrency:
-            report["phases"].append(run_phase(args, server, client, memory, clients, kinds, reference))
+        for clients, seconds in zip(args.concurrency, args.seconds):
+            report["phases"].append(run_phase(args, server, client, memory, clients, seconds, kinds, reference))
             if server.proc.poll() is not None:
                 break
         if server.proc.poll() is None:
@@ -534,7 +547,7 @@ def failures(report):
         if ph["errors"]:
             out.append("%d clients: %d errors: %s" % (c, ph["errors"], ph["error_reasons"]))
         if not ph["memory"]["rss_growth_ok"]:
-            out.append("%d clients: RSS grew %.2f %% after the warm-up" % (c, ph["memory"]["rss_growth_max_pct"]))
+            out.append("%d clients: RSS grew %s after the warm-up" % (c, _pct(ph["memory"]["rss_growth_max_pct"])))
         if ph["greedy_mismatches"]:
             out.append("%d clients: %d of %d greedy checks differ" % (c, len(ph["greedy_mismatches"]),
                                                                       ph["greedy_checks"]))
@@ -602,9 +615,10 @@ def main(argv=None):
     else:
         experts = "vLLM's own" if args.without_kt else "kt's"
         greedy = "identical" if report.get("greedy_after_identical") else "DIFFERENT or missing"
-        print("vLLM's API server with %s experts on %s, threads %s; %s s per concurrency (warm-up %s s); "
-              "greedy answers after the load %s" % (experts, report["cpu"], args.threads or "vLLM's", args.seconds, args.warmup,
-                                                   greedy))
+        seconds = "/".join("%g" % s for s in args.seconds)
+        print("vLLM's API server with %s experts on %s, threads %s; %s s of load (warm-up %s s); "
+              "greedy answers after the load %s" % (experts, report["cpu"], args.threads or "vLLM's", seconds,
+                                                   args.warmup, greedy))
         print()
         print(table(report))
         print()
