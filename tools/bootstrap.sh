@@ -112,8 +112,11 @@ case "$what" in
     # KT_VENV=$(pwd)/build-serve tools/python_env.sh test tests/python/test_serve_vllm.py).
     # Then the whole-model path at test size (bench/whole_model.py's code):
     # gpt-oss MXFP4 and Qwen3 int4 2-layer models served through vLLM + kt.
+    # Then a minute of load on the HTTP server (bench/serve_load.py: 8
+    # clients, cancellations, refusals, greedy answers, memory; ~2 minutes).
     KT_VENV="$(pwd)/build-serve" tools/python_env.sh test tests/python/test_serve_vllm.py \
-      tests/python/test_whole_model.py -k "fp32_greedy or int4 or http or refused or whole_model" ||
+      tests/python/test_whole_model.py tests/python/test_serve_load.py \
+      -k "fp32_greedy or int4 or http or refused or whole_model or serve_load" ||
       failed="$failed vllm"
     # LlamaFactory's CLI with a YAML config, with kt's experts and without,
     # in its own venv (llamafactory pins older transformers and PEFT): the

