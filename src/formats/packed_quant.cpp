@@ -251,9 +251,22 @@ SourceProblem check_quant_source(const QuantSource& src, int64_t n, int64_t k, c
 // `lane` of a panel, four columns a step: put_code keeps columns 4m and
 // 4m+2 in byte 32m + 2 lane and columns 4m+1 and 4m+3 in the byte after it
 // (low nibble first), so each source byte pair makes one such pair whole.
+// As a little-endian 16-bit word, a source byte pair holds the nibbles of
+// columns 4m..4m+3 in the order 0 1 2 3 and the panel's pair wants 0 2 1 3:
+// the middle nibbles swap, for four quads of one 64-bit word at a time.
 static void put_codes4(uint8_t* panel, int64_t lane, const uint8_t* row, int64_t k) {
   const int64_t quads = k / 4;
-  for (int64_t m = 0; m < quads; ++m) {
+  int64_t m = 0;
+  for (; m + 4 <= quads; m += 4) {
+    uint64_t w;
+    std::memcpy(&w, row + 2 * m, 8);
+    w = (w & 0xF00FF00FF00FF00Full) | ((w & 0x00F000F000F000F0ull) << 4) | ((w & 0x0F000F000F000F00ull) >> 4);
+    for (int j = 0; j < 4; ++j) {
+      const uint16_t pair = static_cast<uint16_t>(w >> (16 * j));
+      std::memcpy(panel + (m + j) * 32 + lane * 2, &pair, 2);
+    }
+  }
+  for (; m < quads; ++m) {
     const uint8_t s0 = row[2 * m], s1 = row[2 * m + 1];
     uint8_t* b = panel + m * 32 + lane * 2;
     b[0] = static_cast<uint8_t>((s0 & 0x0f) | (s1 << 4));
