@@ -73,3 +73,16 @@ def test_one_line_per_burst_with_kt_seconds_of_its_wall(stats_lines):
     assert wait_for(stats_lines, 2)[1] == "kt: stats: 1 forwards, 7 tokens, 0.0050 s in kt's layers of 0.0050 s wall"
     time.sleep(0.5)
     assert len(stats_lines) == 2  # nothing more without forwards
+
+
+def test_forwards_longer_than_the_gap_stay_one_burst(stats_lines):
+    bursts = ktv._Bursts(gap=0.1)
+    for _ in range(3):  # three layers of a long prefill, each longer than the gap
+        bursts.begin()
+        t0 = time.perf_counter()
+        time.sleep(0.25)
+        bursts.add(512, t0, time.perf_counter())
+    lines = wait_for(stats_lines, 1)
+    time.sleep(0.3)
+    assert len(stats_lines) == 1, stats_lines
+    assert lines[0].startswith("kt: stats: 3 forwards, 1536 tokens, "), lines

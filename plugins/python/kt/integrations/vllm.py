@@ -327,7 +327,9 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
 class _Bursts:
     """kt's share of a burst of forwards (all kt layers of the process): one
     log line when no forward has come for `gap` seconds. A daemon thread
-    watches, so the line comes when the burst ends, not with the next one."""
+    watches, so the line comes when the burst ends, not with the next one;
+    a forward still running holds the burst open, however long it takes
+    (a long prefill's layers each take more than `gap`)."""
 
     def __init__(self, gap=1.0):
         self.gap = gap
@@ -339,11 +341,18 @@ class _Bursts:
         self.forwards = self.tokens = 0
         self.kt_s = 0.0
         self.first = self.last = None
+        self.running = 0
+
+    def begin(self):
+        """A forward starts; add() ends it."""
+        with self.cond:
+            self.running += 1
 
     def add(self, tokens, t0, t1):
         with self.cond:
             if self.first is None:
                 self.first = t0
+            self.running = max(0, self.running - 1)
             self.forwards += 1
             self.tokens += tokens
             self.kt_s += t1 - t0
@@ -358,7 +367,7 @@ class _Bursts:
             while True:
                 while self.last is None:
                     self.cond.wait()
-                idle = time.perf_counter() - self.last
+                idle = 0.0 if self.running else time.perf_counter() - self.last
                 if idle < self.gap:
                     self.cond.wait(self.gap - idle)
                     continue
@@ -416,11 +425,14 @@ class _KtExperts:
         self.tokens += x.shape[0]
         step = self.kt_layer.max_tokens
         n = x.shape[0]
+        stats = self.plan.settings["stats"]
+        if stats:
+            _bursts.begin()
         t0 = time.perf_counter()
         for s in range(0, n, step):
             e = min(s + step, n)
             self.kt_layer.forward(x[s:e], ids[s:e], w[s:e], y[s:e])
-        if self.plan.settings["stats"]:
+        if stats:
             _bursts.add(n, t0, time.perf_counter())
         return y if y.dtype == dtype else y.to(dtype)
 
