@@ -86,3 +86,14 @@ def test_forwards_longer_than_the_gap_stay_one_burst(stats_lines):
     time.sleep(0.3)
     assert len(stats_lines) == 1, stats_lines
     assert lines[0].startswith("kt: stats: 3 forwards, 1536 tokens, "), lines
+
+
+def test_fewer_threads_than_cpus_is_said_once(stats_lines, monkeypatch):
+    monkeypatch.setattr(ktv, "_thread_note", [])
+    monkeypatch.setattr(ktv.os, "cpu_count", lambda: 4)
+    ktv._note_thread_count(4, {"host_openmp": True})
+    assert stats_lines == []
+    ktv._note_thread_count(1, {"host_openmp": True})
+    ktv._note_thread_count(1, {"host_openmp": True})
+    assert stats_lines == ["kt: kt computes on 1 of the machine's 4 CPUs (vLLM binds its worker's OpenMP threads, "
+                           "which kt computes on: VLLM_CPU_OMP_THREADS_BIND sets them)"]

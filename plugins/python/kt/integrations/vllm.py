@@ -379,6 +379,23 @@ class _Bursts:
 _bursts = _Bursts()
 
 
+_thread_note = []
+
+
+def _note_thread_count(threads, settings):
+    """Says once when kt computes on fewer threads than the machine has
+    CPUs: vLLM binds its worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND,
+    by default keeping a CPU for its other processes), and on a small
+    machine that is a large part of kt's speed."""
+    cpus = os.cpu_count() or threads
+    if threads >= cpus or _thread_note:
+        return
+    _thread_note.append(threads)
+    how = ("vLLM binds its worker's OpenMP threads, which kt computes on: VLLM_CPU_OMP_THREADS_BIND sets them"
+           if settings["host_openmp"] else "the plugin's \"threads\" option sets them")
+    logger.info("kt: kt computes on %d of the machine's %d CPUs (%s)", threads, cpus, how)
+
+
 class _KtExperts:
     """One layer's routed experts in kt, as the custom op runs them."""
 
@@ -533,10 +550,13 @@ def _make_classes():
                 _checkpoint(plan.directory).planned.append(plan.layer)
                 with _lock:
                     _skip_names.update(plan.tensor_names)
+                threads = plan.kt_layer.engine.info()["num_threads"]
                 logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s, "
-                            "on %s)", layer_name, moe_config.num_experts, moe_config.experts_per_token,
+                            "on %s, %d thread%s)", layer_name, moe_config.num_experts, moe_config.experts_per_token,
                             plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format,
-                            "torch's OpenMP threads" if settings["host_openmp"] else "kt's own workers")
+                            "torch's OpenMP threads" if settings["host_openmp"] else "kt's own workers",
+                            threads, "" if threads == 1 else "s")
+                _note_thread_count(threads, settings)
 
         @property
         def computed_by_kt(self):
