@@ -471,7 +471,10 @@ def serve_vllm(args, directory, sizes, with_kt=True):
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     sampler = MemorySampler(proc.pid)
-    out = {"command": " ".join(cmd), "log": log.name}
+    # vLLM binds its worker's OpenMP threads, which kt computes on: by
+    # default all CPUs but one it keeps for its other processes.
+    out = {"command": " ".join(cmd), "log": log.name,
+           "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")}
     try:
         while True:
             if proc.poll() is not None:
