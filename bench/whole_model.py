@@ -281,26 +281,23 @@ def dram_copy_rate():
     return {"gbs": a.nbytes / best / 1e9, "bytes": a.nbytes}
 
 
-def fresh_write_rate():
+def fresh_write_rate(size=4 * GiB):
     """GB/s written into memory the process has not touched before (numpy,
-    one thread, 1 GiB, best of 3): the page faults and the kernel's zeroing
-    of each new page included. A load writes the experts into such memory,
-    so this, not the copy rate, bounds it; the second fill of the same
-    array is the rate without the faults."""
+    one thread, 4 GiB, once), page faults and the kernel's zeroing of each
+    new page included; then the same memory written again. A load writes
+    the experts into such memory, so this, not the copy rate, bounds it.
+    Once, not the best of several: memory just freed comes back faster (in
+    a VM the host has already backed it), which a load of many GB does not
+    see."""
     import numpy as np
-    best_fresh = best_warm = None
-    for _ in range(3):
-        a = np.empty(GiB, dtype=np.uint8)
-        t = time.perf_counter()
-        a.fill(1)
-        fresh = time.perf_counter() - t
-        t = time.perf_counter()
-        a.fill(2)
-        warm = time.perf_counter() - t
-        del a
-        best_fresh = fresh if best_fresh is None else min(best_fresh, fresh)
-        best_warm = warm if best_warm is None else min(best_warm, warm)
-    return {"gbs": GiB / best_fresh / 1e9, "warm_gbs": GiB / best_warm / 1e9, "bytes": GiB}
+    a = np.empty(size, dtype=np.uint8)
+    t = time.perf_counter()
+    a.fill(1)
+    fresh = time.perf_counter() - t
+    t = time.perf_counter()
+    a.fill(2)
+    warm = time.perf_counter() - t
+    return {"gbs": size / fresh / 1e9, "warm_gbs": size / warm / 1e9, "bytes": size}
 
 
 def kt_bench_limits(model, fmt, threads):
@@ -710,7 +707,7 @@ def main(argv=None):
     sizes = model_sizes(directory)
     doc = {"model": args.model, "host": args.host, "directory": directory, "overrides": overrides,
            "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": _cpu(), "sizes": sizes}
-    limits = {"dram_copy": dram_copy_rate(), "fresh_write": fresh_write_rate()}
+    limits = {"fresh_write": fresh_write_rate(), "dram_copy": dram_copy_rate()}
     if not args.no_cold:
         limits["disk"] = disk_read_rate(model_files(directory))
     if not args.no_limits:
