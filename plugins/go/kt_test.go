@@ -185,11 +185,7 @@ func TestNUMAOptionReportsNodesAndKeepsTheBits(t *testing.T) {
 		moe.Close()
 		engine.Close()
 	}
-	for j := range outs[0] {
-		if math.Float32bits(outs[0][j]) != math.Float32bits(outs[1][j]) {
-			t.Fatalf("NUMA on changed y[%d]: %v against %v", j, outs[1][j], outs[0][j])
-		}
-	}
+	sameBits(t, "y with NUMA on", outs[1], outs[0])
 }
 
 func TestForwardBackward(t *testing.T) {
