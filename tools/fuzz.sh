@@ -5,12 +5,13 @@
 # build-fuzz/tests/io/fuzz/corpus/<target>; a crash leaves its input in
 # build-fuzz/tests/io/fuzz/artifacts/ and stops the script (commit a minimized one under
 # tests/io/fuzz/regressions/<target>/ with the fix).
-#   usage: tools/fuzz.sh [SECONDS] [TARGET ...]   (targets: header index layout adapter packed)
+#   usage: tools/fuzz.sh [SECONDS] [TARGET ...]
+#   (targets: header index layout adapter packed quant optim dist_ckpt)
 set -eu
 root=$(cd "$(dirname "$0")/.." && pwd)
 seconds=${1:-60}
 [ $# -gt 0 ] && shift
-targets=${*:-header index layout adapter packed}
+targets=${*:-header index layout adapter packed quant optim dist_ckpt}
 build=${KT_FUZZ_BUILD:-$root/build-fuzz}
 CC=clang CXX=clang++ cmake -S "$root" -B "$build" -DKT_BUILD_FUZZERS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build "$build" -j"${KT_FUZZ_JOBS:-2}"

@@ -1,11 +1,14 @@
 """The vLLM plugin's options and its stats line, without vLLM: what
-settings_of accepts and refuses, and what one burst of forwards logs."""
+settings_of accepts and refuses (also fuzzed briefly: helpers/option_fuzz.py
+runs for minutes), and what one burst of forwards logs."""
 import logging
+import re
 import time
 
 import pytest
 
 import kt.integrations.vllm as ktv
+from helpers import option_fuzz
 
 
 def config(options):
@@ -32,6 +35,40 @@ def test_numa_is_off_by_default_and_needs_kts_own_workers():
     engine = ktv._engine(2, False, "default", "auto")
     assert sum(engine.info()["numa_node_workers"]) == 2
     assert ktv._engine(2, False, "default", "auto") is engine
+
+
+@pytest.mark.parametrize("name, value, expected", [
+    ("threads", "4", "a whole number from 0 to 4096"),
+    ("threads", True, "a whole number from 0 to 4096"),
+    ("threads", 4097, "a whole number from 0 to 4096"),
+    ("threads", (1 << 32) + 2, "a whole number from 0 to 4096"),
+    ("max_tokens", 0, "null or a whole number from 1 to 65536"),
+    ("max_tokens", 2.0, "null or a whole number from 1 to 65536"),
+    ("dequantize", "no", "true or false"),
+    ("strict", 1, "true or false"),
+    ("weight_format", "int4", "null or one of 'bf16', "),
+    ("compute", "fp16", "'bf16' or 'int8'"),
+    ("precision", ["fp32"], "'auto', 'default' or 'fp32'"),
+])
+def test_every_option_is_checked_before_any_layer_is_made(name, value, expected):
+    # Found by the fuzzer: these reached kt.Engine/kt.MoE as they were (a
+    # thread count past 2**31 wrapped in ctypes, a string raised ValueError
+    # outside the plugin's refusals).
+    with pytest.raises(ktv.KtVllmError, match="kt: %s must be %s" % (name, re.escape(expected))):
+        ktv.settings_of(config({name: value}))
+
+
+def test_unknown_keys_of_any_type_are_named():
+    # Found by the fuzzer: keys of mixed types made sorting them raise TypeError.
+    with pytest.raises(ktv.KtVllmError, match=r"unknown option\(s\) \(1, 2\), 1, None, thread in"):
+        ktv.settings_of(config({1: 0, None: 0, (1, 2): 0, "thread": 2, "threads": 1}))
+
+
+def test_fuzzed_options_give_settings_or_a_kt_refusal():
+    counts = option_fuzz.fuzz(seconds=120, seed=1, cases=3000)
+    assert counts["cases"] == 3000, counts
+    # The cases reach every outcome: refused, accepted and planned, accepted and refused by plan_layer.
+    assert min(counts.get(k, 0) for k in ("refused", "planned", "not planned")) > 0, counts
 
 
 class Lines(logging.Handler):

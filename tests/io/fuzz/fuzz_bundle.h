@@ -72,13 +72,14 @@ inline std::string encode_bundle(const std::vector<Entry>& entries) {
   return out;
 }
 
-// A scratch directory of this process, emptied before each input.
+// A scratch directory of this process, emptied before each input; tag
+// tells apart several of one process.
 class Scratch {
  public:
-  Scratch() {
+  explicit Scratch(const std::string& tag = "") {
     const char* base = std::getenv("KT_FUZZ_SCRATCH");
     std::string root = base && *base ? base : (access("/dev/shm", W_OK) == 0 ? "/dev/shm" : "/tmp");
-    root_ = root + "/kt_fuzz." + std::to_string(getpid());
+    root_ = root + "/kt_fuzz." + std::to_string(getpid()) + tag;
     mkdir(root_.c_str(), 0700);
     dir_ = root_ + "/ckpt";
   }

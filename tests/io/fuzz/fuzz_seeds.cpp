@@ -5,6 +5,9 @@
 //   <out>/adapter  adapters, as bundles
 //   <out>/packed   packed caches (kt_moe_save_packed) of the fuzz_packed shapes, in each weight format
 //                  (fp8 and mxfp4 layers from synthetic checkpoints of tests/io/quant_ckpt_builder.h)
+//   <out>/quant    the config.json of each of those quantized checkpoints (and layout gets them whole)
+//   <out>/optim    optimizer state files (kt_optimizer_save) of fuzz_optim_setups.h after a step
+//   <out>/dist_ckpt distributed checkpoints (kt_dist_ckpt_save) of fuzz_dist_setups.h, as bundles
 // Usage: kt_fuzz_seeds OUT_DIR
 #include <dirent.h>
 #include <sys/stat.h>
@@ -19,6 +22,8 @@
 #include <vector>
 
 #include "fuzz_bundle.h"
+#include "fuzz_dist_setups.h"
+#include "fuzz_optim_setups.h"
 #include "kt_c_api.h"
 #include "quant_ckpt_builder.h"
 
@@ -149,14 +154,8 @@ void adapters(const std::string& scratch) {
   }
 }
 
-void packed_caches(const std::string& scratch) {
+void packed_caches(const std::string& scratch, kt_engine* engine) {
   const int64_t E = 2, H = 32, I = 32;
-  kt_engine_options eo;
-  kt_engine_options_init(&eo);
-  eo.num_threads = 1;
-  eo.pin_threads = 0;
-  kt_engine* engine = nullptr;
-  must(kt_engine_create(&eo, &engine), "kt_engine_create");
   // Formats kt quantizes to from the weights below.
   const kt_weight_format formats[4] = {KT_FORMAT_BF16, KT_FORMAT_INT8_CHANNEL, KT_FORMAT_INT4_G32,
                                        KT_FORMAT_INT4_G128};
@@ -218,8 +217,43 @@ void packed_caches(const std::string& scratch) {
     must(kt_moe_save_packed(m, path.c_str()), "kt_moe_save_packed");
     write_seed("packed", std::string(c.name) + ".ktpack", read_file(path));
     kt_moe_destroy(m);
+    write_seed("quant", std::string(c.name) + ".json", c.ckpt.config);
+    write_seed("layout", c.name, bundle_of(dir));
   }
-  kt_engine_destroy(engine);
+}
+
+void optimizer_states(const std::string& scratch, kt_engine* engine) {
+  const std::string path = scratch + "/optimizer.safetensors";
+  for (const auto& s : kt_fuzz::optim_setups(engine)) {
+    must(kt_optimizer_step(s->opt, nullptr), "kt_optimizer_step");
+    must(kt_optimizer_save(s->opt, path.c_str()), "kt_optimizer_save");
+    write_seed("optim", std::string(s->name) + ".safetensors", read_file(path));
+  }
+}
+
+void dist_checkpoints(const std::string& scratch, kt_engine* engine) {
+  const auto setup = kt_fuzz::dist_setup(engine);
+  if (!setup) {
+    std::printf("kt_fuzz_seeds: no dist_ckpt seeds: %s\n", kt_last_error());
+    return;
+  }
+  for (const auto& l : setup->layers) must(kt_optimizer_step(l->opt, nullptr), "kt_optimizer_step");
+  const struct {
+    const char* name;
+    std::vector<size_t> layers;
+    unsigned parts;
+  } cases[] = {{"both_layers_all_parts", {0, 1}, 0u},
+               {"lora_adapter_only", {0}, KT_DIST_CKPT_ADAPTER},
+               {"full_weights_and_optimizer", {1}, KT_DIST_CKPT_WEIGHTS | KT_DIST_CKPT_OPTIMIZER}};
+  for (const auto& c : cases) {
+    const std::vector<kt_dist_ckpt_layer> layers = setup->ckpt_layers(c.layers);
+    kt_dist_ckpt_options o;
+    kt_dist_ckpt_options_init(&o);
+    o.parts = c.parts;
+    const std::string dir = scratch + "/" + c.name;
+    must(kt_dist_ckpt_save(setup->comm, dir.c_str(), layers.data(), layers.size(), &o), c.name);
+    write_seed("dist_ckpt", c.name, bundle_of(dir));
+  }
 }
 
 }  // namespace
@@ -236,7 +270,16 @@ int main(int argc, char** argv) {
   if (!scratch) return 1;
   checkpoints(scratch);
   adapters(scratch);
-  packed_caches(scratch);
+  kt_engine_options eo;
+  kt_engine_options_init(&eo);
+  eo.num_threads = 1;
+  eo.pin_threads = 0;
+  kt_engine* engine = nullptr;
+  must(kt_engine_create(&eo, &engine), "kt_engine_create");
+  packed_caches(scratch, engine);
+  optimizer_states(scratch, engine);
+  dist_checkpoints(scratch, engine);
+  must(kt_engine_destroy(engine), "kt_engine_destroy");
   std::system((std::string("rm -rf ") + scratch).c_str());
   return 0;
 }

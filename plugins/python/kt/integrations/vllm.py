@@ -95,6 +95,9 @@ logger = logging.getLogger("vllm.kt")
 CONFIG_KEY = "kt"
 # What kt makes of a dense checkpoint's experts at load (kt_ckpt_load_layer).
 _QUANTIZE_AT_LOAD = ("bf16", "int8_channel", "int4_g32", "int4_g128")
+# kt_engine_create's bound on threads; tokens per kt call beyond which a
+# longer batch is cut into calls anyway.
+_MAX_THREADS, _MAX_TOKENS = 4096, 65536
 _OPTIONS = ("threads", "host_openmp", "precision", "weight_format", "dequantize", "compute", "max_tokens", "strict",
             "progress", "stats", "numa")
 
@@ -127,26 +130,48 @@ def settings_of(vllm_config):
         return None
     if not isinstance(s, dict):
         raise KtVllmError("kt: additional_config[%r] must be a dict of options, not %r" % (CONFIG_KEY, s))
-    unknown = sorted(set(s) - set(_OPTIONS))
+    unknown = sorted(str(k) for k in s if k not in _OPTIONS)
     if unknown:
         raise KtVllmError("kt: unknown option(s) %s in additional_config[%r]; known: %s"
                           % (", ".join(unknown), CONFIG_KEY, ", ".join(_OPTIONS)))
     out = dict(threads=0, host_openmp=True, precision="auto", weight_format=None, dequantize=False, compute="bf16",
                max_tokens=None, strict=True, progress=None, stats=False, numa="off")
     out.update(s)
-    if not isinstance(out["host_openmp"], bool):
-        raise KtVllmError("kt: host_openmp must be true or false, not %r" % (out["host_openmp"],))
-    if not isinstance(out["stats"], bool):
-        raise KtVllmError("kt: stats must be true or false, not %r" % (out["stats"],))
-    if out["numa"] not in ("off", "auto"):
-        raise KtVllmError("kt: numa must be 'off' or 'auto', not %r" % (out["numa"],))
+    for name, (valid, expected) in _option_checks().items():
+        if not valid(out[name]):
+            raise KtVllmError("kt: %s must be %s, not %r" % (name, expected, out[name]))
     if out["numa"] == "auto" and out["host_openmp"]:
         raise KtVllmError("kt: numa 'auto' places kt's own workers: set \"host_openmp\": false with it")
-    if out["progress"] not in (None, True, False):
-        raise KtVllmError("kt: progress must be true, false or null (a terminal's stderr), not %r" % (out["progress"],))
-    if out["precision"] not in ("auto", "default", "fp32"):
-        raise KtVllmError("kt: precision must be 'auto', 'default' or 'fp32', not %r" % (out["precision"],))
     return out
+
+
+def _whole(v, low, high):
+    return isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
+
+
+def _option_checks():
+    """Each option's test of a value, and what it must be (in the message)."""
+    from .. import _capi
+
+    def one_of(*values):
+        return (lambda v: isinstance(v, str) and v in values,
+                " or ".join(", ".join(repr(x) for x in values).rsplit(", ", 1)))
+
+    boolean = (lambda v: isinstance(v, bool), "true or false")
+    return dict(
+        threads=(lambda v: _whole(v, 0, _MAX_THREADS), "a whole number from 0 to %d" % _MAX_THREADS),
+        host_openmp=boolean,
+        precision=one_of("auto", "default", "fp32"),
+        weight_format=(lambda v: v is None or (isinstance(v, str) and v in _capi.WEIGHT_FORMATS),
+                       "null or one of " + ", ".join(repr(f) for f in _capi.WEIGHT_FORMATS)),
+        dequantize=boolean,
+        compute=one_of(*_capi.COMPUTES),
+        max_tokens=(lambda v: v is None or _whole(v, 1, _MAX_TOKENS),
+                    "null or a whole number from 1 to %d" % _MAX_TOKENS),
+        strict=boolean,
+        progress=(lambda v: v is None or isinstance(v, bool), "true, false or null (a terminal's stderr)"),
+        stats=boolean,
+        numa=one_of("off", "auto"))
 
 
 def _layer_number(name):
