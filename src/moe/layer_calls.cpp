@@ -33,7 +33,8 @@ std::string int8_compute_names() {
 // allocation (an allocation that still fails is KT_ERR_OUT_OF_MEMORY).
 void check_layer_fits(const kt_moe_options& o, const kt_engine& engine, const char* w) {
   const CheckedSize bytes = kt_moe::memory_bytes(
-      o, engine.pool->size(), engine.kernels->a_elem_size, engine.kernels->gemm_reads_spaced_rows);
+      o, engine.pool->size(), engine.kernels->a_elem_size, engine.kernels->gemm_reads_spaced_rows,
+      engine.pool->groups() > 1);
   const std::string shape = "E=" + std::to_string(o.num_experts) + ", H=" + std::to_string(o.hidden) +
                             ", I=" + std::to_string(o.intermediate) +
                             ", max_tokens=" + std::to_string(o.max_tokens);

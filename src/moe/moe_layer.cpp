@@ -151,7 +151,7 @@ CheckedSize kt_moe::weight_bytes(const kt_moe_options& o) {
 }
 
 CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a,
-                                 bool rows_by_route) {
+                                 bool rows_by_route, bool dx_by_node) {
   const int64_t E = o.num_experts, K = o.top_k, H = o.hidden, I = o.intermediate, T = o.max_tokens;
   const int64_t r = o.mode == KT_MODE_LORA ? o.lora_rank : 0;
   const LayerShapes sh(o);
@@ -189,6 +189,9 @@ CheckedSize kt_moe::memory_bytes(const kt_moe_options& o, int64_t threads, int64
   if (rows_by_route)
     bytes += o.compute == KT_COMPUTE_INT8 ? routes * int8_row_bytes(sh.gate_q.kq, sh.gate_q.group)
                                           : routes * gs.kp * a + routes * ds.padded_rows() * a;
+  // Each route's dx row before the sum per token, when the experts are split
+  // over NUMA nodes (backward_dx_by_node).
+  if (dx_by_node) bytes += routes * round_up(H, kPanelRows) * f32;
   return bytes;
 }
 

@@ -136,9 +136,10 @@ struct kt_moe {
   // Bytes a layer with these (range-checked) options holds: packed weights,
   // biases, LoRA factors, per-thread scratch, and forward and backward
   // workspaces for max_tokens tokens (with rows_by_route, x's and dy's rows
-  // in route order too). Overflow is reported, not wrapped.
+  // in route order too; with dx_by_node, each route's dx row). Overflow is
+  // reported, not wrapped.
   static kt::CheckedSize memory_bytes(const kt_moe_options& o, int64_t threads, int64_t a_elem_size,
-                                      bool rows_by_route);
+                                      bool rows_by_route, bool dx_by_node);
   // Bytes of the stored base weights (scales and padding included).
   static kt::CheckedSize weight_bytes(const kt_moe_options& o);
 
