@@ -14,8 +14,9 @@ child process (this script in --worker mode).
 
 A reference run goes through once, keeping all its checkpoints; its trained
 parameters, optimizer state and loss of each step are the bits every resumed
-run must end with. Then, until --minutes are up (or --faults are done), a
-fault is drawn (seeded; every kind once before any twice) at a random point:
+run must end with. Then faults are drawn in rounds, every kind once a round
+in a seeded order, each at a seeded random point, until --minutes are up
+(checked between rounds) or --faults are done:
 
   kill_in_save   the child stops in the middle of writing one file of a
                  checkpoint (adapter, kt's experts' factors, optimizer.pt,
@@ -31,13 +32,13 @@ fault is drawn (seeded; every kind once before any twice) at a random point:
                  readers (torch, safetensors, kt) say;
   corrupt_packed a kt packed cache of the model's first MoE layer
                  (MoE.save_packed) has a byte flipped or is truncated: kt
-                 must refuse to load it, naming the file (the training run
-                 itself reads the checkpoint, not a packed cache);
+                 must refuse to load it naming the file, or load the same
+                 weights (the layer's output bit-identical; the training
+                 run itself reads the checkpoint, not a packed cache);
   nan_grad       one gradient element of one trainable tensor is set to NaN
                  or inf after Trainer's clipping, before the optimizer step:
                  kt.optim must skip that step leaving every parameter and
-                 every state tensor as it was, and the run must go on.
-
+                 every state tensor as it was, and the run must go on;
   rank_killed    in a 2-rank expert-parallel run (kt.dist over
                  torch.distributed gloo: one kt LoRA layer, kt's
                  LayerOptimizer, a plain loop, a kt distributed checkpoint
@@ -56,12 +57,12 @@ parameters, optimizer state and the loss of every step after the resume
 must equal the reference's bit for bit (compared as bytes).
 
 Reported (stdout, --json): faults injected and survived per kind, resumes,
-optimizer steps trained (Trainer runs, and the 2-rank loop's), the refusals and error messages seen, wall time,
-the CPU (model name, AVX-512/AMX flags). Exit status 1 if a fault was not
-survived.
+optimizer steps trained (Trainer runs, and the 2-rank loop's), the refusals
+and error messages seen, wall time, the CPU (model name, AVX-512/AMX
+flags). Exit status 1 if a fault was not survived.
 
   bench/train_soak.py [--minutes 10] [--faults N] [--seed 0] [--steps 8]
-                      [--save-every 2] [--json out.json]
+                      [--save-every 2] [--kinds K1,K2] [--keep] [--json out.json]
 
 Needs transformers, peft and mount(8) rights for enospc (root).
 """
