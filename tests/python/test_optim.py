@@ -187,6 +187,33 @@ def test_assume_finite_reads_the_gradient_once_and_lets_nan_in(correctly_rounded
     assert torch.equal(b.detach()[:-1], kept[:-1])
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_one_non_finite_gradient_skips_the_step_of_every_parameter(bad):
+    """kt checks the gradients of each of its optimizers (one a parameter);
+    the step of the torch optimizer over all of them is skipped as one, so
+    the parameters stay consistent with each other."""
+    g = torch.Generator().manual_seed(9)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (300, 40, 7)]
+    opt = kt.optim.AdamW(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    state = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    params[2].grad[3] = float(bad)
+    opt.step()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, params))
+    assert all(torch.equal(state[k], opt.state[params[0]][k]) for k in state)
+    assert opt.state[params[1]]["step"].item() == 1
+    # The next finite step goes in everywhere.
+    params[2].grad[3] = 0.0
+    opt.step()
+    assert not any(torch.equal(a, b.detach()) for a, b in zip(before, params))
+    assert opt.state[params[1]]["step"].item() == 2
+
+
 def test_unsupported_parameters_are_refused_by_name():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
     p.grad = torch.ones(4, dtype=torch.float64)

@@ -23,9 +23,12 @@ def write_atomic(path, data):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:
+            # A full disk reports ENOSPC with no name: say which file it was.
+            raise OSError(e.errno, e.strerror, path) from e
         raise
     dfd = os.open(d, os.O_RDONLY)
     try:

@@ -599,7 +599,71 @@ def get_peft_model(model, peft_config, **kwargs):
         if block.mode != "inference":
             for _, p in block.trainable_parameters():
                 p.requires_grad_(True)
+    _carry_experts_lora(wrapped)
     return wrapped
+
+
+EXPERTS_LORA_FILE = "kt_experts_lora.safetensors"
+
+
+def _experts_lora_tensors(model):
+    """{qualified name: parameter} of every kt LoRA factor of model (PEFT's
+    wrapper or not), named as in the model PEFT wraps."""
+    inner = _peft_parts(model)[0]
+    return {"%s.%s" % (name, attr): getattr(m, attr) for name, m in _lora_layers(inner) for _, attr in m._arg_names}
+
+
+def save_experts_lora(model, directory):
+    """Writes kt's experts' LoRA factors of ``model`` as they are (their
+    dtype, kt's layout) into ``directory``/kt_experts_lora.safetensors,
+    atomically: the exact bits a resumed training run continues from, where
+    ``save_adapter`` writes PEFT's layout for other programs."""
+    os.makedirs(directory, exist_ok=True)
+    _safetensors.save(os.path.join(directory, EXPERTS_LORA_FILE), _experts_lora_tensors(model))
+
+
+def load_experts_lora(model, directory):
+    """Copies the factors ``save_experts_lora`` wrote into ``model``'s kt
+    experts, in place (kt.optim keeps following the parameters). The file must
+    hold exactly the model's factors with their shapes and dtypes."""
+    path = os.path.join(os.fspath(directory), EXPERTS_LORA_FILE)
+    if not os.path.isfile(path):
+        raise ValueError("kt.hf: %s does not exist: the kt experts' LoRA factors were not saved there (a model "
+                         "from kt.hf.get_peft_model saves them with its adapter)" % path)
+    saved = _safetensors.load(path)
+    params = _experts_lora_tensors(model)
+    if sorted(saved) != sorted(params):
+        raise ValueError("kt.hf: %s holds the factors %s; the model has %s" % (
+            path, ", ".join(sorted(set(saved) - set(params))) or "(none other)",
+            ", ".join(sorted(set(params) - set(saved))) or "(no others)"))
+    for name, p in params.items():
+        if saved[name].shape != p.shape or saved[name].dtype != p.dtype:
+            raise ValueError("kt.hf: %s: %s is %s %s; the model's is %s %s" % (
+                path, name, saved[name].dtype, tuple(saved[name].shape), p.dtype, tuple(p.shape)))
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(saved[name])
+
+
+def _carry_experts_lora(wrapped):
+    """PEFT's save_pretrained and load_adapter of ``wrapped`` save and load
+    kt's experts' factors too: PEFT's own state dict leaves them out, so a
+    transformers.Trainer checkpoint would lack them and a resumed run would go
+    on from the factors the model happened to hold."""
+    save_pretrained, load_adapter = wrapped.save_pretrained, wrapped.load_adapter
+
+    def save_with_experts(save_directory, *args, **kwargs):
+        out = save_pretrained(save_directory, *args, **kwargs)
+        if kwargs.get("is_main_process", True):
+            save_experts_lora(wrapped, save_directory)
+        return out
+
+    def load_with_experts(model_id, *args, **kwargs):
+        out = load_adapter(model_id, *args, **kwargs)
+        load_experts_lora(wrapped, model_id)
+        return out
+
+    wrapped.save_pretrained, wrapped.load_adapter = save_with_experts, load_with_experts
 
 
 def _legacy_per_expert_names(model):

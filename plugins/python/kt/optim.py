@@ -22,7 +22,10 @@ master before the next step). Any other parameter, float32 on the CPU, gets
 a kt optimizer of its own.
 
 A step first reads every gradient and is skipped, changing nothing, when
-one is inf or NaN. ``assume_finite=True`` (a keyword of both optimizers, or
+one is inf or NaN: one such gradient of any parameter skips the whole step
+for every parameter, as torch's ``GradScaler`` does (under ``overlap()``
+the layers already stepped during the backward check only their own
+gradients). ``assume_finite=True`` (a keyword of both optimizers, or
 the attribute of that name between steps) is for a host that has checked the
 gradients itself, as torch's ``GradScaler`` does (its ``step`` calls
 ``step()`` only when ``unscale_`` found no inf/NaN): each step then reads
@@ -239,6 +242,8 @@ class _KtOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.assume_finite and self._non_finite_gradient():
+            return loss
         for group in self.param_groups:
             if group.get("maximize"):
                 raise ValueError("kt.optim: maximize=True is not supported")
@@ -267,6 +272,20 @@ class _KtOptimizer(torch.optim.Optimizer):
                 # see the change.
                 p.view(-1)[:0].zero_()
         return loss
+
+    def _non_finite_gradient(self):
+        """Whether a gradient of any parameter holds an inf or NaN. kt's own
+        check covers one kt optimizer (a parameter or a layer); without this
+        one the others would step. Steps submitted by overlap() are
+        already running: step() then waits for them as they are."""
+        if any(entry.job is not None for entry in self._layers.values()):
+            return False
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None and not g.is_sparse and not bool(torch.isfinite(g).all()):
+                    return True
+        return False
 
     @contextlib.contextmanager
     def overlap(self):
