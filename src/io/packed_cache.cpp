@@ -319,6 +319,22 @@ PackedHeader checked_header(const MappedFile& map, const std::string& w) {
                sec + " overlaps the section before it");
     }
   }
+  // kt pads the header and each section to the next section with zeros,
+  // less than kPackedSectionAlign bytes each, and no checksum covers them:
+  // a changed byte there is found here.
+  uint64_t pad_start = kPackedHeaderBytes;
+  for (int s = 0; s < kPackedSections; ++s) {
+    const SectionEntry& se = h.sections[s];
+    const std::string before = " before section '" + std::string(kSectionNames[s]) + "'";
+    KT_CHECK(se.offset - pad_start < kPackedSectionAlign, KT_ERR_IO,
+             w + ": " + std::to_string(se.offset - pad_start) + " bytes of padding" + before + " (kt pads less than " +
+                 std::to_string(kPackedSectionAlign) + ")");
+    for (uint64_t at = pad_start; at < se.offset; ++at)
+      if (base[at] != 0)
+        fail(KT_ERR_IO, w + ": byte " + std::to_string(at) + " of the padding" + before +
+                            " is not zero (the file is corrupted)");
+    pad_start = se.offset + se.bytes;
+  }
   KT_CHECK(h.sections[4].bytes == static_cast<uint64_t>(h.experts), KT_ERR_IO,
            w + ": section 'loaded' holds " + std::to_string(h.sections[4].bytes) + " flags for " +
                std::to_string(h.experts) + " experts");

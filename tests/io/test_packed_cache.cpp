@@ -366,6 +366,10 @@ TEST_F(PackedCache, BadCachesAreRefusedAndTheLayerStaysAsItWas) {
   cases.push_back({"flipped weight byte", patched(static_cast<size_t>(down_offset) + 77, 0x10, false), KT_ERR_IO,
                    "checksum mismatch in section 'down'"});
   cases.push_back({"flipped header byte", patched(40, 0x01, false), KT_ERR_IO, "header checksum"});
+  cases.push_back({"flipped padding after the header", patched(3224, 0x08, false), KT_ERR_IO,
+                   "byte 3224 of the padding before section 'gate' is not zero"});
+  cases.push_back({"flipped padding before 'down'", patched(static_cast<size_t>(down_offset) - 1, 0x01, false),
+                   KT_ERR_IO, "of the padding before section 'down' is not zero"});
   cases.push_back({"bad magic", patched(0, 0x20, false), KT_ERR_IO, "not a kt packed cache"});
   cases.push_back({"other format version", patched(kOffVersion, 0x02, true), KT_ERR_IO, "format version"});
   cases.push_back({"other ABI version", patched(kOffAbi, 0x04, true), KT_ERR_IO, "ABI"});
