@@ -242,12 +242,15 @@ class _KtOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self.assume_finite and self._non_finite_gradient():
+        finite = None if self.assume_finite else self._all_gradients_finite()
+        if finite is False:
             return loss
         for group in self.param_groups:
             if group.get("maximize"):
                 raise ValueError("kt.optim: maximize=True is not supported")
             options = self._options(group)
+            if finite:  # checked above: kt's steps need not read the gradients twice
+                options.assume_finite = 1
             stepped = set()
             for p in group["params"]:
                 if p.grad is None or id(p) in stepped:
@@ -273,19 +276,23 @@ class _KtOptimizer(torch.optim.Optimizer):
                 p.view(-1)[:0].zero_()
         return loss
 
-    def _non_finite_gradient(self):
-        """Whether a gradient of any parameter holds an inf or NaN. kt's own
-        check covers one kt optimizer (a parameter or a layer); without this
-        one the others would step. Steps submitted by overlap() are
-        already running: step() then waits for them as they are."""
+    def _all_gradients_finite(self):
+        """True when every gradient was read and none is inf or NaN, False
+        when one is, None when they were not read: steps submitted by
+        overlap() are already running, and step() then waits for them as
+        they are. kt's own check covers one kt optimizer (a parameter or a
+        layer); without this one the others would step. A float64 sum reads
+        each gradient once (no mask as large as it) and is finite exactly
+        when every element is: no sum of float32 or bfloat16 values reaches
+        float64's range."""
         if any(entry.job is not None for entry in self._layers.values()):
-            return False
+            return None
         for group in self.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is not None and not g.is_sparse and not bool(torch.isfinite(g).all()):
-                    return True
-        return False
+                if g is not None and not g.is_sparse and not bool(torch.isfinite(g.sum(dtype=torch.float64))):
+                    return False
+        return True
 
     @contextlib.contextmanager
     def overlap(self):
