@@ -48,7 +48,8 @@ in a seeded order, each at a seeded random point, until --minutes are up
                  both ranks then resume from the newest checkpoint and must
                  end with the bits of a 2-rank run that went through (LoRA
                  factors, the loss of each step, and every tensor of the
-                 final checkpoint, optimizer state included).
+                 final checkpoint, optimizer state included). Skipped, with
+                 the reason, where kt was built without Gloo (the pip wheel).
 
 After kill_in_save, enospc and corrupt the partial or damaged folder must be
 refused, the newest complete checkpoint is taken
@@ -631,6 +632,11 @@ class Soak:
         return diffs
 
     def rank_killed(self, where):
+        import kt
+        if "gloo" not in kt.build_info():  # a wheel built without libgloo, say
+            self.report["skipped"]["rank_killed"] = "this kt was built without Gloo (kt.build_info(): %s)" % (
+                kt.build_info())
+            return "rank_killed", None
         if self.dist_reference is None:
             os.makedirs(os.path.join(self.scratch, "dist-reference"))
             self.dist_reference, _, _ = self.ranks(os.path.join(self.scratch, "dist-reference"))

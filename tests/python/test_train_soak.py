@@ -3,7 +3,8 @@ injected faults (bench/train_soak.py at test size): one fault of each kind,
 each resume bit-identical to the run that went through, the refusals naming
 the file, and a 2-rank kt.dist run whose surviving rank fails within the
 communicator's timeout when the other is killed. The enospc fault is reported skipped (the test then skips
-it visibly) where this process may not mount a tmpfs."""
+it visibly) where this process may not mount a tmpfs, and rank_killed where
+kt was built without Gloo (the pip wheel)."""
 import os
 import sys
 
@@ -38,7 +39,7 @@ def test_every_fault_survived(report):
         assert report["injected"][kind] == report["survived"][kind] == 1, (kind, report["faults"])
     # The resumes compared: kill_in_save, enospc, corrupt and rank_killed
     # each resumed once.
-    assert report["resumes"] == 4 - ("enospc" in report["skipped"])
+    assert report["resumes"] == 4 - ("enospc" in report["skipped"]) - ("rank_killed" in report["skipped"])
 
 
 def test_partial_and_damaged_checkpoints_refused_by_name(report):
@@ -72,6 +73,8 @@ def test_full_disk_stops_the_run(report):
 
 
 def test_killed_rank_fails_the_other_within_the_timeout(report):
+    if "rank_killed" in report["skipped"]:
+        pytest.skip("rank_killed not injected: " + report["skipped"]["rank_killed"])
     (killed,) = [e for e in report["errors"] if e["fault"].startswith("rank_killed")]
     # kt's collective gives up on the peer: an error, not a hang, in time.
     assert killed["error"].startswith("CommError: KT_ERR_COMM: ") and "rank 0" in killed["error"], killed
