@@ -83,6 +83,21 @@ def test_load_adapter_without_the_experts_factors_is_refused(runs, tmp_path, tmp
         model.load_adapter(str(tmp_path), "default", is_trainable=True)
 
 
+def test_a_model_with_frozen_kt_experts_saves_and_loads_peft_adapters_as_before(tmp_path, tmp_path_factory,
+                                                                                  fp32_engine):
+    # kt's experts in inference mode, PEFT's LoRA on attention only (as a
+    # LlamaFactory run without expert LoRA has it): no kt factors to carry,
+    # so save_pretrained writes none and load_adapter asks for none.
+    model = kt.hf.from_pretrained(real_models.checkpoint_dir(tmp_path_factory, "qwen3_moe"), dtype=torch.float32,
+                                  engine=fp32_engine, mode="inference")
+    model = kt.hf.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(str(tmp_path))
+    assert (tmp_path / "adapter_model.safetensors").exists()
+    assert not (tmp_path / kt.hf.EXPERTS_LORA_FILE).exists()
+    model.load_adapter(str(tmp_path), "again", is_trainable=True)
+    assert "again" in model.peft_config
+
+
 def _copy_of_checkpoints(runs, tmp_path):
     import shutil
     shutil.copytree(runs[0] / "through", tmp_path / "run")

@@ -610,6 +610,8 @@ def _experts_lora_tensors(model):
     """{qualified name: parameter} of every kt LoRA factor of model (PEFT's
     wrapper or not), named as in the model PEFT wraps."""
     inner = _peft_parts(model)[0]
+    if not any(isinstance(m, MoEExperts) and m.mode == "lora" for m in inner.modules()):
+        return {}  # PEFT's LoRA only (kt's experts frozen or in full mode): nothing of kt's to carry
     return {"%s.%s" % (name, attr): getattr(m, attr) for name, m in _lora_layers(inner) for _, attr in m._arg_names}
 
 
@@ -618,20 +620,25 @@ def save_experts_lora(model, directory):
     dtype, kt's layout) into ``directory``/kt_experts_lora.safetensors,
     atomically: the exact bits a resumed training run continues from, where
     ``save_adapter`` writes PEFT's layout for other programs."""
+    tensors = _experts_lora_tensors(model)
+    if not tensors:
+        return
     os.makedirs(directory, exist_ok=True)
-    _safetensors.save(os.path.join(directory, EXPERTS_LORA_FILE), _experts_lora_tensors(model))
+    _safetensors.save(os.path.join(directory, EXPERTS_LORA_FILE), tensors)
 
 
 def load_experts_lora(model, directory):
     """Copies the factors ``save_experts_lora`` wrote into ``model``'s kt
     experts, in place (kt.optim keeps following the parameters). The file must
     hold exactly the model's factors with their shapes and dtypes."""
+    params = _experts_lora_tensors(model)
+    if not params:
+        return
     path = os.path.join(os.fspath(directory), EXPERTS_LORA_FILE)
     if not os.path.isfile(path):
         raise ValueError("kt.hf: %s does not exist: the kt experts' LoRA factors were not saved there (a model "
                          "from kt.hf.get_peft_model saves them with its adapter)" % path)
     saved = _safetensors.load(path)
-    params = _experts_lora_tensors(model)
     if sorted(saved) != sorted(params):
         raise ValueError("kt.hf: %s holds the factors %s; the model has %s" % (
             path, ", ".join(sorted(set(saved) - set(params))) or "(none other)",
