@@ -64,21 +64,9 @@ std::string bundle_of(const std::string& dir) {
   return kt_fuzz::encode_bundle(entries);
 }
 
-struct Stack {
-  std::vector<float> v;
-  std::vector<int64_t> shape;
-  DLTensor t{};
-  Stack(std::vector<int64_t> s, float seed) : shape(std::move(s)) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    v.resize(static_cast<size_t>(n));
-    for (size_t i = 0; i < v.size(); ++i) v[i] = std::sin(seed + 0.37f * static_cast<float>(i)) * 0.5f;
-    t.data = v.data();
-    t.device = DLDevice{kDLCPU, 0};
-    t.ndim = static_cast<int>(shape.size());
-    t.dtype = DLDataType{kDLFloat, 32, 1};
-    t.shape = shape.data();
-  }
+// fp32 stacks of sin values: the seeds' weights.
+struct Stack : kt_fuzz::Filled {
+  Stack(std::vector<int64_t> s, float seed) : Filled(std::move(s), kt_fuzz::kF32, seed) {}
 };
 
 void checkpoints(const std::string& scratch) {
