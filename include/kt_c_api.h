@@ -1000,6 +1000,20 @@ typedef struct kt_ckpt_load_options {
   size_t struct_size; /* set by _init */
   int dequantize;     /* 1 = a quantized layer may load into a KT_FORMAT_BF16 kt_moe,
                        * dequantized (default 0: refused with KT_ERR_UNSUPPORTED) */
+  /* A share of the layer, for a rank of an expert- or tensor-parallel group:
+   * the kt_moe is created with the share's E and I, and only the share's
+   * bytes are read. */
+  const int64_t* experts;     /* NULL (default): every expert, in order; else num_experts distinct
+                               * checkpoint expert ids in [0, E): the kt_moe's expert i is the
+                               * checkpoint's expert experts[i] (borrowed for the call) */
+  int64_t num_experts;        /* entries of experts (the kt_moe's E); 0 when experts is NULL */
+  int64_t intermediate_begin; /* the slice [begin, end) of the intermediate dimension held: gate and */
+  int64_t intermediate_end;   /* up rows, down columns, gate and up biases (the kt_moe's I is
+                               * end - begin); 0 and 0 (default): all of it. A quantized layer
+                               * loaded as stored needs both ends on whole scale groups (blocks) */
+  int zero_down_bias;         /* 1 = the down-projection biases load as zeros: every rank of a
+                               * tensor-parallel group but one, since their outputs are summed
+                               * (default 0) */
 } kt_ckpt_load_options;
 
 /* Writes the defaults into the first struct_size bytes of *options (zero past

@@ -169,5 +169,14 @@ void describe_mxfp4_blocks(const FusedParts& f, MoeLayer* m);
 // Projection p of expert e of a quantized layer as a QuantSource.
 QuantSource quant_source(const MoeLayer& L, int64_t e, int p);
 
+// Where element (o, i) of expert e's projection p (its biases: element o)
+// lies in a dense layer's stored tensor: src's element base + o*so + i*si,
+// whatever the layout (per expert, fused, transposed, interleaved).
+struct SourceWalk {
+  const TensorRef* src = nullptr;
+  int64_t base = 0, so = 0, si = 0;
+};
+SourceWalk source_walk(const MoeLayer& L, int proj, bool bias, int64_t e);
+
 }  // namespace io
 }  // namespace kt

@@ -70,6 +70,46 @@ QuantSource quant_source(const MoeLayer& L, int64_t e, int p) {
   return src;
 }
 
+SourceWalk source_walk(const MoeLayer& L, int proj, bool bias, int64_t e) {
+  const bool fused = !(L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL);
+  const bool in_out = fused && L.layout != KT_CKPT_LAYOUT_FUSED;
+  const bool interleaved = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
+  const int64_t out = proj == kProjDown ? L.H : L.I, in = proj == kProjDown ? L.I : L.H;
+  SourceWalk w;
+  if (!fused) {
+    const ProjTensors& pt = L.experts[static_cast<size_t>(e)][static_cast<size_t>(proj)];
+    w.src = bias ? pt.bias : pt.weight;
+    w.so = bias ? 1 : in;
+    w.si = 1;
+  } else if (bias) {
+    w.src = proj == kProjDown ? L.down_bias : L.gate_up_bias;
+    const int64_t width = proj == kProjDown ? L.H : 2 * L.I;
+    w.base = e * width;
+    w.so = 1;
+    if (proj == kProjUp) w.base += interleaved ? 1 : L.I;
+    if (proj != kProjDown && interleaved) w.so = 2;
+  } else {
+    w.src = proj == kProjDown ? L.down : L.gate_up;
+    const int64_t rows = proj == kProjDown ? out : 2 * L.I;  // logical out rows of the tensor
+    w.base = e * rows * in;
+    int64_t row0 = 0, row_step = 1;
+    if (proj != kProjDown) {
+      row0 = proj == kProjUp ? (interleaved ? 1 : L.I) : 0;
+      row_step = interleaved ? 2 : 1;
+    }
+    if (in_out) {  // stored [in, rows]
+      w.base += row0;
+      w.so = row_step;
+      w.si = rows;
+    } else {       // stored [rows, in]
+      w.base += row0 * in;
+      w.so = row_step * in;
+      w.si = 1;
+    }
+  }
+  return w;
+}
+
 namespace {
 
 // A tensor kt_ckpt_read_layer fills: its argument id, view, projection and
@@ -124,52 +164,6 @@ std::vector<ReadDest> read_destinations(const MoeLayer& L, const kt_arg* args, s
   return dests;
 }
 
-// Where expert e's element (o, i) of a destination's projection lies in the
-// stored tensor: src's element base + o*so + i*si.
-struct SourceWalk {
-  const TensorRef* src = nullptr;
-  int64_t base = 0, so = 0, si = 0;
-};
-
-SourceWalk source_walk(const MoeLayer& L, const ReadDest& d, int64_t e) {
-  const bool fused = !(L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL);
-  const bool in_out = fused && L.layout != KT_CKPT_LAYOUT_FUSED;
-  const bool interleaved = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
-  const int64_t out = d.proj == kProjDown ? L.H : L.I, in = d.proj == kProjDown ? L.I : L.H;
-  SourceWalk w;
-  if (!fused) {
-    const ProjTensors& pt = L.experts[static_cast<size_t>(e)][static_cast<size_t>(d.proj)];
-    w.src = d.bias ? pt.bias : pt.weight;
-    w.so = d.bias ? 1 : in;
-    w.si = 1;
-  } else if (d.bias) {
-    w.src = d.proj == kProjDown ? L.down_bias : L.gate_up_bias;
-    const int64_t width = d.proj == kProjDown ? L.H : 2 * L.I;
-    w.base = e * width;
-    w.so = 1;
-    if (d.proj == kProjUp) w.base += interleaved ? 1 : L.I;
-    if (d.proj != kProjDown && interleaved) w.so = 2;
-  } else {
-    w.src = d.proj == kProjDown ? L.down : L.gate_up;
-    const int64_t rows = d.proj == kProjDown ? out : 2 * L.I;  // logical out rows of the tensor
-    w.base = e * rows * in;
-    int64_t row0 = 0, row_step = 1;
-    if (d.proj != kProjDown) {
-      row0 = d.proj == kProjUp ? (interleaved ? 1 : L.I) : 0;
-      row_step = interleaved ? 2 : 1;
-    }
-    if (in_out) {  // stored [in, rows]
-      w.base += row0;
-      w.so = row_step;
-      w.si = rows;
-    } else {       // stored [rows, in]
-      w.base += row0 * in;
-      w.so = row_step * in;
-      w.si = 1;
-    }
-  }
-  return w;
-}
 
 // One destination, every expert: stored values converted to its dtype, or
 // for a quantized layer's weights each code times its scale (exact in fp32)
@@ -187,7 +181,7 @@ void read_into(const MoeLayer& L, const ReadDest& d) {
         }
       continue;
     }
-    const SourceWalk w = source_walk(L, d, e);
+    const SourceWalk w = source_walk(L, d.proj, d.bias, e);
     const kt_ckpt_dtype src_dt = w.src->entry->dtype;
     const size_t ses = st_dtype_info(src_dt).size;
     for (int64_t o = 0; o < out; ++o) {

@@ -46,7 +46,67 @@ bool aligned_for(const void* p, kt_ckpt_dtype dt) {
   return reinterpret_cast<uintptr_t>(p) % st_dtype_info(dt).size == 0;
 }
 
-void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) {
+// What of the layer a kt_moe holds (kt_ckpt_load_options): the checkpoint
+// experts of its experts, in order, and a slice [i0, i1) of the
+// intermediate dimension.
+struct Share {
+  std::vector<int64_t> experts;
+  int64_t i0 = 0, i1 = 0;
+  bool zero_down_bias = false;
+  int64_t E() const { return static_cast<int64_t>(experts.size()); }
+  int64_t I() const { return i1 - i0; }
+  bool whole(const MoeLayer& L) const {
+    if (E() != L.E || i0 != 0 || i1 != L.I || zero_down_bias) return false;
+    for (int64_t e = 0; e < L.E; ++e)
+      if (experts[static_cast<size_t>(e)] != e) return false;
+    return true;
+  }
+  // The kt_moe experts [k, k + n) as a stacked map (index -> its expert).
+  std::vector<int64_t> local_map(int64_t k, int64_t n) const {
+    std::vector<int64_t> map(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = k + i;
+    return map;
+  }
+};
+
+Share share_of(const MoeLayer& L, const kt_ckpt_load_options& o, const char* where) {
+  const std::string at = std::string(where) + ": layer " + std::to_string(L.layer) + ": options->";
+  Share s;
+  KT_CHECK(o.zero_down_bias == 0 || o.zero_down_bias == 1, KT_ERR_INVALID_ARGUMENT,
+           at + "zero_down_bias = " + std::to_string(o.zero_down_bias) + " is not 0 or 1");
+  s.zero_down_bias = o.zero_down_bias == 1 && L.has_bias;
+  if (o.experts == nullptr) {
+    KT_CHECK(o.num_experts == 0, KT_ERR_INVALID_ARGUMENT,
+             at + "num_experts = " + std::to_string(o.num_experts) + " without an experts list");
+    s.experts.resize(static_cast<size_t>(L.E));
+    for (int64_t e = 0; e < L.E; ++e) s.experts[static_cast<size_t>(e)] = e;
+  } else {
+    KT_CHECK(o.num_experts >= 1 && o.num_experts <= L.E, KT_ERR_INVALID_ARGUMENT,
+             at + "num_experts = " + std::to_string(o.num_experts) + " is not in [1, " + std::to_string(L.E) +
+                 "] (the layer's experts)");
+    std::vector<uint8_t> seen(static_cast<size_t>(L.E), 0);
+    for (int64_t i = 0; i < o.num_experts; ++i) {
+      const int64_t e = o.experts[i];
+      KT_CHECK(e >= 0 && e < L.E, KT_ERR_INVALID_ARGUMENT,
+               at + "experts[" + std::to_string(i) + "] = " + std::to_string(e) + " is not an expert of the layer [0, " +
+                   std::to_string(L.E) + ")");
+      KT_CHECK(!seen[static_cast<size_t>(e)], KT_ERR_INVALID_ARGUMENT,
+               at + "experts[" + std::to_string(i) + "] = " + std::to_string(e) + " is listed twice");
+      seen[static_cast<size_t>(e)] = 1;
+      s.experts.push_back(e);
+    }
+  }
+  s.i0 = o.intermediate_begin;
+  s.i1 = o.intermediate_end;
+  if (s.i0 == 0 && s.i1 == 0) s.i1 = L.I;
+  KT_CHECK(s.i0 >= 0 && s.i0 < s.i1 && s.i1 <= L.I, KT_ERR_INVALID_ARGUMENT,
+           at + "intermediate_begin, _end = " + std::to_string(o.intermediate_begin) + ", " +
+               std::to_string(o.intermediate_end) + " is not a slice of the intermediate dimension [0, " +
+               std::to_string(L.I) + ") (0, 0 = all of it)");
+  return s;
+}
+
+void check_moe_matches(const MoeLayer& L, const Share& share, const kt_moe* moe, const char* where) {
   KT_CHECK(moe != nullptr, KT_ERR_INVALID_HANDLE, std::string(where) + ": moe is NULL");
   KT_CHECK(L.loadable() || L.dequantizable(), KT_ERR_UNSUPPORTED,
            std::string(where) + ": layer " + std::to_string(L.layer) + " stores " +
@@ -60,9 +120,10 @@ void check_moe_matches(const MoeLayer& L, const kt_moe* moe, const char* where) 
                  std::to_string(layer_v) + " but the kt_moe was created with " +
                  std::to_string(moe_v));
   };
-  same("num_experts", L.E, moe->num_experts());
+  const bool sliced = share.E() != L.E || share.I() != L.I;
+  same(sliced ? "num_experts (in the share loaded)" : "num_experts", share.E(), moe->num_experts());
   same("hidden", L.H, moe->hidden());
-  same("intermediate", L.I, moe->intermediate());
+  same(sliced ? "intermediate (in the share loaded)" : "intermediate", share.I(), moe->intermediate());
   same("biases (1 = present)", L.has_bias ? 1 : 0, moe->options().has_bias ? 1 : 0);
 }
 
@@ -258,6 +319,61 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
   }
 }
 
+// Expert g's biases of projection p over the share's outputs (gate and up:
+// the slice; down: every output, or zeros), as fp32.
+void share_bias_rows(const MoeLayer& L, const Share& share, int64_t g, int p, float* dst);
+
+// A share of a dense layer (any layout): each of its experts goes as
+// strided views of the mapped projections, cut to the slice (copied to fp32
+// where the mapping is not aligned for the dtype), so only the share's
+// bytes are read.
+void load_dense_share(const MoeLayer& L, const Share& share, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+                      const char* where) {
+  const kt_load_options lo = defaults_of<kt_load_options>(set_load_options_defaults);
+  for (int64_t k = 0; k < share.E(); ++k) {
+    const int64_t g = share.experts[static_cast<size_t>(k)];
+    RunArgs a;
+    std::vector<std::pair<const uint8_t*, size_t>> consumed;
+    for (int p = 0; p < 3; ++p) {
+      SourceWalk w = source_walk(L, p, false, g);
+      const bool down = p == kProjDown;
+      const int64_t out = down ? L.H : share.I(), in = down ? share.I() : L.H;
+      w.base += share.i0 * (down ? w.si : w.so);
+      const kt_ckpt_dtype dt = w.src->entry->dtype;
+      const size_t es = st_dtype_info(dt).size;
+      const uint8_t* first = w.src->data + static_cast<size_t>(w.base) * es;
+      consumed.emplace_back(first, static_cast<size_t>((out - 1) * w.so + (in - 1) * w.si + 1) * es);
+      const int64_t shape[3] = {1, out, in};
+      if (aligned_for(first, dt)) {
+        const int64_t strides[3] = {out * in, w.so, w.si};
+        a.w[p].set(first, dt, 3, shape, strides);
+      } else {
+        a.copies.emplace_back(static_cast<size_t>(out * in) * sizeof(float));
+        float* dst = reinterpret_cast<float*>(a.copies.back().data());
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t i = 0; i < in; ++i)
+            convert_elements(first + static_cast<size_t>(o * w.so + i * w.si) * es, dt, dst + o * in + i,
+                             KT_CKPT_DTYPE_F32, 1);
+        const int64_t strides[3] = {out * in, in, 1};
+        a.w[p].set(dst, KT_CKPT_DTYPE_F32, 3, shape, strides);
+      }
+      a.args.push_back(kt_arg{kWeightArgs[p], &a.w[p].t});
+      if (L.has_bias) {
+        a.copies.emplace_back(static_cast<size_t>(out) * sizeof(float));
+        float* b = reinterpret_cast<float*>(a.copies.back().data());
+        share_bias_rows(L, share, g, p, b);
+        const int64_t bshape[2] = {1, out};
+        const int64_t bstrides[2] = {out, 1};
+        a.b[p].set(b, KT_CKPT_DTYPE_F32, 2, bshape, bstrides);
+        a.args.push_back(kt_arg{kBiasArgs[p], &a.b[p].t});
+      }
+    }
+    load_chunk(moe, lo, a.args, share.local_map(k, 1), where);
+    for (const auto& range : consumed) release_mapped_pages(range.first, range.second);
+    if (progress) progress(k + 1, share.E(), user);
+  }
+}
+
 // How a quantized layer is stored, for messages.
 std::string stored_text(const MoeLayer& L) {
   switch (L.format) {
@@ -292,22 +408,64 @@ void bias_rows(const MoeLayer& L, int64_t e, int p, float* dst) {
   }
 }
 
+void share_bias_rows(const MoeLayer& L, const Share& share, int64_t g, int p, float* dst) {
+  if (p == kProjDown) {
+    if (share.zero_down_bias) std::fill(dst, dst + L.H, 0.f);
+    else bias_rows(L, g, p, dst);
+    return;
+  }
+  std::vector<float> all(static_cast<size_t>(L.I));
+  bias_rows(L, g, p, all.data());
+  std::copy(all.begin() + share.i0, all.begin() + share.i1, dst);
+}
+
 constexpr int64_t kQuantLoadChunk = 16;
+
+// Projection p of checkpoint expert g of a quantized layer, cut to the
+// share's slice: gate and up rows start at i0, down columns at i0 (on whole
+// groups, checked by check_native_slice).
+QuantSource share_quant_source(const MoeLayer& L, const Share& share, int64_t g, int p) {
+  QuantSource src = quant_source(L, g, p);
+  if (share.i0 == 0) return src;
+  if (p != kProjDown) {
+    src.row0 += share.i0 * src.row_step;
+    return src;
+  }
+  const int64_t groups = share.i0 / src.group;
+  src.codes += share.i0 * src.bits / 8;
+  src.scales += groups * static_cast<int64_t>(st_dtype_info(src.scale_dtype).size);
+  if (src.zeros) src.zeros += groups * 4;
+  return src;
+}
+
+// A slice of a quantized layer loads as stored only on whole scale groups:
+// down's columns on groups, gate and up rows on scale blocks and zero-point
+// words.
+void check_native_slice(const MoeLayer& L, const Share& share, const char* where) {
+  auto on = [&](int64_t step, int64_t v) { return v % step == 0 || v == L.I; };
+  const int64_t rows = std::max<int64_t>(L.block_rows, L.asymmetric ? 8 : 1);
+  const bool ok = on(L.group, share.i0) && on(L.group, share.i1) && on(rows, share.i0) && on(rows, share.i1);
+  KT_CHECK(ok, KT_ERR_UNSUPPORTED,
+           std::string(where) + ": layer " + std::to_string(L.layer) + ": the slice [" + std::to_string(share.i0) +
+               ", " + std::to_string(share.i1) + ") of the intermediate dimension cuts " + stored_text(L) +
+               " scale groups: as stored, its ends must be multiples of " + std::to_string(std::max(L.group, rows)) +
+               " (or the end of the dimension); or load it dequantized (options->dequantize = 1, a bf16 kt_moe)");
+}
 
 // Checks every expert's codes and scales (under the compute lock, a chunk
 // at a time, on the engine's threads) before anything is stored.
-void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char* where) {
-  for (int64_t e0 = 0; e0 < L.E; e0 += kQuantLoadChunk) {
-    const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
+void check_quant_sources(const MoeLayer& L, const Share& share, kt_moe* moe, bool native, const char* where) {
+  for (int64_t e0 = 0; e0 < share.E(); e0 += kQuantLoadChunk) {
+    const int64_t n = std::min(kQuantLoadChunk, share.E() - e0);
     std::vector<SourceProblem> problems(static_cast<size_t>(n * 3));
     {
       std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
       moe->engine()->pool->run(n * 3, [&](int64_t i, int) {
-        const int64_t e = e0 + i / 3;
+        const int64_t g = share.experts[static_cast<size_t>(e0 + i / 3)];
         const int p = static_cast<int>(i % 3);
-        const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
-        problems[static_cast<size_t>(i)] =
-            check_quant_source(quant_source(L, e, p), out, in, native ? &moe->quant_shape(p) : nullptr);
+        const int64_t out = p == kProjDown ? L.H : share.I(), in = p == kProjDown ? share.I() : L.H;
+        problems[static_cast<size_t>(i)] = check_quant_source(share_quant_source(L, share, g, p), out, in,
+                                                              native ? &moe->quant_shape(p) : nullptr);
       });
     }
     for (const SourceProblem& problem : problems)
@@ -317,81 +475,90 @@ void check_quant_sources(const MoeLayer& L, kt_moe* moe, bool native, const char
   }
 }
 
-// The mapped source bytes (codes, scales, zero points, biases) of experts
-// [e0, e0 + n) of a quantized layer, each range to `use`.
-void quant_source_ranges(const MoeLayer& L, int64_t e0, int64_t n, void (*use)(const void*, size_t)) {
-  auto slice = [&](const TensorRef* t) {  // experts e0.. of a tensor stacked over E
-    if (!t) return;
-    const size_t per = static_cast<size_t>(t->entry->nbytes() / L.E);
-    use(t->data + static_cast<size_t>(e0) * per, static_cast<size_t>(n) * per);
-  };
-  if (L.layout == KT_CKPT_LAYOUT_GPT_OSS) {
-    for (const TensorRef* t : {L.gate_up, L.down, L.gate_up_scales, L.down_scales, L.gate_up_bias, L.down_bias})
-      slice(t);
-    return;
-  }
-  for (int64_t e = e0; e < e0 + n; ++e)
+// The mapped source bytes (codes, scales, zero points, biases) of the
+// share's experts [k0, k0 + n) of a quantized layer, each range to `use`.
+void quant_source_ranges(const MoeLayer& L, const Share& share, int64_t k0, int64_t n,
+                         void (*use)(const void*, size_t)) {
+  for (int64_t k = k0; k < k0 + n; ++k) {
+    const int64_t e = share.experts[static_cast<size_t>(k)];
+    if (L.layout == KT_CKPT_LAYOUT_GPT_OSS) {
+      for (const TensorRef* t : {L.gate_up, L.down, L.gate_up_scales, L.down_scales, L.gate_up_bias, L.down_bias})
+        if (t) {  // expert e of a tensor stacked over E
+          const size_t per = static_cast<size_t>(t->entry->nbytes() / L.E);
+          use(t->data + static_cast<size_t>(e) * per, per);
+        }
+      continue;
+    }
     for (const ProjTensors& pt : L.experts[static_cast<size_t>(e)])
       for (const TensorRef* t : {pt.weight, pt.scale, pt.zero, pt.bias})
         if (t) use(t->data, static_cast<size_t>(t->entry->nbytes()));
+  }
 }
 
-void load_quantized_native(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
-                           const char* where) {
-  check_quant_sources(L, moe, true, where);
+void load_quantized_native(const MoeLayer& L, const Share& share, kt_moe* moe, kt_ckpt_progress_fn progress,
+                           void* user, const char* where) {
+  if (share.I() != L.I) check_native_slice(L, share, where);
+  check_quant_sources(L, share, moe, true, where);
   // The disk reads the next chunk's sources while this one is packed: a
   // checkpoint of many small tensors (128 experts x 3 projections a layer)
   // faulted in a few pages at a time reads at half the disk's rate.
-  quant_source_ranges(L, 0, std::min(kQuantLoadChunk, L.E), prefetch_mapped_pages);
-  for (int64_t e0 = 0; e0 < L.E; e0 += kQuantLoadChunk) {
-    const int64_t n = std::min(kQuantLoadChunk, L.E - e0);
-    if (e0 + n < L.E) quant_source_ranges(L, e0 + n, std::min(kQuantLoadChunk, L.E - e0 - n), prefetch_mapped_pages);
-    std::vector<int64_t> map(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
+  const int64_t E = share.E();
+  quant_source_ranges(L, share, 0, std::min(kQuantLoadChunk, E), prefetch_mapped_pages);
+  for (int64_t e0 = 0; e0 < E; e0 += kQuantLoadChunk) {
+    const int64_t n = std::min(kQuantLoadChunk, E - e0);
+    if (e0 + n < E) quant_source_ranges(L, share, e0 + n, std::min(kQuantLoadChunk, E - e0 - n), prefetch_mapped_pages);
     std::vector<float> biases[3];
     if (L.has_bias)
       for (int p = 0; p < 3; ++p) {
-        const int64_t out = p == kProjDown ? L.H : L.I;
+        const int64_t out = p == kProjDown ? L.H : share.I();
         biases[p].resize(static_cast<size_t>(n * out));
-        for (int64_t i = 0; i < n; ++i) bias_rows(L, e0 + i, p, biases[p].data() + i * out);
+        for (int64_t i = 0; i < n; ++i)
+          share_bias_rows(L, share, share.experts[static_cast<size_t>(e0 + i)], p, biases[p].data() + i * out);
       }
     {
       std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
       moe->store_quantized(
-          map,
-          [&](int64_t i, int p, uint8_t* dst) { pack_quant_source(quant_source(L, e0 + i, p), moe->quant_shape(p), dst); },
+          share.local_map(e0, n),
+          [&](int64_t i, int p, uint8_t* dst) {
+            pack_quant_source(share_quant_source(L, share, share.experts[static_cast<size_t>(e0 + i)], p),
+                              moe->quant_shape(p), dst);
+          },
           L.has_bias ? biases : nullptr);
     }
     // Packed: the sources need not stay resident.
-    quant_source_ranges(L, e0, n, release_mapped_pages);
-    if (progress) progress(e0 + n, L.E, user);
+    quant_source_ranges(L, share, e0, n, release_mapped_pages);
+    if (progress) progress(e0 + n, E, user);
   }
 }
 
 // A quantized layer into a bf16 layer: each expert dequantized to fp32
 // (exact) and loaded as any fp32 source is (rounded to bf16 once).
-void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
+void load_dequantized(const MoeLayer& L, const Share& share, kt_moe* moe, kt_ckpt_progress_fn progress, void* user,
                       const char* where) {
-  check_quant_sources(L, moe, false, where);
+  check_quant_sources(L, share, moe, false, where);
   kt_load_options lo = defaults_of<kt_load_options>(set_load_options_defaults);
   static const int kW[3] = {KT_ARG_W_GATE, KT_ARG_W_UP, KT_ARG_W_DOWN};
   static const int kB[3] = {KT_ARG_B_GATE, KT_ARG_B_UP, KT_ARG_B_DOWN};
   constexpr int64_t kChunk = 4;
-  for (int64_t e0 = 0; e0 < L.E; e0 += kChunk) {
-    const int64_t n = std::min(kChunk, L.E - e0);
+  const int64_t E = share.E();
+  for (int64_t e0 = 0; e0 < E; e0 += kChunk) {
+    const int64_t n = std::min(kChunk, E - e0);
     std::vector<kt::Buffer<float>> values(3), biases(3);
     Tensor3 w[3], b[3];
     std::vector<kt_arg> args;
     for (int p = 0; p < 3; ++p) {
-      const int64_t out = p == kProjDown ? L.H : L.I, in = p == kProjDown ? L.I : L.H;
+      const bool down = p == kProjDown;
+      const int64_t out = down ? L.H : share.I(), in = down ? share.I() : L.H;
+      // The slice: gate and up rows, down columns, from i0.
+      const int64_t r0 = down ? 0 : share.i0, c0 = down ? share.i0 : 0;
       values[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out * in));
       float* dst = values[static_cast<size_t>(p)].data();
       {
         std::lock_guard<std::mutex> lock(moe->engine()->compute_mutex);
         moe->engine()->pool->run(n * out, [&](int64_t row, int) {
-          const QuantSource src = quant_source(L, e0 + row / out, p);
-          const int64_t r = row % out;
-          for (int64_t c = 0; c < in; ++c) dst[row * in + c] = quant_source_value(src, r, c);
+          const QuantSource src = quant_source(L, share.experts[static_cast<size_t>(e0 + row / out)], p);
+          const int64_t r = r0 + row % out;
+          for (int64_t c = 0; c < in; ++c) dst[row * in + c] = quant_source_value(src, r, c0 + c);
         });
       }
       const int64_t shape[3] = {n, out, in};
@@ -400,28 +567,28 @@ void load_dequantized(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progre
       args.push_back(kt_arg{kW[p], &w[p].t});
       if (L.has_bias) {
         biases[static_cast<size_t>(p)].resize(static_cast<size_t>(n * out));
-        for (int64_t i = 0; i < n; ++i) bias_rows(L, e0 + i, p, biases[static_cast<size_t>(p)].data() + i * out);
+        for (int64_t i = 0; i < n; ++i)
+          share_bias_rows(L, share, share.experts[static_cast<size_t>(e0 + i)], p,
+                          biases[static_cast<size_t>(p)].data() + i * out);
         const int64_t bshape[2] = {n, out};
         const int64_t bstrides[2] = {out, 1};
         b[p].set(biases[static_cast<size_t>(p)].data(), KT_CKPT_DTYPE_F32, 2, bshape, bstrides);
         args.push_back(kt_arg{kB[p], &b[p].t});
       }
     }
-    std::vector<int64_t> map(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) map[static_cast<size_t>(i)] = e0 + i;
-    load_chunk(moe, lo, args, std::move(map), where);
-    if (progress) progress(e0 + n, L.E, user);
+    load_chunk(moe, lo, args, share.local_map(e0, n), where);
+    if (progress) progress(e0 + n, E, user);
   }
 }
 
 // Which way a quantized layer goes into moe, or why it cannot.
-void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& o, kt_ckpt_progress_fn progress,
-                    void* user, const char* where) {
+void load_quantized(const MoeLayer& L, const Share& share, kt_moe* moe, const kt_ckpt_load_options& o,
+                    kt_ckpt_progress_fn progress, void* user, const char* where) {
   const kt_weight_format have = moe->options().weight_format;
   const std::string head = std::string(where) + ": layer " + std::to_string(L.layer) + " stores " + stored_text(L) +
                            "; the kt_moe stores " + weight_format_name(have);
   if (have == L.native_format && L.loadable()) {
-    load_quantized_native(L, moe, progress, user, where);
+    load_quantized_native(L, share, moe, progress, user, where);
     return;
   }
   if (have == KT_FORMAT_BF16) {
@@ -431,7 +598,7 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
                  (L.loadable() ? std::string(" (kt_ckpt_moe_options sets it)")
                                : " (which cannot hold it: " + L.unsupported + ")") +
                  ", or ask for a dequantized load (kt_ckpt_load_options.dequantize = 1)");
-    load_dequantized(L, moe, progress, user, where);
+    load_dequantized(L, share, moe, progress, user, where);
     return;
   }
   fail(KT_ERR_UNSUPPORTED,
@@ -446,9 +613,12 @@ void load_quantized(const MoeLayer& L, kt_moe* moe, const kt_ckpt_load_options& 
 
 void load_layer(const MoeLayer& layer, kt_moe* moe, const kt_ckpt_load_options& options,
                 kt_ckpt_progress_fn progress, void* user, const char* where) {
-  check_moe_matches(layer, moe, where);
+  const Share share = share_of(layer, options, where);
+  check_moe_matches(layer, share, moe, where);
   if (layer.quantized())
-    load_quantized(layer, moe, options, progress, user, where);
+    load_quantized(layer, share, moe, options, progress, user, where);
+  else if (!share.whole(layer))
+    load_dense_share(layer, share, moe, progress, user, where);
   else if (layer.layout == KT_CKPT_LAYOUT_PER_EXPERT || layer.layout == KT_CKPT_LAYOUT_MIXTRAL)
     load_per_expert(layer, moe, progress, user, where);
   else

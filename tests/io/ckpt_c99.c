@@ -16,7 +16,7 @@ LAYOUT(ckpt_tensor_size, sizeof(kt_ckpt_tensor) == 112);
 LAYOUT(ckpt_write_options_size, sizeof(kt_ckpt_write_options) == 32);
 LAYOUT(ckpt_adapter_config_size, sizeof(kt_ckpt_adapter_config) == 48);
 LAYOUT(ckpt_layer_args_size, sizeof(kt_ckpt_layer_args) == 24);
-LAYOUT(ckpt_load_options_size, sizeof(kt_ckpt_load_options) == 16);
+LAYOUT(ckpt_load_options_size, sizeof(kt_ckpt_load_options) == 56);
 LAYOUT(weight_format_values, KT_FORMAT_FP8_B128 == 3 && KT_FORMAT_MXFP4 == 4 && KT_FORMAT_INT4_G128 == 5 &&
                                  KT_FORMAT_INT4_G32_ZP == 6 && KT_FORMAT_INT4_G128_ZP == 7);
 LAYOUT(ckpt_values, KT_CKPT_DTYPE_BF16 == 3 && KT_CKPT_DTYPE_E8M0 == 7 && KT_CKPT_LAYOUT_GPT_OSS == 5 &&

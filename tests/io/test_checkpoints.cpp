@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
@@ -407,6 +408,221 @@ TEST_F(Checkpoints, GptOssDequantizedWithBiases) {
   EXPECT_FLOAT_EQ(o.act_alpha, 1.702f);
   kt_ckpt_close(ck);
   expect_same_as_tensors(d, 1, s, true);
+}
+
+// The weights and biases a layer holds: [E][out][in] per projection, then
+// [E][out] per projection's biases (empty without biases).
+std::vector<std::vector<float>> held(kt_moe* moe, int64_t E, int64_t H, int64_t I, bool bias) {
+  std::vector<std::vector<float>> out;
+  for (int p = 0; p < (bias ? 6 : 3); ++p) {
+    const int proj = p % 3;
+    const int64_t rows = proj == 2 ? H : I, cols = proj == 2 ? I : H;
+    TensorPtr t = p < 3 ? Tensor::make(kt_test::kF32, {E, rows, cols}) : Tensor::make(kt_test::kF32, {E, rows});
+    kt_arg a{(p < 3 ? KT_ARG_W_GATE : KT_ARG_B_GATE) + proj, t->dl()};
+    EXPECT_EQ(kt_moe_read_weights(moe, &a, 1), KT_OK) << kt_last_error();
+    out.emplace_back(t->f32(), t->f32() + t->numel());
+  }
+  return out;
+}
+
+// A share (experts, slice [i0, i1), zero_down_bias) of layer L of the
+// checkpoint in dir holds exactly the whole layer's values of its experts
+// and slice: gate and up rows, down columns, gate and up biases cut to the
+// slice, down biases whole or zero.
+void expect_share_holds_its_part(kt_engine* engine, const std::string& dir, int64_t L,
+                                 const std::vector<int64_t>& experts, int64_t i0, int64_t i1, int zero_down_bias) {
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(dir.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_moe_options o;
+  kt_moe_options_init(&o);
+  ASSERT_EQ(kt_ckpt_moe_options(ck, L, &o), KT_OK) << kt_last_error();
+  const int64_t E = o.num_experts, H = o.hidden, I = o.intermediate;
+  const bool bias = o.has_bias != 0;
+  kt_moe* whole = nullptr;
+  ASSERT_EQ(kt_moe_create(engine, &o, &whole), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_ckpt_load_layer(ck, L, whole, nullptr, nullptr), KT_OK) << kt_last_error();
+  kt_moe_options so = o;
+  so.num_experts = static_cast<int64_t>(experts.size());
+  so.intermediate = i1 - i0;
+  kt_moe* share = nullptr;
+  ASSERT_EQ(kt_moe_create(engine, &so, &share), KT_OK) << kt_last_error();
+  kt_ckpt_load_options lo;
+  kt_ckpt_load_options_init(&lo);
+  lo.experts = experts.data();
+  lo.num_experts = so.num_experts;
+  lo.intermediate_begin = i0;
+  lo.intermediate_end = i1;
+  lo.zero_down_bias = zero_down_bias;
+  std::vector<int64_t> progress;
+  auto record = [](int64_t done, int64_t total, void* user) {
+    static_cast<std::vector<int64_t>*>(user)->push_back(done * 1000 + total);
+  };
+  ASSERT_EQ(kt_ckpt_load_layer_with(ck, L, share, &lo, record, &progress), KT_OK) << kt_last_error();
+  ASSERT_FALSE(progress.empty());
+  EXPECT_EQ(progress.back(), so.num_experts * 1000 + so.num_experts);
+  int64_t loaded = 0;
+  ASSERT_EQ(kt_moe_num_loaded(share, &loaded), KT_OK);
+  EXPECT_EQ(loaded, so.num_experts);
+
+  const auto w = held(whole, E, H, I, bias), s = held(share, so.num_experts, H, so.intermediate, bias);
+  const int64_t Is = so.intermediate;
+  int64_t bad = 0, checked = 0;
+  auto same = [&](float got, float want, const char* what, int64_t k) {
+    ++checked;
+    if (got != want && bad++ < 3) ADD_FAILURE() << what << " of share expert " << k << ": " << got << " != " << want;
+  };
+  for (size_t k = 0; k < experts.size(); ++k) {
+    const int64_t e = experts[k], kk = static_cast<int64_t>(k);
+    for (int p = 0; p < 2; ++p)
+      for (int64_t r = 0; r < Is; ++r)
+        for (int64_t c = 0; c < H; ++c)
+          same(s[p][static_cast<size_t>((kk * Is + r) * H + c)], w[p][static_cast<size_t>((e * I + i0 + r) * H + c)],
+               p ? "up" : "gate", kk);
+    for (int64_t r = 0; r < H; ++r)
+      for (int64_t c = 0; c < Is; ++c)
+        same(s[2][static_cast<size_t>((kk * H + r) * Is + c)], w[2][static_cast<size_t>((e * H + r) * I + i0 + c)],
+             "down", kk);
+    if (!bias) continue;
+    for (int p = 3; p < 5; ++p)
+      for (int64_t r = 0; r < Is; ++r)
+        same(s[p][static_cast<size_t>(kk * Is + r)], w[p][static_cast<size_t>(e * I + i0 + r)], "gate/up bias", kk);
+    for (int64_t r = 0; r < H; ++r)
+      same(s[5][static_cast<size_t>(kk * H + r)], zero_down_bias ? 0.f : w[5][static_cast<size_t>(e * H + r)],
+           "down bias", kk);
+  }
+  EXPECT_EQ(bad, 0) << dir << " layer " << L;
+  EXPECT_GT(checked, 0);
+  kt_moe_destroy(share);
+  kt_moe_destroy(whole);
+  kt_ckpt_close(ck);
+}
+
+TEST_F(Checkpoints, SharesOfEveryLayoutHoldTheirExpertsAndSlice) {
+  struct Layout {
+    std::string name;
+    Shape s;
+    std::vector<StTensor> tensors;
+    int64_t L;
+  };
+  const Shape s{4, 32, 16};
+  std::vector<Layout> layouts = {
+      {"per_expert_bf16", s, per_expert_tensors(1, s, "BF16", false), 1},
+      {"mixtral_f16", s, per_expert_tensors(0, s, "F16", true), 0},
+      {"fused_f32", s, fused_tensors(2, s, "F32", false, false), 2},
+      {"fused_in_out_bf16", s, fused_tensors(0, s, "BF16", true, false), 0},
+      {"gpt_oss_bf16", s, fused_tensors(1, s, "BF16", true, true), 1},
+  };
+  // A 1-byte tensor first puts every expert tensor at an odd offset: the
+  // share's views are then copied, not mapped.
+  std::vector<StTensor> odd{{"model.norm.step", "U8", {1}, {7}}};
+  for (const StTensor& t : per_expert_tensors(3, s, "BF16", false)) odd.push_back(t);
+  layouts.push_back({"per_expert_bf16_unaligned", s, odd, 3});
+  for (const Layout& l : layouts) {
+    SCOPED_TRACE(l.name);
+    const std::string d = sub(l.name);
+    kt_io_test::write_file(d + "/model.safetensors", kt_io_test::safetensors_bytes(l.tensors));
+    // Expert parallel: two experts, out of order; tensor parallel: the
+    // second half of the intermediate dimension, without the down biases
+    // (another rank adds them); both at once.
+    expect_share_holds_its_part(engine_, d, l.L, {3, 1}, 0, 16, 0);
+    expect_share_holds_its_part(engine_, d, l.L, {0, 1, 2, 3}, 8, 16, 1);
+    expect_share_holds_its_part(engine_, d, l.L, {2}, 3, 11, 0);
+  }
+}
+
+TEST_F(Checkpoints, TensorParallelSharesSumToTheWholeLayer) {
+  // Two ranks of half the intermediate dimension each (the second without
+  // the down biases) compute partial outputs whose sum is the whole layer's
+  // output, as a tensor-parallel host's all-reduce makes it.
+  const Shape s{4, 32, 16};
+  const std::string d = sub("tp");
+  kt_io_test::write_file(d + "/model.safetensors", kt_io_test::safetensors_bytes(fused_tensors(1, s, "BF16", true, true)));
+  kt_io_test::write_text(d + "/config.json", config_json("GptOssForCausalLM", "gpt_oss", s, "num_local_experts",
+                                                         "intermediate_size", 2));
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_moe_options o;
+  kt_moe_options_init(&o);
+  ASSERT_EQ(kt_ckpt_moe_options(ck, 1, &o), KT_OK) << kt_last_error();
+  o.act_limit = 0.f;  // the clamp is not linear across the slices' sum: SwiGLU-OAI unclamped
+  kt_moe* whole = nullptr;
+  ASSERT_EQ(kt_moe_create(engine_, &o, &whole), KT_OK) << kt_last_error();
+  ASSERT_EQ(kt_ckpt_load_layer(ck, 1, whole, nullptr, nullptr), KT_OK) << kt_last_error();
+  const std::vector<float> want = forward(whole, o);
+  std::vector<float> sum(want.size(), 0.f);
+  for (int rank = 0; rank < 2; ++rank) {
+    kt_moe_options so = o;
+    so.intermediate = s.I / 2;
+    kt_moe* part = nullptr;
+    ASSERT_EQ(kt_moe_create(engine_, &so, &part), KT_OK) << kt_last_error();
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.intermediate_begin = rank * s.I / 2;
+    lo.intermediate_end = (rank + 1) * s.I / 2;
+    lo.zero_down_bias = rank;
+    ASSERT_EQ(kt_ckpt_load_layer_with(ck, 1, part, &lo, nullptr, nullptr), KT_OK) << kt_last_error();
+    const std::vector<float> y = forward(part, so);
+    for (size_t i = 0; i < y.size(); ++i) sum[i] += y[i];
+    kt_moe_destroy(part);
+  }
+  double num = 0, den = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    num += (static_cast<double>(sum[i]) - want[i]) * (static_cast<double>(sum[i]) - want[i]);
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  EXPECT_GT(den, 0.0);
+  EXPECT_LE(std::sqrt(num / den), 1e-6) << "the ranks' sum against the whole layer (fp32 sums in another order)";
+  kt_moe_destroy(whole);
+  kt_ckpt_close(ck);
+}
+
+TEST_F(Checkpoints, BadSharesAreRefusedAndLeaveTheLayerEmpty) {
+  const Shape s{4, 32, 16};
+  const std::string d = sub("bad_share");
+  kt_io_test::write_file(d + "/model.safetensors", kt_io_test::safetensors_bytes(per_expert_tensors(0, s, "BF16", false)));
+  kt_ckpt* ck = nullptr;
+  ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
+  kt_moe_options o;
+  kt_moe_options_init(&o);
+  ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK) << kt_last_error();
+  o.num_experts = 2;
+  o.intermediate = 8;
+  kt_moe* moe = nullptr;
+  ASSERT_EQ(kt_moe_create(engine_, &o, &moe), KT_OK) << kt_last_error();
+  struct Bad {
+    std::vector<int64_t> experts;
+    int64_t n, i0, i1;
+    int zero_down_bias;
+    kt_status status;
+    const char* says;
+  };
+  const std::vector<Bad> cases = {
+      {{0, 4}, 2, 0, 8, 0, KT_ERR_INVALID_ARGUMENT, "experts[1] = 4 is not an expert of the layer [0, 4)"},
+      {{1, 1}, 2, 0, 8, 0, KT_ERR_INVALID_ARGUMENT, "experts[1] = 1 is listed twice"},
+      {{}, 2, 0, 8, 0, KT_ERR_INVALID_ARGUMENT, "num_experts = 2 without an experts list"},
+      {{0, 1, 2, 3, 0}, 5, 0, 8, 0, KT_ERR_INVALID_ARGUMENT, "num_experts = 5 is not in [1, 4]"},
+      {{0, 1}, 2, 8, 4, 0, KT_ERR_INVALID_ARGUMENT, "intermediate_begin, _end = 8, 4 is not a slice"},
+      {{0, 1}, 2, 12, 20, 0, KT_ERR_INVALID_ARGUMENT, "intermediate_begin, _end = 12, 20"},
+      {{0, 1}, 2, 0, 8, 2, KT_ERR_INVALID_ARGUMENT, "zero_down_bias = 2 is not 0 or 1"},
+      {{0, 1, 2}, 3, 0, 8, 0, KT_ERR_SHAPE, "num_experts (in the share loaded) = 3 but the kt_moe was created with 2"},
+      {{0, 1}, 2, 0, 16, 0, KT_ERR_SHAPE, "intermediate (in the share loaded) = 16 but the kt_moe was created with 8"},
+  };
+  for (const Bad& b : cases) {
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.experts = b.experts.empty() ? nullptr : b.experts.data();
+    lo.num_experts = b.n;
+    lo.intermediate_begin = b.i0;
+    lo.intermediate_end = b.i1;
+    lo.zero_down_bias = b.zero_down_bias;
+    EXPECT_EQ(kt_ckpt_load_layer_with(ck, 0, moe, &lo, nullptr, nullptr), b.status) << b.says;
+    EXPECT_NE(std::string(kt_last_error()).find(b.says), std::string::npos) << kt_last_error();
+    int64_t loaded = -1;
+    ASSERT_EQ(kt_moe_num_loaded(moe, &loaded), KT_OK);
+    EXPECT_EQ(loaded, 0) << b.says;
+  }
+  kt_moe_destroy(moe);
+  kt_ckpt_close(ck);
 }
 
 TEST_F(Checkpoints, QuantizedFormatsAreDescribed) {

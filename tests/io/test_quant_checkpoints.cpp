@@ -317,6 +317,102 @@ TEST_F(QuantCheckpoints, Mxfp4DeepSeekV4KnownAnswers) {
 // ------------------------------------- bf16 layers: only when asked, both ways
 
 // The resident set of this process (Linux /proc), bytes; -1 elsewhere.
+TEST_F(QuantCheckpoints, SharesLoadAsStoredOnWholeScaleGroups) {
+  // An expert-parallel share (experts 3 and 1) with a tensor-parallel slice
+  // of the intermediate dimension holds, as stored, exactly the whole
+  // layer's codes and scales of its experts and slice; a slice that cuts a
+  // scale group is refused, naming the multiple, and loads dequantized.
+  struct Case {
+    const char* name;
+    QuantCkpt q;
+    int64_t i0, i1, bad_i0;
+  };
+  const std::vector<Case> cases = {
+      {"fp8_b128", fp8_ckpt(0, 4, 136, 256, 7), 128, 256, 64},
+      {"int4_g32", int4_ckpt(0, 4, 64, 128, 32, true, 3), 32, 96, 16},
+      {"int4_g32_zp", int4_ckpt(0, 4, 64, 128, 32, false, 5), 64, 128, 36},
+      {"mxfp4_gpt_oss", gpt_oss_ckpt(0, 4, 64, 64, 9), 32, 64, 48},
+  };
+  const std::vector<int64_t> experts = {3, 1};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const QuantCkpt& q = c.q;
+    const std::string d = write(c.name, q);
+    kt_ckpt* ck = nullptr;
+    ASSERT_EQ(kt_ckpt_open(d.c_str(), &ck), KT_OK) << kt_last_error();
+    kt_moe_options o;
+    kt_moe_options_init(&o);
+    ASSERT_EQ(kt_ckpt_moe_options(ck, 0, &o), KT_OK) << kt_last_error();
+    kt_moe* whole = nullptr;
+    ASSERT_EQ(kt_moe_create(engine_, &o, &whole), KT_OK) << kt_last_error();
+    ASSERT_EQ(kt_ckpt_load_layer(ck, 0, whole, nullptr, nullptr), KT_OK) << kt_last_error();
+    kt_moe_options so = o;
+    so.num_experts = 2;
+    so.intermediate = c.i1 - c.i0;
+    kt_moe* share = nullptr;
+    ASSERT_EQ(kt_moe_create(engine_, &so, &share), KT_OK) << kt_last_error();
+    kt_ckpt_load_options lo;
+    kt_ckpt_load_options_init(&lo);
+    lo.experts = experts.data();
+    lo.num_experts = 2;
+    lo.intermediate_begin = c.i0;
+    lo.intermediate_end = c.i1;
+    ASSERT_EQ(kt_ckpt_load_layer_with(ck, 0, share, &lo, nullptr, nullptr), KT_OK) << kt_last_error();
+    const int64_t Is = so.intermediate;
+    int64_t bad = 0;
+    for (int p = 0; p < 3; ++p) {
+      const std::vector<float> w = read(whole, p, q.E, out_of(q, p), in_of(q, p));
+      const std::vector<float> s = read(share, p, 2, p == 2 ? q.H : Is, p == 2 ? Is : q.H);
+      for (int64_t k = 0; k < 2; ++k) {
+        const int64_t e = experts[static_cast<size_t>(k)];
+        const int64_t rows = p == 2 ? q.H : Is, cols = p == 2 ? Is : q.H;
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t col = 0; col < cols; ++col) {
+            const float got = s[static_cast<size_t>((k * rows + r) * cols + col)];
+            const float want = p == 2 ? w[static_cast<size_t>((e * q.H + r) * q.I + c.i0 + col)]
+                                      : w[static_cast<size_t>((e * q.I + c.i0 + r) * q.H + col)];
+            if (got != want && bad++ < 3)
+              ADD_FAILURE() << "projection " << p << ", share expert " << k << " (" << r << ", " << col
+                            << "): " << got << " != " << want;
+          }
+      }
+    }
+    EXPECT_EQ(bad, 0);
+    kt_moe_destroy(share);
+
+    // The slice [bad_i0, i1) cuts a scale group: refused as stored, with
+    // nothing loaded; it loads dequantized into a bf16 layer.
+    so.intermediate = c.i1 - c.bad_i0;
+    share = nullptr;
+    ASSERT_EQ(kt_moe_create(engine_, &so, &share), KT_OK) << kt_last_error();
+    lo.intermediate_begin = c.bad_i0;
+    EXPECT_EQ(kt_ckpt_load_layer_with(ck, 0, share, &lo, nullptr, nullptr), KT_ERR_UNSUPPORTED);
+    EXPECT_NE(std::string(kt_last_error()).find("cuts"), std::string::npos) << kt_last_error();
+    EXPECT_NE(std::string(kt_last_error()).find("dequantize = 1"), std::string::npos) << kt_last_error();
+    int64_t loaded = -1;
+    ASSERT_EQ(kt_moe_num_loaded(share, &loaded), KT_OK);
+    EXPECT_EQ(loaded, 0);
+    kt_moe_destroy(share);
+    so.weight_format = KT_FORMAT_BF16;
+    share = nullptr;
+    ASSERT_EQ(kt_moe_create(engine_, &so, &share), KT_OK) << kt_last_error();
+    lo.dequantize = 1;
+    ASSERT_EQ(kt_ckpt_load_layer_with(ck, 0, share, &lo, nullptr, nullptr), KT_OK) << kt_last_error();
+    const std::vector<float> down = read(share, 2, 2, q.H, so.intermediate);
+    const std::vector<float> wdown = read(whole, 2, q.E, q.H, q.I);
+    for (int64_t r = 0; r < q.H; ++r)
+      for (int64_t col = 0; col < so.intermediate; ++col) {
+        const float want = kt::bf16_to_f32(kt::f32_to_bf16(wdown[static_cast<size_t>((3 * q.H + r) * q.I + c.bad_i0 + col)]));
+        const float got = down[static_cast<size_t>(r * so.intermediate + col)];
+        if (got != want && bad++ < 3) ADD_FAILURE() << "dequantized down (" << r << ", " << col << "): " << got << " != " << want;
+      }
+    EXPECT_EQ(bad, 0);
+    kt_moe_destroy(share);
+    kt_moe_destroy(whole);
+    kt_ckpt_close(ck);
+  }
+}
+
 int64_t resident_bytes() {
   std::FILE* f = std::fopen("/proc/self/status", "r");
   if (!f) return -1;

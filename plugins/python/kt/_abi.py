@@ -349,10 +349,16 @@ class CkptLayerInfo(ctypes.Structure):
 
 class CkptLoadOptions(ctypes.Structure):
     _c_name_ = 'kt_ckpt_load_options'
-    _c_layout_ = (16, 8, {'struct_size': 0, 'dequantize': 8})
+    _c_layout_ = (56, 8, {'struct_size': 0, 'dequantize': 8, 'experts': 16, 'num_experts': 24,
+        'intermediate_begin': 32, 'intermediate_end': 40, 'zero_down_bias': 48})
     _fields_ = [
         ('struct_size', ctypes.c_size_t),
         ('dequantize', ctypes.c_int),
+        ('experts', ctypes.POINTER(ctypes.c_int64)),
+        ('num_experts', ctypes.c_int64),
+        ('intermediate_begin', ctypes.c_int64),
+        ('intermediate_end', ctypes.c_int64),
+        ('zero_down_bias', ctypes.c_int),
     ]
 
 

@@ -388,8 +388,13 @@ const _: () = assert!(std::mem::size_of::<kt_ckpt_layer_info>() == 96 && std::me
 pub struct kt_ckpt_load_options {
     pub struct_size: usize,
     pub dequantize: c_int,
+    pub experts: *const i64,
+    pub num_experts: i64,
+    pub intermediate_begin: i64,
+    pub intermediate_end: i64,
+    pub zero_down_bias: c_int,
 }
-const _: () = assert!(std::mem::size_of::<kt_ckpt_load_options>() == 16 && std::mem::align_of::<kt_ckpt_load_options>() == 8);
+const _: () = assert!(std::mem::size_of::<kt_ckpt_load_options>() == 56 && std::mem::align_of::<kt_ckpt_load_options>() == 8);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -801,6 +806,11 @@ mod recorded_layout {
         let p = v.as_ptr();
         assert_eq!(unsafe { std::ptr::addr_of!((*p).struct_size) } as usize - p as usize, 0, "kt_ckpt_load_options.struct_size");
         assert_eq!(unsafe { std::ptr::addr_of!((*p).dequantize) } as usize - p as usize, 8, "kt_ckpt_load_options.dequantize");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).experts) } as usize - p as usize, 16, "kt_ckpt_load_options.experts");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).num_experts) } as usize - p as usize, 24, "kt_ckpt_load_options.num_experts");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).intermediate_begin) } as usize - p as usize, 32, "kt_ckpt_load_options.intermediate_begin");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).intermediate_end) } as usize - p as usize, 40, "kt_ckpt_load_options.intermediate_end");
+        assert_eq!(unsafe { std::ptr::addr_of!((*p).zero_down_bias) } as usize - p as usize, 48, "kt_ckpt_load_options.zero_down_bias");
         let v = std::mem::MaybeUninit::<kt_ckpt_tensor>::uninit();
         let p = v.as_ptr();
         assert_eq!(unsafe { std::ptr::addr_of!((*p).struct_size) } as usize - p as usize, 0, "kt_ckpt_tensor.struct_size");
