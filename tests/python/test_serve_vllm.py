@@ -53,13 +53,14 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [100],
            list(range(20, 60)), [300, 301, 302, 303, 304, 305, 306]]
 
 
-def run_engine(tmp_path, name, spec):
-    """Runs serve_vllm_run.py on spec; returns its JSON result."""
+def run_engine(tmp_path, name, spec, **env):
+    """Runs serve_vllm_run.py on spec (env: variables of its process);
+    returns its JSON result."""
     spec_path = tmp_path / ("%s.spec.json" % name)
     out_path = tmp_path / ("%s.out.json" % name)
     spec_path.write_text(json.dumps(spec))
     t = time.time()
-    proc = subprocess.run([sys.executable, RUN, str(spec_path), str(out_path)], env=vllm_server.env(),
+    proc = subprocess.run([sys.executable, RUN, str(spec_path), str(out_path)], env=vllm_server.env(**env),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=TIMEOUT)
     log = proc.stdout.decode(errors="replace")
     print("%s: %.1f s, exit %d" % (name, time.time() - t, proc.returncode))
@@ -129,14 +130,14 @@ def _rel_l2(a, b):
 # ------------------------------------------------------------ offline engine
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
-def test_fp32_greedy_tokens_match_vllm(tmp_path, models, kind):
+def test_fp32_greedy_tokens_match_vllm(tmp_path, models, vllm_alone, kind):
     model = models(kind, "float32")
     spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
     if kind == "deepseek_v3":
         # vLLM picks its AMX MLA attention on CPUs with AMX, which packs
         # weights in bf16, fp16, int8 or fp8 only: fp32 takes its CPU MLA.
         spec["llm"] = {"attention_backend": "CPU_MLA"}
-    ref = _ok(run_engine(tmp_path, kind + "-vllm", dict(spec, kt=None)), "vllm")
+    ref = vllm_alone(spec)
     got = _ok(run_engine(tmp_path, kind + "-kt", dict(spec, kt={})), "kt")
     assert ref["kt_stats"] == {} and ref["kt_loader"] == {"skipped": 0, "through_vllm": 0}
     _assert_kt_computed(got, model, PROMPTS)
@@ -146,13 +147,68 @@ def test_fp32_greedy_tokens_match_vllm(tmp_path, models, kind):
     assert got["texts"] == ref["texts"]
 
 
-def test_fp32_greedy_tokens_on_kt_own_workers(tmp_path, models):
+@pytest.fixture(scope="module")
+def vllm_alone(tmp_path_factory):
+    """vLLM alone on a spec, run once per module for the tests that compare
+    with it."""
+    cache = {}
+
+    def get(spec):
+        key = json.dumps(spec, sort_keys=True)
+        if key not in cache:
+            cache[key] = _ok(run_engine(tmp_path_factory.mktemp("vllm_alone"), "vllm-alone", dict(spec, kt=None)),
+                             "vllm")
+        return cache[key]
+    return get
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two ranks need two CPUs to bind to")
+@pytest.mark.parametrize("parallel", ["tensor", "expert"])
+def test_fp32_greedy_tokens_with_two_ranks(tmp_path, models, vllm_alone, parallel):
+    """tensor_parallel_size=2 (and --enable-expert-parallel), one thread a
+    rank bound to its own CPU: each rank's kt loads only its share (its
+    slice of every expert's intermediate dimension, or its experts), vLLM's
+    all-reduce sums the ranks, and the fp32 greedy tokens are vLLM's alone
+    with one rank (and, for tensor parallel, with the same two ranks; vLLM
+    0.32's own CPU experts crash under expert parallel in fp32, in its
+    cpu_fused_moe, so that run is kt's only)."""
+    model = models("qwen3_moe", "float32")
+    spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
+    one_rank = vllm_alone(spec)
+    llm = dict(tensor_parallel_size=2, distributed_executor_backend="mp",
+               enable_expert_parallel=parallel == "expert")
+    bind = dict(VLLM_CPU_OMP_THREADS_BIND="0|1")
+    got = _ok(run_engine(tmp_path, parallel + "-kt", dict(spec, kt={}, llm=llm), **bind), "kt")
+    assert got["tokens"] == one_rank["tokens"]
+    if parallel == "tensor":
+        ref = _ok(run_engine(tmp_path, parallel + "-vllm", dict(spec, kt=None, llm=llm), **bind), "vllm")
+        assert got["tokens"] == ref["tokens"]
+    # Each rank computed every MoE layer, and read only its share.
+    assert len(got["kt_stats_ranks"]) == 2
+    tokens = sum(len(p) for p in PROMPTS)
+    for stats in got["kt_stats_ranks"]:
+        assert sorted(stats) == sorted(_moe_layers(model)), stats
+        assert all(calls > 0 and n >= tokens for calls, n in stats.values()), stats
+    for loader in got["kt_loader_ranks"]:
+        assert loader == {"skipped": _expert_tensors(model), "through_vllm": 0}, loader
+    with open(os.path.join(model, "config.json")) as f:
+        c = json.load(f)
+    E, I = c.get("num_experts", c.get("num_local_experts")), c["moe_intermediate_size"]
+    shares = (["intermediate 0-%d" % (I // 2 - 1), "intermediate %d-%d" % (I // 2, I - 1)] if parallel == "tensor"
+              else ["experts 0-%d" % (E // 2 - 1), "experts %d-%d" % (E // 2, E - 1)])
+    for layer in _moe_layers(model):
+        for share in shares:
+            assert re.search(r"kt: %s: \d+ experts of layer \d+ loaded from .*; %s\)" % (re.escape(layer), share),
+                             got["log"]), (layer, share)
+
+
+def test_fp32_greedy_tokens_on_kt_own_workers(tmp_path, models, vllm_alone):
     """"host_openmp": false: kt computes on workers of its own (pinned)
     instead of vLLM's torch threads, split over the NUMA nodes of the
     process's CPUs ("numa": "auto"), with the same tokens as vLLM alone."""
     model = models("qwen3_moe", "float32")
     spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
-    ref = _ok(run_engine(tmp_path, "own-workers-vllm", dict(spec, kt=None)), "vllm")
+    ref = vllm_alone(spec)
     got = _ok(run_engine(tmp_path, "own-workers-kt", dict(spec, kt={"host_openmp": False, "numa": "auto"})), "kt")
     _assert_kt_computed(got, model, PROMPTS)
     assert re.search(r"on kt's own workers, \d+ threads?\)", got["log"]) and "on torch's OpenMP threads" not in got["log"]

@@ -119,7 +119,8 @@ class Checkpoint(_Handle):
                     act_alpha=o.act_alpha, act_limit=o.act_limit,
                     weight_format=self._lib.kt_weight_format_name(o.weight_format).decode())
 
-    def load_layer(self, layer, moe, progress=None, *, dequantize=False):
+    def load_layer(self, layer, moe, progress=None, *, dequantize=False, experts=None, intermediate=None,
+                   zero_down_bias=False):
         """Loads layer L's routed experts into moe (a kt.MoE) from the mapped
         files; progress(done, total) is called between batches of experts.
         Source pages are dropped from memory once packed.
@@ -130,15 +131,41 @@ class Checkpoint(_Handle):
         weight dequantized and rounded to bf16 once; without it that load
         raises kt.UnsupportedError. A quantized layer is never re-quantized:
         a layer of another quantized format is refused either way. Dense
-        layers ignore the flag."""
+        layers ignore the flag.
+
+        A share of the layer, for a rank of an expert- or tensor-parallel
+        group (moe is made with the share's expert count and intermediate
+        size; only the share's bytes are read):
+          experts         checkpoint expert ids, moe's expert i being
+                          experts[i] (default: all, in order)
+          intermediate    (begin, end): the slice of the intermediate
+                          dimension moe holds (gate/up rows, down columns);
+                          a quantized layer loaded as stored needs both ends
+                          on whole scale groups
+          zero_down_bias  the down biases load as zeros (every rank of a
+                          tensor-parallel group but one: their outputs are
+                          summed)"""
         callback = (_capi.CKPT_PROGRESS_FN(lambda done, total, user: progress(done, total))
                     if progress else ctypes.cast(None, _capi.CKPT_PROGRESS_FN))
         o = _capi.CkptLoadOptions()
         self._lib.kt_ckpt_load_options_defaults(ctypes.byref(o), ctypes.sizeof(o))
         o.dequantize = 1 if dequantize else 0
+        ids = None
+        if experts is not None:
+            ids = (ctypes.c_int64 * len(experts))(*[int(e) for e in experts])
+            o.experts = ctypes.cast(ids, ctypes.POINTER(ctypes.c_int64))
+            o.num_experts = len(experts)
+        if intermediate is not None:
+            o.intermediate_begin, o.intermediate_end = (int(v) for v in intermediate)
+        o.zero_down_bias = 1 if zero_down_bias else 0
         check(self._lib.kt_ckpt_load_layer_with(self.handle, int(layer), moe.handle, ctypes.byref(o), callback,
                                                 None))
-        moe.weights_source = ("checkpoint", self.directory, int(layer))
+        del ids
+        share = experts is not None or intermediate is not None or zero_down_bias
+        moe.weights_source = ("checkpoint", self.directory, int(layer)) + (
+            (dict(experts=None if experts is None else [int(e) for e in experts],
+                  intermediate=None if intermediate is None else tuple(int(v) for v in intermediate),
+                  zero_down_bias=bool(zero_down_bias)),) if share else ())
 
     def read_layer(self, layer, **tensors):
         """Copies layer L's weights into host tensors: gate, up [E,I,H],

@@ -13,7 +13,8 @@ SPEC: {"model": dir, "dtype": "float32"|"bfloat16", "kt": null | {options},
        "llm": {extra LLM(...) arguments}}
 OUT:  {"start_s": seconds to a ready engine (weights loaded), "tokens": [[ids]], "texts": [...], "prompt_logprobs": [[[...V]...]],
        "kt_stats": {layer: [forwards, tokens]}, "kt_loader": {"skipped": n,
-       "through_vllm": n} (kt.integrations.vllm.loader_stats), "bench": {...}} or
+       "through_vllm": n} (kt.integrations.vllm.loader_stats), "kt_stats_ranks"
+       and "kt_loader_ranks" (the same, one a rank), "bench": {...}} or
       {"error": text} (exit status 1).
 
 The kt plugin is registered explicitly (kt.integrations.vllm.register), as
@@ -119,10 +120,14 @@ def main(spec_path, out_path):
                 result["prompt_logprobs"] = rows
         if spec.get("bench"):
             result["bench"] = _bench(llm, spec, vocab)
+        # One entry a rank (tensor/expert parallel run several workers);
+        # rank 0's is "kt_stats" and "kt_loader".
         stats = llm.apply_model(ktv.kt_stats)
         result["kt_stats"] = stats[0] if stats else {}
+        result["kt_stats_ranks"] = stats or []
         loader = llm.apply_model(ktv.loader_stats)
         result["kt_loader"] = loader[0] if loader else {}
+        result["kt_loader_ranks"] = loader or []
     except Exception as e:  # noqa: BLE001 - the test reads the reason
         with open(out_path, "w") as f:
             json.dump({"error": "%s: %s" % (type(e).__name__, e), "traceback": traceback.format_exc()}, f)

@@ -72,8 +72,19 @@ Options (the dict under "kt"; all optional):
                   (kt.Engine(numa=)); needs "host_openmp": false, since
                   torch's OpenMP threads are placed by vLLM
 
-A layer kt cannot take: tensor/expert/data parallel sharding of the
-experts, redundant experts (EPLB), an activation other than SiLU-gated or
+Tensor and expert parallel (tensor_parallel_size > 1, with or without
+--enable-expert-parallel): each rank's kt holds that rank's share, loaded
+from the checkpoint (only the share's bytes are read): under expert
+parallel the experts vLLM's expert map gives the rank (routes to other
+ranks' experts are skipped), under tensor parallel the rank's slice of
+every expert's intermediate dimension (the down biases on rank 0 only);
+vLLM's all-reduce sums the ranks' outputs, as it does for its own experts.
+Bind each rank's threads apart, as for vLLM's own experts:
+VLLM_CPU_OMP_THREADS_BIND="0-7|8-15".
+
+A layer kt cannot take: data or context parallel experts (their ranks
+exchange tokens through vLLM's all-to-all kernels), redundant experts
+(EPLB, which moves experts while serving), an activation other than SiLU-gated or
 gpt-oss's clamped SwiGLU, routing weights applied to the input, a
 checkpoint whose expert tensors kt does not recognise or cannot load
 (kt.Checkpoint says which), shapes that differ from vLLM's, or a vLLM
@@ -260,17 +271,90 @@ def _activation(moe_config):
     return None, "activation %r (kt computes SiLU-gated and gpt-oss's clamped SwiGLU)" % act
 
 
+class _Share:
+    """What of a layer this rank holds: under expert parallel its experts
+    (`experts`, checkpoint ids in the rank's local order, and `expert_map`,
+    vLLM's global -> local id map, -1 elsewhere), under tensor parallel its
+    slice of the intermediate dimension (`intermediate`), with the down
+    biases on tensor-parallel rank 0 only (vLLM sums the ranks' outputs)."""
+
+    def __init__(self, experts=None, expert_map=None, intermediate=None, zero_down_bias=False):
+        self.experts, self.expert_map = experts, expert_map
+        self.intermediate, self.zero_down_bias = intermediate, zero_down_bias
+
+    def describe(self):
+        parts = []
+        if self.experts is not None:
+            parts.append("experts %s" % _ranges(self.experts))
+        if self.intermediate is not None:
+            parts.append("intermediate %d-%d" % (self.intermediate[0], self.intermediate[1] - 1))
+        return ", ".join(parts) or "the whole layer"
+
+
+def _ranges(ids):
+    """'0-7, 12' for [0..7, 12]."""
+    out, start = [], None
+    for i, e in enumerate(ids):
+        if start is None:
+            start = e
+        if i + 1 == len(ids) or ids[i + 1] != e + 1:
+            out.append(str(start) if start == e else "%d-%d" % (start, e))
+            start = None
+    return ", ".join(out)
+
+
+def _share_of(moe_config, expert_map_manager, has_bias, refuse):
+    """This rank's _Share of the layer, or refuse(why)."""
+    import torch
+    par = moe_config.moe_parallel_config
+    if par.dp_size != 1 or par.pcp_size != 1 or getattr(par, "sp_size", 1) > 1:
+        refuse("data or context parallel experts (dp %d, pcp %d): those ranks exchange tokens through vLLM's "
+               "all-to-all kernels, which the kt method does not take; serve with tensor parallel and/or "
+               "--enable-expert-parallel" % (par.dp_size, par.pcp_size))
+    if par.enable_eplb or moe_config.num_experts != moe_config.num_logical_experts:
+        refuse("%d physical experts for %d logical ones (EPLB redundant experts): vLLM moves experts between "
+               "ranks while serving, and kt loads each rank's experts once"
+               % (moe_config.num_experts, moe_config.num_logical_experts))
+    share = _Share()
+    if par.use_ep and par.ep_size > 1:
+        emap = getattr(expert_map_manager, "expert_map", None)
+        if emap is None:
+            refuse("expert parallel (ep %d) without vLLM's expert map" % par.ep_size)
+        emap = emap.to("cpu")
+        local = [None] * int(moe_config.num_local_experts)
+        for g, j in enumerate(emap.tolist()):
+            if j >= 0:
+                if j >= len(local) or local[j] is not None:
+                    refuse("vLLM's expert map of rank %d is not one expert per local slot" % par.ep_rank)
+                local[j] = g
+        if any(g is None for g in local):
+            refuse("vLLM's expert map of rank %d leaves local slots empty" % par.ep_rank)
+        share.experts, share.expert_map = local, emap.to(torch.int32).contiguous()
+    elif moe_config.num_local_experts != moe_config.num_experts:
+        refuse("%d local experts of %d without expert parallel" % (moe_config.num_local_experts,
+                                                                    moe_config.num_experts))
+    if par.tp_size > 1:
+        per = int(moe_config.intermediate_size_per_partition)
+        if per * par.tp_size != int(moe_config.intermediate_size):
+            refuse("tensor parallel %d with %d intermediate rows a rank, not %d / %d (padded)"
+                   % (par.tp_size, per, moe_config.intermediate_size, par.tp_size))
+        share.intermediate = (par.tp_rank * per, (par.tp_rank + 1) * per)
+        share.zero_down_bias = bool(has_bias) and par.tp_rank != 0
+    return share
+
+
 class _Plan:
     """What a kt layer needs, decided when vLLM creates the layer."""
 
-    def __init__(self, layer_name, layer, directory, kt_layer, settings, dtype, tensor_names):
+    def __init__(self, layer_name, layer, directory, kt_layer, settings, dtype, tensor_names, share):
         self.layer_name, self.layer, self.directory = layer_name, layer, directory
         self.kt_layer, self.settings, self.dtype = kt_layer, settings, dtype
         self.tensor_names = tensor_names  # the checkpoint tensors kt reads for it
+        self.share = share
 
 
 def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_input, vllm_config,
-               settings):
+               settings, expert_map_manager=None):
     """A _Plan for kt, or raises KtVllmError saying why kt cannot take the
     layer (the caller then refuses or leaves the layer to vLLM)."""
     import torch
@@ -279,14 +363,7 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     def refuse(why):
         raise KtVllmError("kt: %s: %s" % (layer_name, why))
 
-    par = moe_config.moe_parallel_config
-    if par.tp_size != 1 or par.ep_size != 1 or par.dp_size != 1 or par.pcp_size != 1:
-        refuse("the experts are sharded (tp %d, ep %d, dp %d, pcp %d); kt holds whole layers of one process"
-               % (par.tp_size, par.ep_size, par.dp_size, par.pcp_size))
-    if moe_config.num_local_experts != moe_config.num_experts or \
-            moe_config.num_experts != moe_config.num_logical_experts:
-        refuse("%d physical experts for %d logical ones (EPLB redundant experts)"
-               % (moe_config.num_experts, moe_config.num_logical_experts))
+    share = _share_of(moe_config, expert_map_manager, moe_config.has_bias, refuse)
     if apply_router_weight_on_input:
         refuse("routing weights applied to the input (kt weights the experts' outputs)")
     act, why = _activation(moe_config)
@@ -338,15 +415,17 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     if precision == "auto":
         precision = "fp32" if moe_config.in_dtype == torch.float32 else "default"
     max_tokens = settings["max_tokens"] or min(int(moe_config.max_num_tokens or 8192), 8192)
+    E_rank = E if share.experts is None else len(share.experts)
+    I_rank = I if share.intermediate is None else share.intermediate[1] - share.intermediate[0]
     try:
-        kt_layer = kt.MoE(E, moe_config.experts_per_token, H, I, max_tokens=int(max_tokens),
+        kt_layer = kt.MoE(E_rank, moe_config.experts_per_token, H, I_rank, max_tokens=int(max_tokens),
                           bias=bool(info["bias"]), weight_format=fmt, compute=settings["compute"],
                           engine=_engine(settings["threads"], settings["host_openmp"], precision, settings["numa"]),
                           **act)
     except (kt.KtError, ValueError, TypeError) as e:
         refuse("kt cannot make the layer (weight_format %s, compute %s): %s" % (fmt, settings["compute"], e))
     return _Plan(layer_name, layer, directory, kt_layer, settings, moe_config.in_dtype,
-                  ckpt.layer_tensor_names(layer))
+                 ckpt.layer_tensor_names(layer), share)
 
 
 class _Bursts:
@@ -439,7 +518,9 @@ class _KtExperts:
         try:
             entry.ckpt.load_layer(p.layer, self.kt_layer, dequantize=bool(p.settings["dequantize"]),
                                   progress=(lambda done, total: progress.update(done / max(total, 1)))
-                                  if progress.shown else None)
+                                  if progress.shown else None,
+                                  experts=p.share.experts, intermediate=p.share.intermediate,
+                                  zero_down_bias=p.share.zero_down_bias)
         except kt.KtError as e:
             raise KtVllmError("kt: %s: loading layer %d of %s failed: %s" % (p.layer_name, p.layer, p.directory, e))
         finally:
@@ -447,8 +528,9 @@ class _KtExperts:
                 _skip_names.difference_update(p.tensor_names)
             _checkpoint_loaded(p.directory, p.layer)
         self.loaded = True
-        logger.info("kt: %s: %d experts of layer %d loaded from %s (%s)", p.layer_name,
-                    self.kt_layer.num_experts, p.layer, p.directory, self.kt_layer.weight_format)
+        logger.info("kt: %s: %d experts of layer %d loaded from %s (%s; %s)", p.layer_name,
+                    self.kt_layer.num_experts, p.layer, p.directory, self.kt_layer.weight_format,
+                    p.share.describe())
 
     def run(self, x, topk_ids, topk_weights):
         import torch
@@ -459,6 +541,9 @@ class _KtExperts:
             x = x.float()
         x = x.contiguous()
         ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
+        emap = self.plan.share.expert_map
+        if emap is not None:  # expert parallel: vLLM's global ids to this rank's, -1 (no route) elsewhere
+            ids = emap[ids.long()]
         ids = ids.contiguous()
         w = topk_weights if topk_weights.dtype in (torch.float32, torch.bfloat16) else topk_weights.float()
         w = w.contiguous()
@@ -563,7 +648,7 @@ def _make_classes():
                 try:
                     plan = plan_layer(layer_name, moe_config, quant_config,
                                       kwargs.get("apply_router_weight_on_input", False), vllm_config,
-                                      settings)
+                                      settings, kwargs.get("expert_map_manager", args[0] if args else None))
                 except KtVllmError as e:
                     if settings["strict"]:
                         raise
@@ -576,9 +661,10 @@ def _make_classes():
                 with _lock:
                     _skip_names.update(plan.tensor_names)
                 threads = plan.kt_layer.engine.info()["num_threads"]
-                logger.info("kt: %s: routed experts in kt (%d experts, top-%d, hidden %d, intermediate %d, %s, "
-                            "on %s, %d thread%s)", layer_name, moe_config.num_experts, moe_config.experts_per_token,
-                            plan.kt_layer.hidden, plan.kt_layer.intermediate, plan.kt_layer.weight_format,
+                logger.info("kt: %s: routed experts in kt (%d of %d experts, top-%d, hidden %d, intermediate %d, "
+                            "%s, on %s, %d thread%s)", layer_name, plan.kt_layer.num_experts, moe_config.num_experts,
+                            moe_config.experts_per_token, plan.kt_layer.hidden, plan.kt_layer.intermediate,
+                            plan.kt_layer.weight_format,
                             "torch's OpenMP threads" if settings["host_openmp"] else "kt's own workers",
                             threads, "" if threads == 1 else "s")
                 _note_thread_count(threads, settings)
