@@ -13,8 +13,14 @@ starting the engine to ready (the weights loaded: by vLLM, or the experts
 by kt and the rest by vLLM). Prints a markdown table.
 
   bench/serve_bench.py [--layers 2] [--dtype bfloat16] [--threads N] [--kt-own-workers]
-                       [--decode-tokens 16] [--prefill 512] [--repeats 2]
+                       [--decode-tokens 16] [--prefill 512] [--repeats 2] [--ranks R]
                        [--model-dir DIR] [--json OUT]
+
+--ranks R (R > 1) adds runs of R ranks of N/R threads each, every rank's
+threads bound to its own CPUs (VLLM_CPU_OMP_THREADS_BIND): vLLM alone with
+tensor_parallel_size=R, and kt under tensor parallel and under expert
+parallel (--enable-expert-parallel; vLLM 0.32's own CPU experts crash
+there, so that row is kt's only), beside the one rank of N threads.
 
 Run it with a Python that has vLLM (tools/python_env.sh serve makes one:
 build-serve/bin/python bench/serve_bench.py). Both runs use the same
@@ -52,6 +58,8 @@ def parse_args():
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--kt-own-workers", action="store_true",
                    help="kt on workers of its own (host_openmp false) instead of torch's OpenMP threads")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="also run R tensor-parallel and expert-parallel ranks of threads/R threads each")
     p.add_argument("--model-dir", default=None,
                    help="where the checkpoint is written (kept and reused); default a temporary directory")
     p.add_argument("--json", default=None, help="also write the numbers here")
@@ -74,14 +82,31 @@ def build_model(args):
     return directory
 
 
-def run(args, model, kt):
-    spec = dict(model=model, dtype=args.dtype, kt=kt, max_model_len=args.prefill + 64,
-                llm=dict(max_num_seqs=max(int(b) for b in args.batches.split(",")),
-                         max_num_batched_tokens=max(args.prefill, 2048)),
+def cpu_binding(threads, ranks):
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` ranks of threads/ranks CPUs
+    each, from the CPUs this process may run on: "0,1|2,3"."""
+    cpus = sorted(os.sched_getaffinity(0))[:threads]
+    per = len(cpus) // ranks
+    if per < 1:
+        sys.exit("serve_bench: %d ranks need at least %d CPUs, this process has %d" % (ranks, ranks, len(cpus)))
+    return "|".join(",".join(str(c) for c in cpus[r * per:(r + 1) * per]) for r in range(ranks))
+
+
+def run(args, model, kt, ranks=1, parallel="tensor"):
+    llm = dict(max_num_seqs=max(int(b) for b in args.batches.split(",")),
+               max_num_batched_tokens=max(args.prefill, 2048))
+    if ranks > 1:
+        llm.update(tensor_parallel_size=ranks, distributed_executor_backend="mp",
+                   enable_expert_parallel=parallel == "expert")
+    spec = dict(model=model, dtype=args.dtype, kt=kt, max_model_len=args.prefill + 64, llm=llm,
                 bench=dict(decode_batches=[int(b) for b in args.batches.split(",")],
                            decode_tokens=args.decode_tokens, prefill_tokens=args.prefill,
                            repeats=args.repeats))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
+    # Every run binds its ranks' threads to CPUs of their own: vLLM's
+    # automatic binding would keep a CPU of a small machine for its other
+    # processes.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads // ranks),
+               VLLM_CPU_OMP_THREADS_BIND=cpu_binding(args.threads, ranks))
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "plugins", "python"), TESTS]
                                         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,7 +116,7 @@ def run(args, model, kt):
         t = time.time()
         proc = subprocess.run([sys.executable, os.path.join(TESTS, "helpers", "serve_vllm_run.py"), spec_path, out_path],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        name = "kt" if kt is not None else "vLLM"
+        name = ("kt" if kt is not None else "vLLM") + ("" if ranks == 1 else ", %d %s-parallel ranks" % (ranks, parallel))
         print("serve_bench: %s run took %.0f s" % (name, time.time() - t), flush=True)
         if not os.path.exists(out_path):
             sys.exit("serve_bench: the %s run left no result:\n%s" % (name, proc.stdout.decode(errors="replace")[-4000:]))
@@ -99,8 +124,9 @@ def run(args, model, kt):
             out = json.load(f)
     if "error" in out:
         sys.exit("serve_bench: the %s run failed: %s\n%s" % (name, out["error"], out.get("traceback", "")))
-    if kt is not None and len(out["kt_stats"]) != args.layers:
-        sys.exit("serve_bench: kt computed %d of %d MoE layers" % (len(out["kt_stats"]), args.layers))
+    if kt is not None and any(len(stats) != args.layers for stats in out["kt_stats_ranks"]):
+        sys.exit("serve_bench: %s computed %s of %d MoE layers" % (name, [len(x) for x in out["kt_stats_ranks"]],
+                                                                    args.layers))
     return dict(out["bench"], start_s=out["start_s"])
 
 
@@ -109,7 +135,14 @@ def main():
     import torch
     model = build_model(args)
     vllm_out = run(args, model, None)
-    kt_out = run(args, model, {"threads": args.threads, "host_openmp": not args.kt_own_workers})
+    kt_options = {"threads": args.threads, "host_openmp": not args.kt_own_workers}
+    kt_out = run(args, model, kt_options)
+    many = {}
+    if args.ranks > 1:
+        kt_rank = dict(kt_options, threads=args.threads // args.ranks)
+        many["vLLM, tensor parallel"] = run(args, model, None, args.ranks, "tensor")
+        many["kt, tensor parallel"] = run(args, model, kt_rank, args.ranks, "tensor")
+        many["kt, expert parallel"] = run(args, model, kt_rank, args.ranks, "expert")
     import kt as kt_pkg
     rows = [("decode, batch %s" % b, "decode_%s" % b) for b in args.batches.split(",")]
     rows.append(("prefill, %d tokens" % args.prefill, "prefill_%d" % args.prefill))
@@ -129,9 +162,24 @@ def main():
     # Seconds, lower is better: the ratio is vLLM's time over kt's.
     a, b = vllm_out["start_s"], kt_out["start_s"]
     print("| engine start with weights loaded, s | %.1f | %.1f | %.2fx |" % (a, b, a / b))
+    if many:
+        # Time ratios (lower is better): R ranks' time over one rank's, for
+        # the same tokens; the target is kt at 1.15x or less of kt on one rank.
+        names = list(many)
+        print()
+        print("%d ranks of %d thread%s each, against one rank of %d threads (time ratio: one rank's tokens/s over "
+              "the ranks')" % (args.ranks, args.threads // args.ranks, "" if args.threads // args.ranks == 1 else "s",
+                               args.threads))
+        print()
+        print("| tokens/s | " + " | ".join(names) + " | " + " | ".join("time x, " + n for n in names) + " |")
+        print("|---|" + "---:|" * (2 * len(names)))
+        for label, key in rows:
+            one = {n: (vllm_out if n.startswith("vLLM") else kt_out)[key] for n in names}
+            print("| %s | " % label + " | ".join("%.1f" % many[n][key] for n in names) + " | "
+                  + " | ".join("%.2fx" % (one[n] / many[n][key]) for n in names) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"vllm": vllm_out, "kt": kt_out, "args": vars(args)}, f, indent=2)
+            json.dump({"vllm": vllm_out, "kt": kt_out, "ranks": many, "args": vars(args)}, f, indent=2)
 
 
 if __name__ == "__main__":

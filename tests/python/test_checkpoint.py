@@ -97,6 +97,35 @@ def test_checkpoint_describes_loads_and_reads_layers(expert_ckpt):
         assert "model.layers.3.mlp.experts.0.up_proj.bias" in ck.tensor_names()
 
 
+def test_a_ranks_share_loads_its_experts_and_slice(expert_ckpt):
+    # An expert- and tensor-parallel rank's share: experts 4 and 1, the
+    # intermediate rows 8-23, no down biases (another rank adds them).
+    d, layers = expert_ckpt
+    src, experts, (i0, i1) = layers[3], [4, 1], (8, 24)
+    with kt.Checkpoint(d) as ck:
+        opts = dict(ck.moe_options(3), num_experts=len(experts), intermediate=i1 - i0)
+        share = kt.MoE(**opts)
+        ck.load_layer(3, share, experts=experts, intermediate=(i0, i1), zero_down_bias=True)
+        assert share.num_loaded() == len(experts)
+        assert share.weights_source == ("checkpoint", os.fspath(d), 3,
+                                        dict(experts=experts, intermediate=(i0, i1), zero_down_bias=True))
+        by_hand = kt.MoE(**opts)
+        by_hand.load_weights(gate=src["gate"][experts, i0:i1], up=src["up"][experts, i0:i1],
+                             down=src["down"][experts][:, :, i0:i1],
+                             bias_gate=src["bias_gate"][experts, i0:i1].bfloat16(),
+                             bias_up=src["bias_up"][experts, i0:i1].bfloat16(),
+                             bias_down=torch.zeros(len(experts), H))
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(7, H, generator=g)
+        ids = torch.tensor([[0, 1], [1, -1], [0, -1], [1, 0], [-1, 0], [0, 1], [1, 0]], dtype=torch.int32)
+        w = torch.rand(7, K, generator=g)
+        assert torch.equal(run(share, x, ids, w), run(by_hand, x, ids, w))
+        with pytest.raises(kt.KtError, match=r"experts\[1\] = 6 is not an expert of the layer \[0, 6\)"):
+            ck.load_layer(3, kt.MoE(**opts), experts=[0, 6], intermediate=(i0, i1))
+        with pytest.raises(kt.KtError, match="intermediate \\(in the share loaded\\) = 40"):
+            ck.load_layer(3, kt.MoE(**opts), experts=experts)
+
+
 def test_checkpoint_errors_name_the_call(tmp_path, expert_ckpt):
     with pytest.raises(kt.IOFailure, match="kt_ckpt_open"):
         kt.Checkpoint(tmp_path / "missing")

@@ -134,3 +134,67 @@ def test_fewer_threads_than_cpus_is_said_once(stats_lines, monkeypatch):
     ktv._note_thread_count(1, {"host_openmp": True})
     assert stats_lines == ["kt: kt computes on 1 of the machine's 4 CPUs (vLLM binds its worker's OpenMP threads, "
                            "which kt computes on: VLLM_CPU_OMP_THREADS_BIND sets them)"]
+
+
+# ------------------------------------------------- a rank's share of a layer
+
+def _moe_config(tp=1, tp_rank=0, ep=1, ep_rank=0, dp=1, use_ep=False, eplb=False, E=16, logical=16, local=16,
+                I=64):
+    par = type("Par", (), dict(tp_size=tp, tp_rank=tp_rank, ep_size=ep, ep_rank=ep_rank, dp_size=dp, pcp_size=1,
+                               sp_size=1, use_ep=use_ep, enable_eplb=eplb))()
+    return type("MoeConfig", (), dict(moe_parallel_config=par, num_experts=E, num_logical_experts=logical,
+                                      num_local_experts=local, intermediate_size=I,
+                                      intermediate_size_per_partition=I // tp))()
+
+
+def _manager(expert_map):
+    torch = pytest.importorskip("torch")
+    return type("Manager", (), {"expert_map": torch.tensor(expert_map, dtype=torch.int32)})()
+
+
+def _refuse(why):
+    raise ktv.KtVllmError(why)
+
+
+def test_tensor_parallel_ranks_take_their_slice_and_rank_0_the_down_biases():
+    for rank in (0, 1):
+        share = ktv._share_of(_moe_config(tp=2, tp_rank=rank), None, True, _refuse)
+        assert (share.experts, share.expert_map) == (None, None)
+        assert share.intermediate == (32 * rank, 32 * rank + 32)
+        assert share.zero_down_bias == (rank == 1)
+        assert share.describe() == "intermediate %d-%d" % (32 * rank, 32 * rank + 31)
+    assert not ktv._share_of(_moe_config(tp=2, tp_rank=1), None, False, _refuse).zero_down_bias
+    whole = ktv._share_of(_moe_config(), None, True, _refuse)
+    assert (whole.experts, whole.intermediate, whole.zero_down_bias) == (None, None, False)
+    assert whole.describe() == "the whole layer"
+
+
+def test_expert_parallel_ranks_take_the_experts_of_vllms_map():
+    # Round-robin placement: rank 1 of 2 holds the odd experts, slot j
+    # holding expert 2j + 1.
+    emap = [(e // 2 if e % 2 else -1) for e in range(16)]
+    share = ktv._share_of(_moe_config(ep=2, ep_rank=1, use_ep=True, local=8), _manager(emap), True, _refuse)
+    assert share.experts == list(range(1, 16, 2))
+    assert share.expert_map.tolist() == emap
+    assert share.intermediate is None and not share.zero_down_bias
+    linear = [e - 8 if e >= 8 else -1 for e in range(16)]
+    share = ktv._share_of(_moe_config(ep=2, ep_rank=1, use_ep=True, local=8), _manager(linear), True, _refuse)
+    assert share.experts == list(range(8, 16)) and share.describe() == "experts 8-15"
+
+
+@pytest.mark.parametrize("config, emap, message", [
+    (dict(dp=2), None, "data or context parallel experts (dp 2, pcp 1)"),
+    (dict(eplb=True, E=18, logical=16), None, "18 physical experts for 16 logical ones (EPLB"),
+    (dict(ep=2, use_ep=True, local=8), None, "expert parallel (ep 2) without vLLM's expert map"),
+    (dict(ep=2, use_ep=True, local=8), [0] * 2 + [-1] * 14, "is not one expert per local slot"),
+    (dict(ep=2, use_ep=True, local=8), list(range(7)) + [-1] * 9, "leaves local slots empty"),
+    (dict(local=8), None, "8 local experts of 16 without expert parallel"),
+])
+def test_shares_kt_cannot_hold_are_refused_saying_why(config, emap, message):
+    manager = _manager(emap) if emap is not None else None
+    with pytest.raises(ktv.KtVllmError, match=re.escape(message)):
+        ktv._share_of(_moe_config(**config), manager, False, _refuse)
+    padded = _moe_config(tp=2)
+    padded.intermediate_size_per_partition = 40
+    with pytest.raises(ktv.KtVllmError, match=re.escape("tensor parallel 2 with 40 intermediate rows a rank")):
+        ktv._share_of(padded, None, False, _refuse)
