@@ -170,8 +170,8 @@ def test_fp32_greedy_tokens_with_two_ranks(tmp_path, models, vllm_alone, paralle
     slice of every expert's intermediate dimension, or its experts), vLLM's
     all-reduce sums the ranks, and the fp32 greedy tokens are vLLM's alone
     with one rank (and, for tensor parallel, with the same two ranks; vLLM
-    0.32's own CPU experts crash under expert parallel in fp32, in its
-    cpu_fused_moe, so that run is kt's only)."""
+    0.32's own CPU experts crash under expert parallel, fp32 and bf16
+    alike, in its cpu_fused_moe, so that run is kt's only)."""
     model = models("qwen3_moe", "float32")
     spec = dict(model=model, dtype="float32", prompts=PROMPTS, max_tokens=16)
     one_rank = vllm_alone(spec)
