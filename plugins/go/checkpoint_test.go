@@ -143,3 +143,71 @@ func TestAdapterRoundTrip(t *testing.T) {
 		t.Fatalf("untargeted projection: %v", err)
 	}
 }
+
+// An expert- and tensor-parallel rank's share (experts 3 and 1, intermediate
+// rows 2-5) loads as those weights loaded by hand; a bad share is refused
+// with kt's message and leaves the layer empty.
+func TestCheckpointShareLoadsItsExpertsAndSlice(t *testing.T) {
+	l := newLayer()
+	dir := filepath.Join(t.TempDir(), "ckpt")
+	if err := WriteExperts(dir, nil, LayerArgs{Layer: 0, Args: []Arg{
+		{ArgWGate, Float32(l.wg, numExperts, intermediate, hidden)},
+		{ArgWUp, Float32(l.wu, numExperts, intermediate, hidden)},
+		{ArgWDown, Float32(l.wd, numExperts, hidden, intermediate)}}}); err != nil {
+		t.Fatal(err)
+	}
+	ck, err := OpenCheckpoint(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ck.Close()
+	experts, i0, i1 := []int64{3, 1}, 2, 6
+	es, is := len(experts), i1-i0
+	var sg, su, sd []float32
+	for _, e := range experts {
+		for r := i0; r < i1; r++ {
+			sg = append(sg, l.wg[(int(e)*intermediate+r)*hidden:(int(e)*intermediate+r+1)*hidden]...)
+			su = append(su, l.wu[(int(e)*intermediate+r)*hidden:(int(e)*intermediate+r+1)*hidden]...)
+		}
+		for h := 0; h < hidden; h++ {
+			sd = append(sd, l.wd[(int(e)*hidden+h)*intermediate+i0:(int(e)*hidden+h)*intermediate+i1]...)
+		}
+	}
+	engine, err := NewEngine(&EngineOptions{NumThreads: 1, NoPinning: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer engine.Close()
+	opts := MoEOptions{NumExperts: int64(es), TopK: topK, Hidden: hidden, Intermediate: int64(is)}
+	share, err := engine.NewMoE(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer share.Close()
+	part := &LoadLayerOptions{Experts: experts, IntermediateBegin: int64(i0), IntermediateEnd: int64(i1)}
+	if err := ck.LoadLayerWith(0, share, part); err != nil {
+		t.Fatal(err)
+	}
+	byHand, _ := engine.NewMoE(opts)
+	defer byHand.Close()
+	if err := byHand.LoadWeights(Arg{ArgWGate, Float32(sg, int64(es), int64(is), hidden)},
+		Arg{ArgWUp, Float32(su, int64(es), int64(is), hidden)},
+		Arg{ArgWDown, Float32(sd, int64(es), hidden, int64(is))}); err != nil {
+		t.Fatal(err)
+	}
+	local := *l
+	local.ids = []int32{0, 1, 1, -1, 0, 1, -1, 0, 1, 0} // this rank's two experts
+	y := forwardOnce(t, byHand, &local)
+	if got := forwardOnce(t, share, &local); !reflect.DeepEqual(got, y) {
+		t.Fatalf("the share's output differs from its weights loaded by hand")
+	}
+	empty, _ := engine.NewMoE(opts)
+	defer empty.Close()
+	err = ck.LoadLayerWith(0, empty, &LoadLayerOptions{Experts: []int64{0, 0}, IntermediateBegin: 2, IntermediateEnd: 6})
+	if !errors.Is(err, &Error{Status: ErrInvalidArgument}) || !strings.Contains(err.Error(), "experts[1] = 0 is listed twice") {
+		t.Fatalf("a repeated expert: %v", err)
+	}
+	if info, _ := empty.Info(); info.NumLoaded != 0 {
+		t.Fatalf("%d experts loaded by a refused share", info.NumLoaded)
+	}
+}

@@ -735,6 +735,20 @@ type LoadLayerOptions struct {
 	// is never re-quantized into another quantized format; dense layers
 	// ignore it.
 	Dequantize bool
+	// A rank's share of the layer, for a host whose own collectives combine
+	// expert- or tensor-parallel ranks (the layer is made with the share's
+	// expert count and intermediate size; only the share's bytes are read).
+	// Experts lists checkpoint expert ids, the layer's expert i being
+	// Experts[i]; nil: every expert, in order.
+	Experts []int64
+	// IntermediateBegin and IntermediateEnd slice the intermediate
+	// dimension (gate and up rows, down columns, gate and up biases); both
+	// 0: all of it. A quantized layer loaded as stored needs both ends on
+	// whole scale groups.
+	IntermediateBegin, IntermediateEnd int64
+	// ZeroDownBias loads the down biases as zeros: every rank of a
+	// tensor-parallel group but one, whose outputs are summed.
+	ZeroDownBias bool
 }
 
 // LoadLayerWith is LoadLayer with options (kt_ckpt_load_layer_with); opts
@@ -748,8 +762,25 @@ func (c *Checkpoint) LoadLayerWith(layer int64, m *MoE, opts *LoadLayerOptions) 
 	}
 	var o C.kt_ckpt_load_options
 	C.kt_ckpt_load_options_init(&o)
-	if opts != nil && opts.Dequantize {
-		o.dequantize = 1
+	if opts != nil {
+		if opts.Dequantize {
+			o.dequantize = 1
+		}
+		if opts.Experts != nil {
+			// C memory: the options struct may not point into Go's heap.
+			ids := (*C.int64_t)(C.malloc(C.size_t(8 * (len(opts.Experts) + 1))))
+			defer C.free(unsafe.Pointer(ids))
+			for i, e := range opts.Experts {
+				unsafe.Slice(ids, len(opts.Experts))[i] = C.int64_t(e)
+			}
+			o.experts = ids
+			o.num_experts = C.int64_t(len(opts.Experts))
+		}
+		o.intermediate_begin = C.int64_t(opts.IntermediateBegin)
+		o.intermediate_end = C.int64_t(opts.IntermediateEnd)
+		if opts.ZeroDownBias {
+			o.zero_down_bias = 1
+		}
 	}
 	return call(func() C.kt_status {
 		return C.kt_ckpt_load_layer_with(c.handle, C.int64_t(layer), m.handle, &o, nil, nil)

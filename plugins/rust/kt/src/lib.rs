@@ -892,12 +892,30 @@ impl Checkpoint {
     /// (kt_ckpt_load_layer_with), e.g. `&LoadLayerOptions { dequantize: true }`
     /// to load a quantized layer into a bf16 layer.
     pub fn load_layer_with(&self, layer: i64, moe: &Moe<'_>, options: &LoadLayerOptions) -> Result<()> {
+        self.load_share(layer, moe, options, &LayerShare::default())
+    }
+
+    /// A rank's share of layer L (kt_ckpt_load_options: its experts, its
+    /// slice of the intermediate dimension), for a host whose own
+    /// collectives combine expert- or tensor-parallel ranks: `moe` is made
+    /// with the share's expert count and intermediate size, and only the
+    /// share's bytes are read.
+    pub fn load_share(&self, layer: i64, moe: &Moe<'_>, options: &LoadLayerOptions, share: &LayerShare) -> Result<()> {
         let mut o = std::mem::MaybeUninit::<sys::kt_ckpt_load_options>::uninit();
         let mut o = unsafe {
             sys::kt_ckpt_load_options_defaults(o.as_mut_ptr(), std::mem::size_of::<sys::kt_ckpt_load_options>());
             o.assume_init()
         };
         o.dequantize = options.dequantize as c_int;
+        if let Some(experts) = &share.experts {
+            o.experts = experts.as_ptr();
+            o.num_experts = experts.len() as i64;
+        }
+        if let Some((begin, end)) = share.intermediate {
+            o.intermediate_begin = begin;
+            o.intermediate_end = end;
+        }
+        o.zero_down_bias = share.zero_down_bias as c_int;
         check(unsafe { sys::kt_ckpt_load_layer_with(self.raw, layer, moe.raw, &o, None, ptr::null_mut()) })
     }
 
@@ -920,6 +938,23 @@ pub struct LoadLayerOptions {
     /// way and is never re-quantized into another quantized format; dense
     /// layers ignore it.
     pub dequantize: bool,
+}
+
+/// What of a layer [`Checkpoint::load_share`] loads; the default is the
+/// whole layer.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LayerShare {
+    /// Checkpoint expert ids, the layer's expert i being `experts[i]`
+    /// (expert parallel); `None`: every expert, in order.
+    pub experts: Option<Vec<i64>>,
+    /// `(begin, end)`: the slice of the intermediate dimension held (tensor
+    /// parallel: gate and up rows, down columns, gate and up biases); a
+    /// quantized layer loaded as stored needs both ends on whole scale
+    /// groups. `None`: all of it.
+    pub intermediate: Option<(i64, i64)>,
+    /// The down biases load as zeros: every rank of a tensor-parallel group
+    /// but one, whose outputs are summed.
+    pub zero_down_bias: bool,
 }
 
 impl Drop for Checkpoint {

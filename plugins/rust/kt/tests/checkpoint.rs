@@ -4,7 +4,7 @@
 //! written and read back; errors carry kt's status and message.
 use kt::{
     arg, ckpt_dtype, ckpt_layout, Arg, AdapterConfig, Bf16, Checkpoint, Engine, EngineOptions, LayerArgs,
-    MoeOptions, Status, TensorMut, TensorRef, WriteOptions,
+    LayerShare, LoadLayerOptions, MoeOptions, Status, TensorMut, TensorRef, WriteOptions,
 };
 
 const E: usize = 4;
@@ -24,8 +24,12 @@ fn scratch(name: &str) -> std::path::PathBuf {
 }
 
 fn forward(moe: &kt::Moe<'_>) -> Vec<f32> {
+    forward_routes(moe, &[0, 1, 2, 3, 3, 0])
+}
+
+/// The T tokens through moe, routed by ids [T, K].
+fn forward_routes(moe: &kt::Moe<'_>, ids: &[i32]) -> Vec<f32> {
     let x: Vec<f32> = (0..T * H).map(|i| (i % 7) as f32 / 8.0 - 0.4).collect();
-    let ids: Vec<i32> = vec![0, 1, 2, 3, 3, 0];
     let rw: Vec<f32> = vec![0.75, 0.25, 0.5, 0.5, 0.125, 0.875];
     let mut y = vec![0.0f32; T * H];
     let (xt, it, wt) = (
@@ -129,4 +133,61 @@ fn adapter_round_trip() {
     assert_eq!(err.status, Status::INVALID_ARGUMENT);
     assert!(err.message.contains("kt_ckpt_adapter_read"), "{}", err.message);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_ranks_share_loads_its_experts_and_slice() {
+    // Experts 3 and 1, intermediate rows 2..6: what an expert- and
+    // tensor-parallel rank holds, the same as those weights loaded by hand.
+    let (wg, wu, wd) = (values(E * I * H, 5), values(E * I * H, 7), values(E * H * I, 3));
+    let dir = scratch("share");
+    {
+        let shape = |a: usize, b: usize| [E as i64, a as i64, b as i64];
+        let (gi, ui, di) = (shape(I, H), shape(I, H), shape(H, I));
+        let (gt, ut, dt) = (TensorRef::new(&wg, &gi).unwrap(), TensorRef::new(&wu, &ui).unwrap(),
+                            TensorRef::new(&wd, &di).unwrap());
+        let layer = [Arg::In(arg::W_GATE, &gt), Arg::In(arg::W_UP, &ut), Arg::In(arg::W_DOWN, &dt)];
+        kt::write_experts(&dir, &WriteOptions::default(), &[LayerArgs { layer: 0, args: &layer }]).unwrap();
+    }
+    let ck = Checkpoint::open(&dir).unwrap();
+    let (experts, (i0, i1)) = (vec![3i64, 1], (2usize, 6usize));
+    let (es, is) = (experts.len(), i1 - i0);
+    let engine = Engine::new(&EngineOptions { num_threads: 1, ..Default::default() }).unwrap();
+    let options = MoeOptions::new(es as i64, K as i64, H as i64, is as i64);
+    let share = engine.moe(&options).unwrap();
+    let part = LayerShare { experts: Some(experts.clone()), intermediate: Some((i0 as i64, i1 as i64)), zero_down_bias: false };
+    ck.load_share(0, &share, &LoadLayerOptions::default(), &part).unwrap();
+
+    let mut sg = Vec::new();
+    let mut su = Vec::new();
+    let mut sd = Vec::new();
+    for &e in &experts {
+        let e = e as usize;
+        for r in i0..i1 {
+            sg.extend_from_slice(&wg[(e * I + r) * H..(e * I + r + 1) * H]);
+            su.extend_from_slice(&wu[(e * I + r) * H..(e * I + r + 1) * H]);
+        }
+        for r in 0..H {
+            sd.extend_from_slice(&wd[(e * H + r) * I + i0..(e * H + r) * I + i1]);
+        }
+    }
+    let (sgt, sut, sdt) = (
+        TensorRef::new(&sg, &[es as i64, is as i64, H as i64]).unwrap(),
+        TensorRef::new(&su, &[es as i64, is as i64, H as i64]).unwrap(),
+        TensorRef::new(&sd, &[es as i64, H as i64, is as i64]).unwrap(),
+    );
+    let by_hand = engine.moe(&options).unwrap();
+    by_hand.load_weights(&[Arg::In(arg::W_GATE, &sgt), Arg::In(arg::W_UP, &sut), Arg::In(arg::W_DOWN, &sdt)]).unwrap();
+    let local_ids = [0, 1, 1, -1, -1, 0]; // this rank's two experts
+    let want = forward_routes(&by_hand, &local_ids);
+    assert!(want.iter().any(|v| *v != 0.0));
+    assert_eq!(forward_routes(&share, &local_ids), want);
+
+    // An expert the layer lacks: refused with kt's message, nothing loaded.
+    let empty = engine.moe(&options).unwrap();
+    let bad = LayerShare { experts: Some(vec![0, E as i64]), ..part.clone() };
+    let err = ck.load_share(0, &empty, &LoadLayerOptions::default(), &bad).unwrap_err();
+    assert_eq!(err.status, Status::INVALID_ARGUMENT);
+    assert!(err.message.contains("experts[1] = 4 is not an expert of the layer [0, 4)"), "{}", err.message);
+    let _ = std::fs::remove_dir_all(&dir);
 }
