@@ -198,3 +198,33 @@ def test_shares_kt_cannot_hold_are_refused_saying_why(config, emap, message):
     padded.intermediate_size_per_partition = 40
     with pytest.raises(ktv.KtVllmError, match=re.escape("tensor parallel 2 with 40 intermediate rows a rank")):
         ktv._share_of(padded, None, False, _refuse)
+
+
+def test_an_expert_parallel_rank_maps_vllms_routes_to_its_experts():
+    # A rank with experts 5 and 2 of 6 (fewer than the 4 routes a token):
+    # its kt layer takes top-2 of its own ids; routes to other ranks'
+    # experts are dropped, and the output is kt's on the routes it holds.
+    torch = pytest.importorskip("torch")
+    import kt
+    H, I, T = 32, 16, 5
+    g = torch.Generator().manual_seed(3)
+    layer = kt.MoE(2, 2, H, I, max_tokens=T)
+    weights = dict(gate=torch.randn(2, I, H, generator=g), up=torch.randn(2, I, H, generator=g),
+                   down=torch.randn(2, H, I, generator=g))
+    layer.load_weights(**weights)
+    emap = torch.tensor([-1, -1, 1, -1, -1, 0], dtype=torch.int32)
+    share = ktv._Share(experts=[5, 2], expert_map=emap)
+    plan = type("Plan", (), dict(kt_layer=layer, layer_name="model.layers.0.mlp.experts", share=share,
+                                 settings={"stats": False}))()
+    experts = ktv._KtExperts(plan)
+    experts.loaded = True
+    x = torch.randn(T, H, generator=g)
+    topk = torch.tensor([[5, 0, 2, 1], [3, 4, 1, 0], [2, 3, 4, 5], [0, 1, 3, 2], [1, 5, 0, 3]], dtype=torch.int64)
+    w = torch.rand(T, 4, generator=g)
+    got = experts.run(x, topk, w)
+    local = torch.tensor([[0, 1], [-1, -1], [1, 0], [1, -1], [0, -1]], dtype=torch.int32)
+    lw = torch.stack([w[0, [0, 2]], w[1, [0, 1]], w[2, [0, 3]], w[3, [3, 0]], w[4, [1, 0]]])
+    want = torch.empty_like(x)
+    layer.forward(x, local, lw, want)
+    assert torch.equal(got, want)
+    assert torch.equal(got[1], torch.zeros(H)) and got.abs().sum() > 0

@@ -115,17 +115,32 @@ def write_checkpoint(directory):
 
 
 def moe_config(rng):
+    """vLLM's FusedMoEConfig of one rank, and its expert map manager: mostly
+    one rank, sometimes a tensor- or expert-parallel rank (or data
+    parallel, EPLB, or no map: refused)."""
     import torch
-    one = 1 if rng.random() < 0.9 else 2
+    tp = 1 if rng.random() < 0.8 else 2
+    ep = 2 if rng.random() < 0.1 else 1
     experts = E if rng.random() < 0.9 else E + 1
+    intermediate = I if rng.random() < 0.9 else 8
+    rank = rng.randrange(max(tp, ep))
+    local = experts // ep
+    manager = None
+    if ep > 1 and rng.random() < 0.9:
+        emap = [g - rank * local if rank * local <= g < (rank + 1) * local else -1 for g in range(experts)]
+        manager = types.SimpleNamespace(expert_map=torch.tensor(emap, dtype=torch.int32))
+    par = types.SimpleNamespace(tp_size=tp if ep == 1 else 1, tp_rank=rank if ep == 1 else 0, ep_size=ep,
+                                ep_rank=rank if ep > 1 else 0, dp_size=2 if rng.random() < 0.03 else 1, pcp_size=1,
+                                sp_size=1, use_ep=ep > 1, enable_eplb=rng.random() < 0.03)
     return types.SimpleNamespace(
-        moe_parallel_config=types.SimpleNamespace(tp_size=one, ep_size=1, dp_size=1, pcp_size=1),
-        num_local_experts=experts, num_experts=experts, num_logical_experts=experts,
+        moe_parallel_config=par, intermediate_size_per_partition=intermediate // par.tp_size,
+        num_local_experts=local, num_experts=experts, num_logical_experts=experts,
         activation=rng.choice(("silu", "silu", "swigluoai", "gelu")),
         swiglu_limit=rng.choice((None, 7.0)), swiglu_alpha=None, swiglu_beta=rng.choice((None, 1.0, 2.0)),
-        hidden_dim=H, hidden_dim_unpadded=rng.choice((H, H, None)), intermediate_size=I if rng.random() < 0.9 else 8,
+        hidden_dim=H, hidden_dim_unpadded=rng.choice((H, H, None)), intermediate_size=intermediate,
         has_bias=rng.random() < 0.1, experts_per_token=rng.choice((1, TOP_K, E, E + 1)),
-        in_dtype=rng.choice((torch.float32, torch.bfloat16, torch.float16)), max_num_tokens=rng.choice((None, 64, 8192)))
+        in_dtype=rng.choice((torch.float32, torch.bfloat16, torch.float16)),
+        max_num_tokens=rng.choice((None, 64, 8192))), manager
 
 
 def run_case(rng, directory):
@@ -143,7 +158,8 @@ def run_case(rng, directory):
     if settings["threads"] > 4:
         return "parsed"
     try:
-        plan = ktv.plan_layer(LAYER_NAME, moe_config(rng), None, rng.random() < 0.05, vllm_config, settings)
+        config, manager = moe_config(rng)
+        plan = ktv.plan_layer(LAYER_NAME, config, None, rng.random() < 0.05, vllm_config, settings, manager)
     except ktv.KtVllmError as e:
         assert str(e).startswith("kt: "), e
         return "not planned"

@@ -418,7 +418,9 @@ def plan_layer(layer_name, moe_config, quant_config, apply_router_weight_on_inpu
     E_rank = E if share.experts is None else len(share.experts)
     I_rank = I if share.intermediate is None else share.intermediate[1] - share.intermediate[0]
     try:
-        kt_layer = kt.MoE(E_rank, moe_config.experts_per_token, H, I_rank, max_tokens=int(max_tokens),
+        # A rank with fewer experts than routes a token takes at most one
+        # route a local expert (run() keeps those).
+        kt_layer = kt.MoE(E_rank, min(moe_config.experts_per_token, E_rank), H, I_rank, max_tokens=int(max_tokens),
                           bias=bool(info["bias"]), weight_format=fmt, compute=settings["compute"],
                           engine=_engine(settings["threads"], settings["host_openmp"], precision, settings["numa"]),
                           **act)
@@ -541,11 +543,17 @@ class _KtExperts:
             x = x.float()
         x = x.contiguous()
         ids = topk_ids if topk_ids.dtype in (torch.int32, torch.int64) else topk_ids.to(torch.int32)
+        w = topk_weights if topk_weights.dtype in (torch.float32, torch.bfloat16) else topk_weights.float()
         emap = self.plan.share.expert_map
         if emap is not None:  # expert parallel: vLLM's global ids to this rank's, -1 (no route) elsewhere
             ids = emap[ids.long()]
+            k = self.kt_layer.top_k
+            if ids.shape[1] > k:
+                # Fewer experts on the rank than routes a token: a token's
+                # routes here (distinct experts) fit in the first k columns.
+                keep = torch.argsort((ids < 0).to(torch.int8), dim=1, stable=True)[:, :k]
+                ids, w = torch.gather(ids, 1, keep), torch.gather(w, 1, keep)
         ids = ids.contiguous()
-        w = topk_weights if topk_weights.dtype in (torch.float32, torch.bfloat16) else topk_weights.float()
         w = w.contiguous()
         y = torch.empty_like(x)
         self.calls += 1
