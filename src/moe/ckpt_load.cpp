@@ -319,9 +319,52 @@ void load_fused(const MoeLayer& L, kt_moe* moe, kt_ckpt_progress_fn progress, vo
   }
 }
 
+// How a quantized layer is stored, for messages.
+std::string stored_text(const MoeLayer& L) {
+  switch (L.format) {
+    case KT_CKPT_FORMAT_FP8_BLOCK:
+      return "fp8 e4m3 with a scale per " + std::to_string(L.block_rows) + " x " + std::to_string(L.group) + " block";
+    case KT_CKPT_FORMAT_INT4_GROUP:
+      return std::string("compressed-tensors int4 in groups of ") + std::to_string(L.group) +
+             (L.asymmetric ? ", asymmetric" : ", symmetric");
+    case KT_CKPT_FORMAT_MXFP4: return "mxfp4 (e2m1 with e8m0 scales per 32)";
+    default: return format_name(L.format);
+  }
+}
+
+// Biases of expert e, projection p, as fp32 (out values).
+void bias_rows(const MoeLayer& L, int64_t e, int p, float* dst) {
+  const int64_t out = p == kProjDown ? L.H : L.I;
+  if (L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL) {
+    const TensorRef* b = L.experts[static_cast<size_t>(e)][static_cast<size_t>(p)].bias;
+    convert_elements(b->data, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
+    return;
+  }
+  const TensorRef* b = p == kProjDown ? L.down_bias : L.gate_up_bias;
+  const size_t es = st_dtype_info(b->entry->dtype).size;
+  if (p == kProjDown) {
+    convert_elements(b->data + static_cast<size_t>(e * L.H) * es, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
+    return;
+  }
+  const bool inter = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
+  for (int64_t o = 0; o < out; ++o) {
+    const int64_t j = inter ? 2 * o + (p == kProjUp) : o + (p == kProjUp ? L.I : 0);
+    convert_elements(b->data + static_cast<size_t>(e * 2 * L.I + j) * es, b->entry->dtype, dst + o, KT_CKPT_DTYPE_F32, 1);
+  }
+}
+
 // Expert g's biases of projection p over the share's outputs (gate and up:
 // the slice; down: every output, or zeros), as fp32.
-void share_bias_rows(const MoeLayer& L, const Share& share, int64_t g, int p, float* dst);
+void share_bias_rows(const MoeLayer& L, const Share& share, int64_t g, int p, float* dst) {
+  if (p == kProjDown) {
+    if (share.zero_down_bias) std::fill(dst, dst + L.H, 0.f);
+    else bias_rows(L, g, p, dst);
+    return;
+  }
+  std::vector<float> all(static_cast<size_t>(L.I));
+  bias_rows(L, g, p, all.data());
+  std::copy(all.begin() + share.i0, all.begin() + share.i1, dst);
+}
 
 // A share of a dense layer (any layout): each of its experts goes as
 // strided views of the mapped projections, cut to the slice (copied to fp32
@@ -372,51 +415,6 @@ void load_dense_share(const MoeLayer& L, const Share& share, kt_moe* moe, kt_ckp
     for (const auto& range : consumed) release_mapped_pages(range.first, range.second);
     if (progress) progress(k + 1, share.E(), user);
   }
-}
-
-// How a quantized layer is stored, for messages.
-std::string stored_text(const MoeLayer& L) {
-  switch (L.format) {
-    case KT_CKPT_FORMAT_FP8_BLOCK:
-      return "fp8 e4m3 with a scale per " + std::to_string(L.block_rows) + " x " + std::to_string(L.group) + " block";
-    case KT_CKPT_FORMAT_INT4_GROUP:
-      return std::string("compressed-tensors int4 in groups of ") + std::to_string(L.group) +
-             (L.asymmetric ? ", asymmetric" : ", symmetric");
-    case KT_CKPT_FORMAT_MXFP4: return "mxfp4 (e2m1 with e8m0 scales per 32)";
-    default: return format_name(L.format);
-  }
-}
-
-// Biases of expert e, projection p, as fp32 (out values).
-void bias_rows(const MoeLayer& L, int64_t e, int p, float* dst) {
-  const int64_t out = p == kProjDown ? L.H : L.I;
-  if (L.layout == KT_CKPT_LAYOUT_PER_EXPERT || L.layout == KT_CKPT_LAYOUT_MIXTRAL) {
-    const TensorRef* b = L.experts[static_cast<size_t>(e)][static_cast<size_t>(p)].bias;
-    convert_elements(b->data, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
-    return;
-  }
-  const TensorRef* b = p == kProjDown ? L.down_bias : L.gate_up_bias;
-  const size_t es = st_dtype_info(b->entry->dtype).size;
-  if (p == kProjDown) {
-    convert_elements(b->data + static_cast<size_t>(e * L.H) * es, b->entry->dtype, dst, KT_CKPT_DTYPE_F32, out);
-    return;
-  }
-  const bool inter = L.layout == KT_CKPT_LAYOUT_GPT_OSS;
-  for (int64_t o = 0; o < out; ++o) {
-    const int64_t j = inter ? 2 * o + (p == kProjUp) : o + (p == kProjUp ? L.I : 0);
-    convert_elements(b->data + static_cast<size_t>(e * 2 * L.I + j) * es, b->entry->dtype, dst + o, KT_CKPT_DTYPE_F32, 1);
-  }
-}
-
-void share_bias_rows(const MoeLayer& L, const Share& share, int64_t g, int p, float* dst) {
-  if (p == kProjDown) {
-    if (share.zero_down_bias) std::fill(dst, dst + L.H, 0.f);
-    else bias_rows(L, g, p, dst);
-    return;
-  }
-  std::vector<float> all(static_cast<size_t>(L.I));
-  bias_rows(L, g, p, all.data());
-  std::copy(all.begin() + share.i0, all.begin() + share.i1, dst);
 }
 
 constexpr int64_t kQuantLoadChunk = 16;
