@@ -105,13 +105,14 @@ int64_t owner_bytes(const Options& o, int64_t T) {
 
 // Bytes an expert-parallel forward moves into each rank, from each other
 // rank (fill routes every token to k distinct experts; with E = k a rank
-// gets T*k/W of another's routes, which the count assumes): its agreement
-// record (1 KiB outcome, 16 B head, 8 B per rank of counts), the routes' bf16
-// x rows with expert and weight, and back 1 KiB of outcome and fp32 rows.
+// gets T*k/W of another's routes, which the count assumes): its dispatch (1
+// KiB outcome, 16 B head, the routes' bf16 x rows with expert and weight,
+// the first message padded to max(16 KiB, k routes) of routes), and back 1
+// KiB of outcome and fp32 rows.
 int64_t expert_bytes(const Options& o, int64_t T) {
-  const int64_t routes = T * o.K / o.world;
-  const int64_t agree = 1024 + 16 + 8 * o.world;
-  return (o.world - 1) * (agree + routes * (o.H * 2 + 8) + 1024 + routes * o.H * 4);
+  const int64_t routes = T * o.K / o.world, route = o.H * 2 + 8;
+  const int64_t first = std::max<int64_t>(16384, o.K * route);
+  return (o.world - 1) * (1024 + 16 + std::max(routes * route, first) + 1024 + routes * o.H * 4);
 }
 
 int run_rank(const Options& o, int rank, const std::string& dir) {

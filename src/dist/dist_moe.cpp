@@ -313,21 +313,38 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
 }
 
 namespace {
-struct TokenHead {
-  int64_t tokens;
+
+// What a message of X rows carries ahead of them: their number (tokens to
+// the owner, routes in a dispatch) and X's dtype, which the ranks must
+// agree on.
+struct RowsHead {
+  int64_t rows;
   int32_t dtype;
   int32_t unused;
 };
+
+// Refuses (on every rank: each sees every rank's head) X's dtype where the
+// ranks differ; heads holds every rank's, one after another.
+void check_x_dtypes(const std::vector<char>& heads, int W, const char* where) {
+  check_same(heads, sizeof(RowsHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
+             [](const char* p) {
+               RowsHead h;
+               std::memcpy(&h, p, sizeof(h));
+               return int64_t{h.dtype};
+             },
+             show_dtype);
+}
+
 }  // namespace
 
 void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  ++comm->owner_calls;
+  ++comm->message_calls;
   // A rank whose arguments failed sends its outcome and no rows.
   const int64_t T = mine.ok() ? f.T : 0;
-  const TokenHead head{T, mine.ok() ? static_cast<int32_t>(f.x.dtype) : 0, 0};
-  const auto row_bytes = [&](const TokenHead& h) {
+  const RowsHead head{T, mine.ok() ? static_cast<int32_t>(f.x.dtype) : 0, 0};
+  const auto row_bytes = [&](const RowsHead& h) {
     return H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.dtype))) + K * 8;
   };
   // The rows to the owner: T x rows, then T x k int32 ids, then T x k fp32
@@ -348,36 +365,30 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
   const std::vector<std::vector<char>> msgs =
       kt::dist::to_owner(*comm, where, owner, mine, &head, sizeof(head), out, usize(T * row_bytes(head)),
                          [&](const char* h) {
-                           TokenHead t;
+                           RowsHead t;
                            std::memcpy(&t, h, sizeof(t));
-                           return usize(t.tokens * row_bytes(t));
+                           return usize(t.rows * row_bytes(t));
                          });
 
   // The owner checks what every rank sent and computes every rank's rows as
   // one call, rank 0's first.
   kt::dist::Relay relay;
   std::vector<std::pair<const char*, size_t>> replies;
-  std::vector<TokenHead> heads(usize(W));
+  std::vector<RowsHead> heads(usize(W));
   if (me == owner) {
-    std::vector<char> all(usize(W) * sizeof(TokenHead));
+    std::vector<char> all(usize(W) * sizeof(RowsHead));
     for (int r = 0; r < W; ++r) {
-      std::memcpy(&heads[usize(r)], msgs[usize(r)].data() + kOutcomeBytes, sizeof(TokenHead));
-      std::memcpy(all.data() + usize(r) * sizeof(TokenHead), &heads[usize(r)], sizeof(TokenHead));
+      std::memcpy(&heads[usize(r)], msgs[usize(r)].data() + kOutcomeBytes, sizeof(RowsHead));
+      std::memcpy(all.data() + usize(r) * sizeof(RowsHead), &heads[usize(r)], sizeof(RowsHead));
     }
     relay = kt::dist::first_failure(msgs);
     if (relay.outcome.ok()) {
       relay.outcome = attempt([&] {
-        check_same(all, sizeof(TokenHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
-                   [](const char* p) {
-                     TokenHead h;
-                     std::memcpy(&h, p, sizeof(h));
-                     return int64_t{h.dtype};
-                   },
-                   show_dtype);
+        check_x_dtypes(all, W, where);
       });
     }
     std::vector<int64_t> first(usize(W) + 1, 0);
-    for (int r = 0; r < W; ++r) first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+    for (int r = 0; r < W; ++r) first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].rows;
     const int64_t total = first[usize(W)];
     if (relay.outcome.ok()) {
       relay.outcome = attempt([&] {
@@ -385,8 +396,8 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
         char* ids = bytes_of(ids_, usize(total * K * 4));
         char* wts = bytes_of(w_, usize(total * K * 4));
         for (int r = 0; r < W; ++r) {
-          const int64_t n = heads[usize(r)].tokens, t0 = first[usize(r)];
-          const char* src = msgs[usize(r)].data() + kOutcomeBytes + sizeof(TokenHead);
+          const int64_t n = heads[usize(r)].rows, t0 = first[usize(r)];
+          const char* src = msgs[usize(r)].data() + kOutcomeBytes + sizeof(RowsHead);
           std::memcpy(x + t0 * xrow, src, usize(n * xrow));
           std::memcpy(ids + t0 * K * 4, src + n * xrow, usize(n * K * 4));
           std::memcpy(wts + t0 * K * 4, src + n * xrow + n * K * 4, usize(n * K * 4));
@@ -402,7 +413,7 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
     // Sizes from each rank's own head: what that rank expects back.
     for (int r = 0; r < W; ++r)
       replies.emplace_back(relay.outcome.ok() ? y_.data() + first[usize(r)] * xrow : nullptr,
-                           usize(heads[usize(r)].tokens * H *
+                           usize(heads[usize(r)].rows * H *
                                  static_cast<int64_t>(kt::dtype_size(static_cast<DType>(heads[usize(r)].dtype)))));
   }
 
@@ -412,48 +423,93 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
   for (int64_t i = 0; i < T; ++i) copy_row_in(f.y, i, back + i * xrow);
   if (ctx && me == owner) {
     ctx->rank_tokens.resize(usize(W));
-    for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].tokens;
+    for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].rows;
   }
 }
 
 namespace {
 
-// Before the dispatch each rank states its T and X's dtype, then the routes
-// it sends to each rank.
-struct RouteHead {
-  int64_t tokens;
-  int32_t dtype;
-  int32_t unused;
-};
+// Where the routes of a dispatch message begin, behind its outcome and head.
+constexpr size_t kDispatchRows = kOutcomeBytes + sizeof(RowsHead);
+
+// The first message of a dispatch holds a decode token's k routes of bf16
+// rows, so that a forward at T=1 is one trip each way (a larger T, or fp32
+// rows, may need a second message).
+size_t inline_routes_bytes(int64_t K, int64_t H) { return std::max(kt::dist::kInlineBody, usize(K * (2 * H + 8))); }
+
+// A route of the dispatch: its token's x row (X's dtype), its global expert
+// (int32) and its weight (fp32).
+int64_t route_bytes(int64_t H, DType xd) { return H * static_cast<int64_t>(kt::dtype_size(xd)) + 8; }
+
+// This rank's dispatch message to each rank: its outcome, head, then the
+// routes to that rank (to[r], each a slot t*k+j, in order).
+std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View& x, const View& ids, const View& w,
+                                                 const std::vector<std::vector<int64_t>>& to, int64_t K) {
+  const int64_t xrow = mine.ok() ? route_bytes(x.shape[1], x.dtype) - 8 : 0;
+  std::vector<std::vector<char>> messages;
+  for (const std::vector<int64_t>& routes : to) {
+    const RowsHead head{static_cast<int64_t>(routes.size()), mine.ok() ? static_cast<int32_t>(x.dtype) : 0, 0};
+    messages.push_back(kt::dist::outcome_message(mine, &head, sizeof(head), nullptr, usize(head.rows * (xrow + 8))));
+    char* p = messages.back().data() + kDispatchRows;
+    for (int64_t s : routes) {
+      const int64_t i = s / K, j = s % K;
+      copy_row_out(x, i, p);
+      const int32_t e = static_cast<int32_t>(ids.get_int(i, j));
+      const float wt = w.get(i, j);
+      std::memcpy(p + xrow, &e, 4);
+      std::memcpy(p + xrow + 4, &wt, 4);
+      p += xrow + 8;
+    }
+  }
+  return messages;
+}
+
+// The routes each rank sent this one, after refusing X's dtype where the
+// ranks differ.
+std::vector<int64_t> routes_received(const std::vector<std::vector<char>>& in, const char* where) {
+  const int W = static_cast<int>(in.size());
+  std::vector<char> heads(usize(W) * sizeof(RowsHead));
+  std::vector<int64_t> received(usize(W));
+  for (int r = 0; r < W; ++r) {
+    RowsHead h;
+    std::memcpy(&h, in[usize(r)].data() + kOutcomeBytes, sizeof(h));
+    std::memcpy(heads.data() + usize(r) * sizeof(h), &h, sizeof(h));
+    received[usize(r)] = h.rows;
+  }
+  check_x_dtypes(heads, W, where);
+  return received;
+}
 
 }  // namespace
 
-// The routes this rank received (nrecv rows of `row` bytes at in: x in
-// X's dtype xd, then the global expert and the weight) through the local
-// layer: one route per row, in fp32 (bf16 rows convert exactly), so each
-// row's output in y_ is w * o unrounded.
-void kt_dist_moe::forward_received(const char* in, int64_t nrecv, int64_t row, DType xd, kt_dist_context* ctx,
-                                   const char* where) {
+// The routes this rank received (received[r] from rank r, in its message
+// in[r]) through the local layer: one route per row, in fp32 (bf16 rows
+// convert exactly), so each row's output in y_ is w * o unrounded.
+void kt_dist_moe::forward_received(const std::vector<std::vector<char>>& in, const std::vector<int64_t>& received,
+                                   DType xd, kt_dist_context* ctx, const char* where) {
   const int me = comm->rank;
-  const int64_t H = layer_options.hidden, xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  const int64_t H = layer_options.hidden, row = route_bytes(H, xd), xrow = row - 8;
+  int64_t nrecv = 0;
+  for (int64_t n : received) nrecv += n;
   KT_CHECK(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
            std::string(where) + ": routes arrived at a rank that holds no experts");
   if (!local) return;
   float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
   int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
   float* wts = reinterpret_cast<float*>(bytes_of(w_, usize(nrecv * 4)));
-  for (int64_t p = 0; p < nrecv; ++p) {
-    const char* src = in + p * row;
-    raw_to_f32(src, xd, H, x + p * H);
-    int32_t e;
-    std::memcpy(&e, src + xrow, 4);
-    KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0,
-             KT_ERR_INTERNAL,
-             std::string(where) + ": a route to expert " + std::to_string(e) +
-                 " arrived at rank " + std::to_string(me) + ", which does not hold it");
-    ids[p] = local_index[usize(e)];
-    std::memcpy(&wts[p], src + xrow + 4, 4);
-  }
+  int64_t p = 0;
+  for (size_t r = 0; r < in.size(); ++r)
+    for (int64_t q = 0; q < received[r]; ++q, ++p) {
+      const char* src = in[r].data() + kDispatchRows + q * row;
+      raw_to_f32(src, xd, H, x + p * H);
+      int32_t e;
+      std::memcpy(&e, src + xrow, 4);
+      KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0, KT_ERR_INTERNAL,
+               std::string(where) + ": a route to expert " + std::to_string(e) + " arrived at rank " +
+                   std::to_string(me) + ", which does not hold it");
+      ids[p] = local_index[usize(e)];
+      std::memcpy(&wts[p], src + xrow + 4, 4);
+    }
   float* y = reinterpret_cast<float*>(bytes_of(y_, usize(nrecv * H * 4)));
   Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
       Y(y, DType::kF32, nrecv, H);
@@ -462,9 +518,10 @@ void kt_dist_moe::forward_received(const char* in, int64_t nrecv, int64_t row, D
 }
 
 void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
-  const int W = comm->world, me = comm->rank;
+  const int W = comm->world;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
   kt::dist::Transport& t = comm->cpu_transport(where);
+  ++comm->message_calls;
 
   // This rank's routes by destination, each in (token, slot) order.
   std::vector<std::vector<int64_t>> to(usize(W));
@@ -475,59 +532,30 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
         const int64_t e = f.ids.get_int(i, j);
         if (e >= 0) to[usize(expert_rank[usize(e)])].push_back(i * K + j);
       }
-  std::vector<int64_t> sent(usize(W)), received(usize(W));
+  std::vector<int64_t> sent(usize(W));
   int64_t nsent = 0;
   for (int r = 0; r < W; ++r) {
     sent[usize(r)] = static_cast<int64_t>(to[usize(r)].size());
     for (int64_t s : to[usize(r)]) route_row[usize(s)] = nsent++;
   }
-  // Counts are exchanged with the outcomes: [tokens, dtype, sent to each rank].
-  const size_t payload = sizeof(RouteHead) + usize(W) * 8;
-  std::vector<char> mine_payload(payload);
-  const RouteHead head{f.T, static_cast<int32_t>(f.x.dtype), 0};
-  std::memcpy(mine_payload.data(), &head, sizeof(head));
-  std::memcpy(mine_payload.data() + sizeof(head), sent.data(), usize(W) * 8);
-  const std::vector<char> all = agree(*comm, where, mine, mine_payload.data(), payload);
-  check_same(all, payload, W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
-             [](const char* p) {
-               RouteHead h;
-               std::memcpy(&h, p, sizeof(h));
-               return int64_t{h.dtype};
-             },
-             show_dtype);
-  int64_t nrecv = 0;
-  for (int r = 0; r < W; ++r) {
-    std::memcpy(&received[usize(r)], all.data() + usize(r) * payload + sizeof(RouteHead) + usize(me) * 8, 8);
-    nrecv += received[usize(r)];
-  }
 
-  // Dispatch: per route its token's x row (X's dtype), global expert, weight.
-  const DType xd = f.x.dtype;
-  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
-  const int64_t row = xrow + 8;
-  char* out = bytes_of(send_, usize(nsent * row));
-  for (int r = 0; r < W; ++r)
-    for (int64_t s : to[usize(r)]) {
-      const int64_t i = s / K, j = s % K;
-      char* p = out + route_row[usize(s)] * row;
-      copy_row_out(f.x, i, p);
-      const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
-      const float wt = f.w.get(i, j);
-      std::memcpy(p + xrow, &e, 4);
-      std::memcpy(p + xrow + 4, &wt, 4);
-    }
-  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
-  for (int r = 0; r < W; ++r) {
-    send_bytes[usize(r)] = sent[usize(r)] * row;
-    recv_bytes[usize(r)] = received[usize(r)] * row;
-  }
-  char* in = bytes_of(recv_, usize(nrecv * row));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
-
-  const Outcome computed = attempt([&] { forward_received(in, nrecv, row, xd, ctx, where); });
+  // Dispatch: each rank's outcome, X's dtype and routes go to every rank in
+  // one exchange; a failure anywhere is raised on every rank once all the
+  // messages are in.
+  const std::vector<std::vector<char>> in = kt::dist::exchange_messages(
+      *comm, where, dispatch_messages(mine, f.x, f.ids, f.w, to, K), std::vector<bool>(usize(W), true),
+      sizeof(RowsHead), inline_routes_bytes(K, H), [H](const char* p) {
+        RowsHead h;
+        std::memcpy(&h, p, sizeof(h));
+        return usize(h.rows * route_bytes(H, static_cast<DType>(h.dtype)));
+      });
+  kt::dist::raise_first_failure(in, where);
+  std::vector<int64_t> received = routes_received(in, where);
+  const Outcome computed = attempt([&] { forward_received(in, received, f.x.dtype, ctx, where); });
 
   // Combine: each rank's outcome and its routes' weighted outputs go back.
   const int64_t yrow = H * 4;
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
   const std::vector<char> reply = outcome_and_rows(computed, received, sent, y_.data(), yrow, &send_bytes, &recv_bytes);
   char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * yrow));
   comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
@@ -690,7 +718,7 @@ void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_opt
 void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  ++comm->owner_calls;
+  ++comm->message_calls;
   // A rank whose arguments failed sends a zero head and no rows.
   const GradHead head = grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt);
   const auto dy_bytes = [&](const GradHead& h) {
