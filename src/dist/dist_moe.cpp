@@ -464,19 +464,26 @@ std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View
   return messages;
 }
 
+// The first `bytes` of the head of every rank's message (exchange_messages'),
+// one after another, as check_same reads them.
+std::vector<char> heads_of(const std::vector<std::vector<char>>& in, size_t bytes) {
+  std::vector<char> heads(in.size() * bytes);
+  for (size_t r = 0; r < in.size(); ++r) std::memcpy(heads.data() + r * bytes, in[r].data() + kOutcomeBytes, bytes);
+  return heads;
+}
+
 // The routes each rank sent this one, after refusing X's dtype where the
 // ranks differ.
 std::vector<int64_t> routes_received(const std::vector<std::vector<char>>& in, const char* where) {
   const int W = static_cast<int>(in.size());
-  std::vector<char> heads(usize(W) * sizeof(RowsHead));
+  const std::vector<char> heads = heads_of(in, sizeof(RowsHead));
+  check_x_dtypes(heads, W, where);
   std::vector<int64_t> received(usize(W));
   for (int r = 0; r < W; ++r) {
     RowsHead h;
-    std::memcpy(&h, in[usize(r)].data() + kOutcomeBytes, sizeof(h));
-    std::memcpy(heads.data() + usize(r) * sizeof(h), &h, sizeof(h));
+    std::memcpy(&h, heads.data() + usize(r) * sizeof(h), sizeof(h));
     received[usize(r)] = h.rows;
   }
-  check_x_dtypes(heads, W, where);
   return received;
 }
 
@@ -649,8 +656,6 @@ void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* opti
 
 namespace {
 
-// The agreement step of a backward: outcomes, then what every rank must
-// pass alike. Returns every rank's head.
 // Refuses heads (every rank's, one after another) whose forward or options
 // differ between ranks.
 void check_grad_heads(const std::vector<char>& all, int W, const char* where) {
@@ -664,17 +669,6 @@ void check_grad_heads(const std::vector<char>& all, int W, const char* where) {
              [](const char* p) { return int64_t{grad_head_at(p).accumulate}; }, show_int);
   check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->param_grads",
              [](const char* p) { return int64_t{grad_head_at(p).param_grads}; }, show_int);
-}
-
-// The agreement step of a backward: outcomes, then what every rank must
-// pass alike. Returns every rank's head.
-std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Outcome& mine, const GradHead& head) {
-  const int W = comm.world;
-  const std::vector<char> all = agree(comm, where, mine, &head, sizeof(head));
-  check_grad_heads(all, W, where);
-  std::vector<GradHead> heads(usize(W));
-  for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
-  return heads;
 }
 
 GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const View& dy, bool has_dx, bool has_dw,
@@ -691,6 +685,52 @@ GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const Vie
   h.param_grads = o.param_grads;
   h.grad_scale_bits = static_cast<uint32_t>(float_bits(o.grad_scale));
   return h;
+}
+
+// What a rank's dy message to a rank carries ahead of its dy rows: the
+// backward's head (which the ranks must agree on) and the number of rows.
+struct DyHead {
+  GradHead grad;
+  int64_t rows;
+};
+
+DyHead dy_head_at(const std::vector<char>& message) {
+  DyHead h;
+  std::memcpy(&h, message.data() + kOutcomeBytes, sizeof(h));
+  return h;
+}
+
+// Where the rows of a dy message begin, behind its outcome and head.
+constexpr size_t kDyRows = kOutcomeBytes + sizeof(DyHead);
+
+// This rank's dy message to each rank: its outcome and head, then the dy
+// rows of its routes to that rank, in the forward's order (no rows after a
+// failed outcome, when ctx may be no context).
+std::vector<std::vector<char>> dy_messages(const Outcome& mine, const GradHead& head, const kt_dist_context* ctx,
+                                           const View& dy, int W, int64_t K) {
+  const int64_t dyrow = mine.ok() ? dy.shape[1] * static_cast<int64_t>(kt::dtype_size(dy.dtype)) : 0;
+  std::vector<std::vector<char>> messages(usize(W));
+  std::vector<char*> row_at;  // a route_row's place in the messages
+  for (int r = 0; r < W; ++r) {
+    const DyHead h{head, mine.ok() ? ctx->sent[usize(r)] : 0};
+    messages[usize(r)] = kt::dist::outcome_message(mine, &h, sizeof(h), nullptr, usize(h.rows * dyrow));
+    for (int64_t i = 0; i < h.rows; ++i) row_at.push_back(messages[usize(r)].data() + kDyRows + i * dyrow);
+  }
+  if (mine.ok())
+    for (int64_t s = 0; s < ctx->tokens * K; ++s)
+      if (ctx->route_row[usize(s)] >= 0) copy_row_out(dy, s / K, row_at[usize(ctx->route_row[usize(s)])]);
+  return messages;
+}
+
+// Every rank's backward head (in its dy message to this rank), after
+// refusing heads whose forward or options differ between ranks.
+std::vector<GradHead> agreed_grad_heads(const std::vector<std::vector<char>>& in, const char* where) {
+  const int W = static_cast<int>(in.size());
+  const std::vector<char> all = heads_of(in, sizeof(GradHead));  // a DyHead begins with its GradHead
+  check_grad_heads(all, W, where);
+  std::vector<GradHead> heads(usize(W));
+  for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
+  return heads;
 }
 
 }  // namespace
@@ -807,80 +847,76 @@ void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_conte
       }
 }
 
+// The dy rows this rank received (in[r]'s, from each rank r) through the
+// local layer's backward: per row its dx (fp32) into dx_ and its
+// routing-weight gradient into dw_, as any rank asked for them.
+void kt_dist_moe::backward_received(const std::vector<std::vector<char>>& in, kt_dist_context* ctx,
+                                    const kt_backward_options& opt, DType dyd, bool any_dx, bool any_dw,
+                                    const char* where) {
+  if (!local) return;
+  const int64_t H = layer_options.hidden, dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  int64_t nrecv = 0;
+  for (int64_t n : ctx->received) nrecv += n;
+  float* dy = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
+  int64_t p = 0;
+  for (size_t r = 0; r < in.size(); ++r) {
+    const int64_t n = dy_head_at(in[r]).rows;
+    KT_CHECK(n == ctx->received[r], KT_ERR_INTERNAL,
+             std::string(where) + ": rank " + std::to_string(r) + " sent " + std::to_string(n) +
+                 " dy rows for the forward's " + std::to_string(ctx->received[r]) + " routes");
+    for (int64_t q = 0; q < n; ++q, ++p) raw_to_f32(in[r].data() + kDyRows + q * dyrow, dyd, H, dy + p * H);
+  }
+  float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
+  float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
+  Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
+  local_backward(*this, ctx->local, opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
+}
+
 void kt_dist_moe::backward_experts(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  const std::vector<GradHead> heads =
-      agree_backward(*comm, where, mine, grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt));
+  ++comm->message_calls;
+  // Dispatch: each rank's outcome, head and dy rows (to its routes' ranks,
+  // in the forward's order) go to every rank in one exchange; a failure or
+  // a disagreement anywhere is raised on every rank once all are in.
+  const GradHead head = grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt);
+  const std::vector<std::vector<char>> in = kt::dist::exchange_messages(
+      *comm, where, dy_messages(mine, head, ctx, b.dy, W, K), std::vector<bool>(usize(W), true), sizeof(DyHead),
+      inline_routes_bytes(K, H), [H](const char* p) {
+        DyHead h;
+        std::memcpy(&h, p, sizeof(h));
+        return usize(h.rows * H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.grad.dy_dtype))));
+      });
+  kt::dist::raise_first_failure(in, where);
   bool any_dx = false, any_dw = false;
-  for (const GradHead& h : heads) {
+  for (const GradHead& h : agreed_grad_heads(in, where)) {
     any_dx = any_dx || h.has_dx;
     any_dw = any_dw || h.has_dw;
   }
-  const DType dyd = b.dy.dtype;
-  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  kt::dist::Transport& t = comm->cpu_transport(where);
+  const Outcome computed = attempt([&] { backward_received(in, ctx, b.opt, b.dy.dtype, any_dx, any_dw, where); });
+
+  // Combine: per route its dx row and routing-weight gradient go back.
   int64_t nsent = 0, nrecv = 0;
-  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
   for (int r = 0; r < W; ++r) {
     nsent += ctx->sent[usize(r)];
     nrecv += ctx->received[usize(r)];
-    send_bytes[usize(r)] = ctx->sent[usize(r)] * dyrow;
-    recv_bytes[usize(r)] = ctx->received[usize(r)] * dyrow;
   }
-  kt::dist::Transport& t = comm->cpu_transport(where);
-
-  // Dispatch dy rows to the routes' ranks, in the forward's order.
-  char* out = bytes_of(send_, usize(nsent * dyrow));
-  const int64_t slots = ctx->tokens * K;
-  for (int64_t s = 0; s < slots; ++s)
-    if (ctx->route_row[usize(s)] >= 0) copy_row_out(b.dy, s / K, out + ctx->route_row[usize(s)] * dyrow);
-  char* in = bytes_of(recv_, usize(nrecv * dyrow));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
-
   const int64_t back_row = (any_dx ? H * 4 : 0) + (any_dw ? 4 : 0);
-  const Outcome computed = attempt([&] {
-    if (!local) return;
-    float* dy = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
-    for (int64_t p = 0; p < nrecv; ++p) raw_to_f32(in + p * dyrow, dyd, H, dy + p * H);
-    float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
-    float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
-    Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
-    local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
-  });
-
-  // Combine: per route its dx row and routing-weight gradient go back.
-  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * back_row));
-  {
-    char* s = reply.data();
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::write_outcome(computed, s);
-      const int64_t n = ctx->received[usize(r)];
-      if (computed.ok())
-        for (int64_t i = 0; i < n; ++i) {
-          char* q = s + kOutcomeBytes + i * back_row;
-          if (any_dx) std::memcpy(q, dx_.data() + (p0 + i) * H * 4, usize(H * 4));
-          if (any_dw) std::memcpy(q + (any_dx ? H * 4 : 0), dw_.data() + (p0 + i) * 4, 4);
-        }
-      s += int64_t{kOutcomeBytes} + n * back_row;
-      p0 += n;
-      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + n * back_row;
-      recv_bytes[usize(r)] = int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
+  std::vector<char> computed_rows(usize(std::max<int64_t>(nrecv * back_row, 1)));
+  if (computed.ok())
+    for (int64_t i = 0; i < nrecv; ++i) {
+      char* q = computed_rows.data() + i * back_row;
+      if (any_dx) std::memcpy(q, dx_.data() + i * H * 4, usize(H * 4));
+      if (any_dw) std::memcpy(q + (any_dx ? H * 4 : 0), dw_.data() + i * 4, 4);
     }
-  }
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
+  const std::vector<char> reply = outcome_and_rows(computed, ctx->received, ctx->sent, computed_rows.data(), back_row,
+                                                   &send_bytes, &recv_bytes);
   char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * back_row));
   comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
-  std::vector<char> rows(usize(std::max<int64_t>(nsent * back_row, 1)));
-  {
-    const char* s = back;
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::raise_outcome(s, r, where);
-      std::memcpy(rows.data() + p0 * back_row, s + kOutcomeBytes, usize(ctx->sent[usize(r)] * back_row));
-      s += int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
-      p0 += ctx->sent[usize(r)];
-    }
-  }
+  const std::vector<char> rows = rows_of_replies(back, ctx->sent, back_row, where);
+  const int64_t slots = ctx->tokens * K;
   if (b.has_dx) combine_rows(ctx->token_begin, ctx->route_order, ctx->route_row, rows.data(), back_row, H, b.dx);
   if (b.has_dw)
     for (int64_t s = 0; s < slots; ++s) {

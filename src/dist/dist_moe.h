@@ -75,6 +75,8 @@ struct kt_dist_moe {
                         kt::DType xd, kt_dist_context* ctx, const char* where);
   void backward_owner(Backward& b, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
   void backward_experts(Backward& b, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
+  void backward_received(const std::vector<std::vector<char>>& in, kt_dist_context* ctx,
+                         const kt_backward_options& opt, kt::DType dyd, bool any_dx, bool any_dw, const char* where);
 
   // Reused buffers.
   std::vector<char> send_, recv_;

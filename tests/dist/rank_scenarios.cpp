@@ -1013,9 +1013,9 @@ int run_ckpt_mismatch(int rank, int world, const std::string& dir) {
 }
 
 // Expert parallel, with routes past the dispatch's first message: a failure
-// on one rank's arguments, X's dtype or backward options still reaches every
-// rank as the same error (the others' rows to it are taken in first), and the
-// calls after it work.
+// on one rank's arguments, X's dtype, backward options or context still
+// reaches every rank as the same error (the others' rows to it are taken in
+// first), and the calls after it work.
 int run_expert_parallel_refusals(int rank, int world, const std::string& dir) {
   Problem pb;
   pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
@@ -1069,6 +1069,15 @@ int run_expert_parallel_refusals(int rank, int world, const std::string& dir) {
   expect_same_message_everywhere(comm, msg);
   RCHECK(kt_dist_moe_backward(dist, ctx, nullptr, b, 2) == KT_OK, "backward after the refusal");
   kt_dist_context_release(ctx);
+
+  // 4. A context released on the last rank (it sends no rows; the others do).
+  RCHECK(kt_dist_moe_forward(dist, f, 4, &ctx) == KT_OK, "forward");
+  if (rank == bad) kt_dist_context_release(ctx);
+  st = kt_dist_moe_backward(dist, ctx, nullptr, b, 2);
+  msg = kt_last_error();
+  RCHECK(st == KT_ERR_CONTEXT && contains(msg, "rank " + std::to_string(bad) + ": ") && contains(msg, "not a live"), msg);
+  expect_same_message_everywhere(comm, msg);
+  if (rank != bad) kt_dist_context_release(ctx);
   end_rank(t);
   RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
   return g_failures ? 1 : 0;
