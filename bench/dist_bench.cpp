@@ -6,8 +6,11 @@
 // loopback (from the wire format: x/ids/weights rows to the owner, y rows
 // back, 1 KiB outcome headers) and those bytes divided by the loopback
 // bandwidth measured in-run (a kt_comm_allgather of 16 MiB per rank).
+// --mode expert times an expert-parallel layer instead (each rank holds
+// E/W experts and computes the routes sent to it); rank 0's plain forward
+// stays as the reference.
 //   kt_dist_bench [--world W] [--tokens 1,32,512] [--iters N] [--threads n] [--hidden H]
-//                 [--intermediate I] [--experts E] [--top-k K]
+//                 [--intermediate I] [--experts E] [--top-k K] [--mode owner|expert]
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -30,6 +33,7 @@ struct Options {
   int iters = 20;
   int threads = 0;  // the owner's engine; 0 = one per CPU
   int64_t H = 2048, I = 768, E = 8, K = 8;  // Qwen3-30B-A3B expert shapes, 8 of its 128 experts
+  bool expert_parallel = false;
 };
 
 void die(const char* what) {
@@ -75,6 +79,42 @@ void fill(Tensor2& x, Tensor2& ids, Tensor2& w, int64_t E, uint32_t seed) {
   }
 }
 
+// Loads the same bf16 pattern into each of a layer's n experts.
+void load_weights(kt_moe* m, int64_t n, const Options& o) {
+  Tensor2 wg(kBF16, n * o.I, o.H), wu(kBF16, n * o.I, o.H), wd(kBF16, n * o.H, o.I);
+  int64_t sg[3] = {n, o.I, o.H}, sd[3] = {n, o.H, o.I};
+  wg.t.ndim = wu.t.ndim = wd.t.ndim = 3;
+  wg.t.shape = wu.t.shape = sg;
+  wd.t.shape = sd;
+  for (Tensor2* w : {&wg, &wu, &wd}) {
+    uint16_t* b = reinterpret_cast<uint16_t*>(w->bytes.data());
+    for (size_t i = 0; i < w->bytes.size() / 2; ++i) b[i] = static_cast<uint16_t>(0x3c00 + i % 251);
+  }
+  const kt_arg load[] = {{KT_ARG_W_GATE, &wg.t}, {KT_ARG_W_UP, &wu.t}, {KT_ARG_W_DOWN, &wd.t}};
+  if (kt_moe_load_weights(m, nullptr, load, 3) != KT_OK) die("load");
+}
+
+// Bytes an owner-rank forward moves: per other rank, to the owner its
+// outcome (1 KiB), head (16 B) and rows, the first message padded to 16 KiB
+// of rows; back the relay (8 B + 1 KiB) and its y rows.
+int64_t owner_bytes(const Options& o, int64_t T) {
+  const int64_t row = o.H * 2;
+  const int64_t to_owner = 1024 + 16 + std::max<int64_t>(T * (row + o.K * 8), 16384);
+  return (o.world - 1) * (to_owner + 8 + 1024 + T * row);
+}
+
+// Bytes an expert-parallel forward moves into each rank, from each other
+// rank (fill routes every token to k distinct experts; with E = k a rank
+// gets T*k/W of another's routes, which the count assumes): its dispatch (1
+// KiB outcome, 16 B head, the routes' bf16 x rows with expert and weight,
+// the first message padded to max(16 KiB, k routes) of routes), and back 1
+// KiB of outcome and fp32 rows.
+int64_t expert_bytes(const Options& o, int64_t T) {
+  const int64_t routes = T * o.K / o.world, route = o.H * 2 + 8;
+  const int64_t first = std::max<int64_t>(16384, o.K * route);
+  return (o.world - 1) * (1024 + 16 + std::max(routes * route, first) + 1024 + routes * o.H * 4);
+}
+
 int run_rank(const Options& o, int rank, const std::string& dir) {
   kt_comm_options co;
   kt_comm_options_init(&co);
@@ -118,7 +158,7 @@ int run_rank(const Options& o, int rank, const std::string& dir) {
   std::sort(barriers.begin(), barriers.end());
 
   kt_engine* engine = nullptr;
-  if (rank == 0) {
+  if (rank == 0 || o.expert_parallel) {
     kt_engine_options eo;
     kt_engine_options_init(&eo);
     eo.verbosity = 0;
@@ -135,32 +175,27 @@ int run_rank(const Options& o, int rank, const std::string& dir) {
   mo.max_tokens = maxT;
   kt_dist_moe_options dopt;
   kt_dist_moe_options_init(&dopt);
+  if (o.expert_parallel) dopt.mode = KT_DIST_EXPERT_PARALLEL;
   kt_dist_moe* dist = nullptr;
   if (kt_dist_moe_create(comm, engine, &mo, &dopt, &dist) != KT_OK) die("kt_dist_moe_create");
   kt_moe* local = nullptr;
   kt_dist_moe_layer(dist, &local);
+  if (local) {
+    int64_t n = 0;
+    kt_dist_moe_local_experts(dist, nullptr, 0, &n);
+    load_weights(local, n, o);
+  }
   kt_moe* plain = nullptr;
   if (rank == 0) {
-    Tensor2 wg(kBF16, o.E * o.I, o.H), wu(kBF16, o.E * o.I, o.H), wd(kBF16, o.E * o.H, o.I);
-    int64_t sg[3] = {o.E, o.I, o.H}, sd[3] = {o.E, o.H, o.I};
-    wg.t.ndim = wu.t.ndim = wd.t.ndim = 3;
-    wg.t.shape = wu.t.shape = sg;
-    wd.t.shape = sd;
-    Tensor2 dummy_ids(kI32, 1, 1), dummy_w(kF32, 1, 1);
-    for (Tensor2* w : {&wg, &wu, &wd}) {
-      uint16_t* b = reinterpret_cast<uint16_t*>(w->bytes.data());
-      for (size_t i = 0; i < w->bytes.size() / 2; ++i) b[i] = static_cast<uint16_t>(0x3c00 + i % 251);
-    }
-    const kt_arg load[] = {{KT_ARG_W_GATE, &wg.t}, {KT_ARG_W_UP, &wu.t}, {KT_ARG_W_DOWN, &wd.t}};
-    if (kt_moe_load_weights(local, nullptr, load, 3) != KT_OK) die("load");
     mo.max_tokens = maxT * o.world;
     if (kt_moe_create(engine, &mo, &plain) != KT_OK) die("plain layer");
-    if (kt_moe_load_weights(plain, nullptr, load, 3) != KT_OK) die("load");
-    std::printf("kt_dist_bench: owner-rank forward, %d ranks on loopback Gloo, E=%lld k=%lld H=%lld I=%lld bf16, "
+    load_weights(plain, o.E, o);
+    std::printf("kt_dist_bench: %s forward, %d ranks on loopback Gloo, E=%lld k=%lld H=%lld I=%lld bf16, "
                 "loopback bandwidth %.2f GB/s (allgather of 16 MiB per rank), barrier %.3f ms (median of 50)\n",
-                o.world, static_cast<long long>(o.E), static_cast<long long>(o.K), static_cast<long long>(o.H),
-                static_cast<long long>(o.I), best_bw / 1e9, barriers[barriers.size() / 2] * 1e3);
-    std::printf("%6s %12s %12s %12s %10s %14s %14s\n", "T/rank", "one proc ms", "owner ms", "overhead ms",
+                o.expert_parallel ? "expert-parallel" : "owner-rank", o.world, static_cast<long long>(o.E),
+                static_cast<long long>(o.K), static_cast<long long>(o.H), static_cast<long long>(o.I),
+                best_bw / 1e9, barriers[barriers.size() / 2] * 1e3);
+    std::printf("%6s %12s %12s %12s %10s %14s %14s\n", "T/rank", "one proc ms", "dist ms", "overhead ms",
                 "overhead", "bytes moved", "bytes/bw ms");
   }
   for (int64_t T : o.tokens) {
@@ -188,12 +223,7 @@ int run_rank(const Options& o, int rank, const std::string& dir) {
     std::sort(one.begin(), one.end());
     std::sort(owner.begin(), owner.end());
     const double a = one[one.size() / 2], b = owner[owner.size() / 2];
-    const int64_t row = o.H * 2;
-    // Per other rank: to the owner its outcome (1 KiB), head (16 B) and
-    // rows, the first message padded to 16 KiB of rows; back the relay (8 B
-    // + 1 KiB) and its y rows.
-    const int64_t to_owner = 1024 + 16 + std::max<int64_t>(T * (row + o.K * 8), 16384);
-    const double bytes = static_cast<double>((o.world - 1) * (to_owner + 8 + 1024 + T * row));
+    const double bytes = static_cast<double>(o.expert_parallel ? expert_bytes(o, T) : owner_bytes(o, T));
     std::printf("%6lld %12.3f %12.3f %12.3f %9.1f%% %14.0f %14.3f\n", static_cast<long long>(T), a * 1e3, b * 1e3,
                 (b - a) * 1e3, 100.0 * (b - a) / a, bytes, bytes / best_bw * 1e3);
   }
@@ -217,6 +247,7 @@ int main(int argc, char** argv) {
     else if (a == "--intermediate") o.I = std::atoll(v.c_str());
     else if (a == "--experts") o.E = std::atoll(v.c_str());
     else if (a == "--top-k") o.K = std::atoll(v.c_str());
+    else if (a == "--mode" && (v == "owner" || v == "expert")) o.expert_parallel = v == "expert";
     else if (a == "--tokens") {
       o.tokens.clear();
       size_t p = 0;

@@ -1509,12 +1509,14 @@ KT_API kt_status kt_comm_allgather(kt_comm* comm, const DLTensor* in, DLTensor* 
  * KT_DIST_EXPERT_PARALLEL: the experts are sharded over the ranks (an even
  * contiguous split, or options->expert_ranks); each rank holds a layer of
  * its experts only (kt_dist_moe_local_experts says which, in local order)
- * and loads those. A forward exchanges per-rank route counts, sends each
- * route's x row to the rank of its expert (all-to-all), computes there, and
- * sends each route's weighted output back (all-to-all); the origin sums a
- * token's routes in ascending expert order, so y, dx and the routing-weight
- * gradients are the bits one process gives for the same tokens, and each
- * rank's parameter gradients those of its experts.
+ * and loads those. A forward sends each route's x row to the rank of its
+ * expert (all-to-all, each rank's outcome and route count ahead of its
+ * rows), computes there, and sends each route's weighted output back
+ * (all-to-all): two exchanges, one each way (a backward likewise, dy out,
+ * dx and routing-weight gradients back); the origin sums a token's routes
+ * in ascending expert order, so y, dx and the routing-weight gradients are
+ * the bits one process gives for the same tokens, and each rank's
+ * parameter gradients those of its experts.
  *
  * Both: every rank calls forward and backward (collectives); X, Y, DY, DX
  * have one dtype on every rank; backward options must agree on every rank.

@@ -72,17 +72,11 @@ std::vector<char> agree(kt_comm& comm, const char* where, const Outcome& mine, c
 namespace {
 
 // A message's slot: kt's own prefix beside Gloo's collectives (0x01-0x08),
-// the owner call's number and the message's place in the call.
-uint64_t owner_slot(uint64_t call, unsigned phase) {
+// the call's number and the message's place in the call.
+uint64_t message_slot(uint64_t call, unsigned phase) {
   return (uint64_t{0x4b} << 56) | ((call & ((uint64_t{1} << 48) - 1)) << 4) | phase;
 }
 enum : unsigned { kFirstPart = 0, kRestPart = 1, kReply = 2 };
-
-// The first message to the owner has a fixed size, so that the owner can
-// receive it before it knows the body's: outcome, head and up to
-// kInlineBody bytes of body (a few rows at decode). A longer body sends its
-// rest in a second message.
-constexpr size_t kInlineBody = 16384;
 
 // A reply: the relay's rank (int32, then 4 bytes of padding), its outcome,
 // then the payload.
@@ -90,47 +84,78 @@ constexpr size_t kRelayBytes = 8 + kOutcomeBytes;
 
 }  // namespace
 
-std::vector<std::vector<char>> to_owner(kt_comm& comm, const char* where, int owner, const Outcome& mine,
-                                        const void* head, size_t head_bytes, const void* body, size_t body_bytes,
-                                        const std::function<size_t(const char* head)>& body_bytes_of) {
-  const uint64_t call = comm.owner_calls;
-  const size_t first = kOutcomeBytes + head_bytes + kInlineBody;
+std::vector<char> outcome_message(const Outcome& mine, const void* head, size_t head_bytes, const void* body,
+                                  size_t body_bytes) {
   if (!mine.ok()) body_bytes = 0;
-  std::vector<char> own(kOutcomeBytes + head_bytes + body_bytes);
-  write_outcome(mine, own.data());
-  std::memcpy(own.data() + kOutcomeBytes, head, head_bytes);
-  if (body_bytes) std::memcpy(own.data() + kOutcomeBytes + head_bytes, body, body_bytes);
+  std::vector<char> m(kOutcomeBytes + head_bytes + body_bytes);
+  write_outcome(mine, m.data());
+  if (head_bytes) std::memcpy(m.data() + kOutcomeBytes, head, head_bytes);
+  if (body && body_bytes) std::memcpy(m.data() + kOutcomeBytes + head_bytes, body, body_bytes);
+  return m;
+}
+
+std::vector<std::vector<char>> exchange_messages(kt_comm& comm, const char* where,
+                                                 std::vector<std::vector<char>> messages,
+                                                 const std::vector<bool>& from, size_t head_bytes,
+                                                 size_t inline_body, const BodyBytes& body_bytes_of) {
+  const uint64_t call = comm.message_calls;
+  const size_t first = kOutcomeBytes + head_bytes + inline_body;
+  const int me = comm.rank;
   Transport& t = comm.cpu_transport(where);
   using Message = Transport::Message;
-  std::vector<std::vector<char>> all;
-  if (comm.rank != owner) {
-    own.resize(std::max(own.size(), first));  // the first message's padding
-    std::vector<Message> sends{{own.data(), first, owner, owner_slot(call, kFirstPart)}};
-    if (own.size() > first) sends.push_back({own.data() + first, own.size() - first, owner, owner_slot(call, kRestPart)});
-    comm.run(where, [&] { t.exchange(sends, {}); });
-    return all;
-  }
-  all.resize(static_cast<size_t>(comm.world));
-  std::vector<Message> firsts;
+  std::vector<Message> sends, rest_sends;
   for (int r = 0; r < comm.world; ++r) {
-    if (r == owner) continue;
-    all[static_cast<size_t>(r)].resize(first);
-    firsts.push_back({all[static_cast<size_t>(r)].data(), first, r, owner_slot(call, kFirstPart)});
+    std::vector<char>& m = messages[static_cast<size_t>(r)];
+    if (r == me || m.empty()) continue;
+    const size_t whole = m.size();
+    m.resize(std::max(whole, first));  // the first message's padding
+    sends.push_back({m.data(), first, r, message_slot(call, kFirstPart)});
+    if (whole > first) rest_sends.push_back({m.data() + first, whole - first, r, message_slot(call, kRestPart)});
   }
-  comm.run(where, [&] { t.exchange({}, firsts); });
-  std::vector<Message> rests;
+  std::vector<std::vector<char>> in(static_cast<size_t>(comm.world));
+  std::vector<Message> firsts, rests;
   for (int r = 0; r < comm.world; ++r) {
-    if (r == owner) continue;
-    std::vector<char>& m = all[static_cast<size_t>(r)];
+    if (r == me || !from[static_cast<size_t>(r)]) continue;
+    in[static_cast<size_t>(r)].resize(first);
+    firsts.push_back({in[static_cast<size_t>(r)].data(), first, r, message_slot(call, kFirstPart)});
+  }
+  // A rank that receives nothing sends its rests with its first messages (one
+  // trip). One that receives waits for its first messages before the rests
+  // go: a send completes only once its peer receives it, and two ranks each
+  // sending a rest would otherwise each wait for the other's receive.
+  if (firsts.empty()) {
+    sends.insert(sends.end(), rest_sends.begin(), rest_sends.end());
+    rest_sends.clear();
+  }
+  if (!sends.empty() || !firsts.empty()) comm.run(where, [&] { t.exchange(sends, firsts); });
+  for (int r = 0; r < comm.world; ++r) {
+    if (r == me || !from[static_cast<size_t>(r)]) continue;
+    std::vector<char>& m = in[static_cast<size_t>(r)];
     const OutcomeView o(m.data());
-    const size_t body = o.ok() ? body_bytes_of(m.data() + kOutcomeBytes) : 0;
-    const size_t whole = kOutcomeBytes + head_bytes + body;
+    const size_t whole = kOutcomeBytes + head_bytes + (o.ok() ? body_bytes_of(m.data() + kOutcomeBytes) : 0);
     m.resize(std::max(whole, first));
-    if (whole > first) rests.push_back({m.data() + first, whole - first, r, owner_slot(call, kRestPart)});
+    if (whole > first) rests.push_back({m.data() + first, whole - first, r, message_slot(call, kRestPart)});
     m.resize(whole);
   }
-  if (!rests.empty()) comm.run(where, [&] { t.exchange({}, rests); });
-  all[static_cast<size_t>(owner)] = std::move(own);
+  if (!rest_sends.empty() || !rests.empty()) comm.run(where, [&] { t.exchange(rest_sends, rests); });
+  in[static_cast<size_t>(me)] = std::move(messages[static_cast<size_t>(me)]);
+  return in;
+}
+
+void raise_first_failure(const std::vector<std::vector<char>>& messages, const char* where) {
+  for (size_t r = 0; r < messages.size(); ++r)
+    if (!messages[r].empty()) raise_outcome(messages[r].data(), static_cast<int>(r), where);
+}
+
+std::vector<std::vector<char>> to_owner(kt_comm& comm, const char* where, int owner, const Outcome& mine,
+                                        const void* head, size_t head_bytes, const void* body, size_t body_bytes,
+                                        const BodyBytes& body_bytes_of) {
+  std::vector<std::vector<char>> messages(static_cast<size_t>(comm.world));
+  messages[static_cast<size_t>(owner)] = outcome_message(mine, head, head_bytes, body, body_bytes);
+  const std::vector<bool> from(static_cast<size_t>(comm.world), comm.rank == owner);
+  std::vector<std::vector<char>> all =
+      exchange_messages(comm, where, std::move(messages), from, head_bytes, kInlineBody, body_bytes_of);
+  if (comm.rank != owner) all.clear();
   return all;
 }
 
@@ -148,7 +173,7 @@ Relay first_failure(const std::vector<std::vector<char>>& messages) {
 
 void from_owner(kt_comm& comm, const char* where, int owner, const Relay& relay,
                 const std::vector<std::pair<const char*, size_t>>& payloads, char* mine, size_t mine_bytes) {
-  const uint64_t call = comm.owner_calls;
+  const uint64_t call = comm.message_calls;
   Transport& t = comm.cpu_transport(where);
   using Message = Transport::Message;
   std::vector<char> head(kRelayBytes, 0);
@@ -167,12 +192,12 @@ void from_owner(kt_comm& comm, const char* where, int owner, const Relay& relay,
       m.assign(kRelayBytes + p.second, 0);
       std::memcpy(m.data(), head.data(), kRelayBytes);
       if (relay.outcome.ok() && p.second) std::memcpy(m.data() + kRelayBytes, p.first, p.second);
-      sends.push_back({m.data(), m.size(), r, owner_slot(call, kReply)});
+      sends.push_back({m.data(), m.size(), r, message_slot(call, kReply)});
     }
     comm.run(where, [&] { t.exchange(sends, {}); });
   } else {
     std::vector<char> m(kRelayBytes + mine_bytes);
-    comm.run(where, [&] { t.exchange({}, {{m.data(), m.size(), owner, owner_slot(call, kReply)}}); });
+    comm.run(where, [&] { t.exchange({}, {{m.data(), m.size(), owner, message_slot(call, kReply)}}); });
     std::memcpy(head.data(), m.data(), kRelayBytes);
     if (mine_bytes) std::memcpy(mine, m.data() + kRelayBytes, mine_bytes);
   }

@@ -19,9 +19,10 @@
 
 struct kt_comm {
   int rank = 0, world = 1;
-  // Owner-rank calls made so far (every rank counts them alike): they tell
-  // the point-to-point messages of one call from another's.
-  uint64_t owner_calls = 0;
+  // Calls made by point-to-point messages so far (owner-rank calls,
+  // expert-parallel exchanges; every rank counts them alike): they tell the
+  // messages of one call from another's.
+  uint64_t message_calls = 0;
   kt::dist::Backends backends;
   std::chrono::milliseconds timeout{30000};
   std::unique_ptr<kt::dist::Transport> cpu;   // Gloo, when backends.cpu is set
@@ -104,6 +105,37 @@ void write_outcome(const Outcome& o, void* dst);
 // Throws the outcome in dst when it is a failure, as agree does.
 void raise_outcome(const void* src, int from_rank, const char* where);
 
+// Point-to-point messages that carry their sender's outcome, so that the
+// outcomes travel with the data instead of in an agreement of their own: a
+// message is kOutcomeBytes of outcome, a head of head_bytes (the same size
+// on every rank), then a body whose size body_bytes_of(head) tells (none
+// after a failed outcome). The first message to a rank has a fixed size, so
+// that the rank can receive it before it knows the body's: outcome, head and
+// up to inline_body bytes of body; a longer body sends its rest in a second.
+constexpr size_t kInlineBody = 16384;  // a few rows at decode
+using BodyBytes = std::function<size_t(const char* head)>;
+
+// This rank's message: its outcome and head, then body_bytes of body, copied
+// from body or left zero for the caller to fill when body is null (no body
+// after a failed outcome).
+std::vector<char> outcome_message(const Outcome& mine, const void* head, size_t head_bytes, const void* body,
+                                  size_t body_bytes);
+
+// Sends messages[r] to each other rank r whose message is not empty and
+// receives the message of each other rank r with from[r] (which sends this
+// rank one). Returns the messages, rank by rank, each as long as its outcome,
+// head and body; this rank's own (messages[comm.rank], if any) is moved to
+// its place. The caller holds comm.mutex and counted the call in
+// comm.message_calls.
+std::vector<std::vector<char>> exchange_messages(kt_comm& comm, const char* where,
+                                                 std::vector<std::vector<char>> messages,
+                                                 const std::vector<bool>& from, size_t head_bytes,
+                                                 size_t inline_body, const BodyBytes& body_bytes_of);
+
+// Throws, as agree does, the outcome of the lowest rank whose message
+// (exchange_messages') holds a failure.
+void raise_first_failure(const std::vector<std::vector<char>>& messages, const char* where);
+
 // Owner-rank calls by point-to-point messages: one trip to the owner and one
 // back, where an agreement, a gather and a scatter would take three rounds.
 //
@@ -113,10 +145,10 @@ void raise_outcome(const void* src, int from_rank, const char* where);
 // the head, then the body, whose size body_bytes_of(head) tells (0 for a rank
 // whose outcome is a failure: bodies go only with a good outcome). Elsewhere
 // returns nothing. The caller holds comm.mutex and counted the call in
-// comm.owner_calls.
+// comm.message_calls.
 std::vector<std::vector<char>> to_owner(kt_comm& comm, const char* where, int owner, const Outcome& mine,
                                         const void* head, size_t head_bytes, const void* body, size_t body_bytes,
-                                        const std::function<size_t(const char* head)>& body_bytes_of);
+                                        const BodyBytes& body_bytes_of);
 
 // What the owner tells every rank: an error to raise, from a rank's outcome
 // (rank >= 0: "<where>: rank r: <its message>", as agree raises it) or whole

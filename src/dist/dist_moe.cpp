@@ -313,21 +313,38 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
 }
 
 namespace {
-struct TokenHead {
-  int64_t tokens;
+
+// What a message of X rows carries ahead of them: their number (tokens to
+// the owner, routes in a dispatch) and X's dtype, which the ranks must
+// agree on.
+struct RowsHead {
+  int64_t rows;
   int32_t dtype;
   int32_t unused;
 };
+
+// Refuses (on every rank: each sees every rank's head) X's dtype where the
+// ranks differ; heads holds every rank's, one after another.
+void check_x_dtypes(const std::vector<char>& heads, int W, const char* where) {
+  check_same(heads, sizeof(RowsHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
+             [](const char* p) {
+               RowsHead h;
+               std::memcpy(&h, p, sizeof(h));
+               return int64_t{h.dtype};
+             },
+             show_dtype);
+}
+
 }  // namespace
 
 void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  ++comm->owner_calls;
+  ++comm->message_calls;
   // A rank whose arguments failed sends its outcome and no rows.
   const int64_t T = mine.ok() ? f.T : 0;
-  const TokenHead head{T, mine.ok() ? static_cast<int32_t>(f.x.dtype) : 0, 0};
-  const auto row_bytes = [&](const TokenHead& h) {
+  const RowsHead head{T, mine.ok() ? static_cast<int32_t>(f.x.dtype) : 0, 0};
+  const auto row_bytes = [&](const RowsHead& h) {
     return H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.dtype))) + K * 8;
   };
   // The rows to the owner: T x rows, then T x k int32 ids, then T x k fp32
@@ -348,36 +365,30 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
   const std::vector<std::vector<char>> msgs =
       kt::dist::to_owner(*comm, where, owner, mine, &head, sizeof(head), out, usize(T * row_bytes(head)),
                          [&](const char* h) {
-                           TokenHead t;
+                           RowsHead t;
                            std::memcpy(&t, h, sizeof(t));
-                           return usize(t.tokens * row_bytes(t));
+                           return usize(t.rows * row_bytes(t));
                          });
 
   // The owner checks what every rank sent and computes every rank's rows as
   // one call, rank 0's first.
   kt::dist::Relay relay;
   std::vector<std::pair<const char*, size_t>> replies;
-  std::vector<TokenHead> heads(usize(W));
+  std::vector<RowsHead> heads(usize(W));
   if (me == owner) {
-    std::vector<char> all(usize(W) * sizeof(TokenHead));
+    std::vector<char> all(usize(W) * sizeof(RowsHead));
     for (int r = 0; r < W; ++r) {
-      std::memcpy(&heads[usize(r)], msgs[usize(r)].data() + kOutcomeBytes, sizeof(TokenHead));
-      std::memcpy(all.data() + usize(r) * sizeof(TokenHead), &heads[usize(r)], sizeof(TokenHead));
+      std::memcpy(&heads[usize(r)], msgs[usize(r)].data() + kOutcomeBytes, sizeof(RowsHead));
+      std::memcpy(all.data() + usize(r) * sizeof(RowsHead), &heads[usize(r)], sizeof(RowsHead));
     }
     relay = kt::dist::first_failure(msgs);
     if (relay.outcome.ok()) {
       relay.outcome = attempt([&] {
-        check_same(all, sizeof(TokenHead), W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
-                   [](const char* p) {
-                     TokenHead h;
-                     std::memcpy(&h, p, sizeof(h));
-                     return int64_t{h.dtype};
-                   },
-                   show_dtype);
+        check_x_dtypes(all, W, where);
       });
     }
     std::vector<int64_t> first(usize(W) + 1, 0);
-    for (int r = 0; r < W; ++r) first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].tokens;
+    for (int r = 0; r < W; ++r) first[usize(r) + 1] = first[usize(r)] + heads[usize(r)].rows;
     const int64_t total = first[usize(W)];
     if (relay.outcome.ok()) {
       relay.outcome = attempt([&] {
@@ -385,8 +396,8 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
         char* ids = bytes_of(ids_, usize(total * K * 4));
         char* wts = bytes_of(w_, usize(total * K * 4));
         for (int r = 0; r < W; ++r) {
-          const int64_t n = heads[usize(r)].tokens, t0 = first[usize(r)];
-          const char* src = msgs[usize(r)].data() + kOutcomeBytes + sizeof(TokenHead);
+          const int64_t n = heads[usize(r)].rows, t0 = first[usize(r)];
+          const char* src = msgs[usize(r)].data() + kOutcomeBytes + sizeof(RowsHead);
           std::memcpy(x + t0 * xrow, src, usize(n * xrow));
           std::memcpy(ids + t0 * K * 4, src + n * xrow, usize(n * K * 4));
           std::memcpy(wts + t0 * K * 4, src + n * xrow + n * K * 4, usize(n * K * 4));
@@ -402,7 +413,7 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
     // Sizes from each rank's own head: what that rank expects back.
     for (int r = 0; r < W; ++r)
       replies.emplace_back(relay.outcome.ok() ? y_.data() + first[usize(r)] * xrow : nullptr,
-                           usize(heads[usize(r)].tokens * H *
+                           usize(heads[usize(r)].rows * H *
                                  static_cast<int64_t>(kt::dtype_size(static_cast<DType>(heads[usize(r)].dtype)))));
   }
 
@@ -412,48 +423,100 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
   for (int64_t i = 0; i < T; ++i) copy_row_in(f.y, i, back + i * xrow);
   if (ctx && me == owner) {
     ctx->rank_tokens.resize(usize(W));
-    for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].tokens;
+    for (int r = 0; r < W; ++r) ctx->rank_tokens[usize(r)] = heads[usize(r)].rows;
   }
 }
 
 namespace {
 
-// Before the dispatch each rank states its T and X's dtype, then the routes
-// it sends to each rank.
-struct RouteHead {
-  int64_t tokens;
-  int32_t dtype;
-  int32_t unused;
-};
+// Where the routes of a dispatch message begin, behind its outcome and head.
+constexpr size_t kDispatchRows = kOutcomeBytes + sizeof(RowsHead);
+
+// The first message of a dispatch holds a decode token's k routes of bf16
+// rows, so that a forward at T=1 is one trip each way (a larger T, or fp32
+// rows, may need a second message).
+size_t inline_routes_bytes(int64_t K, int64_t H) { return std::max(kt::dist::kInlineBody, usize(K * (2 * H + 8))); }
+
+// A route of the dispatch: its token's x row (X's dtype), its global expert
+// (int32) and its weight (fp32).
+int64_t route_bytes(int64_t H, DType xd) { return H * static_cast<int64_t>(kt::dtype_size(xd)) + 8; }
+
+// This rank's dispatch message to each rank: its outcome, head, then the
+// routes to that rank (to[r], each a slot t*k+j, in order).
+std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View& x, const View& ids, const View& w,
+                                                 const std::vector<std::vector<int64_t>>& to, int64_t K) {
+  const int64_t xrow = mine.ok() ? route_bytes(x.shape[1], x.dtype) - 8 : 0;
+  std::vector<std::vector<char>> messages;
+  for (const std::vector<int64_t>& routes : to) {
+    const RowsHead head{static_cast<int64_t>(routes.size()), mine.ok() ? static_cast<int32_t>(x.dtype) : 0, 0};
+    messages.push_back(kt::dist::outcome_message(mine, &head, sizeof(head), nullptr, usize(head.rows * (xrow + 8))));
+    char* p = messages.back().data() + kDispatchRows;
+    for (int64_t s : routes) {
+      const int64_t i = s / K, j = s % K;
+      copy_row_out(x, i, p);
+      const int32_t e = static_cast<int32_t>(ids.get_int(i, j));
+      const float wt = w.get(i, j);
+      std::memcpy(p + xrow, &e, 4);
+      std::memcpy(p + xrow + 4, &wt, 4);
+      p += xrow + 8;
+    }
+  }
+  return messages;
+}
+
+// The first `bytes` of the head of every rank's message (exchange_messages'),
+// one after another, as check_same reads them.
+std::vector<char> heads_of(const std::vector<std::vector<char>>& in, size_t bytes) {
+  std::vector<char> heads(in.size() * bytes);
+  for (size_t r = 0; r < in.size(); ++r) std::memcpy(heads.data() + r * bytes, in[r].data() + kOutcomeBytes, bytes);
+  return heads;
+}
+
+// The routes each rank sent this one, after refusing X's dtype where the
+// ranks differ.
+std::vector<int64_t> routes_received(const std::vector<std::vector<char>>& in, const char* where) {
+  const int W = static_cast<int>(in.size());
+  const std::vector<char> heads = heads_of(in, sizeof(RowsHead));
+  check_x_dtypes(heads, W, where);
+  std::vector<int64_t> received(usize(W));
+  for (int r = 0; r < W; ++r) {
+    RowsHead h;
+    std::memcpy(&h, heads.data() + usize(r) * sizeof(h), sizeof(h));
+    received[usize(r)] = h.rows;
+  }
+  return received;
+}
 
 }  // namespace
 
-// The routes this rank received (nrecv rows of `row` bytes at in: x in
-// X's dtype xd, then the global expert and the weight) through the local
-// layer: one route per row, in fp32 (bf16 rows convert exactly), so each
-// row's output in y_ is w * o unrounded.
-void kt_dist_moe::forward_received(const char* in, int64_t nrecv, int64_t row, DType xd, kt_dist_context* ctx,
-                                   const char* where) {
+// The routes this rank received (received[r] from rank r, in its message
+// in[r]) through the local layer: one route per row, in fp32 (bf16 rows
+// convert exactly), so each row's output in y_ is w * o unrounded.
+void kt_dist_moe::forward_received(const std::vector<std::vector<char>>& in, const std::vector<int64_t>& received,
+                                   DType xd, kt_dist_context* ctx, const char* where) {
   const int me = comm->rank;
-  const int64_t H = layer_options.hidden, xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
+  const int64_t H = layer_options.hidden, row = route_bytes(H, xd), xrow = row - 8;
+  int64_t nrecv = 0;
+  for (int64_t n : received) nrecv += n;
   KT_CHECK(local != nullptr || nrecv == 0, KT_ERR_INTERNAL,
            std::string(where) + ": routes arrived at a rank that holds no experts");
   if (!local) return;
   float* x = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
   int32_t* ids = reinterpret_cast<int32_t*>(bytes_of(ids_, usize(nrecv * 4)));
   float* wts = reinterpret_cast<float*>(bytes_of(w_, usize(nrecv * 4)));
-  for (int64_t p = 0; p < nrecv; ++p) {
-    const char* src = in + p * row;
-    raw_to_f32(src, xd, H, x + p * H);
-    int32_t e;
-    std::memcpy(&e, src + xrow, 4);
-    KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0,
-             KT_ERR_INTERNAL,
-             std::string(where) + ": a route to expert " + std::to_string(e) +
-                 " arrived at rank " + std::to_string(me) + ", which does not hold it");
-    ids[p] = local_index[usize(e)];
-    std::memcpy(&wts[p], src + xrow + 4, 4);
-  }
+  int64_t p = 0;
+  for (size_t r = 0; r < in.size(); ++r)
+    for (int64_t q = 0; q < received[r]; ++q, ++p) {
+      const char* src = in[r].data() + kDispatchRows + q * row;
+      raw_to_f32(src, xd, H, x + p * H);
+      int32_t e;
+      std::memcpy(&e, src + xrow, 4);
+      KT_CHECK(e >= 0 && e < layer_options.num_experts && local_index[usize(e)] >= 0, KT_ERR_INTERNAL,
+               std::string(where) + ": a route to expert " + std::to_string(e) + " arrived at rank " +
+                   std::to_string(me) + ", which does not hold it");
+      ids[p] = local_index[usize(e)];
+      std::memcpy(&wts[p], src + xrow + 4, 4);
+    }
   float* y = reinterpret_cast<float*>(bytes_of(y_, usize(nrecv * H * 4)));
   Dl X(x, DType::kF32, nrecv, H), I(ids, DType::kI32, nrecv, 1), Wt(wts, DType::kF32, nrecv, 1),
       Y(y, DType::kF32, nrecv, H);
@@ -462,9 +525,10 @@ void kt_dist_moe::forward_received(const char* in, int64_t nrecv, int64_t row, D
 }
 
 void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_context* ctx, const char* where) {
-  const int W = comm->world, me = comm->rank;
+  const int W = comm->world;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
   kt::dist::Transport& t = comm->cpu_transport(where);
+  ++comm->message_calls;
 
   // This rank's routes by destination, each in (token, slot) order.
   std::vector<std::vector<int64_t>> to(usize(W));
@@ -475,59 +539,30 @@ void kt_dist_moe::forward_experts(Forward& f, const Outcome& mine, kt_dist_conte
         const int64_t e = f.ids.get_int(i, j);
         if (e >= 0) to[usize(expert_rank[usize(e)])].push_back(i * K + j);
       }
-  std::vector<int64_t> sent(usize(W)), received(usize(W));
+  std::vector<int64_t> sent(usize(W));
   int64_t nsent = 0;
   for (int r = 0; r < W; ++r) {
     sent[usize(r)] = static_cast<int64_t>(to[usize(r)].size());
     for (int64_t s : to[usize(r)]) route_row[usize(s)] = nsent++;
   }
-  // Counts are exchanged with the outcomes: [tokens, dtype, sent to each rank].
-  const size_t payload = sizeof(RouteHead) + usize(W) * 8;
-  std::vector<char> mine_payload(payload);
-  const RouteHead head{f.T, static_cast<int32_t>(f.x.dtype), 0};
-  std::memcpy(mine_payload.data(), &head, sizeof(head));
-  std::memcpy(mine_payload.data() + sizeof(head), sent.data(), usize(W) * 8);
-  const std::vector<char> all = agree(*comm, where, mine, mine_payload.data(), payload);
-  check_same(all, payload, W, where, KT_ERR_DTYPE, "KT_ARG_X's dtype",
-             [](const char* p) {
-               RouteHead h;
-               std::memcpy(&h, p, sizeof(h));
-               return int64_t{h.dtype};
-             },
-             show_dtype);
-  int64_t nrecv = 0;
-  for (int r = 0; r < W; ++r) {
-    std::memcpy(&received[usize(r)], all.data() + usize(r) * payload + sizeof(RouteHead) + usize(me) * 8, 8);
-    nrecv += received[usize(r)];
-  }
 
-  // Dispatch: per route its token's x row (X's dtype), global expert, weight.
-  const DType xd = f.x.dtype;
-  const int64_t xrow = H * static_cast<int64_t>(kt::dtype_size(xd));
-  const int64_t row = xrow + 8;
-  char* out = bytes_of(send_, usize(nsent * row));
-  for (int r = 0; r < W; ++r)
-    for (int64_t s : to[usize(r)]) {
-      const int64_t i = s / K, j = s % K;
-      char* p = out + route_row[usize(s)] * row;
-      copy_row_out(f.x, i, p);
-      const int32_t e = static_cast<int32_t>(f.ids.get_int(i, j));
-      const float wt = f.w.get(i, j);
-      std::memcpy(p + xrow, &e, 4);
-      std::memcpy(p + xrow + 4, &wt, 4);
-    }
-  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
-  for (int r = 0; r < W; ++r) {
-    send_bytes[usize(r)] = sent[usize(r)] * row;
-    recv_bytes[usize(r)] = received[usize(r)] * row;
-  }
-  char* in = bytes_of(recv_, usize(nrecv * row));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
-
-  const Outcome computed = attempt([&] { forward_received(in, nrecv, row, xd, ctx, where); });
+  // Dispatch: each rank's outcome, X's dtype and routes go to every rank in
+  // one exchange; a failure anywhere is raised on every rank once all the
+  // messages are in.
+  const std::vector<std::vector<char>> in = kt::dist::exchange_messages(
+      *comm, where, dispatch_messages(mine, f.x, f.ids, f.w, to, K), std::vector<bool>(usize(W), true),
+      sizeof(RowsHead), inline_routes_bytes(K, H), [H](const char* p) {
+        RowsHead h;
+        std::memcpy(&h, p, sizeof(h));
+        return usize(h.rows * route_bytes(H, static_cast<DType>(h.dtype)));
+      });
+  kt::dist::raise_first_failure(in, where);
+  std::vector<int64_t> received = routes_received(in, where);
+  const Outcome computed = attempt([&] { forward_received(in, received, f.x.dtype, ctx, where); });
 
   // Combine: each rank's outcome and its routes' weighted outputs go back.
   const int64_t yrow = H * 4;
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
   const std::vector<char> reply = outcome_and_rows(computed, received, sent, y_.data(), yrow, &send_bytes, &recv_bytes);
   char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * yrow));
   comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
@@ -621,8 +656,6 @@ void kt_dist_moe::backward(kt_dist_context* ctx, const kt_backward_options* opti
 
 namespace {
 
-// The agreement step of a backward: outcomes, then what every rank must
-// pass alike. Returns every rank's head.
 // Refuses heads (every rank's, one after another) whose forward or options
 // differ between ranks.
 void check_grad_heads(const std::vector<char>& all, int W, const char* where) {
@@ -636,17 +669,6 @@ void check_grad_heads(const std::vector<char>& all, int W, const char* where) {
              [](const char* p) { return int64_t{grad_head_at(p).accumulate}; }, show_int);
   check_same(all, sizeof(GradHead), W, where, KT_ERR_INVALID_ARGUMENT, "options->param_grads",
              [](const char* p) { return int64_t{grad_head_at(p).param_grads}; }, show_int);
-}
-
-// The agreement step of a backward: outcomes, then what every rank must
-// pass alike. Returns every rank's head.
-std::vector<GradHead> agree_backward(kt_comm& comm, const char* where, const Outcome& mine, const GradHead& head) {
-  const int W = comm.world;
-  const std::vector<char> all = agree(comm, where, mine, &head, sizeof(head));
-  check_grad_heads(all, W, where);
-  std::vector<GradHead> heads(usize(W));
-  for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
-  return heads;
 }
 
 GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const View& dy, bool has_dx, bool has_dw,
@@ -663,6 +685,52 @@ GradHead grad_head_of(const kt_dist_context* ctx, const Outcome& mine, const Vie
   h.param_grads = o.param_grads;
   h.grad_scale_bits = static_cast<uint32_t>(float_bits(o.grad_scale));
   return h;
+}
+
+// What a rank's dy message to a rank carries ahead of its dy rows: the
+// backward's head (which the ranks must agree on) and the number of rows.
+struct DyHead {
+  GradHead grad;
+  int64_t rows;
+};
+
+DyHead dy_head_at(const std::vector<char>& message) {
+  DyHead h;
+  std::memcpy(&h, message.data() + kOutcomeBytes, sizeof(h));
+  return h;
+}
+
+// Where the rows of a dy message begin, behind its outcome and head.
+constexpr size_t kDyRows = kOutcomeBytes + sizeof(DyHead);
+
+// This rank's dy message to each rank: its outcome and head, then the dy
+// rows of its routes to that rank, in the forward's order (no rows after a
+// failed outcome, when ctx may be no context).
+std::vector<std::vector<char>> dy_messages(const Outcome& mine, const GradHead& head, const kt_dist_context* ctx,
+                                           const View& dy, int W, int64_t K) {
+  const int64_t dyrow = mine.ok() ? dy.shape[1] * static_cast<int64_t>(kt::dtype_size(dy.dtype)) : 0;
+  std::vector<std::vector<char>> messages(usize(W));
+  std::vector<char*> row_at;  // a route_row's place in the messages
+  for (int r = 0; r < W; ++r) {
+    const DyHead h{head, mine.ok() ? ctx->sent[usize(r)] : 0};
+    messages[usize(r)] = kt::dist::outcome_message(mine, &h, sizeof(h), nullptr, usize(h.rows * dyrow));
+    for (int64_t i = 0; i < h.rows; ++i) row_at.push_back(messages[usize(r)].data() + kDyRows + i * dyrow);
+  }
+  if (mine.ok())
+    for (int64_t s = 0; s < ctx->tokens * K; ++s)
+      if (ctx->route_row[usize(s)] >= 0) copy_row_out(dy, s / K, row_at[usize(ctx->route_row[usize(s)])]);
+  return messages;
+}
+
+// Every rank's backward head (in its dy message to this rank), after
+// refusing heads whose forward or options differ between ranks.
+std::vector<GradHead> agreed_grad_heads(const std::vector<std::vector<char>>& in, const char* where) {
+  const int W = static_cast<int>(in.size());
+  const std::vector<char> all = heads_of(in, sizeof(GradHead));  // a DyHead begins with its GradHead
+  check_grad_heads(all, W, where);
+  std::vector<GradHead> heads(usize(W));
+  for (int r = 0; r < W; ++r) heads[usize(r)] = grad_head_at(all.data() + usize(r) * sizeof(GradHead));
+  return heads;
 }
 
 }  // namespace
@@ -690,7 +758,7 @@ void local_backward(const kt_dist_moe& d, kt_context* ctx, const kt_backward_opt
 void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world, me = comm->rank, owner = options.owner_rank;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  ++comm->owner_calls;
+  ++comm->message_calls;
   // A rank whose arguments failed sends a zero head and no rows.
   const GradHead head = grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt);
   const auto dy_bytes = [&](const GradHead& h) {
@@ -779,80 +847,76 @@ void kt_dist_moe::backward_owner(Backward& b, const Outcome& mine, kt_dist_conte
       }
 }
 
+// The dy rows this rank received (in[r]'s, from each rank r) through the
+// local layer's backward: per row its dx (fp32) into dx_ and its
+// routing-weight gradient into dw_, as any rank asked for them.
+void kt_dist_moe::backward_received(const std::vector<std::vector<char>>& in, kt_dist_context* ctx,
+                                    const kt_backward_options& opt, DType dyd, bool any_dx, bool any_dw,
+                                    const char* where) {
+  if (!local) return;
+  const int64_t H = layer_options.hidden, dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  int64_t nrecv = 0;
+  for (int64_t n : ctx->received) nrecv += n;
+  float* dy = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
+  int64_t p = 0;
+  for (size_t r = 0; r < in.size(); ++r) {
+    const int64_t n = dy_head_at(in[r]).rows;
+    KT_CHECK(n == ctx->received[r], KT_ERR_INTERNAL,
+             std::string(where) + ": rank " + std::to_string(r) + " sent " + std::to_string(n) +
+                 " dy rows for the forward's " + std::to_string(ctx->received[r]) + " routes");
+    for (int64_t q = 0; q < n; ++q, ++p) raw_to_f32(in[r].data() + kDyRows + q * dyrow, dyd, H, dy + p * H);
+  }
+  float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
+  float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
+  Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
+  local_backward(*this, ctx->local, opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
+}
+
 void kt_dist_moe::backward_experts(Backward& b, const Outcome& mine, kt_dist_context* ctx, const char* where) {
   const int W = comm->world;
   const int64_t K = layer_options.top_k, H = layer_options.hidden;
-  const std::vector<GradHead> heads =
-      agree_backward(*comm, where, mine, grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt));
+  ++comm->message_calls;
+  // Dispatch: each rank's outcome, head and dy rows (to its routes' ranks,
+  // in the forward's order) go to every rank in one exchange; a failure or
+  // a disagreement anywhere is raised on every rank once all are in.
+  const GradHead head = grad_head_of(ctx, mine, b.dy, b.has_dx, b.has_dw, b.opt);
+  const std::vector<std::vector<char>> in = kt::dist::exchange_messages(
+      *comm, where, dy_messages(mine, head, ctx, b.dy, W, K), std::vector<bool>(usize(W), true), sizeof(DyHead),
+      inline_routes_bytes(K, H), [H](const char* p) {
+        DyHead h;
+        std::memcpy(&h, p, sizeof(h));
+        return usize(h.rows * H * static_cast<int64_t>(kt::dtype_size(static_cast<DType>(h.grad.dy_dtype))));
+      });
+  kt::dist::raise_first_failure(in, where);
   bool any_dx = false, any_dw = false;
-  for (const GradHead& h : heads) {
+  for (const GradHead& h : agreed_grad_heads(in, where)) {
     any_dx = any_dx || h.has_dx;
     any_dw = any_dw || h.has_dw;
   }
-  const DType dyd = b.dy.dtype;
-  const int64_t dyrow = H * static_cast<int64_t>(kt::dtype_size(dyd));
+  kt::dist::Transport& t = comm->cpu_transport(where);
+  const Outcome computed = attempt([&] { backward_received(in, ctx, b.opt, b.dy.dtype, any_dx, any_dw, where); });
+
+  // Combine: per route its dx row and routing-weight gradient go back.
   int64_t nsent = 0, nrecv = 0;
-  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
   for (int r = 0; r < W; ++r) {
     nsent += ctx->sent[usize(r)];
     nrecv += ctx->received[usize(r)];
-    send_bytes[usize(r)] = ctx->sent[usize(r)] * dyrow;
-    recv_bytes[usize(r)] = ctx->received[usize(r)] * dyrow;
   }
-  kt::dist::Transport& t = comm->cpu_transport(where);
-
-  // Dispatch dy rows to the routes' ranks, in the forward's order.
-  char* out = bytes_of(send_, usize(nsent * dyrow));
-  const int64_t slots = ctx->tokens * K;
-  for (int64_t s = 0; s < slots; ++s)
-    if (ctx->route_row[usize(s)] >= 0) copy_row_out(b.dy, s / K, out + ctx->route_row[usize(s)] * dyrow);
-  char* in = bytes_of(recv_, usize(nrecv * dyrow));
-  comm->run(where, [&] { t.alltoallv(send_.data(), send_bytes, in, recv_bytes); });
-
   const int64_t back_row = (any_dx ? H * 4 : 0) + (any_dw ? 4 : 0);
-  const Outcome computed = attempt([&] {
-    if (!local) return;
-    float* dy = reinterpret_cast<float*>(bytes_of(x_, usize(nrecv * H * 4)));
-    for (int64_t p = 0; p < nrecv; ++p) raw_to_f32(in + p * dyrow, dyd, H, dy + p * H);
-    float* dx = reinterpret_cast<float*>(bytes_of(dx_, usize(any_dx ? nrecv * H * 4 : 0)));
-    float* dw = reinterpret_cast<float*>(bytes_of(dw_, usize(any_dw ? nrecv * 4 : 0)));
-    Dl DY(dy, DType::kF32, nrecv, H), DX(dx, DType::kF32, nrecv, H), DW(dw, DType::kF32, nrecv, 1);
-    local_backward(*this, ctx->local, b.opt, DY, any_dx ? &DX : nullptr, any_dw ? &DW : nullptr);
-  });
-
-  // Combine: per route its dx row and routing-weight gradient go back.
-  std::vector<char> reply(usize(int64_t{kOutcomeBytes} * W + nrecv * back_row));
-  {
-    char* s = reply.data();
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::write_outcome(computed, s);
-      const int64_t n = ctx->received[usize(r)];
-      if (computed.ok())
-        for (int64_t i = 0; i < n; ++i) {
-          char* q = s + kOutcomeBytes + i * back_row;
-          if (any_dx) std::memcpy(q, dx_.data() + (p0 + i) * H * 4, usize(H * 4));
-          if (any_dw) std::memcpy(q + (any_dx ? H * 4 : 0), dw_.data() + (p0 + i) * 4, 4);
-        }
-      s += int64_t{kOutcomeBytes} + n * back_row;
-      p0 += n;
-      send_bytes[usize(r)] = int64_t{kOutcomeBytes} + n * back_row;
-      recv_bytes[usize(r)] = int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
+  std::vector<char> computed_rows(usize(std::max<int64_t>(nrecv * back_row, 1)));
+  if (computed.ok())
+    for (int64_t i = 0; i < nrecv; ++i) {
+      char* q = computed_rows.data() + i * back_row;
+      if (any_dx) std::memcpy(q, dx_.data() + i * H * 4, usize(H * 4));
+      if (any_dw) std::memcpy(q + (any_dx ? H * 4 : 0), dw_.data() + i * 4, 4);
     }
-  }
+  std::vector<int64_t> send_bytes(usize(W)), recv_bytes(usize(W));
+  const std::vector<char> reply = outcome_and_rows(computed, ctx->received, ctx->sent, computed_rows.data(), back_row,
+                                                   &send_bytes, &recv_bytes);
   char* back = bytes_of(recv_, usize(int64_t{kOutcomeBytes} * W + nsent * back_row));
   comm->run(where, [&] { t.alltoallv(reply.data(), send_bytes, back, recv_bytes); });
-  std::vector<char> rows(usize(std::max<int64_t>(nsent * back_row, 1)));
-  {
-    const char* s = back;
-    int64_t p0 = 0;
-    for (int r = 0; r < W; ++r) {
-      kt::dist::raise_outcome(s, r, where);
-      std::memcpy(rows.data() + p0 * back_row, s + kOutcomeBytes, usize(ctx->sent[usize(r)] * back_row));
-      s += int64_t{kOutcomeBytes} + ctx->sent[usize(r)] * back_row;
-      p0 += ctx->sent[usize(r)];
-    }
-  }
+  const std::vector<char> rows = rows_of_replies(back, ctx->sent, back_row, where);
+  const int64_t slots = ctx->tokens * K;
   if (b.has_dx) combine_rows(ctx->token_begin, ctx->route_order, ctx->route_row, rows.data(), back_row, H, b.dx);
   if (b.has_dw)
     for (int64_t s = 0; s < slots; ++s) {

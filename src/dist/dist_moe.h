@@ -71,10 +71,12 @@ struct kt_dist_moe {
   // mine: this rank's argument checks, exchanged first.
   void forward_owner(Forward& f, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
   void forward_experts(Forward& f, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
-  void forward_received(const char* in, int64_t nrecv, int64_t row, kt::DType xd, kt_dist_context* ctx,
-                        const char* where);
+  void forward_received(const std::vector<std::vector<char>>& in, const std::vector<int64_t>& received,
+                        kt::DType xd, kt_dist_context* ctx, const char* where);
   void backward_owner(Backward& b, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
   void backward_experts(Backward& b, const kt::dist::Outcome& mine, kt_dist_context* ctx, const char* where);
+  void backward_received(const std::vector<std::vector<char>>& in, kt_dist_context* ctx,
+                         const kt_backward_options& opt, kt::DType dyd, bool any_dx, bool any_dw, const char* where);
 
   // Reused buffers.
   std::vector<char> send_, recv_;

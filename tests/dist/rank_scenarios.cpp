@@ -53,6 +53,7 @@ struct Problem {
   kt_dist_mode dist_mode = KT_DIST_OWNER;
   int owner = 0;
   std::vector<int32_t> expert_ranks;  // empty: even split
+  int narrow_rank = -1;  // this rank's tokens route among experts 0..K only
   kt_dist_grad_average average = KT_DIST_GRAD_SUM;
   float grad_scale = 1.f;
   uint32_t seed = 7;
@@ -108,9 +109,12 @@ Data make_data(const Problem& pb) {
     d.dy->set(i, normal(rng));
   }
   std::vector<int> perm(static_cast<size_t>(pb.E));
+  const int64_t narrow0 = pb.narrow_rank >= 0 ? pb.first(pb.narrow_rank) : 0;
+  const int64_t narrow1 = pb.narrow_rank >= 0 ? narrow0 + pb.tokens[static_cast<size_t>(pb.narrow_rank)] : 0;
   for (int64_t t = 0; t < T; ++t) {
     for (int e = 0; e < pb.E; ++e) perm[static_cast<size_t>(e)] = e;
-    std::shuffle(perm.begin(), perm.end(), rng);
+    const bool narrow = t >= narrow0 && t < narrow1;
+    std::shuffle(perm.begin(), narrow ? perm.begin() + pb.K + 1 : perm.end(), rng);
     for (int64_t j = 0; j < pb.K; ++j) {
       const int64_t route = t * pb.K + j;
       const bool none = pb.minus_one_every && route % pb.minus_one_every == 0;
@@ -1008,6 +1012,77 @@ int run_ckpt_mismatch(int rank, int world, const std::string& dir) {
   return g_failures ? 1 : 0;
 }
 
+// Expert parallel, with routes past the dispatch's first message: a failure
+// on one rank's arguments, X's dtype, backward options or context still
+// reaches every rank as the same error (the others' rows to it are taken in
+// first), and the calls after it work.
+int run_expert_parallel_refusals(int rank, int world, const std::string& dir) {
+  Problem pb;
+  pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
+  pb.mode = KT_MODE_LORA;
+  const int64_t T = 150;
+  pb.tokens.assign(static_cast<size_t>(world), T);
+  const Data d = make_data(pb);
+  kt_engine* engine = make_engine();
+  TrainRank t = start_rank(pb, rank, world, dir, engine, false);
+  if (!t.comm) return 1;
+  kt_comm* comm = t.comm;
+  kt_dist_moe* dist = t.dist;
+  const int64_t t0 = pb.first(rank);
+  Rows x(*d.x, t0, T), rw(*d.rw, t0, T), dy(*d.dy, t0, T);
+  TensorPtr ids = Tensor::make(kt_test::kI32, {T, pb.K});
+  for (int64_t i = 0; i < T * pb.K; ++i) ids->set(i, d.ids->get(t0 * pb.K + i));
+  Outputs out = outputs_for(pb, T);
+  kt_arg f[] = {{KT_ARG_X, &x.t}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, &rw.t}, {KT_ARG_Y, out.y->dl()}};
+  const int bad = world - 1;
+
+  // 1. The last rank routes to an expert that does not exist.
+  if (rank == bad) ids->set(T * pb.K - 1, 99.0);
+  kt_status st = kt_dist_moe_forward(dist, f, 4, nullptr);
+  std::string msg = kt_last_error();
+  RCHECK(st == KT_ERR_EXPERT_ID && contains(msg, "kt_dist_moe_forward: rank " + std::to_string(bad) + ": ") &&
+             contains(msg, "= 99 is outside"),
+         msg);
+  expect_same_message_everywhere(comm, msg);
+  if (rank == bad) ids->set(T * pb.K - 1, d.ids->get((t0 + T) * pb.K - 1));
+
+  // 2. The last rank's X (and Y) are bf16: its rows are half as long.
+  TensorPtr x16 = Tensor::make(kt_test::kBF16, {T, pb.H}), y16 = Tensor::make(kt_test::kBF16, {T, pb.H});
+  for (int64_t i = 0; i < T * pb.H; ++i) x16->set(i, d.x->get(t0 * pb.H + i));
+  kt_arg f16[] = {{KT_ARG_X, rank == bad ? x16->dl() : &x.t}, {KT_ARG_IDS, ids->dl()}, {KT_ARG_ROUTE_WEIGHTS, &rw.t},
+                  {KT_ARG_Y, rank == bad ? y16->dl() : out.y->dl()}};
+  st = kt_dist_moe_forward(dist, f16, 4, nullptr);
+  msg = kt_last_error();
+  RCHECK(st == KT_ERR_DTYPE && contains(msg, "disagree on KT_ARG_X's dtype"), msg);
+  expect_same_message_everywhere(comm, msg);
+
+  // 3. Backward options that differ on the last rank, then calls that work.
+  kt_dist_context* ctx = nullptr;
+  RCHECK(kt_dist_moe_forward(dist, f, 4, &ctx) == KT_OK, "forward after the refusals");
+  kt_backward_options bo;
+  kt_backward_options_init(&bo);
+  bo.grad_scale = rank == bad ? 0.5f : 1.f;
+  kt_arg b[] = {{KT_ARG_DY, &dy.t}, {KT_ARG_DX, out.dx->dl()}};
+  st = kt_dist_moe_backward(dist, ctx, &bo, b, 2);
+  msg = kt_last_error();
+  RCHECK(st == KT_ERR_INVALID_ARGUMENT && contains(msg, "options->grad_scale"), msg);
+  expect_same_message_everywhere(comm, msg);
+  RCHECK(kt_dist_moe_backward(dist, ctx, nullptr, b, 2) == KT_OK, "backward after the refusal");
+  kt_dist_context_release(ctx);
+
+  // 4. A context released on the last rank (it sends no rows; the others do).
+  RCHECK(kt_dist_moe_forward(dist, f, 4, &ctx) == KT_OK, "forward");
+  if (rank == bad) kt_dist_context_release(ctx);
+  st = kt_dist_moe_backward(dist, ctx, nullptr, b, 2);
+  msg = kt_last_error();
+  RCHECK(st == KT_ERR_CONTEXT && contains(msg, "rank " + std::to_string(bad) + ": ") && contains(msg, "not a live"), msg);
+  expect_same_message_everywhere(comm, msg);
+  if (rank != bad) kt_dist_context_release(ctx);
+  end_rank(t);
+  RCHECK(kt_engine_destroy(engine) == KT_OK, "engine destroy");
+  return g_failures ? 1 : 0;
+}
+
 Problem scenario(const std::string& name, int world) {
   Problem pb;
   for (int r = 0; r < world; ++r) pb.tokens.push_back(3 + 2 * r);
@@ -1048,6 +1123,15 @@ Problem scenario(const std::string& name, int world) {
     pb.tokens[1] = 0;
     pb.grad_scale = 2.f;
     for (int64_t e = 0; e < pb.E; ++e) pb.expert_ranks.push_back(static_cast<int32_t>((e * 3 + 1) % world));
+  } else if (name == "ep_many_tokens") {
+    // Routes past the dispatch's first message (16 KiB, 200 bytes a route,
+    // 192 a dy row) from ranks 1 and 2, within it from rank 0; rank 1's
+    // tokens route among experts 0-3 only, so it sends rank 2 no route.
+    pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
+    pb.mode = KT_MODE_LORA;
+    pb.K = 3;
+    pb.narrow_rank = 1;
+    pb.tokens = {5, 160, 170};
   } else if (name == "ep_bias_inference") {
     pb.dist_mode = KT_DIST_EXPERT_PARALLEL;
     pb.bias = true;
@@ -1064,6 +1148,7 @@ Problem scenario(const std::string& name, int world) {
 int rank_main(const std::string& name, int rank, int world, const std::string& dir) {
   if (name == "fail_arguments") return run_argument_failures(rank, world, dir);
   if (name == "fail_compute") return run_compute_failure(rank, world, dir);
+  if (name == "fail_expert_parallel") return run_expert_parallel_refusals(rank, world, dir);
   if (name == "fail_config") return run_config_mismatch(rank, world, dir);
   if (name == "kill_owner") return run_killed_rank(KT_DIST_OWNER, rank, world, dir, false);
   if (name == "kill_expert_parallel") return run_killed_rank(KT_DIST_EXPERT_PARALLEL, rank, world, dir, false);

@@ -309,11 +309,17 @@ TEST(DistExpertParallel, LoraExplicitMapTwoRanks) { expect_ranks_pass("ep_lora_m
 TEST(DistExpertParallel, LoraExplicitMapThreeRanks) { expect_ranks_pass("ep_lora_map", 3); }
 TEST(DistExpertParallel, LoraExplicitMapFourRanks) { expect_ranks_pass("ep_lora_map", 4); }
 TEST(DistExpertParallel, BiasWithARankHoldingNoExperts) { expect_ranks_pass("ep_bias_inference", 4); }
+TEST(DistExpertParallel, RoutesPastTheFirstMessageAndNoneToARankMatchOneProcess) {
+  expect_ranks_pass("ep_many_tokens", 3);
+}
 
 // ------------------------------------------------------------------ failures
 
 TEST(DistFailures, ArgumentErrorOfOneRankReachesEveryRank) { expect_ranks_pass("fail_arguments", 3); }
 TEST(DistFailures, ComputeErrorOfOneRankReachesEveryRank) { expect_ranks_pass("fail_compute", 3); }
+TEST(DistFailures, ExpertParallelRefusalsPastTheFirstMessageReachEveryRank) {
+  expect_ranks_pass("fail_expert_parallel", 3);
+}
 TEST(DistFailures, MismatchedConfigurationIsFoundAtSetup) { expect_ranks_pass("fail_config", 3); }
 
 void expect_victim_killed_others_pass(const std::string& scenario, int world) {
