@@ -132,9 +132,10 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
 // headings, e.g. "kt-kernel ms", "err kt-k"; the ratio column "x<x_label>").
 void print_peer_block(const ModelReport& mr, const std::string& peer, const char* title, const char* label,
                       const char* short_label, const char* x_label) {
-  std::printf("   %s: a call of each per round beside kt's (taking turns; same batches);\n"
-              "   x: medians, pair: the median of each round's ratio; err: the relative L2 of y (forward) or dx\n"
-              "   (training) from the double-precision reference (first rows of the first batch, bf16 weights):\n",
+  std::printf("   %s:\n"
+              "   a call of each per round beside kt's (taking turns; same batches); x: medians, pair: the\n"
+              "   median of each round's ratio; err: the relative L2 of y (forward) or dx (training) from the\n"
+              "   double-precision reference (first rows of the first batch, from the bf16 weights):\n",
               title);
   std::printf("   %-10s %-5s %-17s %6s %9s %12s %6s %6s %9s %9s\n", "case", short_label, "kt layer", "T", "kt ms",
               (std::string(label) + " ms").c_str(), (std::string("x") + x_label).c_str(), "pair", "err kt",

@@ -430,8 +430,8 @@ void bench_vllm(const LayerWeights& layer, const std::vector<Workload>& work, co
   // kt skips the routes to experts outside a slice (id -1); vLLM's op has
   // no such route, so peers_baseline.py sends them to expert 0 with weight 0.
   const std::string note = layer.experts < layer.shape.experts
-                               ? "a slice: the routes to experts it does not hold go to expert 0 with weight 0 for "
-                                 "vLLM (its op has no dropped route; kt skips them), so vLLM computes more"
+                               ? "a slice: vLLM's op has no dropped route, so the routes kt skips go to expert 0 "
+                                 "with weight 0 (more work)"
                                : "";
   bench_peer_forward(name, {{"bf16", KT_FORMAT_BF16, KT_COMPUTE_BF16}}, note, layer, work, o, nullptr, bf16,
                      max_tokens, vllm, peer_dir, rep, skips);
