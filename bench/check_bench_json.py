@@ -9,7 +9,13 @@ does to have run, named with its version, and each one that does not to be
 reported as skipped with a reason; with --no-peers, kt-kernel and DeepSpeed
 must be skipped with a reason. kt-kernel's rows: its forward on every T, and
 where its bf16 SFT classes import (AMX builds) its train_dx and train_lora on
-every T as well; without them those cases must be skipped with a reason."""
+every T as well; without them those cases must be skipped with a reason.
+
+vLLM: with --vllm-python PY, the check asks PY whether vLLM's CPU build and
+its torch.ops._C.cpu_fused_moe import; where they do, vLLM must have run with
+that version and have a forward row at every T whose y is as close to the
+reference as kt-kernel's must be; where they do not, and without
+--vllm-python or with --no-peers, vLLM must be skipped with a reason."""
 import json
 import subprocess
 import sys
@@ -33,6 +39,24 @@ except Exception:
 try:
     import deepspeed
     found["deepspeed"] = deepspeed.__version__
+except Exception:
+    pass
+os.write(1, (json.dumps(found) + "\n").encode())
+"""
+
+# Asked of --vllm-python's interpreter: vLLM's version where its CPU build
+# and fused-MoE op import.
+VLLM_PROBE = r"""
+import json, os, sys
+sys.stdout = sys.stderr
+found = {}
+try:
+    import torch
+    import vllm
+    from vllm import _custom_ops
+    from vllm.platforms import current_platform
+    if current_platform.is_cpu() and hasattr(torch.ops._C, "cpu_fused_moe"):
+        found["vllm"] = vllm.__version__
 except Exception:
     pass
 os.write(1, (json.dumps(found) + "\n").encode())
@@ -214,15 +238,68 @@ def check_formats(model, formats, where, profile, tables):
         fail(f"{where}: synthetic checkpoints written for {sorted(written)}")
 
 
-def probe_peers(python):
+def probe_peers(python, probe=PROBE):
     """{peer name: version} of the peers `python` imports ({} when it does not run)."""
     try:
-        proc = subprocess.run([python, "-c", PROBE], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        proc = subprocess.run([python, "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               timeout=300)
     except OSError:
         return {}
     lines = proc.stdout.strip().splitlines()
     return json.loads(lines[-1]) if proc.returncode == 0 and lines else {}
+
+
+def check_peer_rows(m, peer, case):
+    """A peer's bf16 rows of `case`: every T of the model, beside kt, with both
+    errors (y for the forward, dx for training) against the double-precision
+    reference."""
+    rows = {r["tokens"]: r for r in m.get("peer_results", [])
+            if r["peer"] == peer and r["variant"] == "bf16" and r["case"] == case}
+    want = {r["tokens"] for r in m["results"] if r["case"] == case}
+    if set(rows) != want:
+        fail(f"model {m['name']}: {peer} bf16 {case} rows for T {sorted(rows)}, expected {sorted(want)}")
+    for T, r in rows.items():
+        what = f"model {m['name']} {peer} {case} T={T}"
+        require(r, ["ms", "kt_ms", "speedup_of_kt", "speedup_of_kt_paired", "rel_l2_vs_f64",
+                    "kt_rel_l2_vs_f64", "rows_compared", "timing", "class"], what)
+        if case != "forward":
+            require(r, ["note"], what)
+        if "error" in r:
+            fail(f"{what}: {r['error']}")
+        if not (r["ms"] or 0) > 0 or not (r["kt_ms"] or 0) > 0:
+            fail(f"{what}: no time ({r['ms']}, kt {r['kt_ms']})")
+        if abs(r["speedup_of_kt"] - r["ms"] / r["kt_ms"]) > 1e-3 * r["speedup_of_kt"]:
+            fail(f"{what}: speedup_of_kt {r['speedup_of_kt']} is not ms / kt_ms")
+        if not (r["speedup_of_kt_paired"] or 0) > 0:
+            fail(f"{what}: no paired ratio ({r['speedup_of_kt_paired']})")
+        if not r["rows_compared"] > 0:
+            fail(f"{what}: no rows compared")
+        # bf16 rounding of y (dx) and of the intermediates: about 1e-3 to 1e-2.
+        for key in ("rel_l2_vs_f64", "kt_rel_l2_vs_f64"):
+            if r[key] is None or not 0 < r[key] < 0.05:
+                fail(f"{what}: {key} {r[key]} is not in (0, 0.05)")
+
+
+def check_vllm(doc, args, cases, ran, must_skip):
+    """vLLM, from --vllm-python's interpreter: where its CPU fused MoE
+    imports, a forward row at every T of each model (check_peer_rows), and no
+    other case; else a skip with a reason."""
+    if "--no-peers" in args or "--vllm-python" not in args:
+        must_skip("vllm")
+        return "vLLM skipped"
+    python = args[args.index("--vllm-python") + 1]
+    version = probe_peers(python, VLLM_PROBE).get("vllm")
+    if version is None or "forward" not in cases:
+        must_skip("vllm")
+        return f"vLLM skipped ({python})"
+    if ran.get(("vllm", python)) != version:
+        fail(f"vLLM {version} imports in {python} with its cpu_fused_moe but is not among the peers that ran "
+             f"with that version: {doc['peers']}")
+    for m in doc["models"]:
+        check_peer_rows(m, "vllm", "forward")
+        if any(r["peer"] == "vllm" and r["case"] != "forward" for r in m.get("peer_results", [])):
+            fail(f"model {m['name']}: vLLM rows of a case other than the forward")
+    return f"vLLM {version} in {python}"
 
 
 def check_peers(doc, args):
@@ -250,45 +327,16 @@ def check_peers(doc, args):
         if any(n == name for n, _ in ran):
             fail(f"peer {name} both ran and is reported as skipped")
 
+    vllm = check_vllm(doc, args, cases, ran, must_skip)
     if "--no-peers" in args:
         for name in ("kt-kernel", "deepspeed"):
             must_skip(name)
         return "no peers (--no-peers)"
     if "--peers-python" not in args:
-        return "peers not checked (no --peers-python)"
+        return f"peers not checked (no --peers-python); {vllm}"
     python = args[args.index("--peers-python") + 1]
     present = probe_peers(python)
     sft = present.pop("kt-kernel-sft", None)
-
-    def check_kt_kernel_rows(m, case):
-        """kt-kernel's bf16 rows of `case`: every T of the model, beside kt,
-        with both errors (y for the forward, dx for training) against the
-        double-precision reference."""
-        rows = {r["tokens"]: r for r in m.get("peer_results", [])
-                if r["peer"] == "kt-kernel" and r["variant"] == "bf16" and r["case"] == case}
-        want = {r["tokens"] for r in m["results"] if r["case"] == case}
-        if set(rows) != want:
-            fail(f"model {m['name']}: kt-kernel bf16 {case} rows for T {sorted(rows)}, expected {sorted(want)}")
-        for T, r in rows.items():
-            what = f"model {m['name']} kt-kernel {case} T={T}"
-            require(r, ["ms", "kt_ms", "speedup_of_kt", "speedup_of_kt_paired", "rel_l2_vs_f64",
-                        "kt_rel_l2_vs_f64", "rows_compared", "timing", "class"], what)
-            if case != "forward":
-                require(r, ["note"], what)
-            if "error" in r:
-                fail(f"{what}: {r['error']}")
-            if not (r["ms"] or 0) > 0 or not (r["kt_ms"] or 0) > 0:
-                fail(f"{what}: no time ({r['ms']}, kt {r['kt_ms']})")
-            if abs(r["speedup_of_kt"] - r["ms"] / r["kt_ms"]) > 1e-3 * r["speedup_of_kt"]:
-                fail(f"{what}: speedup_of_kt {r['speedup_of_kt']} is not ms / kt_ms")
-            if not (r["speedup_of_kt_paired"] or 0) > 0:
-                fail(f"{what}: no paired ratio ({r['speedup_of_kt_paired']})")
-            if not r["rows_compared"] > 0:
-                fail(f"{what}: no rows compared")
-            # bf16 rounding of y (dx) and of the intermediates: about 1e-3 to 1e-2.
-            for key in ("rel_l2_vs_f64", "kt_rel_l2_vs_f64"):
-                if r[key] is None or not 0 < r[key] < 0.05:
-                    fail(f"{what}: {key} {r[key]} is not in (0, 0.05)")
 
     # kt-kernel: every forward T of each model, beside kt; with its SFT
     # classes, every train_dx and train_lora T too.
@@ -299,7 +347,7 @@ def check_peers(doc, args):
         for m in doc["models"]:
             for case in ("forward", "train_dx", "train_lora"):
                 if case in cases and (case == "forward" or sft):
-                    check_kt_kernel_rows(m, case)
+                    check_peer_rows(m, "kt-kernel", case)
             if "forward" not in cases:
                 continue
             for variant in ("int8", "int4"):
@@ -364,7 +412,7 @@ def check_peers(doc, args):
                 if rows != want:
                     fail(f"model {m['name']}: torch {present['torch']} rows {sorted(rows)}, expected {sorted(want)}")
     return (f"peers in {python}: {', '.join(f'{k} {v}' for k, v in sorted(present.items())) or 'none'}"
-            f"{' (with its SFT classes)' if sft else ''}; "
+            f"{' (with its SFT classes)' if sft else ''}; {vllm}; "
             f"skipped: {', '.join(sk['name'] + ' ' + sk['what'] for sk in doc['peers_skipped']) or 'none'}")
 
 

@@ -5,7 +5,7 @@
 //            [--threads N] [--reps N] [--warmup N] [--isa NAME] [--max-weight-gb X]
 //            [--profile] [--no-onednn] [--no-torch] [--python PATH] [--torch-script PATH]
 //            [--optim-params LIST] [--no-peers] [--peers-python PATH]
-//            [--format LIST]
+//            [--vllm-python PATH] [--format LIST]
 //
 // Only kt's public C ABI is used for kt. See README.md for the columns.
 #include <dirent.h>
@@ -44,6 +44,11 @@ std::string default_torch_script() {
 std::string default_peers_python() {
   const char* env = std::getenv("KT_BENCH_PEERS_PYTHON");
   return env && *env ? env : KT_BENCH_PEERS_PYTHON;
+}
+
+std::string default_vllm_python() {
+  const char* env = std::getenv("KT_BENCH_VLLM_PYTHON");
+  return env ? env : "";
 }
 
 namespace {
@@ -86,7 +91,11 @@ const char* kUsage =
     "                       DeepSpeed's CPU Adam (optimizer case) and its torch when that is not\n"
     "                       --python's (default $KT_BENCH_PEERS_PYTHON, else\n"
     "                       " KT_BENCH_PEERS_PYTHON ")\n"
-    "  --no-peers           skip those peers\n"
+    "  --vllm-python PATH   interpreter of vLLM's venv (its CPU build): vLLM's CPU fused MoE\n"
+    "                       (torch.ops._C.cpu_fused_moe, weights prepacked as vLLM loads them)\n"
+    "                       beside kt's bf16 forward, in a second peers' process (default\n"
+    "                       $KT_BENCH_VLLM_PYTHON, else not run)\n"
+    "  --no-peers           skip those peers (vLLM's too)\n"
     "  --format LIST        also run kt with these weight storage formats, side by side with bf16\n"
     "                       on the same layer and workloads (not train_full: a quantized base is\n"
     "                       frozen): int8_channel, int4_g32, int4_g128 (kt quantizes the bf16\n"
@@ -231,6 +240,7 @@ bool parse_valued(const std::string& a, const std::string& v, Options* o, Given*
   else if (a == "--python") o->python = v;
   else if (a == "--torch-script") o->torch_script = v;
   else if (a == "--peers-python") o->peers_python = v;
+  else if (a == "--vllm-python") o->vllm_python = v;
   else if (a == "--backend") return parse_backend(v, o, error);
   else if (a == "--format") return parse_formats(v, o, error);
   else if (a == "--isa") return parse_isa(v, o, error);
@@ -341,6 +351,17 @@ std::unique_ptr<PeerProcess> start_peers(const Options& o, const kt_engine_info&
                                        (peer_dir->empty() ? std::string("/tmp") : *peer_dir) + "/peers.log");
 }
 
+// vLLM's peer: peers_baseline.py once more, from vLLM's venv, importing
+// vLLM only; null with --no-peers or without --vllm-python.
+std::unique_ptr<PeerProcess> start_vllm_peer(const Options& o, const kt_engine_info& info,
+                                             const std::string& peer_dir) {
+  if (!o.peers || o.vllm_python.empty()) return nullptr;
+  if (!o.json) std::fprintf(stderr, "kt_bench: peers: starting %s for vLLM\n", o.vllm_python.c_str());
+  return std::make_unique<PeerProcess>(o.vllm_python, peers_script_of(o.torch_script), info.num_threads,
+                                       (peer_dir.empty() ? std::string("/tmp") : peer_dir) + "/vllm.log",
+                                       std::vector<std::string>{"--peers", "vllm"});
+}
+
 const ModelShape& shape_of(const std::string& name) {
   return *std::find_if(std::begin(kModelShapes), std::end(kModelShapes),
                        [&](const ModelShape& s) { return name == s.name; });
@@ -400,17 +421,19 @@ int main(int argc, char** argv) {
 
   std::string peer_dir;
   std::unique_ptr<PeerProcess> peer = start_peers(o, info, &peer_dir);
+  std::unique_ptr<PeerProcess> vllm = start_vllm_peer(o, info, peer_dir);
   std::vector<PeerSkip> skips;
   std::vector<ModelReport> models;
   if (!o.cases.empty())
     for (const std::string& name : o.models)
       models.push_back(bench_model(shape_of(name), o, engine, info.num_threads, lim, torch_reason, peer.get(),
-                                   peer_dir, &skips));
+                                   vllm.get(), peer_dir, &skips));
   OptimizerReport optimizer;
   if (o.optimizer) optimizer = bench_optimizer(engine, o, info, torch_reason, peer.get(), peer_dir);
   const OptimizerReport* optimizer_ran = o.optimizer ? &optimizer : nullptr;
-  const std::vector<PeerEntry> peers = summarize_peers(o, peer.get(), models, optimizer_ran, &skips);
-  peer.reset();  // ends the subprocess
+  const std::vector<PeerEntry> peers = summarize_peers(o, peer.get(), vllm.get(), models, optimizer_ran, &skips);
+  peer.reset();  // ends the subprocesses
+  vllm.reset();
   if (!peer_dir.empty()) remove_directory(peer_dir);
   std::fprintf(stderr, "kt_bench: %s\n", skip_line(skips).c_str());
   if (o.json) write_json(o, lim, info, models, optimizer_ran, peers, skips);

@@ -30,6 +30,10 @@ std::string default_torch_script();
 // installed beside kt), else the source tree's venv.
 std::string default_peers_python();
 
+// vLLM's interpreter (the venv where vLLM's CPU build is installed):
+// $KT_BENCH_VLLM_PYTHON, else empty: the vLLM peer does not run.
+std::string default_vllm_python();
+
 // A --format entry: the storage format, and KT_COMPUTE_INT8 for "name/int8".
 struct FormatChoice {
   kt_weight_format format = KT_FORMAT_BF16;
@@ -62,6 +66,9 @@ struct Options {
   // see default_peers_python.
   bool peers = true;
   std::string peers_python = default_peers_python();
+  // vLLM's CPU fused MoE beside kt's forward, run by this interpreter (a
+  // second peers' process: vLLM has a venv of its own); empty: not run.
+  std::string vllm_python = default_vllm_python();
   // Storage formats (with how the layer multiplies) compared side by side
   // with bf16 (kt only).
   std::vector<FormatChoice> formats;
@@ -137,7 +144,7 @@ struct LinearFit {
 // taking turns, same batches), and both results against a double-precision
 // reference on the first rows of the first batch.
 struct PeerRow {
-  std::string peer, variant;  // "kt-kernel", "bf16" | "int8" | "int4"
+  std::string peer, variant;  // "kt-kernel" or "vllm", "bf16" | "int8" | "int4"
   std::string peer_class;     // the peer's class that ran
   std::string kt_format;      // the kt layer it is compared with
   Case which = Case::kForward;
@@ -215,9 +222,9 @@ std::string onednn_version();
 void measure_call_us(kt_engine* engine, Limits* lim);
 
 // Every case of o on one model: kt, its storage formats, kt-kernel (through
-// peer), oneDNN and torch.
+// peer), vLLM (through vllm), oneDNN and torch.
 ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
-                        const Limits& lim, const std::string& torch_reason, PeerProcess* peer,
+                        const Limits& lim, const std::string& torch_reason, PeerProcess* peer, PeerProcess* vllm,
                         const std::string& peer_dir, std::vector<PeerSkip>* skips);
 
 // ------------------------------------------------------------ peers
@@ -225,13 +232,25 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
 // kt-kernel beside kt on the same layer, routing and inputs, on the cases of
 // --cases it has: the forward and, where its build has the bf16 SFT classes,
 // train_lora and train_dx; a skip with the reason for each case it does not run.
+// *layer_written: whether peer_dir holds the layer and its batches (set once
+// written).
 void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
                      kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
-                     const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips);
+                     const std::string& peer_dir, bool* layer_written, ModelReport* rep,
+                     std::vector<PeerSkip>* skips);
+
+// vLLM's CPU fused MoE (the op its unquantized CPU experts serve with, its
+// weights prepacked as at its load) beside kt's bf16 forward at every T, on
+// the same layer, routing, inputs and threads; a skip with the reason for
+// each case it does not run (it has no training path).
+void bench_vllm(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o, KtRunner& bf16,
+                int64_t max_tokens, PeerProcess* vllm, const std::string& peer_dir, bool* layer_written,
+                ModelReport* rep, std::vector<PeerSkip>* skips);
 
 // Which peers ran, and adds a skip for each one that did not (with why).
-std::vector<PeerEntry> summarize_peers(const Options& o, PeerProcess* peer, const std::vector<ModelReport>& models,
-                                       const OptimizerReport* optimizer, std::vector<PeerSkip>* skips);
+std::vector<PeerEntry> summarize_peers(const Options& o, PeerProcess* peer, PeerProcess* vllm,
+                                       const std::vector<ModelReport>& models, const OptimizerReport* optimizer,
+                                       std::vector<PeerSkip>* skips);
 
 std::string skip_line(const std::vector<PeerSkip>& skips);
 

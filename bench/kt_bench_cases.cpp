@@ -357,7 +357,7 @@ void bench_torch(const LayerWeights& layer, const std::vector<Workload>& work, c
 }  // namespace
 
 ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* engine, int threads,
-                        const Limits& lim, const std::string& torch_reason, PeerProcess* peer,
+                        const Limits& lim, const std::string& torch_reason, PeerProcess* peer, PeerProcess* vllm,
                         const std::string& peer_dir, std::vector<PeerSkip>* skips) {
   ModelReport rep;
   rep.shape = shape;
@@ -384,8 +384,14 @@ ModelReport bench_model(const ModelShape& shape, const Options& o, kt_engine* en
     for (const FormatChoice& choice : o.formats)
       bench_format(choice, layer, work, o, engine, threads, max_tokens, bf16, reader, &rep);
     rep.loads.insert(rep.loads.begin(), bf16.loads().begin(), bf16.loads().end());
+    // The peers read the layer and batches from peer_dir, written once for both.
+    bool layer_written = false;
     if (peer && peer->ok() && !peer->said("kt_kernel").empty())
-      bench_kt_kernel(layer, work, o, engine, bf16, std::max<int64_t>(max_tokens, 16), peer, peer_dir, &rep, skips);
+      bench_kt_kernel(layer, work, o, engine, bf16, std::max<int64_t>(max_tokens, 16), peer, peer_dir,
+                      &layer_written, &rep, skips);
+    if (vllm && vllm->ok() && !vllm->said("vllm_class").empty())
+      bench_vllm(layer, work, o, bf16, std::max<int64_t>(max_tokens, 16), vllm, peer_dir, &layer_written, &rep,
+                 skips);
   }
   for (Case c : o.cases) rep.fits[c] = fit_cost(rep.rows, c);
   bench_onednn(layer, work, o, threads, kt_results, &rep);

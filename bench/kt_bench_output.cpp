@@ -128,27 +128,44 @@ void print_optimizer(const OptimizerReport& rep, const Limits& lim) {
               kAdamwBytesPerParam, kLayerStepBytesPerParam);
 }
 
-// kt-kernel beside kt, and torch from the peers' interpreter, per row.
+// One peer's rows beside kt (its name and its short name in the column
+// headings, e.g. "kt-kernel ms", "err kt-k"; the ratio column "x<x_label>").
+void print_peer_block(const ModelReport& mr, const std::string& peer, const char* title, const char* label,
+                      const char* short_label, const char* x_label) {
+  std::printf("   %s:\n"
+              "   a call of each per round beside kt's (taking turns; same batches); x: medians, pair: the\n"
+              "   median of each round's ratio; err: the relative L2 of y (forward) or dx (training) from the\n"
+              "   double-precision reference (first rows of the first batch, from the bf16 weights):\n",
+              title);
+  std::printf("   %-10s %-5s %-17s %6s %9s %12s %6s %6s %9s %9s\n", "case", short_label, "kt layer", "T", "kt ms",
+              (std::string(label) + " ms").c_str(), (std::string("x") + x_label).c_str(), "pair", "err kt",
+              (std::string("err ") + short_label).c_str());
+  const std::string* last_note = nullptr;
+  for (const PeerRow& r : mr.peer_rows) {
+    if (r.peer != peer) continue;
+    std::printf("   %-10s %-5s %-17s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
+                r.kt_format.c_str(), static_cast<long long>(r.tokens), fmt("%.3f", r.kt_s * 1e3).c_str(),
+                fmt("%.3f", r.peer_s * 1e3).c_str(), fmt("%.2f", r.peer_s / r.kt_s).c_str(),
+                fmt("%.2f", r.ratio).c_str(), fmt("%.1e", r.kt_rel_l2).c_str(), fmt("%.1e", r.peer_rel_l2).c_str());
+    if (!r.note.empty() && (!last_note || *last_note != r.note)) std::printf("      %s\n", r.note.c_str());
+    last_note = &r.note;
+    if (!r.error.empty()) std::printf("      %s\n", r.error.c_str());
+  }
+}
+
+// kt-kernel and vLLM beside kt, and torch from the peers' interpreter, per row.
 void print_peer_rows(const ModelReport& mr) {
   if (mr.peer_rows.empty() && !mr.torch2.ran) return;
   std::printf("peers on the same layer, routing and inputs (x = peer time / kt time: above 1, kt is faster):\n");
-  if (!mr.peer_rows.empty()) {
-    std::printf(
-        "   kt-kernel, a call of each per round beside kt's (taking turns; same batches); x: medians, pair:\n"
-        "   the median of each round's ratio; err: the relative L2 of y (forward) or dx (training) from the\n"
-        "   double-precision reference (first rows of the first batch, from the bf16 weights):\n");
-    std::printf("   %-10s %-5s %-17s %6s %9s %12s %6s %6s %9s %9s\n", "case", "kt-k", "kt layer", "T", "kt ms",
-                "kt-kernel ms", "x", "pair", "err kt", "err kt-k");
-    const std::string* last_note = nullptr;
-    for (const PeerRow& r : mr.peer_rows) {
-      std::printf("   %-10s %-5s %-17s %6lld %9s %12s %6s %6s %9s %9s\n", case_key(r.which), r.variant.c_str(),
-                  r.kt_format.c_str(), static_cast<long long>(r.tokens), fmt("%.3f", r.kt_s * 1e3).c_str(),
-                  fmt("%.3f", r.peer_s * 1e3).c_str(), fmt("%.2f", r.peer_s / r.kt_s).c_str(),
-                  fmt("%.2f", r.ratio).c_str(), fmt("%.1e", r.kt_rel_l2).c_str(), fmt("%.1e", r.peer_rel_l2).c_str());
-      if (!r.note.empty() && (!last_note || *last_note != r.note)) std::printf("      %s\n", r.note.c_str());
-      last_note = &r.note;
-      if (!r.error.empty()) std::printf("      %s\n", r.error.c_str());
-    }
+  const auto has = [&](const char* peer) {
+    return std::any_of(mr.peer_rows.begin(), mr.peer_rows.end(), [&](const PeerRow& r) { return r.peer == peer; });
+  };
+  if (has("kt-kernel")) print_peer_block(mr, "kt-kernel", "kt-kernel", "kt-kernel", "kt-k", "");
+  if (has("vllm")) {
+    const std::string cls = std::find_if(mr.peer_rows.begin(), mr.peer_rows.end(), [](const PeerRow& r) {
+                              return r.peer == "vllm";
+                            })->peer_class;
+    print_peer_block(mr, "vllm", ("vLLM's cpu_fused_moe, " + cls).c_str(), "vLLM", "vLLM", "vLLM");
   }
   if (mr.torch2.ran) {
     std::printf("   torch %s eager (peers' interpreter, %d threads), run after kt, against kt's time above:\n",
@@ -613,8 +630,9 @@ void write_linearity(JsonWriter& j, const ModelReport& mr, const Limits& lim) {
 }
 
 void write_peer_results(JsonWriter& j, const ModelReport& mr) {
-  // Peers: kt-kernel timed call by call beside kt (timing "alternating"),
-  // torch from the peers' interpreter run after kt ("separate").
+  // Peers: kt-kernel and vLLM timed call by call beside kt (timing
+  // "alternating"), torch from the peers' interpreter run after kt
+  // ("separate").
   j.key("peer_results").begin_array();
   for (const PeerRow& r : mr.peer_rows) {
     j.begin_object();

@@ -1,5 +1,6 @@
-// kt_bench's peers: kt-kernel's forward and SFT MoEs timed call by call
-// beside kt's, both against a double-precision reference, and which peers ran.
+// kt_bench's peers: kt-kernel's forward and SFT MoEs and vLLM's CPU fused MoE
+// timed call by call beside kt's, both against a double-precision reference,
+// and which peers ran.
 #include <dirent.h>
 #include <unistd.h>
 
@@ -188,7 +189,7 @@ void time_beside_peer(KtRunner& kt, Case c, const Workload& w, const Options& o,
     r->peer_s = a.beside;
     r->ratio = a.beside_ratio;
   }
-  if (!peer_error.empty()) r->error = "kt-kernel: " + peer_error;
+  if (!peer_error.empty()) r->error = r->peer + ": " + peer_error;
 }
 
 // A peer command naming the layer kt_bench wrote in peer_dir: its shape and
@@ -226,29 +227,28 @@ double peer_output_error(PeerProcess* peer, Fields output, int64_t T, int64_t ro
   return err;
 }
 
-// kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
-// bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
-// themselves at load and multiply int8 activations) against kt's
-// int8_channel/int8 and int4_g32/int8 layers (KT_COMPUTE_INT8: int8
-// activations too), where its build has them. False when the peer's
-// process is gone.
-bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
-                             kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
-                             const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
-  const char* name = "kt-kernel";
-  struct Variant {
-    const char* name;
-    kt_weight_format kt_format;
-    kt_compute compute;
-  };
-  const Variant variants[] = {{"bf16", KT_FORMAT_BF16, KT_COMPUTE_BF16},
-                              {"int8", KT_FORMAT_INT8_CHANNEL, KT_COMPUTE_INT8},
-                              {"int4", KT_FORMAT_INT4_G32, KT_COMPUTE_INT8}};
+// A peer's forward MoE (the moe_* commands of peers_baseline.py) and the kt
+// layer it runs beside.
+struct ForwardVariant {
+  const char* name;
+  kt_weight_format kt_format;
+  kt_compute compute;
+};
+
+// The forward MoEs of peer `name` beside kt's forward, each variant against
+// its kt layer (bf16: the layer bf16 runs; a quantized one is made here),
+// where the peer loads it, else a skip with its reason; `note`, where not
+// empty, is every row's. False when the peer's process is gone.
+bool bench_peer_forward(const char* name, const std::vector<ForwardVariant>& variants, const std::string& note,
+                        const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                        kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
+                        const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
   std::string error;
-  for (const Variant& v : variants) {
+  for (const ForwardVariant& v : variants) {
     Fields reply;
-    if (!o.json) std::fprintf(stderr, "kt_bench: %s: kt-kernel %s: loading\n", layer.shape.name, v.name);
+    if (!o.json) std::fprintf(stderr, "kt_bench: %s: %s %s: loading\n", layer.shape.name, name, v.name);
     Fields load = peer_layer_command("moe_load", layer, peer_dir, max_tokens);
+    load["peer"] = name;
     load["variant"] = v.name;
     const bool asked = peer->ask(load, &reply, &error);
     if (!asked || !reply.count("ok")) {
@@ -263,7 +263,7 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
     KtRunner& kt = quantized ? *quantized : bf16;
     for (const Workload& w : work) {
       if (!o.json)
-        std::fprintf(stderr, "kt_bench: %s: kt-kernel %s forward T=%lld beside kt\n", layer.shape.name, v.name,
+        std::fprintf(stderr, "kt_bench: %s: %s %s forward T=%lld beside kt\n", layer.shape.name, name, v.name,
                      static_cast<long long>(w.tokens));
       PeerRow r;
       r.peer = name;
@@ -272,20 +272,38 @@ bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Worklo
       r.kt_format = std::string(kt_weight_format_name(v.kt_format)) + (v.compute == KT_COMPUTE_INT8 ? "/int8" : "");
       r.which = Case::kForward;
       r.tokens = w.tokens;
+      r.note = note;
       time_beside_peer(kt, Case::kForward, w, o, peer,
-                       {{"cmd", "moe_call"}, {"variant", v.name}, {"T", std::to_string(w.tokens)}}, &r);
+                       {{"cmd", "moe_call"}, {"peer", name}, {"variant", v.name}, {"T", std::to_string(w.tokens)}},
+                       &r);
       // Both against the double-precision reference, first rows of batch 0.
       r.rows_compared = std::min<int64_t>(w.tokens, o.quick ? 2 : 8);
       const std::vector<double> ref = reference_y(layer, w.batches.front(), r.rows_compared);
       std::vector<float> y, unused;
       if (kt.outputs(Case::kForward, w, &y, &unused, &r.error)) r.kt_rel_l2 = rel_l2_to(y.data(), ref);
-      r.peer_rel_l2 = peer_output_error(peer, {{"cmd", "moe_output"}, {"variant", v.name}}, w.tokens,
-                                        r.rows_compared, peer_dir + "/y.f32", ref);
+      r.peer_rel_l2 = peer_output_error(peer, {{"cmd", "moe_output"}, {"peer", name}, {"variant", v.name}},
+                                        w.tokens, r.rows_compared, peer_dir + "/y.f32", ref);
       rep->peer_rows.push_back(r);
     }
-    peer->ask({{"cmd", "moe_free"}, {"variant", v.name}}, &reply, &error);
+    peer->ask({{"cmd", "moe_free"}, {"peer", name}, {"variant", v.name}}, &reply, &error);
   }
   return true;
+}
+
+// kt-kernel's forward MoEs beside kt's forward: its bf16 MoE against kt's
+// bf16 layer, and its int8 and int4 MoEs (which quantize the bf16 weights
+// themselves at load and multiply int8 activations) against kt's
+// int8_channel/int8 and int4_g32/int8 layers (KT_COMPUTE_INT8: int8
+// activations too), where its build has them. False when the peer's
+// process is gone.
+bool bench_kt_kernel_forward(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
+                             kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
+                             const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
+  return bench_peer_forward("kt-kernel",
+                            {{"bf16", KT_FORMAT_BF16, KT_COMPUTE_BF16},
+                             {"int8", KT_FORMAT_INT8_CHANNEL, KT_COMPUTE_INT8},
+                             {"int4", KT_FORMAT_INT4_G32, KT_COMPUTE_INT8}},
+                            "", layer, work, o, engine, bf16, max_tokens, peer, peer_dir, rep, skips);
 }
 
 // kt-kernel's bf16 SFT MoE beside kt's training case c (train_lora: LoRA
@@ -354,7 +372,8 @@ bool bench_kt_kernel_train(Case c, const LayerWeights& layer, const std::vector<
 
 void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o,
                      kt_engine* engine, KtRunner& bf16, int64_t max_tokens, PeerProcess* peer,
-                     const std::string& peer_dir, ModelReport* rep, std::vector<PeerSkip>* skips) {
+                     const std::string& peer_dir, bool* layer_written, ModelReport* rep,
+                     std::vector<PeerSkip>* skips) {
   const char* name = "kt-kernel";
   const auto asked = [&](Case c) { return std::find(o.cases.begin(), o.cases.end(), c) != o.cases.end(); };
   if (!asked(Case::kForward)) add_skip(skips, name, "forward", "not in --cases");
@@ -375,7 +394,8 @@ void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& wor
   std::vector<std::vector<float>> lora;
   if (std::find(train.begin(), train.end(), Case::kTrainLora) != train.end()) lora = lora_factors(layer);
   std::string error;
-  if (!write_layer_for_peer(peer_dir, layer, work, &error) ||
+  *layer_written = *layer_written || write_layer_for_peer(peer_dir, layer, work, &error);
+  if (!*layer_written ||
       (!train.empty() && !write_training_data_for_peer(peer_dir, work, lora.empty() ? nullptr : &lora, &error))) {
     if (asked(Case::kForward)) add_skip(skips, name, "forward", error);
     for (Case c : train) add_skip(skips, name, case_key(c), error);
@@ -390,6 +410,33 @@ void bench_kt_kernel(const LayerWeights& layer, const std::vector<Workload>& wor
       return;
 }
 
+void bench_vllm(const LayerWeights& layer, const std::vector<Workload>& work, const Options& o, KtRunner& bf16,
+                int64_t max_tokens, PeerProcess* vllm, const std::string& peer_dir, bool* layer_written,
+                ModelReport* rep, std::vector<PeerSkip>* skips) {
+  const char* name = "vllm";
+  for (Case c : o.cases)
+    if (c != Case::kForward)
+      add_skip(skips, name, case_key(c), "vLLM serves inference: its CPU fused MoE has no backward");
+  if (std::find(o.cases.begin(), o.cases.end(), Case::kForward) == o.cases.end()) {
+    add_skip(skips, name, "forward", "not in --cases");
+    return;
+  }
+  std::string error;
+  *layer_written = *layer_written || write_layer_for_peer(peer_dir, layer, work, &error);
+  if (!*layer_written) {
+    add_skip(skips, name, "forward", error);
+    return;
+  }
+  // kt skips the routes to experts outside a slice (id -1); vLLM's op has
+  // no such route, so peers_baseline.py sends them to expert 0 with weight 0.
+  const std::string note = layer.experts < layer.shape.experts
+                               ? "a slice: vLLM's op has no dropped route, so the routes kt skips go to expert 0 "
+                                 "with weight 0 (more work)"
+                               : "";
+  bench_peer_forward(name, {{"bf16", KT_FORMAT_BF16, KT_COMPUTE_BF16}}, note, layer, work, o, nullptr, bf16,
+                     max_tokens, vllm, peer_dir, rep, skips);
+}
+
 void remove_directory(const std::string& dir) {
   if (DIR* d = opendir(dir.c_str())) {
     while (const dirent* e = readdir(d)) {
@@ -402,30 +449,51 @@ void remove_directory(const std::string& dir) {
 }
 
 // Which peers ran, and adds a skip for each one that did not (with why).
-std::vector<PeerEntry> summarize_peers(const Options& o, PeerProcess* peer, const std::vector<ModelReport>& models,
-                                       const OptimizerReport* optimizer, std::vector<PeerSkip>* skips) {
+namespace {
+
+// Whether the MoE peer `name` ran (a timed row); else adds a skip with why.
+bool moe_peer_ran(const std::string& name, const std::vector<ModelReport>& models, std::vector<PeerSkip>* skips) {
+  std::string why;
+  for (const ModelReport& m : models)
+    for (const PeerRow& r : m.peer_rows) {
+      if (r.peer != name) continue;
+      if (std::isfinite(r.peer_s)) return true;
+      if (why.empty() && !r.error.empty()) why = r.error;
+    }
+  add_skip(skips, name, "all",
+           models.empty() ? "no MoE case in --cases"
+                          : why.empty() ? "it did not run (see the other " + name + " lines)" : why);
+  return false;
+}
+
+}  // namespace
+
+std::vector<PeerEntry> summarize_peers(const Options& o, PeerProcess* peer, PeerProcess* vllm,
+                                       const std::vector<ModelReport>& models, const OptimizerReport* optimizer,
+                                       std::vector<PeerSkip>* skips) {
   std::vector<PeerEntry> ran;
   const bool started = peer && peer->ok();
   const std::string no_peer = !o.peers ? "--no-peers" : !started ? peer->reason() : "";
   // kt-kernel
   if (!started || peer->said("kt_kernel").empty()) {
     add_skip(skips, "kt-kernel", "all", started ? peer->said("kt_kernel_reason") : no_peer);
-  } else {
-    bool any = false;
-    for (const ModelReport& m : models)
-      for (const PeerRow& r : m.peer_rows) any = any || std::isfinite(r.peer_s);
-    if (any) {
-      ran.push_back({"kt-kernel", peer->said("kt_kernel"), o.peers_python, "peer",
-                     peer->said("kt_kernel_variant") + " build, int8 kernel: " + peer->said("kt_kernel_int8")});
-    } else if (models.empty()) {
-      add_skip(skips, "kt-kernel", "all", "no MoE case in --cases");
-    } else {
-      std::string why;
-      for (const ModelReport& m : models)
-        for (const PeerRow& r : m.peer_rows)
-          if (why.empty() && !r.error.empty()) why = r.error;
-      add_skip(skips, "kt-kernel", "all", why.empty() ? "it did not run (see the other kt-kernel lines)" : why);
-    }
+  } else if (moe_peer_ran("kt-kernel", models, skips)) {
+    ran.push_back({"kt-kernel", peer->said("kt_kernel"), o.peers_python, "peer",
+                   peer->said("kt_kernel_variant") + " build, int8 kernel: " + peer->said("kt_kernel_int8")});
+  }
+  // vLLM, from its own interpreter
+  if (!o.peers) {
+    add_skip(skips, "vllm", "all", "--no-peers");
+  } else if (o.vllm_python.empty()) {
+    add_skip(skips, "vllm", "all", "no --vllm-python (the interpreter of vLLM's venv) given");
+  } else if (!vllm || !vllm->ok()) {
+    add_skip(skips, "vllm", "all", vllm ? vllm->reason() : "not started");
+  } else if (vllm->said("vllm_class").empty()) {
+    const std::string why = vllm->said("vllm_reason");
+    add_skip(skips, "vllm", "all", "--vllm-python " + o.vllm_python + ": " + (why.empty() ? "no vLLM" : why));
+  } else if (moe_peer_ran("vllm", models, skips)) {
+    ran.push_back({"vllm", vllm->said("vllm"), o.vllm_python, "peer",
+                   "torch.ops._C.cpu_fused_moe of " + vllm->said("vllm_class") + ", torch " + vllm->said("torch")});
   }
   // deepspeed
   if (!optimizer) {

@@ -33,7 +33,7 @@ std::string json_escape(const std::string& s) {
 }  // namespace
 
 PeerProcess::PeerProcess(const std::string& python, const std::string& script, int threads,
-                         const std::string& log_path)
+                         const std::string& log_path, const std::vector<std::string>& script_args)
     : log_path_(log_path) {
   if (access(python.c_str(), X_OK) != 0) {
     reason_ = python + " not found";
@@ -51,6 +51,10 @@ PeerProcess::PeerProcess(const std::string& python, const std::string& script, i
     return;
   }
   const std::string threads_arg = std::to_string(threads);
+  std::vector<char*> argv = {const_cast<char*>(python.c_str()), const_cast<char*>(script.c_str()),
+                             const_cast<char*>("--threads"), const_cast<char*>(threads_arg.c_str())};
+  for (const std::string& a : script_args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
   pid_ = fork();
   if (pid_ == 0) {
     dup2(in[0], 0);
@@ -58,8 +62,7 @@ PeerProcess::PeerProcess(const std::string& python, const std::string& script, i
     const int log = open(log_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (log >= 0) dup2(log, 2);
     for (int fd = 3; fd < 1024; ++fd) close(fd);
-    execl(python.c_str(), python.c_str(), script.c_str(), "--threads", threads_arg.c_str(),
-          static_cast<char*>(nullptr));
+    execv(python.c_str(), argv.data());
     _exit(127);
   }
   close(in[0]);

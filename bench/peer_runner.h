@@ -1,6 +1,6 @@
 // The peers of kt_bench that run in Python (peers_baseline.py: kt-kernel's
-// MoE, DeepSpeed's CPU Adam) as one subprocess kt_bench talks to a call at a
-// time, so that kt and a peer are timed in the same rounds, one call each.
+// MoE, DeepSpeed's CPU Adam; vLLM's CPU fused MoE in a second process, from
+// vLLM's own venv) as subprocesses kt_bench talks to a call at a time, so that kt and a peer are timed in the same rounds, one call each.
 #ifndef KT_BENCH_PEER_RUNNER_H_
 #define KT_BENCH_PEER_RUNNER_H_
 
@@ -25,9 +25,11 @@ using Fields = std::map<std::string, std::string>;
 
 class PeerProcess {
  public:
-  // Starts `python script --threads N` with its stderr in `log_path`; reads
-  // its hello line. ok() is false with reason() set when it did not start.
-  PeerProcess(const std::string& python, const std::string& script, int threads, const std::string& log_path);
+  // Starts `python script --threads N [script_args...]` with its stderr in
+  // `log_path`; reads its hello line. ok() is false with reason() set when it
+  // did not start.
+  PeerProcess(const std::string& python, const std::string& script, int threads, const std::string& log_path,
+              const std::vector<std::string>& script_args = {});
   ~PeerProcess();
   PeerProcess(const PeerProcess&) = delete;
   PeerProcess& operator=(const PeerProcess&) = delete;

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
-"""kt_bench's peers in one subprocess: kt-kernel's MoE and DeepSpeed's CPU Adam.
+"""kt_bench's peers in one subprocess: kt-kernel's MoE and DeepSpeed's CPU Adam,
+or vLLM's CPU fused MoE.
 
-kt_bench starts this script with the interpreter of --peers-python and talks
-to it one flat JSON object a line: a command on stdin, one reply on stdout
+kt_bench starts this script with the interpreter of --peers-python (--peers
+kt-kernel,deepspeed, the default) and, with --vllm-python, once more with that
+interpreter and --peers vllm: vLLM lives in a venv of its own. It talks to
+each one flat JSON object a line: a command on stdin, one reply on stdout
 (everything else the libraries print goes to stderr). The peers run on the
 data kt_bench writes to a directory (the same weights, routing, inputs and
 optimizer tensors kt runs on) and kt_bench calls them one call at a time,
@@ -12,17 +15,20 @@ First line out, unasked: {"hello": 1, "python", "threads", "torch" or
 "torch_reason", "kt_kernel" (version) or "kt_kernel_reason",
 "kt_kernel_variant", "kt_kernel_int8", "kt_kernel_sft" (its bf16 SFT
 classes) or "kt_kernel_train_lora_reason" and "kt_kernel_train_dx_reason",
-"deepspeed" or "deepspeed_reason"}.
+"deepspeed" or "deepspeed_reason"}; with --peers vllm instead of the
+kt-kernel and DeepSpeed keys: "vllm" (version) and "vllm_class" (the experts
+class and ISA its CPU oracle picks here) or "vllm_reason".
 
 Commands ({"cmd": ...}):
   moe_load  dir, experts, top_k, hidden, intermediate, max_tokens, variant
-            (bf16 | int8 | int4): builds kt-kernel's MoE of that variant from
+            (bf16 | int8 | int4), peer (kt-kernel, the default, or vllm:
+            bf16 only): builds that peer's MoE of that variant from
             dir/{gate,up,down}.bf16 -> {"ok", "class", "load_s"} or {"reason"}
-  moe_call  variant, T, batch: one forward of batch `batch` of dir/*_T.* ->
-            {"s": seconds}
-  moe_output variant, T, batch, rows, path: y of the first `rows` tokens of
-            that batch, fp32, written to path -> {"ok"}
-  moe_free  variant
+  moe_call  peer, variant, T, batch: one forward of batch `batch` of
+            dir/*_T.* -> {"s": seconds}
+  moe_output peer, variant, T, batch, rows, path: y of the first `rows`
+            tokens of that batch, fp32, written to path -> {"ok"}
+  moe_free  peer, variant
   sft_load  dir, experts, top_k, hidden, intermediate, max_tokens, case
             (train_lora | train_dx), and for train_lora lora_rank, lora_alpha:
             builds kt-kernel's bf16 SFT MoE (AMXBF16_SFT_MOE with the LoRA
@@ -62,6 +68,21 @@ pointers and null gradients. The wrapper is not used for the reasons above
 keeps, and a torch autograd context around each call); one forward with
 save_for_backward followed by one backward is what its autograd function
 runs per training step.
+
+vLLM's peer is the op its unquantized CPU experts serve with
+(vllm/model_executor/layers/fused_moe/experts/cpu_moe.py), called as they
+call it: the class is the first of the oracle's CPU list
+(oracle/unquantized.py backend_to_kernel_cls: x86 AMX, Arm, Power, then the
+portable vector path) whose _supports_current_device() holds, and its isa
+names the kernel. At load, process_weights_after_loading's steps: w13 =
+[gate; up] ([E, 2I, H]) and w2 = down ([E, H, I]), the intermediate dimension
+zero-padded to the class's alignment (_pad_moe_intermediate), each prepacked
+by cpu_prepack_moe_weight(w, isa). Per forward, apply()'s call:
+cpu_fused_moe(out, x, w13, w2, None, None, topk_weights, topk_ids, "silu",
+isa, False) with bf16 x and out and the routing as contiguous float32/int32
+(what its CPU router hands over). vLLM's op has no dropped route: a route to
+an expert outside a slice (id -1 in kt_bench's batches, which corrupts its
+memory) goes to expert 0 with weight 0, the same y for a little more work.
 """
 import argparse
 import json
@@ -74,10 +95,13 @@ import time
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, required=True, help="threads of every peer")
+    p.add_argument("--peers", default="kt-kernel,deepspeed",
+                   help="the peers this process imports: kt-kernel,deepspeed (the peers' venv) or vllm (its own venv)")
     return p.parse_args()
 
 
 ARGS = parse_args()
+PEERS = set(ARGS.peers.split(","))
 # Before torch (and DeepSpeed's OpenMP op) load their runtimes.
 os.environ["OMP_NUM_THREADS"] = str(ARGS.threads)
 # torch's JIT loader (DeepSpeed's CPU Adam op) runs ninja on every load, even
@@ -113,7 +137,9 @@ except Exception as e:  # noqa: BLE001 - any failure to import is a reason
     HELLO["torch_reason"] = first_line(e)
 
 ktk = None
-if torch is not None:
+if "kt-kernel" not in PEERS:
+    pass
+elif torch is not None:
     try:
         import kt_kernel
 
@@ -140,7 +166,9 @@ else:
     HELLO["kt_kernel_reason"] = "needs torch: " + HELLO["torch_reason"]
 
 ds_adam = None
-if torch is not None:
+if "deepspeed" not in PEERS:
+    pass
+elif torch is not None:
     try:
         import deepspeed
         from deepspeed.ops.adam import DeepSpeedCPUAdam as ds_adam
@@ -150,6 +178,36 @@ if torch is not None:
         HELLO["deepspeed_reason"] = first_line(e)
 else:
     HELLO["deepspeed_reason"] = "needs torch: " + HELLO["torch_reason"]
+
+vllm_ops = vllm_experts = None
+if "vllm" not in PEERS:
+    pass
+elif torch is not None:
+    try:
+        import vllm
+        from vllm import _custom_ops as vllm_ops
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.oracle.unquantized import (UnquantizedMoeBackend,
+                                                                             backend_to_kernel_cls)
+        from vllm.platforms import current_platform
+
+        HELLO["vllm"] = vllm.__version__
+        if not current_platform.is_cpu():
+            raise LookupError("vLLM's platform here is %s, not its CPU build" % type(current_platform).__name__)
+        for op in ("cpu_fused_moe", "prepack_moe_weight"):
+            if not hasattr(torch.ops._C, op):
+                raise LookupError("this vLLM build registers no torch.ops._C.%s" % op)
+        vllm_experts = next((cls for cls in backend_to_kernel_cls(UnquantizedMoeBackend.CPU)
+                             if cls._supports_current_device()), None)
+        if vllm_experts is None:
+            raise LookupError("none of vLLM's unquantized CPU experts classes supports this CPU")
+        HELLO["vllm_class"] = "%s (isa %s)" % (vllm_experts.__name__, vllm_experts.isa)
+    except Exception as e:  # noqa: BLE001 - any failure to import is a reason
+        vllm_ops = vllm_experts = None
+        HELLO.pop("vllm", None)
+        HELLO["vllm_reason"] = first_line(e)
+else:
+    HELLO["vllm_reason"] = "needs torch: " + HELLO["torch_reason"]
 
 
 # ---------------------------------------------------------------- kt-kernel
@@ -275,6 +333,60 @@ class KtKernelMoE:
         return time.perf_counter() - start, out
 
 
+class VllmMoE:
+    """vLLM's CPU fused MoE (the op of vllm_experts, with its isa) on the
+    layer kt_bench wrote, the weights prepared as its
+    process_weights_after_loading prepares them."""
+
+    def __init__(self, c):
+        if c["variant"] != "bf16":
+            raise LookupError("vLLM's unquantized CPU experts run bf16 weights only, not " + c["variant"])
+        self.dir, E, self.k = c["dir"], int(c["experts"]), int(c["top_k"])
+        H, I = int(c["hidden"]), int(c["intermediate"])
+        self.H = H
+        cls = vllm_experts
+        if H % cls.output_alignment or H % cls.reduction_alignment:
+            raise LookupError("%s needs a hidden size that is a multiple of %d and %d, not %d"
+                              % (cls.__name__, cls.output_alignment, cls.reduction_alignment, H))
+        self.cls_name, self.isa, self.save_path = HELLO["vllm_class"], cls.isa, None
+        align = cls._intermediate_alignment()
+        padded = (I + align - 1) // align * align
+        gate = read_tensor(os.path.join(self.dir, "gate.bf16"), torch.bfloat16, (E, I, H))
+        up = read_tensor(os.path.join(self.dir, "up.bf16"), torch.bfloat16, (E, I, H))
+        down = read_tensor(os.path.join(self.dir, "down.bf16"), torch.bfloat16, (E, H, I))
+        start = time.perf_counter()
+        w13 = torch.zeros(E, 2 * padded, H, dtype=torch.bfloat16)
+        w13[:, :I] = gate
+        w13[:, padded:padded + I] = up
+        w2 = torch.zeros(E, H, padded, dtype=torch.bfloat16)
+        w2[:, :, :I] = down
+        del gate, up, down
+        self.w13 = vllm_ops.cpu_prepack_moe_weight(w13, self.isa)
+        del w13
+        self.w2 = vllm_ops.cpu_prepack_moe_weight(w2, self.isa)
+        self.load_s = time.perf_counter() - start
+        self.activation = MoEActivation.SILU.value
+        self.batches = {}
+
+    def batch(self, T, b):
+        if T not in self.batches:
+            routed = []
+            for ids, rw, x, _ in read_batches(self.dir, T, self.k, self.H, False):
+                dropped = ids < 0  # outside a slice: expert 0 with weight 0 (see the header)
+                routed.append((ids.masked_fill(dropped, 0).to(torch.int32).contiguous(),
+                               rw.masked_fill(dropped, 0.0).contiguous(), x))
+            self.batches[T] = (routed, torch.zeros(T, self.H, dtype=torch.bfloat16))
+        routed, out = self.batches[T]
+        ids, rw, x = routed[b % len(routed)]
+        return ids, rw, x, out
+
+    def call(self, T, b):
+        ids, rw, x, out = self.batch(T, b)
+        start = time.perf_counter()
+        vllm_ops.cpu_fused_moe(out, x, self.w13, self.w2, None, None, rw, ids, self.activation, self.isa, False)
+        return time.perf_counter() - start, out
+
+
 class KtKernelSFT:
     """kt-kernel's bf16 SFT MoE on the layer kt_bench wrote: with LoRA
     (case train_lora) or frozen-base dx only (train_dx, SkipLoRA)."""
@@ -390,6 +502,11 @@ class DeepSpeedAdam:
 
 # ---------------------------------------------------------------- loop
 
+def moe_key(c):
+    """A forward MoE held by the loop: its peer and variant."""
+    return c.get("peer", "kt-kernel") + "/" + c["variant"]
+
+
 def main():
     reply(HELLO)
     moes, adam = {}, None
@@ -407,25 +524,30 @@ def main():
                 reply({"ok": 1})
                 break
             if cmd == "moe_load":
-                if ktk is None:
-                    reply({"reason": HELLO.get("kt_kernel_reason", "kt-kernel not loaded")})
+                peer = c.get("peer", "kt-kernel")
+                moe_class, loaded, why = {
+                    "kt-kernel": (KtKernelMoE, ktk is not None, HELLO.get("kt_kernel_reason", "kt-kernel not loaded")),
+                    "vllm": (VllmMoE, vllm_experts is not None, HELLO.get("vllm_reason", "vLLM not loaded")),
+                }[peer]
+                if not loaded:
+                    reply({"reason": why})
                     continue
                 try:
-                    m = KtKernelMoE(c)
+                    m = moe_class(c)
                 except (LookupError, RuntimeError, ValueError, MemoryError, OSError) as e:
                     reply({"reason": first_line(e)})
                     continue
-                moes[c["variant"]] = m
+                moes[moe_key(c)] = m
                 reply({"ok": 1, "class": m.cls_name, "load_s": m.load_s})
             elif cmd == "moe_call":
-                s, _ = moes[c["variant"]].call(int(c["T"]), int(c["batch"]))
+                s, _ = moes[moe_key(c)].call(int(c["T"]), int(c["batch"]))
                 reply({"s": s})
             elif cmd == "moe_output":
-                _, out = moes[c["variant"]].call(int(c["T"]), int(c["batch"]))
+                _, out = moes[moe_key(c)].call(int(c["T"]), int(c["batch"]))
                 out[: int(c["rows"])].float().numpy().tofile(c["path"])
                 reply({"ok": 1})
             elif cmd == "moe_free":
-                m = moes.pop(c["variant"], None)
+                m = moes.pop(moe_key(c), None)
                 if m is not None and m.save_path:
                     shutil.rmtree(m.save_path, ignore_errors=True)
                 reply({"ok": 1})

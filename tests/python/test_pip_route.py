@@ -83,7 +83,7 @@ def peers_view(path):
 def clean_env():
     """The environment of a user's shell: no library override, no source tree."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("KT_LIBRARY", "PYTHONPATH", "KT_BENCH_PEERS_PYTHON", "VIRTUAL_ENV")}
+           if k not in ("KT_LIBRARY", "PYTHONPATH", "KT_BENCH_PEERS_PYTHON", "KT_BENCH_VLLM_PYTHON", "VIRTUAL_ENV")}
     return env
 
 

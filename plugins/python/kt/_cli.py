@@ -6,6 +6,7 @@ The command is named as the distribution, kt-moe: `kt` is kt-kernel's
 command, and two wheels that both install a `kt` script overwrite each
 other's without a word from pip.
 """
+import importlib.util
 import os
 import sys
 
@@ -30,6 +31,10 @@ def main():
     # interpreter of this environment, where pip put them beside kt.
     env = dict(os.environ)
     env.setdefault("KT_BENCH_PEERS_PYTHON", sys.executable)
+    # Where vLLM is installed here too (kt's vLLM plugin lives beside it), its
+    # CPU fused MoE runs beside kt's forward; found without importing vLLM.
+    if importlib.util.find_spec("vllm") is not None:
+        env.setdefault("KT_BENCH_VLLM_PYTHON", sys.executable)
     # The environment's scripts come first on PATH, as in an activated venv:
     # DeepSpeed builds its CPU Adam op with the ninja that pip put there.
     scripts = os.path.dirname(sys.executable)
