@@ -371,7 +371,9 @@ def test_unrecognised_model_refused(tmp_path, models):
 
 
 class _FakeParallel:
-    tp_size = ep_size = dp_size = pcp_size = 1
+    tp_size = ep_size = dp_size = pcp_size = sp_size = 1
+    tp_rank = ep_rank = 0
+    use_ep = enable_eplb = False
 
 
 class _FakeAct:
@@ -384,7 +386,7 @@ class _FakeMoeConfig:
     num_experts = num_local_experts = num_logical_experts = 16
     experts_per_token = 4
     hidden_dim = hidden_dim_unpadded = 128
-    intermediate_size = 64
+    intermediate_size = intermediate_size_per_partition = 64
     has_bias = False
     activation = _FakeAct()
     swiglu_limit = swiglu_alpha = swiglu_beta = None
