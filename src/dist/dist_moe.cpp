@@ -19,11 +19,17 @@ using kt::dist::attempt;
 using kt::dist::combine_rows;
 using kt::dist::copy_row_in;
 using kt::dist::copy_row_out;
+using kt::dist::dispatch_messages;
+using kt::dist::heads_of;
+using kt::dist::inline_routes_bytes;
+using kt::dist::kDispatchRows;
 using kt::dist::kOutcomeBytes;
 using kt::dist::Outcome;
 using kt::dist::outcome_and_rows;
 using kt::dist::raw_to_f32;
+using kt::dist::route_bytes;
 using kt::dist::rows_of_replies;
+using kt::dist::RowsHead;
 using kt::dist::token_order;
 
 namespace {
@@ -314,15 +320,6 @@ kt_dist_context* kt_dist_moe::forward(const kt_arg* args, size_t n, bool save, c
 
 namespace {
 
-// What a message of X rows carries ahead of them: their number (tokens to
-// the owner, routes in a dispatch) and X's dtype, which the ranks must
-// agree on.
-struct RowsHead {
-  int64_t rows;
-  int32_t dtype;
-  int32_t unused;
-};
-
 // Refuses (on every rank: each sees every rank's head) X's dtype where the
 // ranks differ; heads holds every rank's, one after another.
 void check_x_dtypes(const std::vector<char>& heads, int W, const char* where) {
@@ -428,49 +425,6 @@ void kt_dist_moe::forward_owner(Forward& f, const Outcome& mine, kt_dist_context
 }
 
 namespace {
-
-// Where the routes of a dispatch message begin, behind its outcome and head.
-constexpr size_t kDispatchRows = kOutcomeBytes + sizeof(RowsHead);
-
-// The first message of a dispatch holds a decode token's k routes of bf16
-// rows, so that a forward at T=1 is one trip each way (a larger T, or fp32
-// rows, may need a second message).
-size_t inline_routes_bytes(int64_t K, int64_t H) { return std::max(kt::dist::kInlineBody, usize(K * (2 * H + 8))); }
-
-// A route of the dispatch: its token's x row (X's dtype), its global expert
-// (int32) and its weight (fp32).
-int64_t route_bytes(int64_t H, DType xd) { return H * static_cast<int64_t>(kt::dtype_size(xd)) + 8; }
-
-// This rank's dispatch message to each rank: its outcome, head, then the
-// routes to that rank (to[r], each a slot t*k+j, in order).
-std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View& x, const View& ids, const View& w,
-                                                 const std::vector<std::vector<int64_t>>& to, int64_t K) {
-  const int64_t xrow = mine.ok() ? route_bytes(x.shape[1], x.dtype) - 8 : 0;
-  std::vector<std::vector<char>> messages;
-  for (const std::vector<int64_t>& routes : to) {
-    const RowsHead head{static_cast<int64_t>(routes.size()), mine.ok() ? static_cast<int32_t>(x.dtype) : 0, 0};
-    messages.push_back(kt::dist::outcome_message(mine, &head, sizeof(head), nullptr, usize(head.rows * (xrow + 8))));
-    char* p = messages.back().data() + kDispatchRows;
-    for (int64_t s : routes) {
-      const int64_t i = s / K, j = s % K;
-      copy_row_out(x, i, p);
-      const int32_t e = static_cast<int32_t>(ids.get_int(i, j));
-      const float wt = w.get(i, j);
-      std::memcpy(p + xrow, &e, 4);
-      std::memcpy(p + xrow + 4, &wt, 4);
-      p += xrow + 8;
-    }
-  }
-  return messages;
-}
-
-// The first `bytes` of the head of every rank's message (exchange_messages'),
-// one after another, as check_same reads them.
-std::vector<char> heads_of(const std::vector<std::vector<char>>& in, size_t bytes) {
-  std::vector<char> heads(in.size() * bytes);
-  for (size_t r = 0; r < in.size(); ++r) std::memcpy(heads.data() + r * bytes, in[r].data() + kOutcomeBytes, bytes);
-  return heads;
-}
 
 // The routes each rank sent this one, after refusing X's dtype where the
 // ranks differ.

@@ -110,4 +110,34 @@ std::vector<char> rows_of_replies(const char* back, const std::vector<int64_t>& 
   return rows;
 }
 
+size_t inline_routes_bytes(int64_t K, int64_t H) { return std::max(kInlineBody, usize(K * (2 * H + 8))); }
+
+std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View& x, const View& ids, const View& w,
+                                                 const std::vector<std::vector<int64_t>>& to, int64_t K) {
+  const int64_t xrow = mine.ok() ? route_bytes(x.shape[1], x.dtype) - 8 : 0;
+  std::vector<std::vector<char>> messages;
+  for (const std::vector<int64_t>& routes : to) {
+    const RowsHead head{static_cast<int64_t>(routes.size()), mine.ok() ? static_cast<int32_t>(x.dtype) : 0, 0};
+    messages.push_back(outcome_message(mine, &head, sizeof(head), nullptr, usize(head.rows * (xrow + 8))));
+    char* p = messages.back().data() + kDispatchRows;
+    for (int64_t s : routes) {
+      const int64_t i = s / K, j = s % K;
+      copy_row_out(x, i, p);
+      const int32_t e = static_cast<int32_t>(ids.get_int(i, j));
+      const float wt = w.get(i, j);
+      std::memcpy(p + xrow, &e, 4);
+      std::memcpy(p + xrow + 4, &wt, 4);
+      p += xrow + 8;
+    }
+  }
+  return messages;
+}
+
+std::vector<char> heads_of(const std::vector<std::vector<char>>& in, size_t bytes) {
+  std::vector<char> heads(in.size() * bytes);
+  for (size_t r = 0; r < in.size(); ++r) std::memcpy(heads.data() + r * bytes, in[r].data() + kOutcomeBytes, bytes);
+  return heads;
+}
+
+
 }  // namespace kt::dist

@@ -1,7 +1,8 @@
 // The rows kt_dist_moe moves between ranks: a token's row into and out of
-// the wire buffers, fp32 from a bf16|fp32 row, the replies of the
-// expert-parallel exchange (each rank's outcome, then its rows), and the
-// combine that sums a token's routes in the order one process adds them.
+// the wire buffers, fp32 from a bf16|fp32 row, the expert-parallel
+// dispatch's messages (each rank's outcome and head, then its routes) and
+// replies (each rank's outcome, then its rows), and the combine that sums a
+// token's routes in the order one process adds them.
 // Private to src/dist.
 #pragma once
 
@@ -32,6 +33,36 @@ void token_order(const View& ids, int64_t T, int64_t K, std::vector<int64_t>* be
 void combine_rows(const std::vector<int64_t>& begin, const std::vector<int64_t>& order,
                   const std::vector<int64_t>& route_row, const char* rows, int64_t row_stride, int64_t n,
                   const View& out);
+
+// What a message of X rows carries ahead of them: their number (tokens to
+// the owner, routes in a dispatch) and X's dtype, which the ranks must
+// agree on.
+struct RowsHead {
+  int64_t rows;
+  int32_t dtype;
+  int32_t unused;
+};
+
+// Where the routes of a dispatch message begin, behind its outcome and head.
+constexpr size_t kDispatchRows = kOutcomeBytes + sizeof(RowsHead);
+
+// The first message of a dispatch holds a decode token's k routes of bf16
+// rows, so that a forward at T=1 is one trip each way (a larger T, or fp32
+// rows, may need a second message).
+size_t inline_routes_bytes(int64_t K, int64_t H);
+
+// A route of the dispatch: its token's x row (X's dtype), its global expert
+// (int32) and its weight (fp32).
+inline int64_t route_bytes(int64_t H, DType xd) { return H * static_cast<int64_t>(dtype_size(xd)) + 8; }
+
+// This rank's dispatch message to each rank: its outcome, head, then the
+// routes to that rank (to[r], each a slot t*k+j, in order).
+std::vector<std::vector<char>> dispatch_messages(const Outcome& mine, const View& x, const View& ids, const View& w,
+                                                 const std::vector<std::vector<int64_t>>& to, int64_t K);
+
+// The first `bytes` of the head of every rank's message (exchange_messages'),
+// one after another, as check_same reads them.
+std::vector<char> heads_of(const std::vector<std::vector<char>>& in, size_t bytes);
 
 // What each rank sends back after its compute: its outcome, then (when it
 // succeeded) the outputs of the routes it received from that rank, yrow
