@@ -3,8 +3,9 @@
 // multiplies unsigned code bytes by the row's signed bytes and sums pairs in
 // 16 bits; vpmaddwd sums a lane's two pairs in 32 bits. Each group's int32
 // sums are exact, so only the order of the fp32 steps after them matters,
-// and that is the generic kernel's. Takes avx2_group_scales and Avx2Ahead
-// from gemm_quant.h.
+// and that is the generic kernel's. A micro-tile of the code macro-kernel
+// (generic/macro_kernel.h); takes avx2_group_scales and Avx2Floats from
+// gemm_quant.h.
 //
 // - 4-bit codes (int4, with or without zero points; e2m1 doubled, offset
 //   12): the nibbles u (0..24) against |x| <= 127 make pair sums of at most
@@ -92,147 +93,119 @@ struct Avx2Int8Step {
   }
 };
 
-// MR rows x one panel. Per group: the int32 sums d (two registers per row;
-// 4-bit codes add a block's 16-bit sums to them), the lanes put
-// back in order, the offset taken off, d in fp32 times the group's scale
-// added to the row's fp32 sum (L1); at the end that sum times the row's
-// scale goes into C.
-template <Avx2Int8Kind Kind, int MR, bool Vnni>
-static void avx2_int8_tile(const Avx2Int8Step<Kind>& cs, const QuantPanels& w, int p, const uint8_t* const* a,
-                           float* c, int64_t ldc, bool accumulate, const Avx2Ahead& ahead) {
+// The micro-tile (generic/macro_kernel.h): MR rows x one panel, the
+// panel's lanes in two registers (Avx2Int8Step's order), one A operand (a
+// row's 4 code bytes) per step. Per group: the int32 sums (4-bit codes
+// without AVX-VNNI add a block's 16-bit sums to them), the lanes put back in
+// order, the offset taken off, the sums in fp32 times the group's scale
+// added to the row's fp32 sums (L1; the generic kernel's start at +0 too);
+// at the end those sums times the row's scale go into C.
+template <Avx2Int8Kind Kind, bool Vnni>
+struct Avx2Int8Tile : Avx2Floats, generic::Int8RowTail {
   using Step = Avx2Int8Step<Kind>;
-  constexpr int64_t kAhead = 2048;  // bytes of codes fetched ahead into L1, as gemm_quant's
-  constexpr int64_t kStepBytes = Step::kStepBytes;
-  const int64_t groups = w.kq / w.group;
-  const int64_t steps_per_group = w.group / 4;
-  const int64_t panel_bytes = w.kq / 4 * kStepBytes;
-  const uint8_t* codes = w.codes + p * w.code_panel_bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
-  alignas(32) float part[MR][kPanelRows] = {};  // the generic kernel's sums start at +0 too
-  for (int64_t j = 0; j < groups; ++j) {
-    __m256i d[MR][2];
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) d[r][0] = d[r][1] = _mm256_setzero_si256();
-    const int64_t st_end = (j + 1) * steps_per_group;
-    for (int64_t st0 = j * steps_per_group; st0 < st_end; st0 += Step::kBlock) {
-      __m256i h[Step::kNibbles ? MR : 1][2];  // a block's 16-bit pair sums
-      #pragma GCC unroll 4
-      for (int r = 0; r < (Step::kNibbles ? MR : 1); ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
-      #pragma GCC unroll 8
-      for (int i = 0; i < Step::kBlock; ++i) {
-        const int64_t st = st0 + i;
-        const int64_t off = st * kStepBytes + kAhead;
-        if (off % 64 == 0) {
-          const uint8_t* f = off < panel_bytes ? codes + off : ahead.at(p + 1, off - panel_bytes);
-          if (f) _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T0);
-        }
-        __m256i u[2];
-        cs.load(codes + st * kStepBytes, u);
-        const auto row = [&](int r) {
-          int32_t x4;
-          __builtin_memcpy(&x4, a[r] + st * 4, 4);
-          return _mm256_set1_epi32(x4);
-        };
-        if constexpr (Vnni) {
-          if constexpr (!Step::kNibbles) {
-            const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-            u[0] = _mm256_xor_si256(u[0], flip);
-            u[1] = _mm256_xor_si256(u[1], flip);
-          }
-          #pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = row(r);
-            d[r][0] = dpbusd_vex(d[r][0], u[0], x);
-            d[r][1] = dpbusd_vex(d[r][1], u[1], x);
-          }
-        } else if constexpr (Step::kNibbles) {
-          #pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = row(r);
-            h[r][0] = _mm256_add_epi16(h[r][0], _mm256_maddubs_epi16(u[0], x));
-            h[r][1] = _mm256_add_epi16(h[r][1], _mm256_maddubs_epi16(u[1], x));
-          }
-        } else {
-          const __m256i m0 = _mm256_abs_epi8(u[0]), m1 = _mm256_abs_epi8(u[1]);
-          #pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) {
-            const __m256i x = row(r);
-            const __m256i p0 = _mm256_maddubs_epi16(m0, _mm256_sign_epi8(x, u[0]));
-            const __m256i p1 = _mm256_maddubs_epi16(m1, _mm256_sign_epi8(x, u[1]));
-            d[r][0] = _mm256_add_epi32(d[r][0], _mm256_madd_epi16(p0, ones));
-            d[r][1] = _mm256_add_epi32(d[r][1], _mm256_madd_epi16(p1, ones));
-          }
-        }
-      }
-      if constexpr (Step::kNibbles && !Vnni) {
-        #pragma GCC unroll 4
-        for (int r = 0; r < MR; ++r)
-          for (int t = 0; t < 2; ++t) d[r][t] = _mm256_add_epi32(d[r][t], _mm256_madd_epi16(h[r][t], ones));
-      }
+  using Row = uint8_t;
+  using Sum = __m256i;
+  using Inner = __m256i;  // a block's 16-bit pair sums
+  using A = __m256i;
+  struct B {
+    __m256i u;
+    __m256i m;  // int8 codes without AVX-VNNI: |q|
+  };
+  struct Raw {
+    __m256i u[2];
+  };
+  struct Codes {};
+  struct Group {
+    __m256 scale[2];
+    __m256i offset[2];  // the codes' offset per lane, in lane order
+  };
+  // The codes' offset (int8 codes: 128 with AVX-VNNI, none without).
+  static constexpr bool kOffsetSums = Kind != Avx2Int8Kind::kInt8 || Vnni;
+  static constexpr int32_t kOffset = Kind == Avx2Int8Kind::kInt8 ? 128 : Step::kOffset;
+  static constexpr int kV = 2, kS = 1, kStepK = 4;
+  static constexpr int kBlock = Step::kNibbles && !Vnni ? Step::kBlock : 0;
+  static constexpr int64_t kStepBytes = Step::kStepBytes;
+  static constexpr int64_t kXsumStride = 0;
+  static constexpr int kUnroll = Step::kBlock;  // a block's steps, with or without 16-bit sums
+  static constexpr bool kRowScale = true, kFetchScales = false;
+  static constexpr int64_t ahead_bytes(int, int) { return 2048; }  // into L1, as gemm_quant's
+  static constexpr bool panel_at_a_time(int, int) { return true; }
+  static constexpr bool hold_rows(int, int) { return false; }
+  Step step;
+
+  inline Raw load(const uint8_t* src) const {
+    Raw raw;
+    step.load(src, raw.u);
+    if constexpr (Vnni && !Step::kNibbles) {
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      raw.u[0] = _mm256_xor_si256(raw.u[0], flip);
+      raw.u[1] = _mm256_xor_si256(raw.u[1], flip);
     }
-    const int64_t at = p * w.scale_panel + j * kPanelRows;
-    const __m256 s[2] = {avx2_group_scales(w.scales + at * w.scale_bytes, w.scale_bytes),
-                         avx2_group_scales(w.scales + (at + 8) * w.scale_bytes, w.scale_bytes)};
-    // The codes' offset (int8 codes: 128 with AVX-VNNI, none without).
-    constexpr bool kOffsetSums = Kind != Avx2Int8Kind::kInt8 || Vnni;
-    constexpr int32_t kOffset = Kind == Avx2Int8Kind::kInt8 ? 128 : Step::kOffset;
-    __m256i offset[2] = {_mm256_set1_epi32(kOffset), _mm256_set1_epi32(kOffset)};
-    if constexpr (Kind == Avx2Int8Kind::kInt4Zero)
-      for (int t = 0; t < 2; ++t)
-        offset[t] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * t)));
-    #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      // Lanes 0-7 and 8-15 from the unpacks' halves.
-      const __m256i n[2] = {_mm256_permute2x128_si256(d[r][0], d[r][1], 0x20),
-                            _mm256_permute2x128_si256(d[r][0], d[r][1], 0x31)};
-      int32_t sum;
-      __builtin_memcpy(&sum, a[r] + w.kq + 4 * j, 4);
-      const __m256i xs = _mm256_set1_epi32(sum);
-      for (int t = 0; t < 2; ++t) {
-        __m256i dj = n[t];
-        if constexpr (kOffsetSums) dj = _mm256_sub_epi32(dj, _mm256_mullo_epi32(offset[t], xs));
-        _mm256_store_ps(part[r] + 8 * t,
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(dj), s[t], _mm256_load_ps(part[r] + 8 * t)));
-      }
+    return raw;
+  }
+  static inline Codes codes_of(const QuantPanels&, int64_t) { return {}; }
+  static inline void expand(const Raw& raw, int, Codes, B (&b)[2]) {
+    for (int v = 0; v < 2; ++v) {
+      b[v].u = raw.u[v];
+      if constexpr (!Vnni && !Step::kNibbles) b[v].m = _mm256_abs_epi8(raw.u[v]);
     }
   }
-  #pragma GCC unroll 4
-  for (int r = 0; r < MR; ++r) {
-    float sr;
-    __builtin_memcpy(&sr, a[r] + w.kq + 4 * groups, 4);
-    if constexpr (Kind == Avx2Int8Kind::kE2m1) sr *= 0.5f;
-    const __m256 sv = _mm256_set1_ps(sr);
-    float* cr = c + r * ldc + p * kPanelRows;
+  static inline A a_operand(const uint8_t* row, int64_t st, int) {
+    int32_t x4;
+    __builtin_memcpy(&x4, row + st * 4, 4);
+    return _mm256_set1_epi32(x4);
+  }
+  static inline Sum dot(Sum d, A x, const B& b) {
+    if constexpr (Vnni) {
+      return dpbusd_vex(d, b.u, x);
+    } else {
+      const __m256i p = _mm256_maddubs_epi16(b.m, _mm256_sign_epi8(x, b.u));
+      return _mm256_add_epi32(d, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    }
+  }
+  static inline Inner inner_zero() { return _mm256_setzero_si256(); }
+  static inline Inner inner_dot(Inner h, A x, const B& b) { return _mm256_add_epi16(h, _mm256_maddubs_epi16(b.u, x)); }
+  static inline Sum flush(Sum d, Inner h) { return _mm256_add_epi32(d, _mm256_madd_epi16(h, _mm256_set1_epi16(1))); }
+  static inline Sum sum_zero() { return _mm256_setzero_si256(); }
+  static inline Sum add(Sum x, Sum y) { return _mm256_add_epi32(x, y); }
+  static inline Group scales_of(const QuantPanels& w, int64_t at) {
+    Group g;
     for (int t = 0; t < 2; ++t) {
-      const __m256 sum = _mm256_load_ps(part[r] + 8 * t);
-      _mm256_storeu_ps(cr + 8 * t, accumulate ? _mm256_fmadd_ps(sum, sv, _mm256_loadu_ps(cr + 8 * t))
-                                              : _mm256_mul_ps(sum, sv));
+      g.scale[t] = avx2_group_scales(w.scales + (at + 8 * t) * w.scale_bytes, w.scale_bytes);
+      g.offset[t] = Kind == Avx2Int8Kind::kInt4Zero
+                        ? _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * t)))
+                        : _mm256_set1_epi32(kOffset);
     }
+    return g;
   }
-}
+  static inline void value(const Sum (&d)[2], const Group& g, int32_t sum, __m256 (&f)[2]) {
+    // Lanes 0-7 and 8-15 from the unpacks' halves.
+    const __m256i n[2] = {_mm256_permute2x128_si256(d[0], d[1], 0x20), _mm256_permute2x128_si256(d[0], d[1], 0x31)};
+    const __m256i xs = _mm256_set1_epi32(sum);
+    for (int t = 0; t < 2; ++t)
+      f[t] = _mm256_cvtepi32_ps(kOffsetSums ? _mm256_sub_epi32(n[t], _mm256_mullo_epi32(g.offset[t], xs)) : n[t]);
+  }
+  static inline __m256 row_scale(const uint8_t* row, const QuantPanels& w) {
+    return _mm256_set1_ps(row_scale_of(row, w, Kind == Avx2Int8Kind::kE2m1));
+  }
+};
 
 // Per panel, the rows in balanced tiles of at most 4: the first streams the
 // panel's codes from memory, the others meet them in cache.
+struct Avx2Int8Schedule {
+  static constexpr int kRows = 4;
+  static constexpr bool kPanelsOuter = true;
+  static constexpr int panels(int) { return 1; }
+  static constexpr int chains(int, int) { return 1; }
+  static constexpr generic::SumsIn sums(int, int) { return generic::SumsIn::kL1; }
+  static constexpr bool strided(int, int) { return false; }
+};
+
 template <Avx2Int8Kind Kind, bool Vnni>
 static void avx2_gemm_int8_kind(const QuantPanels& w, const uint8_t* const* a, int m, int np, float* c, int64_t ldc,
                                 bool accumulate, const PrefetchRegion& next) {
-  static const Avx2Int8Step<Kind> cs;
-  constexpr int MR = 4;
-  const Avx2Ahead ahead(w, np, next);
-  const int tiles = (m + MR - 1) / MR;
-  for (int p = 0; p < np; ++p) {
-    for (int t = 0, r = 0; t < tiles; ++t) {
-      const int h = (m - r) / (tiles - t);
-      float* cr = c + r * ldc;
-      switch (h) {
-        case 4: avx2_int8_tile<Kind, 4, Vnni>(cs, w, p, a + r, cr, ldc, accumulate, ahead); break;
-        case 3: avx2_int8_tile<Kind, 3, Vnni>(cs, w, p, a + r, cr, ldc, accumulate, ahead); break;
-        case 2: avx2_int8_tile<Kind, 2, Vnni>(cs, w, p, a + r, cr, ldc, accumulate, ahead); break;
-        default: avx2_int8_tile<Kind, 1, Vnni>(cs, w, p, a + r, cr, ldc, accumulate, ahead); break;
-      }
-      r += h;
-    }
-  }
+  static const Avx2Int8Tile<Kind, Vnni> tile;
+  generic::code_gemm<Avx2Int8Tile<Kind, Vnni>, Avx2Int8Schedule>(tile, w, a, m, np, c, ldc, accumulate, next, nullptr);
 }
 
 template <bool Vnni>

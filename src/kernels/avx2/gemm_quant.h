@@ -13,6 +13,7 @@
 
 #include "core/dtype.h"
 #include "formats/packed_quant.h"
+#include "kernels/generic/macro_kernel.h"
 #include "kernels/kernels.h"
 
 namespace kt {
@@ -35,7 +36,7 @@ struct Avx2Step {
   // 2h + 1 (high nibbles), so the positions are 4h + {0, 1, 2, 3}.
   static constexpr int kValues = kAvx2Nibbles<Kind> ? 4 : 2;
   // E2m1 codes as the bytes 2 v + 12 (0..24: the doubled values are the
-  // integers -12..12), for the offset words of avx2_quant_tile.
+  // integers -12..12), for the offset words of Avx2QuantTile.
   __m256i e2m1_bytes;
 
   Avx2Step() {
@@ -64,7 +65,7 @@ struct Avx2Step {
     return c;
   }
 
-  // 8-bit codes (4-bit ones go as offset words in avx2_quant_tile):
+  // 8-bit codes (4-bit ones go as offset words in Avx2QuantTile):
   // out[h]: lanes 8h..8h+7 at the step's K position I, made just before
   // their products (all of a step's values at once, with the partial sums,
   // spilled out of the 16 registers). E4m3 gives the value times 2^-8
@@ -100,210 +101,165 @@ static inline __m256 avx2_group_scales(const uint8_t* s, int scale_bytes) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
 }
 
-// Where a tile's code fetches go past the end of its K range: the same
-// panel of the next tile of the call, and past the call's last panel the
-// next region's panels (whole panels of the same layout; kernels.h).
-struct Avx2Ahead {
-  const uint8_t* codes;  // this call's
-  int np;
-  const uint8_t* next = nullptr;  // the next region's codes
-  int next_np = 0;
-  int64_t stride;  // code_panel_bytes
-  Avx2Ahead(const QuantPanels& w, int np_, const PrefetchRegion& r) : codes(w.codes), np(np_), stride(w.code_panel_bytes) {
-    if (r.chunks == 1) {
-      next = static_cast<const uint8_t*>(r.base);
-      next_np = static_cast<int>(r.chunk_bytes / w.code_panel_bytes);
-    }
-  }
-  // Panel q's first bytes at offset off of its K range (nullptr: none).
-  const uint8_t* at(int q, int64_t off) const {
-    if (q < np) return codes + q * stride + off;
-    if (q - np < next_np) return next + (q - np) * stride + off;
-    return nullptr;
-  }
+// The fp32 vector operations of the code macro-kernel's traits
+// (generic/macro_kernel.h) on 8 lanes.
+struct Avx2Floats {
+  using F = __m256;
+  static inline F fzero() { return _mm256_setzero_ps(); }
+  static inline F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void fstore(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static inline F fadd(F x, F y) { return _mm256_add_ps(x, y); }
+  static inline F fmul(F x, F y) { return _mm256_mul_ps(x, y); }
+  static inline F ffma(F x, F y, F z) { return _mm256_fmadd_ps(x, y, z); }
 };
 
-// Panels p0 + p ps of a call (p = 0, 1, ...).
-struct Avx2Panels {
-  int p0, ps;
-};
-
-// MR rows x NP panels (MR * NP <= 2: 8 chains of partial sums in registers):
-// the panels `mine`, whose code streams go on (fetched ahead past the K
-// range's end) into the panels `next`.
-// Each (row, panel, 8 lanes) has two chains, the step's even and odd K
-// positions, added at the group's end; the group's sum times its scale goes
-// into C. The order depends on neither the tile's height nor the panel
-// split, so a row's result is the one it gets alone.
-template <Avx2Code Kind, int MR, int NP>
-static void avx2_quant_tile(const Avx2Step<Kind>& cs, const QuantPanels& w, Avx2Panels mine, Avx2Panels next,
-                            const float* const* a, float* c, int64_t ldc, bool accumulate, const Avx2Ahead& ahead) {
-  constexpr int V = Avx2Step<Kind>::kValues;
-  // 4-bit codes as offset bf16 words (below): 128 + u for int4, 128 + 2 v +
-  // 12 for e2m1; each group's sum less that offset times the sum of the
-  // row's values in the group (e2m1's halved). The sums run some 20-30
-  // times the plain ones, so they keep about 19 of fp32's 24 bits, as the
-  // AVX-512 kernel's do, where the bf16 path's bounds need about 8.
-  constexpr bool kOffsetWords = kAvx2Nibbles<Kind>;
+// The micro-tile (generic/macro_kernel.h): a panel's 16 lanes in two
+// registers of 8; a step's kValues K positions each take the row's value
+// broadcast. Two chains per (row, panel, 8 lanes), the step's even and odd
+// K positions, added at the group's end; the group's sum times its scale
+// goes into C (SumsIn::kC).
+//
+// 4-bit codes go as offset bf16 words: 128 + u for int4, 128 + 2 v + 12 for
+// e2m1; each group's sum less that offset times the sum of the row's values
+// in the group (e2m1's halved). The sums run some 20-30 times the plain
+// ones, so they keep about 19 of fp32's 24 bits, as the AVX-512 kernel's
+// do, where the bf16 path's bounds need about 8. The nibbles of a step split
+// in bytes (e2m1: looked up as 2 v + 12) and interleaved with 0x43 (in-lane
+// unpacks) are the bf16 words 0x4300 | b = 128 + b of lanes L1 = {0-3,
+// 8-11} (unpacklo, register 0) or L2 = {4-7, 12-15} (unpackhi, register 1),
+// each dword a lane's pair of K positions; the even position's word shifted
+// up and the odd one's masked are its fp32. 15 operations per 64 int4
+// values (e2m1 17), against 22 widening each position's nibble to int32 and
+// converting it (e2m1 about 40, by a permute of fp32 values); decode on
+// AVX2 is bound by them. The group's end puts the lanes back in order.
+template <Avx2Code Kind>
+struct Avx2QuantTile : Avx2Floats {
+  static constexpr bool kNibbles = kAvx2Nibbles<Kind>;
+  using Row = float;
+  using Sum = __m256;
+  using Inner = __m256;
+  using A = __m256;
+  using B = __m256;
+  struct Raw {
+    __m256i v[2];  // nibbles: the low and high nibbles as bytes; 8-bit: Avx2Step's Codes
+  };
+  struct Codes {};
+  struct Group {
+    __m256 scale[2];
+    __m256 offset[2];  // nibbles: 128 + the zero (8, the lanes' zero points, or e2m1's 12)
+  };
+  static constexpr int kV = 2, kS = Avx2Step<Kind>::kValues, kStepK = kS, kBlock = 0;
+  static constexpr int64_t kStepBytes = 32;
+  static constexpr int64_t kXsumStride = 0;
+  static constexpr int kUnroll = 1;
+  static constexpr bool kRowScale = false, kFetchScales = false;
   // Codes fetched 2 KiB ahead into L1 (one thread's stream from memory
   // holds a few lines of compute per line: the prefetchers alone run out
-  // of misses in flight), one line per two steps.
-  constexpr int64_t kAhead = 2048;
-  const int64_t steps_per_group = w.group / V;
-  const int64_t groups = w.kq / w.group;
-  const int64_t panel_bytes = w.kq * kPanelRows * (kAvx2Nibbles<Kind> ? 1 : 2) / 2;
-  const uint8_t* codes[NP];
-  int panel[NP];
-  for (int p = 0; p < NP; ++p) {
-    panel[p] = mine.p0 + p * mine.ps;
-    codes[p] = w.codes + panel[p] * w.code_panel_bytes;
-  }
-  for (int64_t j = 0; j < groups; ++j) {
-    __m256 part[MR][NP][2][2];  // row, panel, 8 lanes, chain
-    #pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r)
-      #pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p)
-        for (int h = 0; h < 2; ++h) part[r][p][h][0] = part[r][p][h][1] = _mm256_setzero_ps();
-    const int64_t st0 = j * steps_per_group;
-    for (int64_t st = st0; st < st0 + steps_per_group; st += 2) {  // steps per group: even
-      const int64_t off = st * 32 + kAhead;
-      #pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p) {
-        const uint8_t* f = off < panel_bytes ? codes[p] + off : ahead.at(next.p0 + p * next.ps, off - panel_bytes);
-        if (f) _mm_prefetch(reinterpret_cast<const char*>(f), _MM_HINT_T0);
-      }
-      #pragma GCC unroll 2
-      for (int u = 0; u < 2; ++u) {
-        const int64_t k = (st + u) * V;
-        if constexpr (kOffsetWords) {
-          // The nibbles of a step split in bytes (e2m1: looked up as 2 v +
-          // 12) and interleaved with 0x43 (in-lane unpacks) are the bf16
-          // words 0x4300 | b = 128 + b of lanes L1 = {0-3, 8-11} (unpacklo)
-          // or L2 = {4-7, 12-15} (unpackhi), each dword a lane's pair of K
-          // positions; the even position's word shifted up and the odd
-          // one's masked are its fp32. 15 operations per 64 int4 values
-          // (e2m1 17), against 22 widening each position's nibble to int32
-          // and converting it (e2m1 about 40, by a permute of fp32 values);
-          // decode on AVX2 is bound by them.
-          const __m256i nibble = _mm256_set1_epi8(0x0f), high = _mm256_set1_epi8(0x43);
-          const __m256 odd_word = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-          #pragma GCC unroll 2
-          for (int p = 0; p < NP; ++p) {
-            const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[p] + (st + u) * 32));
-            __m256i half[2] = {_mm256_and_si256(wv, nibble), _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble)};
-            if constexpr (Kind == Avx2Code::kE2m1)
-              for (__m256i& h : half) h = _mm256_shuffle_epi8(cs.e2m1_bytes, h);
-            #pragma GCC unroll 4
-            for (int q = 0; q < 4; ++q) {  // nibble half q / 2 (K positions 2 (q / 2) + {0, 1}), lanes L1 or L2
-              const __m256i words = q % 2 == 0 ? _mm256_unpacklo_epi8(half[q / 2], high)
-                                               : _mm256_unpackhi_epi8(half[q / 2], high);
-              const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-              const __m256 odd = _mm256_and_ps(_mm256_castsi256_ps(words), odd_word);
-              const int64_t kq = k + 2 * (q / 2);
-              #pragma GCC unroll 2
-              for (int r = 0; r < MR; ++r) {
-                part[r][p][q % 2][0] = _mm256_fmadd_ps(_mm256_broadcast_ss(a[r] + kq), even, part[r][p][q % 2][0]);
-                part[r][p][q % 2][1] = _mm256_fmadd_ps(_mm256_broadcast_ss(a[r] + kq + 1), odd, part[r][p][q % 2][1]);
-              }
-            }
-          }
-        } else {
-          typename Avx2Step<Kind>::Codes v[NP];
-          #pragma GCC unroll 2
-          for (int p = 0; p < NP; ++p) v[p] = cs.load(codes[p] + (st + u) * 32);
-          const auto products = [&](auto position) {
-            constexpr int I = decltype(position)::value;
-            __m256 av[MR];
-            #pragma GCC unroll 2
-            for (int r = 0; r < MR; ++r) av[r] = _mm256_broadcast_ss(a[r] + k + I);
-            #pragma GCC unroll 2
-            for (int p = 0; p < NP; ++p) {
-              __m256 b[2];
-              cs.template values<I>(v[p], b);
-              #pragma GCC unroll 2
-              for (int h = 0; h < 2; ++h)
-                #pragma GCC unroll 2
-                for (int r = 0; r < MR; ++r) part[r][p][h][I % 2] = _mm256_fmadd_ps(av[r], b[h], part[r][p][h][I % 2]);
-            }
-          };
-          products(std::integral_constant<int, 0>{});
-          products(std::integral_constant<int, 1>{});
-        }
-      }
-    }
-    __m256 xsum[MR];  // Offset words: the sums of the rows' values in the group
-    if constexpr (kOffsetWords) {
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        __m256 t = _mm256_loadu_ps(a[r] + j * w.group);
-        for (int64_t k = 8; k < w.group; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(a[r] + j * w.group + k));
-        const __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-        const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        xsum[r] = _mm256_set1_ps(_mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d))));
-      }
-    }
-    #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-      const int64_t at = panel[p] * w.scale_panel + j * kPanelRows;
-      // Offset words: the chains' sums of lanes L1 and L2, as lanes 0-7 and 8-15.
-      __m256 natural[MR][2];
-      if constexpr (kOffsetWords) {
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const __m256 l1 = _mm256_add_ps(part[r][p][0][0], part[r][p][0][1]);
-          const __m256 l2 = _mm256_add_ps(part[r][p][1][0], part[r][p][1][1]);
-          natural[r][0] = _mm256_permute2f128_ps(l1, l2, 0x20);
-          natural[r][1] = _mm256_permute2f128_ps(l1, l2, 0x31);
-        }
-      }
-      #pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) {
-        __m256 s = avx2_group_scales(w.scales + (at + 8 * h) * w.scale_bytes, w.scale_bytes);
-        // 128 + the zero: 8, or the lanes' zero points; e2m1 128 + 12, and
-        // the doubled values' sums halved with the scale (exact).
-        __m256 offset = _mm256_set1_ps(Kind == Avx2Code::kE2m1 ? 140.f : 136.f);
-        if constexpr (Kind == Avx2Code::kE2m1) s = _mm256_mul_ps(s, _mm256_set1_ps(0.5f));
-        if constexpr (Kind == Avx2Code::kInt4Zero)
-          offset = _mm256_add_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)))),
-                                 _mm256_set1_ps(128.f));
-        #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          __m256 sum = kOffsetWords ? natural[r][h] : _mm256_add_ps(part[r][p][h][0], part[r][p][h][1]);
-          if constexpr (kOffsetWords) sum = _mm256_fnmadd_ps(offset, xsum[r], sum);
-          if constexpr (Kind == Avx2Code::kE4m3) sum = _mm256_mul_ps(sum, _mm256_set1_ps(kE4m3Unit));  // exact
-          float* cr = c + r * ldc + panel[p] * kPanelRows + 8 * h;
-          const __m256 before = j == 0 && !accumulate ? _mm256_setzero_ps() : _mm256_loadu_ps(cr);
-          _mm256_storeu_ps(cr, _mm256_fmadd_ps(sum, s, before));
-        }
-      }
-    }
-  }
-}
+  // of misses in flight).
+  static constexpr int64_t ahead_bytes(int, int) { return 2048; }
+  static constexpr bool panel_at_a_time(int, int) { return true; }
+  static constexpr bool hold_rows(int, int) { return false; }
+  Avx2Step<Kind> step;
 
-// Rows in pairs under one panel at a time, then an odd row under two
-// panels at a time (8 chains in flight either way); the passes after the
-// first meet the call's codes in cache. The odd row's tiles over the
-// call's first 2n panels take panels t and t + n, so that each tile's two
-// streams go on into the next tile's panels (a panel's codes follow the
-// one before it) and run from end to end of the call, as the pairs' one
-// stream does, instead of starting short streams anew per tile.
+  inline Raw load(const uint8_t* src) const {
+    Raw raw;
+    if constexpr (kNibbles) {
+      const __m256i nibble = _mm256_set1_epi8(0x0f);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      raw.v[0] = _mm256_and_si256(wv, nibble);
+      raw.v[1] = _mm256_and_si256(_mm256_srli_epi16(wv, 4), nibble);
+      if constexpr (Kind == Avx2Code::kE2m1)
+        for (__m256i& h : raw.v) h = _mm256_shuffle_epi8(step.e2m1_bytes, h);
+    } else {
+      const auto c = Avx2Step<Kind>::load(src);
+      raw.v[0] = c.v[0];
+      raw.v[1] = c.v[1];
+    }
+    return raw;
+  }
+  static inline Codes codes_of(const QuantPanels&, int64_t) { return {}; }
+  // K position s of the step: nibbles from half s / 2, the pair's even or
+  // odd word; 8-bit codes through Avx2Step::values.
+  inline void expand(const Raw& raw, int s, Codes, B (&b)[2]) const {
+    if constexpr (kNibbles) {
+      const __m256i high = _mm256_set1_epi8(0x43);
+      const __m256 odd_word = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+      for (int v = 0; v < 2; ++v) {
+        const __m256i words = v == 0 ? _mm256_unpacklo_epi8(raw.v[s / 2], high) : _mm256_unpackhi_epi8(raw.v[s / 2], high);
+        b[v] = s % 2 == 0 ? _mm256_castsi256_ps(_mm256_slli_epi32(words, 16))
+                          : _mm256_and_ps(_mm256_castsi256_ps(words), odd_word);
+      }
+    } else {
+      typename Avx2Step<Kind>::Codes c;
+      c.v[0] = raw.v[0];
+      c.v[1] = raw.v[1];
+      if (s == 0) {
+        step.template values<0>(c, b);
+      } else {
+        step.template values<1>(c, b);
+      }
+    }
+  }
+  static inline A a_operand(const float* row, int64_t st, int s) { return _mm256_broadcast_ss(row + st * kStepK + s); }
+  static inline Sum dot(Sum acc, A x, B b) { return _mm256_fmadd_ps(x, b, acc); }
+  static inline Sum sum_zero() { return _mm256_setzero_ps(); }
+  static inline Sum add(Sum x, Sum y) { return _mm256_add_ps(x, y); }
+  // The scales of lanes 0-7 and 8-15 (e2m1: halved, for the doubled values'
+  // sums; exact).
+  static inline Group scales_of(const QuantPanels& w, int64_t at) {
+    Group g;
+    for (int h = 0; h < 2; ++h) {
+      g.scale[h] = avx2_group_scales(w.scales + (at + 8 * h) * w.scale_bytes, w.scale_bytes);
+      if constexpr (Kind == Avx2Code::kE2m1) g.scale[h] = _mm256_mul_ps(g.scale[h], _mm256_set1_ps(0.5f));
+      g.offset[h] = _mm256_set1_ps(Kind == Avx2Code::kE2m1 ? 140.f : 136.f);
+      if constexpr (Kind == Avx2Code::kInt4Zero)
+        g.offset[h] = _mm256_add_ps(
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.zeros + at + 8 * h)))),
+            _mm256_set1_ps(128.f));
+    }
+    return g;
+  }
+  // Nibbles: the sum of the row's values in group j.
+  static inline float row_group(const float* row, int, int64_t j, const QuantPanels& w, const float*) {
+    if constexpr (!kNibbles) return 0.f;
+    __m256 t = _mm256_loadu_ps(row + j * w.group);
+    for (int64_t k = 8; k < w.group; k += 8) t = _mm256_add_ps(t, _mm256_loadu_ps(row + j * w.group + k));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+    const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)));
+  }
+  static inline void value(const Sum (&d)[2], const Group& g, float xsum, __m256 (&f)[2]) {
+    if constexpr (kNibbles) {
+      // Lanes L1 and L2 as lanes 0-7 and 8-15.
+      const __m256 natural[2] = {_mm256_permute2f128_ps(d[0], d[1], 0x20), _mm256_permute2f128_ps(d[0], d[1], 0x31)};
+      for (int h = 0; h < 2; ++h) f[h] = _mm256_fnmadd_ps(g.offset[h], _mm256_set1_ps(xsum), natural[h]);
+    } else {
+      for (int h = 0; h < 2; ++h)
+        f[h] = Kind == Avx2Code::kE4m3 ? _mm256_mul_ps(d[h], _mm256_set1_ps(kE4m3Unit)) : d[h];  // exact
+    }
+  }
+};
+
+// Rows in pairs under one panel at a time, an odd row under two panels at
+// a time (8 chains in flight either way); the passes after the first meet
+// the call's codes in cache. The odd row's tiles take panels t and t + n
+// (strided), so that each tile's two streams go on into the next tile's
+// panels and run from end to end of the call, as the pairs' one stream
+// does, instead of starting short streams anew per tile.
+struct Avx2QuantSchedule {
+  static constexpr int kRows = 2;
+  static constexpr bool kPanelsOuter = false;
+  static constexpr int panels(int mr) { return mr == 1 ? 2 : 1; }
+  static constexpr int chains(int, int) { return 2; }
+  static constexpr generic::SumsIn sums(int, int) { return generic::SumsIn::kC; }
+  static constexpr bool strided(int mr, int) { return mr == 1; }
+};
+
 template <Avx2Code Kind>
 static void avx2_gemm_quant_kind(const QuantPanels& w, const float* const* a, int m, int np, float* c, int64_t ldc,
                                  bool accumulate, const PrefetchRegion& next) {
-  static const Avx2Step<Kind> cs;
-  const Avx2Ahead ahead(w, np, next);
-  int r = 0;
-  for (; r + 2 <= m; r += 2)
-    for (int p = 0; p < np; ++p)
-      avx2_quant_tile<Kind, 2, 1>(cs, w, {p, 1}, {p + 1, 1}, a + r, c + r * ldc, ldc, accumulate, ahead);
-  if (r == m) return;
-  const int n = np / 2;
-  for (int t = 0; t < n; ++t) {
-    const Avx2Panels then = t + 1 < n ? Avx2Panels{t + 1, n} : Avx2Panels{2 * n, 1};
-    avx2_quant_tile<Kind, 1, 2>(cs, w, {t, n}, then, a + r, c + r * ldc, ldc, accumulate, ahead);
-  }
-  if (2 * n < np) avx2_quant_tile<Kind, 1, 1>(cs, w, {2 * n, 1}, {2 * n + 1, 1}, a + r, c + r * ldc, ldc, accumulate, ahead);
+  static const Avx2QuantTile<Kind> tile;
+  generic::code_gemm<Avx2QuantTile<Kind>, Avx2QuantSchedule>(tile, w, a, m, np, c, ldc, accumulate, next, nullptr);
 }
 
 static void gemm_quant(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,

@@ -1,12 +1,11 @@
 // gemm_int8 (kernels.h) with AVX512-VNNI, bit for bit the generic kernel's
-// result. vpdpbusd takes one operand as unsigned bytes: the weight codes go
-// as u = q + off (Int8Codes) against the row's signed codes x, four
-// products a lane, and each group's sum is taken back to
-// sum x * q = sum x * u - off * sum x with the row's code sums (exact in
-// int32: |sum x * u| <= 127 * 255 * group, and the layer keeps K <= 65536).
-// Tiles of up to 4 rows x 4 panels: a step of 4 K values expands each
-// panel's codes once for all rows. Takes group_scales and with_count from
-// gemm_quant.h.
+// result: a micro-tile of the code macro-kernel (generic/macro_kernel.h).
+// vpdpbusd takes one operand as unsigned bytes: the weight codes go as u =
+// q + off (Int8Codes) against the row's signed codes x, four products a
+// lane, and each group's sum is taken back to sum x * q = sum x * u - off *
+// sum x with the row's code sums (exact in int32: |sum x * u| <= 127 * 255 *
+// group, and the layer keeps K <= 65536). Tiles of up to 4 rows x 4 panels:
+// a step of 4 K values expands each panel's codes once for all rows.
 #pragma once
 
 #include <immintrin.h>
@@ -16,197 +15,100 @@
 
 #include "kernels/avx512bf16/gemm_quant.h"
 #include "kernels/avx512bf16/int8_codes.h"
+#include "kernels/generic/macro_kernel.h"
 #include "kernels/generic/quant.h"
 #include "kernels/kernels.h"
 
 namespace kt {
 namespace avx512bf16 {
 
-constexpr int64_t kInt8Ahead = 2048;  // bytes of codes fetched ahead into L1
-
 // acc + the four products of each lane's unsigned bytes of u and signed bytes
-// of x. In assembly: GCC 12 compiles _mm512_dpbusd_epi32 on a tile of
-// accumulators with a copy of each per step and spills some to the stack
-// (the tile then ran at half the instruction's rate).
-__attribute__((target("avx512vnni"))) static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i x) {
+// of x, in assembly (the unit is not built for AVX512-VNNI; the tiles run
+// only where cpuid says it is there): GCC 12 compiles _mm512_dpbusd_epi32 on
+// a tile of accumulators with a copy of each per step and spills some to the
+// stack (the tile then ran at half the instruction's rate).
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i x) {
   __asm__("vpdpbusd %[x], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [x] "v"(x));
   return acc;
 }
 
-// The tile's panels are ps apart (1: adjacent; strided_tiles).
-template <int Bits, QuantCode Code, bool Zero, int MR, int NP>
-__attribute__((target("avx512vnni"))) static void int8_tile(const QuantPanels& w, const uint8_t* const* a, float* c,
-                                                             int64_t ldc, bool accumulate,
-                                                             const TileAhead& ahead, int64_t ps) {
-  // The codes kInt8Ahead bytes ahead into L1, past the panels' ends the
-  // streams that follow them (TileAhead), the scales (zero points) as far
-  // ahead, as gemm_quant's tiles fetch.
-  using Codes = Int8Codes<Bits, Code>;
-  constexpr int64_t kStepBytes = Codes::kStepBytes;
-  constexpr bool kE2m1 = Code == QuantCode::kE2M1;
-  constexpr int32_t kOffset = Codes::kOffset;
-  constexpr int64_t kStepsPerLine = 64 / kStepBytes;
-  // Chains of sums per (row, panel): few of them (one row at decode) would
-  // wait on vpdpbusd's latency, so each step goes to chain step % C.
-  constexpr int C = MR * NP <= 4 ? 4 : MR * NP <= 8 ? 2 : 1;
-  constexpr int kRound = C > kStepsPerLine ? C : static_cast<int>(kStepsPerLine);  // steps per round
-  const int64_t groups = w.kq / w.group;
-  const int64_t steps_per_group = w.group / 4;
-  const int64_t steps = w.kq / 4;
-  const int64_t panel_bytes = steps * kStepBytes;
-  const int64_t code_stride = ps * w.code_panel_bytes, scale_stride = ps * w.scale_panel;
-  const Codes codes;
-  // The fp32 sums of the groups so far: in registers for small tiles (one
-  // row at decode, where groups of 32 come every 8 steps), else in L1 (the
-  // registers hold the integer sums).
-  constexpr bool kPartsInRegs = MR * NP <= 4;
-  __m512 reg_part[kPartsInRegs ? MR : 1][kPartsInRegs ? NP : 1];
-  alignas(64) float mem_part[kPartsInRegs ? 1 : MR][kPartsInRegs ? 1 : NP][kPanelRows];
-  #pragma GCC unroll 16
-  for (auto& row : reg_part)
-    #pragma GCC unroll 16
-    for (auto& v : row) v = _mm512_setzero_ps();
-  const int64_t groups_ahead = kInt8Ahead / (steps_per_group * kStepBytes);
-  for (int64_t j = 0; j < groups; ++j) {
-    {
-      // The scales' (zero points') line of the group kInt8Ahead bytes of
-      // codes on, once; past the K range's end, the stream that follows.
-      const int64_t ja = j + groups_ahead;
-      const bool within = ahead.goes_on || ja < groups;
-      const uint8_t* scales = within ? w.scales : ahead.cont_scales;
-      const uint8_t* zeros = within ? w.zeros : ahead.cont_zeros;
-      const int np_ahead = within ? NP : scales ? ahead.cont_np : 0;
-      const int64_t stride = within ? scale_stride : w.scale_panel;
-      const int64_t at = (within ? ja : ja - groups) * kPanelRows;
-      #pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p) {
-        if (p >= np_ahead) break;
-        if ((at * w.scale_bytes) % 64 == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(scales + (p * stride + at) * w.scale_bytes), _MM_HINT_T0);
-        if constexpr (Zero)
-          if (zeros && at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(zeros + p * stride + at), _MM_HINT_T0);
-      }
-    }
-    __m512i d[C][MR][NP];
-    #pragma GCC unroll 16
-    for (int i = 0; i < C; ++i)
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 16
-        for (int p = 0; p < NP; ++p) d[i][r][p] = _mm512_setzero_si512();
-    // Rounds of kRound steps, whole lines of each panel's codes (a group's
-    // steps are a multiple of 8): one fetch per stream and line.
-    for (int64_t st0 = j * steps_per_group; st0 < (j + 1) * steps_per_group; st0 += kRound)
-    #pragma GCC unroll 8
-    for (int i = 0; i < kRound; ++i) {
-      const int64_t st = st0 + i;
-      const int64_t at = st * kStepBytes + kInt8Ahead;  // the byte of each stream fetched now
-      const bool fetch = i % kStepsPerLine == 0;
-      __m512i u[NP];
-      #pragma GCC unroll 16
-      for (int p = 0; p < NP; ++p) {
-        const uint8_t* src = w.codes + p * code_stride + st * kStepBytes;
-        if (fetch) {
-          if (ahead.goes_on || at < panel_bytes) {
-            _mm_prefetch(reinterpret_cast<const char*>(src + kInt8Ahead), _MM_HINT_T0);
-          } else if (p < ahead.cont_np) {
-            _mm_prefetch(reinterpret_cast<const char*>(ahead.cont + p * w.code_panel_bytes + (at - panel_bytes)),
-                         _MM_HINT_T0);
-          }
-        }
-        u[p] = codes.step(src);
-      }
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        int32_t x4;
-        __builtin_memcpy(&x4, a[r] + st * 4, 4);
-        const __m512i x = _mm512_set1_epi32(x4);
-        #pragma GCC unroll 16
-        for (int p = 0; p < NP; ++p) d[i % C][r][p] = dot_u8s8(d[i % C][r][p], u[p], x);
-      }
-    }
-    // The chains' sums: exact, so the result does not depend on C.
-    #pragma GCC unroll 16
-    for (int i = 1; i < C; ++i)
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r)
-        #pragma GCC unroll 16
-        for (int p = 0; p < NP; ++p) d[0][r][p] = _mm512_add_epi32(d[0][r][p], d[i][r][p]);
-    #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-      const __m512 sv = group_scales(w.scales + (p * scale_stride + j * kPanelRows) * w.scale_bytes, w.scale_bytes);
-      __m512i zero = _mm512_setzero_si512();  // zero points: the lanes' zero bytes, the codes' offsets
-      if constexpr (Zero)
-        zero = _mm512_cvtepu8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + p * scale_stride + j * kPanelRows)));
-      #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        int32_t sum;
-        __builtin_memcpy(&sum, a[r] + w.kq + 4 * j, 4);
-        const __m512i offset =
-            Zero ? _mm512_mullo_epi32(zero, _mm512_set1_epi32(sum)) : _mm512_set1_epi32(kOffset * sum);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[0][r][p], offset));
-        if constexpr (kPartsInRegs) {
-          reg_part[r][p] = _mm512_fmadd_ps(f, sv, reg_part[r][p]);
-        } else {
-          const __m512 before = j == 0 ? _mm512_setzero_ps() : _mm512_load_ps(mem_part[r][p]);
-          _mm512_store_ps(mem_part[r][p], _mm512_fmadd_ps(f, sv, before));
-        }
-      }
-    }
+namespace {  // as Int8Codes: each unit its own copy
+
+// The micro-tile (generic/macro_kernel.h): one 16-lane register per panel,
+// one A operand (a row's 4 code bytes) per step of 4 K values.
+template <int Bits, QuantCode Code, bool Zero>
+struct Int8Tile : Avx512Floats, generic::Int8RowTail {
+  using Row = uint8_t;
+  using Sum = __m512i;
+  using Inner = __m512i;
+  using A = __m512i;
+  using B = __m512i;
+  struct Codes {};
+  struct Group {
+    __m512 scale[1];
+    __m512i zero;  // zero points: the lanes' zero bytes, the codes' offsets
+  };
+  static constexpr int kV = 1, kS = 1, kStepK = 4, kBlock = 0;
+  static constexpr int64_t kStepBytes = Int8Codes<Bits, Code>::kStepBytes;
+  static constexpr int64_t kXsumStride = 0;
+  static constexpr int kUnroll = 1;
+  static constexpr bool kRowScale = true, kFetchScales = true;
+  static constexpr int64_t ahead_bytes(int, int) { return 2048; }  // into L1
+  static constexpr bool panel_at_a_time(int, int) { return false; }
+  static constexpr bool hold_rows(int, int) { return false; }
+  Int8Codes<Bits, Code> codes;
+
+  inline __m512i load(const uint8_t* src) const { return codes.step(src); }
+  inline Codes codes_of(const QuantPanels&, int64_t) const { return {}; }
+  static inline void expand(__m512i raw, int, Codes, B (&b)[1]) { b[0] = raw; }
+  static inline A a_operand(const uint8_t* row, int64_t step, int) {
+    int32_t x4;
+    __builtin_memcpy(&x4, row + step * 4, 4);
+    return _mm512_set1_epi32(x4);
   }
-  #pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r) {
-    float s;
-    __builtin_memcpy(&s, a[r] + w.kq + 4 * groups, 4);
-    const __m512 sr = _mm512_set1_ps(kE2m1 ? s * 0.5f : s);
-    #pragma GCC unroll 16
-    for (int p = 0; p < NP; ++p) {
-      float* cr = c + r * ldc + p * ps * kPanelRows;
-      __m512 sum;
-      if constexpr (kPartsInRegs) {
-        sum = reg_part[r][p];
-      } else {
-        sum = _mm512_load_ps(mem_part[r][p]);
-      }
-      _mm512_storeu_ps(cr, accumulate ? _mm512_fmadd_ps(sum, sr, _mm512_loadu_ps(cr)) : _mm512_mul_ps(sum, sr));
-    }
+  static inline Sum dot(Sum acc, A x, B u) { return dot_u8s8(acc, u, x); }
+  static inline Sum sum_zero() { return _mm512_setzero_si512(); }
+  static inline Sum add(Sum x, Sum y) { return _mm512_add_epi32(x, y); }
+  static inline Group scales_of(const QuantPanels& w, int64_t at) {
+    Group g{{group_scales(w.scales + at * w.scale_bytes, w.scale_bytes)}, _mm512_setzero_si512()};
+    if constexpr (Zero) g.zero = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.zeros + at)));
+    return g;
   }
-}
+  static inline void value(const Sum (&d)[1], const Group& g, int32_t sum, __m512 (&f)[1]) {
+    const __m512i offset = Zero ? _mm512_mullo_epi32(g.zero, _mm512_set1_epi32(sum))
+                                : _mm512_set1_epi32(Int8Codes<Bits, Code>::kOffset * sum);
+    f[0] = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[0], offset));
+  }
+  static inline __m512 row_scale(const uint8_t* row, const QuantPanels& w) {
+    return _mm512_set1_ps(row_scale_of(row, w, Code == QuantCode::kE2M1));
+  }
+};
+
+}  // namespace
+
+// Rows in tiles of up to 4 under groups of 4 panels; one row tile (decode)
+// streams the codes strided. Chains of sums per (row, panel): few of them
+// (one row at decode) would wait on vpdpbusd's latency (the sums are exact,
+// so their count changes no bits). The fp32 sums of the groups so far stay
+// in registers for small tiles (one row at decode, where groups of 32 come
+// every 8 steps), else in L1 (the registers hold the integer sums).
+struct Int8Schedule {
+  static constexpr int kRows = 4;
+  static constexpr bool kPanelsOuter = false;
+  static constexpr int panels(int) { return 4; }
+  static constexpr int chains(int mr, int np) { return mr * np <= 4 ? 4 : mr * np <= 8 ? 2 : 1; }
+  static constexpr generic::SumsIn sums(int mr, int np) {
+    return mr * np <= 4 ? generic::SumsIn::kRegisters : generic::SumsIn::kL1;
+  }
+  static constexpr bool strided(int, int tiles) { return tiles == 1; }
+};
 
 template <int Bits, QuantCode Code, bool Zero>
-__attribute__((target("avx512vnni"))) static void gemm_int8_bits(const QuantPanels& w, const void* const* a_rows,
-                                                                  int m, int np, float* c, int64_t ldc,
-                                                                  bool accumulate, const PrefetchRegion& next) {
-  constexpr int kRows = 4, kPanels = 4;
-  const uint8_t* const* a = reinterpret_cast<const uint8_t* const*>(a_rows);
-  const int tiles = (m + kRows - 1) / kRows;
-  // The streams that follow each tile's (TileShares).
-  const TileShares shares(next, w.code_panel_bytes);
-  for (int t = 0, r = 0; t < tiles; ++t) {
-    const int h = (m - r) / (tiles - t);
-    with_count<kRows>(h, [&](auto rows) {
-      constexpr int MR = decltype(rows)::value;
-      // One row tile (decode) streams the codes: strided where they fit.
-      int p = 0;
-      if (tiles == 1)
-        p = strided_tiles<kPanels>(w, np, w.kq / 4 * Int8Codes<Bits, Code>::kStepBytes, shares,
-                                   [&](const QuantPanels& wp, const TileAhead& ahead, int tp, int n) {
-                                     int8_tile<Bits, Code, Zero, MR, kPanels>(wp, a + r, c + r * ldc + tp * kPanelRows,
-                                                                             ldc, accumulate, ahead, n);
-                                   });
-      for (; p < np; p += kPanels) {
-        const int n = np - p < kPanels ? np - p : kPanels;
-        const QuantPanels wp = panels_from(w, p);
-        const TileAhead ahead = shares.tile(wp, n, np - p);
-        with_count<kPanels>(n, [&](auto panels) {
-          int8_tile<Bits, Code, Zero, MR, decltype(panels)::value>(wp, a + r, c + r * ldc + p * kPanelRows, ldc,
-                                                                  accumulate, ahead, 1);
-        });
-      }
-    });
-    r += h;
-  }
+static void gemm_int8_bits(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
+                           bool accumulate, const PrefetchRegion& next) {
+  static const Int8Tile<Bits, Code, Zero> tile;
+  generic::code_gemm<Int8Tile<Bits, Code, Zero>, Int8Schedule>(
+      tile, w, reinterpret_cast<const uint8_t* const*>(a_rows), m, np, c, ldc, accumulate, next, nullptr);
 }
 
 static void gemm_int8(const QuantPanels& w, const void* const* a_rows, int m, int np, float* c, int64_t ldc,
