@@ -224,7 +224,9 @@ struct Kernels {
   // expanding the codes once per row tile costs more than dequantizing once
   // into cache (dequant_* + gemm_bf16w_grouped). For 8-bit codes (int8,
   // e4m3) and 4-bit ones (int4, e2m1); 0 where gemm_quant is null; -1:
-  // unset, which the registry test rejects.
+  // unset, which the registry test rejects. A 4-bit bound of 16 rows or
+  // more is the most: the layer measures the two paths once on the CPU
+  // (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
   int gemm_quant_rows_8bit = -1;
   int gemm_quant_rows_4bit = -1;
   // gemm_bf16w's panels come ahead without the caller's help at every row

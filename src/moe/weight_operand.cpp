@@ -1,7 +1,10 @@
 #include "moe/weight_operand.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <mutex>
+#include <utility>
 
 #include "moe/blocking.h"
 
@@ -64,10 +67,70 @@ WeightOperand::WeightOperand(const Kernels& k, const PanelShape& ps, const Quant
   }
   path_ = int8_rows ? Path::kInt8 : Path::kCodes;
   expert_bytes_ = qs.expert_bytes;
-  if (k.gemm_quant) quant_rows_ = qs.bits == 4 ? k.gemm_quant_rows_4bit : k.gemm_quant_rows_8bit;
+  if (k.gemm_quant) quant_rows_ = qs.bits == 4 ? code_rows_4bit(k) : k.gemm_quant_rows_8bit;
   dequant_ = dequant_kernel(k, qs);
   per_row_ = qs.group == qs.kq && !qs.zero_points;
   e2m1_ = qs.code == QuantCode::kE2M1;
+}
+
+int WeightOperand::code_rows_4bit(const Kernels& k) {
+  // Tables whose 4-bit bound lies within a prefill's rows per expert were
+  // placed by measurement on their ISA alike; one that keeps the codes at
+  // every row count (avx512bf16: ahead on AMD Zen4 and Zen5) is measured
+  // here, once per process and table: on an Intel CPU without AMX the
+  // dequantized path ran 1.15-1.2x faster from 16 rows (bench/README.md).
+  constexpr int kMeasuredFrom = 16;
+  if (k.gemm_quant_rows_4bit < kMeasuredFrom) return k.gemm_quant_rows_4bit;
+  // The probe below is an operand too: its own bound is the table's.
+  static thread_local bool probing = false;
+  if (probing) return k.gemm_quant_rows_4bit;
+  static std::mutex mutex;
+  static std::vector<std::pair<const Kernels*, int>> measured;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [table, rows] : measured)
+    if (table == &k) return rows;
+  // The gate/up GEMM of a Qwen3-30B-A3B expert, int4 in groups of 32, 4
+  // column blocks, at 16 and 32 rows (a prefill's few hundred tokens), weights
+  // hot: the two paths' sums (wide code tiles, or the grouped GEMM on panels
+  // decoded in cache) go group by group in one order, so they give the same
+  // bits and only the time is at stake. The dequantized path is taken where
+  // it wins both by a margin that keeps the choice from flipping run to run.
+  const int64_t K = 2048;
+  const int np = 4 * static_cast<int>(kBlockPanels);
+  const QuantShape qs = QuantShape::of(KT_FORMAT_INT4_G32, np * kPanelRows, K);
+  Buffer<uint8_t> expert(static_cast<size_t>(qs.expert_bytes));
+  for (int64_t i = 0; i < qs.expert_bytes; ++i) expert.data()[i] = static_cast<uint8_t>(i * 37 % 251);
+  for (int64_t i = 0; i < np * qs.scale_panel; ++i) {
+    const bf16_t one = f32_to_bf16(0.01f);
+    std::memcpy(expert.data() + qs.scales_offset + i * qs.scale_bytes, &one, sizeof(one));
+  }
+  probing = true;
+  WeightOperand op(k, PanelShape::of(qs.n, K), qs, true, false);
+  probing = false;
+  op.set_weights(expert.data());
+  OperandScratch scratch;
+  constexpr int kRows = 32;
+  op.size_scratch(&scratch, qs.kq, kRows);
+  std::vector<bf16_t> a(static_cast<size_t>(kRows * qs.kq), f32_to_bf16(0.5f));
+  std::vector<const void*> rows(kRows);
+  for (int r = 0; r < kRows; ++r) rows[static_cast<size_t>(r)] = a.data() + r * qs.kq;
+  std::vector<float> c(static_cast<size_t>(kRows * np * kPanelRows));
+  const auto seconds = [&](int code_rows, int m) {
+    op.quant_rows_ = code_rows;
+    double best = 1e30;
+    for (int i = 0; i <= 5; ++i) {  // the first call warms the caches
+      const auto start = std::chrono::steady_clock::now();
+      op.gemm(scratch, 0, 0, np, rows.data(), m, c.data(), np * kPanelRows, PrefetchRegion{});
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (i > 0) best = std::min(best, t);
+    }
+    return best;
+  };
+  bool dequantize = true;
+  for (int m : {16, 32}) dequantize = dequantize && seconds(0, m) * 1.05 < seconds(kRows, m);
+  const int rows_4bit = dequantize ? kMeasuredFrom - 1 : k.gemm_quant_rows_4bit;
+  measured.emplace_back(&k, rows_4bit);
+  return rows_4bit;
 }
 
 void WeightOperand::size_scratch(OperandScratch* s, int64_t kpad, int64_t max_rows) const {

@@ -78,6 +78,8 @@ class WeightOperand {
   using DequantKernel = decltype(Kernels::dequant_i8);
   const uint8_t* expert(int64_t e) const { return stored_ + e * expert_bytes_; }
   const bf16_t* panels(int64_t e) const { return reinterpret_cast<const bf16_t*>(expert(e)); }
+  // The most rows that run gemm_quant on 4-bit codes on this CPU.
+  static int code_rows_4bit(const Kernels& k);
   // gemm over codes dequantized in cache, np <= kBlockPanels.
   void gemm_dequantized(OperandScratch& s, int64_t e, int64_t p0, int np, const void* const* rows, int m,
                         float* c, int64_t ldc, const PrefetchRegion& next) const;

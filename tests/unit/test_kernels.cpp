@@ -948,6 +948,60 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
         }
 }
 
+// A table that keeps 4-bit codes at prefill rows (gemm_quant_rows_4bit of
+// 16 or more) may take the dequantized path there instead where that runs
+// faster on the CPU (WeightOperand measures it once): past the few-row
+// tiles, gemm_quant on int4 codes gives the bits of the panels decoded in
+// cache (chunks of 256 K, as the layer's) times the grouped GEMM, so the
+// choice changes the time only.
+TEST_P(GemmKernels, Int4CodesPastFewRowsMatchDequantizedBits) {
+  const kt::Kernels& K = *GetParam();
+  if (!K.gemm_quant || K.gemm_quant_rows_4bit < 16)
+    GTEST_SKIP() << K.gemm_name << " dequantizes 4-bit codes from " << K.gemm_quant_rows_4bit + 1 << " rows anyway";
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd;
+  std::uniform_int_distribution<int> byte(0, 255);
+  const int np = 5;
+  const int64_t k = 768, chunk = 256;
+  for (kt_weight_format f : {KT_FORMAT_INT4_G32, KT_FORMAT_INT4_G128, KT_FORMAT_INT4_G32_ZP})
+    for (int m : {16, 23, 32}) {
+      const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
+      std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
+      for (auto& b : ex) b = static_cast<uint8_t>(byte(rng));
+      for (int64_t i = 0; i < np * s.scale_panel; ++i) {
+        const bf16_t v = kt::f32_to_bf16(std::fabs(nd(rng)) * 0.05f + 0.001f);
+        std::memcpy(ex.data() + s.scales_offset + i * s.scale_bytes, &v, 2);
+      }
+      if (s.zero_points)
+        for (int64_t i = 0; i < np * s.scale_panel; ++i) ex[static_cast<size_t>(s.zeros_offset + i)] &= 15;
+      std::vector<float> a(static_cast<size_t>(m * k));
+      for (auto& v : a) v = nd(rng);
+      const PackedRows packed = pack_rows(K, a, m, k);
+      const int64_t ldc = np * 16;
+      std::vector<float> codes(static_cast<size_t>(m * ldc)), cached(codes.size());
+      K.gemm_quant(s.panels(ex.data(), 0), packed.rows.data(), m, np, codes.data(), ldc, false, kt::PrefetchRegion{});
+      kt::Buffer<bf16_t> deq(static_cast<size_t>(np * 16 * chunk));
+      std::vector<float> scales(static_cast<size_t>(np * (chunk / s.group) * 16));
+      std::vector<const void*> rows(static_cast<size_t>(m));
+      for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+        for (int r = 0; r < m; ++r)
+          rows[static_cast<size_t>(r)] = static_cast<const char*>(packed.rows[static_cast<size_t>(r)]) + k0 * K.a_elem_size;
+        const int64_t stride = chunk / s.group * 16;
+        kt::quant_scales_f32(ex.data(), s, 0, np, k0 / s.group, chunk / s.group, scales.data());
+        if (s.zero_points) {
+          K.dequant_i4_zero(ex.data(), s.code_panel_bytes, np, k0, chunk, ex.data() + s.zeros_offset + k0 / s.group * 16,
+                            s.scale_panel, nullptr, 0, s.group, deq.data());
+        } else {
+          K.dequant_i4(ex.data(), s.code_panel_bytes, np, k0, chunk, nullptr, 0, 0, deq.data());
+        }
+        K.gemm_bf16w_grouped(rows.data(), m, chunk, deq.data(), 16 * chunk, np, scales.data(), stride, s.group,
+                             cached.data(), ldc, k0 > 0, kt::PrefetchRegion{});
+      }
+      for (size_t i = 0; i < codes.size(); ++i)
+        ASSERT_EQ(codes[i], cached[i]) << K.gemm_name << " " << kt_weight_format_name(f) << " m=" << m << " at " << i;
+    }
+}
+
 // Int8 A rows (KT_COMPUTE_INT8): known answers of the quantizer.
 TEST(Int8Rows, QuantizeKnownAnswers) {
   // max |x| = 127: the codes are x rounded to nearest, ties to even.

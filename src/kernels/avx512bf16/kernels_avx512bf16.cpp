@@ -519,8 +519,10 @@ constexpr Kernels make_kernels_avx512bf16() {
   k.optimizer = &optim::avx512::kKernels;
   // Against dequant_* + gemm_bf16w_grouped (bench/README.md, kernels):
   // 8-bit codes from the codes up to 24 rows, short of where the two break
-  // even; 4-bit codes stay ahead up to a full row chunk, so they never
-  // dequantize (no row count reaches the bound).
+  // even; 4-bit codes stay ahead up to a full row chunk on AMD Zen4/Zen5,
+  // so the table never dequantizes them; on CPUs where the cache path wins
+  // from 16 rows (Intel without AMX) the layer measures it and takes it
+  // (WeightOperand::code_rows_4bit).
   k.gemm_quant_rows_8bit = 24;
   k.gemm_quant_rows_4bit = 1 << 30;
   // The tiles fetch their own panels ahead at every row count
