@@ -189,21 +189,20 @@ static void group_sums(const bf16_t* const* a, int m, int64_t groups, int64_t gr
 
 // More rows (4-bit codes, which expand cheaply enough to do it once per
 // row tile; 8-bit codes up to gemm_quant_rows_8bit): one chain; heights
-// balanced as the bf16 tiles' are. Symmetric 4-bit codes: up to 4 rows x 4
-// panels (each panel's codes expanded once per 4 rows rather than per 6 rows
-// x 2 panels; 5 rows spill registers), the scaled group sums straight into C
-// (in L1), so the registers hold only the partial sums. Zero points (their
-// biases take registers, so 4 x 4 ran slower than 6 x 2): 6 rows x 2
-// panels. 8-bit codes (an expansion of 5 or more operations per 32 values):
-// up to 12 rows x 2 panels, so that a prefill's 7 to 12 rows per expert
-// expand each step once rather than in two tiles (Intel with AMX hidden,
-// T=128: int8_channel 1.32 -> 1.15x and fp8_b128 1.36 -> 1.18x the bf16
-// layer's time; fp8 at 8 rows 1.27x).
+// balanced as the bf16 tiles' are; 2 panels. Symmetric codes (int4, e2m1)
+// and 8-bit codes: up to 12 rows, so that a prefill's 5 to 12 rows per
+// expert expand each step once rather than in two or three tiles (Intel
+// with AMX hidden, kt_ab in the layer: int4_g32 T=128 0.87x the time of
+// the 4 x 4 tiles placed on Zen5; T=128 int8_channel 1.32 -> 1.15x and
+// fp8_b128 1.36 -> 1.18x the bf16 layer's time, against 6-row tiles).
+// Symmetric 4-bit codes put the scaled group sums straight into C (in L1),
+// so the registers hold only the partial sums. Zero points (their biases
+// take registers): 6 rows.
 template <int Bits, bool Zero>
 struct QuantManyRows {
-  static constexpr int kRows = Bits == 4 && !Zero ? 4 : Bits == 8 ? 12 : 6;
+  static constexpr int kRows = Zero ? 6 : 12;
   static constexpr bool kPanelsOuter = false;
-  static constexpr int panels(int) { return Bits == 4 && !Zero ? 4 : 2; }
+  static constexpr int panels(int) { return 2; }
   static constexpr int chains(int, int) { return 1; }
   static constexpr generic::SumsIn sums(int, int) {
     return Bits == 4 ? generic::SumsIn::kC : generic::SumsIn::kRegisters;
