@@ -78,7 +78,7 @@ int WeightOperand::code_rows_4bit(const Kernels& k) {
   // placed by measurement on their ISA alike; one that keeps the codes at
   // every row count (avx512bf16: ahead on AMD Zen4 and Zen5) is measured
   // here, once per process and table: on an Intel CPU without AMX the
-  // dequantized path ran 1.15-1.2x faster from 16 rows (bench/README.md).
+  // dequantized path ran faster at prefill rows (bench/README.md).
   constexpr int kMeasuredFrom = 16;
   if (k.gemm_quant_rows_4bit < kMeasuredFrom) return k.gemm_quant_rows_4bit;
   // The probe below is an operand too: its own bound is the table's.
@@ -90,11 +90,12 @@ int WeightOperand::code_rows_4bit(const Kernels& k) {
   for (const auto& [table, rows] : measured)
     if (table == &k) return rows;
   // The gate/up GEMM of a Qwen3-30B-A3B expert, int4 in groups of 32, 4
-  // column blocks, at 16 and 32 rows (a prefill's few hundred tokens), weights
-  // hot: the two paths' sums (wide code tiles, or the grouped GEMM on panels
-  // decoded in cache) go group by group in one order, so they give the same
-  // bits and only the time is at stake. The dequantized path is taken where
-  // it wins both by a margin that keeps the choice from flipping run to run.
+  // column blocks, at 32 and 16 rows (a prefill of a few hundred to a
+  // thousand tokens), weights hot: the two paths' sums (wide code tiles, or
+  // the grouped GEMM on panels decoded in cache) go group by group in one
+  // order, so they give the same bits and only the time is at stake. The
+  // dequantized path is taken where it wins by a margin that keeps the
+  // choice from flipping run to run.
   const int64_t K = 2048;
   const int np = 4 * static_cast<int>(kBlockPanels);
   const QuantShape qs = QuantShape::of(KT_FORMAT_INT4_G32, np * kPanelRows, K);
@@ -126,9 +127,13 @@ int WeightOperand::code_rows_4bit(const Kernels& k) {
     }
     return best;
   };
-  bool dequantize = true;
-  for (int m : {16, 32}) dequantize = dequantize && seconds(0, m) * 1.05 < seconds(kRows, m);
-  const int rows_4bit = dequantize ? kMeasuredFrom - 1 : k.gemm_quant_rows_4bit;
+  // From the most rows down: the bound drops below each row count where
+  // the dequantized path wins, down to the first where it does not.
+  int rows_4bit = k.gemm_quant_rows_4bit;
+  for (int m : {kRows, kMeasuredFrom}) {
+    if (seconds(0, m) * 1.05 >= seconds(kRows, m)) break;
+    rows_4bit = m - 1;
+  }
   measured.emplace_back(&k, rows_4bit);
   return rows_4bit;
 }
