@@ -74,11 +74,12 @@ WeightOperand::WeightOperand(const Kernels& k, const PanelShape& ps, const Quant
 }
 
 int WeightOperand::code_rows_4bit(const Kernels& k) {
-  // Tables whose 4-bit bound lies within a prefill's rows per expert were
-  // placed by measurement on their ISA alike; one that keeps the codes at
-  // every row count (avx512bf16: ahead on AMD Zen4 and Zen5) is measured
-  // here, once per process and table: on an Intel CPU without AMX the
-  // dequantized path ran faster at prefill rows (bench/README.md).
+  // A table whose 4-bit bound lies within a prefill's rows per expert
+  // (avx2, amx) was placed by measurement and is taken as it is. One that
+  // keeps the codes at every row count (avx512bf16: ahead on AMD Zen4 and
+  // Zen5) is measured here, once per process and table: on an Intel CPU
+  // without AMX the dequantized path ran faster at prefill rows
+  // (bench/README.md).
   constexpr int kMeasuredFrom = 16;
   if (k.gemm_quant_rows_4bit < kMeasuredFrom) return k.gemm_quant_rows_4bit;
   // The probe below is an operand too: its own bound is the table's.
@@ -112,9 +113,11 @@ int WeightOperand::code_rows_4bit(const Kernels& k) {
   OperandScratch scratch;
   constexpr int kRows = 32;
   op.size_scratch(&scratch, qs.kq, kRows);
-  std::vector<bf16_t> a(static_cast<size_t>(kRows * qs.kq), f32_to_bf16(0.5f));
+  // Rows of zeros in the table's A format: the time does not depend on the values.
+  const int64_t row_bytes = qs.kq * k.a_elem_size;
+  std::vector<uint8_t> a(static_cast<size_t>(kRows * row_bytes), 0);
   std::vector<const void*> rows(kRows);
-  for (int r = 0; r < kRows; ++r) rows[static_cast<size_t>(r)] = a.data() + r * qs.kq;
+  for (int r = 0; r < kRows; ++r) rows[static_cast<size_t>(r)] = a.data() + r * row_bytes;
   std::vector<float> c(static_cast<size_t>(kRows * np * kPanelRows));
   const auto seconds = [&](int code_rows, int m) {
     op.quant_rows_ = code_rows;

@@ -19,6 +19,7 @@
 //   kBlock                 steps summed in an Inner register before the chain
 //                          (0: the dot goes straight into the chain)
 //   kUnroll                the fewest steps per round of the K loop
+//   kXsumStride            the rows' group sums apart in xsum (0: none)
 //   kRowScale              the rows carry an fp32 scale applied at the end
 //   kFetchScales           the scales (zero points) are fetched ahead too
 //   ahead_bytes(C, NP)     how far ahead of its loads a stream is fetched
@@ -40,7 +41,8 @@
 //
 // Each (row, column)'s operations run in one order whatever the tile's
 // height and panel count, so a result does not depend on how the work was
-// cut (C, the chains, is chosen per call, never per tile).
+// cut (C, the chains, is chosen per call, never per tile, unless the sums
+// are exact integers).
 #pragma once
 
 #include <algorithm>
