@@ -166,7 +166,8 @@ void quant_rows_section(const kt::Kernels& K, double peak, bool quick) {
       static_cast<long long>(qs.kq), peak,
       !K.gemm_quant ? "never (no gemm_quant)"
       : K.gemm_quant_rows_4bit >= 1 << 20
-          ? "at every row count"
+          ? "at every row count where the table decides (a table at that bound is measured by the "
+            "layer once per process: WeightOperand::code_rows_4bit)"
           : ("up to " + std::to_string(K.gemm_quant_rows_4bit) + " rows").c_str());
   std::printf("%4s %12s %7s %12s %7s\n", "m", "codes GF/s", "%peak", "cache GF/s", "%peak");
   const int64_t calls = quick ? 20 : 200;
