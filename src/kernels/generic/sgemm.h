@@ -34,22 +34,34 @@ namespace generic {
 // W^T panels (kernels.h, transpose_panels) with a vector block transpose:
 // block(src, o) turns the 8 pair groups at src (16 source columns of one
 // 16-row panel) into the 8 destination pair groups at o; a partial last
-// panel takes the portable path.
+// block of columns takes the portable path.
+// The source is a slice of every panel, cb / 2 pair groups each (2 KiB for
+// a block of 64 columns), read from memory: so many short streams defeat
+// the hardware prefetcher, and the GEMM that runs before a transpose of a
+// few rows is too short to fetch them ahead. So each slice is read whole
+// in turn, and the slice kSliceAhead panels on is fetched meanwhile, into
+// L2 (into L1 its lines crowd the loads; 2 and 8 panels ahead, or the
+// fetches spread over the slice, ran no faster: bench/README.md).
 template <class Block>
 static void transpose_panels_by_blocks(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
                                        int64_t cb, bf16_t* dst, const Block& block) {
   constexpr int64_t kGroup = 2 * kPanelRows;  // bf16 of one pair group
+  constexpr int64_t kSliceAhead = 4;
   const int64_t stride2 = kPanelRows * np * kPanelRows;
-  for (int64_t q = 0; q * kPanelRows < cb; ++q) {
-    const int64_t cq = c0 + q * kPanelRows;
-    bf16_t* out = dst + q * stride2;
-    if (cb - q * kPanelRows < kPanelRows) {
-      transpose_panels_generic(packed, np, panel_stride, cq, cb - q * kPanelRows, out);
-      continue;
+  const int64_t whole = cb / kPanelRows;  // whole blocks of 16 columns
+  const int64_t slice_bytes = whole * (kPanelRows / 2) * kGroup * static_cast<int64_t>(sizeof(bf16_t));
+  for (int64_t P = 0; P < np; ++P) {
+    const bf16_t* src = packed + P * panel_stride + (c0 / 2) * kGroup;
+    if (P + kSliceAhead < np) {
+      const char* ahead = reinterpret_cast<const char*>(src + kSliceAhead * panel_stride);
+      for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
-    for (int64_t P = 0; P < np; ++P)
-      block(packed + P * panel_stride + (cq / 2) * kGroup, out + P * (kPanelRows / 2) * kGroup);
+    for (int64_t q = 0; q < whole; ++q)
+      block(src + q * (kPanelRows / 2) * kGroup, dst + q * stride2 + P * (kPanelRows / 2) * kGroup);
   }
+  if (whole * kPanelRows < cb)
+    transpose_panels_generic(packed, np, panel_stride, c0 + whole * kPanelRows, cb - whole * kPanelRows,
+                             dst + whole * stride2);
 }
 
 [[maybe_unused]] static void sgemm_nn_generic(int m, int n, int k, const float* const* a_rows, const float* b,
