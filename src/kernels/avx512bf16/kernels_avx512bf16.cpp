@@ -124,11 +124,27 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // included. A single tile (decode) is bound by its own stream.
 constexpr int kMinPrefetchTiles = 4;
 
+// Rows of a full tile of NP panels: MR * NP accumulators (<= 24 with 4
+// panels, 16 from 2 panels on to keep the dot products' latency covered).
+constexpr int tile_rows(int np) { return np == 4 ? 6 : np == 3 ? 8 : np == 2 ? 12 : 16; }
+
+// Panels per group of a call of m rows: up to kGemmSingleTileRows rows, the
+// most panels whose tile holds every row, so the panels stream once, with
+// every row's products to hide the stream. (At 8 rows, two tiles of 4 rows
+// by 4 panels ran the first at the memory's pace and the second from L2 at
+// the dot products': forward T=128 took 1.08x the time of one 8 x 3 tile.)
+// Past that, 4 panels: more rows gained nothing measurable (bench/README.md).
+static int panels_per_group(int m) {
+  for (int np = 4; np > 1; --np)
+    if (m <= tile_rows(np)) return np;
+  return m <= tile_rows(1) ? 1 : 4;
+}
+
 template <int NP, bool Grouped>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines,
                  const GroupScales& gs) {
-  constexpr int MR = NP == 4 ? 6 : NP == 3 ? 8 : NP == 2 ? 12 : 16;
+  constexpr int MR = tile_rows(NP);
   static_assert(MR <= kGemmSingleTileRows, "kernels.h: the most rows of one tile");
   const int tiles = (m + MR - 1) / MR;
   if (tiles < kMinPrefetchTiles) lines = 0;
@@ -153,11 +169,11 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   PrefetchCursor next(region);
   const int64_t lines = region.lines();
   // The calls over column groups each take a share of the prefetch.
-  constexpr int kMaxNP = 4;
-  const int groups = (np + kMaxNP - 1) / kMaxNP;
+  const int per_group = panels_per_group(m);
+  const int groups = (np + per_group - 1) / per_group;
   int p = 0;
   for (int gi = 0; p < np; ++gi) {
-    const int n = np - p >= kMaxNP ? kMaxNP : np - p;
+    const int n = np - p >= per_group ? per_group : np - p;
     const int64_t share = lines * (gi + 1) / groups - lines * gi / groups;
     const bf16_t* w = panels + p * panel_stride;
     float* cp = c + p * kPanelRows;
