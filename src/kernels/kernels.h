@@ -97,9 +97,8 @@ struct Kernels {
   // Any m >= 0 and np >= 1. next (base may be NULL) is what the caller reads
   // next (the next weight panels): a kernel may fetch it into cache while it
   // computes, so the next panels come from memory while these are in use.
-  // A kernel may ignore it: with up to kGemmSingleTileRows rows one row tile
-  // streams its own panels, and with a few tiles (AVX-512: fewer than 4) the
-  // extra fetches crowd that stream.
+  // A kernel may ignore it (gemm_bf16w_fetches_panels says where the
+  // panels' own stream is fetched ahead by the kernel).
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                      int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
                      const PrefetchRegion& next) = nullptr;

@@ -50,10 +50,10 @@ bool scaled_e2m1_exact(const float* scales, int64_t n) {
 }
 
 // Of bf16 panels only the head of each slice is fetched ahead: the
-// transposes stream the rest of each slice from its head on, and whole
-// slices fetched during the GEMMs before them crowd those GEMMs' own loads
-// (bench/README.md).
-constexpr int64_t kTransposeHeadBytes = 256;
+// transposes fetch the rest of each slice a few panels ahead of their reads,
+// and whole slices fetched during the GEMMs before them crowd those GEMMs'
+// own loads (bench/README.md).
+constexpr int64_t kTransposeHeadBytes = 512;
 
 }  // namespace
 

@@ -117,12 +117,14 @@ static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16
 // rather than 6,6,6,6,6,2): a low tile has too few accumulators to cover the
 // dot-product latency yet streams the panels as often as a full one.
 // With two tiles or more, the first streams the panels from memory and the
-// others find them in cache. From kMinPrefetchTiles tiles on, all of them
-// also prefetch the caller's next region, a share each; with fewer, that
-// prefetch crowds the call's own panel stream more than it saves the next
-// call, backward's dx (which builds its W^T panels from that region)
-// included. A single tile (decode) is bound by its own stream.
-constexpr int kMinPrefetchTiles = 4;
+// others find them in cache. From kMinPrefetchRows rows on, every tile also
+// prefetches the caller's next region, a share each: backward's dx and da'
+// build their W^T panels from it, the heads of a slice of every panel, which
+// the transposes then read on from (WeightOperand::transposed_block). Fewer
+// rows make too short a call: the fetches crowd L1 (fwd+bwd dx T=1 1.03x the
+// time). A call that streams its own panels passes none
+// (gemm_bf16w_fetches_panels).
+constexpr int kMinPrefetchRows = 4;
 
 // Rows of a full tile of NP panels: MR * NP accumulators (<= 24 with 4
 // panels, 16 from 2 panels on to keep the dot products' latency covered).
@@ -147,7 +149,7 @@ static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int
   constexpr int MR = tile_rows(NP);
   static_assert(MR <= kGemmSingleTileRows, "kernels.h: the most rows of one tile");
   const int tiles = (m + MR - 1) / MR;
-  if (tiles < kMinPrefetchTiles) lines = 0;
+  if (m < kMinPrefetchRows) lines = 0;
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int h = (m - r) / (tiles - t);
     const int64_t quota = lines * (t + 1) / tiles - lines * t / tiles;
