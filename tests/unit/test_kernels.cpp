@@ -159,7 +159,9 @@ TEST_P(GemmKernels, WeightGemmMatchesScalarTwin) {
   std::normal_distribution<float> nd;
   // m 16.., k 32..: the AMX kernel's tiles (one or two row tiles, one or
   // two panels, whole K tiles and a remainder); fewer: its AVX-512 path.
-  for (int m : {1, 3, 4, 5, 6, 7, 13, 16, 17, 33, 64})
+  // 6, 8, 12, 16: the most rows one AVX-512 tile of 4, 3, 2, 1 panels holds
+  // (the panels of a call then go in groups of that many, and a rest).
+  for (int m : {1, 3, 4, 5, 6, 7, 8, 12, 13, 16, 17, 33, 64})
     for (int np : {1, 2, 3, 4, 5})
       for (int64_t k : {1, 2, 31, 64, 100}) {
         const kt::PanelShape s = kt::PanelShape::of(np * 16, k);
