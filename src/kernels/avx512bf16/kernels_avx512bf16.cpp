@@ -137,9 +137,9 @@ constexpr int tile_rows(int np) { return np == 4 ? 6 : np == 3 ? 8 : np == 2 ? 1
 // the dot products': forward T=128 took 1.08x the time of one 8 x 3 tile.)
 // Past that, 4 panels: more rows gained nothing measurable (bench/README.md).
 static int panels_per_group(int m) {
-  for (int np = 4; np > 1; --np)
+  for (int np = 4; np >= 1; --np)
     if (m <= tile_rows(np)) return np;
-  return m <= tile_rows(1) ? 1 : 4;
+  return 4;
 }
 
 template <int NP, bool Grouped>
