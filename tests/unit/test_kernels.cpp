@@ -863,7 +863,7 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
                              KT_FORMAT_MXFP4, KT_FORMAT_INT4_G32_ZP, KT_FORMAT_INT4_G128_ZP})
     for (int64_t k : {128, 256})
       for (int np : {1, 2, 3, 4, 5, 7, 8, 13})
-        for (int m : {1, 2, 3, 4, 5, 6, 7, 13}) {
+        for (int m : {1, 2, 3, 4, 5, 6, 7, 13, 23, 29}) {
           const kt::QuantShape s = kt::QuantShape::of(f, np * 16, k);
           ASSERT_EQ(s.kq, k);
           std::vector<uint8_t> ex(static_cast<size_t>(s.expert_bytes));
@@ -917,7 +917,9 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
           }
           // Up to the few-row tiles' rows, a row alone gives the bits it
           // gives among others; past them, rows give the same bits under
-          // other tile heights (3 more rows); and panels from p0 on (the
+          // other tile heights (3 more rows; 23 and 26 rows lie either side
+          // of the AVX-512 BF16 kernel's 4 x 4 tiles of 4-bit codes, 13 and
+          // 16 in one and in two 12-row tiles); and panels from p0 on (the
           // operand of panels(expert, p0)) the bits they give among all:
           // within each of the two row regimes, the summation order depends
           // on no split.
