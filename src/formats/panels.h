@@ -32,10 +32,6 @@ struct PrefetchRegion {
   // kernel may fetch the first with the codes'; nullptr where none.
   const void* quant_scales = nullptr;
   const void* quant_zeros = nullptr;
-  // The call's own panels were built in cache (W^T panels, panels decoded
-  // from codes), not read from memory: a kernel that fetches its panels
-  // ahead into L2 at few rows (AVX-512 BF16 on AMD) fetches these into L1.
-  bool panels_in_cache = false;
 
   static PrefetchRegion block(const void* p, int64_t bytes) { return {p, bytes, p ? 1 : 0, 0}; }
   int64_t lines_per_chunk() const { return (chunk_bytes + 63) / 64; }

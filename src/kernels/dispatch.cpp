@@ -91,13 +91,6 @@ bool cpu_has_avx_vnni() {
   return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 4));
 }
 
-bool cpu_is_amd() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
-  // The vendor string is EBX, EDX, ECX: "Auth" "enti" "cAMD".
-  return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;
-}
-
 bool cpu_has_amx_int8() {
   unsigned a, b, c, d;
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25));

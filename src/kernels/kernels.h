@@ -268,9 +268,6 @@ const char* kernel_isa_name(kt_isa isa);
 // its ymm state is the AVX state the AVX2 level requires): the AVX2 table's
 // gemm_int8 uses it there.
 bool cpu_has_avx_vnni();
-// Whether the CPU is AMD's (cpuid vendor "AuthenticAMD"): the AVX-512 BF16
-// weight GEMM fetches few rows' panels ahead into L2 there.
-bool cpu_is_amd();
 // Whether the CPU has AMX-INT8 (cpuid leaf 7 EDX bit 25): the amx table's
 // gemm_int8 runs on tiles there.
 bool cpu_has_amx_int8();

@@ -15,13 +15,6 @@
 
 using namespace kt;
 
-// The next region of a GEMM on W^T panels, which the backward builds in
-// cache (transposed): fetched into L1 whatever the rows.
-static PrefetchRegion built_in_cache(PrefetchRegion r) {
-  r.panels_in_cache = true;
-  return r;
-}
-
 kt_moe::BackwardCall kt_moe::check_backward(const kt_context* ctx, const kt_backward_options* o,
                                             const kt_arg* args, size_t n, const char* where,
                                             bool forward_may_pend) const {
@@ -294,7 +287,7 @@ void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t
                                            ? ws_->dy_by_route.data() + (p0 + i) * b.Hp * a_size_
                                            : ws_->dy_packed.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
     kernels_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
-                  built_in_cache(p0 + kRowChunk >= pend ? next : PrefetchRegion{}));
+                  p0 + kRowChunk >= pend ? next : PrefetchRegion{});
     if (lora_on(kDown)) {
       for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[kDown].data() + (p0 + i) * r_;
       kernels_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r_), s.frows.data(),
@@ -370,10 +363,10 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
         const bool last = p0 + kRowChunk >= pend;
         kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                      built_in_cache(last ? next_source(0, ai, sc0) : PrefetchRegion{}));
+                      last ? next_source(0, ai, sc0) : PrefetchRegion{});
         for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
         kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                      built_in_cache(last ? next_source(1, ai, sc0) : PrefetchRegion{}));
+                      last ? next_source(1, ai, sc0) : PrefetchRegion{});
         for (int q = kGate; q <= kUp; ++q) {
           if (!lora_on(q)) continue;
           for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;
@@ -441,10 +434,10 @@ void kt_moe::dx_block(const BackwardPass& b, ThreadScratch& s, int64_t item, int
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
     kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                  built_in_cache(PrefetchRegion{}));
+                  PrefetchRegion{});
     for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
     kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                  built_in_cache(PrefetchRegion{}));
+                  PrefetchRegion{});
     for (int q = kGate; q <= kUp; ++q) {
       if (!lora_on(q)) continue;
       for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;

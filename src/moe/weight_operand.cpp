@@ -232,7 +232,6 @@ void WeightOperand::gemm_dequantized(OperandScratch& s, int64_t e, int64_t p0, i
     } else {
       ahead.issue(l1 - l0);
     }
-    share.panels_in_cache = true;  // deq, decoded in cache
     for (int r = 0; r < m; ++r) s.rows[static_cast<size_t>(r)] = static_cast<const char*>(rows[r]) + k0 * a_size_;
     if (per_row_) {
       dequant_(codes, qs.code_panel_bytes, np, k0, kc, nullptr, 0, 0, deq);

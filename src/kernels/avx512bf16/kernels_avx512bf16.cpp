@@ -35,9 +35,8 @@ struct GroupScales {
 // Alongside, `quota` lines of the caller's next region are prefetched evenly
 // over the K loop. Grouped: the registers hold the group's partial sums, and
 // at the end of each group C (in L1) takes them times the group's scale, so
-// the tile stays as large as the plain one. IntoL2: the panels are fetched
-// ahead into L2 (prefetcht1), else into L1 (kFewRowsIntoL2).
-template <int MR, int NP, bool Grouped, bool IntoL2 = false>
+// the tile stays as large as the plain one.
+template <int MR, int NP, bool Grouped>
 static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
                         float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
                         const GroupScales& gs) {
@@ -64,8 +63,7 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
         // fetches 1 KiB ahead of the hardware prefetcher. The distance is
         // tuned: half and twice it both ran slower (bench/README.md).
         if (!Grouped)
-          _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32),
-                       IntoL2 ? _MM_HINT_T1 : _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + p * panel_stride + (g + 16) * 32), _MM_HINT_T0);
         b[p] = (__m512bh)_mm512_loadu_si512(w + p * panel_stride + g * 32);
       }
       for (int r = 0; r < MR; ++r) {
@@ -102,28 +100,18 @@ static inline void tile(const bf16_t* const* a, int64_t kp, const bf16_t* w, int
 }
 
 // One tile of h rows, 1 <= h <= R.
-template <int NP, int R, bool Grouped, bool IntoL2 = false>
+template <int NP, int R, bool Grouped>
 static void tile_of_height(int h, const bf16_t* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
                            float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
                            const GroupScales& gs) {
   if constexpr (R > 0) {
     if (h == R) {
-      tile<R, NP, Grouped, IntoL2>(a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
+      tile<R, NP, Grouped>(a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
     } else {
-      tile_of_height<NP, R - 1, Grouped, IntoL2>(h, a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
+      tile_of_height<NP, R - 1, Grouped>(h, a, kp, w, panel_stride, c, ldc, accumulate, next, quota, gs);
     }
   }
 }
-
-// Up to this many rows, on AMD CPUs, tiles that stream their panels from
-// memory fetch them ahead into L2 rather than L1: a call of so few rows has
-// little compute to hide the stream behind, and on AMD Zen4 the fetches into
-// L1 left it short of the read rate (kt_ab in the layer, forward: T=1
-// 0.80-0.96x the time, T=32 0.78-0.94x, T=64 0.88-0.95x; at T=128, 5-12
-// rows an expert, into L2 ran 1.05x: those stay in L1). Panels built in
-// cache (PrefetchRegion::panels_in_cache) go into L1 at every row count.
-// Intel CPUs keep L1, where the distance was tuned.
-constexpr int kFewRowsIntoL2 = 4;
 
 // The rows go in ceil(m / MR) tiles of balanced height (32 rows: 5,5,5,5,6,6
 // rather than 6,6,6,6,6,2): a low tile has too few accumulators to cover the
@@ -157,19 +145,11 @@ static int panels_per_group(int m) {
 template <int NP, bool Grouped>
 static void rows(const bf16_t* const* a, int m, int64_t kp, const bf16_t* w, int64_t panel_stride,
                  float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t lines,
-                 const GroupScales& gs, bool panels_in_cache) {
+                 const GroupScales& gs) {
   constexpr int MR = tile_rows(NP);
   static_assert(MR <= kGemmSingleTileRows, "kernels.h: the most rows of one tile");
   const int tiles = (m + MR - 1) / MR;
   if (m < kMinPrefetchRows) lines = 0;
-  if constexpr (!Grouped && MR >= kFewRowsIntoL2) {
-    static const bool into_l2 = cpu_is_amd();
-    if (m <= kFewRowsIntoL2 && into_l2 && !panels_in_cache) {
-      tile_of_height<NP, kFewRowsIntoL2, false, true>(m, a, kp, w, panel_stride, c, ldc, accumulate, next,
-                                                      lines, gs);
-      return;
-    }
-  }
   for (int t = 0, r = 0; t < tiles; ++t) {
     const int h = (m - r) / (tiles - t);
     const int64_t quota = lines * (t + 1) / tiles - lines * t / tiles;
@@ -192,7 +172,6 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   const int64_t lines = region.lines();
   // The calls over column groups each take a share of the prefetch.
   const int per_group = panels_per_group(m);
-  const bool in_cache = region.panels_in_cache;
   const int groups = (np + per_group - 1) / per_group;
   int p = 0;
   for (int gi = 0; p < np; ++gi) {
@@ -203,10 +182,10 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
     GroupScales g = gs;
     g.scales = gs.scales ? gs.scales + p * gs.stride : nullptr;
     switch (n) {
-      case 4: rows<4, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g, in_cache); break;
-      case 3: rows<3, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g, in_cache); break;
-      case 2: rows<2, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g, in_cache); break;
-      default: rows<1, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g, in_cache); break;
+      case 4: rows<4, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      case 3: rows<3, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      case 2: rows<2, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
+      default: rows<1, Grouped>(a, m, kp, w, panel_stride, cp, ldc, accumulate, next, share, g); break;
     }
     p += n;
   }
