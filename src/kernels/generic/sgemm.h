@@ -41,10 +41,7 @@ namespace generic {
 // few rows is too short to fetch them ahead. So each slice is read whole
 // in turn, and the slice kSliceAhead panels on is fetched meanwhile, into
 // L2 (into L1 its lines crowd the loads; 2 and 8 panels ahead, or the
-// fetches spread over the slice, ran no faster: bench/README.md). The hint
-// is prefetcht2, which Intel's cores run as prefetcht1; on AMD Zen4 it ran
-// faster than prefetcht1 (kt_ab fwd+bwd dx: T=1 0.96x the time, T=32
-// 0.95-0.975x, T=128 0.93x; into L1, 1.23-1.29x).
+// fetches spread over the slice, ran no faster: bench/README.md).
 template <class Block>
 static void transpose_panels_by_blocks(const bf16_t* packed, int64_t np, int64_t panel_stride, int64_t c0,
                                        int64_t cb, bf16_t* dst, const Block& block) {
@@ -57,7 +54,7 @@ static void transpose_panels_by_blocks(const bf16_t* packed, int64_t np, int64_t
     const bf16_t* src = packed + P * panel_stride + (c0 / 2) * kGroup;
     if (P + kSliceAhead < np) {
       const char* ahead = reinterpret_cast<const char*>(src + kSliceAhead * panel_stride);
-      for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 1);
+      for (int64_t b = 0; b < slice_bytes; b += 64) __builtin_prefetch(ahead + b, 0, 2);
     }
     for (int64_t q = 0; q < whole; ++q)
       block(src + q * (kPanelRows / 2) * kGroup, dst + q * stride2 + P * (kPanelRows / 2) * kGroup);
