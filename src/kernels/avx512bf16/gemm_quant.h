@@ -212,9 +212,8 @@ struct QuantManyRows {
 // Symmetric 4-bit codes past two wide tiles' rows: tiles of 4 rows x 4
 // panels, which expand each panel's codes once per 4 rows rather than per
 // 12 yet ran faster there on AMD Zen4 (kt_ab in the layer, against 12 x 2
-// tiles: int4_g32 T=512 0.94-0.96x the time, T=2048 0.89-0.94x; int4_g128
-// T=2048 0.92-0.95x; T=256, about 16 rows an expert, the same within 2 %; the
-// same bits, the sums going in one order either way).
+// tiles: int4_g32 T=512 0.98-0.99x the time, T=2048 0.94x; the same bits,
+// the sums going in one order either way).
 struct QuantTallRows {
   static constexpr int kRows = 4;
   static constexpr bool kPanelsOuter = false;
