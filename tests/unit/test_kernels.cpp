@@ -918,8 +918,8 @@ TEST_P(GemmKernels, QuantGemmMatchesPlainLoops) {
           // Up to the few-row tiles' rows, a row alone gives the bits it
           // gives among others; past them, rows give the same bits under
           // other tile heights (3 more rows; 23 and 26 rows lie either side
-          // of the AVX-512 BF16 kernel's 4 x 4 tiles of 4-bit codes, 13 and
-          // 16 in one and in two 12-row tiles); and panels from p0 on (the
+          // of the AVX-512 BF16 kernel's 4 x 4 tiles of 4-bit codes, 7 and
+          // 10 in one 12-row tile, 13 and 16 in two); and panels from p0 on (the
           // operand of panels(expert, p0)) the bits they give among all:
           // within each of the two row regimes, the summation order depends
           // on no split.
