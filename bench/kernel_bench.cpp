@@ -4,7 +4,8 @@
 // from memory (cold), with and without the prefetch of the next block that
 // the MoE stages pass it; then the same for the quantized bases' gemm_quant
 // at decode's row counts, and at prefill's against dequantizing into cache;
-// then transpose_panels (backward's W^T panels) and the LoRA fp32 GEMMs. Read with kt_bench's
+// then transpose_panels (backward's W^T panels), backward's products with W
+// straight from its panels against through W^T panels, and the LoRA fp32 GEMMs. Read with kt_bench's
 // per-stage profile: a stage below its kernel's cold figure loses time outside the kernel.
 //
 // usage: kt_kernel_bench [--isa NAME] [--quick]; NAME: a table of the kernel
@@ -212,13 +213,33 @@ void quant_rows_section(const kt::Kernels& K, double peak, bool quick) {
   }
 }
 
+// Backward's two weight shapes of Qwen3-30B-A3B: gate/up (48 panels of
+// K = 2048: dx's columns of H) and down (128 panels of K = 768: da''s
+// columns of I), as panels' rows (16 * np) and K.
+struct BackwardShape {
+  const char* what;
+  int64_t out, k;
+};
+constexpr BackwardShape kBackwardShapes[] = {{"gate/up", 768, 2048}, {"down", 2048, 768}};
+
+// As many experts of shape s as fill buffer_bytes (at least 2), so that a
+// walk over them streams from memory.
+struct ColdExperts {
+  int64_t count;
+  kt::Buffer<kt::bf16_t> w;
+  ColdExperts(const kt::PanelShape& s, size_t buffer_bytes)
+      : count(std::max<int64_t>(2, static_cast<int64_t>(buffer_bytes / sizeof(kt::bf16_t)) / s.elements())),
+        w(static_cast<size_t>(count * s.elements())) {
+    for (int64_t i = 0; i < count * s.elements(); ++i)
+      w[static_cast<size_t>(i)] = static_cast<kt::bf16_t>(0x3f80 + (i % 7));
+  }
+};
+
 // transpose_panels, which backward's dx and da' stages run before their
 // GEMMs (the W^T panels of a block of 64 columns, built in cache from a
-// slice of every panel of the expert): Qwen3-30B-A3B's gate/up (48 panels of
-// K = 2048: dx's columns of H) and down (128 panels of K = 768: da''s
-// columns of I). Hot: the same slice every call; cold: as dx takes them,
-// 4 consecutive blocks of an expert, then the next expert's, from a large
-// buffer. GB/s of the slices read, against the thread's DRAM read rate.
+// slice of every panel of the expert), on kBackwardShapes. Hot: the same
+// slice every call; cold: as dx takes them, 4 consecutive blocks of an
+// expert, then the next expert's, from a large buffer. GB/s of the slices read, against the thread's DRAM read rate.
 void transpose_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, bool quick) {
   std::printf(
       "\ntranspose_panels (W^T panels of 64 columns in cache), GB/s of the source slices; DRAM "
@@ -226,17 +247,11 @@ void transpose_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim,
       lim.dram_read_gbs);
   std::printf("%-8s %4s %6s %10s %10s\n", "shape", "np", "K", "hot", "cold");
   const size_t buffer_bytes = (quick ? 64ull : 512ull) << 20;
-  struct T {
-    const char* what;
-    int64_t out, k;  // panels' rows (16 * np) and K
-  };
-  for (const T& t : {T{"gate/up", 768, 2048}, T{"down", 2048, 768}}) {
+  for (const BackwardShape& t : kBackwardShapes) {
     const kt::PanelShape s = kt::PanelShape::of(t.out, t.k);
-    const int64_t experts = std::max<int64_t>(
-        2, static_cast<int64_t>(buffer_bytes / sizeof(kt::bf16_t)) / s.elements());
-    kt::Buffer<kt::bf16_t> w(static_cast<size_t>(experts * s.elements()));
-    for (int64_t i = 0; i < experts * s.elements(); ++i)
-      w[static_cast<size_t>(i)] = static_cast<kt::bf16_t>(0x3f80 + (i % 7));
+    const ColdExperts cold(s, buffer_bytes);
+    const int64_t experts = cold.count;
+    const kt::Buffer<kt::bf16_t>& w = cold.w;
     kt::Buffer<kt::bf16_t> dst(static_cast<size_t>(s.np * kt::kPanelRows * kt::kBlockCols));
     const double slice =
         static_cast<double>(s.np) * kt::kPanelRows * kt::kBlockCols * sizeof(kt::bf16_t);
@@ -254,6 +269,65 @@ void transpose_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim,
     }
     std::printf("%-8s %4lld %6lld %10.1f %10.1f\n", t.what, static_cast<long long>(s.np),
                 static_cast<long long>(t.k), gbs[0], gbs[1]);
+  }
+}
+
+// Backward's products with W of one expert's m rows, cold, the two ways the
+// dx and da' stages take them: straight from W's panels (gemm_bf16w_nn, a
+// call per 256 columns, as dx takes them at decode) and through W^T panels
+// (transpose_panels then gemm_bf16w, per block of 64 columns). GB/s of the
+// weights read, against the thread's DRAM read rate; the layer takes the
+// straight path up to the table's gemm_bf16w_nn_rows rows.
+void straight_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, bool quick) {
+  if (!K.gemm_bf16w_nn) {
+    std::printf("\ngemm_bf16w_nn: the %s table has none (backward builds W^T panels)\n", K.gemm_name);
+    return;
+  }
+  std::printf(
+      "\nbackward's C = A W, cold, GB/s of the weights: straight (gemm_bf16w_nn) against W^T panels "
+      "(transpose_panels + gemm_bf16w); taken straight up to %d rows; DRAM read %.1f GB/s\n",
+      K.gemm_bf16w_nn_rows, lim.dram_read_gbs);
+  std::printf("%-8s %4s %6s %4s %10s %10s\n", "shape", "np", "K", "m", "straight", "W^T");
+  const size_t buffer_bytes = (quick ? 64ull : 512ull) << 20;
+  for (const BackwardShape& t : kBackwardShapes) {
+    const kt::PanelShape s = kt::PanelShape::of(t.out, t.k);
+    const ColdExperts cold(s, buffer_bytes);
+    const int64_t experts = cold.count;
+    const kt::Buffer<kt::bf16_t>& w = cold.w;
+    kt::Buffer<kt::bf16_t> wt(static_cast<size_t>(s.np * kt::kPanelRows * kt::kBlockCols));
+    const int64_t ka = s.padded_rows();
+    std::vector<char> a(static_cast<size_t>(16 * ka * K.a_elem_size), 0);
+    std::vector<float> af(static_cast<size_t>(ka), 0.5f);
+    std::vector<const void*> rows(16);
+    for (int r = 0; r < 16; ++r) {
+      K.pack_a_f32(af.data(), t.out, ka, a.data() + r * ka * K.a_elem_size);
+      rows[static_cast<size_t>(r)] = a.data() + r * ka * K.a_elem_size;
+    }
+    std::vector<float> c(static_cast<size_t>(16 * kt::kMaxItemCols));
+    const int64_t span = std::min<int64_t>(kt::kMaxItemCols, t.k);
+    const int64_t per_expert = t.k / span;
+    for (int m : {1, 2, 4, 8, 16}) {
+      double gbs[2];
+      for (int mode = 0; mode < 2; ++mode) {
+        const double best = best_seconds_per_call(experts * per_expert, quick ? 1 : 3, [&](int64_t i) {
+          const kt::bf16_t* we = w.data() + i / per_expert * s.elements();
+          const int64_t c0 = i % per_expert * span;
+          if (mode == 0) {
+            K.gemm_bf16w_nn(rows.data(), m, we, s.panel_stride(), static_cast<int>(s.np), c0, span, c.data(), span,
+                            false, kt::PrefetchRegion{});
+            return;
+          }
+          for (int64_t b0 = c0; b0 < c0 + span; b0 += kt::kBlockCols) {
+            K.transpose_panels(we, s.np, s.panel_stride(), b0, kt::kBlockCols, wt.data());
+            K.gemm_bf16w(rows.data(), m, ka, wt.data(), kt::kPanelRows * ka, static_cast<int>(kt::kBlockPanels),
+                         c.data(), span, false, kt::PrefetchRegion{});
+          }
+        });
+        gbs[mode] = static_cast<double>(s.np) * kt::kPanelRows * span * sizeof(kt::bf16_t) / best / 1e9;
+      }
+      std::printf("%-8s %4lld %6lld %4d %10.1f %10.1f\n", t.what, static_cast<long long>(s.np),
+                  static_cast<long long>(t.k), m, gbs[0], gbs[1]);
+    }
   }
 }
 
@@ -436,6 +510,7 @@ int main(int argc, char** argv) {
   }
   quant_rows_section(K, peak, quick);
   transpose_section(K, lim, quick);
+  straight_section(K, lim, quick);
   lora_section(
       K, lim.fp32_fma_avx512_gflops > 0 ? lim.fp32_fma_avx512_gflops : lim.fp32_fma_avx2_gflops,
       quick);

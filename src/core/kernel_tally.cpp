@@ -7,9 +7,10 @@ namespace kt {
 
 const char* kernel_id_name(int id) {
   static const std::array<std::string, kKernelIds> names = [] {
-    const char* const entries[] = {"gemm_bf16w", "gemm_bf16w_grouped", "gemm_quant",
-                                   "gemm_int8",  "gemm_zip_bf16",      "sgemm_nn",
-                                   "sgemm_nt",   "sgemm_tn",           "transpose_panels"};
+    const char* const entries[] = {"gemm_bf16w", "gemm_bf16w_nn",   "gemm_bf16w_grouped",
+                                   "gemm_quant", "gemm_int8",       "gemm_zip_bf16",
+                                   "sgemm_nn",   "sgemm_nt",        "sgemm_tn",
+                                   "transpose_panels"};
     const char* const tables[] = {"ref", "avx2", "avx512bf16", "amx", "onednn"};
     static_assert(sizeof(entries) / sizeof(*entries) == static_cast<size_t>(KernelEntry::kCount),
                   "entry names");

@@ -20,6 +20,7 @@ namespace kt {
 enum class KernelTable : int { kRef, kAvx2, kAvx512Bf16, kAmx, kOneDnn, kCount };
 enum class KernelEntry : int {
   kGemmBf16w,
+  kGemmBf16wNn,
   kGemmBf16wGrouped,
   kGemmQuant,
   kGemmInt8,

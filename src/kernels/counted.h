@@ -20,6 +20,11 @@ inline int64_t of(const void* const*, int m, int64_t kp, const bf16_t*, int64_t,
                   int64_t, bool, const PrefetchRegion&) {
   return gemm(m, int64_t{kPanelRows} * np, kp);
 }
+// gemm_bf16w_nn: the sum runs over the panels' rows
+inline int64_t of(const void* const*, int m, const bf16_t*, int64_t, int np, int64_t, int64_t n, float*, int64_t,
+                  bool, const PrefetchRegion&) {
+  return gemm(m, n, int64_t{kPanelRows} * np);
+}
 // gemm_bf16w_grouped
 inline int64_t of(const void* const*, int m, int64_t kp, const bf16_t*, int64_t, int np,
                   const float*, int64_t, int64_t, float*, int64_t, bool, const PrefetchRegion&) {

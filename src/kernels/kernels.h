@@ -102,6 +102,19 @@ struct Kernels {
   void (*gemm_bf16w)(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                      int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
                      const PrefetchRegion& next) = nullptr;
+  // The product with W itself on the same panels (backward's da' and dx
+  // without building W^T panels): C[r, j] (=|+=) sum over i < 16 np of
+  // A[r][i] * W[i][c0 + j] for r < m, j < n. W's rows i are the np panels'
+  // (panel_stride elements apart, the panels' K padded to kp); a_rows[r]
+  // points at a row in A format of 16 np elements (zero where W's rows are
+  // padding). c0 is even and c0 + n <= kp; any m >= 0, n >= 1. Each C value
+  // is one fixed-order sum, whatever m and n. next: what the caller reads
+  // next, as transpose_source describes a block of columns (the slices of
+  // its panels); a kernel may fetch the heads of its chunks. NULL where the
+  // unit has none (callers build W^T panels and run gemm_bf16w).
+  void (*gemm_bf16w_nn)(const void* const* a_rows, int m, const bf16_t* panels, int64_t panel_stride, int np,
+                        int64_t c0, int64_t n, float* c, int64_t ldc, bool accumulate,
+                        const PrefetchRegion& next) = nullptr;
 
   // Weight gradients on bf16 operands (NULL where the A format is fp32): both
   // operands come as zipped row pairs, [group][column][2] bf16 with the pair
@@ -228,6 +241,10 @@ struct Kernels {
   // (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
   int gemm_quant_rows_8bit = -1;
   int gemm_quant_rows_4bit = -1;
+  // The most rows of an expert for which backward runs gemm_bf16w_nn on
+  // bf16 panels; past them building W^T panels once for gemm_bf16w's tiles
+  // costs less. 0 where gemm_bf16w_nn is null; -1: unset.
+  int gemm_bf16w_nn_rows = -1;
   // gemm_bf16w's panels come ahead without the caller's help at every row
   // count (the kernel's own fetches, or the hardware's for tiles): a caller
   // whose panels stream from memory passes no next region, which would only

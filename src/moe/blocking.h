@@ -20,6 +20,10 @@ constexpr int64_t kBlockCols = kBlockPanels * kPanelRows;
 constexpr int64_t kQuantChunk = 256;
 constexpr int64_t kRowChunk = 64;
 constexpr int64_t kMaxItemCols = 4 * kBlockCols;
+// The most rows of an expert that backward multiplies straight from W's
+// panels (gemm_bf16w_nn) whatever the table allows: one call then spans an
+// item's columns, and its C tile still fits kRowChunk x kBlockCols floats.
+constexpr int64_t kStraightMaxRows = kRowChunk * kBlockCols / kMaxItemCols;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -99,6 +103,13 @@ struct CombineSplit {
     while (2 * cols <= fits && ceil_div(n, 2 * cols) >= want) cols *= 2;
     col_blocks = ceil_div(n, cols);
     call_cols = cols;
+  }
+  // Backward's dx at decode where the experts' W panels are read straight
+  // (gemm_bf16w_nn, up to kStraightMaxRows rows): the same, each call
+  // spanning an item's columns (the C tile fits: kStraightMaxRows rows of
+  // kMaxItemCols).
+  void widen_for_straight(int64_t T, int64_t n, int threads) {
+    widen_for_quantized_decode(T, n, threads, kStraightMaxRows);
   }
 };
 

@@ -248,10 +248,26 @@ void kt_moe::backward_inputs(BackwardPass& b) {
 }
 
 // da' = dy . Wd_eff per (expert, block of I), then dg, du and the parts of
-// the routing-weight gradients.
+// the routing-weight gradients. Experts read straight from W's panels take
+// items of `wide` blocks while every worker keeps 4 items: each call then
+// streams longer slices of the panels.
 void kt_moe::backward_down(const BackwardPass& b) {
-  block_items(b.R, I_, kBlockCols);
-  // What the W^T panels of an item are built from.
+  const Routing& R = b.R;
+  int64_t wide = 1;
+  if (operand_[kDown].reads_w_straight(1)) {
+    const int64_t want = 4 * static_cast<int64_t>(engine_->pool->size());
+    const int64_t experts = static_cast<int64_t>(R.active.size());
+    while (2 * wide * kBlockCols <= kMaxItemCols && experts * ceil_div(b.nIb, 2 * wide) >= want) wide *= 2;
+  }
+  ws_->items.clear();
+  for (int32_t e : R.active) {
+    const int64_t f = operand_[kDown].reads_w_straight(R.offsets[static_cast<size_t>(e) + 1] -
+                                                       R.offsets[static_cast<size_t>(e)])
+                          ? wide
+                          : 1;
+    for (int64_t ib = 0; ib < b.nIb; ib += f) ws_->items.push_back((int64_t{e} << 32) | ib);
+  }
+  // What an item reads first (its W^T panels' source, or its slices' heads).
   const auto down_source = [&](int64_t item) {
     const int64_t e = item >> 32, col0 = (item & 0xffffffff) * kBlockCols;
     return operand_[kDown].transposed_block(e, col0, std::min(kBlockCols, I_ - col0));
@@ -260,52 +276,92 @@ void kt_moe::backward_down(const BackwardPass& b) {
   engine_->pool->run_grouped(ranges.group_bounds.data(), [&](int64_t range, int tid) {
     for (int64_t it = ranges.begin(range); it < ranges.end(range); ++it) {
       note_worker(ws_->items[static_cast<size_t>(it)] >> 32, tid);
-      backward_down_item(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)],
+      backward_down_item(b, ws_->per_thread[static_cast<size_t>(tid)], ws_->items[static_cast<size_t>(it)], wide,
                          it + 1 < ranges.end(range) ? down_source(ws_->items[static_cast<size_t>(it + 1)])
                                                     : PrefetchRegion{});
     }
   });
 }
 
-// One item: da' for a block of I over all of the expert's rows; `next` is
-// the source of the worker's next item, fetched while this one computes.
-void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t item, const PrefetchRegion& next) {
+// One item: da' for a block of I (straight from W's panels: `wide` blocks)
+// over all of the expert's rows, then per block of kBlockCols its dg, du and
+// routing-weight parts; `next` is the source of the worker's next item,
+// fetched while this one computes.
+void kt_moe::backward_down_item(const BackwardPass& b, ThreadScratch& s, int64_t item, int64_t wide,
+                                const PrefetchRegion& next) {
   const Routing& R = b.R;
   const int64_t e = item >> 32;
-  const int64_t ib = item & 0xffffffff;
-  const int64_t col0 = ib * kBlockCols;
-  const int64_t ncols = std::min(kBlockCols, I_ - col0);
+  const int64_t ib0 = item & 0xffffffff;
+  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
+  const bool straight = operand_[kDown].reads_w_straight(pend - R.offsets[static_cast<size_t>(e)]);
+  const int64_t ld = (straight ? wide : 1) * kBlockCols;  // cda's row stride: the item's columns
+  const int64_t col0 = ib0 * kBlockCols;
+  const int64_t ncols = std::min(ld, I_ - col0);
   const int np = static_cast<int>(ceil_div(ncols, kPanelRows));
   const ActParams act{opt_.activation, opt_.act_alpha, opt_.act_limit};
-  operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
+  if (!straight) operand_[kDown].transposed(s.operand, e, col0, ncols, s.panels[0].data());
   float* cda = s.c[0].data();
-  const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
     for (int i = 0; i < m; ++i)
       s.rows[static_cast<size_t>(i)] = b.dy_by_route
                                            ? ws_->dy_by_route.data() + (p0 + i) * b.Hp * a_size_
                                            : ws_->dy_packed.data() + R.token[static_cast<size_t>(p0 + i)] * b.Hp * a_size_;
-    kernels_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, kBlockCols, false,
-                  p0 + kRowChunk >= pend ? next : PrefetchRegion{});
+    const PrefetchRegion& ahead = p0 + kRowChunk >= pend ? next : PrefetchRegion{};
+    if (straight) {
+      operand_[kDown].gemm_t(e, s.rows.data(), m, col0, ncols, cda, ld, false, ahead);
+    } else {
+      kernels_.gemm_bf16w(s.rows.data(), m, b.Hp, s.panels[0].data(), kPanelRows * b.Hp, np, cda, ld, false, ahead);
+    }
     if (lora_on(kDown)) {
       for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[kDown].data() + (p0 + i) * r_;
       kernels_.sgemm_nn(m, static_cast<int>(ncols), static_cast<int>(r_), s.frows.data(),
-                  lora_[kDown].a.data() + e * r_ * I_ + col0, I_, cda, kBlockCols, true);
+                  lora_[kDown].a.data() + e * r_ * I_ + col0, I_, cda, ld, true);
     }
     for (int i = 0; i < m; ++i) {
       const int64_t p = p0 + i;
       const float w = R.weight[static_cast<size_t>(p)];
-      const float* gp = b.ctx->g.data() + p * I_ + col0;
-      const float* up = b.ctx->u.data() + p * I_ + col0;
-      float* dgp = ws_->d_gate.data() + p * I_ + col0;
-      float* dup = ws_->d_up.data() + p * I_ + col0;
-      const float part = kernels_.act_backward(act, gp, up, cda + i * kBlockCols, w, dgp, dup,
-                                         b.need_act ? ws_->act_f32.data() + p * I_ + col0 : nullptr, ncols);
-      ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + ib)] = part;
-      const int64_t kp = std::min(kBlockCols, b.Ip - col0);
-      kernels_.pack_a_f32(dgp, ncols, kp, ws_->d_gate_packed.data() + (p * b.Ip + col0) * a_size_);
-      kernels_.pack_a_f32(dup, ncols, kp, ws_->d_up_packed.data() + (p * b.Ip + col0) * a_size_);
+      // Per block of kBlockCols: the routing-weight parts go per block
+      // whatever the item's width (the same sums in the same order).
+      for (int64_t c = col0; c < col0 + ncols; c += kBlockCols) {
+        const int64_t n = std::min(kBlockCols, I_ - c);
+        const float* gp = b.ctx->g.data() + p * I_ + c;
+        const float* up = b.ctx->u.data() + p * I_ + c;
+        float* dgp = ws_->d_gate.data() + p * I_ + c;
+        float* dup = ws_->d_up.data() + p * I_ + c;
+        const float part = kernels_.act_backward(act, gp, up, cda + i * ld + (c - col0), w, dgp, dup,
+                                                 b.need_act ? ws_->act_f32.data() + p * I_ + c : nullptr, n);
+        ws_->route_weight_parts[static_cast<size_t>(p * b.nIb + c / kBlockCols)] = part;
+        const int64_t kp = std::min(kBlockCols, b.Ip - c);
+        kernels_.pack_a_f32(dgp, n, kp, ws_->d_gate_packed.data() + (p * b.Ip + c) * a_size_);
+        kernels_.pack_a_f32(dup, n, kp, ws_->d_up_packed.data() + (p * b.Ip + c) * a_size_);
+      }
+    }
+  }
+}
+
+bool kt_moe::reads_w_straight(const Routing& R, int64_t e) const {
+  const int64_t routes = R.offsets[static_cast<size_t>(e) + 1] - R.offsets[static_cast<size_t>(e)];
+  return operand_[kGate].reads_w_straight(routes) && operand_[kUp].reads_w_straight(routes);
+}
+
+// cx[m, sn] = dg . Wg + du . Wu over columns [c0, c0 + sn) of routes
+// [p0, p0 + m) of expert e: from W's panels (straight), or from the W^T
+// panels in s.panels[0] and [1]. next_gate, next_up: what comes after each.
+void kt_moe::dx_product(const BackwardPass& b, ThreadScratch& s, bool straight, int64_t e, int64_t p0, int m,
+                        int64_t c0, int64_t sn, float* cx, int64_t ldc, const PrefetchRegion& next_gate,
+                        const PrefetchRegion& next_up) {
+  const int64_t Ip = b.Ip;
+  const int np = static_cast<int>(ceil_div(sn, kPanelRows));
+  for (int q = 0; q < 2; ++q) {
+    const Buffer<char>& d = q == 0 ? ws_->d_gate_packed : ws_->d_up_packed;
+    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = d.data() + (p0 + i) * Ip * a_size_;
+    const PrefetchRegion& next = q == 0 ? next_gate : next_up;
+    if (straight) {
+      operand_[q == 0 ? kGate : kUp].gemm_t(e, s.rows.data(), m, c0, sn, cx, ldc, q == 1, next);
+    } else {
+      kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[static_cast<size_t>(q)].data(), kPanelRows * Ip, np, cx,
+                          ldc, q == 1, next);
     }
   }
 }
@@ -319,14 +375,16 @@ void kt_moe::backward_dx(const BackwardPass& b) {
     return;
   }
   ws_->token_sum.reserve(static_cast<size_t>(std::max<int64_t>(b.T * H_, 1)));
-  const CombineSplit split = CombineSplit::plan(b.T, H_, engine_->pool->size());
+  CombineSplit split = CombineSplit::plan(b.T, H_, engine_->pool->size());
+  // Experts multiplied straight from W's panels (few rows) read each
+  // panel's slice of the item's columns in one call: wider items at decode.
+  if (operand_[kGate].reads_w_straight(1)) split.widen_for_straight(b.T, H_, engine_->pool->size());
   engine_->pool->run(split.items(),
                     [&](int64_t item, int tid) { dx_item(b, split, ws_->per_thread[static_cast<size_t>(tid)], item); });
 }
 
 void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScratch& s, int64_t item) {
   const Routing& R = b.R;
-  const int64_t Ip = b.Ip;
   float* acc = ws_->token_sum.data();
   const int64_t col0 = (item % split.col_blocks) * split.cols;
   const int64_t ncols = std::min(split.cols, H_ - col0);
@@ -351,31 +409,35 @@ void kt_moe::dx_item(const BackwardPass& b, const CombineSplit& split, ThreadScr
     token_range(R.token.data(), R.offsets[static_cast<size_t>(e)], R.offsets[static_cast<size_t>(e) + 1], t0, t1,
                 &pbegin, &pend);
     if (pbegin == pend) continue;
+    // By the expert's routes, not the range's: a token's dx takes one path
+    // however the tokens were split.
+    const bool straight = reads_w_straight(R, e);
     // Blocks of kBlockCols columns: the expert's rows of dg and du stay in
-    // cache across them.
-    for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += kBlockCols) {
-      const int64_t sn = std::min(kBlockCols, col0 + ncols - sc0);
-      const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-      operand_[kGate].transposed(s.operand, e, sc0, sn, s.panels[0].data());
-      operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
+    // cache across them. Straight from W's panels, one block of the item's
+    // columns: each panel's slice then streams as one longer run.
+    const int64_t bw = straight ? ncols : kBlockCols;
+    for (int64_t sc0 = col0; sc0 < col0 + ncols; sc0 += bw) {
+      const int64_t sn = std::min(bw, col0 + ncols - sc0);
+      if (!straight) {
+        operand_[kGate].transposed(s.operand, e, sc0, sn, s.panels[0].data());
+        operand_[kUp].transposed(s.operand, e, sc0, sn, s.panels[1].data());
+      }
       for (int64_t p0 = pbegin; p0 < pend; p0 += kRowChunk) {
         const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
         const bool last = p0 + kRowChunk >= pend;
-        kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                      last ? next_source(0, ai, sc0) : PrefetchRegion{});
-        for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
-        kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                      last ? next_source(1, ai, sc0) : PrefetchRegion{});
+        // next_source takes the last kBlockCols block of this call's.
+        const int64_t tail = sc0 + bw - kBlockCols;
+        dx_product(b, s, straight, e, p0, m, sc0, sn, cx, bw, last ? next_source(0, ai, tail) : PrefetchRegion{},
+                   last ? next_source(1, ai, tail) : PrefetchRegion{});
         for (int q = kGate; q <= kUp; ++q) {
           if (!lora_on(q)) continue;
           for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;
           kernels_.sgemm_nn(m, static_cast<int>(sn), static_cast<int>(r_), s.frows.data(),
-                      lora_[q].a.data() + e * r_ * H_ + sc0, H_, cx, kBlockCols, true);
+                      lora_[q].a.data() + e * r_ * H_ + sc0, H_, cx, bw, true);
         }
         for (int i = 0; i < m; ++i) {
           float* dst = acc + R.token[static_cast<size_t>(p0 + i)] * H_ + sc0;
-          const float* ci = cx + i * kBlockCols;
+          const float* ci = cx + i * bw;
           for (int64_t j = 0; j < sn; ++j) dst[j] += ci[j];
         }
       }
@@ -421,23 +483,19 @@ void kt_moe::backward_dx_by_node(const BackwardPass& b) {
 // computes them.
 void kt_moe::dx_block(const BackwardPass& b, ThreadScratch& s, int64_t item, int64_t ldx) {
   const Routing& R = b.R;
-  const int64_t Ip = b.Ip;
   const int64_t e = item >> 32;
   const int64_t col0 = (item & 0xffffffff) * kBlockCols;
   const int64_t sn = std::min(kBlockCols, H_ - col0);
-  const int np = static_cast<int>(ceil_div(sn, kPanelRows));
-  operand_[kGate].transposed(s.operand, e, col0, sn, s.panels[0].data());
-  operand_[kUp].transposed(s.operand, e, col0, sn, s.panels[1].data());
+  const bool straight = reads_w_straight(R, e);
+  if (!straight) {
+    operand_[kGate].transposed(s.operand, e, col0, sn, s.panels[0].data());
+    operand_[kUp].transposed(s.operand, e, col0, sn, s.panels[1].data());
+  }
   float* cx = s.c[0].data();
   const int64_t pend = R.offsets[static_cast<size_t>(e) + 1];
   for (int64_t p0 = R.offsets[static_cast<size_t>(e)]; p0 < pend; p0 += kRowChunk) {
     const int m = static_cast<int>(std::min(kRowChunk, pend - p0));
-    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_gate_packed.data() + (p0 + i) * Ip * a_size_;
-    kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[0].data(), kPanelRows * Ip, np, cx, kBlockCols, false,
-                  PrefetchRegion{});
-    for (int i = 0; i < m; ++i) s.rows[static_cast<size_t>(i)] = ws_->d_up_packed.data() + (p0 + i) * Ip * a_size_;
-    kernels_.gemm_bf16w(s.rows.data(), m, Ip, s.panels[1].data(), kPanelRows * Ip, np, cx, kBlockCols, true,
-                  PrefetchRegion{});
+    dx_product(b, s, straight, e, p0, m, col0, sn, cx, kBlockCols, PrefetchRegion{}, PrefetchRegion{});
     for (int q = kGate; q <= kUp; ++q) {
       if (!lora_on(q)) continue;
       for (int i = 0; i < m; ++i) s.frows[static_cast<size_t>(i)] = ws_->lora_b_proj[q].data() + (p0 + i) * r_;

@@ -328,11 +328,17 @@ struct kt_moe {
   struct BackwardPass;
   void backward_inputs(BackwardPass& b);
   void backward_down(const BackwardPass& b);
-  void backward_down_item(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, const kt::PrefetchRegion& next);
+  void backward_down_item(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, int64_t wide,
+                          const kt::PrefetchRegion& next);
   void backward_dx(const BackwardPass& b);
   void dx_item(const BackwardPass& b, const kt::CombineSplit& split, kt::ThreadScratch& s, int64_t item);
   void backward_dx_by_node(const BackwardPass& b);
   void dx_block(const BackwardPass& b, kt::ThreadScratch& s, int64_t item, int64_t ldx);
+  // Whether expert e's dx (and its dg, du) multiply by W's panels straight.
+  bool reads_w_straight(const kt::Routing& R, int64_t e) const;
+  void dx_product(const BackwardPass& b, kt::ThreadScratch& s, bool straight, int64_t e, int64_t p0, int m,
+                  int64_t c0, int64_t sn, float* cx, int64_t ldc, const kt::PrefetchRegion& next_gate,
+                  const kt::PrefetchRegion& next_up);
   void routing_weight_gradients(const BackwardPass& b);
   // Forward on a quantized base at decode: expert e's down for its routes
   // into their rows of yr_, and y from those rows (moe_forward.cpp).

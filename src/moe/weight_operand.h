@@ -13,6 +13,7 @@
 #include "formats/packed_bf16.h"
 #include "formats/packed_quant.h"
 #include "kernels/kernels.h"
+#include "moe/blocking.h"
 
 namespace kt {
 
@@ -72,6 +73,20 @@ class WeightOperand {
   // What transposed(e, c0, cb) reads, to fetch ahead (of bf16 panels the
   // head of each slice).
   PrefetchRegion transposed_block(int64_t e, int64_t c0, int64_t cb) const;
+  // Whether backward multiplies an expert of `rows` rows by W straight from
+  // its panels (gemm_t) rather than by W^T panels built by transposed().
+  bool reads_w_straight(int64_t rows) const {
+    return path_ == Path::kPanels && k_->gemm_bf16w_nn && rows <= k_->gemm_bf16w_nn_rows &&
+           rows <= kStraightMaxRows;
+  }
+  // C[m, cb] (=|+=) rows . W[:, c0:c0 + cb) of expert e from W's panels
+  // (reads_w_straight only): rows are A-format rows of the panels' padded
+  // rows. next: as transposed_block describes it.
+  void gemm_t(int64_t e, const void* const* rows, int m, int64_t c0, int64_t cb, float* c, int64_t ldc,
+              bool accumulate, const PrefetchRegion& next) const {
+    k_->gemm_bf16w_nn(rows, m, panels(e), ps_.panel_stride(), static_cast<int>(ps_.np), c0, cb, c, ldc, accumulate,
+                      next);
+  }
 
  private:
   enum class Path { kPanels, kCodes, kInt8 };

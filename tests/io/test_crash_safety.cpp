@@ -690,7 +690,7 @@ TEST_F(CrashSafety, ConvertOverAnExistingOutputNeverLeavesAMix) {
     long n = 1;
     for (;; ++n) {
       remove_target(w.target);
-      ASSERT_EQ(w.write_old(), KT_OK);
+      ASSERT_EQ(w.write_old(), KT_OK) << "unarmed, after fault " << n - 1 << ": " << read_file(dir_ + "/convert.err");
       const std::string fault = std::string(kKindName[kind]) + ":" + std::to_string(n);
       const ChildResult r = run_armed(kOff, 0, [&] { return convert(ck2, fault.c_str()); });
       const Snapshot after = snapshot(w.target);

@@ -35,13 +35,14 @@ namespace {
 #define KT_OPTIONAL_ENTRIES(X) \
   X(gemm_zip_bf16)             \
   X(zip_rows_bf16)             \
-  X(gemm_quant)
+  X(gemm_quant)                \
+  X(gemm_bf16w_nn)
 
 #define KT_COUNT_ENTRY(e) +1
 constexpr int kEntries = 0 KT_REQUIRED_ENTRIES(KT_COUNT_ENTRY) KT_OPTIONAL_ENTRIES(KT_COUNT_ENTRY);
 #undef KT_COUNT_ENTRY
 
-// isa, gemm_name and a_elem_size (24 bytes with padding); the entries; two
+// isa, gemm_name and a_elem_size (24 bytes with padding); the entries; three
 // ints and two bools of tuning (16 bytes with padding). A member added to
 // Kernels changes the size: check it here, then count it.
 static_assert(sizeof(kt::Kernels) == 24 + kEntries * sizeof(void*) + 16,
@@ -111,6 +112,10 @@ TEST(KernelRegistry, EveryTableHoldsItsContract) {
       EXPECT_LE(rows, 1 << 30);
       EXPECT_EQ(rows == 0, k.gemm_quant == nullptr) << rows;
     }
+    // gemm_bf16w_nn's row bound likewise.
+    EXPECT_GE(k.gemm_bf16w_nn_rows, 0);
+    EXPECT_LE(k.gemm_bf16w_nn_rows, 1 << 30);
+    EXPECT_EQ(k.gemm_bf16w_nn_rows == 0, k.gemm_bf16w_nn == nullptr) << k.gemm_bf16w_nn_rows;
   }
 }
 

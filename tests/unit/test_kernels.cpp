@@ -250,6 +250,63 @@ TEST_P(GemmKernels, ZippedGradientGemmMatchesPlainLoops) {
       }
 }
 
+// The product with W itself on W's panels against plain loops in double,
+// on bf16 values (exact products, fp32 sums): C[r, j] = sum_i A[r][i] *
+// W[i][c0 + j]. Rows past N (a partial last panel) are zero in the panels;
+// columns from c0 (even) in blocks with a partial last one, both write
+// modes, and nothing written past n columns.
+TEST_P(GemmKernels, ProductWithWMatchesPlainLoops) {
+  const kt::Kernels& K = *GetParam();
+  if (!K.gemm_bf16w_nn) GTEST_SKIP() << K.gemm_name << " has no gemm_bf16w_nn; backward builds W^T panels";
+  std::mt19937 rng(13);
+  std::normal_distribution<float> nd;
+  for (int64_t rows_w : {16, 37, 80})
+    for (int64_t k : {2, 31, 64, 100}) {
+      const kt::PanelShape s = kt::PanelShape::of(rows_w, k);
+      const int np = static_cast<int>(s.np);
+      std::vector<float> w(static_cast<size_t>(rows_w * k));
+      for (auto& v : w) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+      kt::Buffer<bf16_t> packed(static_cast<size_t>(s.elements()));
+      kt::pack_bf16_panels(view2d(w.data(), rows_w, k), 0, 1, s, packed.data());
+      const int64_t ka = 16 * np;  // A rows: W's padded rows
+      for (int m : {1, 2, 3, 4, 5, 7, 17}) {
+        std::vector<float> a(static_cast<size_t>(m * rows_w));
+        for (auto& v : a) v = kt::bf16_to_f32(kt::f32_to_bf16(nd(rng)));
+        std::vector<char> ak(static_cast<size_t>(m * ka * K.a_elem_size));
+        std::vector<const void*> rows(static_cast<size_t>(m));
+        for (int i = 0; i < m; ++i) {
+          K.pack_a_f32(&a[static_cast<size_t>(i * rows_w)], rows_w, ka, &ak[static_cast<size_t>(i * ka * K.a_elem_size)]);
+          rows[static_cast<size_t>(i)] = &ak[static_cast<size_t>(i * ka * K.a_elem_size)];
+        }
+        for (int64_t c0 : {int64_t{0}, int64_t{2}, int64_t{16}, int64_t{34}}) {
+          if (c0 >= k) continue;
+          for (int64_t n : {int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{33}, k - c0}) {
+            if (n > k - c0) continue;
+            const int64_t ldc = n + 3;
+            for (bool acc : {false, true}) {
+              std::vector<float> c(static_cast<size_t>(m * ldc), 0.25f);
+              const kt::PrefetchRegion next = kt::transpose_source(packed.data(), s, 0, std::min<int64_t>(64, k));
+              K.gemm_bf16w_nn(rows.data(), m, packed.data(), s.panel_stride(), np, c0, n, c.data(), ldc, acc, next);
+              for (int r = 0; r < m; ++r)
+                for (int64_t j = 0; j < ldc; ++j) {
+                  double want = 0.25;
+                  if (j < n) {
+                    want = acc ? 0.25 : 0.0;
+                    for (int64_t i = 0; i < rows_w; ++i)
+                      want += static_cast<double>(a[static_cast<size_t>(r * rows_w + i)]) *
+                              w[static_cast<size_t>(i * k + c0 + j)];
+                  }
+                  ASSERT_NEAR(c[static_cast<size_t>(r * ldc + j)], want, 1e-5 * (1.0 + std::fabs(want)) * rows_w)
+                      << K.gemm_name << " W " << rows_w << "x" << k << " m=" << m << " c0=" << c0 << " n=" << n
+                      << " acc=" << acc << " at " << r << "," << j;
+                }
+            }
+          }
+        }
+      }
+    }
+}
+
 // The oneDNN backend's weight GEMM (oneDNN matmul reading the packed panels
 // as BA16a16b2a) against kt's own kernel on the same operands: K multiples of
 // 32 run in oneDNN, others fall back; gathered and contiguous rows, both

@@ -31,6 +31,8 @@ Kernels make_amx_table() {
   k.gemm_quant_rows_8bit = amx_entries.min_rows - 1;
   k.gemm_quant_rows_4bit = amx_entries.min_rows - 1;
   k.gemm_zip_bf16 = amx_entries.gemm_zip_bf16;
+  // gemm_bf16w_nn and its row bound stay the AVX-512 table's: up to 4
+  // rows, fewer than a tile's, gemm_bf16w would run the AVX-512 kernel too.
   // Without AMX-INT8 the AVX-512 kernel keeps gemm_int8 (same bits).
   if (cpu_has_amx_int8()) k.gemm_int8 = amx_entries.gemm_int8;
   return k;

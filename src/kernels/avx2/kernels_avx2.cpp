@@ -279,6 +279,8 @@ constexpr Kernels make_kernels_avx2() {
   // row tile; 4-bit codes, which go as offset words, expand cheaper.
   k.gemm_quant_rows_8bit = 4;
   k.gemm_quant_rows_4bit = 6;
+  // gemm_bf16w_nn: none; backward builds W^T panels.
+  k.gemm_bf16w_nn_rows = 0;
   // The tiles read each row through its pointer and fetch only the caller's
   // next region.
   k.gemm_bf16w_fetches_panels = false;

@@ -9,6 +9,7 @@
 #include "formats/packed_quant.h"
 #include "kernels/avx512bf16/dequant.h"  // the unit's own quantized-panel kernels
 #include "kernels/avx512bf16/gemm_int8.h"
+#include "kernels/avx512bf16/gemm_nn.h"
 #include "kernels/avx512bf16/gemm_quant.h"
 #include "kernels/counted.h"
 #include "kernels/generic/activation.h"
@@ -517,6 +518,7 @@ constexpr Kernels make_kernels_avx512bf16() {
   k.gemm_name = "gemm_bf16w_bf16_f32_6x64__avx512bf16";
   k.a_elem_size = sizeof(bf16_t);
   k.gemm_bf16w = counted<kTable, E::kGemmBf16w, avx512bf16::gemm_bf16w>;
+  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, avx512bf16::gemm_bf16w_nn>;
   k.gemm_zip_bf16 = counted<kTable, E::kGemmZipBf16, avx512bf16::gemm_zip_bf16>;
   k.zip_rows_bf16 = avx512bf16::zip_rows_bf16;
   k.pack_a_f32 = avx512bf16::pack_a_f32;
@@ -543,6 +545,9 @@ constexpr Kernels make_kernels_avx512bf16() {
   // (WeightOperand::code_rows_4bit).
   k.gemm_quant_rows_8bit = 24;
   k.gemm_quant_rows_4bit = 1 << 30;
+  // Backward reads W's panels straight (gemm_bf16w_nn) up to 16 rows of an
+  // expert: there the transposes cost more than the step's shuffle.
+  k.gemm_bf16w_nn_rows = 4;
   // The tiles fetch their own panels ahead at every row count
   // (avx512bf16::gemm_bf16w); each row is read through its pointer.
   k.gemm_bf16w_fetches_panels = true;

@@ -37,6 +37,25 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
   }
 }
 
+// C = A W: each value summed over W's rows in order.
+static void gemm_bf16w_nn(const void* const* a_rows, int m, const bf16_t* panels, int64_t panel_stride, int np,
+                          int64_t c0, int64_t n, float* c, int64_t ldc, bool accumulate,
+                          const PrefetchRegion& /*next*/) {
+  for (int r = 0; r < m; ++r) {
+    const float* a = static_cast<const float*>(a_rows[r]);
+    float* cr = c + r * ldc;
+    for (int64_t j = 0; j < n; ++j) {
+      // Column k of row i: element 2 (k / 2) * 16 + 2 (i % 16) + k % 2 of
+      // panel i / 16.
+      const int64_t k = c0 + j, at = (k / 2) * 2 * kPanelRows + k % 2;
+      float acc = 0.f;
+      for (int64_t i = 0; i < int64_t{kPanelRows} * np; ++i)
+        acc += a[i] * bf16_to_f32(panels[(i / kPanelRows) * panel_stride + at + 2 * (i % kPanelRows)]);
+      cr[j] = accumulate ? cr[j] + acc : acc;
+    }
+  }
+}
+
 }  // namespace ref
 
 // Entries that run a GEMM count their calls (kernels/counted.h).
@@ -49,6 +68,7 @@ constexpr Kernels make_kernels_ref() {
   k.gemm_name = "gemm_bf16w_f32_f32_1x16__ref";
   k.a_elem_size = sizeof(float);
   k.gemm_bf16w = counted<kTable, E::kGemmBf16w, ref::gemm_bf16w>;
+  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, ref::gemm_bf16w_nn>;
   // gemm_zip_bf16, zip_rows_bf16: none (the A format is fp32).
   k.pack_a_f32 = ref::pack_a_f32_copy;
   k.sgemm_nn = counted<kTable, E::kSgemmNn, ref::sgemm_nn_generic>;
@@ -69,6 +89,8 @@ constexpr Kernels make_kernels_ref() {
   // Tuning: no gemm_quant to switch to.
   k.gemm_quant_rows_8bit = 0;
   k.gemm_quant_rows_4bit = 0;
+  // The W^T panels' transposes would be the same loops again.
+  k.gemm_bf16w_nn_rows = 1 << 30;
   // Reads every row through its pointer and fetches nothing ahead.
   k.gemm_bf16w_fetches_panels = false;
   k.gemm_reads_spaced_rows = false;
