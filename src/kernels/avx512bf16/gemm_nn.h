@@ -70,13 +70,15 @@ constexpr int kNnGroupPanels = 8;
 // Steps of one pass (256 columns): the buffer of a tile's sums, 3 rows x 128
 // steps x 64 bytes, stays within L1.
 constexpr int kNnPassSteps = 128;
+// With two row tiles or more, passes of 64 columns: the later tiles read the
+// pass again, and its slices then stay in L2.
 constexpr int kNnPassStepsTiles = 32;
 
 // The panels [p0, p1) of MR rows x S steps from step g0, on top of the sums
 // in `carry` (first: from zero), into `carry` or, for the last group,
-// reduced into C (n <= 2 S columns). Each stream fetches `ahead` bytes on;
-// past its slice's end, at the head of `then_at` (p - p0 of its panels,
-// then_stride apart; nullptr: none).
+// reduced into C (n <= 2 S columns). fetch_at: where the stream of panel p
+// fetches the S steps it reads after these, at fetch_at + (p - p0)
+// fetch_stride (nullptr: nothing).
 template <int MR, int S>
 static inline void nn_tile(const bf16_t* const* a, const bf16_t* w, int64_t panel_stride, int p0, int p1, int64_t g0,
                            __m512 (*carry)[kNnSteps], bool first, bool last, float* c, int64_t ldc, int n,
