@@ -9,6 +9,7 @@
 #include "formats/packed_quant.h"
 #include "kernels/avx2/dequant.h"  // the unit's own quantized-panel kernels
 #include "kernels/avx2/gemm_int8.h"
+#include "kernels/avx2/gemm_nn.h"
 #include "kernels/avx2/gemm_quant.h"
 #include "kernels/counted.h"
 #include "kernels/generic/activation.h"
@@ -279,8 +280,10 @@ constexpr Kernels make_kernels_avx2() {
   // row tile; 4-bit codes, which go as offset words, expand cheaper.
   k.gemm_quant_rows_8bit = 4;
   k.gemm_quant_rows_4bit = 6;
-  // gemm_bf16w_nn: none; backward builds W^T panels.
-  k.gemm_bf16w_nn_rows = 0;
+  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, avx2::gemm_bf16w_nn>;
+  // Backward reads W's panels straight (gemm_bf16w_nn) up to this many rows
+  // of an expert; past them it builds W^T panels (bench/README.md).
+  k.gemm_bf16w_nn_rows = 4;
   // The tiles read each row through its pointer and fetch only the caller's
   // next region.
   k.gemm_bf16w_fetches_panels = false;
