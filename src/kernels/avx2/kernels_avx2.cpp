@@ -283,7 +283,7 @@ constexpr Kernels make_kernels_avx2() {
   k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, avx2::gemm_bf16w_nn>;
   // Backward reads W's panels straight (gemm_bf16w_nn) up to this many rows
   // of an expert; past them it builds W^T panels (bench/README.md).
-  k.gemm_bf16w_nn_rows = 4;
+  k.gemm_bf16w_nn_rows = 8;
   // The tiles read each row through its pointer and fetch only the caller's
   // next region.
   k.gemm_bf16w_fetches_panels = false;

@@ -76,6 +76,7 @@ struct Avx512NnTile {
   static constexpr int kRegs = kNnSteps;
   template <int MR>
   static constexpr int kPassSteps = 128;
+  static constexpr int kAheadSteps = 2 * kNnSteps;
   // The panels [p0, p1) of MR rows x S steps from step g0 (the driver's
   // contract): every block is kNnSteps wide, S of them inside the call.
   template <int MR, int SB, int S>

@@ -17,6 +17,8 @@
 //   kPassSteps<MR>         steps of a pass with one row tile (with more,
 //                          kPassStepsTiles: the later tiles read the pass
 //                          again, and its slices then stay in L2)
+//   kAheadSteps            how far ahead of its loads a panel's stream is
+//                          fetched (a multiple of every kSteps)
 //   tile<MR, SB, S>(a, w, panel_stride, p0, p1, g0, carry, first, last, c,
 //                   ldc, n, accumulate, fetch_at, fetch_stride):
 //     the panels [p0, p1) of MR rows x S <= SB steps from step g0 (a block
@@ -42,8 +44,6 @@ namespace generic {
 constexpr int kNnGroupPanels = 8;
 // Steps of a pass where the call has two row tiles or more (64 columns).
 constexpr int kNnPassStepsTiles = 32;
-// How far ahead of its loads a panel's stream is fetched, in steps.
-constexpr int kNnAheadSteps = 16;
 
 // One row tile (MR rows) over a pass of steps [g0, g0 + steps): the panels
 // in groups, each group over the pass's blocks.
@@ -52,7 +52,7 @@ static void nn_rows(const typename T::Row* const* a, const bf16_t* w, int64_t pa
                     int64_t g0, int64_t steps, int64_t n, float* c, int64_t ldc, bool accumulate,
                     bool fetch_next, const PrefetchRegion& next) {
   constexpr int SB = T::template kSteps<MR>;
-  constexpr int kAheadBlocks = kNnAheadSteps / SB;
+  constexpr int kAheadBlocks = T::kAheadSteps / SB;
   alignas(64) typename T::Reg carry[T::template kPassSteps<MR> / SB][MR][T::template kRegs<MR>];
   const int64_t blocks = (steps + SB - 1) / SB;
   const char* base = reinterpret_cast<const char*>(w);
