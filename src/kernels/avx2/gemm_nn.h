@@ -53,8 +53,9 @@ struct Avx2NnTile {
   // 128 from three rows.
   template <int MR>
   static constexpr int kPassSteps = MR <= 2 ? 128 : 64;
-  // 256 bytes: at decode, 512 bytes to 2 KiB ahead ran 1-6 % slower (more
-  // lines in flight crowd the streams' own).
+  // 256 bytes: 512 ran 3 % slower at T=32, 1 KiB 6 % slower at decode and
+  // 2 KiB slower still (kt_ab, bench/README.md): more lines in flight
+  // crowd the streams' own.
   static constexpr int kAheadSteps = 4;
   // The panels [p0, p1) of MR rows x S steps from step g0 (a block of SB
   // steps, S <= SB of them inside the call's columns), on top of the sums in
