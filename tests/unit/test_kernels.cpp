@@ -254,13 +254,14 @@ TEST_P(GemmKernels, ZippedGradientGemmMatchesPlainLoops) {
 // on bf16 values (exact products, fp32 sums): C[r, j] = sum_i A[r][i] *
 // W[i][c0 + j]. Rows past N (a partial last panel) are zero in the panels;
 // columns from c0 (even) in blocks with a partial last one, both write
-// modes, and nothing written past n columns.
+// modes, and nothing written past n columns. 150 rows are 10 panels: more
+// than one group of the straight driver's, whose sums carry between them.
 TEST_P(GemmKernels, ProductWithWMatchesPlainLoops) {
   const kt::Kernels& K = *GetParam();
   if (!K.gemm_bf16w_nn) GTEST_SKIP() << K.gemm_name << " has no gemm_bf16w_nn; backward builds W^T panels";
   std::mt19937 rng(13);
   std::normal_distribution<float> nd;
-  for (int64_t rows_w : {16, 37, 80})
+  for (int64_t rows_w : {16, 37, 80, 150})
     for (int64_t k : {2, 31, 64, 100}) {
       const kt::PanelShape s = kt::PanelShape::of(rows_w, k);
       const int np = static_cast<int>(s.np);

@@ -280,7 +280,7 @@ constexpr Kernels make_kernels_avx2() {
   // row tile; 4-bit codes, which go as offset words, expand cheaper.
   k.gemm_quant_rows_8bit = 4;
   k.gemm_quant_rows_4bit = 6;
-  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, avx2::gemm_bf16w_nn>;
+  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, generic::nn_gemm<avx2::Avx2NnTile>>;
   // Backward reads W's panels straight (gemm_bf16w_nn) up to this many rows
   // of an expert; past them it builds W^T panels (bench/README.md).
   k.gemm_bf16w_nn_rows = 8;

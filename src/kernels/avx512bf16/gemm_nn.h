@@ -121,12 +121,5 @@ struct Avx512NnTile {
   }
 };
 
-static void gemm_bf16w_nn(const void* const* a_rows, int m, const bf16_t* panels,
-                          int64_t panel_stride, int np, int64_t c0, int64_t n, float* c,
-                          int64_t ldc, bool accumulate, const PrefetchRegion& next) {
-  generic::nn_gemm<Avx512NnTile>(a_rows, m, panels, panel_stride, np, c0, n, c, ldc, accumulate,
-                                 next);
-}
-
 }  // namespace avx512bf16
 }  // namespace kt

@@ -518,7 +518,7 @@ constexpr Kernels make_kernels_avx512bf16() {
   k.gemm_name = "gemm_bf16w_bf16_f32_6x64__avx512bf16";
   k.a_elem_size = sizeof(bf16_t);
   k.gemm_bf16w = counted<kTable, E::kGemmBf16w, avx512bf16::gemm_bf16w>;
-  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, avx512bf16::gemm_bf16w_nn>;
+  k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, generic::nn_gemm<avx512bf16::Avx512NnTile>>;
   k.gemm_zip_bf16 = counted<kTable, E::kGemmZipBf16, avx512bf16::gemm_zip_bf16>;
   k.zip_rows_bf16 = avx512bf16::zip_rows_bf16;
   k.pack_a_f32 = avx512bf16::pack_a_f32;

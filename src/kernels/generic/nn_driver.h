@@ -6,7 +6,8 @@
 // forward's tiles read theirs), the sums carried from group to group
 // through an L1 buffer, and the fetches ahead in each stream (past a pass's
 // end the next group's heads, past the last group's those of the caller's
-// next region). A trait supplies only its micro-tile.
+// next region). A trait supplies only its micro-tile; a table's entry is
+// nn_gemm<trait>.
 //
 // A trait T has:
 //   Row                    the A rows' element type
