@@ -127,7 +127,7 @@ struct Avx2Int8Tile : Avx2Floats, generic::Int8RowTail {
   static constexpr int64_t kStepBytes = Step::kStepBytes;
   static constexpr int64_t kXsumStride = 0;
   static constexpr int kUnroll = Step::kBlock;  // a block's steps, with or without 16-bit sums
-  static constexpr bool kRowScale = true, kFetchScales = false;
+  static constexpr bool kRowScale = true, kFetchScales = false, kInlineTake = true;
   static constexpr int64_t ahead_bytes(int, int) { return 2048; }  // into L1, as gemm_quant's
   static constexpr bool panel_at_a_time(int, int) { return true; }
   static constexpr bool hold_rows(int, int) { return false; }

@@ -152,7 +152,7 @@ struct Avx2QuantTile : Avx2Floats {
   static constexpr int64_t kStepBytes = 32;
   static constexpr int64_t kXsumStride = 0;
   static constexpr int kUnroll = 1;
-  static constexpr bool kRowScale = false, kFetchScales = false;
+  static constexpr bool kRowScale = false, kFetchScales = false, kInlineTake = true;
   // Codes fetched 2 KiB ahead into L1 (one thread's stream from memory
   // holds a few lines of compute per line: the prefetchers alone run out
   // of misses in flight).

@@ -37,6 +37,7 @@
 //   value(Sum (&)[kV], Group, RowGroup, F (&)[kV]): the group's fp32 values
 //   in lane order, before the scale;
 //   [kRowScale: row_scale(row, w) -> F]
+//   [kInlineTake: each product inlined always (InlineTake)]
 //   fzero, fload, fstore, fadd, fmul, ffma(a, b, c) = a * b + c.
 //
 // Each (row, column)'s operations run in one order whatever the tile's
@@ -186,6 +187,31 @@ KT_TILE_PART void fetch_scales_ahead(const TileWalk<T, NP>& k, int64_t j, int64_
   }
 }
 
+// One step's products of row r and panel p into chain ch (or a block's
+// Inner sums).
+template <class T, int MR, int NP, int C, class Inner>
+KT_TILE_PART void take_step(const T& t, typename T::Sum (&part)[C][MR][NP][T::kV], Inner& inner, int ch, int r, int p,
+                            const typename T::A& x, const typename T::B (&b)[T::kV]) {
+  #pragma GCC unroll 4
+  for (int v = 0; v < T::kV; ++v) {
+    if constexpr (T::kBlock > 0) {
+      inner[r][p][v] = t.inner_dot(inner[r][p][v], x, b[v]);
+    } else {
+      part[ch][r][p][v] = t.dot(part[ch][r][p][v], x, b[v]);
+    }
+  }
+}
+
+// [T::kInlineTake]: a step's products go into the sums inlined always.
+// Left to GCC, the call sometimes stays out of line in the AVX2 tiles (16
+// registers); it then takes the sums' address and keeps them on the stack
+// (the 2-row tiles' loops: int4 had 20 vector operations on the stack,
+// now 8-10; int8 had 8, now none). Absent: GCC's choice.
+template <class T, class = void>
+struct InlineTake : std::false_type {};
+template <class T>
+struct InlineTake<T, std::void_t<decltype(T::kInlineTake)>> : std::bool_constant<T::kInlineTake> {};
+
 // One round of kRound steps from step sr: each panel's codes loaded and
 // expanded, each row's operand taken, the products into chain (i S + s) % C
 // (or a block's Inner sums, added to chain 0 at the block's end). The first
@@ -217,7 +243,9 @@ KT_TILE_PART void code_round(const TileWalk<T, NP>& k, const typename T::Codes (
                                                   : nullptr;
     const int64_t fetch_stride = fetch_within ? k.code_stride : w.code_panel_bytes;
     const int fetch_np = fetch_within ? NP : fetch_from ? k.ahead_of.cont_np : 0;
-    const auto take = [&](int r, int p, int s, const typename T::A& x, const typename T::B (&b)[V]) {
+    // (take_body as written before kInlineTake: the other traits' tiles
+    // compile as they were measured.)
+    const auto take_body = [&](int r, int p, int s, const typename T::A& x, const typename T::B (&b)[V]) {
       const int ch = (i * S + s) % C;
       #pragma GCC unroll 4
       for (int v = 0; v < V; ++v) {
@@ -228,6 +256,17 @@ KT_TILE_PART void code_round(const TileWalk<T, NP>& k, const typename T::Codes (
         }
       }
     };
+    const auto take_inlined = [&](int r, int p, int s, const typename T::A& x, const typename T::B (&b)[V])
+                                  __attribute__((always_inline)) {
+      take_step<T, MR, NP, C>(t, part, inner, (i * S + s) % C, r, p, x, b);
+    };
+    const auto take = [&]() __attribute__((always_inline)) {
+      if constexpr (InlineTake<T>::value) {
+        return take_inlined;
+      } else {
+        return take_body;
+      }
+    }();
     if constexpr (T::panel_at_a_time(MR, NP)) {
       // The rows' operands of the step, once (hold_rows), or at each use.
       [[maybe_unused]] typename T::A held[kHoldRows ? MR : 1][kHoldRows ? S : 1];
