@@ -203,10 +203,9 @@ KT_TILE_PART void take_step(const T& t, typename T::Sum (&part)[C][MR][NP][T::kV
 }
 
 // [T::kInlineTake]: a step's products go into the sums inlined always.
-// Left to GCC, the call sometimes stays out of line in the AVX2 tiles (16
-// registers); it then takes the sums' address and keeps them on the stack
-// (the 2-row tiles' loops: int4 had 20 vector operations on the stack,
-// now 8-10; int8 had 8, now none). Absent: GCC's choice.
+// With GCC's own inlining the AVX2 tiles' K loops (16 registers) kept sums
+// on the stack (the 2-row loops: int4 codes 20 vector operations on the
+// stack, now 8-10; int8 codes 8, now none). Absent: GCC's choice.
 template <class T, class = void>
 struct InlineTake : std::false_type {};
 template <class T>
@@ -243,8 +242,9 @@ KT_TILE_PART void code_round(const TileWalk<T, NP>& k, const typename T::Codes (
                                                   : nullptr;
     const int64_t fetch_stride = fetch_within ? k.code_stride : w.code_panel_bytes;
     const int fetch_np = fetch_within ? NP : fetch_from ? k.ahead_of.cont_np : 0;
-    // (take_body as written before kInlineTake: the other traits' tiles
-    // compile as they were measured.)
+    // take_body writes the loop out rather than call take_step: through
+    // the call GCC inlined the AVX-512 tiles differently, and they were
+    // measured as they compile this way.
     const auto take_body = [&](int r, int p, int s, const typename T::A& x, const typename T::B (&b)[V]) {
       const int ch = (i * S + s) % C;
       #pragma GCC unroll 4
