@@ -14,9 +14,11 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <filesystem>
 #include <thread>
 #include <vector>
 
+#include "checkpoint_writer.h"
 #include "kt_c_api.h"
 
 namespace {
@@ -30,7 +32,10 @@ const char kUsage[] =
     "  A ran first and where B did), and whether B's outputs (y, and dx with\n"
     "  --dx) are A's bits.\n"
     "  --format NAME     weight format (default bf16; int8_channel, int4_g32,\n"
-    "                    int4_g128: quantized by kt at load)\n"
+    "                    int4_g128: quantized by kt at load; fp8_b128, mxfp4,\n"
+    "                    int4_g32_zp, int4_g128_zp: the layer quantized and\n"
+    "                    written as a one-layer checkpoint in $TMPDIR, which\n"
+    "                    both libraries load with kt_ckpt_load_layer)\n"
     "  --int8            int8 activations (KT_COMPUTE_INT8, integer formats)\n"
     "  --backend B       weight GEMMs by native (default) or onednn in both\n"
     "  --dx              time forward + backward for dx (the frozen base's\n"
@@ -67,6 +72,9 @@ struct Api {
   decltype(&kt_version) version = nullptr;
   decltype(&kt_engine_set_gemm_backend) set_gemm_backend = nullptr;
   decltype(&kt_moe_bind) bind = nullptr;
+  decltype(&kt_ckpt_open) ckpt_open = nullptr;
+  decltype(&kt_ckpt_close) ckpt_close = nullptr;
+  decltype(&kt_ckpt_load_layer) ckpt_load_layer = nullptr;
 };
 
 template <typename F>
@@ -97,7 +105,8 @@ bool open_api(const char* path, Api* api) {
          bind(h, "kt_weight_format_name", &api->format_name) &&
          bind(h, "kt_version", &api->version) &&
          bind(h, "kt_engine_set_gemm_backend", &api->set_gemm_backend) &&
-         bind(h, "kt_moe_bind", &api->bind);
+         bind(h, "kt_moe_bind", &api->bind) && bind(h, "kt_ckpt_open", &api->ckpt_open) &&
+         bind(h, "kt_ckpt_close", &api->ckpt_close) && bind(h, "kt_ckpt_load_layer", &api->ckpt_load_layer);
 }
 
 DLTensor tensor(void* data, DLDataTypeCode code, int bits, int ndim, int64_t* shape) {
@@ -208,6 +217,17 @@ bool parse(int argc, char** argv, Options* o) {
   return true;
 }
 
+// A directory removed, with what it holds, when it goes out of scope.
+struct TempDir {
+  std::string path;
+  ~TempDir() { remove(); }
+  void remove() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+    path.clear();
+  }
+};
+
 kt_weight_format format_of(const Api& api, const std::string& name, bool* ok) {
   for (int f = 0; f < 64; ++f) {
     const char* n = api.format_name(static_cast<kt_weight_format>(f));
@@ -245,6 +265,19 @@ int main(int argc, char** argv) {
            tu = tensor(wu.data(), kDLBfloat, 16, 3, s_gu),
            td = tensor(wd.data(), kDLBfloat, 16, 3, s_d);
   const kt_arg load[] = {{KT_ARG_W_GATE, &tg}, {KT_ARG_W_UP, &tu}, {KT_ARG_W_DOWN, &td}};
+  // Checkpoint formats: written once, loaded by both libraries, removed
+  // when both hold the layer (or on any way out).
+  TempDir checkpoint;
+  if (kt_bench::comes_from_checkpoint(format)) {
+    std::string error;
+    checkpoint.path = kt_bench::make_temp_dir(&error);
+    const kt_bench::CheckpointLayer layer{wg.data(), wu.data(), wd.data(), E, K, H, I};
+    if (checkpoint.path.empty() ||
+        !kt_bench::write_quant_checkpoint(layer, format, o.threads, checkpoint.path, &error)) {
+      std::fprintf(stderr, "kt_ab: %s\n", error.c_str());
+      return 1;
+    }
+  }
   kt_engine* engine[2] = {nullptr, nullptr};
   kt_moe* moe[2] = {nullptr, nullptr};
   for (int q = 0; q < 2; ++q) {
@@ -261,14 +294,19 @@ int main(int argc, char** argv) {
       mo.lora_rank = o.lora_rank;
       mo.lora_alpha = 2.f * static_cast<float>(o.lora_rank);
     }
-    if (api[q].engine_create(&eo, &engine[q]) != KT_OK ||
-        (o.onednn && api[q].set_gemm_backend(engine[q], KT_GEMM_ONEDNN) != KT_OK) ||
-        api[q].moe_create(engine[q], &mo, &moe[q]) != KT_OK ||
-        api[q].load_weights(moe[q], nullptr, load, 3) != KT_OK) {
-      std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
-      return 1;
-    }
+    kt_ckpt* ckpt = nullptr;
+    const bool ok = api[q].engine_create(&eo, &engine[q]) == KT_OK &&
+                    (!o.onednn || api[q].set_gemm_backend(engine[q], KT_GEMM_ONEDNN) == KT_OK) &&
+                    api[q].moe_create(engine[q], &mo, &moe[q]) == KT_OK &&
+                    (checkpoint.path.empty() ? api[q].load_weights(moe[q], nullptr, load, 3) == KT_OK
+                                             : api[q].ckpt_open(checkpoint.path.c_str(), &ckpt) == KT_OK &&
+                                              api[q].ckpt_load_layer(ckpt, kt_bench::kCheckpointLayer, moe[q],
+                                                                     nullptr, nullptr) == KT_OK);
+    if (!ok) std::fprintf(stderr, "kt_ab: %s: %s\n", o.lib[q].c_str(), api[q].last_error());
+    api[q].ckpt_close(ckpt);
+    if (!ok) return 1;
   }
+  checkpoint.remove();
   // LoRA: each library its own factors (the same values: A ~ N(0, 1/in),
   // B non-zero as a trained adapter's) and gradient buffers, fp32.
   const int64_t R = o.lora_rank;
