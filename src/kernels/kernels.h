@@ -201,8 +201,8 @@ struct Kernels {
   // (QuantPanels): for few rows (decode), where dequantizing into panels in
   // cache first would leave the code stream from memory waiting. A rows hold
   // w.kq values. nullptr where the unit has none (dequant_* and
-  // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_8bit or
-  // gemm_quant_rows_4bit rows (the tuning below).
+  // gemm_bf16w_grouped then). Used for m up to gemm_quant_rows_int8,
+  // _e4m3 or _4bit rows (the tuning below).
   // next: as gemm_bf16w's, but only the first lines of each of its panels
   // are fetched, as this call's streams end (the whole next region on the
   // way crowded this call's own stream): a region of whole panels of the
@@ -234,12 +234,15 @@ struct Kernels {
 
   // The most rows (m) for which a caller runs gemm_quant; past them
   // expanding the codes once per row tile costs more than dequantizing once
-  // into cache (dequant_* + gemm_bf16w_grouped). For 8-bit codes (int8,
-  // e4m3) and 4-bit ones (int4, e2m1); 0 where gemm_quant is null; -1:
+  // into cache (dequant_* + gemm_bf16w_grouped). For int8 codes, e4m3
+  // codes (their expansion costs more per value, so the cache path wins
+  // sooner on some ISAs) and 4-bit ones (int4, e2m1); 0 where gemm_quant is
+  // null; -1:
   // unset, which the registry test rejects. A 4-bit bound of 16 rows or
   // more is the most: the layer measures the two paths once on the CPU
   // (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
-  int gemm_quant_rows_8bit = -1;
+  int gemm_quant_rows_int8 = -1;
+  int gemm_quant_rows_e4m3 = -1;
   int gemm_quant_rows_4bit = -1;
   // The most rows of an expert for which backward runs gemm_bf16w_nn on
   // bf16 panels; past them building W^T panels once for gemm_bf16w's tiles

@@ -42,10 +42,10 @@ namespace {
 constexpr int kEntries = 0 KT_REQUIRED_ENTRIES(KT_COUNT_ENTRY) KT_OPTIONAL_ENTRIES(KT_COUNT_ENTRY);
 #undef KT_COUNT_ENTRY
 
-// isa, gemm_name and a_elem_size (24 bytes with padding); the entries; three
-// ints and two bools of tuning (16 bytes with padding). A member added to
+// isa, gemm_name and a_elem_size (24 bytes with padding); the entries; four
+// ints and two bools of tuning (24 bytes with padding). A member added to
 // Kernels changes the size: check it here, then count it.
-static_assert(sizeof(kt::Kernels) == 24 + kEntries * sizeof(void*) + 16,
+static_assert(sizeof(kt::Kernels) == 24 + kEntries * sizeof(void*) + 24,
               "a member of kt::Kernels that this test does not check");
 
 TEST(KernelRegistry, ListsEveryCompiledIsaTableOnce) {
@@ -107,7 +107,7 @@ TEST(KernelRegistry, EveryTableHoldsItsContract) {
 
     // Tuning: gemm_quant's row bounds are set (not -1), 0 exactly where
     // there is no gemm_quant, and a row count.
-    for (int rows : {k.gemm_quant_rows_8bit, k.gemm_quant_rows_4bit}) {
+    for (int rows : {k.gemm_quant_rows_int8, k.gemm_quant_rows_e4m3, k.gemm_quant_rows_4bit}) {
       EXPECT_GE(rows, 0);
       EXPECT_LE(rows, 1 << 30);
       EXPECT_EQ(rows == 0, k.gemm_quant == nullptr) << rows;

@@ -28,7 +28,8 @@ Kernels make_amx_table() {
   // From a tile's rows on, quantized bases dequantize into cache for the
   // tile GEMMs (plain, or grouped) instead of multiplying straight from the
   // codes on vdpbf16ps; fewer rows (decode) stay on the AVX-512 kernel.
-  k.gemm_quant_rows_8bit = amx_entries.min_rows - 1;
+  k.gemm_quant_rows_int8 = amx_entries.min_rows - 1;
+  k.gemm_quant_rows_e4m3 = amx_entries.min_rows - 1;
   k.gemm_quant_rows_4bit = amx_entries.min_rows - 1;
   k.gemm_zip_bf16 = amx_entries.gemm_zip_bf16;
   // gemm_bf16w_nn and its row bound stay the AVX-512 table's: up to 4

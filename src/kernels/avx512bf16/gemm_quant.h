@@ -188,7 +188,7 @@ static void group_sums(const bf16_t* const* a, int m, int64_t groups, int64_t gr
 }
 
 // More rows (4-bit codes, which expand cheaply enough to do it once per
-// row tile; 8-bit codes up to gemm_quant_rows_8bit): one chain; heights
+// row tile; 8-bit codes up to gemm_quant_rows_int8/_e4m3): one chain; heights
 // balanced as the bf16 tiles' are; 2 panels. Symmetric codes (int4, e2m1)
 // and 8-bit codes: up to 12 rows, so that a prefill's 5 to 12 rows per
 // expert expand each step once rather than in two or three tiles (Intel

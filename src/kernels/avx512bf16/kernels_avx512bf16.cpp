@@ -543,7 +543,8 @@ constexpr Kernels make_kernels_avx512bf16() {
   // so the table never dequantizes them; on CPUs where the cache path wins
   // from 16 rows (Intel without AMX) the layer measures it and takes it
   // (WeightOperand::code_rows_4bit).
-  k.gemm_quant_rows_8bit = 24;
+  k.gemm_quant_rows_int8 = 24;
+  k.gemm_quant_rows_e4m3 = 24;
   k.gemm_quant_rows_4bit = 1 << 30;
   // Backward reads W's panels straight (gemm_bf16w_nn) up to 16 rows of an
   // expert: there the transposes cost more than the step's shuffle.

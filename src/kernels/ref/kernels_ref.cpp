@@ -87,7 +87,8 @@ constexpr Kernels make_kernels_ref() {
   k.gemm_int8 = counted<kTable, E::kGemmInt8, ref::gemm_int8_generic>;
   k.optimizer = &optim::generic::kKernels;
   // Tuning: no gemm_quant to switch to.
-  k.gemm_quant_rows_8bit = 0;
+  k.gemm_quant_rows_int8 = 0;
+  k.gemm_quant_rows_e4m3 = 0;
   k.gemm_quant_rows_4bit = 0;
   // The W^T panels' transposes would be the same loops again.
   k.gemm_bf16w_nn_rows = 1 << 30;
