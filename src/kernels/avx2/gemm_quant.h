@@ -77,12 +77,14 @@ struct Avx2Step {
       // All 16 lanes at once, through half precision: a code's magnitude
       // bits shifted into a half's exponent and mantissa make the value
       // times 2^-8, subnormals included (the conversion reads no fp32
-      // subnormal, so denormals-as-zero on the host changes nothing).
+      // subnormal, so denormals-as-zero on the host changes nothing). The
+      // code in a word's high byte (the odd position's, or the even one's
+      // shifted up) shifted right by one with its sign: the sign stays in
+      // bit 15 and comes again in bit 14, which the mask clears, and the
+      // magnitude lands in bits 7-13.
       const __m256i w = c.v[0];
-      const __m256i mag = _mm256_set1_epi16(0x3f80), sign = _mm256_set1_epi16(static_cast<short>(0x8000));
-      const __m256i hv = I == 0 ? _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(w, 7), mag),
-                                                  _mm256_and_si256(_mm256_slli_epi16(w, 8), sign))
-                                : _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(w, 1), mag), _mm256_and_si256(w, sign));
+      const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xbf80));
+      const __m256i hv = _mm256_and_si256(_mm256_srai_epi16(I == 0 ? _mm256_slli_epi16(w, 8) : w, 1), keep);
       out[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(hv));
       out[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(hv, 1));
       return;
