@@ -32,31 +32,31 @@ struct GroupScales {
   int64_t steps = 0;
 };
 
-// MR rows x NP 16-row panels (MR * NP <= 3). The even-K and odd-K products
-// go to separate accumulators (4 * MR * NP of them), so each accumulator
-// takes one FMA per K pair and, from 2 rows (or one row over 2 panels), the
-// FMA latency is covered with only 16 ymm registers: 8-12 accumulators, two
-// widened weight vectors (even halves, then odd halves) and a broadcast.
+// MR rows x NP 16-row panels (MR * NP <= 5). One accumulator per (row,
+// panel, 8 lanes) takes a K pair's even product, then its odd one: one
+// chain, so 5 rows make 10 accumulators, two widened weight vectors and a
+// broadcast in the 16 ymm registers, and each weight pair widened serves 5
+// rows. The chain's two FMAs a pair need 10 accumulators (or 8, just) to
+// cover the FMA latency on two pipes: the tiles of 4-5 rows do, decode's
+// one row takes 4 panels at a time (8). Earlier even and odd K went to
+// separate accumulators, 3 rows at most (12); against that, on AMD Zen3,
+// the layer ran 0.90-1.01x the time (bench/README.md, Zen3).
 // A panel's sums go in the same order whatever MR and NP: the bits of a row
 // do not depend on the tile it is in.
 // `quota` lines of the caller's next region are prefetched on the way.
 // Grouped: the registers hold the group's partial sums, and at the end of
 // each group C (in L1) takes them times the group's scales, as in the
-// AVX-512 kernel. Running sums in registers too leave room for 2 rows only,
-// or need the even/odd split folded (FMA latency exposed): on the layer's
-// chunks both run well behind the plain tile, where this one stays close
-// to it.
+// AVX-512 kernel.
 template <int MR, int NP, bool Grouped>
 static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, int64_t panel_stride,
                         float* c, int64_t ldc, bool accumulate, PrefetchCursor& next, int64_t quota,
                         bool fetch_ahead, const GroupScales& gs) {
-  static_assert(MR * NP <= 3, "16 ymm registers");
-  __m256 even[MR][NP][2], odd[MR][NP][2];
-#pragma GCC unroll 4
+  static_assert(MR * NP <= 5, "16 ymm registers");
+  __m256 acc[MR][NP][2];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-    for (int p = 0; p < NP; ++p)
-      even[r][p][0] = even[r][p][1] = odd[r][p][0] = odd[r][p][1] = _mm256_setzero_ps();
+    for (int p = 0; p < NP; ++p) acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
   constexpr int64_t kStep = 16;  // K pairs per prefetch step (see the AVX-512 tile)
   const int64_t groups = kp / 2;
@@ -73,19 +73,19 @@ static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, int6
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 16));
         const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
         const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m256 a0 = _mm256_broadcast_ss(a[r] + 2 * g);
-          even[r][p][0] = _mm256_fmadd_ps(a0, e0, even[r][p][0]);
-          even[r][p][1] = _mm256_fmadd_ps(a0, e1, even[r][p][1]);
+          acc[r][p][0] = _mm256_fmadd_ps(a0, e0, acc[r][p][0]);
+          acc[r][p][1] = _mm256_fmadd_ps(a0, e1, acc[r][p][1]);
         }
         const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, hi_mask));
         const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, hi_mask));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
           const __m256 a1 = _mm256_broadcast_ss(a[r] + 2 * g + 1);
-          odd[r][p][0] = _mm256_fmadd_ps(a1, o0, odd[r][p][0]);
-          odd[r][p][1] = _mm256_fmadd_ps(a1, o1, odd[r][p][1]);
+          acc[r][p][0] = _mm256_fmadd_ps(a1, o0, acc[r][p][0]);
+          acc[r][p][1] = _mm256_fmadd_ps(a1, o1, acc[r][p][1]);
         }
       }
     }
@@ -97,29 +97,28 @@ static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, int6
         for (int p = 0; p < NP; ++p) {
           const float* sj = gs.scales + p * gs.stride + (st / gs.steps) * kPanelRows;
           const __m256 s_lo = _mm256_loadu_ps(sj), s_hi = _mm256_loadu_ps(sj + 8);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
           for (int r = 0; r < MR; ++r) {
             float* cr = c + r * ldc + p * kPanelRows;
-            const __m256 lo = _mm256_add_ps(even[r][p][0], odd[r][p][0]);
-            const __m256 hi = _mm256_add_ps(even[r][p][1], odd[r][p][1]);
+            const __m256 lo = acc[r][p][0];
+            const __m256 hi = acc[r][p][1];
             const __m256 c_lo = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(cr);
             const __m256 c_hi = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(cr + 8);
             _mm256_storeu_ps(cr, _mm256_fmadd_ps(lo, s_lo, c_lo));
             _mm256_storeu_ps(cr + 8, _mm256_fmadd_ps(hi, s_hi, c_hi));
-            even[r][p][0] = even[r][p][1] = odd[r][p][0] = odd[r][p][1] = _mm256_setzero_ps();
+            acc[r][p][0] = acc[r][p][1] = _mm256_setzero_ps();
           }
         }
       }
     }
   }
   if constexpr (Grouped) return;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int p = 0; p < NP; ++p) {
       float* cr = c + r * ldc + p * kPanelRows;
-      __m256 lo = _mm256_add_ps(even[r][p][0], odd[r][p][0]),
-             hi = _mm256_add_ps(even[r][p][1], odd[r][p][1]);
+      __m256 lo = acc[r][p][0], hi = acc[r][p][1];
       if (accumulate) {
         lo = _mm256_add_ps(lo, _mm256_loadu_ps(cr));
         hi = _mm256_add_ps(hi, _mm256_loadu_ps(cr + 8));
@@ -130,17 +129,16 @@ static inline void tile(const float* const* a, int64_t kp, const bf16_t* w, int6
   }
 }
 
-// Per panel, the rows in balanced tiles of at most 3 (as in the AVX-512
-// kernel); every tile with another after it (so not decode) prefetches a
-// share of the caller's next region. One row (decode) takes the panels in
-// pairs: a one-panel row tile has 4 accumulators, too few to cover the FMA
-// latency, and streams from memory at that rate.
+// Per panel, the rows in balanced tiles of at most 5; every tile with
+// another after it (so not decode) prefetches a share of the caller's next
+// region. One row (decode) takes the panels four at a time: a one-panel row
+// tile has 2 accumulators, too few to cover the FMA latency.
 template <bool Grouped>
 static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                         int64_t panel_stride, int np, float* c, int64_t ldc, bool accumulate,
                         const PrefetchRegion& region, const float* scales, int64_t scale_stride,
                         int64_t group) {
-  constexpr int MR = 3;
+  constexpr int MR = 5;
   const float* const* a = reinterpret_cast<const float* const*>(a_rows);
   PrefetchCursor next(region);
   // The first tile of a panel fetches it 2 KiB ahead (the others find it in
@@ -150,14 +148,20 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
   // Grouped GEMMs run on panels dequantized into cache.
   const bool fetch_ahead = !Grouped;
   if (m == 1) {
-    for (int p = 0; p < np; p += 2) {
+    for (int p = 0; p < np;) {
       const GroupScales gs{Grouped ? scales + p * scale_stride : nullptr, scale_stride, group / 32};
       const bf16_t* w = panels + p * panel_stride;
       float* cp = c + p * kPanelRows;
-      if (np - p >= 2)
+      if (np - p >= 4) {
+        tile<1, 4, Grouped>(a, kp, w, panel_stride, cp, ldc, accumulate, next, 0, fetch_ahead, gs);
+        p += 4;
+      } else if (np - p >= 2) {
         tile<1, 2, Grouped>(a, kp, w, panel_stride, cp, ldc, accumulate, next, 0, fetch_ahead, gs);
-      else
+        p += 2;
+      } else {
         tile<1, 1, Grouped>(a, kp, w, panel_stride, cp, ldc, accumulate, next, 0, fetch_ahead, gs);
+        p += 1;
+      }
     }
     return;
   }
@@ -174,6 +178,14 @@ static void gemm_panels(const void* const* a_rows, int m, int64_t kp, const bf16
       const int64_t quota = lines * (call + 1) / calls - lines * call / calls;
       float* ct = cp + r * ldc;
       switch (h) {
+        case 5:
+          tile<5, 1, Grouped>(a + r, kp, w, panel_stride, ct, ldc, accumulate, next, quota,
+                              fetch_ahead && t == 0, gs);
+          break;
+        case 4:
+          tile<4, 1, Grouped>(a + r, kp, w, panel_stride, ct, ldc, accumulate, next, quota,
+                              fetch_ahead && t == 0, gs);
+          break;
         case 3:
           tile<3, 1, Grouped>(a + r, kp, w, panel_stride, ct, ldc, accumulate, next, quota,
                               fetch_ahead && t == 0, gs);
@@ -200,7 +212,7 @@ static void gemm_bf16w(const void* const* a_rows, int m, int64_t kp, const bf16_
 }
 
 // Each row's sums go in the same order whatever the tile height: per group
-// the even and odd partial sums, their sum, then C's fma.
+// one chain over its K pairs (even, then odd), then C's fma.
 static void gemm_bf16w_grouped(const void* const* a_rows, int m, int64_t kp, const bf16_t* panels,
                                int64_t panel_stride, int np, const float* scales,
                                int64_t scale_stride, int64_t group, float* c, int64_t ldc,
@@ -255,7 +267,7 @@ using E = KernelEntry;
 constexpr Kernels make_kernels_avx2() {
   Kernels k;
   k.isa = KT_ISA_AVX2;
-  k.gemm_name = "gemm_bf16w_f32_f32_3x16__avx2_fma";
+  k.gemm_name = "gemm_bf16w_f32_f32_5x16__avx2_fma";
   k.a_elem_size = sizeof(float);
   k.gemm_bf16w = counted<kTable, E::kGemmBf16w, avx2::gemm_bf16w>;
   // gemm_zip_bf16, zip_rows_bf16: none (the A format is fp32).
