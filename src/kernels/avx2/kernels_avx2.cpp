@@ -290,10 +290,11 @@ constexpr Kernels make_kernels_avx2() {
   // Past these rows dequantizing once into cache and the grouped GEMM take
   // less time (bench/README.md, kernels): 8-bit codes expand to fp32 per
   // row tile, e4m3 through half precision at about twice int8's operations;
-  // 4-bit codes, which go as offset words, expand cheaper.
+  // 4-bit codes, which go as offset words, expand cheaper, but the 5-row
+  // bf16 tiles on the dequantized panels win from 5 rows.
   k.gemm_quant_rows_int8 = 8;
   k.gemm_quant_rows_e4m3 = 4;
-  k.gemm_quant_rows_4bit = 6;
+  k.gemm_quant_rows_4bit = 4;
   k.gemm_bf16w_nn = counted<kTable, E::kGemmBf16wNn, generic::nn_gemm<avx2::Avx2NnTile>>;
   // Backward reads W's panels straight (gemm_bf16w_nn) up to this many rows
   // of an expert; past them it builds W^T panels (bench/README.md).
