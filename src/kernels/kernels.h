@@ -237,10 +237,9 @@ struct Kernels {
   // into cache (dequant_* + gemm_bf16w_grouped). For int8 codes, e4m3
   // codes (their expansion costs more per value, so the cache path wins
   // sooner on some ISAs) and 4-bit ones (int4, e2m1); 0 where gemm_quant is
-  // null; -1:
-  // unset, which the registry test rejects. A 4-bit bound of 16 rows or
-  // more is the most: the layer measures the two paths once on the CPU
-  // (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
+  // null; -1: unset, which the registry test rejects. A 4-bit bound of 16
+  // rows or more is the most: the layer measures the two paths once on the
+  // CPU (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
   int gemm_quant_rows_int8 = -1;
   int gemm_quant_rows_e4m3 = -1;
   int gemm_quant_rows_4bit = -1;
