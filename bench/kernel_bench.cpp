@@ -105,9 +105,7 @@ void quant_section(const kt::Kernels& K, const kt_bench::MachineLimits& lim, boo
       std::vector<const void*> rows(8);
       for (int r = 0; r < 8; ++r) rows[static_cast<size_t>(r)] = a.data() + r * qs.kq;
       std::vector<float> c(8 * 64);
-      const int max_m = qs.bits == 4                   ? K.gemm_quant_rows_4bit
-                        : qs.code == kt::QuantCode::kE4M3 ? K.gemm_quant_rows_e4m3
-                                                      : K.gemm_quant_rows_int8;
+      const int max_m = qs.bits == 4 ? K.gemm_quant_rows_4bit : K.gemm_quant_rows_8bit(qs.code);
       const double bytes =
           static_cast<double>(qs.np * (qs.code_panel_bytes + qs.scale_panel * qs.scale_bytes +
                                        (qs.zero_points ? qs.scale_panel : 0)));

@@ -235,14 +235,18 @@ struct Kernels {
   // The most rows (m) for which a caller runs gemm_quant; past them
   // expanding the codes once per row tile costs more than dequantizing once
   // into cache (dequant_* + gemm_bf16w_grouped). For int8 codes, e4m3
-  // codes (their expansion costs more per value, so the cache path wins
-  // sooner on some ISAs) and 4-bit ones (int4, e2m1); 0 where gemm_quant is
+  // codes (measured apart: on avx2 their best bound is lower) and 4-bit
+  // ones (int4, e2m1); 0 where gemm_quant is
   // null; -1: unset, which the registry test rejects. A 4-bit bound of 16
   // rows or more is the most: the layer measures the two paths once on the
   // CPU (WeightOperand::code_rows_4bit) and may dequantize from 16 rows.
   int gemm_quant_rows_int8 = -1;
   int gemm_quant_rows_e4m3 = -1;
   int gemm_quant_rows_4bit = -1;
+  // The 8-bit bound of codes of kind `code` (kInt: int8, kE4M3: e4m3).
+  constexpr int gemm_quant_rows_8bit(QuantCode code) const {
+    return code == QuantCode::kE4M3 ? gemm_quant_rows_e4m3 : gemm_quant_rows_int8;
+  }
   // The most rows of an expert for which backward runs gemm_bf16w_nn on
   // bf16 panels; past them building W^T panels once for gemm_bf16w's tiles
   // costs less. 0 where gemm_bf16w_nn is null; -1: unset.

@@ -67,10 +67,7 @@ WeightOperand::WeightOperand(const Kernels& k, const PanelShape& ps, const Quant
   }
   path_ = int8_rows ? Path::kInt8 : Path::kCodes;
   expert_bytes_ = qs.expert_bytes;
-  if (k.gemm_quant)
-    quant_rows_ = qs.bits == 4                   ? code_rows_4bit(k)
-                  : qs.code == QuantCode::kE4M3 ? k.gemm_quant_rows_e4m3
-                                                : k.gemm_quant_rows_int8;
+  if (k.gemm_quant) quant_rows_ = qs.bits == 4 ? code_rows_4bit(k) : k.gemm_quant_rows_8bit(qs.code);
   dequant_ = dequant_kernel(k, qs);
   per_row_ = qs.group == qs.kq && !qs.zero_points;
   e2m1_ = qs.code == QuantCode::kE2M1;

@@ -289,9 +289,9 @@ constexpr Kernels make_kernels_avx2() {
   k.optimizer = &optim::avx2::kKernels;
   // Past these rows dequantizing once into cache and the grouped GEMM take
   // less time (bench/README.md, kernels): 8-bit codes expand to fp32 per
-  // row tile, e4m3 through half precision at about twice int8's operations;
-  // 4-bit codes, which go as offset words, expand cheaper, but the 5-row
-  // bf16 tiles on the dequantized panels win from 5 rows.
+  // row tile (e4m3 through half precision; measured apart, it does best
+  // at 4 rows, int8 at 8); 4-bit codes, which go as offset words, expand
+  // cheaper, but the 5-row bf16 tiles on the dequantized panels win from 5.
   k.gemm_quant_rows_int8 = 8;
   k.gemm_quant_rows_e4m3 = 4;
   k.gemm_quant_rows_4bit = 4;
